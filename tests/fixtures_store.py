@@ -1,0 +1,1 @@
+"""Store fixtures: a fresh DuckDB file per test, seeded helpers."""
