@@ -65,6 +65,8 @@ class GenerateConfig:
     """Seed for sampling; the same seed gives the same responses on CPU."""
     max_resample: int = 3
     """Times a prompt's duplicate responses are re-sampled so annotators never rank duplicates."""
+    max_prompt_tokens: int = 1024
+    """Longest prompt in tokens (after the chat template); longer ones keep their last tokens."""
 
 
 @dataclass
@@ -93,6 +95,15 @@ class RewardConfig:
     """Checkpoint every N optimiser steps (0 = only at the end / on interrupt)."""
     seed: int = 0
     """Seed for data order, split and head initialisation."""
+    max_steps: int = 0
+    """Stop after this many optimiser steps (0 = run all epochs); the LR schedule spans the steps run."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off); 1.0 as TRL's default."""
+    eval_data: str = ""
+    """Pairs file to evaluate on instead of holding out eval_fraction of the prompts ('' = hold out)."""
+    norm_policy: str = ""
+    """Policy folder whose samples set the reward mean/std ('' = the base model, i.e. the reference
+    of a PPO run that starts from the base)."""
 
 
 @dataclass
@@ -161,6 +172,16 @@ class PPOConfig:
     """Checkpoint every N steps (0 = only at the end)."""
     seed: int = 0
     """Seed for prompt order and sampling."""
+    old_logprobs: str = "auto"
+    """Where the pi_old log-probs come from: 'sample' (recorded while sampling: free), 'forward' (one
+    extra no-grad forward, computed exactly like the update's), 'auto' (sample in fp32; forward
+    in bf16/fp16, where the KV-cached decode drifts from a full forward)."""
+    forward_batch_size: int = 16
+    """Episodes per no-grad forward pass in the rollout (reference, critic, reward model)."""
+    max_prompt_tokens: int = 512
+    """Longest prompt in tokens (after the chat template); longer ones keep their last tokens."""
+    ptx_max_length: int = 256
+    """Longest PPO-ptx text in tokens."""
 
 
 @dataclass

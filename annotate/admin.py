@@ -1,0 +1,258 @@
+"""Admin handlers (Data and Models tabs): import, generate, statistics, export, users, guidelines.
+
+Every function starts with `admin(ctx, request)`, which raises `Refused` for anyone who is not a
+signed-in admin, before anything is read or written: an annotator reaching these endpoints through
+the HTTP API gets an error and nothing happens.
+
+They return plain values (markdown, HTML, pandas DataFrames, file paths) that annotate/ui_admin.py
+puts into components; tests call them directly.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from annotate import render
+from annotate.context import AppContext, admin
+from pipeline.config import GenerateConfig
+from store import io as store_io
+from store.errors import DataError, StoreError
+from store.records import ROLES
+
+GUIDELINES_KEY = "guidelines_markdown"
+
+
+def _path(file) -> Path | None:
+    """A gr.File value (a path string, or an object with .name / .path) as a Path."""
+    if file is None:
+        return None
+    for attr in ("path", "name"):
+        if hasattr(file, attr) and isinstance(getattr(file, attr), str):
+            return Path(getattr(file, attr))
+    return Path(str(file))
+
+
+# ------------------------------------------------------------------------- import
+
+
+def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
+    """Import an uploaded prompts or pairs file, all or nothing. Returns (summary markdown, table of
+    row errors). On a bad file the table lists every problem and nothing is stored."""
+    admin(ctx, request)
+    path = _path(file)
+    if path is None:
+        raise gr.Error("Choose a file to import first.")
+    empty = pd.DataFrame({"row": [], "problem": []})
+    try:
+        if kind == "prompts":
+            result = store_io.import_prompts(ctx.store, path)
+            summary = (f"**Imported {path.name}**: {result['rows']} rows, {result['added']} new prompts, "
+                       f"{result['duplicates']} already stored.")
+        elif kind == "pairs":
+            result = store_io.import_pairs(ctx.store, path)
+            summary = (f"**Imported {path.name}**: {result['pairs']} preference pairs "
+                       f"({result['prompts_added']} new prompts).")
+        else:
+            raise gr.Error(f"Unknown import kind {kind!r}: choose prompts or pairs.")
+    except DataError as exc:
+        rows = pd.DataFrame({"row": ["file" if r is None else str(r) for r, _ in exc.errors],
+                             "problem": [p for _, p in exc.errors]})
+        more = f" (and {exc.more} more)" if exc.more else ""
+        return (f'<span class="rl-errors">**{path.name} was not imported**: {len(exc.errors)} problem'
+                f'{"s" if len(exc.errors) != 1 else ""}{more}. Nothing from this file was stored; fix '
+                f"the rows below and upload it again.</span>", rows)
+    except StoreError as exc:
+        raise gr.Error(f"{path.name}: {exc}") from None
+    return summary, empty
+
+
+# ------------------------------------------------------------------------- generation
+
+
+def generate(ctx: AppContext, n_prompts: float, k: float, max_new_tokens: float, temperature: float,
+             top_p: float, request: gr.Request) -> str:
+    """Start generating K responses for up to `n_prompts` prompts that have none (background job)."""
+    admin(ctx, request)
+    if ctx.generator is None:
+        raise gr.Error("Generation is off in this app (started with --no-generate).")
+    prompts = ctx.store.prompts_without_responses(limit=int(n_prompts))
+    if not prompts:
+        raise gr.Error("Every prompt already has responses: import more prompts first.")
+    cfg = GenerateConfig(k=int(k), max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                         top_p=float(top_p))
+    try:
+        ctx.generator.start([p.id for p in prompts], cfg.k, cfg)
+    except (RuntimeError, ValueError) as exc:
+        raise gr.Error(str(exc)) from None
+    return job_html(ctx, request)
+
+
+def job_html(ctx: AppContext, request: gr.Request) -> str:
+    """The background job's progress bar (polled by the Data tab's timer)."""
+    admin(ctx, request)
+    job = ctx.generator.status() if ctx.generator is not None else None
+    if job is None:
+        pool = ctx.store.counts()["prompts_in_pool"]
+        return render.render_job("Generation", 0, 0, "idle", f"{pool} prompts have no responses yet.")
+    return render.render_job(job.label, job.done, job.total, job.status, job.error or job.detail)
+
+
+# ------------------------------------------------------------------------- statistics
+
+
+def statistics(ctx: AppContext, request: gr.Request):
+    """(counts, per-annotator table, agreement table, position-bias table, per-annotator plot data,
+    position plot data) for the Data tab's overview."""
+    admin(ctx, request)
+    store = ctx.store
+    c = store.counts()
+    counts = pd.DataFrame({
+        "what": ["prompts", "prompts without responses", "responses", "items in queue",
+                 "items still to rank", "rankings", "pairs", "flagged prompts", "annotators", "snapshots"],
+        "count": [c["prompts"], c["prompts_in_pool"], c["responses"], c["items"], c["items_remaining"],
+                  c["rankings"], c["pairs"], c["flagged_prompts"], c["annotators"], c["snapshots"]],
+    })
+    people = pd.DataFrame([{
+        "annotator": s.name, "role": s.role, "rankings": s.rankings, "today": s.rankings_today,
+        "pairs": s.pairs, "skips": s.skips, "all bad": s.all_bad,
+        "median s": None if s.median_duration_s is None else round(s.median_duration_s, 1),
+    } for s in store.annotator_stats()])
+    a = store.agreement()
+    agreement = pd.DataFrame({
+        "measure": ["items ranked by 2+ annotators", "compared response pairs", "pairwise agreement",
+                    "Krippendorff's alpha (ordinal)", "Kendall's tau-b (mean)"],
+        "value": [str(a.items), str(a.comparisons), _fmt(a.pairwise_agreement),
+                  _fmt(a.krippendorff_alpha), _fmt(a.kendall_tau)],
+    })
+    b = store.position_bias()
+    bias = pd.DataFrame({
+        "measure": ["rankings", "first-shown response ranked best", "expected without position bias"],
+        "value": [str(b.rankings), _fmt(b.first_shown_best_rate), _fmt(b.expected_rate)],
+    })
+    by_position = pd.DataFrame({
+        "position": [f"#{i + 1}" for i in range(len(b.best_rate_by_position))],
+        "best rate": list(b.best_rate_by_position),
+    })
+    per_annotator = people[["annotator", "rankings"]] if len(people) else pd.DataFrame({"annotator": [], "rankings": []})
+    return counts, people, agreement, bias, per_annotator, by_position
+
+
+def _fmt(x) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+# ------------------------------------------------------------------------- export
+
+
+def export(ctx: AppContext, fmt: str, include_all_bad: bool, annotators: list[str] | None,
+           since: str, test_fraction: float, request: gr.Request):
+    """Export the pairs as a snapshot (recorded in the store) and hand back a file to download:
+    the JSONL/Parquet file itself, or the `datasets` folder zipped. Returns (file path, summary)."""
+    admin(ctx, request)
+    filters: dict = {"include_all_bad": bool(include_all_bad)}
+    if annotators:
+        ids = []
+        for name in annotators:
+            account = ctx.store.find_annotator(name)
+            if account is None:
+                raise gr.Error(f"No annotator named {name!r}.")
+            ids.append(account.id)
+        filters["annotator_ids"] = ids
+    if since and since.strip():
+        try:
+            filters["since"] = dt.date.fromisoformat(since.strip()).isoformat()
+        except ValueError:
+            raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.") from None
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = ctx.export_dir / f"pairs-{stamp}"
+    try:
+        snap = store_io.export_pairs(ctx.store, out, fmt, filters=filters, test_fraction=float(test_fraction))
+    except StoreError as exc:
+        raise gr.Error(f"Export failed: {exc}") from None
+    download = _downloadable(Path(snap.path), fmt)
+    counts = ", ".join(f"{k} {v}" for k, v in snap.counts.items())
+    summary = (f"**Snapshot #{snap.id}** ({fmt}): {counts}. Saved to `{snap.path}`, "
+               f"sha256 `{snap.sha256[:12]}…`.")
+    return str(download), summary
+
+
+def _downloadable(path: Path, fmt: str) -> Path:
+    """A copy in a fresh temp folder (Gradio serves it from there; the export folder itself is
+    never exposed), zipped when it is a folder."""
+    tmp = Path(tempfile.mkdtemp(prefix="rlhf-export-"))
+    if path.is_dir():
+        return Path(shutil.make_archive(str(tmp / path.name), "zip", root_dir=path))
+    target = tmp / path.name
+    shutil.copy2(path, target)
+    return target
+
+
+# ------------------------------------------------------------------------- users and guidelines
+
+
+def annotator_names(ctx: AppContext, request: gr.Request):
+    """Choices for the export's annotator filter."""
+    admin(ctx, request)
+    return gr.update(choices=[acc.name for acc in ctx.store.list_annotators()])
+
+
+def users_table(ctx: AppContext, request: gr.Request) -> pd.DataFrame:
+    admin(ctx, request)
+    return pd.DataFrame([{"id": a.id, "name": a.name, "role": a.role,
+                          "created": a.created_at.strftime("%Y-%m-%d %H:%M")} for a in ctx.store.list_annotators()])
+
+
+def add_user(ctx: AppContext, name: str, role: str, password: str, request: gr.Request):
+    """Create an account. A blank password gets a random one, shown once. Returns (message, users)."""
+    admin(ctx, request)
+    from store.users import generate_password
+
+    if role not in ROLES:
+        raise gr.Error(f"Role must be one of {', '.join(ROLES)}.")
+    shown = not (password or "").strip()
+    password = generate_password() if shown else password
+    try:
+        account = ctx.store.add_annotator(name, password, role=role)
+    except StoreError as exc:
+        raise gr.Error(str(exc)) from None
+    msg = f"Added **{account.name}** ({account.role})."
+    if shown:
+        msg += f" One-time password: `{password}` (shown only now; pass it on privately)."
+    return msg, users_table(ctx, request)
+
+
+def save_guidelines(ctx: AppContext, text: str, request: gr.Request) -> str:
+    admin(ctx, request)
+    ctx.store.set_setting(GUIDELINES_KEY, text or "")
+    return "Guidelines saved: annotators see them on their next page load."
+
+
+def load_guidelines(ctx: AppContext, request: gr.Request) -> str:
+    admin(ctx, request)
+    from annotate.handlers import DEFAULT_GUIDELINES
+
+    return ctx.store.get_setting(GUIDELINES_KEY, "") or DEFAULT_GUIDELINES
+
+
+# ------------------------------------------------------------------------- models
+
+
+def models_table(ctx: AppContext, request: gr.Request) -> pd.DataFrame:
+    """Every model version, with which one generates (the active policy)."""
+    admin(ctx, request)
+    active = ctx.store.active_policy()
+    rows = []
+    for mv in ctx.store.list_model_versions():
+        rows.append({
+            "id": mv.id, "name": mv.name, "kind": mv.kind,
+            "active": "●" if active is not None and mv.id == active.id else "",
+            "parent": mv.parent_id, "base model": mv.base_model, "path": mv.path or "",
+            "created": mv.created_at.strftime("%Y-%m-%d %H:%M"),
+        })
+    return pd.DataFrame(rows, columns=["id", "name", "kind", "active", "parent", "base model", "path", "created"])

@@ -1,0 +1,66 @@
+"""What every handler shares: the store, the app's settings, background jobs, and who is asking.
+
+Roles are enforced here, on the server, in every handler: `user(ctx, request)` reads the name that
+Gradio's login put on the request (`gr.Request.username`, from the signed session cookie) and looks
+the account up in the store; `admin(ctx, request)` additionally refuses non-admins. A hidden button
+is not a permission: the HTTP API reaches every event, so an annotator calling an admin endpoint
+through gradio_client gets `Refused` and nothing happens.
+
+With `--no-auth` (single-user mode, bound to localhost) there is no login: every request acts as
+the one local admin account.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gradio as gr
+
+from store.records import Annotator
+
+
+class Refused(gr.Error):
+    """The request is not allowed (not signed in, unknown account, not an admin). Shown as an
+    error toast in the browser and raised as an error in API clients."""
+
+
+@dataclass
+class AppContext:
+    store: object
+    """The open store.repo.Store (typed loosely so tests can pass one from any fixture)."""
+    auth: bool = True
+    """False in --no-auth mode: requests carry no user and act as `local_user`."""
+    local_user: str = "local"
+    """The admin account used in --no-auth mode."""
+    data_dir: Path = field(default_factory=lambda: Path("data"))
+    """Where exports are written (data_dir/exports)."""
+    generator: object | None = None
+    """annotate.background.GenerationRunner, or None when generation is off (--no-generate)."""
+    generate_defaults: dict = field(default_factory=dict)
+    """Defaults for the Generate form: k, max_new_tokens, temperature, top_p."""
+
+    @property
+    def export_dir(self) -> Path:
+        return self.data_dir / "exports"
+
+
+def user(ctx: AppContext, request) -> Annotator:
+    """The signed-in account behind this request (Refused if there is none)."""
+    name = getattr(request, "username", None) if request is not None else None
+    if name is None:
+        if ctx.auth:
+            raise Refused("Not signed in.")
+        name = ctx.local_user
+    account = ctx.store.find_annotator(name)
+    if account is None:
+        raise Refused(f"No account named {name!r}: ask an admin to add you.")
+    return account
+
+
+def admin(ctx: AppContext, request) -> Annotator:
+    """The signed-in account, which must be an admin (Refused otherwise; nothing else happens)."""
+    account = user(ctx, request)
+    if not account.is_admin:
+        raise Refused(f"{account.name} is an annotator: this action is for admins only.")
+    return account

@@ -1,0 +1,236 @@
+"""Annotate-tab handlers: show an item, submit a ranking, skip, flag, undo, prefetch.
+
+Plain functions `(ctx, state, inputs..., request) -> (state, updates...)`; annotate/ui.py wires
+them to components and tests call them directly with a real store and a stand-in request. Every
+one starts by asking who the request belongs to (annotate/context.py), so identity and role come
+from the server, never from the page.
+
+Each action returns the same five outputs (see `view`): the session state, the item HTML, the
+progress line, and the comment box and "all bad" box reset for the next item.
+
+Rankings arrive from the page as display positions, best first, "=" for ties: "2>1=3>4" means
+response 2 is best, 1 and 3 tie, 4 is worst (positions as shown, 1-based). The handler maps
+positions to response ids with the display order it recorded, so the stored ranking names
+responses, not screen slots.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from annotate import render
+from annotate.context import AppContext, user
+from annotate.state import SessionState, Showing
+from store.errors import StoreError
+from store.records import Annotator
+
+# ------------------------------------------------------------------------- ranking strings
+
+
+def parse_ranking(text: str, k: int, all_bad: bool = False) -> list[list[int]]:
+    """"2>1=3>4" -> [[2], [1, 3], [4]] (1-based display positions, best first).
+
+    One unranked response is placed last (ranking K-1 decides the K-th). With "all bad", unranked
+    responses form one tied group at the bottom (and nothing ranked = all tied). Otherwise every
+    response must be ranked. Raises gr.Error naming the problem; nothing is stored then.
+    """
+    text = (text or "").replace(" ", "")
+    groups: list[list[int]] = []
+    if text:
+        for part in text.split(">"):
+            if not part:
+                raise gr.Error(f"Ranking {text!r}: empty rank between '>' signs.")
+            group = []
+            for tok in part.split("="):
+                if not tok.isdigit():
+                    raise gr.Error(f"Ranking {text!r}: {tok!r} is not a response number.")
+                group.append(int(tok))
+            groups.append(group)
+    flat = [p for g in groups for p in g]
+    bad = [p for p in flat if not 1 <= p <= k]
+    if bad:
+        raise gr.Error(f"Ranking {text!r}: there are only {k} responses (got {bad[0]}).")
+    if len(set(flat)) != len(flat):
+        raise gr.Error(f"Ranking {text!r}: a response is ranked twice.")
+    missing = [p for p in range(1, k + 1) if p not in flat]
+    if len(missing) == 1:
+        groups.append(missing)
+    elif missing and all_bad:
+        groups.append(missing)
+    elif missing:
+        raise gr.Error(
+            f"Rank all {k} responses ({len(missing)} still unranked: {', '.join(map(str, missing))}), "
+            "or mark them all bad."
+        )
+    return groups
+
+
+# ------------------------------------------------------------------------- the view
+
+
+def view(ctx: AppContext, state: SessionState, account: Annotator, *, reset_inputs: bool = True):
+    """(state, item_html, progress_html, comment, all_bad) for the current state."""
+    if state.current is not None:
+        item = state.current.item
+        item_html = render.render_item(item.prompt.messages or item.prompt.text, item.responses,
+                                       state.current.token)
+    else:
+        item_html = empty_html(ctx)
+    p = ctx.store.progress(account.id)
+    progress_html = render.render_progress(p.today, p.total, p.remaining, state.note)
+    if reset_inputs:
+        return state, item_html, progress_html, "", False
+    return state, item_html, progress_html, gr.skip(), gr.skip()
+
+
+def empty_html(ctx: AppContext) -> str:
+    job = ctx.generator.status() if ctx.generator is not None else None
+    if job is not None and job.running:
+        return render.render_empty(
+            "Responses are being generated",
+            f"{job.label}: {job.done}/{job.total} prompts done. New items appear here as they are ready.",
+            busy=True,
+        )
+    return render.render_empty(
+        "You're all caught up", "No items are waiting for you. New ones appear here when an admin generates or imports them."
+    )
+
+
+def _advance(ctx: AppContext, state: SessionState, account: Annotator, exclude_prompt: int | None = None) -> None:
+    """Show the next item: the prefetched one if still good, else ask the queue."""
+    done_item = state.current.item.item_id if state.current else None
+    item = state.take_prefetched(exclude_prompt)
+    if item is not None and ctx.store.list_rankings(annotator_id=account.id, item_id=item.item_id):
+        item = None  # ranked meanwhile in another tab: never show an item twice
+    if item is None:
+        item = ctx.store.next_item(account.id, exclude=[done_item] if done_item else [])
+    state.current = Showing(item) if item is not None else None
+
+
+def _current(state: SessionState, token: str = "") -> Showing:
+    if state.current is None:
+        raise gr.Error("There is no item on screen to act on.")
+    if token and token != state.current.token:
+        # The page ranked a different showing than the one the server has (a stale tab).
+        raise gr.Error("This item changed before your ranking arrived; nothing was saved. Rank it again.")
+    return state.current
+
+
+# ------------------------------------------------------------------------- actions
+
+
+def open_page(ctx: AppContext, state: SessionState | None, request: gr.Request):
+    """Page load: the header, which tabs this account may see (admins: Data, Train, Models, and the
+    Data tab's job timer), the guidelines, then the annotation view (see `load`)."""
+    account = user(ctx, request)
+    is_admin = account.is_admin
+    header = render.render_header(account.name, account.role, ctx.auth)
+    tabs = [gr.update(visible=is_admin)] * 3
+    timer = gr.update(active=is_admin)
+    return (header, *tabs, timer, guidelines(ctx, request), *load(ctx, state, request))
+
+
+def load(ctx: AppContext, state: SessionState | None, request: gr.Request):
+    """Page load (and the refresh timer while nothing is on screen): show the current item, or the
+    one the queue has leased to this annotator (a reload shows the same item)."""
+    account = user(ctx, request)
+    state = state if isinstance(state, SessionState) else SessionState()
+    if state.current is None:
+        item = ctx.store.next_item(account.id)
+        state.current = Showing(item) if item is not None else None
+    return view(ctx, state, account)
+
+
+def refresh(ctx: AppContext, state: SessionState | None, request: gr.Request):
+    """Timer tick while the queue is empty: pick up newly generated items; leave a shown item alone
+    (re-rendering it would wipe the ranking being made)."""
+    if isinstance(state, SessionState) and state.current is not None:
+        return (state,) + (gr.skip(),) * 4
+    return load(ctx, state, request)
+
+
+def submit(ctx: AppContext, state: SessionState, ranking: str, all_bad: bool, comment: str,
+           token: str, request: gr.Request):
+    """Save the ranking of the item on screen (and its pairs), then show the next item."""
+    account = user(ctx, request)
+    showing = _current(state, token)
+    groups = parse_ranking(ranking, showing.k, bool(all_bad))
+    ids = showing.item.display_order
+    order = [[ids[pos - 1] for pos in g] for g in groups]
+    try:
+        ctx.store.save_ranking(
+            account.id, showing.item.prompt.id, order, all_bad=bool(all_bad),
+            display_order=list(ids), duration_s=showing.elapsed(),
+            client_token=showing.token, comment=(comment or "").strip(),
+        )
+    except StoreError as exc:
+        raise gr.Error(f"Not saved: {exc}") from None
+    n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:])
+    state.note = f"Saved · {n_pairs} pair{'s' if n_pairs != 1 else ''}" + (" · all bad" if all_bad else "")
+    _advance(ctx, state, account)
+    return view(ctx, state, account)
+
+
+def skip(ctx: AppContext, state: SessionState, request: gr.Request):
+    """Skip the item on screen: this annotator will not be offered it again."""
+    account = user(ctx, request)
+    showing = _current(state)
+    ctx.store.skip_item(account.id, showing.item.item_id)
+    state.note = "Skipped"
+    _advance(ctx, state, account)
+    return view(ctx, state, account)
+
+
+def flag(ctx: AppContext, state: SessionState, comment: str, request: gr.Request):
+    """Flag the prompt on screen (broken, harmful, unanswerable): it leaves the queue for everyone
+    until an admin looks at it. The comment box, if filled, is the reason."""
+    account = user(ctx, request)
+    showing = _current(state)
+    prompt_id = showing.item.prompt.id
+    ctx.store.flag_prompt(prompt_id, account.id, reason=(comment or "").strip() or "flagged while annotating")
+    state.note = "Flagged"
+    _advance(ctx, state, account, exclude_prompt=prompt_id)
+    return view(ctx, state, account)
+
+
+def undo(ctx: AppContext, state: SessionState, request: gr.Request):
+    """Delete this annotator's last ranking (and its pairs) and show that item again. The item that
+    was on screen becomes the next one."""
+    account = user(ctx, request)
+    item = ctx.store.undo_last_ranking(account.id)
+    if item is None:
+        raise gr.Error("Nothing to undo: you have no submitted ranking.")
+    if state.prefetched is not None:
+        ctx.store.release_lease(account.id, state.prefetched.item_id)
+    state.prefetched = state.current.item if state.current is not None else None
+    state.current = Showing(item)
+    state.note = "Undone · rank it again"
+    return view(ctx, state, account)
+
+
+def prefetch(ctx: AppContext, state: SessionState, request: gr.Request):
+    """Fetch (and lease) the item after the one on screen, so the next Submit shows it at once.
+    Runs right after an item appears; returns only the state."""
+    account = user(ctx, request)
+    if state.current is not None and state.prefetched is None:
+        state.prefetched = ctx.store.next_item(account.id, exclude=[state.current.item.item_id])
+    return state
+
+
+def guidelines(ctx: AppContext, request: gr.Request) -> str:
+    """The annotation guidelines (markdown, edited by admins in the Data tab)."""
+    user(ctx, request)
+    return ctx.store.get_setting("guidelines_markdown", "") or DEFAULT_GUIDELINES
+
+
+DEFAULT_GUIDELINES = """\
+**Rank the responses from best to worst.**
+
+1. **Helpful**: does it answer what was asked, correctly and completely?
+2. **Honest**: no made-up facts; says so when unsure.
+3. **Harmless**: refuses clearly harmful requests politely, without lecturing.
+
+Ties are fine when two responses are equally good. Mark **all bad** when none is acceptable
+(the order still counts, but these rankings are kept apart in exports). **Flag** a prompt that is
+broken or should not be annotated; **skip** one you cannot judge.
+"""

@@ -1,0 +1,51 @@
+"""Per-session state of the annotation view, kept in a gr.State (one per browser tab or API client).
+
+Nothing here says *who* the user is: every handler asks the request (gr.Request.username, set by
+Gradio from the login cookie) and the store, so a session cannot claim another identity or role.
+The state only remembers what this tab shows: the item on screen, the one fetched ahead of time,
+and when the item appeared (for the ranking's duration).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from store.records import Item
+
+
+@dataclass
+class Showing:
+    """One showing of an item. A fresh `token` per showing identifies it to the page (the JS resets
+    its ranking when the token changes) and to the store (client token: a double submit of the
+    same showing stores one ranking)."""
+
+    item: Item
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    shown_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def k(self) -> int:
+        return len(self.item.responses)
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.shown_at, 3)
+
+
+@dataclass
+class SessionState:
+    current: Showing | None = None
+    """The item on screen (None: nothing to rank)."""
+    prefetched: Item | None = None
+    """The next item, fetched (and leased) after the current one appeared, so Submit can show it
+    without a query."""
+    note: str = ""
+    """What the last action did ("Saved: 6 pairs"), shown in the progress line."""
+
+    def take_prefetched(self, exclude_prompt: int | None = None) -> Item | None:
+        """The prefetched item (and forget it); None if there is none or it has the excluded prompt."""
+        item, self.prefetched = self.prefetched, None
+        if item is not None and exclude_prompt is not None and item.prompt.id == exclude_prompt:
+            return None
+        return item

@@ -1,0 +1,165 @@
+// Ranking by click and keyboard, entirely in the page: no server round trip per pick.
+//
+// The item HTML (annotate/render.py) carries data-token (one showing of one item) and data-k.
+// Picks are kept here as tie groups of 1-based display positions, best first, e.g. [[2],[1,3],[4]],
+// and sent with Submit as "2>1=3>4" (the Submit event's `js` hook calls rlhf.encode). A new token
+// in the page (next item, undo) resets the ranking. Shortcuts are ignored while typing in a field.
+(() => {
+  if (window.rlhf) return;
+  const R = (window.rlhf = { token: null, el: null, groups: [], tieNext: false });
+
+  const item = () => document.querySelector("#rl-item .rl-item");
+  const visible = (el) => !!el && el.offsetParent !== null;
+  const k = () => {
+    const it = item();
+    return it ? parseInt(it.dataset.k || "0", 10) : 0;
+  };
+  const ranked = () => R.groups.flat();
+  const click = (sel) => {
+    const el = document.querySelector(sel);
+    if (el && !el.disabled) el.click();
+  };
+
+  // Reset when the server shows a different item; repaint either way.
+  function sync() {
+    const it = item();
+    const tok = it ? it.dataset.token : null;
+    if (tok !== R.token) {
+      R.token = tok;
+      R.groups = [];
+      R.tieNext = false;
+    }
+    paint();
+  }
+
+  function pick(pos, tie) {
+    sync();
+    if (pos < 1 || pos > k()) return;
+    const at = R.groups.findIndex((g) => g.includes(pos));
+    if (at >= 0) {
+      // Picking a ranked response again takes it out of the ranking.
+      R.groups[at] = R.groups[at].filter((p) => p !== pos);
+      R.groups = R.groups.filter((g) => g.length);
+    } else if (tie && R.groups.length) {
+      R.groups[R.groups.length - 1].push(pos);
+    } else {
+      R.groups.push([pos]);
+    }
+    R.tieNext = false;
+    paint();
+  }
+
+  // The Submit event's `js` hook reads these: the ranking as "2>1=3>4" and the token of the
+  // showing it belongs to (the server refuses a ranking made for another showing).
+  R.encode = () => {
+    sync();
+    return R.groups.map((g) => g.join("=")).join(">");
+  };
+  R.currentToken = () => {
+    sync();
+    return R.token || "";
+  };
+
+  function ordinal(n) {
+    const s = ["th", "st", "nd", "rd"], v = n % 100;
+    return n + (s[(v - 20) % 10] || s[v] || s[0]);
+  }
+
+  function paint() {
+    const it = item();
+    const n = k();
+    let rank = 1;
+    const rankOf = {};
+    R.groups.forEach((g) => {
+      g.forEach((p) => (rankOf[p] = { rank, tie: g.length > 1 }));
+      rank += g.length;
+    });
+    if (it) {
+      it.querySelectorAll(".rl-card").forEach((card) => {
+        const r = rankOf[parseInt(card.dataset.pos, 10)];
+        card.classList.toggle("rl-ranked", !!r);
+        card.classList.toggle("rl-best", !!r && r.rank === 1);
+        card.classList.toggle("rl-tied", !!r && r.tie);
+        card.querySelector(".rl-badge").textContent = r ? (r.tie ? "tie " : "") + ordinal(r.rank) : "";
+      });
+    }
+    const bar = document.querySelector("#rl-rankbar");
+    if (!bar) return;
+    if (!n) {
+      bar.innerHTML = "";
+      return;
+    }
+    const left = n - ranked().length;
+    const chips = R.groups
+      .map((g) => g.map((p) => `<span class="rl-chip">${p}</span>`).join('<span class="rl-eq">=</span>'))
+      .join('<span class="rl-gt">›</span>');
+    let hint;
+    if (!R.groups.length) hint = `Press 1–${n} from best to worst`;
+    else if (left === 0) hint = "Ready: Enter to submit";
+    else if (left === 1) hint = "Last one goes last: Enter to submit";
+    else hint = `${left} left to rank`;
+    const tie = R.tieNext ? '<span class="rl-tie-on">tie with previous</span>' : "";
+    bar.innerHTML = `<span class="rl-rank-label">Ranking</span>${chips || '<span class="rl-muted">—</span>'}${tie}<span class="rl-hint">${hint}</span>`;
+  }
+
+  document.addEventListener("click", (e) => {
+    const card = e.target.closest && e.target.closest("#rl-item .rl-card");
+    if (!card || e.target.closest("a, button, input, textarea")) return;
+    if (window.getSelection && String(window.getSelection()).length) return; // selecting text
+    pick(parseInt(card.dataset.pos, 10), e.shiftKey || R.tieNext);
+  });
+
+  document.addEventListener("keydown", (e) => {
+    if (!visible(item())) return; // only on the Annotate tab
+    const t = e.target;
+    const typing = t && (t.tagName === "INPUT" || t.tagName === "TEXTAREA" || t.isContentEditable);
+    if (typing) {
+      if (e.key === "Enter" && !e.shiftKey && t.closest("#rl-comment")) {
+        e.preventDefault();
+        t.blur();
+        click("#rl-submit");
+      } else if (e.key === "Escape") t.blur();
+      return;
+    }
+    if (e.ctrlKey || e.metaKey || e.altKey) return;
+    const digit = /^(?:Digit|Numpad)([1-9])$/.exec(e.code || "");
+    if (digit) {
+      e.preventDefault();
+      pick(parseInt(digit[1], 10), e.shiftKey || R.tieNext);
+      return;
+    }
+    const key = e.key.length === 1 ? e.key.toLowerCase() : e.key;
+    const actions = {
+      Enter: () => click("#rl-submit"),
+      s: () => click("#rl-skip"),
+      u: () => click("#rl-undo"),
+      f: () => click("#rl-flag"),
+      a: () => click("#rl-allbad input"),
+      c: () => document.querySelector("#rl-comment textarea, #rl-comment input")?.focus(),
+      t: () => { R.tieNext = !R.tieNext; paint(); },
+      Backspace: () => { sync(); R.groups.length && R.groups[R.groups.length - 1].pop(); R.groups = R.groups.filter((g) => g.length); paint(); },
+      Escape: () => { R.groups = []; R.tieNext = false; paint(); },
+    };
+    if (actions[key]) {
+      e.preventDefault();
+      actions[key]();
+    }
+  });
+
+  // Gradio replaces the item's HTML on every new item: watch for it.
+  // Only react when the item element itself changed: paint() mutates the DOM too, and reacting
+  // to that would loop.
+  const onMutation = () => {
+    const it = item();
+    if (it !== R.el) {
+      R.el = it;
+      sync();
+    }
+  };
+  const start = () => {
+    new MutationObserver(onMutation).observe(document.body, { childList: true, subtree: true });
+    sync();
+  };
+  if (document.body) start();
+  else document.addEventListener("DOMContentLoaded", start);
+})();

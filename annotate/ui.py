@@ -1,0 +1,138 @@
+"""Build and launch the Gradio app: layout and wiring only (logic is in handlers.py and admin.py).
+
+Tabs: Annotate (everyone), Data, Train and Models (admins; hidden for annotators on page load, and
+refused by every admin handler anyway). The annotation view is server-rendered HTML plus a small
+script (static/annotate.js) that keeps the ranking in the page, so picking responses costs no
+round trip; Submit sends it along with the item's token.
+
+Endpoints keep readable API names because the HTTP API is a real way in (bench/ui_bench.py drives
+/submit and /prefetch with gradio_client): the annotation endpoints are documented, the admin ones
+callable but undocumented, the timers private.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from pathlib import Path
+
+import gradio as gr
+
+from annotate import handlers as h
+from annotate import ui_admin
+from annotate.context import AppContext
+from annotate.render import render_shortcuts
+from annotate.state import SessionState
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+# IBM Plex Sans ships with Gradio (served locally): nothing is fetched from a font CDN.
+THEME = gr.themes.Soft(
+    primary_hue="indigo", neutral_hue="slate", radius_size="md",
+    font=[gr.themes.LocalFont("IBM Plex Sans", weights=(400, 600, 700)), "ui-sans-serif", "system-ui", "sans-serif"],
+    font_mono=[gr.themes.LocalFont("IBM Plex Mono"), "ui-monospace", "monospace"],
+)
+
+
+def bind(fn, ctx: AppContext):
+    """`fn(ctx, *inputs, request)` -> `fn(*inputs, request)` for Gradio, keeping the signature and
+    annotations Gradio reads to inject gr.Request."""
+
+    @functools.wraps(fn)
+    def bound(*args, **kwargs):
+        return fn(ctx, *args, **kwargs)
+
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    bound.__signature__ = inspect.Signature(params)
+    return bound
+
+
+def build_ui(ctx: AppContext) -> gr.Blocks:
+    """The whole app as a gr.Blocks (launch it with `launch`)."""
+    with gr.Blocks(title="rlhf-loop · annotate") as demo:
+        state = gr.State(SessionState())
+        header = gr.HTML(elem_id="rl-header-box", js_on_load=None)
+        with gr.Tabs(elem_id="rl-tabs"):
+            with gr.Tab("Annotate", id="annotate", elem_id="rl-tab-annotate"):
+                annotate = _annotate_tab(ctx, state)
+            with gr.Tab("Data", id="data", visible=False, elem_id="rl-tab-data") as data_tab:
+                data = ui_admin.data_tab(ctx)
+            # Issue 7 fills these two: training jobs with live plots, and the model lineage.
+            with gr.Tab("Train", id="train", visible=False, elem_id="rl-tab-train") as train_tab:
+                ui_admin.train_tab(ctx)
+            with gr.Tab("Models", id="models", visible=False, elem_id="rl-tab-models") as models_tab:
+                models = ui_admin.models_tab(ctx)
+
+        # Page load: who is this, which tabs may they see, and their first item.
+        page = demo.load(
+            bind(h.open_page, ctx), [state],
+            [header, data_tab, train_tab, models_tab, data["timer"], annotate["guidelines"], *annotate["outs"]],
+            api_visibility="private",
+        )
+        page.success(bind(h.prefetch, ctx), [state], [state], api_visibility="private")
+        # Admin tabs load their tables when opened (only admins can see them; the handlers check).
+        for tab, loads in ((data_tab, data["load"]), (models_tab, models["load"])):
+            for fn, inputs, outputs in loads:
+                tab.select(bind(fn, ctx), inputs, outputs, api_visibility="private", show_progress="hidden")
+    return demo
+
+
+def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=4, min_width=640):
+            progress = gr.HTML(elem_id="rl-progress", js_on_load=None)
+            item = gr.HTML(elem_id="rl-item", js_on_load=None, min_height=320)
+            with gr.Row(elem_id="rl-actions", equal_height=True):
+                gr.HTML("", elem_id="rl-rankbar", js_on_load=None, scale=3, min_width=260)
+                all_bad = gr.Checkbox(label="All bad (A)", elem_id="rl-allbad", scale=0, min_width=130,
+                                      container=False)
+                comment = gr.Textbox(placeholder="Comment (optional) · C", show_label=False, lines=1,
+                                     max_lines=1, elem_id="rl-comment", scale=2, min_width=180, container=False)
+                undo = gr.Button("Undo · U", elem_id="rl-undo", scale=0, min_width=96)
+                flag = gr.Button("Flag · F", elem_id="rl-flag", scale=0, min_width=96)
+                skip = gr.Button("Skip · S", elem_id="rl-skip", scale=0, min_width=96)
+                submit = gr.Button("Submit ⏎", variant="primary", elem_id="rl-submit", scale=0, min_width=130)
+            # Filled by the page script on Submit (never typed): the ranking and the item's token.
+            ranking = gr.Textbox(visible="hidden", elem_id="rl-ranking")
+            token = gr.Textbox(visible="hidden", elem_id="rl-token")
+        with gr.Column(scale=1, min_width=260, elem_id="rl-side"):
+            with gr.Accordion("Guidelines", open=True, elem_id="rl-guidelines-box"):
+                guidelines = gr.Markdown(elem_id="rl-guidelines", sanitize_html=True)
+            gr.HTML(render_shortcuts(), js_on_load=None)
+
+    outs = [state, item, progress, comment, all_bad]
+    fetch_next = dict(fn=bind(h.prefetch, ctx), inputs=[state], outputs=[state], api_name="prefetch",
+                      api_visibility="undocumented", show_progress="hidden")
+    sub = submit.click(
+        bind(h.submit, ctx), [state, ranking, all_bad, comment, token], outs, api_name="submit",
+        js="(s, r, b, c, t) => [s, window.rlhf ? window.rlhf.encode() : r, b, c, window.rlhf ? window.rlhf.currentToken() : t]",
+        show_progress="hidden", trigger_mode="once",
+    )
+    sub.success(**fetch_next)
+    skip.click(bind(h.skip, ctx), [state], outs, api_name="skip", show_progress="hidden",
+               trigger_mode="once").success(**{**fetch_next, "api_name": None})
+    flag.click(bind(h.flag, ctx), [state, comment], outs, api_name="flag", show_progress="hidden",
+               trigger_mode="once").success(**{**fetch_next, "api_name": None})
+    undo.click(bind(h.undo, ctx), [state], outs, api_name="undo", show_progress="hidden",
+               trigger_mode="once")
+    # While nothing is on screen (queue empty, generation running), look for new items.
+    timer = gr.Timer(3.0)
+    timer.tick(bind(h.refresh, ctx), [state], outs, api_visibility="private", show_progress="hidden")
+    return {"outs": outs, "guidelines": guidelines}
+
+
+def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: int = 7860,
+           prevent_thread_lock: bool = False, quiet: bool = False):
+    """Serve the app. With ctx.auth, Gradio's login page checks passwords against the store (scrypt
+    hashes) and signs a session cookie; handlers read the name from it (annotate/context.py)."""
+    auth = (lambda name, password: ctx.store.authenticate(name, password) is not None) if ctx.auth else None
+    # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
+    demo.queue(default_concurrency_limit=16)
+    return demo.launch(
+        server_name=host, server_port=port, auth=auth,
+        auth_message="Sign in with the account an admin created for you.",
+        prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True, ssr_mode=False,
+        footer_links=[], theme=THEME, css=(STATIC / "annotate.css").read_text(),
+        head=f"<script>{(STATIC / 'annotate.js').read_text()}</script>",
+        max_threads=64,
+    )

@@ -1,0 +1,127 @@
+"""Layout and wiring of the admin tabs: Data (import, generate, statistics, export, users,
+guidelines), Train (issue 7) and Models. Logic lives in annotate/admin.py."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from annotate import admin as a
+from annotate.context import AppContext
+
+# Admin endpoints are callable through the API (and refused there for non-admins) but not listed.
+HIDDEN = {"api_visibility": "undocumented"}
+
+
+def _bind(fn, ctx):
+    from annotate.ui import bind
+
+    return bind(fn, ctx)
+
+
+def data_tab(ctx: AppContext) -> dict:
+    d = ctx.generate_defaults
+    with gr.Tabs():
+        with gr.Tab("Overview"):
+            with gr.Row():
+                refresh = gr.Button("Refresh statistics", size="sm", scale=0, min_width=180)
+            with gr.Row(equal_height=False):
+                counts = gr.Dataframe(label="Counts", interactive=False, scale=1)
+                people = gr.Dataframe(label="Annotators (median s = median seconds per ranking)",
+                                      interactive=False, scale=2)
+            with gr.Row(equal_height=False):
+                per_annotator = gr.BarPlot(x="annotator", y="rankings", title="Rankings per annotator",
+                                           height=260, scale=1)
+                by_position = gr.BarPlot(x="position", y="best rate", y_lim=[0, 1], height=260, scale=1,
+                                         title="Ranked best, by display position (flat = no position bias)")
+            with gr.Row(equal_height=False):
+                agreement = gr.Dataframe(label="Agreement on items ranked by 2+ annotators",
+                                         interactive=False, scale=1)
+                bias = gr.Dataframe(label="Position bias", interactive=False, scale=1)
+        with gr.Tab("Import"):
+            gr.Markdown("Upload **prompts** (`prompt` or chat `messages` column) or **preference pairs** "
+                        "(`prompt`/`chosen`/`rejected`, or HH-RLHF transcripts) as JSONL, CSV or Parquet. "
+                        "A file with any bad row is refused as a whole, with every problem listed.")
+            with gr.Row():
+                kind = gr.Radio(["prompts", "pairs"], value="prompts", label="The file holds", scale=1)
+                upload = gr.File(label="File", file_types=[".jsonl", ".json", ".csv", ".parquet"],
+                                 elem_id="rl-import-file", scale=2)
+            import_btn = gr.Button("Import", variant="primary", elem_id="rl-import", size="md")
+            import_msg = gr.Markdown(elem_id="rl-import-msg")
+            import_errors = gr.Dataframe(label="Problems by row", interactive=False, elem_id="rl-import-errors")
+        with gr.Tab("Generate"):
+            gr.Markdown("Sample **K responses** with the active policy for prompts that have none. "
+                        "Runs in the background; annotators see items as soon as each chunk is stored.")
+            with gr.Row():
+                n_prompts = gr.Number(value=d.get("n_prompts", 32), precision=0, minimum=1, label="Prompts")
+                k = gr.Slider(2, 8, value=d.get("k", 4), step=1, label="K responses per prompt")
+                max_new = gr.Number(value=d.get("max_new_tokens", 64), precision=0, minimum=1,
+                                    label="Max new tokens")
+                temperature = gr.Slider(0.0, 2.0, value=d.get("temperature", 0.7), step=0.05, label="Temperature")
+                top_p = gr.Slider(0.05, 1.0, value=d.get("top_p", 1.0), step=0.05, label="Top-p")
+            gen_btn = gr.Button("Generate", variant="primary", elem_id="rl-generate", interactive=ctx.generator is not None)
+            job = gr.HTML(elem_id="rl-job", js_on_load=None)
+        with gr.Tab("Export"):
+            gr.Markdown("Export the preference pairs as a **snapshot** (recorded, with its hash) and "
+                        "download it. The split is by prompt, so no prompt is in both train and test.")
+            with gr.Row():
+                fmt = gr.Radio(["jsonl", "parquet", "datasets"], value="jsonl", label="Format",
+                               info="datasets = a Hugging Face `datasets` folder, zipped", elem_id="rl-export-fmt")
+                test_fraction = gr.Slider(0.0, 0.5, value=0.1, step=0.05, label="Test fraction")
+            with gr.Row():
+                who = gr.Dropdown([], multiselect=True, label="Only these annotators (empty = all)")
+                since = gr.Textbox(label="Only rankings since (YYYY-MM-DD)", placeholder="all time")
+                all_bad = gr.Checkbox(label="Include 'all bad' rankings", value=False)
+            export_btn = gr.Button("Export", variant="primary", elem_id="rl-export")
+            export_msg = gr.Markdown(elem_id="rl-export-msg")
+            export_file = gr.File(label="Download", interactive=False, elem_id="rl-export-file")
+        with gr.Tab("Users"):
+            with gr.Row():
+                name = gr.Textbox(label="Name", elem_id="rl-user-name")
+                role = gr.Radio(["annotator", "admin"], value="annotator", label="Role")
+                password = gr.Textbox(label="Password (blank = generate one)", type="password")
+            add_btn = gr.Button("Add user", variant="primary", elem_id="rl-add-user")
+            add_msg = gr.Markdown()
+            users = gr.Dataframe(label="Accounts", interactive=False)
+        with gr.Tab("Guidelines"):
+            guidelines = gr.Code(language="markdown", label="Annotation guidelines (markdown)", lines=14)
+            save_btn = gr.Button("Save guidelines", variant="primary")
+            save_msg = gr.Markdown()
+    timer = gr.Timer(1.5, active=False)
+
+    stats_outs = [counts, people, agreement, bias, per_annotator, by_position]
+    refresh.click(_bind(a.statistics, ctx), None, stats_outs, **HIDDEN, api_name="statistics")
+    import_btn.click(_bind(a.import_file, ctx), [upload, kind], [import_msg, import_errors],
+                     **HIDDEN, api_name="import_file")
+    gen_btn.click(_bind(a.generate, ctx), [n_prompts, k, max_new, temperature, top_p], [job],
+                  **HIDDEN, api_name="generate")
+    timer.tick(_bind(a.job_html, ctx), None, [job], api_visibility="private", show_progress="hidden")
+    export_btn.click(_bind(a.export, ctx), [fmt, all_bad, who, since, test_fraction], [export_file, export_msg],
+                     **HIDDEN, api_name="export")
+    add_btn.click(_bind(a.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
+    save_btn.click(_bind(a.save_guidelines, ctx), [guidelines], [save_msg], **HIDDEN, api_name="save_guidelines")
+    return {
+        "timer": timer,
+        "load": [(a.statistics, None, stats_outs), (a.users_table, None, [users]),
+                 (a.load_guidelines, None, [guidelines]), (a.job_html, None, [job]),
+                 (a.annotator_names, None, [who])],
+    }
+
+
+def train_tab(ctx: AppContext) -> dict:
+    """Issue 7: reward-model and PPO jobs with progress, live metric plots, log tail and cancel."""
+    gr.Markdown(
+        "### Training\nTraining jobs started from here arrive with the job runner. Until then, export a "
+        "snapshot in **Data → Export** and train from the command line:\n\n"
+        "```bash\npython -m pipeline train-reward --help\n```",
+        elem_classes=["rl-placeholder"],
+    )
+    return {}
+
+
+def models_tab(ctx: AppContext) -> dict:
+    """Model versions from the store; issue 7 adds lineage, metrics, samples and policy comparison."""
+    gr.Markdown("Every model version the store knows. **●** marks the active policy, which generates new responses.")
+    table = gr.Dataframe(interactive=False, elem_id="rl-models")
+    refresh = gr.Button("Refresh", size="sm", scale=0, min_width=120)
+    refresh.click(_bind(a.models_table, ctx), None, [table], **HIDDEN, api_name="models")
+    return {"load": [(a.models_table, None, [table])]}

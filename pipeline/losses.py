@@ -1,0 +1,285 @@
+"""Pure tensor functions for reward-model training and PPO.
+
+No model, no optimiser, no state: every function maps tensors to tensors, so each one is tested
+against numbers computed by hand (tests/test_losses.py), as OpenRLHF and TRL test theirs.
+
+Shape letters: B = batch (rows), T = sequence positions, V = vocabulary.
+Masks are 0/1 tensors of the same shape as the values they mask (1 = the position counts).
+
+Conventions shared with pipeline/train_ppo.py:
+- `logprobs_from_logits(logits, tokens)` does NOT shift: logits[:, t] scores tokens[:, t]. Callers
+  pass the logits of the positions that *predict* the response tokens (i.e. already shifted by one).
+- Response masks are right-padded: 1 for every real response token up to and including EOS, then 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# --------------------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` over positions where mask == 1 (over all of them, or along `dim`).
+
+    An all-zero mask gives 0 (not NaN): the denominator is clamped, the numerator is already 0.
+    """
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp_min(1e-8)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1e-8)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `x` over masked positions (scalar). Unbiased = Bessel's n/(n-1), as in TRL."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n < 2:
+            raise ValueError(f"masked_var(unbiased=True) needs at least 2 masked values, got {int(n)}")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / std over masked positions; shift_mean=False adds the mean back (TRL's option,
+    used for rewards so their sign survives). Masked-out positions are whitened too: multiply by
+    the mask afterwards if they must be 0."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+# --------------------------------------------------------------------------- reward-model losses
+
+
+def pairwise_loss(
+    r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bradley-Terry loss: mean of -log sigmoid(r_c - r_r - margin).
+
+    r_chosen, r_rejected, margin: (B,). The margin (Llama 2, Touvron et al. 2023, sec. 3.2.2) asks
+    pairs with a clearer preference to be separated by more. logsigmoid is the stable form of
+    log(sigmoid(.)) (no overflow for large negative differences).
+    """
+    diff = r_chosen - r_rejected  # (B,)
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff).mean()
+
+
+def center_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """Reward-centering term: mean((r_c + r_r)^2), pulling rewards towards mean 0.
+
+    Exactly TRL's form (trl/trainer/reward_trainer.py, `center_rewards_coefficient *
+    torch.mean((rewards_chosen + rewards_rejected) ** 2)`), from Eisenstein et al. 2023, "Helping or
+    Herding? Reward Model Ensembles Mitigate but do not Eliminate Reward Hacking" (arXiv 2312.09244).
+    The caller multiplies by the coefficient.
+    """
+    return ((r_chosen + r_rejected) ** 2).mean()
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy averaged over the masked label positions.
+
+    logits: (B, T, V) at every position of `labels`; labels: (B, T); mask: (B, T), 1 where
+    labels[:, t] is a target (e.g. the chosen response). Position t-1 predicts token t, so the
+    shift happens here: logits[:, :-1] against labels[:, 1:], weighted by mask[:, 1:].
+    Used for the LM term on chosen responses (Askell et al. 2021, "A General Language Assistant as a
+    Laboratory for Alignment") and for PPO-ptx (Ouyang et al. 2022).
+    """
+    logits = logits[:, :-1]  # (B, T-1, V)
+    targets = labels[:, 1:]  # (B, T-1)
+    weights = mask[:, 1:].to(logits.dtype)  # (B, T-1)
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="none"
+    ).view_as(targets)  # (B, T-1)
+    return masked_mean(ce, weights)
+
+
+# --------------------------------------------------------------------------- log-probs and entropy
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits / temperature) gathered at `tokens`: (B, T, V), (B, T) -> (B, T).
+
+    No shift: logits[:, t] scores tokens[:, t]. Memory: log_softmax over the whole batch makes a
+    second (B, T, V) tensor (for a 49k vocabulary that dominates memory), so this computes
+    logit[token] - logsumexp(logits) one row at a time, as TRL's `selective_log_softmax` does.
+    The temperature must be the one used for sampling, or the PPO ratio is off from the start.
+    """
+    out = []
+    for row_logits, row_tokens in zip(logits, tokens):  # (T, V), (T,)
+        row = row_logits.float()
+        if temperature != 1.0:
+            row = row / temperature
+        picked = row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
+        out.append(picked - torch.logsumexp(row, dim=-1))  # (T,)
+    return torch.stack(out)  # (B, T)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) at every position: (B, T, V) -> (B, T).
+
+    H = logsumexp(z) - sum softmax(z) * z (the form TRL uses), one row at a time to bound memory.
+    """
+    out = []
+    for row_logits in logits:  # (T, V)
+        row = row_logits.float()
+        probs = torch.softmax(row, dim=-1)  # (T, V)
+        out.append(torch.logsumexp(row, dim=-1) - (probs * row).sum(-1))  # (T,)
+    return torch.stack(out)  # (B, T)
+
+
+# --------------------------------------------------------------------------- KL and shaped rewards
+
+
+def kl_per_token(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of tokens sampled from pi: (B, T).
+
+    Estimators from Schulman, "Approximating KL Divergence" (2020, joschu.net/blog/kl-approx.html):
+    - k1 = log pi - log pi_ref: unbiased, high variance, can be negative per token.
+    - k3 = (r - 1) - log r with r = pi_ref / pi: unbiased, low variance, always >= 0.
+    """
+    log_ratio = logp - logp_ref  # (B, T)
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        # r = exp(logp_ref - logp) = exp(-log_ratio); log r = -log_ratio
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}: use 'k1' or 'k3'")
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last position with mask == 1 in each row: (B, T) -> (B,). 0 for empty rows."""
+    positions = torch.arange(mask.size(1), device=mask.device)  # (T,)
+    return (mask.long() * positions).argmax(dim=1)  # (B,)
+
+
+def shaped_rewards(
+    score: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-token RLHF reward: r_t = -beta * kl_t on response tokens, plus the sequence score on the
+    last real token (Ziegler et al. 2019; Ouyang et al. 2022).
+
+    score: (B,) reward-model score (already normalised, penalised for a missing EOS, clipped);
+    kl: (B, T); mask: (B, T), 1 for real response tokens including EOS, 0 after. Rows with no real
+    token get no score (there is no token to put it on).
+    """
+    mask_f = mask.to(kl.dtype)
+    rewards = -beta * kl * mask_f  # (B, T)
+    rows = torch.arange(rewards.size(0), device=rewards.device)
+    has_tokens = mask_f.sum(1) > 0  # (B,)
+    rewards[rows, last_token_index(mask)] += score.to(rewards.dtype) * has_tokens  # (B,)
+    return rewards
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016) over response tokens.
+
+    rewards, values, mask: (B, T), mask right-padded. Rewards and values past the end are zeroed, so
+    the value after the last real token is 0 (the episode ends there) and padded positions
+    contribute nothing; their advantages are 0. Returns (advantages, returns), both (B, T), with
+    returns = advantages + values (the critic's regression target). Whitening is the caller's.
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+    """
+    mask_f = mask.to(values.dtype)
+    values = values * mask_f  # (B, T)
+    rewards = rewards * mask_f  # (B, T)
+    T = rewards.size(1)
+    last = torch.zeros_like(rewards[:, 0])  # (B,) A_{t+1}
+    reversed_adv = []
+    for t in reversed(range(T)):
+        next_values = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)  # (B,)
+        delta = rewards[:, t] + gamma * next_values - values[:, t]  # (B,)
+        last = delta + gamma * lam * last
+        reversed_adv.append(last)
+    advantages = torch.stack(reversed_adv[::-1], dim=1) * mask_f  # (B, T)
+    returns = advantages + values  # (B, T)
+    return advantages, returns
+
+
+# --------------------------------------------------------------------------- PPO losses
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate objective (Schulman et al. 2017), as a loss to minimise.
+
+    All inputs (B, T). The ratio is pi_theta / pi_old (log-probs recorded at rollout time), never
+    pi_theta / pi_ref. Loss = masked mean of max(-A * ratio, -A * clip(ratio, 1 +- eps)).
+    Stats (detached 0-dim tensors, .item() them when logging):
+    - clipfrac: fraction of tokens where the clipped term was the larger (TRL's pg_clipfrac);
+    - approxkl: 0.5 * mean((logp - old_logp)^2), TRL's estimate of KL(pi_old || pi_theta);
+    - ratio_mean: mean ratio over tokens (1.0 on the first minibatch of each rollout).
+    """
+    log_ratio = logp - old_logp  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    losses1 = -advantages * ratio  # (B, T)
+    losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)  # (B, T)
+    loss = masked_mean(torch.max(losses1, losses2), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((losses2 > losses1).to(logp.dtype), mask),
+            "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss, 0.5 * masked mean of max((V - R)^2, (V_clip - R)^2), as TRL and OpenRLHF.
+
+    All inputs (B, T). V_clip = V_old + clip(V - V_old, +-cliprange_value) keeps the critic from
+    moving far from its rollout-time predictions in one update. Returns (loss, clipfrac), clipfrac
+    = fraction of tokens where the clipped term was the larger (detached).
+    """
+    clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    losses1 = (values - returns) ** 2  # (B, T)
+    losses2 = (clipped - returns) ** 2  # (B, T)
+    loss = 0.5 * masked_mean(torch.max(losses1, losses2), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((losses2 > losses1).to(values.dtype), mask)
+    return loss, clipfrac
+
+
+__all__ = [
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "pairwise_loss",
+    "center_loss",
+    "lm_loss",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "kl_per_token",
+    "last_token_index",
+    "shaped_rewards",
+    "gae",
+    "policy_loss",
+    "value_loss",
+]

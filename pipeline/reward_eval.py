@@ -1,0 +1,158 @@
+"""Scoring pairs with a reward model, the held-out report, and reward normalisation.
+
+- `pair_scores`: one forward pass over chosen and rejected rows together, the score read at each
+  row's last real token (exactly ScalarModel.score), hidden states kept for the optional LM term.
+- `evaluate`: accuracy, mean margin, loss, calibration (accuracy by |r_c - r_r| bucket, beside
+  the Bradley-Terry probability sigmoid(|r_c - r_r|) the model claims), and the "longer response
+  wins" baseline, so a user sees whether the model learned more than length.
+- `normalisation_stats`: mean and std of the scores of responses sampled from the reference
+  policy, stored with the checkpoint so PPO sees rewards of mean 0, std 1 at its start
+  (Ziegler et al. 2019, sec. 2.2; InstructGPT normalises the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import torch
+
+from pipeline.losses import last_token_index, pairwise_loss
+from pipeline.models import position_ids_from_mask
+from pipeline.reward_data import EncodedPair, Pair, collate
+
+
+def autocast_for(device: torch.device, dtype: torch.dtype):
+    """bf16/fp16 autocast where the run's dtype asks for it; nothing in fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def pair_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """(scores (N,), hidden (N, L, H)) for N = 2B rows, chosen first then rejected.
+
+    Same value as ScalarModel.score (backbone with pad-aware positions, fp32 head at the last real
+    token), with the head applied to the N last tokens only and the hidden states returned.
+    """
+    out = model.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    hidden = out.last_hidden_state  # (N, L, H)
+    rows = torch.arange(hidden.size(0), device=hidden.device)
+    last_hidden = hidden[rows, last_token_index(attention_mask)]  # (N, H)
+    return model.head(last_hidden.float()).squeeze(-1), hidden  # (N,), (N, L, H)
+
+
+@torch.no_grad()
+def score_pairs(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_size: int = 16):
+    """(r_chosen, r_rejected), each (P,) on CPU, in the order of `items` (batched by length)."""
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(items)), key=lambda i: items[i].length)
+    r_c, r_r = torch.zeros(len(items)), torch.zeros(len(items))
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        batch = collate([items[i] for i in idx], pad_id)
+        with autocast_for(device, dtype):
+            scores, _ = pair_scores(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        scores = scores.float().cpu()  # (2b,)
+        r_c[idx], r_r[idx] = scores[: len(idx)], scores[len(idx):]
+    model.train(was_training)
+    return r_c, r_r
+
+
+def calibration(diff: torch.Tensor, buckets: int = 5) -> list[dict]:
+    """Accuracy per equal-count bucket of |r_c - r_r|: a calibrated model's accuracy rises with
+    |diff| and matches sigmoid(|diff|), its own claimed probability of being right."""
+    size = diff.abs()  # (P,)
+    order = torch.argsort(size)
+    out = []
+    for chunk in torch.tensor_split(order, min(buckets, len(order))):
+        if len(chunk) == 0:
+            continue
+        d, a = diff[chunk], size[chunk]
+        out.append({
+            "abs_diff_min": round(a.min().item(), 4), "abs_diff_max": round(a.max().item(), 4),
+            "count": len(chunk), "accuracy": round((d > 0).float().mean().item(), 4),
+            "predicted": round(torch.sigmoid(a).mean().item(), 4),
+        })
+    return out
+
+
+def length_baseline(items: list[EncodedPair]) -> float:
+    """Accuracy of 'the longer response (in tokens) is the chosen one'; ties count half."""
+    if not items:
+        return float("nan")
+    score = 0.0
+    for it in items:
+        c, r = it.chosen_response_tokens, it.rejected_response_tokens
+        score += 1.0 if c > r else 0.5 if c == r else 0.0
+    return score / len(items)
+
+
+def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_size: int = 16) -> dict:
+    """Held-out metrics, flat keys under eval/, plus the calibration table."""
+    if not items:
+        return {}
+    r_c, r_r = score_pairs(model, items, pad_id, device, dtype, batch_size)
+    diff = r_c - r_r  # (P,)
+    return {
+        "eval/pairs": len(items),
+        "eval/accuracy": (diff > 0).float().mean().item(),
+        "eval/margin": diff.mean().item(),
+        "eval/loss": pairwise_loss(r_c, r_r).item(),
+        "eval/reward_chosen": r_c.mean().item(),
+        "eval/reward_rejected": r_r.mean().item(),
+        "eval/length_baseline_accuracy": length_baseline(items),
+        "calibration": calibration(diff),
+    }
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+@torch.no_grad()
+def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int, device, dtype,
+                        policy_path: str = "", batch_size: int = 16) -> dict:
+    """Sample one response for each of n prompts (drawn from the training pairs) from the reference
+    policy, score prompt + response tokens exactly as PPO will (the sampled ids, EOS included when
+    the policy stopped), and return the scores' mean and std.
+
+    The reference policy is the base model (no adapter), or the policy folder `policy_path` when
+    PPO will start from an earlier round's policy.
+    """
+    from pipeline.config import GenerateConfig
+    from pipeline.generate import generate_responses, prompt_token_ids
+    from pipeline.models import load_policy
+
+    rng = random.Random(seed)
+    picked = rng.sample(prompts, n) if n <= len(prompts) else [rng.choice(prompts) for _ in range(n)]
+    picked = [p.prompt for p in picked]
+    ref_cfg = type(model_cfg)(**{**vars(model_cfg), "model": model.base_model or model_cfg.model, "lora": False})
+    policy, tokenizer = load_policy(ref_cfg, adapter_path=policy_path or None)
+    gens = generate_responses(policy, tokenizer, picked, 1, GenerateConfig(k=1, seed=seed, batch_size=batch_size))
+    del policy
+    seqs = [prompt_token_ids(tokenizer, p) + g[0].token_ids for p, g in zip(picked, gens)]
+
+    was_training = model.training
+    model.eval()
+    scores = []
+    for start in range(0, n, batch_size):
+        chunk = seqs[start:start + batch_size]
+        width = max(len(s) for s in chunk)
+        ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)  # (b, L)
+        mask = torch.zeros_like(ids)  # (b, L)
+        for i, s in enumerate(chunk):
+            ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+        with autocast_for(device, dtype):
+            s, _ = pair_scores(model, ids.to(device), mask.to(device))
+        scores.append(s.float().cpu())
+    model.train(was_training)
+    all_scores = torch.cat(scores)  # (n,)
+    std = all_scores.std().item() if n > 1 else 1.0
+    if not math.isfinite(std) or std < 1e-6:
+        std = 1.0  # constant scores: leave the scale alone rather than divide by ~0
+    eos_rate = sum(g[0].finish_reason == "eos" for g in gens) / n
+    return {"reward_mean": all_scores.mean().item(), "reward_std": std, "samples": n,
+            "policy": policy_path or "base model", "eos_rate": eos_rate}

@@ -1,0 +1,300 @@
+"""The no-grad half of a PPO step: prompts in, a `Rollout` of per-token tensors out.
+
+pipeline/train_ppo.py calls these in its numbered phases; the update phase reuses `window`,
+`response_logits` and `critic_values` so the training forward pass computes log-probs and values
+exactly as the rollout did (same positions, same temperature, same trimming).
+
+Layout of one rollout (B episodes): `sequences` (B, P+R) is the left-padded prompt followed by the
+right-padded response; every per-token tensor is (B, R), aligned with the response tokens:
+`mask[:, t]` is 1 for real tokens up to and including EOS, 0 after (post-EOS tokens are masked
+everywhere). A critic value at t is read at the position *before* token t (the state the token
+was chosen in), as in TRL's `full_value[:, context_length - 1 : -1]`.
+
+Rewards: a reward-model folder (normalised score of prompt+response at its last real token), or a
+scripted reward for tests and benches: `script:count:<text>` (occurrences of <text> in the
+response) or `script:length` (response tokens, EOS excluded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pipeline.losses import gae, kl_per_token, logprobs_from_logits, masked_whiten, shaped_rewards
+from pipeline.models import causal_lm_logits
+
+# --------------------------------------------------------------------------- the rollout record
+
+
+@dataclass
+class Rollout:
+    prompts: list  # B prompts as given (text or messages)
+    sequences: torch.Tensor  # (B, P+R) prompt (left-padded) then response (right-padded)
+    attention_mask: torch.Tensor  # (B, P+R)
+    response_ids: torch.Tensor  # (B, R)
+    mask: torch.Tensor  # (B, R) float, 1 up to and including EOS
+    prompt_length: int  # P
+    logprobs: torch.Tensor  # (B, R) pi_old log-probs (logits / temperature)
+    ref_logprobs: torch.Tensor  # (B, R) reference log-probs (logits / temperature)
+    values: torch.Tensor  # (B, R) critic values at rollout time
+    eos: torch.Tensor  # (B,) bool: the response ended with EOS
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(1).long()  # (B,)
+
+
+# --------------------------------------------------------------------------- trimmed windows
+
+
+def window(attention_mask: torch.Tensor, prompt_length: int, resp_lengths: torch.Tensor) -> tuple[int, int]:
+    """(start, r): the columns [start, P + r) that hold every real token of these rows.
+
+    attention_mask: (b, P+R) of the rows; resp_lengths: (b,). Left padding shared by all rows and
+    response columns past the longest response are pure padding: cutting them changes no real
+    token's result (causal attention, pad-aware positions) and saves their compute.
+    """
+    prompt_real = attention_mask[:, :prompt_length].sum(1)  # (b,)
+    start = prompt_length - int(prompt_real.max())
+    return start, max(1, int(resp_lengths.max()))
+
+
+def response_logits(model, input_ids, attention_mask, r: int, reference: bool = False) -> torch.Tensor:
+    """(b, r, V) logits predicting the r response tokens that end the (trimmed) window.
+
+    logits_to_keep=r+1 keeps the positions P-1 .. P+r-1: the lm_head never runs on prompt
+    positions (a 49k-vocabulary head is ~20% of a SmolLM2 forward). The last kept position
+    predicts past the window and is dropped.
+    """
+    if reference:  # pipeline.models.Reference: adapter disabled, or the frozen copy
+        logits = model(input_ids, attention_mask, logits_to_keep=r + 1)
+    else:
+        logits = causal_lm_logits(model, input_ids, attention_mask, logits_to_keep=r + 1)
+    return logits[:, :-1]  # (b, r, V)
+
+
+def critic_values(critic, input_ids, attention_mask, prompt_local: int, r: int) -> torch.Tensor:
+    """(b, r) values at the positions before each response token (state, then action)."""
+    values = critic(input_ids, attention_mask)  # (b, T)
+    return values[:, prompt_local - 1 : prompt_local - 1 + r].float()
+
+
+@torch.no_grad()
+def rollout_forwards(policy, reference, critic, sequences, attention_mask, response_ids, mask,
+                     prompt_length: int, temperature: float, chunk: int, need_old: bool,
+                     autocast) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Reference log-probs, pi_old log-probs (only when need_old) and critic values, all (B, R).
+
+    Runs in chunks of `chunk` episodes, each trimmed to its own window. Positions past a row's
+    EOS hold whatever the model says there; callers multiply by the mask.
+    """
+    B, R = response_ids.shape
+    ref = torch.zeros(B, R, device=sequences.device)
+    old = torch.zeros(B, R, device=sequences.device) if need_old else None
+    values = torch.zeros(B, R, device=sequences.device)
+    lengths = mask.sum(1).long()
+    for rows in torch.arange(B, device=sequences.device).split(chunk):
+        start, r = window(attention_mask[rows], prompt_length, lengths[rows])
+        ids = sequences[rows, start : prompt_length + r]  # (b, T')
+        am = attention_mask[rows, start : prompt_length + r]  # (b, T')
+        tokens = response_ids[rows, :r]  # (b, r)
+        with autocast():
+            ref[rows, :r] = logprobs_from_logits(response_logits(reference, ids, am, r, reference=True),
+                                                 tokens, temperature)
+            if need_old:
+                old[rows, :r] = logprobs_from_logits(response_logits(policy, ids, am, r), tokens, temperature)
+            values[rows, :r] = critic_values(critic, ids, am, prompt_length - start, r)
+    return ref, old, values
+
+
+# --------------------------------------------------------------------------- rewards -> advantages
+
+
+@dataclass
+class Advantages:
+    score: torch.Tensor  # (B,) score after clipping and the missing-EOS penalty
+    kl: torch.Tensor  # (B, R) per-token KL estimate, 0 past EOS
+    kl_seq: torch.Tensor  # (B,) summed over the response: nats per sequence
+    rewards: torch.Tensor  # (B, R) shaped rewards
+    advantages: torch.Tensor  # (B, R) GAE, whitened over real tokens, 0 past EOS
+    returns: torch.Tensor  # (B, R) advantages (before whitening) + values: the critic's target
+
+
+@torch.no_grad()
+def kl_shaped_advantages(ro: Rollout, raw_score: torch.Tensor, cfg, beta: float) -> Advantages:
+    """From a rollout and its scores to advantages (phases 5-6 of pipeline/train_ppo.py).
+
+    - score: clipped to +-cfg.reward_clip (when > 0), minus cfg.missing_eos_penalty for responses cut
+      off at the length limit (TRL's missing_eos_penalty);
+    - kl_t = k1 or k3 of pi_old vs the reference, r_t = -beta * kl_t with the score added on the last
+      real token (Ziegler et al. 2019), optionally whitened (TRL's whiten_rewards: scale only);
+    - GAE over real response tokens, advantages whitened (masked), returns = advantages + values.
+    Every position past EOS is 0 in kl, rewards and advantages, whatever the inputs hold there.
+    """
+    mask = ro.mask
+    score = raw_score.clamp(-cfg.reward_clip, cfg.reward_clip) if cfg.reward_clip > 0 else raw_score
+    score = score - cfg.missing_eos_penalty * (~ro.eos).float()  # (B,)
+    kl = kl_per_token(ro.logprobs, ro.ref_logprobs, cfg.kl_estimator) * mask  # (B, R)
+    rewards = shaped_rewards(score, kl, beta, mask)  # (B, R)
+    if cfg.whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+    advantages, returns = gae(rewards, ro.values, mask, cfg.gamma, cfg.lam)  # (B, R) each
+    advantages = masked_whiten(advantages, mask) * mask
+    return Advantages(score=score, kl=kl, kl_seq=kl.sum(1), rewards=rewards, advantages=advantages,
+                      returns=returns)
+
+
+# --------------------------------------------------------------------------- rewards
+
+ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16, autocast=None) -> tuple[ScoreFn, object | None]:
+    """(score_fn, reward_model or None) for --reward.
+
+    score_fn(sequences, attention_mask, response_ids, response_mask) -> (B,) float scores.
+    - 'script:count:<text>': occurrences of <text> in the decoded response (special tokens dropped);
+    - 'script:length': response tokens, EOS excluded;
+    - a folder saved by save_scalar_model(kind='reward'): its score at the last real token of
+      prompt+response, normalised with the stored mean/std (0/1 if never measured). The reward
+      model is frozen.
+    """
+    if spec.startswith("script:"):
+        kind, _, arg = spec[len("script:"):].partition(":")
+        if kind == "count":
+            if not arg:
+                raise ValueError(f"--reward {spec!r}: give the text to count, e.g. 'script:count: the'")
+
+            def count(sequences, attention_mask, response_ids, response_mask):
+                texts = decode_responses(tokenizer, response_ids, response_mask)
+                return torch.tensor([float(t.count(arg)) for t in texts], device=sequences.device)
+
+            return count, None
+        if kind == "length":
+            eos = tokenizer.eos_token_id
+
+            def length(sequences, attention_mask, response_ids, response_mask):
+                real = response_mask.bool() & (response_ids != eos)  # (B, R)
+                return real.sum(1).float()
+
+            return length, None
+        raise ValueError(f"--reward {spec!r}: unknown script; use 'script:count:<text>' or 'script:length'")
+
+    from pipeline.models import load_scalar_model, read_meta
+
+    if not Path(spec).is_dir():
+        raise ValueError(f"--reward {spec}: no such folder (expected a reward model saved by "
+                         "train-reward, or 'script:count:<text>' / 'script:length')")
+    if read_meta(spec).get("kind") != "reward":
+        raise ValueError(f"--reward {spec}: a {read_meta(spec).get('kind')} checkpoint, not a reward model")
+    rm, rm_tokenizer = load_scalar_model(spec, kind="reward", cfg=model_cfg)
+    rm.requires_grad_(False).eval()
+    same_vocab = rm_tokenizer.get_vocab() == tokenizer.get_vocab()
+    autocast = autocast or _null
+
+    @torch.no_grad()
+    def score(sequences, attention_mask, response_ids, response_mask):
+        if not same_vocab:  # a reward model from another family: re-tokenise the text
+            texts = [tokenizer.decode(s[m.bool()]) for s, m in zip(sequences, attention_mask)]
+            rm_tokenizer.padding_side = "left"
+            enc = rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            sequences, attention_mask = enc["input_ids"].to(sequences.device), enc["attention_mask"].to(sequences.device)
+        out = []
+        for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
+            with autocast():
+                out.append(rm.normalised_score(sequences[rows], attention_mask[rows]).float())
+        return torch.cat(out)  # (B,)
+
+    return score, rm
+
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
+            for ids, m in zip(response_ids, response_mask)]
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------- prompts and PPO-ptx data
+
+
+def prompt_order(n_prompts: int, step: int, batch_size: int, seed: int) -> list[int]:
+    """Indices of the prompts for PPO step `step` (0-based): consecutive slices of a fresh
+    permutation per pass over the file, seeded by (seed, pass). Depends only on the step, so a
+    resumed run sees the prompts it would have seen."""
+    out, perms = [], {}
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(i, n_prompts)
+        if epoch not in perms:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            perms[epoch] = torch.randperm(n_prompts, generator=g).tolist()
+        out.append(perms[epoch][pos])
+    return out
+
+
+def read_ptx_texts(path: str | os.PathLike) -> list[str]:
+    """Texts for the PPO-ptx term: JSONL rows with a non-empty 'text' field."""
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}, line {n}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
+                raise ValueError(f"{path}, line {n}: field 'text' is missing or empty")
+            texts.append(row["text"])
+    if not texts:
+        raise ValueError(f"{path}: no texts for PPO-ptx")
+    return texts
+
+
+def ptx_batch(tokenizer, texts: list[str], max_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) (b, T), right-padded, each text + EOS, cut to max_length."""
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"][: max_length - 1] + [tokenizer.eos_token_id]
+            for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    am = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        am[i, : len(r)] = 1
+    return ids.to(device), am.to(device)
+
+
+# --------------------------------------------------------------------------- sample table
+
+
+def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_seq: torch.Tensor,
+                  n: int = 4) -> None:
+    """A few prompts with the current policy's responses, their scores and KL, as JSONL."""
+    texts = decode_responses(tokenizer, ro.response_ids[:n], ro.mask[:n])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({
+                "prompt": ro.prompts[i], "response": text, "score": round(float(score[i]), 4),
+                "kl": round(float(kl_seq[i]), 4), "tokens": int(ro.lengths[i]),
+                "finish_reason": "eos" if bool(ro.eos[i]) else "length",
+            }) + "\n")
+    os.replace(tmp, path)
+
+
+__all__ = [
+    "Rollout", "Advantages", "kl_shaped_advantages", "window", "response_logits", "critic_values", "rollout_forwards", "make_reward",
+    "decode_responses", "prompt_order", "read_ptx_texts", "ptx_batch", "write_samples",
+]

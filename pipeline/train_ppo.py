@@ -1,0 +1,505 @@
+"""PPO with a KL-shaped reward: `python -m pipeline ppo --policy ... --reward ... --prompts ... --out RUN_DIR`.
+
+One loop, read top to bottom in numbered phases (like CleanRL's ppo.py and TRL's PPOTrainer.train):
+
+  1. take a batch of prompts
+  2. sample responses from the policy; pi_old log-probs come from that pass (or one forward)
+  3. reference log-probs, critic values (no grad; pipeline/rollout.py)
+  4. score prompt+response (reward model, normalised; or a scripted reward)
+  5. missing-EOS penalty, per-token KL to the reference, shaped reward r_t = -beta * kl_t (+ score on
+     the last real token)
+  6. advantages by GAE over response tokens, whitened; returns = advantages + values
+  7. PPO epochs over shuffled minibatches, micro-batch gradient accumulation: clipped policy loss on
+     pi_theta / pi_old (never pi_theta / pi_ref), entropy bonus, PPO-ptx, clipped value loss
+  8. KL controller and learning-rate schedules
+  9. metrics.jsonl, status.json, sample table, checkpoint
+
+The four roles (../shared/DESIGN.md): the policy (LoRA by default), the reference (the policy with
+its adapter disabled, or a frozen copy with full fine-tuning), the frozen reward model, and the
+critic (initialised from the reward model). A run writes only into RUN_DIR: config.json,
+metrics.jsonl (one JSON object per step), status.json, samples/step_N.jsonl, checkpoint/ (policy,
+critic, optimisers, KL controller) and, when done, policy/ (model_meta.json names the parent
+policy and the reward model; the owner process registers it). SIGTERM or Ctrl-C saves a checkpoint
+and marks the run cancelled; `--resume` continues from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, to_dict
+from pipeline.generate import encode_prompts, read_prompts, sample
+from pipeline.kl import make_kl_controller
+from pipeline.losses import (
+    entropy_from_logits, lm_loss, logprobs_from_logits, masked_mean, masked_var, policy_loss, value_loss,
+)
+from pipeline.models import (
+    causal_lm_logits, load_policy, load_scalar_model, make_reference, pick_device, pick_dtype, read_meta,
+    save_policy, save_scalar_model,
+)
+from pipeline.rollout import (
+    Rollout, critic_values, kl_shaped_advantages, make_reward, prompt_order, ptx_batch, read_ptx_texts,
+    response_logits, rollout_forwards, window, write_samples,
+)
+
+CHECKPOINT = "checkpoint"
+STATE_FILE = "trainer_state.pt"
+
+
+def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out_dir: str | os.PathLike,
+          policy: str = "", critic_init: str = "", resume: bool = False) -> dict:
+    """Run PPO; returns the last step's metrics. See the module docstring for the phases."""
+    check_config(cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / CHECKPOINT
+    if ckpt.is_dir() and not resume:
+        raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
+    resuming = resume and ckpt.is_dir()
+    status = RunStatus(out, cfg.steps)
+    stop = StopFlag()
+    stop.install()
+    state: dict = {}
+    try:
+        # 0. set-up: device, models (four roles), optimisers, KL controller, resume
+        device = pick_device(model_cfg.device)
+        dtype = pick_dtype(model_cfg.dtype, device)
+        autocast = _autocast(device, dtype)
+        torch.manual_seed(cfg.seed)
+        rows = read_prompts(prompts)
+        policy_model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
+        reference = make_reference(policy_model)  # before any resume: the *starting* policy
+        score_fn, rm = make_reward(reward, tokenizer, model_cfg, cfg.forward_batch_size, autocast)
+        critic_src = str(ckpt / "critic") if resuming else (
+            critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
+        critic, _ = load_scalar_model(critic_src, kind="critic", cfg=_master_cfg(model_cfg, critic_src, device, dtype))
+        policy_opt = torch.optim.AdamW(_trainable(policy_model), lr=cfg.lr, weight_decay=0.0)
+        critic_opt = torch.optim.AdamW(_trainable(critic), lr=cfg.critic_lr, weight_decay=0.0)
+        # linear decay to 0 over the run (TRL's default schedule); stepped once per PPO iteration
+        decay = (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
+        policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, decay)
+        critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, decay)
+        kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+        start = 0
+        if resuming:
+            start = load_checkpoint(ckpt, policy_model, policy_opt, critic_opt, policy_sched, critic_sched,
+                                    kl_ctl, device)
+        metrics_path = out / "metrics.jsonl"
+        truncate_metrics(metrics_path, start)
+        ptx_texts = read_ptx_texts(cfg.ptx_data) if cfg.ptx_coef > 0 else []
+        use_sample_logprobs = cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32)
+        state.update(policy=policy_model, critic=critic, tokenizer=tokenizer, opts=(policy_opt, critic_opt),
+                     scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start)
+        _write_json(out / "config.json", {
+            "stage": "ppo", "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
+            "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
+            "ppo": to_dict(cfg), "model": to_dict(model_cfg)})
+        status.write("running", start)
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="ppo", unit="step", dynamic_ncols=True)
+        metrics: dict = {}
+        ptx_cursor = 0
+        for step in range(start, cfg.steps):
+            t_start = time.perf_counter()
+            B, temperature = cfg.batch_size, cfg.temperature
+            # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it)
+            batch_prompts = [rows[i]["prompt"] for i in prompt_order(len(rows), step, B, cfg.seed)]
+            input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
+
+            # 2. sample from the current policy = pi_old; post-EOS tokens come back masked
+            generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+            with torch.no_grad(), autocast():
+                sb = sample(policy_model, input_ids, prompt_mask, cfg, generator=generator,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            mask = sb.response_mask.float()  # (B, R)
+            stop.check()
+
+            # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
+            policy_model.eval()
+            ref_logp, old_logp, values = rollout_forwards(
+                policy_model, reference, critic, sb.sequences, sb.attention_mask, sb.response_ids, mask,
+                sb.prompt_length, temperature, cfg.forward_batch_size, not use_sample_logprobs, autocast)
+            ro = Rollout(prompts=batch_prompts, sequences=sb.sequences, attention_mask=sb.attention_mask,
+                         response_ids=sb.response_ids, mask=mask, prompt_length=sb.prompt_length,
+                         logprobs=(sb.logprobs if use_sample_logprobs else old_logp) * mask,
+                         ref_logprobs=ref_logp * mask, values=values * mask,
+                         eos=torch.tensor([f == "eos" for f in sb.finish_reason], device=device))
+
+            # 4. score prompt+response: reward model (normalised) or scripted
+            raw_score = score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask)  # (B,)
+
+            # 5-6. missing-EOS penalty, per-token KL, shaped rewards, GAE (pipeline/rollout.py)
+            beta = kl_ctl.value
+            adv = kl_shaped_advantages(ro, raw_score, cfg, beta)
+            score, kl_seq, advantages, returns = adv.score, adv.kl_seq, adv.advantages, adv.returns
+            t_rollout = time.perf_counter() - t_start
+
+            # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches
+            stats = defaultdict(float)
+            shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            lengths = ro.lengths.cpu()
+            n_minibatches = 0
+            for epoch in range(cfg.ppo_epochs):
+                order = torch.randperm(B, generator=shuffle)
+                for mb in order.split(cfg.mini_batch_size):
+                    # sorting by length inside the minibatch groups similar rows into a micro-batch
+                    # (less padding); the summed gradient of the minibatch is unchanged
+                    mb = mb[torch.argsort(lengths[mb], descending=True)].to(device)
+                    mb_tokens = mask[mb].sum()
+                    for micro in mb.split(cfg.micro_batch_size):
+                        w = mask[micro].sum() / mb_tokens  # token share: accumulated loss = minibatch token mean
+                        start_col, r = window(ro.attention_mask[micro], ro.prompt_length, ro.lengths[micro])
+                        ids = ro.sequences[micro, start_col : ro.prompt_length + r]
+                        am = ro.attention_mask[micro, start_col : ro.prompt_length + r]
+                        m = mask[micro, :r]
+                        with autocast():
+                            logits = response_logits(policy_model, ids, am, r)  # (b, r, V)
+                            logp = logprobs_from_logits(logits, ro.response_ids[micro, :r], temperature)
+                            pg_loss, pg = policy_loss(logp, ro.logprobs[micro, :r], advantages[micro, :r], m,
+                                                      cfg.cliprange)
+                            loss = pg_loss
+                            if cfg.entropy_coef > 0:
+                                entropy = masked_mean(entropy_from_logits(logits), m)
+                                loss = loss - cfg.entropy_coef * entropy
+                                stats["policy/entropy"] += float(w * entropy)
+                            del logits
+                            v = critic_values(critic, ids, am, ro.prompt_length - start_col, r)  # (b, r)
+                            vf_loss, vf_clipfrac = value_loss(v, ro.values[micro, :r], returns[micro, :r], m,
+                                                              cfg.cliprange_value)
+                        (w * (loss + cfg.vf_coef * vf_loss)).backward()
+                        for key, val in (("policy/loss", pg_loss), ("policy/clipfrac", pg["clipfrac"]),
+                                         ("policy/approxkl", pg["approxkl"]), ("policy/ratio_mean", pg["ratio_mean"]),
+                                         ("val/loss", vf_loss), ("val/clipfrac", vf_clipfrac)):
+                            stats[key] += float(w * val.detach())
+                        if n_minibatches == 0:  # pi_theta == pi_old here: the ratio must be 1
+                            stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
+                    if cfg.ptx_coef > 0:  # PPO-ptx (Ouyang et al. 2022, eq. 2): keep the LM objective
+                        texts = [ptx_texts[(ptx_cursor + i) % len(ptx_texts)] for i in range(cfg.micro_batch_size)]
+                        ptx_cursor += cfg.micro_batch_size
+                        p_ids, p_am = ptx_batch(tokenizer, texts, cfg.ptx_max_length, device)
+                        with autocast():
+                            ptx_loss = lm_loss(causal_lm_logits(policy_model, p_ids, p_am), p_ids, p_am)
+                        (cfg.ptx_coef * ptx_loss).backward()
+                        stats["ptx/loss"] += float(ptx_loss.detach())
+                    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+                    stats["policy/grad_norm"] += float(torch.nn.utils.clip_grad_norm_(_trainable(policy_model), max_norm))
+                    stats["val/grad_norm"] += float(torch.nn.utils.clip_grad_norm_(_trainable(critic), max_norm))
+                    policy_opt.step()
+                    critic_opt.step()
+                    policy_opt.zero_grad(set_to_none=True)
+                    critic_opt.zero_grad(set_to_none=True)
+                    n_minibatches += 1
+                    stop.check()
+            t_update = time.perf_counter() - t_start - t_rollout
+
+            # 8. KL controller (on the measured KL per sequence) and learning rates
+            lr_policy, lr_critic = policy_sched.get_last_lr()[0], critic_sched.get_last_lr()[0]
+            kl_ctl.update(float(kl_seq.mean()), B)
+            policy_sched.step()
+            critic_sched.step()
+            state["step"] = step + 1
+
+            # 9. metrics, status, sample table, checkpoint
+            metrics = {key: val / n_minibatches for key, val in stats.items() if key != "policy/ratio_first"}
+            metrics["policy/ratio_first"] = stats["policy/ratio_first"]
+            with torch.no_grad():
+                var_returns = masked_var(returns, mask)
+                metrics.update({
+                    "objective/score": float(raw_score.mean()),
+                    "objective/kl": float(kl_seq.mean()),
+                    "objective/non_score_reward": float((-beta * kl_seq).mean()),
+                    "objective/rlhf_reward": float((score - beta * kl_seq).mean()),
+                    # TRL's estimate: mean over sequences of the summed -log pi_old of the sampled tokens
+                    "objective/entropy": float((-ro.logprobs).sum(1).mean()),
+                    "val/explained_var": float(1 - masked_var(returns - ro.values, mask) / var_returns)
+                    if var_returns > 0 else 0.0,
+                    "val/value_mean": float(masked_mean(ro.values, mask)),
+                    "kl/beta": beta, "kl/beta_next": kl_ctl.value,
+                    "gen/length_mean": float(ro.lengths.float().mean()),
+                    "gen/eos_rate": float(ro.eos.float().mean()),
+                    "policy/lr": lr_policy, "val/lr": lr_critic,
+                    "time/rollout": t_rollout, "time/update": t_update,
+                    "time/episodes_per_s": B / (time.perf_counter() - t_start),
+                })
+            with open(metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
+            status.write("running", step + 1)
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
+                            beta=f"{beta:.3g}")
+            if cfg.sample_every > 0 and ((step + 1) % cfg.sample_every == 0 or step + 1 == cfg.steps):
+                write_samples(out / "samples" / f"step_{step + 1}.jsonl", tokenizer, ro, raw_score, kl_seq)
+            if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                save_checkpoint(ckpt, state)
+            del sb, ro, adv, advantages, returns
+        bar.close()
+
+        # the end: a resumable checkpoint, and the policy for the owner process to register
+        save_checkpoint(ckpt, state)
+        policy_model.rlhf_meta = {**policy_model.rlhf_meta, "parent": parent, "reward_model": _reward_name(reward),
+                                  "run": str(out.resolve()), "steps": cfg.steps}
+        save_policy(policy_model, tokenizer, out / "policy")
+        status.write("done", cfg.steps)
+        return metrics
+    except Cancelled as exc:
+        if "policy" in state:
+            save_checkpoint(ckpt, state)
+        status.write("cancelled", state.get("step", 0), error=str(exc))
+        raise
+    except BaseException as exc:
+        status.write("failed", state.get("step", 0), error=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        stop.uninstall()
+
+
+# --------------------------------------------------------------------------- set-up helpers
+
+
+def check_config(cfg: PPOConfig) -> None:
+    """Derived sizes and choices, checked once before anything loads."""
+    problems = []
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.ppo_epochs < 1:
+        problems.append("--steps, --batch-size and --ppo-epochs must be >= 1")
+    if cfg.mini_batch_size < 1 or cfg.batch_size % cfg.mini_batch_size:
+        problems.append(f"--batch-size {cfg.batch_size} must be a multiple of --mini-batch-size {cfg.mini_batch_size}")
+    if cfg.micro_batch_size < 1 or cfg.mini_batch_size % cfg.micro_batch_size:
+        problems.append(f"--mini-batch-size {cfg.mini_batch_size} must be a multiple of "
+                        f"--micro-batch-size {cfg.micro_batch_size}")
+    if cfg.temperature <= 0:
+        problems.append("--temperature must be > 0 (PPO needs sampled responses and their log-probs)")
+    if cfg.max_new_tokens < 1 or cfg.forward_batch_size < 1:
+        problems.append("--max-new-tokens and --forward-batch-size must be >= 1")
+    if cfg.kl_estimator not in ("k1", "k3"):
+        problems.append(f"--kl-estimator {cfg.kl_estimator!r}: use 'k1' or 'k3'")
+    if cfg.kl_control not in ("fixed", "adaptive", "x1.5"):
+        problems.append(f"--kl-control {cfg.kl_control!r}: use 'fixed', 'adaptive' or 'x1.5'")
+    if cfg.old_logprobs not in ("auto", "sample", "forward"):
+        problems.append(f"--old-logprobs {cfg.old_logprobs!r}: use 'auto', 'sample' or 'forward'")
+    if cfg.ptx_coef > 0 and not cfg.ptx_data:
+        problems.append("--ptx-coef > 0 needs --ptx-data (JSONL with a 'text' field)")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def load_starting_policy(policy: str, model_cfg: ModelConfig, device, dtype):
+    """(policy, tokenizer, parent): --policy is a folder saved by save_policy (its adapter keeps
+    training; the reference is then the base model, adapter disabled: KL stays measured against
+    the original model across rounds, as InstructGPT keeps the SFT model), or a base model."""
+    if policy and (Path(policy) / "model_meta.json").is_file():
+        meta = read_meta(policy)
+        cfg = _master_cfg(model_cfg, policy, device, dtype, lora=bool(meta.get("lora")))
+        model, tokenizer = load_policy(cfg, adapter_path=policy)
+        return model, tokenizer, str(Path(policy).resolve())
+    cfg = dataclasses.replace(model_cfg, model=policy or model_cfg.model)
+    model, tokenizer = load_policy(_master_cfg(cfg, "", device, dtype, lora=cfg.lora))
+    return model, tokenizer, model.rlhf_meta["base_model"]
+
+
+def _master_cfg(model_cfg: ModelConfig, folder: str, device, dtype, lora: bool | None = None) -> ModelConfig:
+    """Fully trained weights stay fp32 masters under bf16/fp16 autocast on CUDA; LoRA keeps a
+    low-precision frozen base (models.py already keeps the LoRA parameters in fp32)."""
+    if lora is None:
+        lora = bool(read_meta(folder).get("lora")) if (Path(folder) / "model_meta.json").is_file() else model_cfg.lora
+    if torch.device(device).type == "cuda" and dtype != torch.float32 and not lora:
+        return dataclasses.replace(model_cfg, dtype="fp32")
+    return model_cfg
+
+
+def _autocast(device, dtype):
+    """bf16/fp16 autocast on CUDA; plain fp32 elsewhere."""
+    if torch.device(device).type == "cuda" and dtype != torch.float32:
+        return lambda: torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext
+
+
+def _trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _reward_name(reward: str) -> str:
+    return reward if reward.startswith("script:") else str(Path(reward).resolve())
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)  # readers never see half a file
+
+
+class RunStatus:
+    """status.json for the job runner: {state, step, total, progress, updated_at, error}."""
+
+    def __init__(self, out: Path, total: int):
+        self.path, self.total = out / "status.json", total
+
+    def write(self, state: str, step: int, error: str | None = None) -> None:
+        _write_json(self.path, {"state": state, "step": step, "total": self.total,
+                                "progress": round(step / self.total, 4), "updated_at": time.time(), "error": error})
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep metric lines up to `step` (a resumed run rewrites the steps after its checkpoint)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def save_checkpoint(ckpt: Path, state: dict) -> None:
+    """checkpoint/: policy (adapter or full), critic, optimisers, schedulers, KL controller, step.
+    Written beside the old one and swapped in, so a kill mid-save leaves the previous checkpoint."""
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_policy(state["policy"], state["tokenizer"], tmp / "policy")
+    save_scalar_model(state["critic"], state["tokenizer"], tmp / "critic")
+    torch.save({"step": state["step"], "policy_optim": state["opts"][0].state_dict(),
+                "critic_optim": state["opts"][1].state_dict(), "policy_sched": state["scheds"][0].state_dict(),
+                "critic_sched": state["scheds"][1].state_dict(), "kl": state["kl"].state_dict()},
+               tmp / STATE_FILE)
+    old = ckpt.with_name(ckpt.name + ".old")
+    if ckpt.exists():
+        os.replace(ckpt, old)
+    os.replace(tmp, ckpt)
+    if old.exists():
+        import shutil
+
+        shutil.rmtree(old)
+
+
+def load_checkpoint(ckpt: Path, policy, policy_opt, critic_opt, policy_sched, critic_sched, kl_ctl, device) -> int:
+    """Restore the policy weights, optimisers, schedules and KL controller; returns the step."""
+    state_path = ckpt / STATE_FILE
+    if not state_path.is_file():
+        raise ValueError(f"{ckpt}: no {STATE_FILE} (an incomplete checkpoint)")
+    _load_policy_weights(policy, ckpt / "policy")
+    state = torch.load(state_path, map_location=device, weights_only=False)
+    policy_opt.load_state_dict(state["policy_optim"])
+    critic_opt.load_state_dict(state["critic_optim"])
+    policy_sched.load_state_dict(state["policy_sched"])
+    critic_sched.load_state_dict(state["critic_sched"])
+    kl_ctl.load_state_dict(state["kl"])
+    return int(state["step"])
+
+
+def _load_policy_weights(policy, folder: Path) -> None:
+    """Copy saved policy weights into the already-built policy (whose reference is the start)."""
+    from pipeline.models import is_peft
+
+    if is_peft(policy):
+        from peft import load_peft_weights, set_peft_model_state_dict
+
+        set_peft_model_state_dict(policy, load_peft_weights(str(folder), device=str(policy.device)))
+    else:
+        from transformers.modeling_utils import load_sharded_checkpoint
+
+        if (folder / "model.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            policy.load_state_dict(load_file(str(folder / "model.safetensors"), device=str(policy.device)),
+                                   strict=False)
+        else:
+            load_sharded_checkpoint(policy, str(folder))
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+class Cancelled(Exception):
+    """SIGTERM or Ctrl-C arrived; the run stops at the next safe point."""
+
+
+class StopFlag:
+    """SIGTERM/SIGINT set a flag that the loop checks between phases and minibatches, so a
+    cancel never interrupts a write. A second signal stops at once."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def check(self) -> None:
+        if self.signal is not None:
+            raise Cancelled(f"cancelled by {self.signal}")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline ppo",
+                                     description="PPO on a policy with a reward model (or a scripted reward).")
+    parser.add_argument("--policy", default="",
+                        help="starting policy: a folder saved by a previous run (its adapter keeps training) "
+                             "or a base model; '' = --model")
+    parser.add_argument("--reward", required=True,
+                        help="reward model folder, or 'script:count:<text>' / 'script:length' for tests and benches")
+    parser.add_argument("--critic-init", default="",
+                        help="critic start: a reward/critic folder or a base model "
+                             "(default: the reward model when it is a folder, else the policy's base)")
+    parser.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line")
+    parser.add_argument("--out", required=True, help="run directory (created)")
+    parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint")
+    add_arguments(parser, PPOConfig)
+    add_arguments(parser, ModelConfig)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg, model_cfg = from_args(PPOConfig, args), from_args(ModelConfig, args)
+    try:
+        metrics = train(cfg, model_cfg, prompts=args.prompts, reward=args.reward, out_dir=args.out,
+                        policy=args.policy, critic_init=args.critic_init, resume=args.resume)
+    except Cancelled as exc:
+        print(f"{exc}; checkpoint saved in {Path(args.out) / CHECKPOINT} (continue with --resume)")
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}")
+        return 1
+    print(f"done: policy saved in {Path(args.out) / 'policy'}; last score "
+          f"{metrics.get('objective/score', float('nan')):.3f}, KL {metrics.get('objective/kl', float('nan')):.3f}")
+    return 0
+
+
+__all__ = ["train", "main", "build_parser", "check_config", "load_starting_policy", "save_checkpoint",
+           "load_checkpoint", "Cancelled"]

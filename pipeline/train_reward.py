@@ -1,0 +1,362 @@
+"""Train a reward model on preference pairs: pairs file in, run directory out.
+
+    python -m pipeline train-reward --data pairs.parquet --out runs/rm-1 [--epochs 1 --lr 5e-5
+        --batch-size 8 --grad-accum 1 --max-length 512 --lora true --model default ...]
+
+The model is `load_scalar_model(kind="reward")` on the policy's base model (SmolLM2-135M-Instruct
+by default), LoRA or full fine-tuning. Loss: Bradley-Terry -log sigmoid(r_c - r_r [- margin])
+(Ouyang et al. 2022, eq. 1), optional reward centering (TRL) and LM loss on the chosen response
+(Askell et al. 2021). Chosen and rejected rows go through the model in one forward pass, batches
+group pairs of similar length and are padded only to their own longest row.
+
+Run directory (written only here; the app tails it and registers the model):
+    config.json        configs, input file and its sha256, command line
+    status.json        {"state", "progress", "step", "total", ...}, rewritten as it goes
+    metrics.jsonl      one line per optimiser step: {"step", "train/loss", "train/accuracy", ...},
+                       then the eval/ line
+    checkpoint/        save_scalar_model (adapter or weights, head, reward_mean/std)
+    trainer_state.pt   optimiser, scheduler and step, for --resume
+    eval_report.json   held-out accuracy, margin, calibration, length baseline, truncation counts
+
+Ctrl-C or SIGTERM (the job runner's cancel) finishes the current step, saves a usable checkpoint,
+and marks the run 'cancelled'; `--resume` continues it. A second Ctrl-C stops at once.
+
+Measured run (documented command; slow on CPU): SmolLM2-135M-Instruct on the HH dev pairs, about
+1,600 pairs for training and 400 held out (split by prompt):
+
+    python -m pipeline train-reward --data ../shared/data/hh_dev_pairs.jsonl --out runs/rm-hh \\
+        --eval-fraction 0.2 --epochs 1 --batch-size 8 --lr 1e-4 --max-length 512 --norm-samples 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
+from pipeline.losses import center_loss, lm_loss, pairwise_loss
+from pipeline.models import load_scalar_model, pick_device, pick_dtype, resolve_model_path, save_scalar_model
+from pipeline.reward_data import (
+    collate, encode_pairs, length_grouped_batches, pairs_fingerprint, prompt_key, read_pairs, split_by_prompt,
+)
+from pipeline.reward_eval import autocast_for, evaluate, normalisation_stats, pair_scores
+
+# --------------------------------------------------------------------------- run directory
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write whole or not at all (tmp + rename): a tailing reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def write_status(out: Path, state: str, step: int, total: int, **extra) -> None:
+    write_json(out / "status.json", {"state": state, "progress": round(step / max(total, 1), 4),
+                                     "step": step, "total": total, "updated": time.time(), **extra})
+
+
+def append_metrics(out: Path, step: int, metrics: dict) -> None:
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+@contextlib.contextmanager
+def graceful_stop():
+    """SIGINT/SIGTERM set flag['stop'] so the loop can save and leave; a second SIGINT aborts."""
+    flag = {"stop": None}
+
+    def handler(signum, frame):
+        if flag["stop"] is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag["stop"] = signal.Signals(signum).name
+
+    old = {}
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, handler)
+    try:
+        yield flag
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def lm_head_weight(model, cache_dir: str) -> torch.Tensor:
+    """(V, H) output embedding for the LM term: the input embeddings when tied (SmolLM2), else the
+    base model's lm_head.weight read from its safetensors (frozen; the reward backbone has no head)."""
+    backbone = model.backbone
+    if getattr(backbone.config, "tie_word_embeddings", False):
+        return backbone.get_input_embeddings().weight
+    from safetensors import safe_open
+
+    folder = Path(resolve_model_path(model.base_model, cache_dir))
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            if "lm_head.weight" in fh.keys():
+                device = next(backbone.parameters()).device
+                return fh.get_tensor("lm_head.weight").to(device)
+    raise ValueError(f"--lm-coef needs the base model's lm_head.weight; none in {folder}")
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig, resume: bool = False,
+                 init_from: str = "", on_step=None) -> dict:
+    """Train, evaluate, normalise and save. Returns the eval report (also in eval_report.json).
+
+    on_step(step, metrics) is called after each optimiser step (tests use it to send signals).
+    """
+    out_dir = Path(out)
+    if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1:
+        raise ValueError("batch_size, grad_accum and epochs must be at least 1")
+    # 0. Run directory: never write over another run's results without --resume.
+    if resume:
+        if not (out_dir / "trainer_state.pt").is_file():
+            raise FileNotFoundError(f"--resume: {out_dir} has no trainer_state.pt to continue from")
+        status = json.loads((out_dir / "status.json").read_text())
+        if status.get("state") == "done":
+            raise ValueError(f"--resume: the run in {out_dir} already finished")
+    elif out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"--out {out_dir} is not empty: pass --resume to continue it, or choose a new folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_status(out_dir, "starting", 0, 0)
+    progress = {"step": 0, "total": 0}  # kept current by _train, for the failure status
+    try:
+        return _train(data, out_dir, cfg, model_cfg, resume, init_from, on_step, progress)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            write_status(out_dir, "cancelled", **progress, error="interrupted twice: stopped without saving")
+        else:
+            write_status(out_dir, "failed", **progress, error=f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resume, init_from, on_step,
+           progress: dict) -> dict:
+    device = pick_device(model_cfg.device)
+    dtype = pick_dtype(model_cfg.dtype, device)
+    # Full fine-tuning keeps fp32 master weights and runs bf16 under autocast; with LoRA the frozen
+    # base may sit in bf16 (models.py keeps the LoRA weights fp32).
+    load_cfg = ModelConfig(**{**vars(model_cfg), "dtype": "fp32" if not model_cfg.lora else model_cfg.dtype})
+    torch.manual_seed(cfg.seed)
+
+    # 1. Data: read, drop identical pairs, split by prompt.
+    pairs, data_report = read_pairs(data)
+    if cfg.eval_data:
+        train_pairs, (eval_pairs, eval_report) = pairs, read_pairs(cfg.eval_data)
+        train_keys = {prompt_key(p.prompt) for p in train_pairs}
+        eval_report["prompts_also_in_train"] = sum(prompt_key(p.prompt) in train_keys for p in eval_pairs)
+        data_report["eval_file"] = eval_report
+    else:
+        train_pairs, eval_pairs = split_by_prompt(pairs, cfg.eval_fraction, cfg.seed)
+    if not train_pairs:
+        raise ValueError(f"{data}: no training pairs left after holding out {cfg.eval_fraction:.0%} of prompts")
+
+    # 2. Model: a new reward head on the base model, a previous reward model (--init-from), or this
+    #    run's own checkpoint (--resume).
+    source = str(out_dir / "checkpoint") if resume else (init_from or model_cfg.model)
+    model, tokenizer = load_scalar_model(source, "reward", load_cfg)
+    train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
+    eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
+    pad_id = tokenizer.pad_token_id
+    lm_weight = lm_head_weight(model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None
+    if not resume:
+        write_json(out_dir / "config.json", {
+            "reward": to_dict(cfg), "model": to_dict(model_cfg), "data": str(data),
+            "data_sha256": pairs_fingerprint(data), "init_from": init_from, "base_model": model.base_model,
+            "argv": sys.argv, "data_report": data_report,
+        })
+
+    # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
+    steps_per_epoch = math.ceil(math.ceil(len(train_items) / cfg.batch_size) / cfg.grad_accum)
+    total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps > 0:
+        total = min(total, cfg.max_steps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
+    step = 0
+    if resume:
+        state = torch.load(out_dir / "trainer_state.pt", map_location=device, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+
+    def save(norm: dict | None = None) -> None:
+        save_scalar_model(model, tokenizer, out_dir / "checkpoint")
+        tmp = out_dir / ".trainer_state.pt.tmp"
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                    "total": total, "normalised": norm is not None}, tmp)
+        os.replace(tmp, out_dir / "trainer_state.pt")
+
+    # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
+    lengths = [it.length for it in train_items]
+    model.train()
+    bar = tqdm(total=total, initial=step, desc="reward model", unit="step", dynamic_ncols=True)
+    write_status(out_dir, "running", step, total)
+    pairs_done, t_start, stopped = 0, time.perf_counter(), None
+    with graceful_stop() as flag:
+        for epoch in range(step // steps_per_epoch, cfg.epochs):
+            if step >= total or stopped:
+                break
+            batches = length_grouped_batches(lengths, cfg.batch_size, seed=cfg.seed * 1000 + epoch)
+            for k in range(step - epoch * steps_per_epoch, steps_per_epoch):  # skip steps done before --resume
+                if step >= total:
+                    break
+                micro = batches[k * cfg.grad_accum:(k + 1) * cfg.grad_accum]
+                sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
+                t0 = time.perf_counter()
+                for idx in micro:
+                    batch = collate([train_items[i] for i in idx], pad_id, with_lm_mask=lm_weight is not None)
+                    ids = batch["input_ids"].to(device)  # (2B, L)
+                    mask = batch["attention_mask"].to(device)  # (2B, L)
+                    b = len(idx)
+                    with autocast_for(device, dtype):
+                        scores, hidden = pair_scores(model, ids, mask)  # (2B,), (2B, L, H)
+                        r_c, r_r = scores[:b], scores[b:]  # (B,), (B,)
+                        loss = pairwise_loss(r_c, r_r, batch["margin"].to(device) if cfg.margin else None)
+                        if cfg.center_coef > 0:
+                            loss = loss + cfg.center_coef * center_loss(r_c, r_r)
+                        if lm_weight is not None:
+                            logits = hidden[:b] @ lm_weight.to(hidden.dtype).T  # (B, L, V)
+                            loss = loss + cfg.lm_coef * lm_loss(logits, ids[:b], batch["lm_mask"].to(device))
+                    (loss / len(micro)).backward()
+                    sums["loss"] += loss.item() * b
+                    sums["accuracy"] += (r_c > r_r).float().sum().item()
+                    sums["margin"] += (r_c - r_r).sum().item()
+                    sums["pairs"] += b
+                    sums["tokens"] += int(mask.sum())
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                pairs_done += sums["pairs"]
+                n = sums["pairs"]
+                metrics = {
+                    "train/loss": sums["loss"] / n, "train/accuracy": sums["accuracy"] / n,
+                    "train/margin": sums["margin"] / n, "train/lr": scheduler.get_last_lr()[0],
+                    "train/grad_norm": float(grad_norm), "train/epoch": epoch + (k + 1) / steps_per_epoch,
+                    "train/pairs_per_s": n / (time.perf_counter() - t0), "train/tokens": sums["tokens"],
+                }
+                append_metrics(out_dir, step, metrics)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
+                write_status(out_dir, "running", step, total)
+                progress.update(step=step, total=total)
+                if on_step is not None:
+                    on_step(step, metrics)
+                if flag["stop"]:
+                    stopped = flag["stop"]
+                    break
+                if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                    save()
+    bar.close()
+    train_seconds = time.perf_counter() - t_start
+
+    # 5. Interrupted: save what we have (usable, unnormalised) and leave.
+    if stopped:
+        save()
+        write_status(out_dir, "cancelled", step, total, message=f"stopped by {stopped}; --resume continues")
+        return {"state": "cancelled", "step": step, "total": total}
+
+    # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
+    write_status(out_dir, "evaluating", step, total)
+    report = evaluate(model, eval_items, pad_id, device, dtype, batch_size=2 * cfg.batch_size)
+    calib = report.pop("calibration", [])
+    if report:
+        append_metrics(out_dir, step, report)
+
+    # 7. Reward normalisation on reference-policy samples, stored with the checkpoint.
+    norm = None
+    if cfg.norm_samples > 0:
+        write_status(out_dir, "normalising", step, total)
+        norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
+                                   policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size)
+        append_metrics(out_dir, step, {"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]})
+        model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
+
+    # 8. Save the checkpoint and the report.
+    save(norm)
+    full = {
+        **report, "calibration": calib, "normalisation": norm,
+        "train/pairs": len(train_items), "train/prompts": len({str(p.prompt) for p in train_pairs}),
+        "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
+        "train/seconds": train_seconds, "train/pairs_per_s": pairs_done / max(train_seconds, 1e-9),
+        "steps": step, "data": data_report,
+        "truncation": {
+            "max_length": cfg.max_length,
+            "prompt_truncated": trunc_train.prompt_truncated + trunc_eval.prompt_truncated,
+            "response_truncated": trunc_train.response_truncated + trunc_eval.response_truncated,
+            "sequences": 2 * (len(train_items) + len(eval_items)),
+            "longest_tokens": max(trunc_train.max_tokens_seen, trunc_eval.max_tokens_seen),
+            "example_rows": (trunc_train.examples + trunc_eval.examples)[:10],
+        },
+        "checkpoint": str(out_dir / "checkpoint"),
+    }
+    write_json(out_dir / "eval_report.json", full)
+    write_status(out_dir, "done", step, total)
+    return full
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline train-reward",
+                                     description="Train a reward model on preference pairs.")
+    parser.add_argument("--data", required=True, help="pairs: .jsonl/.json/.parquet, a datasets folder, or HH-RLHF style")
+    parser.add_argument("--out", required=True, help="run directory (new, or the one to --resume)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out (optimiser and step)")
+    parser.add_argument("--init-from", default="", help="start from a previous reward checkpoint folder")
+    add_arguments(parser, RewardConfig)
+    add_arguments(parser, ModelConfig)
+    return parser
+
+
+def print_summary(report: dict) -> None:
+    if report.get("state") == "cancelled":
+        print(f"cancelled at step {report['step']}/{report['total']}: checkpoint saved; --resume continues")
+        return
+    if "eval/accuracy" in report:
+        print(f"held-out accuracy {report['eval/accuracy']:.3f} on {report['eval/pairs']} pairs "
+              f"(longer-response baseline {report['eval/length_baseline_accuracy']:.3f}), "
+              f"mean margin {report['eval/margin']:.3f}")
+        for row in report["calibration"]:
+            print(f"  |r_c - r_r| {row['abs_diff_min']:.2f}-{row['abs_diff_max']:.2f}: accuracy "
+                  f"{row['accuracy']:.2f} (model says {row['predicted']:.2f}), {row['count']} pairs")
+    t = report["truncation"]
+    print(f"truncated to {t['max_length']} tokens: {t['prompt_truncated']} prompts, "
+          f"{t['response_truncated']} responses of {t['sequences']} sequences; "
+          f"{report['data']['dropped_identical']} pairs dropped (chosen == rejected)")
+    print(f"checkpoint: {report['checkpoint']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg, model_cfg = from_args(RewardConfig, args), from_args(ModelConfig, args)
+    try:
+        report = train_reward(args.data, args.out, cfg, model_cfg, resume=args.resume, init_from=args.init_from)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_summary(report)
+    return 130 if report.get("state") == "cancelled" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Inter-annotator agreement on rankings. Pure functions, no database.
+
+Input everywhere: {item_id: {annotator_id: order}}, where order is a list of tie groups of
+response ids, best first (see store/pairs.py). Only items with two or more annotators count.
+
+- Pairwise agreement: over every (annotator pair, item, response pair) where *both* annotators
+  gave a strict preference, the share where they preferred the same response. Pairs that either
+  annotator tied are left out (a tie is neither agreement nor disagreement).
+- Kendall's tau-b between two annotators' orders of one item (ties corrected), averaged over
+  (annotator pair, item). Undefined (skipped) when either annotator tied everything.
+- Krippendorff's alpha, ordinal metric (Krippendorff 2011, "Computing Krippendorff's
+  Alpha-Reliability", section on the ordinal metric): units are (item, response), each
+  annotator's value is the response's mid-rank in their order (store.pairs.mid_ranks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+
+from store.pairs import mid_ranks
+
+
+def krippendorff_alpha_ordinal(units: Sequence[Sequence[float]]) -> float | None:
+    """Krippendorff's alpha with the ordinal difference function.
+
+    `units`: for each unit, the values the coders gave it (missing values simply left out).
+    Units with fewer than two values are not pairable and are ignored. Returns None when alpha is
+    undefined (fewer than two pairable values, or a single distinct value).
+    """
+    # 1. coincidence matrix o[c][k]: each ordered pair of values within a unit, weighted 1/(m_u - 1)
+    o: dict[tuple[float, float], float] = defaultdict(float)
+    for unit in units:
+        m = len(unit)
+        if m < 2:
+            continue
+        for i, j in itertools.permutations(range(m), 2):
+            o[(unit[i], unit[j])] += 1.0 / (m - 1)
+    if not o:
+        return None
+    values = sorted({c for c, _ in o})
+    n_c = {c: sum(w for (a, _), w in o.items() if a == c) for c in values}
+    n = sum(n_c.values())
+    if len(values) < 2 or n <= 1:
+        return None
+    # 2. ordinal distance: delta^2(c, k) = (sum of n_g for g from c to k - (n_c + n_k) / 2)^2
+    pos = {v: i for i, v in enumerate(values)}
+    cum = list(itertools.accumulate(n_c[v] for v in values))
+
+    def delta2(c: float, k: float) -> float:
+        lo, hi = sorted((pos[c], pos[k]))
+        between = cum[hi] - (cum[lo - 1] if lo > 0 else 0.0)
+        return (between - (n_c[c] + n_c[k]) / 2) ** 2
+
+    # 3. alpha = 1 - D_o / D_e = 1 - (n - 1) * sum o_ck d2 / sum n_c n_k d2
+    observed = sum(w * delta2(c, k) for (c, k), w in o.items())
+    expected = sum(n_c[c] * n_c[k] * delta2(c, k) for c in values for k in values)
+    if expected == 0:
+        return None
+    return 1.0 - (n - 1) * observed / expected
+
+
+def kendall_tau_b(ranks_a: Mapping[int, float], ranks_b: Mapping[int, float]) -> float | None:
+    """Kendall's tau-b between two rankings of the same ids (smaller rank = better)."""
+    ids = sorted(set(ranks_a) & set(ranks_b))
+    concordant = discordant = tied_a = tied_b = 0
+    for i, j in itertools.combinations(ids, 2):
+        da = ranks_a[i] - ranks_a[j]
+        db = ranks_b[i] - ranks_b[j]
+        if da == 0:
+            tied_a += 1
+        if db == 0:
+            tied_b += 1
+        if da and db:
+            if (da > 0) == (db > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    n0 = len(ids) * (len(ids) - 1) // 2
+    denom = math.sqrt((n0 - tied_a) * (n0 - tied_b))
+    return None if denom == 0 else (concordant - discordant) / denom
+
+
+def agreement_summary(rankings: Mapping[int, Mapping[int, Sequence]]) -> dict:
+    """{items, comparisons, pairwise_agreement, krippendorff_alpha, kendall_tau} for
+    {item_id: {annotator_id: order}}."""
+    items = 0
+    agree = comparisons = 0
+    taus: list[float] = []
+    units: list[list[float]] = []
+    for by_annotator in rankings.values():
+        if len(by_annotator) < 2:
+            continue
+        items += 1
+        ranks = {a: mid_ranks(order) for a, order in by_annotator.items()}
+        for a, b in itertools.combinations(sorted(ranks), 2):
+            ra, rb = ranks[a], ranks[b]
+            for i, j in itertools.combinations(sorted(set(ra) & set(rb)), 2):
+                da, db = ra[i] - ra[j], rb[i] - rb[j]
+                if da and db:
+                    comparisons += 1
+                    agree += (da > 0) == (db > 0)
+            tau = kendall_tau_b(ra, rb)
+            if tau is not None:
+                taus.append(tau)
+        values_by_response: dict[int, list[float]] = defaultdict(list)
+        for r in ranks.values():
+            for rid, value in r.items():
+                values_by_response[rid].append(value)
+        units.extend(values_by_response.values())
+    return {
+        "items": items,
+        "comparisons": comparisons,
+        "pairwise_agreement": agree / comparisons if comparisons else None,
+        "krippendorff_alpha": krippendorff_alpha_ordinal(units) if units else None,
+        "kendall_tau": sum(taus) / len(taus) if taus else None,
+    }
+
+
+def position_bias(rankings: Sequence[tuple[Sequence, Sequence[int]]]) -> dict:
+    """How often the first-shown response lands in the top tie group.
+
+    `rankings`: (order, display_order) per ranking. Returns {rankings, first_shown_best_rate,
+    expected_rate, best_rate_by_position}; expected_rate is what the first position would score
+    if annotators ignored position (|top group| / K, averaged).
+    """
+    n = 0
+    first_best = 0
+    expected = 0.0
+    by_pos: Counter = Counter()
+    seen_pos: Counter = Counter()
+    for order, display in rankings:
+        if not order or not display:
+            continue
+        top = set(order[0])
+        k = sum(len(g) for g in order)
+        n += 1
+        first_best += display[0] in top
+        expected += len(top) / k
+        for p, rid in enumerate(display):
+            seen_pos[p] += 1
+            by_pos[p] += rid in top
+    return {
+        "rankings": n,
+        "first_shown_best_rate": first_best / n if n else None,
+        "expected_rate": expected / n if n else None,
+        "best_rate_by_position": [by_pos[p] / seen_pos[p] for p in sorted(seen_pos)],
+    }

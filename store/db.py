@@ -1,0 +1,329 @@
+"""The connection core every part of the Store shares: open, lock, cursors, transactions.
+
+DuckDB allows one read-write process per file (DESIGN.md, Process model). Inside that process the
+Store holds one connection; each thread gets its own cursor (`con.cursor()`, a connection to the
+same database) because a DuckDB connection must not be used by two threads at once. Writes are
+short transactions serialised by one lock: DuckDB would otherwise abort one of two concurrent
+transactions that touch the same rows (optimistic concurrency), and the queue's "check then
+lease" must be atomic anyway. Reads run concurrently on their own cursors (MVCC snapshots). Stores opened on the same file in
+one process share the lock (class _Shared), as DuckDB shares the database between them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from contextlib import contextmanager
+from datetime import date, datetime, timezone
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from store.errors import InvalidRequest, NotFoundError, StoreError, StoreLockedError
+from store.migrations import migrate
+
+DEFAULT_DB = Path("data") / "rlhf.duckdb"
+
+
+def default_db_path() -> Path:
+    """$RLHF_LOOP_DB if set, else ./data/rlhf.duckdb (relative to the working directory)."""
+    env = os.environ.get("RLHF_LOOP_DB")
+    return Path(env) if env else DEFAULT_DB
+
+
+# ---------------------------------------------------------------- time and JSON helpers
+
+
+def utcnow() -> datetime:
+    """Naive UTC, the form timestamps are stored in."""
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def to_db_time(value: datetime | date | str | None) -> datetime | None:
+    """Accept an aware datetime, a naive one (taken as UTC), a date, or an ISO string."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError as exc:
+            raise InvalidRequest(f"not an ISO date or time: {value!r}") from exc
+    if isinstance(value, date) and not isinstance(value, datetime):
+        value = datetime(value.year, value.month, value.day)
+    if value.tzinfo is not None:
+        value = value.astimezone(timezone.utc).replace(tzinfo=None)
+    return value
+
+
+def from_db_time(value: datetime | None) -> datetime | None:
+    return None if value is None else value.replace(tzinfo=timezone.utc)
+
+
+def dumps(value) -> str:
+    return json.dumps(value if value is not None else {}, ensure_ascii=False, sort_keys=True)
+
+
+def loads(text: str | None, default=None):
+    if text is None:
+        return {} if default is None else default
+    return json.loads(text)
+
+
+# ---------------------------------------------------------------- the core
+
+
+class StoreBase:
+    """Opens (creating and migrating) a DuckDB file and hands out cursors and transactions."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        replace_rerankings: bool = True,
+        threads: int | None = None,
+        memory_limit: str | None = None,
+    ):
+        """Open or create the database at `path` (default: default_db_path()) and migrate it.
+
+        replace_rerankings: when an annotator ranks an item they ranked before, the new ranking
+            replaces the old one and its pairs (True), or both are kept (False).
+        threads, memory_limit: DuckDB settings (None = DuckDB's defaults).
+        Raises StoreLockedError when another process has the file open.
+        """
+        self.path = Path(path) if path is not None else default_db_path()
+        if str(self.path) == ":memory:":
+            raise StoreError("the Store needs a file path; ':memory:' is not supported")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.replace_rerankings = replace_rerankings
+        config = {}
+        if threads:
+            config["threads"] = int(threads)
+        if memory_limit:
+            config["memory_limit"] = memory_limit
+        self._con = _connect(self.path, config)
+        self._shared = _Shared.acquire(self.path)
+        self._local = threading.local()
+        self._cursors: list = []
+        self._cursors_lock = threading.Lock()
+        self._closed = False
+        try:
+            with self._shared.lock:
+                self.migrations_applied = migrate(self._con)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle
+
+    def close(self) -> None:
+        """Close every cursor and the connection (DuckDB checkpoints the WAL into the file)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._cursors_lock:
+            for cur in self._cursors:
+                try:
+                    cur.close()
+                except duckdb.Error:
+                    pass
+            self._cursors.clear()
+        self._con.close()
+        _Shared.release(self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r})"
+
+    # -- cursors and transactions
+
+    def _cur(self):
+        """This thread's cursor (created on first use)."""
+        if self._closed:
+            raise StoreError(f"{self.path}: the store is closed")
+        cur = getattr(self._local, "cur", None)
+        if cur is None:
+            cur = self._con.cursor()
+            self._local.cur = cur
+            with self._cursors_lock:
+                self._cursors.append(cur)
+        return cur
+
+    @contextmanager
+    def _tx(self, *, queue: bool = False):
+        """One short write transaction: BEGIN, the caller's statements, COMMIT (ROLLBACK on error).
+
+        Functions given to _on_commit(fn) run after COMMIT, still under the write lock, with the
+        queue index (store/queue_index.py) if it exists: that is how the index follows the data.
+        queue=True builds the index first if needed (from this transaction's snapshot, before any
+        of the caller's writes), so the caller can use self._shared.queue.
+        """
+        cur = self._cur()
+        with self._shared.lock:
+            hooks: list = []
+            self._local.hooks = hooks
+            cur.execute("BEGIN TRANSACTION")
+            try:
+                if queue and self._shared.queue is None:
+                    self._shared.queue = self._build_queue_index(cur)
+                yield cur
+            except BaseException:
+                self._local.hooks = None
+                cur.execute("ROLLBACK")
+                raise
+            self._local.hooks = None
+            try:
+                cur.execute("COMMIT")
+            except duckdb.Error:
+                # A failed COMMIT has already aborted the transaction; make sure none is left open.
+                try:
+                    cur.execute("ROLLBACK")
+                except duckdb.Error:
+                    pass
+                raise
+            index = self._shared.queue
+            if index is not None:
+                try:
+                    for fn in hooks:
+                        if fn is None:  # the change was too large to follow: rebuild on next use
+                            self._shared.queue = None
+                            break
+                        fn(index)
+                except Exception:
+                    self._shared.queue = None  # rebuilt from the database on next use
+
+    def _on_commit(self, fn) -> None:
+        """Run fn(queue_index) after the current transaction commits (see _tx); None drops the
+        index instead (it is rebuilt from the database when next needed)."""
+        self._local.hooks.append(fn)
+
+    @contextmanager
+    def _queue_locked(self):
+        """The queue index under the write lock (built from a consistent snapshot if needed)."""
+        with self._shared.lock:
+            if self._shared.queue is None:
+                cur = self._cur()
+                cur.execute("BEGIN TRANSACTION")
+                try:
+                    self._shared.queue = self._build_queue_index(cur)
+                finally:
+                    cur.execute("COMMIT")
+            yield self._shared.queue
+
+    def _build_queue_index(self, cur):
+        raise NotImplementedError  # provided by QueueMixin
+
+    def _rows(self, sql: str, params=None) -> list[tuple]:
+        return self._cur().execute(sql, params or []).fetchall()
+
+    def _one(self, sql: str, params=None):
+        # fetchall, not fetchone: an unread rest of a result would keep the cursor busy (DuckDB 2)
+        rows = self._cur().execute(sql, params or []).fetchall()
+        return rows[0] if rows else None
+
+    def _scalar(self, sql: str, params=None):
+        row = self._one(sql, params)
+        return None if row is None else row[0]
+
+    # -- bulk helpers (used inside _tx)
+
+    @staticmethod
+    def _reserve_ids(cur, sequence: str, n: int) -> list[int]:
+        """Take n ids from a sequence. All writes hold the write lock, so they are contiguous."""
+        if n <= 0:
+            return []
+        lo, hi, count = cur.execute(
+            f"SELECT min(v), max(v), count(*) FROM (SELECT nextval('{sequence}') AS v FROM range(?))",
+            [n],
+        ).fetchone()
+        if hi - lo + 1 == count == n:
+            return list(range(lo, hi + 1))
+        raise StoreError(f"ids from {sequence} were not contiguous ({lo}..{hi} for {n})")
+
+    @staticmethod
+    def _insert_arrow(cur, table: str, data: dict[str, pa.Array | list], types: dict) -> None:
+        """INSERT INTO table (cols...) from columns, through an Arrow table (fast for many rows)."""
+        arrays = {
+            col: values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(values, types[col])
+            for col, values in data.items()
+        }
+        if not arrays or len(next(iter(arrays.values()))) == 0:
+            return
+        cols = ", ".join(f'"{c}"' for c in arrays)
+        with registered(cur, f"_incoming_{table}", pa.table(arrays)) as view:
+            cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {view}")
+
+    @staticmethod
+    def _need(row, what: str):
+        if row is None:
+            raise NotFoundError(f"no {what}")
+        return row
+
+
+@contextmanager
+def registered(cur, name: str, table: pa.Table):
+    """Expose an Arrow table to SQL as `name` for the duration of the block.
+
+    DuckDB 2 refuses register() while the cursor has an unread result (even a fetchone() of a
+    one-row result counts), so the pending result is run to its end first.
+    """
+    cur.complete()
+    cur.register(name, table)
+    try:
+        yield name
+    finally:
+        cur.complete()
+        cur.unregister(name)
+
+
+class _Shared:
+    """State shared by every Store open on one file in this process: DuckDB gives them one database
+    instance, so they must also share the write lock and the queue index."""
+
+    _by_path: dict[str, "_Shared"] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.refs = 0
+        self.queue = None  # QueueIndex, built on first use
+        self.settings: dict[str, str | None] = {}  # key -> JSON text (None: not set)
+        self.lease_gc_at = None
+
+    @classmethod
+    def acquire(cls, path: Path) -> "_Shared":
+        key = os.path.realpath(path)
+        with cls._registry_lock:
+            shared = cls._by_path.setdefault(key, cls())
+            shared.refs += 1
+            return shared
+
+    @classmethod
+    def release(cls, path: Path) -> None:
+        key = os.path.realpath(path)
+        with cls._registry_lock:
+            shared = cls._by_path.get(key)
+            if shared is not None:
+                shared.refs -= 1
+                if shared.refs <= 0:
+                    del cls._by_path[key]
+
+
+def _connect(path: Path, config: dict):
+    try:
+        return duckdb.connect(str(path), config=config)
+    except duckdb.ConnectionException as exc:
+        raise StoreError(f"{path}: already open in this process with other settings ({exc})") from exc
+    except duckdb.IOException as exc:
+        text = str(exc)
+        if "lock" in text.lower():
+            pid = re.search(r"PID (\d+)", text)
+            raise StoreLockedError(str(path), f"held by PID {pid.group(1)}" if pid else "") from None
+        raise StoreError(f"{path}: cannot open the database: {text}") from exc

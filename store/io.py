@@ -1,0 +1,313 @@
+"""Import prompts and preference pairs from files; export pairs (store/export.py).
+
+Formats, chosen by the file extension:
+- JSON Lines (.jsonl, .ndjson; .json holding one JSON array also works), one object per line;
+- CSV (.csv) with a header row (a `messages` cell holds JSON);
+- Parquet (.parquet, .pq).
+
+Prompts: a `prompt` column (text), or chat `messages` ([{role, content}, ...]); optional `source`.
+Pairs, in either of the two layouts TRL and Anthropic use:
+- explicit (TRL): `prompt`, `chosen`, `rejected` strings (optional `margin`, `source`); HH-style
+  prompts (a "\\n\\nHuman: ...\\n\\nAssistant:" transcript) are kept as they are;
+- HH-RLHF: `chosen` and `rejected` hold full transcripts and no `prompt`: each is split at its last
+  "\\n\\nAssistant:" and the two prefixes must be equal (that prefix, marker included, is the prompt).
+Replies are stored exactly as given (HH replies keep their leading space, so prompt + chosen is the
+original transcript).
+
+All or nothing: the whole file is read and checked first; any problem (not parseable, missing
+column, empty text, text over the length limit, file over the size limit, invalid UTF-8) raises
+DataError listing file, row and problem, and nothing from the file is stored. Rows are counted
+from 1: JSONL by line, CSV by data row (header not counted), Parquet by row.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io as _io
+import json
+import numbers
+from pathlib import Path
+
+from store.errors import DataError
+from store.export import export_pairs, load_pairs_snapshot, snapshot_sha256  # noqa: F401 (re-exported)
+from store.repo import check_messages, messages_to_text
+
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+"""Files over this size are refused (pass max_bytes to raise it)."""
+DEFAULT_MAX_CHARS = 100_000
+"""A prompt or reply over this many characters is refused (pass max_chars to raise it)."""
+MAX_ERRORS = 50
+"""Problems collected before giving up on a file."""
+ASSISTANT_MARK = "\n\nAssistant:"
+
+__all__ = ["import_prompts", "import_pairs", "export_pairs", "load_pairs_snapshot", "read_rows",
+           "snapshot_sha256", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CHARS"]
+
+
+# ---------------------------------------------------------------- reading files
+
+
+class _Problems:
+    """Collects (row, problem) pairs; raises DataError once there are any (or too many)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.items: list[tuple[int | None, str]] = []
+        self.more = 0
+
+    def add(self, row: int | None, problem: str) -> None:
+        if len(self.items) < MAX_ERRORS:
+            self.items.append((row, problem))
+        else:
+            self.more += 1
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise DataError(str(self.path), self.items, more=self.more)
+
+
+def read_rows(path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[int, dict]]:
+    """(row number, row dict) for every row of a JSONL, JSON, CSV or Parquet file.
+    Raises DataError for an unreadable file (missing, too big, bad encoding, unparseable rows)."""
+    path = Path(path)
+    problems = _Problems(path)
+    if not path.is_file():
+        raise DataError(str(path), [(None, "no such file")])
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise DataError(str(path), [(None, f"the file has {size:,} bytes, over the limit of {max_bytes:,}")])
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        rows = _read_json(path, problems)
+    elif suffix == ".csv":
+        rows = _read_csv(path, problems)
+    elif suffix in (".parquet", ".pq"):
+        rows = _read_parquet(path, problems)
+    else:
+        raise DataError(str(path), [(None, f"unknown file type {suffix!r}: use .jsonl, .json, .csv or .parquet")])
+    problems.raise_if_any()
+    if not rows:
+        raise DataError(str(path), [(None, "the file holds no rows")])
+    return rows
+
+
+def _read_json(path: Path, problems: _Problems) -> list[tuple[int, dict]]:
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte order mark
+    if path.suffix.lower() == ".json" and raw.lstrip()[:1] == b"[":
+        text = _decode(raw, problems)
+        if text is None:
+            return []
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            problems.add(None, f"not valid JSON: {exc}")
+            return []
+        rows = list(enumerate(data, 1))
+    else:
+        rows = []
+        for n, line in enumerate(raw.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                problems.add(n, f"invalid UTF-8 at byte {exc.start} of the line")
+                continue
+            try:
+                rows.append((n, json.loads(text)))
+            except json.JSONDecodeError as exc:
+                problems.add(n, f"not valid JSON: {exc.msg} (column {exc.colno})")
+    out = []
+    for n, obj in rows:
+        if isinstance(obj, dict):
+            out.append((n, obj))
+        else:
+            problems.add(n, f"expected a JSON object, got {type(obj).__name__}")
+    return out
+
+
+def _decode(raw: bytes, problems: _Problems) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        problems.add(None, f"invalid UTF-8 at byte {exc.start} (line {line} of the file)")
+        return None
+
+
+def _read_csv(path: Path, problems: _Problems) -> list[tuple[int, dict]]:
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    text = _decode(raw, problems)
+    if text is None:
+        return []
+    try:
+        reader = csv.DictReader(_io.StringIO(text, newline=""))
+        rows = []
+        for n, row in enumerate(reader, 1):
+            if None in row:
+                problems.add(n, "more cells than header columns")
+                continue
+            if "messages" in row and row["messages"]:
+                try:
+                    row["messages"] = json.loads(row["messages"])
+                except json.JSONDecodeError as exc:
+                    problems.add(n, f"'messages' is not valid JSON: {exc.msg}")
+                    continue
+            rows.append((n, {k: v for k, v in row.items() if v is not None}))
+        return rows
+    except csv.Error as exc:
+        problems.add(None, f"not valid CSV: {exc}")
+        return []
+
+
+def _read_parquet(path: Path, problems: _Problems) -> list[tuple[int, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        problems.add(None, f"not a readable Parquet file: {exc}")
+        return []
+    return list(enumerate(table.to_pylist(), 1))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- checking rows
+
+
+def _text(row: dict, field: str, n: int, problems: _Problems, max_chars: int) -> str | None:
+    """The row's text field, or None after recording why it is unusable."""
+    if field not in row or row[field] is None:
+        problems.add(n, f"missing '{field}'")
+        return None
+    value = row[field]
+    if isinstance(value, list):
+        problems.add(n, f"'{field}' is a list (conversational format): give plain text")
+        return None
+    if not isinstance(value, str):
+        problems.add(n, f"'{field}' must be text, got {type(value).__name__}")
+        return None
+    if not value.strip():
+        problems.add(n, f"'{field}' is empty")
+        return None
+    if len(value) > max_chars:
+        problems.add(n, f"'{field}' has {len(value):,} characters, over the limit of {max_chars:,}")
+        return None
+    if "\x00" in value:
+        problems.add(n, f"'{field}' contains a NUL character")
+        return None
+    return value
+
+
+def _source(row: dict, default: str) -> str:
+    value = row.get("source")
+    return value if isinstance(value, str) and value.strip() else default
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def import_prompts(store, path, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                   max_chars: int = DEFAULT_MAX_CHARS, source: str | None = None) -> dict:
+    """Import prompts from a file (all or nothing). Prompts already stored (same text) are not
+    added again. Returns {file, rows, added, duplicates}."""
+    path = Path(path)
+    default_source = source or f"import:{path.name}"
+    problems = _Problems(path)
+    checked = []
+    for n, row in read_rows(path, max_bytes=max_bytes):
+        messages = row.get("messages")
+        if messages is not None and messages != "":
+            problem = check_messages(messages)
+            if problem:
+                problems.add(n, problem)
+                continue
+            text = messages_to_text(messages)
+            if len(text) > max_chars:
+                problems.add(n, f"'messages' has {len(text):,} characters, over the limit of {max_chars:,}")
+                continue
+            checked.append((text, json.dumps(messages, ensure_ascii=False), _source(row, default_source)))
+        else:
+            if "prompt" not in row:
+                problems.add(n, f"missing 'prompt' (or 'messages'); columns: {sorted(row)}")
+                continue
+            text = _text(row, "prompt", n, problems, max_chars)
+            if text is not None:
+                checked.append((text, None, _source(row, default_source)))
+    problems.raise_if_any()
+    _, added = store._add_prompt_rows(checked)
+    return {"file": str(path), "rows": len(checked), "added": added, "duplicates": len(checked) - added}
+
+
+# ---------------------------------------------------------------- pairs
+
+
+def split_hh(transcript: str) -> tuple[str, str] | None:
+    """Split an HH-RLHF transcript at its last "\\n\\nAssistant:" -> (prompt incl. marker, reply)."""
+    at = transcript.rfind(ASSISTANT_MARK)
+    if at < 0:
+        return None
+    cut = at + len(ASSISTANT_MARK)
+    return transcript[:cut], transcript[cut:]
+
+
+def import_pairs(store, path, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_chars: int = DEFAULT_MAX_CHARS) -> dict:
+    """Import preference pairs (TRL explicit or HH-RLHF transcripts; all or nothing).
+    Returns {file, rows, pairs, prompts_added, prompts_existing, model_version_id}."""
+    path = Path(path)
+    default_source = f"import:{path.name}"
+    problems = _Problems(path)
+    checked = []
+    for n, row in read_rows(path, max_bytes=max_bytes):
+        chosen = _text(row, "chosen", n, problems, max_chars)
+        rejected = _text(row, "rejected", n, problems, max_chars)
+        if chosen is None or rejected is None:
+            continue
+        if row.get("prompt") is not None:
+            prompt = _text(row, "prompt", n, problems, max_chars)
+            if prompt is None:
+                continue
+        else:  # HH-RLHF: full transcripts
+            a, b = split_hh(chosen), split_hh(rejected)
+            if a is None or b is None:
+                problems.add(n, "no 'prompt' column and no \"\\n\\nAssistant:\" turn to split the transcripts at")
+                continue
+            if a[0] != b[0]:
+                problems.add(n, "the chosen and rejected transcripts differ before their last Assistant turn")
+                continue
+            prompt, chosen, rejected = a[0], a[1], b[1]
+            if not chosen.strip() or not rejected.strip():
+                problems.add(n, "an empty reply after the last Assistant turn")
+                continue
+        if chosen == rejected:
+            problems.add(n, "'chosen' and 'rejected' are identical")
+            continue
+        margin = row.get("margin", 1.0)
+        if margin is None or margin == "":
+            margin = 1.0
+        try:
+            margin = float(margin)
+        except (TypeError, ValueError):
+            problems.add(n, f"'margin' must be a number, got {margin!r}")
+            continue
+        if isinstance(row.get("margin"), bool) or not isinstance(margin, numbers.Real) or margin != margin:
+            problems.add(n, f"'margin' must be a number, got {row.get('margin')!r}")
+            continue
+        checked.append((prompt, chosen, rejected, margin, _source(row, default_source)))
+    problems.raise_if_any()
+    counts = store._import_pair_rows(path.name, _sha256(path), checked)
+    return {"file": str(path), **counts}

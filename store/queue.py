@@ -1,0 +1,184 @@
+"""The annotation queue: which item an annotator gets next, leases, skips and flags.
+
+An *item* is one generation call's K >= 2 responses to one prompt (Store.add_responses); imported
+pairs are items too but are never queued. `next_item` hands an annotator an item that
+- is queued, and its prompt is not flagged,
+- this annotator has not ranked or skipped,
+- has fewer than `overlap` rankings plus live leases held by *other* annotators,
+preferring the annotator's own live lease (a reload shows the same item), then items with the
+fewest rankings so far (the ones that need the most annotations), then the oldest. Taking an item
+writes a lease (item, annotator, expires_at) in the same transaction as the check, so concurrent
+annotators never get one item beyond the overlap; an expired lease no longer counts, so an
+abandoned item returns to the queue by itself.
+
+The choice is made in memory (store/queue_index.py explains why) and the lease is written to the
+`leases` table in the same transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+from datetime import datetime, timedelta
+
+from store.db import from_db_time, to_db_time, utcnow
+from store.queue_index import QueueIndex
+from store.records import Item, Progress, Prompt
+
+OVERLAP_KEY = "queue_overlap"
+LEASE_SECONDS_KEY = "queue_lease_seconds"
+DEFAULT_OVERLAP = 1
+DEFAULT_LEASE_SECONDS = 600
+
+
+def display_order_for(annotator_id: int, item_id: int, response_ids: list[int]) -> list[int]:
+    """The order an annotator sees an item's responses in: a shuffle seeded by (annotator, item),
+    so it is stable across reloads and independent between annotators (guards against position
+    bias; see Store.position_bias)."""
+    seed = int.from_bytes(hashlib.sha256(f"{annotator_id}:{item_id}".encode()).digest()[:8], "big")
+    ids = sorted(response_ids)
+    random.Random(seed).shuffle(ids)
+    return ids
+
+
+class QueueMixin:
+    """Queue methods of Store."""
+
+    # -- settings with defaults
+
+    def queue_overlap(self) -> int:
+        """How many annotators rank each item (setting 'queue_overlap', default 1)."""
+        return int(self.get_setting(OVERLAP_KEY, DEFAULT_OVERLAP))
+
+    def lease_seconds(self) -> int:
+        return int(self.get_setting(LEASE_SECONDS_KEY, DEFAULT_LEASE_SECONDS))
+
+    # -- the queue
+
+    def next_item(self, annotator_id: int, *, overlap: int | None = None,
+                  lease_seconds: float | None = None, exclude=()) -> Item | None:
+        """The next item for this annotator, leased to them for `lease_seconds`; None when the
+        queue holds nothing for them. `exclude`: item ids not to return (e.g. the one on screen,
+        when prefetching the next)."""
+        overlap = self.queue_overlap() if overlap is None else int(overlap)
+        lease_seconds = self.lease_seconds() if lease_seconds is None else float(lease_seconds)
+        now = utcnow()
+        expires = now + timedelta(seconds=lease_seconds)
+        with self._tx(queue=True) as cur:
+            q = self._shared.queue
+            self._collect_expired_leases(cur, q, now)
+            item_id = q.pick(annotator_id, overlap, now, exclude)
+            if item_id is None:
+                return None
+            cur.execute("INSERT OR REPLACE INTO leases VALUES (?, ?, ?)", [item_id, annotator_id, expires])
+            self._on_commit(lambda q: q.set_lease(item_id, annotator_id, expires))
+        item = self.get_item(item_id, annotator_id)
+        return dataclasses.replace(item, lease_expires_at=from_db_time(expires))
+
+    def _collect_expired_leases(self, cur, q, now: datetime) -> None:
+        """Delete expired leases at most once a minute (they are ignored anyway; this keeps the
+        table and the index small)."""
+        last = self._shared.lease_gc_at
+        if last is None or (now - last).total_seconds() > 60:
+            cur.execute("DELETE FROM leases WHERE expires_at <= ?", [now])
+            self._on_commit(lambda q: q.drop_expired(now))
+            self._shared.lease_gc_at = now
+
+    def _build_queue_index(self, cur) -> QueueIndex:
+        """Read the queue's state (inside the caller's transaction) into a QueueIndex."""
+        items = cur.execute(
+            "SELECT i.id, i.prompt_id, list(r.id ORDER BY r.id) FROM items i JOIN responses r "
+            "ON r.item_id = i.id WHERE i.queued GROUP BY i.id, i.prompt_id").fetchall()
+        rankings = cur.execute(
+            "SELECT k.item_id, k.annotator_id, count(*) FROM rankings k JOIN items i ON i.id = k.item_id "
+            "WHERE i.queued GROUP BY ALL").fetchall()
+        skips = cur.execute("SELECT annotator_id, item_id FROM skips").fetchall()
+        flagged = [r[0] for r in cur.execute("SELECT DISTINCT prompt_id FROM flags").fetchall()]
+        now = utcnow()
+        leases = cur.execute("SELECT item_id, annotator_id, expires_at FROM leases WHERE expires_at > ?",
+                             [now]).fetchall()
+        annotators = [r[0] for r in cur.execute("SELECT id FROM annotators").fetchall()]
+        return QueueIndex.build(items, rankings, skips, flagged, leases, annotators, now)
+
+    def remaining_count(self, annotator_id: int, *, overlap: int | None = None) -> int:
+        """Items the queue could still hand this annotator now (their own lease included)."""
+        overlap = self.queue_overlap() if overlap is None else int(overlap)
+        with self._queue_locked() as q:
+            return q.remaining(annotator_id, overlap, utcnow())
+
+    def progress(self, annotator_id: int, *, overlap: int | None = None) -> Progress:
+        """Today's rankings (since local midnight of this machine), all rankings, items left."""
+        midnight = datetime.now().astimezone().replace(hour=0, minute=0, second=0, microsecond=0)
+        today, total = self._one(
+            "SELECT count(*) FILTER (WHERE created_at >= ?), count(*) FROM rankings WHERE annotator_id = ?",
+            [to_db_time(midnight), annotator_id])
+        return Progress(today=today, total=total, remaining=self.remaining_count(annotator_id, overlap=overlap))
+
+    def release_lease(self, annotator_id: int, item_id: int | None = None) -> None:
+        """Give back one leased item (or all of the annotator's leases: logout, closed tab)."""
+        with self._tx() as cur:
+            if item_id is None:
+                cur.execute("DELETE FROM leases WHERE annotator_id = ?", [annotator_id])
+                self._on_commit(lambda q: q.drop_leases_of(annotator_id))
+            else:
+                cur.execute("DELETE FROM leases WHERE annotator_id = ? AND item_id = ?", [annotator_id, item_id])
+                self._on_commit(lambda q: q.drop_lease(item_id, annotator_id))
+
+    def active_leases(self) -> list[tuple[int, int, datetime]]:
+        """(item_id, annotator_id, expires_at) of every live lease."""
+        return [(i, a, from_db_time(e)) for i, a, e in self._rows(
+            "SELECT item_id, annotator_id, expires_at FROM leases WHERE expires_at > ? ORDER BY item_id",
+            [utcnow()])]
+
+    # -- skips and flags
+
+    def skip_item(self, annotator_id: int, item_id: int) -> None:
+        """This annotator will not be offered the item again; others still will."""
+        with self._tx() as cur:
+            self._need(cur.execute("SELECT 1 FROM items WHERE id = ?", [item_id]).fetchone(), f"item with id {item_id}")
+            cur.execute("INSERT OR REPLACE INTO skips VALUES (?, ?, ?)", [annotator_id, item_id, utcnow()])
+            cur.execute("DELETE FROM leases WHERE annotator_id = ? AND item_id = ?", [annotator_id, item_id])
+            self._on_commit(lambda q: q.skip(annotator_id, item_id))
+
+    def flag_prompt(self, prompt_id: int, annotator_id: int | None = None, reason: str = "") -> None:
+        """Flag a prompt (broken, offensive, ...): its items leave the queue for everyone until an
+        admin unflags it. Rankings already made are kept."""
+        with self._tx() as cur:
+            self._need(cur.execute("SELECT 1 FROM prompts WHERE id = ?", [prompt_id]).fetchone(),
+                       f"prompt with id {prompt_id}")
+            cur.execute("INSERT INTO flags VALUES (?, ?, ?, ?)", [prompt_id, annotator_id, reason or "", utcnow()])
+            cur.execute("DELETE FROM leases WHERE item_id IN (SELECT id FROM items WHERE prompt_id = ?)", [prompt_id])
+            self._on_commit(lambda q: q.flag(prompt_id))
+
+    def unflag_prompt(self, prompt_id: int) -> None:
+        with self._tx() as cur:
+            cur.execute("DELETE FROM flags WHERE prompt_id = ?", [prompt_id])
+            self._on_commit(lambda q: q.unflag(prompt_id))
+
+    def flagged_prompts(self) -> list[tuple[Prompt, list[str]]]:
+        """Flagged prompts with the reasons given, oldest flag first."""
+        rows = self._rows("SELECT prompt_id, list(reason ORDER BY created_at) FROM flags "
+                          "GROUP BY prompt_id ORDER BY min(created_at)")
+        return [(self.get_prompt(pid), reasons) for pid, reasons in rows]
+
+    def is_flagged(self, prompt_id: int) -> bool:
+        return self._one("SELECT 1 FROM flags WHERE prompt_id = ? LIMIT 1", [prompt_id]) is not None
+
+    def items_remaining(self, *, overlap: int | None = None) -> int:
+        """Queued items of unflagged prompts with fewer than `overlap` rankings (all annotators)."""
+        overlap = self.queue_overlap() if overlap is None else int(overlap)
+        with self._queue_locked() as q:
+            return q.open_items(overlap)
+
+    def _check_queue_index(self) -> tuple[dict, dict]:
+        """(the live index's summary, a freshly built one's): tests assert they are equal."""
+        with self._queue_locked() as q:
+            live = q.snapshot()
+            cur = self._cur()
+            cur.execute("BEGIN TRANSACTION")
+            try:
+                fresh = self._build_queue_index(cur).snapshot()
+            finally:
+                cur.execute("COMMIT")
+        return live, fresh

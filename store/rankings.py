@@ -1,0 +1,352 @@
+"""Rankings and their pairs: save (one or in bulk), undo, list.
+
+`save_ranking` writes a ranking and its pairs (store/pairs.py) in one transaction:
+- the order must name every response of one item of the given prompt exactly once;
+- the same (annotator, client_token) submitted twice stores one ranking and returns it
+  (idempotent: a double click or a network retry is harmless);
+- an annotator ranking an item they ranked before replaces the earlier ranking and its pairs,
+  unless the Store was opened with replace_rerankings=False (then both are kept);
+- "all bad" keeps the ranking and its pairs, marked all_bad (export leaves them out by default);
+- the annotator's lease on the item is released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from datetime import timedelta
+
+import pyarrow as pa
+
+from store.db import from_db_time, registered, utcnow
+from store.errors import InvalidRequest, NotFoundError
+from store.pairs import normalize_order, ranking_to_pairs
+from store.queue import display_order_for
+from store.records import Item, Pair, Ranking, RankingIn
+
+_RANKING_COLS = ("id, item_id, prompt_id, annotator_id, order_groups, display_order, all_bad, "
+                 "duration_s, client_token, comment, created_at")
+_PAIR_COLS = ("id, prompt_id, item_id, chosen_id, rejected_id, margin, ranking_id, annotator_id, "
+              "all_bad, source, created_at")
+
+
+def _ranking(row) -> Ranking:
+    return Ranking(id=row[0], item_id=row[1], prompt_id=row[2], annotator_id=row[3],
+                   order=[list(g) for g in row[4]], display_order=list(row[5]), all_bad=row[6],
+                   duration_s=row[7], client_token=row[8], comment=row[9], created_at=from_db_time(row[10]))
+
+
+def _pair(row) -> Pair:
+    return Pair(id=row[0], prompt_id=row[1], item_id=row[2], chosen_id=row[3], rejected_id=row[4],
+                margin=row[5], ranking_id=row[6], annotator_id=row[7], all_bad=row[8], source=row[9],
+                created_at=from_db_time(row[10]))
+
+
+def _check_against_item(r: RankingIn, groups, item_id, item_prompt, item_ids: Sequence[int]) -> list[int]:
+    """Raise InvalidRequest unless `groups` is an order of exactly the item's responses; return the
+    display order (given, or the annotator's default one)."""
+    flat = [x for g in groups for x in g]
+    if item_prompt != r.prompt_id:
+        raise InvalidRequest(f"response {flat[0]} answers prompt {item_prompt}, not prompt {r.prompt_id}")
+    if set(flat) != set(item_ids):
+        missing = sorted(set(item_ids) - set(flat))
+        extra = sorted(set(flat) - set(item_ids))
+        raise InvalidRequest(
+            f"the order must rank exactly the responses of item {item_id} {sorted(item_ids)}"
+            + (f"; missing {missing}" if missing else "") + (f"; not in the item {extra}" if extra else ""))
+    if r.display_order is None:
+        return display_order_for(r.annotator_id, item_id, list(item_ids))
+    display = [int(x) for x in r.display_order]
+    if sorted(display) != sorted(item_ids):
+        raise InvalidRequest(f"display_order {display} is not an order of the item's responses {sorted(item_ids)}")
+    return display
+
+
+def _groups(order) -> list[list[int]]:
+    try:
+        return normalize_order(order)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+class RankingsMixin:
+    """Ranking methods of Store."""
+
+    def save_ranking(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
+                     display_order: list[int] | None = None, duration_s: float | None = None,
+                     client_token: str | None = None, comment: str = "") -> Ranking:
+        """Save one ranking and its pairs in one transaction (see the module docstring).
+
+        order: tie groups of response ids, best first ([[3], [1, 2], [4]]), or a flat list.
+        display_order: response ids as shown (default: the annotator's shuffle of the item).
+        Raises InvalidRequest (nothing stored) when the order does not fit the item.
+        """
+        r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
+                      client_token, comment or "")
+        groups = _groups(order)
+        pairs = ranking_to_pairs(groups)
+        now = utcnow()
+        with self._tx(queue=True) as cur:
+            # 1. check the order against the item (from the queue index: no query for queued items)
+            q = self._shared.queue
+            if annotator_id not in q.annotators:
+                raise NotFoundError(f"no annotator with id {annotator_id}")
+            item_id, item_prompt, item_resp = self._item_of(cur, q, groups[0][0])
+            display = _check_against_item(r, groups, item_id, item_prompt, item_resp)
+            # 2. the same client token again: return the stored ranking (idempotent)
+            prior = cur.execute(
+                "SELECT id, client_token, item_id FROM rankings WHERE annotator_id = ? "
+                "AND (client_token = ? OR item_id = ?)", [annotator_id, client_token, item_id]).fetchall()
+            same_token = [p[0] for p in prior if client_token is not None and p[1] == client_token]
+            if same_token:
+                ranking_id = same_token[0]
+            else:
+                # 3. a re-ranking of the same item replaces the earlier ranking and its pairs
+                replaced = [p[0] for p in prior if p[2] == item_id] if self.replace_rerankings else []
+                if replaced:
+                    cur.execute("DELETE FROM pairs WHERE ranking_id IN (SELECT unnest(?))", [replaced])
+                    cur.execute("DELETE FROM rankings WHERE id IN (SELECT unnest(?))", [replaced])
+                # 4. the ranking, its pairs, and the end of the lease
+                ranking_id = cur.execute(
+                    "INSERT INTO rankings VALUES (nextval('rankings_id_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "RETURNING id",
+                    [item_id, prompt_id, annotator_id, groups, display, r.all_bad, duration_s,
+                     client_token, r.comment, now]).fetchall()[0][0]
+                if pairs:
+                    cur.execute(
+                        "INSERT INTO pairs SELECT nextval('pairs_id_seq'), ?, ?, unnest(?), unnest(?), unnest(?), "
+                        "?, ?, ?, 'ranking', ?",
+                        [prompt_id, item_id, [p[0] for p in pairs], [p[1] for p in pairs],
+                         [float(p[2]) for p in pairs], ranking_id, annotator_id, r.all_bad, now])
+                if annotator_id in q.leases.get(item_id, {}):
+                    cur.execute("DELETE FROM leases WHERE item_id = ? AND annotator_id = ?", [item_id, annotator_id])
+
+                def follow(q, n_replaced=len(replaced)):
+                    for _ in range(n_replaced):
+                        q.remove_ranking(item_id, annotator_id)
+                    q.add_ranking(item_id, annotator_id)
+
+                self._on_commit(follow)
+        if same_token:
+            return self.get_ranking(ranking_id)
+        return Ranking(id=ranking_id, item_id=item_id, prompt_id=prompt_id, annotator_id=annotator_id,
+                       order=groups, display_order=display, all_bad=r.all_bad, duration_s=duration_s,
+                       client_token=client_token, comment=r.comment, created_at=from_db_time(now))
+
+    def _item_of(self, cur, q, response_id: int) -> tuple[int, int, tuple[int, ...]]:
+        """(item id, prompt id, the item's response ids) of a response: from the queue index for
+        queued items, else from the database."""
+        item_id = q.response_item.get(response_id)
+        if item_id is not None:
+            return item_id, q.item_prompt[item_id], q.item_responses[item_id]
+        rows = cur.execute(
+            "SELECT item_id, prompt_id, id FROM responses WHERE item_id = "
+            "(SELECT item_id FROM responses WHERE id = ?) ORDER BY id", [response_id]).fetchall()
+        if not rows:
+            raise NotFoundError(f"no response with id {response_id}")
+        return rows[0][0], rows[0][1], tuple(x[2] for x in rows)
+
+    def save_rankings_bulk(self, rankings: Sequence[RankingIn]) -> list[int]:
+        """Save many rankings in one transaction with Arrow inserts; same rules as save_ranking,
+        applied in input order. Returns the ranking id for each input (the earlier id for a
+        repeated client token; the replacing ranking's id for a replaced one)."""
+        rankings = list(rankings)
+        if not rankings:
+            return []
+        groups = [_groups(r.order) for r in rankings]
+        first_ids = [g[0][0] for g in groups]
+        lookup = self._item_lookup(first_ids)
+        annotators = {r[0] for r in self._rows("SELECT id FROM annotators")}
+        displays, pair_lists, item_of = [], [], []
+        for r, g, first in zip(rankings, groups, first_ids):
+            if r.annotator_id not in annotators:
+                raise NotFoundError(f"no annotator with id {r.annotator_id}")
+            if first not in lookup:
+                raise NotFoundError(f"no response with id {first}")
+            item_id, item_prompt, item_resp = lookup[first]
+            displays.append(_check_against_item(r, g, item_id, item_prompt, item_resp))
+            pair_lists.append(ranking_to_pairs(g))
+            item_of.append(item_id)
+        now = utcnow()
+        with self._tx() as cur:
+            # 1. idempotency and replacement against what is stored and within the batch
+            tokens = [(r.annotator_id, r.client_token) for r in rankings if r.client_token is not None]
+            stored_tokens = self._stored_tokens(cur, tokens)
+            result: list = [None] * len(rankings)
+            keep: dict = {}  # (annotator, item) or index -> input index kept
+            token_seen: dict = {}
+            for i, r in enumerate(rankings):
+                tok = (r.annotator_id, r.client_token)
+                if r.client_token is not None and tok in stored_tokens:
+                    result[i] = stored_tokens[tok]
+                    continue
+                if r.client_token is not None and tok in token_seen:
+                    result[i] = ("same", token_seen[tok])
+                    continue
+                if r.client_token is not None:
+                    token_seen[tok] = i
+                key = (r.annotator_id, item_of[i]) if self.replace_rerankings else i
+                if key in keep:
+                    result[keep[key]] = ("same", i)
+                keep[key] = i
+            kept = sorted(keep.values())
+            deleted = []
+            if self.replace_rerankings:
+                deleted = self._delete_rankings_of(cur, [(rankings[i].annotator_id, item_of[i]) for i in kept])
+            # 2. rankings
+            ids = self._reserve_ids(cur, "rankings_id_seq", len(kept))
+            id_of = dict(zip(kept, ids))
+            self._insert_arrow(cur, "rankings", {
+                "id": ids, "item_id": [item_of[i] for i in kept],
+                "prompt_id": [rankings[i].prompt_id for i in kept],
+                "annotator_id": [rankings[i].annotator_id for i in kept],
+                "order_groups": [groups[i] for i in kept], "display_order": [displays[i] for i in kept],
+                "all_bad": [bool(rankings[i].all_bad) for i in kept],
+                "duration_s": [rankings[i].duration_s for i in kept],
+                "client_token": [rankings[i].client_token for i in kept],
+                "comment": [rankings[i].comment or "" for i in kept], "created_at": [now] * len(kept),
+            }, {"id": pa.int64(), "item_id": pa.int64(), "prompt_id": pa.int64(), "annotator_id": pa.int64(),
+                "order_groups": pa.list_(pa.list_(pa.int64())), "display_order": pa.list_(pa.int64()),
+                "all_bad": pa.bool_(), "duration_s": pa.float64(), "client_token": pa.string(),
+                "comment": pa.string(), "created_at": pa.timestamp("us")})
+            # 3. pairs
+            flat = [(i, p) for i in kept for p in pair_lists[i]]
+            pair_ids = self._reserve_ids(cur, "pairs_id_seq", len(flat))
+            self._insert_arrow(cur, "pairs", {
+                "id": pair_ids, "prompt_id": [rankings[i].prompt_id for i, _ in flat],
+                "item_id": [item_of[i] for i, _ in flat], "chosen_id": [p[0] for _, p in flat],
+                "rejected_id": [p[1] for _, p in flat], "margin": [float(p[2]) for _, p in flat],
+                "ranking_id": [id_of[i] for i, _ in flat],
+                "annotator_id": [rankings[i].annotator_id for i, _ in flat],
+                "all_bad": [bool(rankings[i].all_bad) for i, _ in flat],
+                "source": ["ranking"] * len(flat), "created_at": [now] * len(flat),
+            }, {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
+                "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
+                "annotator_id": pa.int64(), "all_bad": pa.bool_(), "source": pa.string(),
+                "created_at": pa.timestamp("us")})
+            # 4. leases of the ranked items
+            self._with_keys(cur, [(rankings[i].annotator_id, item_of[i]) for i in kept],
+                            "DELETE FROM leases l USING {keys} k "
+                            "WHERE l.annotator_id = k.annotator_id AND l.item_id = k.item_id")
+            # 5. the queue index follows (or is rebuilt when the batch is large)
+            if len(kept) + len(deleted) > 2000:
+                self._on_commit(None)
+            else:
+                added = [(item_of[i], rankings[i].annotator_id) for i in kept]
+
+                def follow(q):
+                    for annotator_id, item_id in deleted:
+                        q.remove_ranking(item_id, annotator_id)
+                    for item_id, annotator_id in added:
+                        q.add_ranking(item_id, annotator_id)
+
+                self._on_commit(follow)
+        out = []
+        for i, res in enumerate(result):
+            while isinstance(res, tuple):  # follow "same as input j" links
+                i = res[1]
+                res = result[i]
+            out.append(id_of[i] if res is None else res)
+        return out
+
+    def _item_lookup(self, response_ids: list[int]) -> dict[int, tuple[int, int, list[int]]]:
+        """response id -> (item id, prompt id, the item's response ids)."""
+        cur = self._cur()
+        with registered(cur, "_lookup_ids", pa.table({"id": pa.array(sorted(set(response_ids)), pa.int64())})):
+            rows = cur.execute(
+                "WITH its AS (SELECT DISTINCT r.item_id FROM responses r JOIN _lookup_ids k ON k.id = r.id) "
+                "SELECT r.item_id, any_value(r.prompt_id), list(r.id ORDER BY r.id) FROM responses r "
+                "JOIN its ON its.item_id = r.item_id GROUP BY r.item_id").fetchall()
+        out = {}
+        for item_id, prompt_id, ids in rows:
+            for rid in ids:
+                out[rid] = (item_id, prompt_id, ids)
+        return out
+
+    def _stored_tokens(self, cur, tokens: list[tuple[int, str]]) -> dict:
+        if not tokens:
+            return {}
+        tbl = pa.table({"annotator_id": pa.array([t[0] for t in tokens], pa.int64()),
+                        "client_token": pa.array([t[1] for t in tokens], pa.string())})
+        with registered(cur, "_tokens", tbl):
+            rows = cur.execute("SELECT r.annotator_id, r.client_token, min(r.id) FROM rankings r JOIN _tokens t "
+                               "ON r.annotator_id = t.annotator_id AND r.client_token = t.client_token "
+                               "GROUP BY ALL").fetchall()
+        return {(a, t): rid for a, t, rid in rows}
+
+    def _delete_rankings_of(self, cur, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Delete the stored rankings (and their pairs) of these (annotator, item) keys; returns
+        (annotator, item) of each ranking deleted."""
+        deleted = self._with_keys(cur, keys, "SELECT r.annotator_id, r.item_id FROM rankings r, {keys} k "
+                                             "WHERE r.annotator_id = k.annotator_id AND r.item_id = k.item_id")
+        self._with_keys(cur, keys, "DELETE FROM pairs p USING rankings r, {keys} k WHERE p.ranking_id = r.id "
+                                   "AND r.annotator_id = k.annotator_id AND r.item_id = k.item_id")
+        self._with_keys(cur, keys, "DELETE FROM rankings r USING {keys} k "
+                                   "WHERE r.annotator_id = k.annotator_id AND r.item_id = k.item_id")
+        return deleted
+
+    @staticmethod
+    def _with_keys(cur, keys: list[tuple[int, int]], sql: str) -> list[tuple]:
+        """Run sql with {keys} bound to a table of (annotator_id, item_id); returns its rows."""
+        if not keys:
+            return []
+        tbl = pa.table({"annotator_id": pa.array([k[0] for k in keys], pa.int64()),
+                        "item_id": pa.array([k[1] for k in keys], pa.int64())})
+        with registered(cur, "_keys", tbl):
+            result = cur.execute(sql.format(keys="_keys"))
+            return result.fetchall() if sql.lstrip().upper().startswith("SELECT") else []
+
+    def undo_last_ranking(self, annotator_id: int, *, lease_seconds: float | None = None) -> Item | None:
+        """Delete the annotator's latest ranking and its pairs (one transaction) and lease its item
+        back to them; returns that item (in their display order) for the UI to show again, or
+        None when they have no ranking."""
+        lease_seconds = self.lease_seconds() if lease_seconds is None else float(lease_seconds)
+        with self._tx() as cur:
+            row = cur.execute("SELECT id, item_id FROM rankings WHERE annotator_id = ? "
+                              "ORDER BY created_at DESC, id DESC LIMIT 1", [annotator_id]).fetchone()
+            if row is None:
+                return None
+            ranking_id, item_id = row
+            cur.execute("DELETE FROM pairs WHERE ranking_id = ?", [ranking_id])
+            cur.execute("DELETE FROM rankings WHERE id = ?", [ranking_id])
+            expires = utcnow() + timedelta(seconds=lease_seconds)
+            cur.execute("INSERT OR REPLACE INTO leases VALUES (?, ?, ?)", [item_id, annotator_id, expires])
+
+            def follow(q):
+                q.remove_ranking(item_id, annotator_id)
+                q.set_lease(item_id, annotator_id, expires)
+
+            self._on_commit(follow)
+        return dataclasses.replace(self.get_item(item_id, annotator_id), lease_expires_at=from_db_time(expires))
+
+    # -- reads
+
+    def get_ranking(self, ranking_id: int) -> Ranking:
+        row = self._one(f"SELECT {_RANKING_COLS} FROM rankings WHERE id = ?", [ranking_id])
+        if row is None:
+            raise NotFoundError(f"no ranking with id {ranking_id}")
+        return _ranking(row)
+
+    def list_rankings(self, *, annotator_id: int | None = None, item_id: int | None = None,
+                      prompt_id: int | None = None, limit: int | None = None) -> list[Ranking]:
+        where, params = _filters(annotator_id=annotator_id, item_id=item_id, prompt_id=prompt_id)
+        sql = f"SELECT {_RANKING_COLS} FROM rankings{where} ORDER BY id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [_ranking(r) for r in self._rows(sql, params)]
+
+    def list_pairs(self, *, ranking_id: int | None = None, prompt_id: int | None = None,
+                   annotator_id: int | None = None, limit: int | None = None) -> list[Pair]:
+        where, params = _filters(ranking_id=ranking_id, prompt_id=prompt_id, annotator_id=annotator_id)
+        sql = f"SELECT {_PAIR_COLS} FROM pairs{where} ORDER BY id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [_pair(r) for r in self._rows(sql, params)]
+
+
+def _filters(**eq) -> tuple[str, list]:
+    """' WHERE a = ? AND b = ?' for the given non-None column values (names are ours, not input)."""
+    cols = [(k, v) for k, v in eq.items() if v is not None]
+    if not cols:
+        return "", []
+    return " WHERE " + " AND ".join(f"{k} = ?" for k, _ in cols), [v for _, v in cols]

@@ -1,0 +1,249 @@
+"""Frozen dataclasses the Store returns. Callers never see cursors or rows.
+
+Timestamps are timezone-aware datetimes in UTC. Ids are plain ints. JSON columns come back as
+dicts/lists. An *item* is what an annotator ranks: one prompt with the K >= 2 responses that one
+model version produced for it in one generation call (`Store.add_responses`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+ROLES = ("annotator", "admin")
+MODEL_KINDS = ("policy", "reward", "critic")
+RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
+RUN_FINAL = ("done", "failed", "cancelled")
+ROUND_STATUSES = ("generating", "annotating", "training", "done", "failed", "cancelled")
+EXPORT_FORMATS = ("jsonl", "parquet", "datasets")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: int
+    text: str
+    """The prompt as one string; for chat prompts, the HH-style transcript of `messages`."""
+    messages: list[dict] | None
+    """Chat messages [{role, content}, ...] when imported as such, else None."""
+    source: str
+    round: int | None
+    """Id of the round that first generated responses for it (None: still in the pool)."""
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    id: int
+    kind: str
+    """policy | reward | critic"""
+    name: str
+    parent_id: int | None
+    """The version it was trained from (a policy's starting policy, a critic's reward model)."""
+    path: str | None
+    """Checkpoint folder (None for the base model used as is, or for imported data)."""
+    base_model: str | None
+    run_id: int | None
+    """The run that produced it."""
+    snapshot_id: int | None
+    """The export snapshot it was trained on (reward models)."""
+    reward_version_id: int | None
+    """The reward model that trained it (PPO policies)."""
+    meta: dict
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Response:
+    id: int
+    prompt_id: int
+    item_id: int
+    model_version_id: int
+    text: str
+    token_count: int | None
+    finish_reason: str | None
+    """'eos', 'length', or 'import' for imported pairs."""
+    sampling: dict
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Annotator:
+    id: int
+    name: str
+    role: str
+    """annotator | admin"""
+    created_at: datetime
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+@dataclass(frozen=True)
+class Ranking:
+    id: int
+    item_id: int
+    prompt_id: int
+    annotator_id: int
+    order: list[list[int]]
+    """Tie groups of response ids, best first: [[3], [1, 2], [4]]."""
+    display_order: list[int]
+    """Response ids in the order they were shown (left to right)."""
+    all_bad: bool
+    duration_s: float | None
+    client_token: str | None
+    comment: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Pair:
+    id: int
+    prompt_id: int
+    item_id: int
+    chosen_id: int
+    rejected_id: int
+    margin: float
+    """Rank-group distance for ranked pairs (1 = adjacent groups); from the file for imports."""
+    ranking_id: int | None
+    """None for imported pairs."""
+    annotator_id: int | None
+    all_bad: bool
+    source: str
+    """'ranking' or 'import:<file name>'."""
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Item:
+    """One prompt and its responses, in the display order of one annotator."""
+
+    item_id: int
+    prompt: Prompt
+    responses: list[Response]
+    """In display order."""
+    display_order: list[int]
+    """Response ids in display order (deterministic per annotator and item)."""
+    model_version_id: int
+    lease_expires_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """An annotator's progress line: rankings today (local day), in total, and items left to them."""
+
+    today: int
+    total: int
+    remaining: int
+
+
+@dataclass(frozen=True)
+class Run:
+    id: int
+    kind: str
+    status: str
+    """queued | running | done | failed | cancelled"""
+    config: dict
+    run_dir: str | None
+    inputs: dict
+    outputs: dict
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Metric:
+    run_id: int
+    step: int
+    key: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The manifest of one export: what was written, where, with which filters, and its hash."""
+
+    id: int
+    path: str
+    format: str
+    counts: dict
+    filters: dict
+    sha256: str
+    """SHA-256 of the exported data file(s), see store.io.snapshot_sha256."""
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Round:
+    """One iteration of the loop: generate with a policy, annotate, train a reward model, PPO."""
+
+    id: int
+    status: str
+    policy_version_id: int | None
+    """The policy that generated this round's responses."""
+    reward_version_id: int | None
+    """The reward model trained in this round."""
+    new_policy_version_id: int | None
+    """The policy PPO produced in this round."""
+    snapshot_id: int | None
+    config: dict
+    meta: dict
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class RankingIn:
+    """One ranking to save in bulk (`Store.save_rankings_bulk`); fields as in `Store.save_ranking`."""
+
+    annotator_id: int
+    prompt_id: int
+    order: list[list[int]]
+    all_bad: bool = False
+    display_order: list[int] | None = None
+    duration_s: float | None = None
+    client_token: str | None = None
+    comment: str = ""
+
+
+@dataclass(frozen=True)
+class AnnotatorStats:
+    annotator_id: int
+    name: str
+    role: str
+    rankings: int
+    rankings_today: int
+    pairs: int
+    skips: int
+    all_bad: int
+    median_duration_s: float | None
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Inter-annotator agreement on items ranked by two or more annotators (latest rankings)."""
+
+    items: int
+    """Items with >= 2 annotators."""
+    comparisons: int
+    """(annotator pair, item, response pair) triples where both annotators gave a strict order."""
+    pairwise_agreement: float | None
+    """Share of those comparisons where both preferred the same response."""
+    krippendorff_alpha: float | None
+    """Ordinal alpha; units = (item, response), values = mid-ranks within the item."""
+    kendall_tau: float | None
+    """Mean Kendall tau-b over (annotator pair, item)."""
+
+
+@dataclass(frozen=True)
+class PositionBias:
+    """How often the response shown first was ranked best (in the top tie group)."""
+
+    rankings: int
+    first_shown_best_rate: float | None
+    expected_rate: float | None
+    """The same rate if position did not matter: mean over rankings of |top group| / K."""
+    best_rate_by_position: list[float] = field(default_factory=list)
+    """For display positions 0..K-1: share of rankings whose top group holds that position."""

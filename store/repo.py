@@ -1,0 +1,312 @@
+"""Store: every query of the application, returning frozen dataclasses (store/records.py).
+
+This file holds prompts and responses (grouped into items); the rest of the Store's methods live
+beside it by responsibility:
+  store/users.py     accounts               store/queue.py  the annotation queue, leases, flags
+  store/rankings.py  rankings and pairs     store/runs.py   runs, metrics, rounds
+  store/stats.py     counts, agreement, position bias
+  store/versions.py  model versions, settings, export snapshots
+store/db.py opens the file, hands each thread its cursor and wraps every write in one
+transaction. Import and export of files are in store/io.py and store/export.py.
+"""
+
+from __future__ import annotations
+
+
+import pyarrow as pa
+
+from store.db import StoreBase, dumps, from_db_time, loads, registered, utcnow
+from store.errors import DataError, InvalidRequest, NotFoundError
+from store.queue import QueueMixin, display_order_for
+from store.records import Item, Prompt, Response
+from store.rankings import RankingsMixin
+from store.runs import RunsMixin
+from store.stats import StatsMixin
+from store.users import UsersMixin
+from store.versions import VersionsMixin
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+_PROMPT_COLS = "id, text, messages, source, round_id, created_at"
+_RESPONSE_COLS = "id, prompt_id, item_id, model_version_id, text, token_count, finish_reason, sampling, created_at"
+
+
+def _prompt(row) -> Prompt:
+    return Prompt(id=row[0], text=row[1], messages=None if row[2] is None else loads(row[2]),
+                  source=row[3], round=row[4], created_at=from_db_time(row[5]))
+
+
+def _response(row) -> Response:
+    return Response(id=row[0], prompt_id=row[1], item_id=row[2], model_version_id=row[3],
+                    text=row[4], token_count=row[5], finish_reason=row[6],
+                    sampling=loads(row[7]), created_at=from_db_time(row[8]))
+
+
+def messages_to_text(messages: list[dict]) -> str:
+    """Chat messages -> an HH-RLHF style transcript ("\\n\\nHuman: ...\\n\\nAssistant:"), the form
+    prompts are exported in. A trailing "\\n\\nAssistant:" asks for the next reply."""
+    names = {"system": "System", "user": "Human", "assistant": "Assistant"}
+    text = "".join(f"\n\n{names[m['role']]}: {m['content']}" for m in messages)
+    return text + ("\n\nAssistant:" if messages[-1]["role"] != "assistant" else "")
+
+
+def check_messages(messages) -> str | None:
+    """None if `messages` is a non-empty list of {role, content} chat turns, else the problem."""
+    if not isinstance(messages, list) or not messages:
+        return "messages must be a non-empty list of {role, content}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m or "content" not in m:
+            return f"messages[{i}] must be an object with exactly 'role' and 'content'"
+        if m["role"] not in CHAT_ROLES:
+            return f"messages[{i}].role must be one of {CHAT_ROLES}, not {m['role']!r}"
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            return f"messages[{i}].content is empty or not text"
+    return None
+
+
+def _response_row(r) -> tuple:
+    """(text, token_count, finish_reason, sampling) from a tuple, dict or plain string."""
+    if isinstance(r, str):
+        return r, None, None, {}
+    if isinstance(r, dict):
+        r = (r.get("text"), r.get("token_count"), r.get("finish_reason"), r.get("sampling"))
+    text, token_count, finish_reason, sampling = (tuple(r) + (None,) * 4)[:4]
+    if not isinstance(text, str):
+        raise InvalidRequest(f"response text must be a string, got {type(text).__name__}")
+    return text, token_count, finish_reason, sampling or {}
+
+
+class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, StatsMixin, StoreBase):
+    """The persistence layer. `Store(path)` opens or creates and migrates a DuckDB file."""
+
+    # ------------------------------------------------------------------ prompts
+
+    def add_prompts(self, prompts, source: str = "manual") -> list[int]:
+        """Add prompts (strings, or dicts with 'prompt' or 'messages' and optional 'source') in one
+        transaction; returns their ids in input order. Prompts are deduplicated by exact text: a
+        prompt already stored (or repeated in the input) keeps its first id."""
+        rows = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                p = {"prompt": p}
+            if not isinstance(p, dict):
+                raise InvalidRequest(f"prompt {i}: expected a string or a dict, got {type(p).__name__}")
+            messages = p.get("messages")
+            if messages is not None:
+                problem = check_messages(messages)
+                if problem:
+                    raise InvalidRequest(f"prompt {i}: {problem}")
+                text = messages_to_text(messages)
+            else:
+                text = p.get("prompt")
+                if not isinstance(text, str) or not text.strip():
+                    raise InvalidRequest(f"prompt {i}: empty or missing prompt text")
+            rows.append((text, None if messages is None else dumps(messages), p.get("source") or source))
+        return self._add_prompt_rows(rows)[0]
+
+    def _add_prompt_rows(self, rows: list[tuple[str, str | None, str]]) -> tuple[list[int], int]:
+        """Checked (text, messages_json, source) rows in one transaction -> (ids, number added)."""
+        with self._tx() as cur:
+            return self._insert_prompts(cur, rows)
+
+    def _insert_prompts(self, cur, rows: list[tuple[str, str | None, str]]) -> tuple[list[int], int]:
+        """Inside a transaction: insert (text, messages_json, source) rows not already stored.
+        Returns (id per input row, number newly added)."""
+        first: dict[str, int] = {}
+        for i, (text, _, _) in enumerate(rows):
+            first.setdefault(text, i)
+        texts = list(first)
+        existing: dict[str, int] = {}
+        if texts:
+            with registered(cur, "_incoming_texts", pa.table({"text": pa.array(texts, pa.string())})):
+                existing = dict(cur.execute(
+                    "SELECT t.text, min(p.id) FROM _incoming_texts t JOIN prompts p ON p.text = t.text "
+                    "GROUP BY t.text").fetchall())
+        new = [t for t in texts if t not in existing]
+        new_ids = self._reserve_ids(cur, "prompts_id_seq", len(new))
+        existing.update(zip(new, new_ids))
+        now = utcnow()
+        self._insert_arrow(cur, "prompts", {
+            "id": new_ids,
+            "text": new,
+            "messages": [rows[first[t]][1] for t in new],
+            "source": [rows[first[t]][2] for t in new],
+            "created_at": [now] * len(new),
+        }, {"id": pa.int64(), "text": pa.string(), "messages": pa.string(), "source": pa.string(),
+            "created_at": pa.timestamp("us")})
+        return [existing[text] for text, _, _ in rows], len(new)
+
+    def get_prompt(self, prompt_id: int) -> Prompt:
+        row = self._one(f"SELECT {_PROMPT_COLS} FROM prompts WHERE id = ?", [prompt_id])
+        if row is None:
+            raise NotFoundError(f"no prompt with id {prompt_id}")
+        return _prompt(row)
+
+    def list_prompts(self, limit: int = 100, offset: int = 0) -> list[Prompt]:
+        return [_prompt(r) for r in self._rows(
+            f"SELECT {_PROMPT_COLS} FROM prompts ORDER BY id LIMIT ? OFFSET ?", [limit, offset])]
+
+    def prompts_without_responses(self, limit: int | None = None) -> list[Prompt]:
+        """Prompts that have no responses and are not flagged (the generator's pool), oldest first."""
+        sql = (f"SELECT {_PROMPT_COLS} FROM prompts p WHERE NOT EXISTS "
+               "(SELECT 1 FROM responses r WHERE r.prompt_id = p.id) "
+               "AND NOT EXISTS (SELECT 1 FROM flags f WHERE f.prompt_id = p.id) ORDER BY id")
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [_prompt(r) for r in self._rows(sql)]
+
+    # ------------------------------------------------------------------ responses and items
+
+    def add_responses(self, prompt_id: int, model_version_id: int, responses, *,
+                      round_id: int | None = None, queued: bool = True) -> list[Response]:
+        """Store one generation call's responses to one prompt, in one transaction, as one item.
+
+        `responses`: (text, token_count, finish_reason, sampling) tuples, dicts with those keys, or
+        strings. An item with >= 2 responses enters the annotation queue (unless queued=False).
+        """
+        (item_id,) = self.add_responses_bulk(model_version_id, [(prompt_id, responses)],
+                                             round_id=round_id, queued=queued)
+        return self.item_responses(item_id)
+
+    def add_responses_bulk(self, model_version_id: int, batches, *, round_id: int | None = None,
+                           queued: bool = True) -> list[int]:
+        """Many prompts' responses from one model version in one transaction (Arrow inserts).
+
+        `batches`: [(prompt_id, responses), ...] as in add_responses. Returns one item id per batch.
+        Prompts that get their first responses in a round are marked with that round.
+        """
+        batches = [(int(pid), [_response_row(r) for r in rs]) for pid, rs in batches]
+        for pid, rs in batches:
+            if not rs:
+                raise InvalidRequest(f"prompt {pid}: no responses given")
+        prompt_ids = sorted({pid for pid, _ in batches})
+        with self._tx() as cur:
+            self._check_policy_version(cur, model_version_id)
+            if round_id is not None:
+                self._need(cur.execute("SELECT 1 FROM rounds WHERE id = ?", [round_id]).fetchone(),
+                           f"round with id {round_id}")
+            found = cur.execute("SELECT count(*) FROM prompts WHERE id IN (SELECT unnest(?))",
+                                [prompt_ids]).fetchone()[0]
+            if found != len(prompt_ids):
+                have = {r[0] for r in cur.execute("SELECT id FROM prompts WHERE id IN (SELECT unnest(?))",
+                                                  [prompt_ids]).fetchall()}
+                raise NotFoundError(f"no prompt with id {sorted(set(prompt_ids) - have)[:10]}")
+            item_ids, resp_ids = self._insert_items(cur, model_version_id, batches, round_id, queued)
+            new_items = [(iid, pid, rids) for iid, (pid, _), rids in zip(item_ids, batches, resp_ids)
+                         if queued and len(rids) >= 2]
+
+            def follow(q):
+                for iid, pid, rids in new_items:
+                    q.add_item(iid, pid, rids)
+
+            self._on_commit(follow if len(new_items) <= 20_000 else None)
+            if round_id is not None:
+                cur.execute("UPDATE prompts SET round_id = ? WHERE round_id IS NULL AND id IN "
+                            "(SELECT unnest(?))", [round_id, prompt_ids])
+        return item_ids
+
+    def _check_policy_version(self, cur, model_version_id: int) -> None:
+        row = cur.execute("SELECT kind FROM model_versions WHERE id = ?", [model_version_id]).fetchone()
+        if row is None:
+            raise NotFoundError(f"no model version with id {model_version_id}")
+        if row[0] != "policy":
+            raise InvalidRequest(f"model version {model_version_id} is a {row[0]}; responses come from policies")
+
+    def _insert_items(self, cur, model_version_id, batches, round_id, queued):
+        """Inside a transaction: one item per (prompt_id, rows) batch.
+        Returns (item ids, [response ids of each batch])."""
+        item_ids = self._reserve_ids(cur, "items_id_seq", len(batches))
+        n = sum(len(rs) for _, rs in batches)
+        resp_ids = self._reserve_ids(cur, "responses_id_seq", n)
+        now = utcnow()
+        self._insert_arrow(cur, "items", {
+            "id": item_ids, "prompt_id": [pid for pid, _ in batches],
+            "model_version_id": [model_version_id] * len(batches), "round_id": [round_id] * len(batches),
+            "n_responses": [len(rs) for _, rs in batches],
+            "queued": [bool(queued) and len(rs) >= 2 for _, rs in batches],
+            "created_at": [now] * len(batches),
+        }, {"id": pa.int64(), "prompt_id": pa.int64(), "model_version_id": pa.int64(),
+            "round_id": pa.int64(), "n_responses": pa.int32(), "queued": pa.bool_(),
+            "created_at": pa.timestamp("us")})
+        flat = [(iid, pid, r) for iid, (pid, rs) in zip(item_ids, batches) for r in rs]
+        self._insert_arrow(cur, "responses", {
+            "id": resp_ids, "item_id": [f[0] for f in flat], "prompt_id": [f[1] for f in flat],
+            "model_version_id": [model_version_id] * n, "text": [f[2][0] for f in flat],
+            "token_count": [f[2][1] for f in flat], "finish_reason": [f[2][2] for f in flat],
+            "sampling": [dumps(f[2][3]) for f in flat], "created_at": [now] * n,
+        }, {"id": pa.int64(), "item_id": pa.int64(), "prompt_id": pa.int64(),
+            "model_version_id": pa.int64(), "text": pa.string(), "token_count": pa.int32(),
+            "finish_reason": pa.string(), "sampling": pa.string(), "created_at": pa.timestamp("us")})
+        out, k = [], 0
+        for _, rs in batches:
+            out.append(resp_ids[k:k + len(rs)])
+            k += len(rs)
+        return item_ids, out
+
+    def item_responses(self, item_id: int) -> list[Response]:
+        """An item's responses in id order."""
+        return [_response(r) for r in self._rows(
+            f"SELECT {_RESPONSE_COLS} FROM responses WHERE item_id = ? ORDER BY id", [item_id])]
+
+    def prompt_responses(self, prompt_id: int) -> list[Response]:
+        return [_response(r) for r in self._rows(
+            f"SELECT {_RESPONSE_COLS} FROM responses WHERE prompt_id = ? ORDER BY id", [prompt_id])]
+
+    def get_response(self, response_id: int) -> Response:
+        row = self._one(f"SELECT {_RESPONSE_COLS} FROM responses WHERE id = ?", [response_id])
+        if row is None:
+            raise NotFoundError(f"no response with id {response_id}")
+        return _response(row)
+
+    def get_item(self, item_id: int, annotator_id: int | None = None) -> Item:
+        """An item with its responses in `annotator_id`'s display order (id order if None)."""
+        rows = self._rows(
+            f"SELECT {', '.join('r.' + c.strip() for c in _RESPONSE_COLS.split(','))}, "
+            f"{', '.join('p.' + c.strip() for c in _PROMPT_COLS.split(','))} "
+            "FROM responses r JOIN prompts p ON p.id = r.prompt_id WHERE r.item_id = ? ORDER BY r.id",
+            [item_id])
+        if not rows:
+            raise NotFoundError(f"no item with id {item_id}")
+        responses = {row[0]: _response(row[:9]) for row in rows}
+        order = list(responses) if annotator_id is None else display_order_for(annotator_id, item_id, list(responses))
+        return Item(item_id=item_id, prompt=_prompt(rows[0][9:]), responses=[responses[i] for i in order],
+                    display_order=order, model_version_id=rows[0][3])
+
+    # ------------------------------------------------------------------ imported pairs
+
+    def _import_pair_rows(self, file_name: str, sha256: str, rows: list[tuple]) -> dict:
+        """Store checked pairs (prompt, chosen, rejected, margin, source) from one file in one
+        transaction (store/io.py reads and checks the file).
+
+        Imported responses need a model version like every response: the file gets its own
+        'policy' version named 'import:<file name>:<first 8 hex of its SHA-256>' (meta: file name,
+        hash, rows). Importing the same file twice is refused. Each row becomes an item that is
+        not queued, with responses (chosen, rejected) and one pair (annotator None, source
+        'import:<file name>'); prompts are deduplicated by text as in add_prompts.
+        """
+        name = f"import:{file_name}:{sha256[:8]}"
+        now = utcnow()
+        with self._tx() as cur:
+            if cur.execute("SELECT 1 FROM model_versions WHERE name = ?", [name]).fetchall():
+                raise DataError(file_name, [(None, f"this file was already imported (model version {name!r})")])
+            mv_id = cur.execute(
+                "INSERT INTO model_versions (id, kind, name, meta, created_at) "
+                "VALUES (nextval('model_versions_id_seq'), 'policy', ?, ?, ?) RETURNING id",
+                [name, dumps({"imported_from": file_name, "sha256": sha256, "rows": len(rows)}), now]).fetchall()[0][0]
+            prompt_ids, added = self._insert_prompts(cur, [(r[0], None, r[4]) for r in rows])
+            batches = [(pid, [(r[1], None, "import", {}), (r[2], None, "import", {})])
+                       for pid, r in zip(prompt_ids, rows)]
+            item_ids, resp_ids = self._insert_items(cur, mv_id, batches, None, False)
+            pair_ids = self._reserve_ids(cur, "pairs_id_seq", len(rows))
+            self._insert_arrow(cur, "pairs", {
+                "id": pair_ids, "prompt_id": prompt_ids, "item_id": item_ids,
+                "chosen_id": [r[0] for r in resp_ids], "rejected_id": [r[1] for r in resp_ids],
+                "margin": [float(r[3]) for r in rows], "ranking_id": [None] * len(rows),
+                "annotator_id": [None] * len(rows), "all_bad": [False] * len(rows),
+                "source": [f"import:{file_name}"] * len(rows), "created_at": [now] * len(rows),
+            }, {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
+                "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
+                "annotator_id": pa.int64(), "all_bad": pa.bool_(), "source": pa.string(),
+                "created_at": pa.timestamp("us")})
+        return {"rows": len(rows), "pairs": len(rows), "prompts_added": added,
+                "prompts_existing": len(set(prompt_ids)) - added, "model_version_id": mv_id}

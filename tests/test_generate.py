@@ -1,0 +1,224 @@
+"""pipeline/generate.py: prompts -> tokens, the sampling loop, K responses per prompt, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.__main__ import main as cli
+from pipeline.config import GenerateConfig
+from pipeline.generate import (
+    _filter_logits, encode_prompts, generate_responses, prompt_token_ids, sample, to_messages,
+)
+from pipeline.models import causal_lm_logits, load_policy
+from pipeline.tiny import build_tiny_model, build_tiny_tokenizer
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+PROMPTS = ["hello there, how are you today?", "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: what?\n\nAssistant:", "a"]
+
+
+def _sample(model, tokenizer, cfg, prompts=PROMPTS, n=8, seed=0):
+    ids, mask = encode_prompts(tokenizer, prompts)
+    return sample(model, ids, mask, cfg, num_samples=n, generator=torch.Generator().manual_seed(seed),
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def test_hh_transcript_becomes_chat_messages():
+    text = "\n\nHuman: What is 2+2?\n\nAssistant: 4.\n\nHuman: And 3+3?\n\nAssistant:"
+    assert to_messages(text) == [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    assert to_messages("Plain question?") == [{"role": "user", "content": "Plain question?"}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert to_messages(msgs) == msgs
+    with pytest.raises(ValueError, match="message 0"):
+        to_messages([{"text": "hi"}])
+
+
+def test_encode_prompts_left_pads_with_chat_template(tiny_tokenizer):
+    ids, mask = encode_prompts(tiny_tokenizer, ["a", "a much longer prompt than the first one"])
+    assert ids.shape == mask.shape and mask[1].all() and not mask[0].all()
+    assert mask[0, -1] == 1 and mask[0, 0] == 0  # left padding
+    assert (ids[0][mask[0] == 0] == tiny_tokenizer.pad_token_id).all()
+    expected = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "a"}],
+                                                  add_generation_prompt=True, tokenize=False)
+    assert tiny_tokenizer.decode(ids[0][mask[0] == 1]) == expected
+    assert expected.endswith("<|im_start|>assistant\n")
+    truncated = prompt_token_ids(tiny_tokenizer, "a much longer prompt than the first one", max_prompt_tokens=5)
+    assert truncated == ids[1][-5:].tolist()  # keeps the end, where the generation prompt is
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_filter_logits_top_p_and_top_k_by_hand():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = lambda out: torch.isfinite(out)[0].tolist()  # noqa: E731
+    assert kept(_filter_logits(logits, 0, 0.7)) == [True, True, False, False]  # 0.5 < 0.7 <= 0.8
+    assert kept(_filter_logits(logits, 0, 0.8)) == [True, True, False, False]  # 0.8 reaches 0.8
+    assert kept(_filter_logits(logits, 0, 0.81)) == [True, True, True, False]
+    assert kept(_filter_logits(logits, 0, 0.1)) == [True, False, False, False]  # top token always stays
+    assert kept(_filter_logits(logits, 3, 1.0)) == [True, True, True, False]
+    shuffled = logits[:, [2, 0, 3, 1]]  # filtering follows the values, not the positions
+    assert kept(_filter_logits(shuffled, 0, 0.7)) == [False, True, False, True]
+
+
+def test_sample_shapes_and_eos_masking(tiny_model, tiny_tokenizer):
+    cfg = GenerateConfig(temperature=1.0, max_new_tokens=48)
+    out = _sample(tiny_model, tiny_tokenizer, cfg, n=24)
+    B, R, P = 3 * 24, out.response_ids.shape[1], out.prompt_length
+    assert out.response_ids.shape == out.response_mask.shape == out.logprobs.shape == (B, R)
+    assert out.sequences.shape == out.attention_mask.shape == (B, P + R)
+    assert out.prompt_index.tolist() == [i for i in range(3) for _ in range(24)]
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    assert set(out.finish_reason) == {"eos", "length"}  # a random model over 320 tokens does both
+    for row, reason in enumerate(out.finish_reason):
+        n = int(out.response_mask[row].sum())
+        assert out.response_mask[row, :n].all() and not out.response_mask[row, n:].any()
+        tokens = out.response_ids[row]
+        if reason == "eos":
+            assert tokens[n - 1] == eos and (tokens[: n - 1] != eos).all()
+            assert (tokens[n:] == pad).all() and (out.logprobs[row, n:] == 0).all()
+        else:
+            assert n == cfg.max_new_tokens and (tokens != eos).all()
+    assert (out.logprobs[out.response_mask == 1] < 0).all()
+    assert torch.equal(out.sequences[:, P:], out.response_ids)
+
+
+def test_eos_masking_when_pad_is_eos():
+    tokenizer = build_tiny_tokenizer(pad_is_eos=True)  # like SmolLM2
+    model = build_tiny_model(tokenizer)
+    out = _sample(model, tokenizer, GenerateConfig(temperature=1.0, max_new_tokens=48), n=24)
+    lengths = out.response_mask.sum(-1)
+    for row, reason in enumerate(out.finish_reason):
+        n = int(lengths[row])
+        assert (out.response_ids[row, n - 1] == tokenizer.eos_token_id) == (reason == "eos")
+    assert "eos" in out.finish_reason
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (20, 0.9)])
+def test_logprobs_match_a_separate_forward_pass(tiny_model, tiny_tokenizer, top_k, top_p):
+    cfg = GenerateConfig(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=24)
+    out = _sample(tiny_model, tiny_tokenizer, cfg, n=4)
+    with torch.no_grad():
+        logits = causal_lm_logits(tiny_model, out.sequences, out.attention_mask)  # (B, P+R, V)
+    P = out.prompt_length
+    logp = torch.log_softmax(logits[:, P - 1 : -1].float() / cfg.temperature, dim=-1)
+    expected = logp.gather(2, out.response_ids[:, :, None]).squeeze(2) * out.response_mask
+    torch.testing.assert_close(out.logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_same_seed_same_samples_other_seed_differs(tiny_model, tiny_tokenizer):
+    cfg = GenerateConfig(temperature=1.0, max_new_tokens=16)
+    a, b = _sample(tiny_model, tiny_tokenizer, cfg, seed=3), _sample(tiny_model, tiny_tokenizer, cfg, seed=3)
+    c = _sample(tiny_model, tiny_tokenizer, cfg, seed=4)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_greedy_and_top_k_1_agree_and_repeat(tiny_model, tiny_tokenizer):
+    greedy = _sample(tiny_model, tiny_tokenizer, GenerateConfig(temperature=0.0, max_new_tokens=12), n=3)
+    top1 = _sample(tiny_model, tiny_tokenizer, GenerateConfig(temperature=1.0, top_k=1, max_new_tokens=12), n=3)
+    assert torch.equal(greedy.response_ids, top1.response_ids)
+    assert torch.equal(greedy.response_ids[0], greedy.response_ids[2])  # K samples of one prompt
+
+
+# --------------------------------------------------------------------------- K responses per prompt
+
+
+def test_generate_responses_k_per_prompt_in_order(tiny_model, tiny_tokenizer):
+    cfg = GenerateConfig(temperature=0.0, max_new_tokens=10, batch_size=4)
+    results = generate_responses(tiny_model, tiny_tokenizer, PROMPTS, k=3, cfg=cfg)
+    assert [len(r) for r in results] == [3, 3, 3]
+    for prompt, gens in zip(PROMPTS, results):
+        # batched, length-sorted, left-padded greedy == the prompt alone
+        alone = generate_responses(tiny_model, tiny_tokenizer, [prompt], k=1, cfg=cfg)[0][0]
+        assert gens[0].token_ids == alone.token_ids
+        for g in gens:
+            assert len(g.token_ids) == len(g.logprobs) and g.finish_reason in ("eos", "length")
+            assert g.text == tiny_tokenizer.decode(g.token_ids, skip_special_tokens=True)
+
+
+def test_duplicates_are_resampled(tiny_model, tiny_tokenizer):
+    prompts = [f"prompt number {i}" for i in range(8)]
+    # one token out of the top 4, three times: duplicates are likely
+    cfg = GenerateConfig(temperature=1.0, top_k=4, max_new_tokens=1, max_resample=0)
+    texts = lambda res: [[g.text.strip() for g in gens] for gens in res]  # noqa: E731
+    plain = texts(generate_responses(tiny_model, tiny_tokenizer, prompts, 3, cfg))
+    assert any(len(set(t)) < 3 for t in plain)
+    cfg.max_resample = 30
+    deduped = texts(generate_responses(tiny_model, tiny_tokenizer, prompts, 3, cfg))
+    assert all(len(set(t)) == 3 for t in deduped)
+
+
+def test_generate_with_a_lora_policy(tiny_model_cfg):
+    policy, tokenizer = load_policy(tiny_model_cfg)
+    progress = []
+    results = generate_responses(policy, tokenizer, PROMPTS, k=2,
+                                 cfg=GenerateConfig(max_new_tokens=6, batch_size=4),
+                                 on_progress=lambda done, total: progress.append((done, total)))
+    assert [len(r) for r in results] == [2, 2, 2]
+    assert progress[-1] == (6, 6)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_writes_a_run_directory(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p, "id": i}) for i, p in enumerate(PROMPTS)) + "\n")
+    out = tmp_path / "run"
+    rc = cli(["generate", "--prompts", str(prompts), "--out", str(out), "--model", str(tiny_model_dir),
+              "--k", "2", "--max-new-tokens", "5", "--device", "cpu"])
+    assert rc == 0
+    rows = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and [r["prompt_index"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    assert rows[2]["prompt"] == PROMPTS[1] and rows[2]["prompt_id"] == 1
+    assert all(r["finish_reason"] in ("eos", "length") and 1 <= r["token_count"] <= 5 for r in rows)
+    assert rows[0]["sampling"]["temperature"] == 0.7 and rows[0]["model"] == str(tiny_model_dir)
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "done" and status["progress"] == "6/6"
+    assert json.loads((out / "config.json").read_text())["generate"]["k"] == 2
+
+
+def test_cli_bad_prompt_file_fails_clearly(tiny_model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')
+    out = tmp_path / "run"
+    rc = cli(["generate", "--prompts", str(prompts), "--out", str(out), "--model", str(tiny_model_dir)])
+    assert rc == 1 and "line 2: no 'prompt' field" in capsys.readouterr().out
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "failed" and "line 2" in status["error"]
+    assert not (out / "responses.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- the real default model
+
+
+@pytest.mark.slow
+def test_default_model_answers_a_real_prompt_offline(default_model_path, monkeypatch):
+    if not (DATA / "prompts.jsonl").is_file():
+        pytest.skip(f"{DATA / 'prompts.jsonl'} is absent")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from pipeline.config import ModelConfig
+
+    prompt = json.loads((DATA / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
+    policy, tokenizer = load_policy(ModelConfig(model="default", device="cpu", lora=False))
+    cfg = GenerateConfig(temperature=0.7, max_new_tokens=40, seed=0)
+    gens = generate_responses(policy, tokenizer, [prompt], k=2, cfg=cfg)[0]
+    for g in gens:
+        words = g.text.split()
+        assert len(words) >= 3 and g.finish_reason in ("eos", "length")
+        # English: mostly ASCII letters, and common English words appear
+        assert sum(c.isascii() for c in g.text) / len(g.text) > 0.95
+        assert {w.lower().strip(".,!?:") for w in words} & {"the", "a", "and", "to", "of", "you", "is", "are"}
+        if g.finish_reason == "eos":
+            assert g.token_ids[-1] == tokenizer.eos_token_id

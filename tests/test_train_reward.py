@@ -1,0 +1,262 @@
+"""Reward-model training: reading pairs, bad input, tokenising, batching, and end-to-end runs on a
+tiny model (a synthetic preference: chosen responses contain a marker word)."""
+
+import dataclasses
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from pipeline.config import RewardConfig
+from pipeline.generate import prompt_token_ids
+from pipeline.models import load_scalar_model
+from pipeline.reward_data import (
+    PairsError, collate, encode_pairs, length_grouped_batches, prompt_key, read_pairs, split_by_prompt,
+)
+from pipeline.reward_eval import pair_scores
+from pipeline.train_reward import main, train_reward
+
+WORDS = ("the quick brown fox jumps over lazy dog bread flour water salt guitar chords "
+         "practise daily coupons stores onions relish chili").split()
+
+
+def marker_pairs(n: int, seed: int = 0, marker: str = "Paris") -> list[dict]:
+    """Chosen responses contain the marker word somewhere; rejected ones never do. Lengths are
+    random on both sides, so 'longer wins' is near chance."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt = f"Question {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+        chosen = [rng.choice(WORDS) for _ in range(rng.randint(3, 10))]
+        chosen.insert(rng.randint(0, len(chosen)), marker)
+        rejected = [rng.choice(WORDS) for _ in range(rng.randint(4, 11))]
+        rows.append({"prompt": prompt, "chosen": " ".join(chosen), "rejected": " ".join(rejected)})
+    return rows
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine a second thread
+    competing with other processes makes these runs 10x slower (OpenMP spin-waits)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+FAST = RewardConfig(epochs=2, lr=1e-2, batch_size=8, norm_samples=0, eval_fraction=0.25)
+
+
+# --------------------------------------------------------------------------- reading pairs
+
+
+def test_reads_jsonl_parquet_datasets_and_hh(tmp_path):
+    rows = marker_pairs(6)
+    jsonl = write_jsonl(tmp_path / "p.jsonl", rows)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    for source in (jsonl, tmp_path / "p.parquet", tmp_path / "ds"):
+        pairs, report = read_pairs(source)
+        assert [p.chosen for p in pairs] == [r["chosen"] for r in rows] and report["pairs"] == 6
+
+    hh = {"chosen": "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye?\n\nAssistant: Bye now.",
+          "rejected": "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye?\n\nAssistant: No."}
+    conv = {"prompt": [{"role": "user", "content": "hi"}],
+            "chosen": [{"role": "assistant", "content": "hello"}],
+            "rejected": [{"role": "assistant", "content": "go away"}], "margin": 2}
+    pairs, _ = read_pairs(write_jsonl(tmp_path / "mixed.jsonl", [hh, conv]))
+    assert pairs[0].prompt == "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye?\n\nAssistant:"
+    assert (pairs[0].chosen, pairs[0].rejected) == (" Bye now.", " No.")
+    assert pairs[1].prompt == conv["prompt"] and pairs[1].rejected == "go away" and pairs[1].margin == 2.0
+
+
+def test_bad_input_names_file_row_and_field(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(PairsError, match="empty.jsonl: no pairs"):
+        read_pairs(empty)
+    rows = marker_pairs(3)
+    del rows[2]["rejected"]
+    with pytest.raises(PairsError, match=r"bad.jsonl, row 2: missing field 'rejected'"):
+        read_pairs(write_jsonl(tmp_path / "bad.jsonl", rows))
+    rows = marker_pairs(2)
+    rows[1]["margin"] = "high"
+    with pytest.raises(PairsError, match=r"row 1, field 'margin'"):
+        read_pairs(write_jsonl(tmp_path / "margin.jsonl", rows))
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n')
+    with pytest.raises(PairsError, match="broken.jsonl, line 2: not valid JSON"):
+        read_pairs(tmp_path / "broken.jsonl")
+    with pytest.raises(PairsError, match="no such file"):
+        read_pairs(tmp_path / "missing.jsonl")
+
+
+def test_identical_pairs_are_dropped_and_counted_or_refused(tmp_path):
+    rows = marker_pairs(4)
+    rows[1]["rejected"] = rows[1]["chosen"] + "  "
+    pairs, report = read_pairs(write_jsonl(tmp_path / "p.jsonl", rows))
+    assert len(pairs) == 3 and report["dropped_identical"] == 1 and report["dropped_identical_rows"] == [1]
+    same = [{"prompt": "q", "chosen": "a", "rejected": "a"}] * 2
+    with pytest.raises(PairsError, match="all 2 pairs have chosen == rejected"):
+        read_pairs(write_jsonl(tmp_path / "same.jsonl", same))
+
+
+def test_split_by_prompt_never_shares_a_prompt(tmp_path):
+    rows = marker_pairs(40) + [dict(r, prompt=r["prompt"].upper()) for r in marker_pairs(40)]
+    pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", rows))
+    train, held = split_by_prompt(pairs, 0.25, seed=0)
+    assert len(train) + len(held) == 80 and len(held) == 20  # 10 of 40 distinct prompts, 2 pairs each
+    assert not {prompt_key(p.prompt) for p in train} & {prompt_key(p.prompt) for p in held}
+    assert split_by_prompt(pairs, 0.0, 0)[1] == []
+
+
+# --------------------------------------------------------------------------- tokenising and batching
+
+
+def test_encoding_matches_generation_and_truncates_from_the_left(tmp_path, tiny_tokenizer):
+    tok = tiny_tokenizer
+    pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "the quick brown fox " * 10, "chosen": "bread", "rejected": "salt water " * 30}]))
+    prompt_ids = prompt_token_ids(tok, pairs[0].prompt)
+    bread = tok("bread", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    full, report = encode_pairs(pairs, tok, max_length=1000)
+    assert full[0].chosen_ids == prompt_ids + bread and full[0].chosen_prompt_len == len(prompt_ids)
+    assert report.prompt_truncated == 0
+
+    limit = len(bread) + 5
+    short, report = encode_pairs(pairs, tok, max_length=limit)
+    assert short[0].chosen_ids == prompt_ids[-5:] + bread  # prompt cut from its left, response whole
+    assert len(short[0].rejected_ids) == limit and short[0].rejected_ids[-1] == tok.eos_token_id
+    assert (report.prompt_truncated, report.response_truncated) == (1, 1)
+    assert short[0].rejected_response_tokens > limit  # the length baseline sees the real length
+
+
+def test_length_grouped_batches_cover_everything_once_and_pad_little():
+    rng = random.Random(0)
+    lengths = [rng.randint(5, 500) for _ in range(1000)]
+    batches = length_grouped_batches(lengths, 8, seed=3)
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    assert batches == length_grouped_batches(lengths, 8, seed=3)  # --resume relies on this
+    assert batches != length_grouped_batches(lengths, 8, seed=4)
+    padded = sum(8 * max(lengths[i] for i in b) for b in batches)
+    shuffled = list(range(1000))
+    rng.shuffle(shuffled)
+    padded_random = sum(8 * max(lengths[i] for i in shuffled[k:k + 8]) for k in range(0, 1000, 8))
+    assert padded < 0.6 * padded_random
+
+
+def test_collate_puts_chosen_then_rejected(tmp_path, tiny_tokenizer):
+    pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", marker_pairs(3)))
+    items, _ = encode_pairs(pairs, tiny_tokenizer, 512)
+    batch = collate(items, pad_id=0, with_lm_mask=True)
+    longest = max(it.length for it in items)
+    assert batch["input_ids"].shape == (6, longest) and batch["lm_mask"].shape == (3, longest)
+    assert batch["input_ids"][4, : len(items[1].rejected_ids)].tolist() == items[1].rejected_ids
+    assert batch["attention_mask"][1].sum() == len(items[1].chosen_ids)
+    resp = len(items[0].chosen_ids) - items[0].chosen_prompt_len
+    assert batch["lm_mask"][0].sum() == resp and batch["lm_mask"][0, items[0].chosen_prompt_len] == 1
+
+
+def test_pair_scores_equal_the_model_score(tiny_model_cfg, tmp_path):
+    model, tok = load_scalar_model(tiny_model_cfg.model, "reward", tiny_model_cfg)
+    pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", marker_pairs(4)))
+    batch = collate(encode_pairs(pairs, tok, 512)[0], tok.pad_token_id)
+    with torch.no_grad():
+        ours, _ = pair_scores(model, batch["input_ids"], batch["attention_mask"])
+        theirs = model.score(batch["input_ids"], batch["attention_mask"])
+    assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_learns_the_marker_word(tmp_path, tiny_model_cfg):
+    """The issue's check: > 95% held-out accuracy within seconds, run directory complete."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(240))
+    out = tmp_path / "run"
+    report = train_reward(str(data), str(out), dataclasses.replace(FAST, norm_samples=4), tiny_model_cfg)
+    assert report["eval/accuracy"] > 0.95 and report["eval/pairs"] == 60
+    assert 0.3 < report["eval/length_baseline_accuracy"] < 0.7
+    assert json.loads((out / "status.json").read_text())["state"] == "done"
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 1 and {"train/loss", "train/accuracy", "train/lr"} <= set(lines[0])
+    assert any("eval/accuracy" in line for line in lines)
+    saved = json.loads((out / "eval_report.json").read_text())
+    assert len(saved["calibration"]) == 5 and saved["truncation"]["prompt_truncated"] == 0
+    assert json.loads((out / "config.json").read_text())["data_sha256"]
+    # the checkpoint reloads with its normalisation, and scores like the trained model
+    model, tok = load_scalar_model(str(out / "checkpoint"), "reward", tiny_model_cfg)
+    assert model.reward_std == pytest.approx(saved["normalisation"]["reward_std"]) and model.reward_std != 1.0
+    items = encode_pairs(read_pairs(data)[0][:8], tok, 512)[0]
+    batch = collate(items, tok.pad_token_id)
+    with torch.no_grad():
+        scores = model.score(batch["input_ids"], batch["attention_mask"])
+    assert (scores[:8] > scores[8:]).float().mean() > 0.8
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_cfg):
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(80))
+    cfg = dataclasses.replace(FAST, lr=3e-3)
+    full = train_reward(str(data), str(tmp_path / "full"), cfg, tiny_model_cfg)
+
+    def cancel_at_3(step, metrics):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # what the job runner's cancel sends
+
+    out = tmp_path / "cut"
+    result = train_reward(str(data), str(out), cfg, tiny_model_cfg, on_step=cancel_at_3)
+    status = json.loads((out / "status.json").read_text())
+    assert result["state"] == "cancelled" and status["state"] == "cancelled" and status["step"] == 3
+    load_scalar_model(str(out / "checkpoint"), "reward", tiny_model_cfg)  # usable as is
+
+    resumed = train_reward(str(data), str(out), cfg, tiny_model_cfg, resume=True)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "train/loss" in line]
+    assert steps == list(range(1, resumed["steps"] + 1)) and resumed["steps"] == full["steps"]
+    assert resumed["eval/margin"] == pytest.approx(full["eval/margin"], rel=1e-4)
+    with pytest.raises(ValueError, match="already finished"):
+        train_reward(str(data), str(out), cfg, tiny_model_cfg, resume=True)
+
+
+def test_ctrl_c_also_stops_cleanly(tmp_path, tiny_model_cfg):
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(40))
+    result = train_reward(str(data), str(tmp_path / "run"), FAST, tiny_model_cfg,
+                          on_step=lambda step, m: os.kill(os.getpid(), signal.SIGINT))
+    assert result == {"state": "cancelled", "step": 1, "total": result["total"]}
+    assert (tmp_path / "run" / "checkpoint" / "model_meta.json").is_file()
+
+
+def test_margin_centering_and_lm_terms_train(tmp_path, tiny_model_cfg):
+    rows = [dict(r, margin=1.0) for r in marker_pairs(32)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    cfg = dataclasses.replace(FAST, epochs=1, margin=True, center_coef=0.01, lm_coef=0.5, max_steps=2)
+    report = train_reward(str(data), str(tmp_path / "run"), cfg, tiny_model_cfg)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert report["steps"] == 2 and all(torch.isfinite(torch.tensor(l.get("train/loss", 0.0))) for l in lines)
+    # the LM term (CE over ~320 tokens, about log 320 = 5.8) dominates the pairwise loss (<= ~1.3)
+    assert lines[0]["train/loss"] > 2.0
+
+
+def test_cli_errors_and_refusals(tmp_path, tiny_model_dir, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    base = ["--model", str(tiny_model_dir), "--device", "cpu", "--norm-samples", "0"]
+    assert main(["--data", str(empty), "--out", str(tmp_path / "a"), *base]) == 2
+    assert "empty.jsonl: no pairs" in capsys.readouterr().err
+    assert json.loads((tmp_path / "a" / "status.json").read_text())["state"] == "failed"
+    assert main(["--data", str(empty), "--out", str(tmp_path / "a"), *base]) == 2  # not empty now
+    assert "--resume" in capsys.readouterr().err
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(24))
+    assert main(["--data", str(data), "--out", str(tmp_path / "b"), "--lr", "1e-2", "--max-steps", "2", *base]) == 0
+    assert "held-out accuracy" in capsys.readouterr().out
