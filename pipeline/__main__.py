@@ -14,6 +14,7 @@ STAGES = {
     "generate": "pipeline.generate",
     "train-reward": "pipeline.train_reward",
     "ppo": "pipeline.train_ppo",
+    "simulate-annotators": "pipeline.simulate",
 }
 
 

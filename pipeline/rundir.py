@@ -1,0 +1,85 @@
+"""The run directory: the only thing a job writes, and what the store's owner process reads.
+
+Every stage (generate, train-reward, ppo) writes the same three files, so one job runner can
+watch any of them (DESIGN.md, Process model):
+
+    config.json     the configuration the run started with
+    status.json     {"state", "step", "total", "progress", "updated_at", "error", ...},
+                    rewritten whole (tmp + rename) so a reader never sees half a file
+    metrics.jsonl   one JSON object per step: {"step": n, "namespace/key": value, ...}
+
+Writers use `write_json`, `write_status` and `append_metrics`; the job runner reads with
+`read_status` and `MetricsTail`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+STATES = ("running", "done", "failed", "cancelled")
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write whole or not at all: a tailing reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_status(out: Path, state: str, step: int, total: int, error: str | None = None, **extra) -> None:
+    """status.json: `progress` is step / total in [0, 1]."""
+    if state not in STATES:
+        raise ValueError(f"status state must be one of {STATES}, not {state!r}")
+    write_json(Path(out) / "status.json", {
+        "state": state, "step": int(step), "total": int(total),
+        "progress": round(step / total, 4) if total else 0.0,
+        "updated_at": time.time(), "error": error, **extra})
+
+
+def append_metrics(out: Path, step: int, metrics: dict) -> None:
+    """One line per step; non-finite numbers are written as null (JSON has no NaN)."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    with open(Path(out) / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": int(step), **clean}) + "\n")
+
+
+def read_status(out: Path) -> dict:
+    """The run's status.json, or {} when it does not exist yet (or is being replaced)."""
+    try:
+        return json.loads((Path(out) / "status.json").read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+class MetricsTail:
+    """Reads metrics.jsonl incrementally: each `read()` returns the (step, key, value) rows of the
+    complete lines appended since the last call (a half-written last line waits for the next)."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / "metrics.jsonl"
+        self.offset = 0
+
+    def read(self) -> list[tuple[int, str, float | None]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        rows = []
+        for line in chunk[:end].splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            step = int(record.pop("step", 0))
+            for key, value in record.items():
+                if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                    rows.append((step, key, None if value is None else float(value)))
+        return rows
