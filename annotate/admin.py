@@ -150,39 +150,41 @@ def _fmt(x) -> str:
 # ------------------------------------------------------------------------- export
 
 
-def export(ctx: AppContext, fmt: str, include_all_bad: bool, annotators: list[str] | None,
-           since: str, test_fraction: float, request: gr.Request):
-    """Export the pairs as a snapshot (recorded in the store) and hand back a file to download:
-    the JSONL/Parquet file itself, or the `datasets` folder zipped. Returns (file path, summary)."""
+def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: bool,
+           annotators: list[str] | None, since: str, min_agreement: float, test_fraction: float,
+           request: gr.Request):
+    """Export the pairs as a snapshot (recorded in the store, with its manifest) and hand back a
+    file to download: the JSONL or Parquet file, or the `datasets` folder zipped.
+    Returns (file path, summary markdown)."""
     admin(ctx, request)
-    filters: dict = {"include_all_bad": bool(include_all_bad)}
-    if annotators:
-        ids = []
-        for name in annotators:
-            account = ctx.store.find_annotator(name)
-            if account is None:
-                raise gr.Error(f"No annotator named {name!r}.")
-            ids.append(account.id)
-        filters["annotator_ids"] = ids
+    since_date = None
     if since and since.strip():
         try:
-            filters["since"] = dt.date.fromisoformat(since.strip()).isoformat()
+            since_date = dt.date.fromisoformat(since.strip())
         except ValueError:
             raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.") from None
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = ctx.export_dir / f"pairs-{stamp}"
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    suffix = {"jsonl": ".jsonl", "parquet": ".parquet", "datasets": ""}.get(fmt)
+    if suffix is None:
+        raise gr.Error(f"Unknown format {fmt!r}: choose jsonl, parquet or datasets.")
+    out = ctx.export_dir / f"pairs-{stamp}{suffix}"
     try:
-        snap = store_io.export_pairs(ctx.store, out, fmt, filters=filters, test_fraction=float(test_fraction))
+        snap = store_io.export_pairs(
+            ctx.store, out, fmt, annotators=list(annotators) if annotators else None, since=since_date,
+            min_agreement=float(min_agreement) if min_agreement else None,
+            include_all_bad=bool(include_all_bad), include_imported=bool(include_imported),
+            test_fraction=float(test_fraction))
     except StoreError as exc:
         raise gr.Error(f"Export failed: {exc}") from None
-    download = _downloadable(Path(snap.path), fmt)
-    counts = ", ".join(f"{k} {v}" for k, v in snap.counts.items())
-    summary = (f"**Snapshot #{snap.id}** ({fmt}): {counts}. Saved to `{snap.path}`, "
-               f"sha256 `{snap.sha256[:12]}…`.")
+    download = _downloadable(Path(snap.path))
+    c = snap.counts
+    summary = (f"**Snapshot #{snap.id}** · {fmt} · {c.get('pairs', 0)} pairs ({c.get('train', 0)} train, "
+               f"{c.get('test', 0)} test) from {c.get('prompts', 0)} prompts · saved as `{Path(snap.path).name}` · "
+               f"sha256 `{snap.sha256[:12]}`")
     return str(download), summary
 
 
-def _downloadable(path: Path, fmt: str) -> Path:
+def _downloadable(path: Path) -> Path:
     """A copy in a fresh temp folder (Gradio serves it from there; the export folder itself is
     never exposed), zipped when it is a folder."""
     tmp = Path(tempfile.mkdtemp(prefix="rlhf-export-"))

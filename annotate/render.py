@@ -201,4 +201,4 @@ SHORTCUTS = [
 
 def render_shortcuts() -> str:
     rows = "".join(f"<li><kbd>{esc(k)}</kbd><span>{esc(v)}</span></li>" for k, v in SHORTCUTS)
-    return f'<div class="rl-shortcuts"><div class="rl-section-label">Keyboard</div><ul>{rows}</ul></div>'
+    return f'<div class="rl-shortcuts"><ul>{rows}</ul></div>'

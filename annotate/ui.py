@@ -49,7 +49,7 @@ def bind(fn, ctx: AppContext):
 
 def build_ui(ctx: AppContext) -> gr.Blocks:
     """The whole app as a gr.Blocks (launch it with `launch`)."""
-    with gr.Blocks(title="rlhf-loop · annotate") as demo:
+    with gr.Blocks(title="rlhf-loop · annotate", fill_width=True) as demo:
         state = gr.State(SessionState())
         header = gr.HTML(elem_id="rl-header-box", js_on_load=None)
         with gr.Tabs(elem_id="rl-tabs"):
@@ -78,27 +78,29 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
 
 
 def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
+    # Argilla's layout: the record (prompt and responses) on the left, the question panel (the
+    # ranking, comment and actions) on the right, sticky so it stays in view while reading.
     with gr.Row(equal_height=False):
-        with gr.Column(scale=4, min_width=640):
+        with gr.Column(scale=3, min_width=640):
             progress = gr.HTML(elem_id="rl-progress", js_on_load=None)
             item = gr.HTML(elem_id="rl-item", js_on_load=None, min_height=320)
-            with gr.Row(elem_id="rl-actions", equal_height=True):
-                gr.HTML("", elem_id="rl-rankbar", js_on_load=None, scale=3, min_width=260)
-                all_bad = gr.Checkbox(label="All bad (A)", elem_id="rl-allbad", scale=0, min_width=130,
-                                      container=False)
-                comment = gr.Textbox(placeholder="Comment (optional) · C", show_label=False, lines=1,
-                                     max_lines=1, elem_id="rl-comment", scale=2, min_width=180, container=False)
-                undo = gr.Button("Undo · U", elem_id="rl-undo", scale=0, min_width=96)
-                flag = gr.Button("Flag · F", elem_id="rl-flag", scale=0, min_width=96)
-                skip = gr.Button("Skip · S", elem_id="rl-skip", scale=0, min_width=96)
-                submit = gr.Button("Submit ⏎", variant="primary", elem_id="rl-submit", scale=0, min_width=130)
+        with gr.Column(scale=1, min_width=300, elem_id="rl-side"):
+            gr.HTML("", elem_id="rl-rankbar", js_on_load=None)
+            all_bad = gr.Checkbox(label="All responses are bad · A", elem_id="rl-allbad")
+            comment = gr.Textbox(placeholder="Comment (optional) · C", show_label=False, lines=2,
+                                 max_lines=4, elem_id="rl-comment")
+            submit = gr.Button("Submit  ⏎", variant="primary", elem_id="rl-submit", size="lg")
+            with gr.Row(elem_id="rl-secondary"):
+                skip = gr.Button("Skip · S", elem_id="rl-skip", size="sm", min_width=60)
+                flag = gr.Button("Flag · F", elem_id="rl-flag", size="sm", min_width=60)
+                undo = gr.Button("Undo · U", elem_id="rl-undo", size="sm", min_width=60)
+            with gr.Accordion("Guidelines", open=True, elem_id="rl-guidelines-box"):
+                guidelines = gr.Markdown(elem_id="rl-guidelines", sanitize_html=True)
+            with gr.Accordion("Keyboard shortcuts", open=True, elem_id="rl-keys-box"):
+                gr.HTML(render_shortcuts(), js_on_load=None)
             # Filled by the page script on Submit (never typed): the ranking and the item's token.
             ranking = gr.Textbox(visible="hidden", elem_id="rl-ranking")
             token = gr.Textbox(visible="hidden", elem_id="rl-token")
-        with gr.Column(scale=1, min_width=260, elem_id="rl-side"):
-            with gr.Accordion("Guidelines", open=True, elem_id="rl-guidelines-box"):
-                guidelines = gr.Markdown(elem_id="rl-guidelines", sanitize_html=True)
-            gr.HTML(render_shortcuts(), js_on_load=None)
 
     outs = [state, item, progress, comment, all_bad]
     fetch_next = dict(fn=bind(h.prefetch, ctx), inputs=[state], outputs=[state], api_name="prefetch",
@@ -117,7 +119,8 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
                trigger_mode="once")
     # While nothing is on screen (queue empty, generation running), look for new items.
     timer = gr.Timer(3.0)
-    timer.tick(bind(h.refresh, ctx), [state], outs, api_visibility="private", show_progress="hidden")
+    timer.tick(bind(h.refresh, ctx), [state], outs, api_name="refresh", api_visibility="undocumented",
+               show_progress="hidden")
     return {"outs": outs, "guidelines": guidelines}
 
 

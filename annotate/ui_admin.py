@@ -69,8 +69,12 @@ def data_tab(ctx: AppContext) -> dict:
                 test_fraction = gr.Slider(0.0, 0.5, value=0.1, step=0.05, label="Test fraction")
             with gr.Row():
                 who = gr.Dropdown([], multiselect=True, label="Only these annotators (empty = all)")
-                since = gr.Textbox(label="Only rankings since (YYYY-MM-DD)", placeholder="all time")
+                since = gr.Textbox(label="Only pairs since (YYYY-MM-DD)", placeholder="all time")
+                min_agreement = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Minimum agreement",
+                                          info="share of the item's annotators who agree with the pair")
+            with gr.Row():
                 all_bad = gr.Checkbox(label="Include 'all bad' rankings", value=False)
+                imported = gr.Checkbox(label="Include imported pairs", value=True)
             export_btn = gr.Button("Export", variant="primary", elem_id="rl-export")
             export_msg = gr.Markdown(elem_id="rl-export-msg")
             export_file = gr.File(label="Download", interactive=False, elem_id="rl-export-file")
@@ -95,7 +99,7 @@ def data_tab(ctx: AppContext) -> dict:
     gen_btn.click(_bind(a.generate, ctx), [n_prompts, k, max_new, temperature, top_p], [job],
                   **HIDDEN, api_name="generate")
     timer.tick(_bind(a.job_html, ctx), None, [job], api_visibility="private", show_progress="hidden")
-    export_btn.click(_bind(a.export, ctx), [fmt, all_bad, who, since, test_fraction], [export_file, export_msg],
+    export_btn.click(_bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction], [export_file, export_msg],
                      **HIDDEN, api_name="export")
     add_btn.click(_bind(a.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
     save_btn.click(_bind(a.save_guidelines, ctx), [guidelines], [save_msg], **HIDDEN, api_name="save_guidelines")

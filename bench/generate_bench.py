@@ -11,7 +11,7 @@ Tokens counted: response tokens up to and including EOS. Duplicate re-sampling i
 comparison (max_resample=0).
 
     python bench/generate_bench.py            # default model, 3 rounds of 8 prompts x K=4, 64 tokens
-    python bench/generate_bench.py --quick    # 1 round
+    python bench/generate_bench.py --quick    # 1 round of 4 prompts x K=4, 32 tokens
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import GenerateConfig, ModelConfig  # noqa: E402
 from pipeline.generate import encode_prompts, generate_responses  # noqa: E402
-from pipeline.models import load_policy, load_tokenizer  # noqa: E402
+from pipeline.models import load_policy  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.jsonl"
 FALLBACK = ["What are some hot dog toppings besides ketchup or mustard?", "How can I shop for the lowest prices?",
@@ -91,6 +91,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rounds = 1 if args.quick else args.rounds
+    if args.quick:  # a quarter of the work: a couple of minutes on two CPU cores
+        args.prompts_per_batch, args.max_new_tokens = min(args.prompts_per_batch, 4), min(args.max_new_tokens, 32)
 
     model, tokenizer = load_model(args.model, args.device)
     model.eval()

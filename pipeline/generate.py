@@ -14,6 +14,7 @@ Two levels:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -356,8 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     _write_json(out / "status.json", status)
     try:
         rows = read_prompts(args.prompts)[: args.limit or None]
-        policy, tokenizer = load_policy(model_cfg, adapter_path=args.adapter)
-        model_name = str(Path(args.adapter).resolve()) if args.adapter else policy.rlhf_meta["base_model"]
+        # Sampling never trains: no fresh (all-zero) adapter without --adapter, and a saved adapter
+        # is merged into the weights so each step runs plain matmuls.
+        policy, tokenizer = load_policy(dataclasses.replace(model_cfg, lora=False) if not args.adapter
+                                        else model_cfg, adapter_path=args.adapter)
+        meta = policy.rlhf_meta
+        if args.adapter and meta["lora"]:
+            policy = policy.merge_and_unload()
+        model_name = str(Path(args.adapter).resolve()) if args.adapter else meta["base_model"]
         _write_json(out / "config.json", {
             "stage": "generate", "prompts": str(args.prompts), "adapter": args.adapter,
             "model": model_name, "num_prompts": len(rows),

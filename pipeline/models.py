@@ -341,6 +341,19 @@ class ScalarModel(nn.Module):
         return (self.score(input_ids, attention_mask) - self.reward_mean) / self.reward_std
 
 
+def _load_backbone(weights: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The transformer without its LM head (AutoModel)."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # else a load report flags the unused LM head as 'UNEXPECTED'
+    try:
+        return AutoModel.from_pretrained(weights, dtype=dtype).to(device)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig | None = None):
     """(ScalarModel, tokenizer) from a base model (new head) or a saved reward/critic folder.
 
@@ -349,7 +362,6 @@ def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig
     normalisation reset). cfg gives device/dtype, and LoRA settings for a new model.
     """
     from peft import PeftModel, get_peft_model
-    from transformers import AutoModel
 
     cfg = cfg or ModelConfig()
     device = pick_device(cfg.device)
@@ -361,7 +373,7 @@ def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig
             raise ValueError(f"{folder}: a {meta.get('kind')} checkpoint, not a reward model or critic")
         lora = meta["lora"]
         weights = resolve_model_path(meta["base_model"], cfg.cache_dir) if lora else str(folder)
-        backbone = AutoModel.from_pretrained(weights, dtype=dtype).to(device)
+        backbone = _load_backbone(weights, dtype, device)
         if lora:
             backbone = PeftModel.from_pretrained(backbone, str(folder), is_trainable=True)
             _fp32_trainables(backbone)
@@ -375,7 +387,7 @@ def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig
     else:
         base = _canonical_base(str(path_or_model))
         weights = resolve_model_path(base, cfg.cache_dir)
-        backbone = AutoModel.from_pretrained(weights, dtype=dtype).to(device)
+        backbone = _load_backbone(weights, dtype, device)
         lora = lora_settings(cfg) if cfg.lora else None
         if lora:
             backbone = get_peft_model(backbone, _lora_config(backbone, lora, "FEATURE_EXTRACTION"))

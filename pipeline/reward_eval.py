@@ -41,7 +41,9 @@ def pair_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     hidden = out.last_hidden_state  # (N, L, H)
     rows = torch.arange(hidden.size(0), device=hidden.device)
     last_hidden = hidden[rows, last_token_index(attention_mask)]  # (N, H)
-    return model.head(last_hidden.float()).squeeze(-1), hidden  # (N,), (N, L, H)
+    with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
+        scores = model.head(last_hidden.float()).squeeze(-1)  # (N,)
+    return scores, hidden
 
 
 @torch.no_grad()

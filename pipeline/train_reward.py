@@ -37,6 +37,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,8 +83,6 @@ def graceful_stop():
         flag["stop"] = signal.Signals(signum).name
 
     old = {}
-    import threading
-
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             old[sig] = signal.signal(sig, handler)
@@ -123,15 +122,28 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
     out_dir = Path(out)
     if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1:
         raise ValueError("batch_size, grad_accum and epochs must be at least 1")
-    # 0. Run directory: never write over another run's results without --resume.
+    # 0. Run directory: never write over another run's results without --resume. A folder holding
+    #    only logs or a failed start (no checkpoint, no report) is reused: job runners create the
+    #    run directory and its log file before launching us.
+    results = [name for name in ("checkpoint", "trainer_state.pt", "eval_report.json") if (out_dir / name).exists()]
     if resume:
         if not (out_dir / "trainer_state.pt").is_file():
             raise FileNotFoundError(f"--resume: {out_dir} has no trainer_state.pt to continue from")
         status = json.loads((out_dir / "status.json").read_text())
         if status.get("state") == "done":
             raise ValueError(f"--resume: the run in {out_dir} already finished")
-    elif out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"--out {out_dir} is not empty: pass --resume to continue it, or choose a new folder")
+        # The run's own settings win (same batches, same schedule); only where it runs may change.
+        saved = json.loads((out_dir / "config.json").read_text())
+        if saved["data_sha256"] != pairs_fingerprint(data):
+            raise ValueError(f"--resume: {data} is not the data the run in {out_dir} started with ({saved['data']})")
+        cfg = RewardConfig(**saved["reward"])
+        model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
+        init_from = saved.get("init_from", "")
+    elif results:
+        raise FileExistsError(f"--out {out_dir} already holds a run ({', '.join(results)}): pass --resume to "
+                              "continue it, or choose a new folder")
+    else:
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_status(out_dir, "starting", 0, 0)
     progress = {"step": 0, "total": 0}  # kept current by _train, for the failure status
@@ -177,7 +189,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     if not resume:
         write_json(out_dir / "config.json", {
             "reward": to_dict(cfg), "model": to_dict(model_cfg), "data": str(data),
-            "data_sha256": pairs_fingerprint(data), "init_from": init_from, "base_model": model.base_model,
+            "data_sha256": pairs_fingerprint(data), "init_from": init_from,
+            "eval_data_sha256": pairs_fingerprint(cfg.eval_data) if cfg.eval_data else "", "base_model": model.base_model,
             "argv": sys.argv, "data_report": data_report,
         })
 
@@ -195,6 +208,12 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
+        # Steps logged after the last save are trained again: drop their old lines.
+        lines = (out_dir / "metrics.jsonl").read_text().splitlines() if (out_dir / "metrics.jsonl").exists() else []
+        kept = "".join(line + "\n" for line in lines if json.loads(line)["step"] <= step)
+        tmp = out_dir / ".metrics.jsonl.tmp"
+        tmp.write_text(kept)
+        os.replace(tmp, out_dir / "metrics.jsonl")
 
     def save(norm: dict | None = None) -> None:
         save_scalar_model(model, tokenizer, out_dir / "checkpoint")
@@ -232,8 +251,12 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                         if cfg.center_coef > 0:
                             loss = loss + cfg.center_coef * center_loss(r_c, r_r)
                         if lm_weight is not None:
-                            logits = hidden[:b] @ lm_weight.to(hidden.dtype).T  # (B, L, V)
-                            loss = loss + cfg.lm_coef * lm_loss(logits, ids[:b], batch["lm_mask"].to(device))
+                            # Logits only from the first position that predicts a response token:
+                            # (B, L, V) over a 49k vocabulary is the largest tensor of the step.
+                            start = max(min(train_items[i].chosen_prompt_len for i in idx) - 1, 0)
+                            logits = hidden[:b, start:] @ lm_weight.to(hidden.dtype).T  # (B, L', V)
+                            lm = lm_loss(logits, ids[:b, start:], batch["lm_mask"][:, start:].to(device))
+                            loss = loss + cfg.lm_coef * lm
                     (loss / len(micro)).backward()
                     sums["loss"] += loss.item() * b
                     sums["accuracy"] += (r_c > r_r).float().sum().item()

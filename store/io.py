@@ -76,7 +76,7 @@ def read_rows(path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[int, di
         raise DataError(str(path), [(None, "no such file")])
     size = path.stat().st_size
     if size > max_bytes:
-        raise DataError(str(path), [(None, f"the file has {size:,} bytes, over the limit of {max_bytes:,}")])
+        raise DataError(str(path), [(None, f"the file has {size:,} bytes, over the limit of {max_bytes:,} bytes")])
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson", ".json"):
         rows = _read_json(path, problems)

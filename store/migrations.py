@@ -10,6 +10,8 @@ Design notes on the schema (DuckDB):
   transaction and to update tables that are referenced (see DuckDB's "foreign key limitations").
   The Store checks references inside its write transactions instead.
 - Ids come from one sequence per table, so bulk inserts can reserve ids up front.
+- Besides primary keys, one ART index: responses(item_id), for the item shown to an annotator
+  (DuckDB scans the rest fast enough; each index slows bulk inserts).
 - JSON columns hold dicts/lists as JSON text. Timestamps are TIMESTAMP in UTC.
 - A response belongs to an *item* (one generation call: one prompt, one model version, K
   responses). Items are what annotators rank; imported pairs are items that are not queued.
@@ -92,6 +94,7 @@ MIGRATIONS: list[tuple[str, str]] = [
             sampling JSON NOT NULL,
             created_at TIMESTAMP NOT NULL
         );
+        CREATE INDEX responses_item_idx ON responses (item_id);
         CREATE TABLE annotators (
             id BIGINT PRIMARY KEY,
             name VARCHAR NOT NULL UNIQUE,

@@ -6,7 +6,8 @@ pairs are items too but are never queued. `next_item` hands an annotator an item
 - this annotator has not ranked or skipped,
 - has fewer than `overlap` rankings plus live leases held by *other* annotators,
 preferring the annotator's own live lease (a reload shows the same item), then items with the
-fewest rankings so far (the ones that need the most annotations), then the oldest. Taking an item
+fewest rankings plus live leases of others (the ones that need the most annotations), then the
+oldest. Taking an item
 writes a lease (item, annotator, expires_at) in the same transaction as the check, so concurrent
 annotators never get one item beyond the overlap; an expired lease no longer counts, so an
 abandoned item returns to the queue by itself.

@@ -156,18 +156,26 @@ class QueueIndex:
                 and self.n_done[item_id] + self._others_leasing(item_id, annotator_id, now) < overlap)
 
     def pick(self, annotator_id: int, overlap: int, now: datetime, exclude=()) -> int | None:
-        """The annotator's own live lease if any, else the eligible item with the fewest rankings,
-        oldest first (see store/queue.py for the rules)."""
+        """The annotator's own live lease if any, else the eligible item with the fewest rankings
+        plus others' leases, oldest first (see store/queue.py for the rules)."""
         exclude = set(exclude)
         own = [i for i in self.held.get(annotator_id, ())
                if self.leases[i][annotator_id] > now and self._eligible(i, annotator_id, overlap, now, exclude)]
         if own:
             return min(own, key=lambda i: (self.n_done[i], i))
+        # fewest (rankings + other annotators' live leases) first, then oldest: an item someone
+        # is already ranking needs one annotation fewer than it seems
+        best: tuple[int, int] | None = None
         for n in sorted(b for b in self.buckets if b < overlap):
+            if best is not None and best[0] < n:
+                break
             for item_id in self.buckets[n]:
                 if self._eligible(item_id, annotator_id, overlap, now, exclude):
-                    return item_id
-        return None
+                    score = (n + self._others_leasing(item_id, annotator_id, now), item_id)
+                    best = score if best is None else min(best, score)
+                    if score[0] == n:
+                        break  # nothing later in this bucket can beat it
+        return None if best is None else best[1]
 
     def remaining(self, annotator_id: int, overlap: int, now: datetime) -> int:
         """How many items pick() could still hand this annotator (their own leases included)."""

@@ -93,25 +93,34 @@ class RankingsMixin:
                 raise NotFoundError(f"no annotator with id {annotator_id}")
             item_id, item_prompt, item_resp = self._item_of(cur, q, groups[0][0])
             display = _check_against_item(r, groups, item_id, item_prompt, item_resp)
-            # 2. the same client token again: return the stored ranking (idempotent)
-            prior = cur.execute(
-                "SELECT id, client_token, item_id FROM rankings WHERE annotator_id = ? "
-                "AND (client_token = ? OR item_id = ?)", [annotator_id, client_token, item_id]).fetchall()
-            same_token = [p[0] for p in prior if client_token is not None and p[1] == client_token]
+            # 2. a re-ranking of the same item replaces the earlier ranking and its pairs. The index
+            #    says whether there is one for queued items; other items ask the database.
+            replaced: list[int] = []
+            if self.replace_rerankings and (item_id not in q.item_prompt
+                                            or q.rankers.get(item_id, {}).get(annotator_id)):
+                prior = cur.execute("SELECT id, client_token FROM rankings WHERE annotator_id = ? AND item_id = ?",
+                                    [annotator_id, item_id]).fetchall()
+                if client_token is not None and any(p[1] == client_token for p in prior):
+                    replaced = []  # the same submission again: handled as a repeated token below
+                else:
+                    replaced = [p[0] for p in prior]
+            if replaced:
+                cur.execute("DELETE FROM pairs WHERE ranking_id IN (SELECT unnest(?))", [replaced])
+                cur.execute("DELETE FROM rankings WHERE id IN (SELECT unnest(?))", [replaced])
+            # 3. the ranking, unless this client token was stored before (idempotent: return that one)
+            inserted = cur.execute(
+                "INSERT INTO rankings SELECT nextval('rankings_id_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ? "
+                "WHERE ?::VARCHAR IS NULL OR NOT EXISTS "
+                "(SELECT 1 FROM rankings WHERE annotator_id = ? AND client_token = ?) RETURNING id",
+                [item_id, prompt_id, annotator_id, groups, display, r.all_bad, duration_s, client_token,
+                 r.comment, now, client_token, annotator_id, client_token]).fetchall()
+            same_token = not inserted
             if same_token:
-                ranking_id = same_token[0]
+                ranking_id = cur.execute("SELECT min(id) FROM rankings WHERE annotator_id = ? AND client_token = ?",
+                                         [annotator_id, client_token]).fetchall()[0][0]
             else:
-                # 3. a re-ranking of the same item replaces the earlier ranking and its pairs
-                replaced = [p[0] for p in prior if p[2] == item_id] if self.replace_rerankings else []
-                if replaced:
-                    cur.execute("DELETE FROM pairs WHERE ranking_id IN (SELECT unnest(?))", [replaced])
-                    cur.execute("DELETE FROM rankings WHERE id IN (SELECT unnest(?))", [replaced])
-                # 4. the ranking, its pairs, and the end of the lease
-                ranking_id = cur.execute(
-                    "INSERT INTO rankings VALUES (nextval('rankings_id_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                    "RETURNING id",
-                    [item_id, prompt_id, annotator_id, groups, display, r.all_bad, duration_s,
-                     client_token, r.comment, now]).fetchall()[0][0]
+                # 4. its pairs, and the end of the lease
+                ranking_id = inserted[0][0]
                 if pairs:
                     cur.execute(
                         "INSERT INTO pairs SELECT nextval('pairs_id_seq'), ?, ?, unnest(?), unnest(?), unnest(?), "

@@ -248,6 +248,17 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
         return [_response(r) for r in self._rows(
             f"SELECT {_RESPONSE_COLS} FROM responses WHERE item_id = ? ORDER BY id", [item_id])]
 
+    def response_ids_by_item(self, item_ids) -> dict[int, list[int]]:
+        """{item id: its response ids in id order} for many items in one query."""
+        ids = [int(i) for i in item_ids]
+        if not ids:
+            return {}
+        cur = self._cur()
+        with registered(cur, "_wanted_items", pa.table({"item_id": pa.array(ids, pa.int64())})):
+            rows = cur.execute("SELECT r.item_id, list(r.id ORDER BY r.id) FROM responses r "
+                               "JOIN _wanted_items w ON w.item_id = r.item_id GROUP BY r.item_id").fetchall()
+        return {item_id: list(rids) for item_id, rids in rows}
+
     def prompt_responses(self, prompt_id: int) -> list[Response]:
         return [_response(r) for r in self._rows(
             f"SELECT {_RESPONSE_COLS} FROM responses WHERE prompt_id = ? ORDER BY id", [prompt_id])]
@@ -260,16 +271,14 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
 
     def get_item(self, item_id: int, annotator_id: int | None = None) -> Item:
         """An item with its responses in `annotator_id`'s display order (id order if None)."""
-        rows = self._rows(
-            f"SELECT {', '.join('r.' + c.strip() for c in _RESPONSE_COLS.split(','))}, "
-            f"{', '.join('p.' + c.strip() for c in _PROMPT_COLS.split(','))} "
-            "FROM responses r JOIN prompts p ON p.id = r.prompt_id WHERE r.item_id = ? ORDER BY r.id",
-            [item_id])
+        # two point queries: cheaper in DuckDB than one join (about 1 ms each)
+        rows = self._rows(f"SELECT {_RESPONSE_COLS} FROM responses WHERE item_id = ? ORDER BY id", [item_id])
         if not rows:
             raise NotFoundError(f"no item with id {item_id}")
-        responses = {row[0]: _response(row[:9]) for row in rows}
+        prompt = self.get_prompt(rows[0][1])
+        responses = {row[0]: _response(row) for row in rows}
         order = list(responses) if annotator_id is None else display_order_for(annotator_id, item_id, list(responses))
-        return Item(item_id=item_id, prompt=_prompt(rows[0][9:]), responses=[responses[i] for i in order],
+        return Item(item_id=item_id, prompt=prompt, responses=[responses[i] for i in order],
                     display_order=order, model_version_id=rows[0][3])
 
     # ------------------------------------------------------------------ imported pairs

@@ -2,8 +2,9 @@
 
 Hash format: "scrypt$<n>$<r>$<p>$<salt hex>$<key hex>", with a random 16-byte salt per password
 and the scrypt parameters stored beside it, so they can be raised later without breaking old
-hashes. n=2**14, r=8, p=1 are the parameters Python's hashlib docs and OWASP's cheat sheet list
-as a sound interactive-login baseline (about 16 MiB and tens of milliseconds per check).
+hashes. n=2**14, r=8, p=1 are the interactive-login parameters of the scrypt paper (Percival
+2009, "Stronger key derivation via sequential memory-hard functions"): 16 MiB and about 0.1 s per
+check. Raise SCRYPT_N for stronger hashes; stored hashes keep working.
 """
 
 from __future__ import annotations

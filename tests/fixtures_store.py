@@ -1,1 +1,71 @@
 """Store fixtures: a fresh DuckDB file per test, seeded helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from store import Store
+
+__all__ = ["SHARED_DATA", "SeededItem", "seed_items", "store", "store_path", "shared_data",
+           "store_policy", "store_annotators"]
+
+# ../shared/data relative to the repository root (real HH-RLHF files; see its README.md).
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class SeededItem:
+    prompt_id: int
+    item_id: int
+    response_ids: list[int]
+
+
+def seed_items(store: Store, n_items: int = 5, k: int = 4, *, model_version_id: int | None = None,
+               round_id: int | None = None, prefix: str = "prompt") -> list[SeededItem]:
+    """n_items prompts, each with one item of k responses from a policy version."""
+    if model_version_id is None:
+        found = store.find_model_version("seed-policy")
+        model_version_id = (found or store.register_model_version("policy", "seed-policy", base_model="tiny")).id
+    prompt_ids = store.add_prompts([f"{prefix} {i}: say something" for i in range(n_items)], source="test")
+    item_ids = store.add_responses_bulk(
+        model_version_id,
+        [(pid, [(f"answer {j} to {pid}", 3 + j, "eos", {"temperature": 0.7}) for j in range(k)])
+         for pid in prompt_ids],
+        round_id=round_id)
+    out = []
+    for pid, iid in zip(prompt_ids, item_ids):
+        out.append(SeededItem(pid, iid, [r.id for r in store.item_responses(iid)]))
+    return out
+
+
+@pytest.fixture
+def store_path(tmp_path) -> Path:
+    return tmp_path / "db" / "rlhf.duckdb"
+
+
+@pytest.fixture
+def store(store_path):
+    s = Store(store_path)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def store_policy(store):
+    return store.register_model_version("policy", "seed-policy", base_model="tiny")
+
+
+@pytest.fixture
+def store_annotators(store):
+    """Two annotator accounts, ann0 and ann1 (password 'password-<i>'); scrypt makes each ~0.1 s."""
+    return [store.add_annotator(f"ann{i}", f"password-{i}") for i in range(2)]
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not (SHARED_DATA / "prompts.jsonl").is_file():
+        pytest.skip(f"the shared test data is absent ({SHARED_DATA}: ../shared/data from the repository root)")
+    return SHARED_DATA

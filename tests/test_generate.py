@@ -189,6 +189,28 @@ def test_cli_writes_a_run_directory(tiny_model_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["generate"]["k"] == 2
 
 
+def test_cli_with_a_saved_adapter(tiny_model_cfg, tmp_path):
+    from pipeline.models import save_policy
+
+    policy, tokenizer = load_policy(tiny_model_cfg)
+    with torch.no_grad():  # a non-zero adapter, as after training
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    adapter = save_policy(policy, tokenizer, tmp_path / "policy")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    out = tmp_path / "run"
+    assert cli(["generate", "--prompts", str(prompts), "--out", str(out), "--adapter", str(adapter),
+                "--k", "1", "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    row = json.loads((out / "responses.jsonl").read_text())
+    assert row["model"] == str(adapter.resolve())
+    # the CLI merges the adapter for speed; greedy output matches the unmerged policy
+    expected = generate_responses(policy, tokenizer, [PROMPTS[0]], 1,
+                                  GenerateConfig(temperature=0.0, max_new_tokens=6))[0][0]
+    assert row["text"] == expected.text
+
+
 def test_cli_bad_prompt_file_fails_clearly(tiny_model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')

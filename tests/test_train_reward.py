@@ -255,8 +255,19 @@ def test_cli_errors_and_refusals(tmp_path, tiny_model_dir, capsys):
     assert main(["--data", str(empty), "--out", str(tmp_path / "a"), *base]) == 2
     assert "empty.jsonl: no pairs" in capsys.readouterr().err
     assert json.loads((tmp_path / "a" / "status.json").read_text())["state"] == "failed"
-    assert main(["--data", str(empty), "--out", str(tmp_path / "a"), *base]) == 2  # not empty now
-    assert "--resume" in capsys.readouterr().err
     data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(24))
-    assert main(["--data", str(data), "--out", str(tmp_path / "b"), "--lr", "1e-2", "--max-steps", "2", *base]) == 0
+    # a failed start holds nothing of value: the folder is reused
+    assert main(["--data", str(data), "--out", str(tmp_path / "a"), "--lr", "1e-2", "--max-steps", "2", *base]) == 0
     assert "held-out accuracy" in capsys.readouterr().out
+    # a finished run is never overwritten
+    assert main(["--data", str(data), "--out", str(tmp_path / "a"), *base]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_separate_eval_file(tmp_path, tiny_model_cfg):
+    rows = marker_pairs(40)
+    train, held = write_jsonl(tmp_path / "t.jsonl", rows[:30]), write_jsonl(tmp_path / "e.jsonl", rows[25:])
+    cfg = dataclasses.replace(FAST, epochs=1, eval_data=str(held))
+    report = train_reward(str(train), str(tmp_path / "run"), cfg, tiny_model_cfg)
+    assert report["train/pairs"] == 30 and report["eval/pairs"] == 15
+    assert report["data"]["eval_file"]["prompts_also_in_train"] == 5

@@ -93,13 +93,17 @@
     const chips = R.groups
       .map((g) => g.map((p) => `<span class="rl-chip">${p}</span>`).join('<span class="rl-eq">=</span>'))
       .join('<span class="rl-gt">›</span>');
+    const empty = Array.from({ length: left }, () => '<span class="rl-chip rl-chip-empty"></span>').join("");
     let hint;
-    if (!R.groups.length) hint = `Press 1–${n} from best to worst`;
-    else if (left === 0) hint = "Ready: Enter to submit";
-    else if (left === 1) hint = "Last one goes last: Enter to submit";
+    if (!R.groups.length) hint = `Press 1–${n} (or click) from best to worst`;
+    else if (left === 0) hint = "Ready: press Enter to submit";
+    else if (left === 1) hint = "The last one goes last: press Enter to submit";
     else hint = `${left} left to rank`;
-    const tie = R.tieNext ? '<span class="rl-tie-on">tie with previous</span>' : "";
-    bar.innerHTML = `<span class="rl-rank-label">Ranking</span>${chips || '<span class="rl-muted">—</span>'}${tie}<span class="rl-hint">${hint}</span>`;
+    const tie = R.tieNext ? '<span class="rl-tie-on">next pick ties</span>' : "";
+    bar.innerHTML =
+      `<div class="rl-rank-title">Your ranking <span class="rl-muted">best › worst</span>${tie}</div>` +
+      `<div class="rl-rank-chips">${chips}${chips && empty ? '<span class="rl-gt">›</span>' : ""}${empty}</div>` +
+      `<div class="rl-hint">${hint}</div>`;
   }
 
   document.addEventListener("click", (e) => {

@@ -1,0 +1,92 @@
+"""The annotation app: open the store, build the UI, launch.
+
+    python app.py                      # ./data/rlhf.duckdb, login, default model, first batch
+    python app.py --no-auth            # single user, no login, bound to 127.0.0.1 only
+    python app.py --db my.duckdb --port 7861 --no-generate
+
+On a first start the store is empty: an admin account is created (its one-time password is printed
+here), the bundled prompts are imported, and K responses for a first batch of prompts are generated
+in the background; the Annotate tab shows them as they arrive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+for _key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(_key, "1")  # nothing is downloaded at run time
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from store import default_db_path
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--db", default=str(default_db_path()), help="DuckDB file (created on first start; default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve a network; default: %(default)s)")
+    p.add_argument("--port", type=int, default=7860, help="port (default: %(default)s)")
+    p.add_argument("--no-auth", action="store_true", help="no login: one local admin user; binds 127.0.0.1 only")
+    p.add_argument("--model", default="default", help="policy base model: 'default' (SmolLM2-135M-Instruct) or a local HF folder")
+    p.add_argument("--k", type=int, default=4, help="responses per prompt for generation (default: %(default)s)")
+    p.add_argument("--first-batch", type=int, default=16, metavar="N",
+                   help="prompts to generate for on a first start (0 = none; default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="response length limit for generation (default: %(default)s)")
+    p.add_argument("--no-generate", action="store_true", help="no model in the app: rank what is in the store")
+    p.add_argument("--device", default="auto", help="generation device: auto, cpu, cuda (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from annotate import bootstrap
+    from annotate.context import AppContext
+    from annotate.ui import build_ui, launch
+    from store import Store, StoreLockedError
+
+    # 1. the store (one owner process per DuckDB file)
+    try:
+        store = Store(args.db)
+    except StoreLockedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    auth = not args.no_auth
+    host = "127.0.0.1" if args.no_auth else args.host
+    if args.no_auth and args.host not in ("127.0.0.1", "localhost"):
+        print(f"--no-auth: ignoring --host {args.host}; serving on 127.0.0.1 only")
+
+    # 2. first start: an admin, the bundled prompts, a first batch of responses in the background
+    password = bootstrap.ensure_admin(store, auth=auth)
+    if password is not None:
+        print("\n" + "=" * 64 + f"\n  First start: created admin account 'admin'\n  one-time password: {password}\n"
+              "  (sign in, then add annotators in Data > Users)\n" + "=" * 64 + "\n", flush=True)
+    added = bootstrap.ensure_prompts(store)
+    if added:
+        print(f"Imported {added} bundled prompts.")
+    generator = None
+    if not args.no_generate:
+        from annotate.background import GenerationRunner
+        from pipeline.config import GenerateConfig, ModelConfig
+
+        generator = GenerationRunner(store, ModelConfig(model=args.model, device=args.device))
+        started = bootstrap.first_batch(store, generator, args.first_batch, args.k,
+                                        GenerateConfig(k=args.k, max_new_tokens=args.max_new_tokens))
+        if started:
+            print(f"Generating K={args.k} responses for {started} prompts in the background.")
+
+    # 3. the UI
+    ctx = AppContext(store=store, auth=auth, data_dir=Path(args.db).resolve().parent, generator=generator,
+                     generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens})
+    demo = build_ui(ctx)
+    try:
+        launch(demo, ctx, host=host, port=args.port)
+    finally:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Pairs/s of our reward trainer (pipeline.train_reward) against TRL's RewardTrainer.
+
+Same model (default SmolLM2-135M-Instruct), same HH-RLHF pairs, the same token ids (both take the
+pairs as tokenised by pipeline.reward_data: chat template, left truncation of the prompt to
+--max-length, so TRL filters nothing out), batch size, one epoch, learning rate and linear decay,
+LoRA settings, precision and threads. Each trainer runs in its own subprocess, one after the
+other, so peak RSS is each one's own. Held-out accuracy: both models score the same held-out
+pairs (split by prompt) at the EOS token of prompt+response.
+
+TRL settings that are not its defaults, and why:
+- gradient_checkpointing=False (TRL's RewardConfig defaults to True): ours does not checkpoint,
+  so both do the same arithmetic. --trl-gradient-checkpointing restores TRL's default.
+- pad token '<|endoftext|>' for TRL: SmolLM2 pads with its EOS token, and a sequence-classification
+  model looks for the last token that is not the pad id, which would score TRL one token early.
+- save_strategy='no', report_to=[], logging every 10 steps: no checkpoint I/O in the timing.
+
+Where ours gains: length-grouped batches (pairs of similar length share a batch, so dynamic padding
+pads little; TRL samples batches at random) and a lean loop (no Trainer machinery).
+
+    python bench/reward_bench.py            # 400 train / 100 held-out pairs, max length 512
+    python bench/reward_bench.py --quick    # 32 / 16 pairs, max length 256 (a few minutes on CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import ModelConfig, RewardConfig  # noqa: E402
+from pipeline.reward_data import collate, encode_pairs, read_pairs, split_by_prompt  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "hh_dev_pairs.jsonl"
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def model_path(name: str) -> str:
+    from pipeline.models import resolve_model_path
+
+    return resolve_model_path(name)
+
+
+# --------------------------------------------------------------------------- workers (subprocesses)
+
+
+def worker_ours(spec: dict) -> dict:
+    from pipeline.train_reward import train_reward
+
+    cfg = RewardConfig(epochs=1, lr=spec["lr"], batch_size=spec["batch_size"], max_length=spec["max_length"],
+                       norm_samples=0, eval_data=spec["eval"], seed=spec["seed"])
+    model_cfg = ModelConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"], lora=spec["lora"],
+                            lora_r=spec["lora_r"], lora_alpha=2 * spec["lora_r"])
+    report = train_reward(spec["train"], str(Path(spec["workdir"]) / "ours"), cfg, model_cfg)
+    return {"pairs_per_s": report["train/pairs_per_s"], "seconds": report["train/seconds"],
+            "pairs": report["train/pairs"], "accuracy": report["eval/accuracy"],
+            "length_baseline": report["eval/length_baseline_accuracy"]}
+
+
+def worker_trl(spec: dict) -> dict:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig as TRLRewardConfig
+    from trl import RewardTrainer
+
+    from pipeline.models import load_tokenizer, pick_dtype, pick_device
+
+    path = model_path(spec["model"])
+    device = pick_device(spec["device"])
+    tok = load_tokenizer(path)
+    train_pairs, _ = read_pairs(spec["train"])
+    eval_pairs, _ = read_pairs(spec["eval"])
+    train_items, _ = encode_pairs(train_pairs, tok, spec["max_length"])  # the ids ours trains on
+    eval_items, _ = encode_pairs(eval_pairs, tok, spec["max_length"])
+    if "<|endoftext|>" in tok.get_vocab() and tok.pad_token_id == tok.eos_token_id:
+        tok.pad_token = "<|endoftext|>"  # see the module docstring
+    tok.padding_side = "right"
+    dtype = pick_dtype(spec["dtype"], device)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32 if not spec["lora"] else dtype)
+    model.config.pad_token_id = tok.pad_token_id
+    peft_config = None
+    if spec["lora"]:
+        targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(",")
+        peft_config = LoraConfig(task_type="SEQ_CLS", r=spec["lora_r"], lora_alpha=2 * spec["lora_r"],
+                                 lora_dropout=0.0, target_modules=targets)
+    ds = Dataset.from_dict({"chosen_ids": [it.chosen_ids for it in train_items],
+                            "rejected_ids": [it.rejected_ids for it in train_items]})
+    args = TRLRewardConfig(
+        output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=1, num_train_epochs=1, learning_rate=spec["lr"], lr_scheduler_type="linear",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_length=spec["max_length"],
+        bf16=device.type == "cuda" and dtype == torch.bfloat16, fp16=False, use_cpu=device.type == "cpu",
+        gradient_checkpointing=spec["trl_gradient_checkpointing"], save_strategy="no", report_to=[],
+        logging_steps=10, seed=spec["seed"], dataloader_num_workers=0, disable_tqdm=False,
+    )
+    trainer = RewardTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=peft_config)
+    t0 = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t0
+    model = trainer.model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(eval_items), 2 * spec["batch_size"]):
+            chunk = eval_items[start:start + 2 * spec["batch_size"]]
+            batch = collate(chunk, tok.pad_token_id)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                scores = model(input_ids=batch["input_ids"].to(device),
+                               attention_mask=batch["attention_mask"].to(device)).logits[:, 0].float()
+            correct += (scores[: len(chunk)] > scores[len(chunk):]).sum().item()
+    return {"pairs_per_s": len(train_items) / seconds, "seconds": seconds, "pairs": len(train_items),
+            "accuracy": correct / len(eval_items)}
+
+
+def mean_result(results: list[dict]) -> dict:
+    """Pairs/s and seconds averaged over rounds; peak memory the largest; accuracy from the first
+    round (every round trains the same model from the same seed)."""
+    out = dict(results[0])
+    out["pairs_per_s"] = sum(r["pairs_per_s"] for r in results) / len(results)
+    out["seconds"] = sum(r["seconds"] for r in results) / len(results)
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+    return out
+
+
+def run_worker(name: str, spec_path: Path) -> dict:
+    """Run one trainer in a fresh interpreter; it prints one 'BENCH_JSON {...}' line."""
+    proc = subprocess.run([sys.executable, __file__, "--worker", name, "--spec", str(spec_path)],
+                          stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_JSON "):
+            return json.loads(line[len("BENCH_JSON "):])
+    raise RuntimeError(f"{name} worker failed (exit {proc.returncode}); its output:\n{proc.stdout[-3000:]}")
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="32 train / 16 held-out pairs, max length 256")
+    parser.add_argument("--model", default="default", help="'default', a model folder, or 'tiny' (smoke test)")
+    parser.add_argument("--train-pairs", type=int, default=400)
+    parser.add_argument("--eval-pairs", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lora", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each trainer, alternating which goes first")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off by default here")
+    parser.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:  # inside a subprocess: run one trainer and report
+        spec = json.loads(Path(args.spec).read_text())
+        torch.set_num_threads(spec["threads"])
+        torch.manual_seed(spec["seed"])
+        result = (worker_ours if args.worker == "ours" else worker_trl)(spec)
+        result["peak_rss_mb"] = peak_rss_mb()
+        if torch.cuda.is_available():
+            result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        print("BENCH_JSON " + json.dumps(result), flush=True)
+        return
+
+    if args.quick:
+        args.train_pairs, args.eval_pairs, args.max_length = 32, 16, 256
+    if not DATA.is_file():
+        sys.exit(f"{DATA} is missing: the benchmark needs the HH dev pairs (../shared/data/)")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    pairs, _ = read_pairs(DATA)
+    train, held = split_by_prompt(pairs, 0.2, seed=args.seed)
+    train, held = train[: args.train_pairs], held[: args.eval_pairs]
+    with tempfile.TemporaryDirectory(prefix="reward-bench-") as work:
+        work = Path(work)
+        for name, rows in (("train", train), ("eval", held)):
+            (work / f"{name}.jsonl").write_text("".join(
+                json.dumps({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}) + "\n" for p in rows))
+        model = args.model
+        if model == "tiny":  # a random tiny model: a smoke test of the bench itself, not a measurement
+            from pipeline.tiny import save_tiny_model_dir
+
+            model = str(save_tiny_model_dir(work / "tiny"))
+        spec = {"model": model, "train": str(work / "train.jsonl"), "eval": str(work / "eval.jsonl"),
+                "workdir": str(work), "batch_size": args.batch_size, "max_length": args.max_length,
+                "lr": args.lr, "lora": args.lora, "lora_r": args.lora_r, "threads": args.threads,
+                "device": args.device, "dtype": args.dtype, "seed": args.seed,
+                "trl_gradient_checkpointing": args.trl_gradient_checkpointing}
+        (work / "spec.json").write_text(json.dumps(spec))
+        print(f"reward bench: {len(train)} train / {len(held)} held-out HH pairs, batch {args.batch_size}, "
+              f"max length {args.max_length}, LoRA {args.lora} (r={args.lora_r}), {args.threads} threads, "
+              f"device {args.device}, TRL gradient checkpointing {args.trl_gradient_checkpointing}, "
+              f"{args.rounds} round(s)", flush=True)
+        # Rounds alternate the order, so load changes on a shared machine hit both alike.
+        runs = {"ours": [], "trl": []}
+        for r in range(args.rounds):
+            for name in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
+                runs[name].append(run_worker(name, work / "spec.json"))
+        ours, trl = (mean_result(runs[name]) for name in ("ours", "trl"))
+
+    ratio = ours["pairs_per_s"] / trl["pairs_per_s"]
+    print()
+    print(f"{'trainer':<10}{'pairs':>7}{'seconds':>10}{'pairs/s':>10}{'peak RSS MB':>13}{'accuracy':>10}")
+    for name, r in (("ours", ours), ("trl", trl)):
+        print(f"{name:<10}{r['pairs']:>7}{r['seconds']:>10.1f}{r['pairs_per_s']:>10.3f}"
+              f"{r['peak_rss_mb']:>13.0f}{r['accuracy']:>10.3f}")
+    print(f"ratio ours/trl pairs/s: {ratio:.2f}x (target >= 1.5x); accuracy difference "
+          f"{100 * (ours['accuracy'] - trl['accuracy']):+.1f} points (target >= -1); "
+          f"longer-response baseline {ours['length_baseline']:.3f}")
+    print(f"RESULT reward ours_pairs_s={ours['pairs_per_s']:.3f} trl_pairs_s={trl['pairs_per_s']:.3f} "
+          f"ratio={ratio:.2f} ours_acc={ours['accuracy']:.3f} trl_acc={trl['accuracy']:.3f} "
+          f"ours_peak_mb={ours['peak_rss_mb']:.0f} trl_peak_mb={trl['peak_rss_mb']:.0f} "
+          f"length_baseline={ours['length_baseline']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Load test of the annotation app: simulated annotators submitting rankings through the HTTP API.
+
+The app runs as its own process (`python app.py --no-generate`, as users start it) on a temporary
+DuckDB file seeded with enough items; N annotator threads each hold a gradio_client session logged
+in with their own account and loop: submit a random ranking of the item on screen (timed: from
+submit to the next item's HTML being back), then do what the browser does right after, fetch the
+item after that (/prefetch, untimed). No think time: this is the worst case for the server.
+
+Two phases, the same load: with prefetch (the app's behaviour) and without (each submit must take
+the next item from the queue itself). The ratio row shows what prefetching buys.
+
+    python bench/ui_bench.py            # 20 annotators, 60 s per phase
+    python bench/ui_bench.py --quick    # 20 annotators, 10 s per phase
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from store import Store  # noqa: E402
+
+TARGET_P95_MS = 150.0
+
+
+def seed(db: Path, annotators: int, items: int, k: int) -> None:
+    """Accounts ann0..ann{N-1} (password 'bench-pass-<i>') and `items` items of K responses."""
+    store = Store(db)
+    for i in range(annotators):
+        store.add_annotator(f"ann{i}", f"bench-pass-{i}")
+    mv = store.register_model_version("policy", "bench-policy", base_model="none")
+    prompt_ids = store.add_prompts([f"\n\nHuman: benchmark question {i}?\n\nAssistant:" for i in range(items)])
+    for start in range(0, items, 2000):
+        chunk = prompt_ids[start:start + 2000]
+        store.add_responses_bulk(mv.id, [(pid, [(f"answer {j} to question {pid}. " * 8, 40, "eos", {})
+                                                for j in range(k)]) for pid in chunk])
+    store.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(db: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--db", str(db), "--port", str(port), "--no-generate"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the app exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the app did not start within 120 s")
+
+
+def annotator(url: str, i: int, seconds: float, prefetch: bool, start: threading.Barrier,
+              latencies: list, errors: list) -> None:
+    from gradio_client import Client
+
+    rng = random.Random(i)
+    client = Client(url, auth=(f"ann{i}", f"bench-pass-{i}"), verbose=False)
+    html = client.predict(api_name="/refresh")[0]
+    if prefetch:
+        client.predict(api_name="/prefetch")
+    start.wait()
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        m = re.search(r'data-k="(\d+)"', html or "")
+        if not m or m.group(1) == "0":
+            errors.append("queue ran dry")
+            return
+        positions = list(range(1, int(m.group(1)) + 1))
+        rng.shuffle(positions)
+        ranking = ">".join(map(str, positions))
+        t0 = time.perf_counter()
+        try:
+            html = client.predict(ranking, False, "", "", api_name="/submit")[0]
+        except Exception as exc:  # counted, not fatal: the table shows them
+            errors.append(f"{type(exc).__name__}: {exc}")
+            html = client.predict(api_name="/refresh")[0]
+            continue
+        latencies.append(time.perf_counter() - t0)
+        if prefetch:
+            client.predict(api_name="/prefetch")
+
+
+def run_phase(url: str, n: int, seconds: float, prefetch: bool) -> dict:
+    latencies: list[float] = []
+    errors: list[str] = []
+    barrier = threading.Barrier(n + 1)
+    threads = [threading.Thread(target=annotator, args=(url, i, seconds, prefetch, barrier, latencies, errors), daemon=True)
+               for i in range(n)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join(seconds + 60)
+    wall = time.perf_counter() - t0
+    lat = sorted(latencies)
+    q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
+    return {"submissions": len(lat), "per_s": len(lat) / wall, "p50_ms": q[49] * 1000, "p95_ms": q[94] * 1000,
+            "errors": len(errors), "first_error": errors[0] if errors else ""}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="10 s per phase instead of 60 s")
+    p.add_argument("--annotators", type=int, default=20)
+    p.add_argument("--seconds", type=float, default=None, help="seconds per phase (default 60, --quick 10)")
+    p.add_argument("--k", type=int, default=4)
+    args = p.parse_args(argv)
+    seconds = args.seconds or (10.0 if args.quick else 60.0)
+    # Enough items that the queue never runs dry at a few hundred submissions per second.
+    items = int(max(2000, 400 * seconds * 2))
+
+    with tempfile.TemporaryDirectory(prefix="ui-bench-") as tmp:
+        db = Path(tmp) / "bench.duckdb"
+        t0 = time.time()
+        seed(db, args.annotators, items, args.k)
+        print(f"seeded {items} items (K={args.k}) and {args.annotators} annotators in {time.time() - t0:.1f} s")
+        port = free_port()
+        proc = start_app(db, port)
+        url = f"http://127.0.0.1:{port}/"
+        try:
+            results = {}
+            for name, prefetch in (("prefetch", True), ("no prefetch", False)):
+                results[name] = run_phase(url, args.annotators, seconds, prefetch)
+                print(f"  phase '{name}' done: {results[name]['submissions']} submissions")
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    print(f"\n{args.annotators} simulated annotators, {seconds:.0f} s per phase, "
+          f"cpu cores: {os.cpu_count()}, target p95 <= {TARGET_P95_MS:.0f} ms")
+    print(f"{'phase':<14}{'submissions':>12}{'per s':>9}{'p50 ms':>9}{'p95 ms':>9}{'errors':>8}")
+    for name, r in results.items():
+        print(f"{name:<14}{r['submissions']:>12}{r['per_s']:>9.1f}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}{r['errors']:>8}")
+    a, b = results["prefetch"], results["no prefetch"]
+    ratio = b["p95_ms"] / a["p95_ms"] if a["p95_ms"] else float("nan")
+    print(f"{'ratio':<14}{'':>12}{'':>9}{b['p50_ms'] / a['p50_ms']:>9.2f}{ratio:>9.2f}   (no prefetch / prefetch)")
+    for name, r in results.items():
+        if r["first_error"]:
+            print(f"first error ({name}): {r['first_error']}")
+    ok = a["p95_ms"] <= TARGET_P95_MS
+    print(f"\np95 submit-to-next-item with prefetch: {a['p95_ms']:.1f} ms ({'meets' if ok else 'misses'} the "
+          f"{TARGET_P95_MS:.0f} ms target)")
+    print(f"RESULT ui annotators={args.annotators} seconds={seconds:.0f} submissions_per_s={a['per_s']:.1f} "
+          f"p50_ms={a['p50_ms']:.1f} p95_ms={a['p95_ms']:.1f} no_prefetch_p95_ms={b['p95_ms']:.1f} "
+          f"ratio={ratio:.2f} errors={a['errors'] + b['errors']} target_met={ok}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

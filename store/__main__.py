@@ -1,0 +1,143 @@
+"""The store's command line: `python -m store [--db PATH] <command> ...`.
+
+    python -m store users add NAME [--admin] [--password P]
+    python -m store users list
+    python -m store import-prompts FILE
+    python -m store import-pairs FILE
+    python -m store export --format jsonl|parquet|datasets --out PATH [filters]
+    python -m store stats
+
+The database defaults to $RLHF_LOOP_DB, else ./data/rlhf.duckdb. While the app runs it owns the
+file, and these commands stop with a message saying so (use the app's admin tab instead).
+Exit status: 0 done, 1 refused input (nothing stored), 2 the database is in use or missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import sys
+
+from store.db import default_db_path
+from store.errors import DataError, InvalidRequest, NotFoundError, StoreLockedError
+from store.records import EXPORT_FORMATS, ROLES
+from store.users import MIN_PASSWORD_CHARS, generate_password
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m store", description="Manage the rlhf-loop database.")
+    p.add_argument("--db", default=None, help=f"database file (default: $RLHF_LOOP_DB or {default_db_path()})")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    users = sub.add_parser("users", help="annotator accounts").add_subparsers(dest="action", required=True)
+    add = users.add_parser("add", help="create an account (prints a generated password if none is given)")
+    add.add_argument("name")
+    add.add_argument("--admin", action="store_true", help="give the account the admin role")
+    add.add_argument("--password", help=f"its password (at least {MIN_PASSWORD_CHARS} characters); "
+                                        "default: asked for on a terminal, else generated and printed")
+    users.add_parser("list", help="list accounts")
+
+    for name, what in (("import-prompts", "prompts (a 'prompt' or 'messages' column)"),
+                       ("import-pairs", "preference pairs (TRL prompt/chosen/rejected, or HH-RLHF transcripts)")):
+        imp = sub.add_parser(name, help=f"import {what} from JSONL, CSV or Parquet")
+        imp.add_argument("file")
+        imp.add_argument("--max-mb", type=float, default=None, help="refuse files larger than this (MiB)")
+
+    exp = sub.add_parser("export", help="export pairs in TRL's explicit format and record the snapshot")
+    exp.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl")
+    exp.add_argument("--out", required=True, help="output file (jsonl, parquet) or folder (datasets)")
+    exp.add_argument("--round", type=int, action="append", dest="rounds", help="only this round (repeatable)")
+    exp.add_argument("--annotator", action="append", dest="annotators", help="only this annotator (repeatable)")
+    exp.add_argument("--min-agreement", type=float, help="keep pairs at least this share of the item's rankings agree with")
+    exp.add_argument("--since", help="pairs created at or after this UTC date/time (ISO)")
+    exp.add_argument("--until", help="pairs created before this UTC date/time (ISO)")
+    exp.add_argument("--include-all-bad", action="store_true", help="also pairs from 'all bad' rankings")
+    exp.add_argument("--no-imported", action="store_true", help="leave out imported pairs")
+    exp.add_argument("--test-fraction", type=float, default=0.0, help="share of prompts held out as 'test'")
+    exp.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
+    exp.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+    sub.add_parser("stats", help="counts, per-annotator work, agreement, position bias")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from store.repo import Store  # after parsing, so --help is fast
+
+    try:
+        store = Store(args.db)
+    except StoreLockedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run(store, args)
+    except DataError as exc:
+        print(f"error: {exc.path}: nothing was stored", file=sys.stderr)
+        for row, problem in exc.errors:
+            print(f"  {'file' if row is None else f'row {row}'}: {problem}", file=sys.stderr)
+        if exc.more:
+            print(f"  ... and {exc.more} more problems", file=sys.stderr)
+        return 1
+    except (InvalidRequest, NotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+
+
+def _run(store, args) -> int:
+    from store import io
+
+    if args.command == "users" and args.action == "add":
+        password, shown = args.password, False
+        if password is None and sys.stdin.isatty():
+            password = getpass.getpass(f"password for {args.name} (empty: generate one): ")
+            if password and getpass.getpass("again: ") != password:
+                print("error: the passwords differ", file=sys.stderr)
+                return 1
+        if not password:
+            password, shown = generate_password(), True
+        user = store.add_annotator(args.name, password, ROLES[1] if args.admin else ROLES[0])
+        print(f"created {user.role} {user.name!r} (id {user.id})")
+        if shown:
+            print(f"password: {password}")
+    elif args.command == "users":
+        for a in store.list_annotators():
+            print(f"{a.id:>4}  {a.name:<24} {a.role:<10} created {a.created_at:%Y-%m-%d %H:%M} UTC")
+    elif args.command in ("import-prompts", "import-pairs"):
+        limit = {} if args.max_mb is None else {"max_bytes": int(args.max_mb * 1024 * 1024)}
+        fn = io.import_prompts if args.command == "import-prompts" else io.import_pairs
+        print(json.dumps(fn(store, args.file, **limit), indent=2))
+    elif args.command == "export":
+        snap = io.export_pairs(
+            store, args.out, args.format, rounds=args.rounds, annotators=args.annotators,
+            min_agreement=args.min_agreement, since=args.since, until=args.until,
+            include_all_bad=args.include_all_bad, include_imported=not args.no_imported,
+            test_fraction=args.test_fraction, seed=args.seed, overwrite=args.overwrite)
+        print(f"snapshot {snap.id}: {snap.counts['pairs']} pairs -> {snap.path} (sha256 {snap.sha256[:16]}...)")
+        print(json.dumps(snap.counts))
+    elif args.command == "stats":
+        _print_stats(store)
+    return 0
+
+
+def _print_stats(store) -> None:
+    for key, value in store.counts().items():
+        print(f"{key:<18} {value}")
+    print("\nannotator              rankings  today  pairs  skips  all_bad  median_s")
+    for s in store.annotator_stats():
+        med = "-" if s.median_duration_s is None else f"{s.median_duration_s:.1f}"
+        print(f"{s.name:<22} {s.rankings:>8} {s.rankings_today:>6} {s.pairs:>6} {s.skips:>6} {s.all_bad:>8} {med:>9}")
+    ag = store.agreement()
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    print(f"\nagreement on {ag.items} items ranked by 2+ annotators: pairwise {fmt(ag.pairwise_agreement)}, "
+          f"Krippendorff alpha (ordinal) {fmt(ag.krippendorff_alpha)}, Kendall tau-b {fmt(ag.kendall_tau)}")
+    pb = store.position_bias()
+    print(f"position bias over {pb.rankings} rankings: first-shown ranked best {fmt(pb.first_shown_best_rate)} "
+          f"(no bias: {fmt(pb.expected_rate)})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""The app's handlers without a browser: every annotate and admin action against a real store, with
+a stand-in request carrying the user name (what Gradio's login puts on gr.Request)."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+
+from annotate import admin, bootstrap, handlers, render
+from annotate.context import AppContext, Refused
+from annotate.handlers import parse_ranking
+from annotate.state import SessionState
+from tests.fixtures_store import seed_items
+
+
+def req(name):
+    return SimpleNamespace(username=name)
+
+
+@pytest.fixture
+def ctx(store, tmp_path):
+    store.add_annotator("boss", "boss-password", role="admin")
+    store.add_annotator("ann", "ann-password")
+    store.add_annotator("bea", "bea-password")
+    return AppContext(store=store, auth=True, data_dir=tmp_path / "data")
+
+
+def show(ctx, name="ann"):
+    """Page load for `name`: (state, item_html)."""
+    state, html, *_ = handlers.load(ctx, None, req(name))
+    return state, html
+
+
+def positions_to_ids(state, ranking):
+    ids = state.current.item.display_order
+    return [[ids[p - 1] for p in g] for g in parse_ranking(ranking, len(ids))]
+
+
+# --------------------------------------------------------------------------- ranking strings
+
+
+@pytest.mark.parametrize("text, k, all_bad, expected", [
+    ("2>1=3>4", 4, False, [[2], [1, 3], [4]]),
+    ("3>1", 3, False, [[3], [1], [2]]),  # the one left goes last
+    (" 1 > 2 ", 2, False, [[1], [2]]),
+    ("", 3, True, [[1, 2, 3]]),  # all bad, nothing ranked: all tied
+    ("2", 4, True, [[2], [1, 3, 4]]),  # all bad: the unranked tie at the bottom
+])
+def test_parse_ranking(text, k, all_bad, expected):
+    assert parse_ranking(text, k, all_bad) == expected
+
+
+@pytest.mark.parametrize("text, k, message", [
+    ("1>2", 4, "Rank all 4 responses"),
+    ("1>5>2>3", 4, "only 4 responses"),
+    ("1>1>2", 3, "ranked twice"),
+    ("1>>2", 3, "empty rank"),
+    ("1>x", 3, "not a response number"),
+    ("", 4, "Rank all 4"),
+])
+def test_parse_ranking_errors(text, k, message):
+    with pytest.raises(gr.Error, match=message):
+        parse_ranking(text, k)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def test_untrusted_text_is_escaped():
+    payloads = ["<script>alert(1)</script>", '<img src=x onerror="alert(2)">', "\"><svg onload=alert(3)>"]
+    prompt = f"\n\nHuman: {payloads[0]}\n\nAssistant: {payloads[1]}\n\nHuman: again\n\nAssistant:"
+    resp = [SimpleNamespace(text=p + "\n```\n" + p + "\n```", token_count=5, finish_reason="length") for p in payloads]
+    html = render.render_item(prompt, resp, token='tok"<x>')
+    for p in payloads:
+        assert p not in html
+    assert "<script" not in html and "<img" not in html and "<svg" not in html and "onerror=\"" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert 'data-token="tok&quot;&lt;x&gt;"' in html
+    assert html.count('class="rl-card"') == 3 and "cut off" in html
+
+
+def test_turns_from_hh_transcripts_and_messages():
+    turns = render.split_turns("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant:")
+    assert [(t.role, t.text) for t in turns] == [("Human", "hi"), ("Assistant", "hello"), ("Human", "how are you?")]
+    assert render.split_turns("just a question")[0].role == "Human"
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert [(t.role, t.text) for t in render.split_turns(msgs)] == [("System", "be brief"), ("Human", "hi")]
+
+
+# --------------------------------------------------------------------------- annotate actions
+
+
+def test_load_shows_item_in_display_order(ctx):
+    seeded = seed_items(ctx.store, 3, 4)
+    state, html = show(ctx)
+    item = state.current.item
+    assert item.item_id in {s.item_id for s in seeded}
+    # cards appear in the recorded display order
+    texts = [r.text for r in item.responses]
+    assert [html.index(t) for t in texts] == sorted(html.index(t) for t in texts)
+    assert f'data-token="{state.current.token}"' in html and 'data-k="4"' in html
+
+
+def test_submit_stores_exactly_the_ranked_pairs_and_moves_on(ctx):
+    seed_items(ctx.store, 3, 4)
+    state, _ = show(ctx)
+    state = handlers.prefetch(ctx, state, req("ann"))
+    first, upcoming = state.current, state.prefetched
+    order = positions_to_ids(state, "2>1=3>4")
+    out = handlers.submit(ctx, state, "2>1=3>4", False, " nice ", first.token, req("ann"))
+    state, html, progress, comment, all_bad = out
+    a = ctx.store.find_annotator("ann")
+    (ranking,) = ctx.store.list_rankings(annotator_id=a.id)
+    assert ranking.order == order and ranking.comment == "nice" and ranking.client_token == first.token
+    assert ranking.display_order == first.item.display_order and ranking.duration_s >= 0
+    pairs = sorted((p.chosen_id, p.rejected_id) for p in ctx.store.list_pairs(ranking_id=ranking.id))
+    (b,), (t1, t2), (w,) = order
+    assert pairs == sorted([(b, t1), (b, t2), (b, w), (t1, w), (t2, w)])  # the tie gives no pair
+    # the prefetched item is shown next, and the inputs are reset
+    assert state.current.item.item_id == upcoming.item_id != first.item.item_id
+    assert comment == "" and all_bad is False
+    assert "<b>1</b> today" in progress and "Saved · 5 pairs" in progress
+
+
+def test_submit_refuses_bad_or_stale_rankings_and_stores_nothing(ctx):
+    seed_items(ctx.store, 2, 3)
+    state, _ = show(ctx)
+    with pytest.raises(gr.Error, match="Rank all 3"):
+        handlers.submit(ctx, state, "1", False, "", state.current.token, req("ann"))
+    with pytest.raises(gr.Error, match="changed"):
+        handlers.submit(ctx, state, "1>2>3", False, "", "another-token", req("ann"))
+    assert ctx.store.list_rankings() == []
+
+
+def test_double_submit_of_one_showing_stores_one_ranking(ctx):
+    seed_items(ctx.store, 2, 3)
+    state, _ = show(ctx)
+    token, item = state.current.token, state.current.item
+    handlers.submit(ctx, state, "1>2>3", False, "", token, req("ann"))
+    # the same showing again (a retry): same client token -> the store keeps one ranking
+    state.current = type(state.current)(item, token=token)
+    handlers.submit(ctx, state, "1>2>3", False, "", token, req("ann"))
+    assert len(ctx.store.list_rankings()) == 1
+
+
+def test_all_bad_without_ranking(ctx):
+    seed_items(ctx.store, 1, 3)
+    state, _ = show(ctx)
+    handlers.submit(ctx, state, "", True, "", "", req("ann"))
+    (r,) = ctx.store.list_rankings()
+    assert r.all_bad and len(r.order) == 1 and ctx.store.list_pairs() == []
+    assert state.current is None  # the queue is empty now
+
+
+def test_never_shows_an_item_already_ranked(ctx):
+    seed_items(ctx.store, 4, 2)
+    state, _ = show(ctx)
+    seen = []
+    while state.current is not None:
+        seen.append(state.current.item.item_id)
+        state = handlers.prefetch(ctx, state, req("ann"))
+        state, *_ = handlers.submit(ctx, state, "1>2", False, "", "", req("ann"))
+    assert len(seen) == len(set(seen)) == 4
+    _, html, progress, *_ = handlers.load(ctx, state, req("ann"))
+    assert "all caught up" in html and "<b>0</b> in queue" in progress
+
+
+def test_skip_and_flag(ctx):
+    seeded = seed_items(ctx.store, 3, 2)
+    state, _ = show(ctx)
+    skipped = state.current.item
+    state, *_ = handlers.skip(ctx, state, req("ann"))
+    flagged = state.current.item
+    state, *_ = handlers.flag(ctx, state, "broken prompt", req("ann"))
+    assert ctx.store.is_flagged(flagged.prompt.id)
+    assert [reasons for p, reasons in ctx.store.flagged_prompts()] == [["broken prompt"]]
+    left = state.current.item
+    assert {skipped.item_id, flagged.item_id, left.item_id} == {s.item_id for s in seeded}
+    # another annotator still gets the skipped item, never the flagged one
+    other, _ = show(ctx, "bea")
+    got = set()
+    while other.current is not None:
+        got.add(other.current.item.item_id)
+        other, *_ = handlers.skip(ctx, other, req("bea"))
+    assert flagged.item_id not in got and skipped.item_id in got
+
+
+def test_undo_shows_the_last_item_again_and_deletes_its_pairs(ctx):
+    seed_items(ctx.store, 3, 3)
+    state, _ = show(ctx)
+    first = state.current.item
+    state, *_ = handlers.submit(ctx, state, "1>2>3", False, "", "", req("ann"))
+    second = state.current.item
+    state, *_ = handlers.submit(ctx, state, "3>2>1", False, "", "", req("ann"))
+    third = state.current.item
+    state, html, progress, *_ = handlers.undo(ctx, state, req("ann"))
+    assert state.current.item.item_id == second.item_id and state.prefetched.item_id == third.item_id
+    assert [r.item_id for r in ctx.store.list_rankings()] == [first.item_id]
+    assert len(ctx.store.list_pairs()) == 3 and "Undone" in progress
+    # ranking it again, then the item that was on screen comes back
+    state, *_ = handlers.submit(ctx, state, "2>1>3", False, "", "", req("ann"))
+    assert state.current.item.item_id == third.item_id
+    assert len(ctx.store.list_rankings()) == 2
+
+
+def test_undo_with_nothing_to_undo(ctx):
+    seed_items(ctx.store, 1, 2)
+    state, _ = show(ctx)
+    with pytest.raises(gr.Error, match="Nothing to undo"):
+        handlers.undo(ctx, state, req("ann"))
+
+
+def test_refresh_leaves_a_shown_item_alone_and_picks_up_new_ones(ctx):
+    state, html = show(ctx)
+    assert state.current is None and "all caught up" in html
+    seed_items(ctx.store, 1, 2)
+    state, html, *_ = handlers.refresh(ctx, state, req("ann"))
+    assert state.current is not None and "rl-card" in html
+    out = handlers.refresh(ctx, state, req("ann"))
+    assert all(isinstance(o, type(gr.skip())) for o in out[1:])
+
+
+def test_open_page_shows_admin_tabs_to_admins_only(ctx):
+    header, *tabs, timer, guide = handlers.open_page(ctx, None, req("boss"))[:6]
+    assert all(t["visible"] for t in tabs) and timer["active"] and "boss" in header and "admin" in header
+    header, *tabs, timer, guide = handlers.open_page(ctx, None, req("ann"))[:6]
+    assert not any(t["visible"] for t in tabs) and not timer["active"]
+    assert "Rank the responses" in guide
+
+
+def test_requests_without_a_known_user_are_refused(ctx):
+    seed_items(ctx.store, 1, 2)
+    for request in (req(None), None, req("nobody")):
+        with pytest.raises(Refused):
+            handlers.load(ctx, None, request)
+
+
+def test_no_auth_mode_acts_as_the_local_admin(store, tmp_path):
+    bootstrap.ensure_admin(store, auth=False)
+    ctx = AppContext(store=store, auth=False, data_dir=tmp_path)
+    seed_items(store, 1, 2)
+    state, *_ = handlers.load(ctx, None, None)
+    handlers.submit(ctx, state, "1>2", False, "", "", None)
+    (r,) = store.list_rankings()
+    assert store.get_annotator(r.annotator_id).name == "local"
+    assert len(admin.users_table(ctx, None)) == 1
+
+
+# --------------------------------------------------------------------------- role refusal
+
+
+def _admin_calls(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    return {
+        "import_file": lambda c, r: admin.import_file(c, str(prompts), "prompts", r),
+        "generate": lambda c, r: admin.generate(c, 4, 4, 16, 0.7, 1.0, r),
+        "job_html": lambda c, r: admin.job_html(c, r),
+        "statistics": lambda c, r: admin.statistics(c, r),
+        "export": lambda c, r: admin.export(c, "jsonl", False, True, None, "", 0.0, 0.0, r),
+        "users_table": lambda c, r: admin.users_table(c, r),
+        "annotator_names": lambda c, r: admin.annotator_names(c, r),
+        "add_user": lambda c, r: admin.add_user(c, "mallory", "admin", "mallory-password", r),
+        "save_guidelines": lambda c, r: admin.save_guidelines(c, "be evil", r),
+        "load_guidelines": lambda c, r: admin.load_guidelines(c, r),
+        "models_table": lambda c, r: admin.models_table(c, r),
+    }
+
+
+def test_annotators_are_refused_every_admin_action_and_nothing_happens(ctx, tmp_path):
+    seed_items(ctx.store, 2, 2)
+    before = (ctx.store.counts(), [a.name for a in ctx.store.list_annotators()], ctx.store.get_setting("guidelines_markdown"))
+    for name, call in _admin_calls(tmp_path).items():
+        for who in ("ann", None):
+            with pytest.raises(Refused):
+                call(ctx, req(who))
+    after = (ctx.store.counts(), [a.name for a in ctx.store.list_annotators()], ctx.store.get_setting("guidelines_markdown"))
+    assert after == before
+    assert not ctx.export_dir.exists()
+
+
+# --------------------------------------------------------------------------- admin actions
+
+
+def test_import_prompts_and_a_bad_file(ctx, tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "one"}\n')
+    msg, errors = admin.import_file(ctx, str(good), "prompts", req("boss"))
+    assert "2 new prompts" in msg and len(errors) == 0 and ctx.store.counts()["prompts"] == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "three"}\n{"text": "no prompt"}\n{"prompt": "four"}\n{"prompt": ""}\n')
+    msg, errors = admin.import_file(ctx, str(bad), "prompts", req("boss"))
+    assert "was not imported" in msg and "Nothing from this file was stored" in msg
+    assert list(errors["row"]) == ["2", "4"] and "missing 'prompt'" in errors["problem"][0]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "five"}\nnot json\n')
+    msg, errors = admin.import_file(ctx, str(broken), "prompts", req("boss"))
+    assert list(errors["row"]) == ["2"] and "not valid JSON" in errors["problem"][0]
+    assert ctx.store.counts()["prompts"] == 2  # nothing from either bad file was stored
+
+
+def test_import_pairs(ctx, shared_data, tmp_path):
+    rows = [json.loads(line) for line in (shared_data / "hh_dev_pairs.jsonl").open()][:5]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    msg, errors = admin.import_file(ctx, str(path), "pairs", req("boss"))
+    assert "5 preference pairs" in msg and len(ctx.store.list_pairs()) == 5
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "datasets"])
+def test_export_downloads_the_snapshot(ctx, fmt):
+    seeded = seed_items(ctx.store, 4, 3)
+    a = ctx.store.find_annotator("ann")
+    for s in seeded:
+        ctx.store.save_ranking(a.id, s.prompt_id, s.response_ids)
+    path, summary = admin.export(ctx, fmt, False, True, ["ann"], "", 0.0, 0.25, req("boss"))
+    (snap,) = ctx.store.list_snapshots()
+    assert f"Snapshot #{snap.id}" in summary and snap.counts["pairs"] == 12
+    assert snap.filters["annotators"] == ["ann"] and Path(snap.path).parent == ctx.export_dir
+    download = Path(path)
+    assert not download.is_relative_to(ctx.data_dir)  # a copy is served, not the export folder
+    if fmt == "jsonl":
+        rows = [json.loads(line) for line in download.read_text().splitlines()]
+        assert len(rows) == 12 and {r["split"] for r in rows} == {"train", "test"}
+        assert {r["annotator"] for r in rows} == {"ann"}
+    else:
+        assert download.suffix == ".zip"
+        names = zipfile.ZipFile(download).namelist()
+        assert "dataset_dict.json" in names and "snapshot.json" in names
+
+
+def test_export_filters_and_bad_input(ctx):
+    with pytest.raises(gr.Error, match="date"):
+        admin.export(ctx, "jsonl", False, True, None, "yesterday", 0.0, 0.0, req("boss"))
+    with pytest.raises(gr.Error, match="no annotator named"):
+        admin.export(ctx, "jsonl", False, True, ["ghost"], "", 0.0, 0.0, req("boss"))
+    assert ctx.store.list_snapshots() == []
+
+
+def test_add_user_with_generated_password(ctx):
+    msg, table = admin.add_user(ctx, "newbie", "annotator", "", req("boss"))
+    password = msg.split("`")[1]
+    assert ctx.store.authenticate("newbie", password).role == "annotator"
+    assert "newbie" in list(table["name"])
+    with pytest.raises(gr.Error, match="already exists"):
+        admin.add_user(ctx, "newbie", "annotator", "another-password", req("boss"))
+
+
+def test_guidelines_roundtrip(ctx):
+    admin.save_guidelines(ctx, "# Be kind\nPrefer **short** answers.", req("boss"))
+    assert handlers.guidelines(ctx, req("ann")).startswith("# Be kind")
+    assert admin.load_guidelines(ctx, req("boss")).startswith("# Be kind")
+
+
+def test_statistics(ctx):
+    seeded = seed_items(ctx.store, 2, 3)
+    ann, bea = ctx.store.find_annotator("ann"), ctx.store.find_annotator("bea")
+    for s in seeded:
+        ctx.store.save_ranking(ann.id, s.prompt_id, s.response_ids, duration_s=4.0)
+    ctx.store.save_ranking(bea.id, seeded[0].prompt_id, seeded[0].response_ids, duration_s=6.0)
+    counts, people, agreement, bias, per_annotator, by_position = admin.statistics(ctx, req("boss"))
+    c = dict(zip(counts["what"], counts["count"]))
+    assert c["rankings"] == 3 and c["pairs"] == 9 and c["prompts"] == 2
+    row = people.set_index("annotator").loc["ann"]
+    assert row["rankings"] == 2 and row["median s"] == 4.0
+    assert dict(zip(agreement["measure"], agreement["value"]))["pairwise agreement"] == "1.000"
+    assert len(by_position) == 3 and abs(by_position["best rate"].sum() - 1.0) < 1e-9
+
+
+def test_models_table_marks_the_active_policy(ctx):
+    mv = ctx.store.register_model_version("policy", base_model="tiny")
+    ctx.store.register_model_version("reward", parent_id=mv.id)
+    ctx.store.set_active_policy(mv.id)
+    table = admin.models_table(ctx, req("boss"))
+    assert list(table["kind"]) == ["policy", "reward"] and list(table["active"]) == ["●", ""]
+
+
+# --------------------------------------------------------------------------- first start and generation
+
+
+def test_first_start_creates_one_admin_and_imports_the_bundled_prompts(store):
+    password = bootstrap.ensure_admin(store, auth=True)
+    assert store.authenticate("admin", password).is_admin
+    assert bootstrap.ensure_admin(store, auth=True) is None  # a restart creates nothing
+    added = bootstrap.ensure_prompts(store)
+    assert added > 2000 and bootstrap.ensure_prompts(store) == 0
+
+
+def test_background_generation_queues_items_and_records_the_run(store, tiny_model_cfg, tmp_path):
+    from annotate.background import GenerationRunner
+    from pipeline.config import GenerateConfig
+
+    store.add_annotator("boss", "boss-password", role="admin")
+    store.add_prompts(["say hi", "\n\nHuman: hello\n\nAssistant: hey\n\nHuman: bye?\n\nAssistant:", "count to 3"])
+    runner = GenerationRunner(store, tiny_model_cfg, chunk_prompts=2, torch_threads=1)
+    ctx = AppContext(store=store, data_dir=tmp_path, generator=runner)
+    html = admin.generate(ctx, 3, 3, 8, 1.0, 1.0, req("boss"))
+    assert "rl-job" in html
+    status = runner.wait(60)
+    assert status.status == "done" and status.done == status.total == 3, status
+    assert store.counts()["items"] == 3 and store.counts()["responses"] == 9
+    (run,) = store.list_runs(kind="generate")
+    policy = store.active_policy()
+    assert run.status == "done" and run.inputs["model_version_id"] == policy.id
+    assert {r.model_version_id for p in store.list_prompts() for r in store.prompt_responses(p.id)} == {policy.id}
+    assert "done · 3/3" in admin.job_html(ctx, req("boss"))
+    with pytest.raises(gr.Error, match="already has responses"):
+        admin.generate(ctx, 3, 3, 8, 1.0, 1.0, req("boss"))

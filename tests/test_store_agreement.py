@@ -1,0 +1,75 @@
+"""Agreement and position bias against hand-computed numbers, through the pure functions and the Store."""
+
+import pytest
+
+from store.agreement import agreement_summary, kendall_tau_b, krippendorff_alpha_ordinal, position_bias
+from tests.fixtures_store import seed_items
+
+
+def test_krippendorff_alpha_ordinal_reference_example():
+    """Krippendorff (2011), "Computing Krippendorff's Alpha-Reliability": 4 coders, 12 units with
+    missing values; the paper reports ordinal alpha = 0.815."""
+    n = None
+    coders = [[1, 2, 3, 3, 2, 1, 4, 1, 2, n, n, n],
+              [1, 2, 3, 3, 2, 2, 4, 1, 2, 5, n, 3],
+              [n, 3, 3, 3, 2, 3, 4, 2, 2, 5, 1, n],
+              [1, 2, 3, 3, 2, 4, 4, 1, 2, 5, 1, n]]
+    units = [[c[u] for c in coders if c[u] is not None] for u in range(12)]
+    assert krippendorff_alpha_ordinal(units) == pytest.approx(0.815, abs=5e-4)
+
+
+def test_two_annotators_one_item_by_hand():
+    """A ranks 1 > 2 > 3, B ranks 2 > 1 > 3.
+    Pairs: (1,2) disagree, (1,3) agree, (2,3) agree -> agreement 2/3; tau = (2 - 1) / 3.
+    Alpha: units (1,2), (2,1), (3,3); n_c = 2 each, n = 6; ordinal d2(1,2) = d2(2,3) = (4-2)^2 = 4,
+    d2(1,3) = (6-2)^2 = 16; observed sum o*d2 = 2*4 + 2*4 = 16; expected sum n_c n_k d2 =
+    2 * (4*4 + 4*16 + 4*4) = 192; alpha = 1 - (6-1) * 16/192 = 7/12."""
+    out = agreement_summary({10: {1: [[1], [2], [3]], 2: [[2], [1], [3]]}})
+    assert out["items"] == 1 and out["comparisons"] == 3
+    assert out["pairwise_agreement"] == pytest.approx(2 / 3)
+    assert out["kendall_tau"] == pytest.approx(1 / 3)
+    assert out["krippendorff_alpha"] == pytest.approx(7 / 12)
+
+
+def test_ties_are_left_out_of_pairwise_agreement_and_corrected_in_tau():
+    # A: 1 = 2 > 3, B: 1 > 2 > 3. Pair (1,2) is tied by A: not compared. tau-b = 2 / sqrt(2 * 3).
+    out = agreement_summary({1: {1: [[1, 2], [3]], 2: [[1], [2], [3]]}})
+    assert out["comparisons"] == 2 and out["pairwise_agreement"] == 1.0
+    assert out["kendall_tau"] == pytest.approx(2 / 6 ** 0.5)
+    assert kendall_tau_b({1: 1.0, 2: 1.0}, {1: 1.0, 2: 2.0}) is None  # all tied by one side
+
+
+def test_single_annotator_items_do_not_count():
+    out = agreement_summary({1: {1: [[1], [2]]}})
+    assert out == {"items": 0, "comparisons": 0, "pairwise_agreement": None,
+                   "krippendorff_alpha": None, "kendall_tau": None}
+
+
+def test_position_bias_by_hand():
+    # first shown (5) best; first shown (5) not best; first shown (8) in the tied top group
+    out = position_bias([([[5], [6]], [5, 6]), ([[6], [5]], [5, 6]), ([[7, 8], [9]], [8, 9, 7])])
+    assert out["rankings"] == 3
+    assert out["first_shown_best_rate"] == pytest.approx(2 / 3)
+    assert out["expected_rate"] == pytest.approx((1 / 2 + 1 / 2 + 2 / 3) / 3)
+    assert out["best_rate_by_position"] == pytest.approx([2 / 3, 1 / 3, 1.0])
+
+
+def test_store_statistics(store, store_annotators):
+    it1, it2 = seed_items(store, 2, 3)
+    a, b = store_annotators
+    x1, x2, x3 = it1.response_ids
+    store.save_ranking(a.id, it1.prompt_id, [x1, x2, x3], display_order=[x1, x2, x3], duration_s=2.0)
+    store.save_ranking(b.id, it1.prompt_id, [x2, x1, x3], display_order=[x1, x2, x3], duration_s=6.0)
+    store.save_ranking(a.id, it2.prompt_id, it2.response_ids, all_bad=True, duration_s=4.0)
+    store.skip_item(b.id, it2.item_id)
+    ag = store.agreement()
+    assert (ag.items, ag.comparisons) == (1, 3)
+    assert ag.pairwise_agreement == pytest.approx(2 / 3) and ag.krippendorff_alpha == pytest.approx(7 / 12)
+    stats = {s.name: s for s in store.annotator_stats()}
+    assert (stats["ann0"].rankings, stats["ann0"].pairs, stats["ann0"].all_bad) == (2, 6, 1)
+    assert stats["ann0"].median_duration_s == pytest.approx(3.0) and stats["ann0"].rankings_today == 2
+    assert (stats["ann1"].rankings, stats["ann1"].skips, stats["ann1"].median_duration_s) == (1, 1, 6.0)
+    pb = store.position_bias()
+    assert pb.rankings == 3 and pb.first_shown_best_rate is not None
+    counts = store.counts(overlap=2)
+    assert (counts["rankings"], counts["pairs"], counts["items"], counts["items_remaining"]) == (3, 9, 2, 1)

@@ -1,0 +1,57 @@
+"""Migrations: a blank database gets the whole schema; reopening applies nothing; failures roll back."""
+
+import duckdb
+import pytest
+
+from store import Store
+from store.migrations import MIGRATIONS, MigrationError, applied_migrations, migrate
+
+TABLES = {"settings", "rounds", "prompts", "model_versions", "items", "responses", "annotators",
+          "rankings", "pairs", "leases", "skips", "flags", "runs", "metrics", "snapshots",
+          "schema_migrations"}
+
+
+def _tables(con) -> set[str]:
+    return {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+
+
+def test_blank_database_is_migrated(tmp_path):
+    con = duckdb.connect(str(tmp_path / "blank.duckdb"))
+    applied = migrate(con)
+    assert applied == [name for name, _ in MIGRATIONS]
+    assert TABLES <= _tables(con)
+    assert applied_migrations(con) == applied
+    assert migrate(con) == []  # idempotent
+    con.close()
+
+
+def test_store_creates_file_and_reopens_without_migrating(tmp_path):
+    path = tmp_path / "sub" / "dir" / "rlhf.duckdb"
+    s = Store(path)
+    assert path.exists()
+    assert s.migrations_applied == [name for name, _ in MIGRATIONS]
+    s.add_prompts(["kept across reopen"])
+    s.close()
+    s = Store(path)
+    assert s.migrations_applied == []
+    assert [p.text for p in s.list_prompts()] == ["kept across reopen"]
+    s.close()
+
+
+def test_failed_migration_leaves_database_unchanged(tmp_path):
+    con = duckdb.connect(str(tmp_path / "x.duckdb"))
+    migrate(con)
+    broken = MIGRATIONS + [("0999_broken", "CREATE TABLE half_done (a INT); SELECT * FROM no_such_table;")]
+    with pytest.raises(MigrationError, match="0999_broken"):
+        migrate(con, broken)
+    assert "half_done" not in _tables(con)
+    assert "0999_broken" not in applied_migrations(con)
+    con.close()
+
+
+def test_database_from_a_newer_version_is_refused(tmp_path):
+    con = duckdb.connect(str(tmp_path / "x.duckdb"))
+    migrate(con, MIGRATIONS + [("0999_future", "CREATE TABLE future (a INT);")])
+    with pytest.raises(MigrationError, match="0999_future"):
+        migrate(con)
+    con.close()

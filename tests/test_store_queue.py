@@ -1,0 +1,197 @@
+"""The queue: overlap, leases and their expiry, skips, flags, counts, display order, concurrency."""
+
+import random
+import threading
+import time
+from collections import Counter, defaultdict
+
+from store import Store
+from tests.fixtures_store import seed_items
+
+
+def test_next_item_prefers_items_needing_annotations_and_respects_overlap(store, store_annotators):
+    items = seed_items(store, 3, 3)
+    a, b = store_annotators
+    c = store.add_annotator("ann2", "password-2")
+    ids = [x.item_id for x in items]
+    # a takes item 0 and ranks it; with overlap 2, b is offered the unranked items first
+    got = store.next_item(a.id, overlap=2)
+    assert got.item_id == ids[0]
+    store.save_ranking(a.id, got.prompt.id, got.display_order)
+    assert store.next_item(b.id, overlap=2).item_id == ids[1]
+    assert store.next_item(c.id, overlap=2).item_id == ids[2]
+    # now every item is ranked or leased once: c (holding item 2) still gets item 2 back first
+    assert store.next_item(c.id, overlap=2).item_id == ids[2]
+    # ... and a prefetch that excludes it gets item 0 (1 ranking) before item 1 (1 lease by b)
+    assert store.next_item(c.id, overlap=2, exclude=[ids[2]]).item_id == ids[0]
+
+
+def test_leases_block_other_annotators_until_they_expire(store, store_annotators):
+    (it,) = seed_items(store, 1, 2)
+    a, b = store_annotators
+    assert store.next_item(a.id, overlap=1, lease_seconds=0.3).item_id == it.item_id
+    assert store.next_item(b.id, overlap=1) is None  # leased by a
+    assert store.remaining_count(b.id, overlap=1) == 0
+    assert store.remaining_count(a.id, overlap=1) == 1  # a's own lease counts for a
+    assert [(i, ann) for i, ann, _ in store.active_leases()] == [(it.item_id, a.id)]
+    time.sleep(0.35)
+    assert store.active_leases() == []
+    assert store.next_item(b.id, overlap=1).item_id == it.item_id  # expired lease ignored
+    assert store.next_item(a.id, overlap=1) is None
+    store.release_lease(b.id, it.item_id)
+    assert store.next_item(a.id, overlap=1).item_id == it.item_id
+
+
+def test_never_the_same_item_twice_to_one_annotator(store, store_annotators):
+    items = seed_items(store, 4, 2)
+    a = store_annotators[0]
+    seen = []
+    while (got := store.next_item(a.id, overlap=3)) is not None:
+        seen.append(got.item_id)
+        store.save_ranking(a.id, got.prompt.id, got.display_order)
+    assert sorted(seen) == [x.item_id for x in items]
+    assert store.remaining_count(a.id, overlap=3) == 0
+    assert store.items_remaining(overlap=3) == 4 and store.items_remaining(overlap=1) == 0
+
+
+def test_skip_and_flag(store, store_annotators):
+    it1, it2 = seed_items(store, 2, 2)
+    a, b = store_annotators
+    store.skip_item(a.id, it1.item_id)
+    assert store.next_item(a.id).item_id == it2.item_id
+    store.release_lease(a.id)
+    assert store.next_item(b.id).item_id == it1.item_id  # a skip is personal
+    store.release_lease(b.id)
+    store.flag_prompt(it2.prompt_id, a.id, "nonsense prompt")
+    assert store.is_flagged(it2.prompt_id)
+    assert store.next_item(a.id) is None and store.remaining_count(a.id) == 0
+    assert [(p.id, reasons) for p, reasons in store.flagged_prompts()] == [(it2.prompt_id, ["nonsense prompt"])]
+    assert store.counts()["flagged_prompts"] == 1
+    store.unflag_prompt(it2.prompt_id)
+    assert store.next_item(a.id).item_id == it2.item_id
+    assert store._check_queue_index()[0] == store._check_queue_index()[1]
+
+
+def test_single_response_and_imported_items_are_not_queued(store, store_annotators, store_policy):
+    pid = store.add_prompts(["lonely"])[0]
+    store.add_responses(pid, store_policy.id, ["only one"])
+    store.add_responses(pid, store_policy.id, ["x", "y"], queued=False)
+    assert store.next_item(store_annotators[0].id) is None
+    assert store.counts()["items"] == 0
+
+
+def test_display_order_is_shuffled_per_annotator_and_stable(store, store_annotators):
+    items = seed_items(store, 12, 5)
+    a, b = store_annotators
+    orders_a = [store.get_item(x.item_id, a.id).display_order for x in items]
+    assert orders_a == [store.get_item(x.item_id, a.id).display_order for x in items]  # stable
+    orders_b = [store.get_item(x.item_id, b.id).display_order for x in items]
+    assert orders_a != orders_b
+    assert any(o != sorted(o) for o in orders_a)  # actually shuffled
+    got = store.next_item(a.id)
+    assert got.display_order == orders_a[0] == [r.id for r in got.responses]
+
+
+def test_progress_line(store, store_annotators):
+    items = seed_items(store, 3, 2)
+    a = store_annotators[0]
+    store.save_ranking(a.id, items[0].prompt_id, items[0].response_ids)
+    p = store.progress(a.id)
+    assert (p.today, p.total, p.remaining) == (1, 1, 2)
+
+
+def test_index_follows_random_operations(store, store_annotators):
+    """After a random mix of every queue-changing call, the in-memory index equals one rebuilt
+    from the database."""
+    rng = random.Random(7)
+    items = seed_items(store, 10, 3)
+    anns = store_annotators
+    for _ in range(60):
+        a = rng.choice(anns).id
+        op = rng.random()
+        if op < 0.45:
+            got = store.next_item(a, overlap=2)
+            if got is not None:
+                store.save_ranking(a, got.prompt.id, [got.display_order[:2], got.display_order[2:]])
+        elif op < 0.6:
+            store.undo_last_ranking(a)
+        elif op < 0.7:
+            store.skip_item(a, rng.choice(items).item_id)
+        elif op < 0.8:
+            store.flag_prompt(rng.choice(items).prompt_id, a)
+        elif op < 0.9:
+            store.unflag_prompt(rng.choice(items).prompt_id)
+        else:
+            store.release_lease(a)
+    seed_items(store, 2, 3, prefix="late")
+    live, fresh = store._check_queue_index()
+    assert live == fresh
+
+
+def test_eight_threads_submitting_at_once_lose_nothing(store_path):
+    """8 annotators on 8 threads take and rank items concurrently (overlap 2): every item ends
+    with exactly 2 rankings, nobody ranks an item twice, and every pair is stored."""
+    s = Store(store_path)
+    try:
+        items = seed_items(s, 40, 3)
+        anns = [s.add_annotator(f"t{i}", "password-t") for i in range(8)]
+        handed = defaultdict(set)
+        lock = threading.Lock()
+        errors = []
+        barrier = threading.Barrier(len(anns))
+
+        def work(annotator_id):
+            try:
+                barrier.wait()
+                while (got := s.next_item(annotator_id, overlap=2)) is not None:
+                    with lock:
+                        handed[got.item_id].add(annotator_id)
+                    s.save_ranking(annotator_id, got.prompt.id, got.display_order,
+                                   display_order=got.display_order, client_token=f"{annotator_id}-{got.item_id}")
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(a.id,)) for a in anns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        rankings = s.list_rankings()
+        per_item = Counter(r.item_id for r in rankings)
+        assert len(rankings) == 80 and set(per_item.values()) == {2} and len(per_item) == 40
+        assert len({(r.item_id, r.annotator_id) for r in rankings}) == 80
+        assert all(len(v) <= 2 for v in handed.values())  # never handed beyond the overlap
+        assert len(s.list_pairs()) == 80 * 3
+        assert s.counts()["rankings"] == 80 and s.items_remaining(overlap=2) == 0
+        assert s._check_queue_index()[0] == s._check_queue_index()[1]
+    finally:
+        s.close()
+
+
+def test_concurrent_submissions_of_preassigned_rankings(store_path):
+    """8 threads call save_ranking at the same moment (no queue): all 8 x 5 rankings arrive."""
+    s = Store(store_path)
+    try:
+        items = seed_items(s, 5, 4)
+        anns = [s.add_annotator(f"c{i}", "password-c") for i in range(8)]
+        barrier = threading.Barrier(8)
+        errors = []
+
+        def work(a):
+            try:
+                barrier.wait()
+                for it in items:
+                    s.save_ranking(a.id, it.prompt_id, it.response_ids)
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(a,)) for a in anns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(s.list_rankings()) == 40 and len(s.list_pairs()) == 40 * 6
+    finally:
+        s.close()

@@ -1,0 +1,165 @@
+"""save_ranking: pairs in one transaction, idempotency, replacement, all-bad, undo, bulk."""
+
+from math import comb
+
+import pytest
+
+from store import InvalidRequest, NotFoundError, RankingIn, Store
+from tests.fixtures_store import seed_items
+
+
+def _pairs(store, **kw):
+    return sorted((p.chosen_id, p.rejected_id, p.margin) for p in store.list_pairs(**kw))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6])
+def test_ranking_stores_every_strict_pair(store, store_annotators, k):
+    (it,) = seed_items(store, 1, k)
+    a = store_annotators[0]
+    order = list(reversed(it.response_ids))
+    r = store.save_ranking(a.id, it.prompt_id, order, duration_s=4.5)
+    assert r.order == [[x] for x in order] and r.item_id == it.item_id
+    pairs = _pairs(store, ranking_id=r.id)
+    assert len(pairs) == comb(k, 2)
+    best, worst = order[0], order[-1]
+    assert (best, worst, float(k - 1)) in pairs
+    assert store.get_ranking(r.id) == r
+
+
+def test_ties_and_display_order_are_recorded(store, store_annotators):
+    (it,) = seed_items(store, 1, 4)
+    r1, r2, r3, r4 = it.response_ids
+    a = store_annotators[0]
+    shown = [r2, r4, r1, r3]
+    r = store.save_ranking(a.id, it.prompt_id, [[r3], [r1, r2], [r4]], display_order=shown)
+    assert r.display_order == shown
+    assert _pairs(store) == sorted([(r3, r1, 1.0), (r3, r2, 1.0), (r3, r4, 2.0), (r1, r4, 1.0), (r2, r4, 1.0)])
+    # without a display order, the annotator's deterministic shuffle is recorded
+    (it2,) = seed_items(store, 1, 4, prefix="other")
+    r = store.save_ranking(a.id, it2.prompt_id, it2.response_ids)
+    assert sorted(r.display_order) == it2.response_ids
+    assert r.display_order == store.get_item(it2.item_id, a.id).display_order
+
+
+def test_same_client_token_stores_one_ranking(store, store_annotators):
+    (it,) = seed_items(store, 1, 3)
+    a = store_annotators[0]
+    first = store.save_ranking(a.id, it.prompt_id, it.response_ids, client_token="tok-1")
+    again = store.save_ranking(a.id, it.prompt_id, list(reversed(it.response_ids)), client_token="tok-1")
+    assert again == first
+    assert len(store.list_rankings()) == 1 and len(store.list_pairs()) == 3
+
+
+def test_reranking_replaces_earlier_ranking(store, store_annotators):
+    (it,) = seed_items(store, 1, 3)
+    a, b = store_annotators[:2]
+    store.save_ranking(a.id, it.prompt_id, it.response_ids)
+    store.save_ranking(b.id, it.prompt_id, it.response_ids)
+    new = store.save_ranking(a.id, it.prompt_id, list(reversed(it.response_ids)))
+    mine = store.list_rankings(annotator_id=a.id)
+    assert [r.id for r in mine] == [new.id]
+    assert len(store.list_pairs(annotator_id=a.id)) == 3  # no duplicate pairs
+    assert _pairs(store, annotator_id=a.id) == _pairs(store, ranking_id=new.id)
+    assert len(store.list_pairs(annotator_id=b.id)) == 3  # the other annotator's ranking is untouched
+
+
+def test_keep_both_rankings_when_configured(store_path):
+    s = Store(store_path, replace_rerankings=False)
+    try:
+        (it,) = seed_items(s, 1, 3)
+        a = s.add_annotator("solo", "password-x")
+        s.save_ranking(a.id, it.prompt_id, it.response_ids)
+        s.save_ranking(a.id, it.prompt_id, list(reversed(it.response_ids)))
+        assert len(s.list_rankings()) == 2 and len(s.list_pairs()) == 6
+    finally:
+        s.close()
+
+
+def test_all_bad_keeps_pairs_marked(store, store_annotators):
+    (it,) = seed_items(store, 1, 3)
+    r = store.save_ranking(store_annotators[0].id, it.prompt_id, it.response_ids, all_bad=True, comment="all wrong")
+    assert r.all_bad and r.comment == "all wrong"
+    pairs = store.list_pairs(ranking_id=r.id)
+    assert len(pairs) == 3 and all(p.all_bad for p in pairs)
+
+
+@pytest.mark.parametrize("order_of, message", [
+    (lambda ids, other: ids[:2], "missing"),
+    (lambda ids, other: ids + [other[0]], "not in the item"),
+    (lambda ids, other: [ids[0], ids[0], ids[1], ids[2]], "more than once"),
+    (lambda ids, other: [[ids[0]], []], "empty tie group"),
+])
+def test_bad_rankings_store_nothing(store, store_annotators, order_of, message):
+    it, other = seed_items(store, 2, 3)
+    with pytest.raises(InvalidRequest, match=message):
+        store.save_ranking(store_annotators[0].id, it.prompt_id, order_of(it.response_ids, other.response_ids))
+    assert store.list_rankings() == [] and store.list_pairs() == []
+
+
+def test_wrong_prompt_unknown_annotator_and_bad_display_order(store, store_annotators):
+    it, other = seed_items(store, 2, 3)
+    a = store_annotators[0]
+    with pytest.raises(InvalidRequest, match="answers prompt"):
+        store.save_ranking(a.id, other.prompt_id, it.response_ids)
+    with pytest.raises(NotFoundError, match="annotator"):
+        store.save_ranking(9999, it.prompt_id, it.response_ids)
+    with pytest.raises(InvalidRequest, match="display_order"):
+        store.save_ranking(a.id, it.prompt_id, it.response_ids, display_order=it.response_ids[:2])
+    with pytest.raises(NotFoundError, match="response"):
+        store.save_ranking(a.id, it.prompt_id, [123456, 123457])
+    assert store.list_rankings() == []
+
+
+def test_undo_last_ranking_returns_item_and_removes_pairs(store, store_annotators):
+    it1, it2 = seed_items(store, 2, 3)
+    a = store_annotators[0]
+    store.save_ranking(a.id, it1.prompt_id, it1.response_ids)
+    store.save_ranking(a.id, it2.prompt_id, it2.response_ids)
+    back = store.undo_last_ranking(a.id)
+    assert back.item_id == it2.item_id and back.prompt.id == it2.prompt_id
+    assert back.display_order == store.get_item(it2.item_id, a.id).display_order
+    assert back.lease_expires_at is not None
+    assert [r.item_id for r in store.list_rankings()] == [it1.item_id]
+    assert len(store.list_pairs()) == 3
+    # the undone item is the annotator's next item again
+    assert store.next_item(a.id).item_id == it2.item_id
+    assert store.undo_last_ranking(a.id).item_id == it1.item_id
+    assert store.undo_last_ranking(a.id) is None
+    assert store.list_pairs() == []
+
+
+def test_bulk_matches_single_path(tmp_path):
+    """The same rankings through save_rankings_bulk and save_ranking give the same rows."""
+    results = []
+    for name in ("single", "bulk"):
+        s = Store(tmp_path / f"{name}.duckdb")
+        items = seed_items(s, 6, 4)
+        a, b = s.add_annotator("a", "password-a"), s.add_annotator("b", "password-b")
+        ids = [x.response_ids for x in items]
+        todo = [
+            RankingIn(a.id, items[0].prompt_id, [[ids[0][1]], [ids[0][0], ids[0][2]], [ids[0][3]]], client_token="t0"),
+            RankingIn(a.id, items[1].prompt_id, ids[1], all_bad=True, duration_s=2.0),
+            RankingIn(b.id, items[1].prompt_id, list(reversed(ids[1]))),
+            RankingIn(a.id, items[0].prompt_id, ids[0], client_token="t0"),  # same token: ignored
+            RankingIn(a.id, items[2].prompt_id, ids[2]),
+            RankingIn(a.id, items[2].prompt_id, list(reversed(ids[2]))),  # replaces the previous one
+        ]
+        if name == "single":
+            out = [s.save_ranking(**vars_of(r)).id for r in todo]
+        else:
+            out = s.save_rankings_bulk(todo)
+        rows = [(r.item_id, r.annotator_id, r.order, r.display_order, r.all_bad) for r in s.list_rankings()]
+        pairs = sorted((p.chosen_id, p.rejected_id, p.margin, p.annotator_id, p.all_bad) for p in s.list_pairs())
+        results.append((out, rows, pairs))
+        live, fresh = s._check_queue_index()
+        assert live == fresh
+        s.close()
+    (out1, rows1, pairs1), (out2, rows2, pairs2) = results
+    assert rows1 == rows2 and pairs1 == pairs2
+    assert out2[3] == out2[0]  # the repeated token maps to the first ranking
+    assert len(rows2) == 4 and len(pairs2) == 5 + 6 + 6 + 6  # the first order has a tie: 5 pairs
+
+
+def vars_of(r: RankingIn) -> dict:
+    return {f: getattr(r, f) for f in ("annotator_id", "prompt_id", "order", "all_bad", "display_order",
+                                       "duration_s", "client_token", "comment")}
