@@ -15,6 +15,7 @@ STAGES = {
     "train-reward": "pipeline.train_reward",
     "ppo": "pipeline.train_ppo",
     "simulate-annotators": "pipeline.simulate",
+    "loop": "pipeline.loop",
 }
 
 

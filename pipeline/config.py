@@ -250,6 +250,18 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def to_cli_args(cfg, prefix: str = "") -> list[str]:
+    """The inverse of `add_arguments`: the options that reproduce `cfg` (non-defaults only), so the
+    owner process can launch a stage as a subprocess with exactly its configuration."""
+    args: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value != f.default:
+            args += ["--" + (prefix + f.name).replace("_", "-"),
+                     str(value).lower() if isinstance(value, bool) else str(value)]
+    return args
+
+
 __all__ = [
     "ModelConfig",
     "GenerateConfig",
@@ -259,5 +271,6 @@ __all__ = [
     "add_arguments",
     "from_args",
     "to_dict",
+    "to_cli_args",
     "default_cache_dir",
 ]
