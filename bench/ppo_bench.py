@@ -73,12 +73,38 @@ def prepare(s: dict) -> dict:
     return {"base": str(base), "reward_model": str(rm_dir), "prompts": str(prompts)}
 
 
-def summarise(rollout: list[float], update: list[float], batch_size: int) -> dict:
-    keep = slice(1, None) if len(rollout) >= 3 else slice(None)
-    r, u = rollout[keep], update[keep]
-    per_step = [a + b for a, b in zip(r, u)]
-    return {"eps": batch_size * len(per_step) / sum(per_step), "rollout_s": sum(r) / len(r),
-            "update_s": sum(u) / len(u), "steps_measured": len(per_step)}
+class Marks:
+    """Wall and process-CPU time at step start, update start and step end. CPU seconds (all threads
+    of the process) are what a step costs when the machine is shared; wall seconds what it takes."""
+
+    def __init__(self):
+        self.rows: list[tuple[float, float, float, float]] = []  # rollout wall, update wall, rollout cpu, update cpu
+        self.start = self.mid = None
+
+    @staticmethod
+    def now() -> tuple[float, float]:
+        return time.perf_counter(), time.process_time()
+
+    def step_start(self) -> None:
+        self.start, self.mid = self.now(), None
+
+    def update_start(self) -> None:
+        if self.start is not None and self.mid is None:
+            self.mid = self.now()
+
+    def step_end(self) -> None:
+        end = self.now()
+        (ws, cs), (wm, cm) = self.start, self.mid
+        self.rows.append((wm - ws, end[0] - wm, cm - cs, end[1] - cm))
+        self.start, self.mid = end, None
+
+    def summary(self, batch_size: int) -> dict:
+        rows = self.rows[1:] if len(self.rows) >= 3 else self.rows  # the first step warms up
+        n = len(rows)
+        mean = [sum(r[i] for r in rows) / n for i in range(4)]
+        return {"eps": batch_size / (mean[0] + mean[1]), "eps_cpu": batch_size / (mean[2] + mean[3]),
+                "rollout_s": mean[0], "update_s": mean[1], "rollout_cpu_s": mean[2], "update_cpu_s": mean[3],
+                "steps_measured": n}
 
 
 def peak_mb(device: str) -> float:
@@ -93,8 +119,8 @@ def peak_mb(device: str) -> float:
 
 
 def run_ours(s: dict, inputs: dict) -> dict:
+    import pipeline.train_ppo as tp
     from pipeline.config import ModelConfig, PPOConfig
-    from pipeline.train_ppo import train
 
     run_dir = OUT / "ours_run"
     if run_dir.exists():
@@ -108,9 +134,28 @@ def run_ours(s: dict, inputs: dict) -> dict:
                     forward_batch_size=s["batch_size"], sample_every=0, seed=s["seed"])
     model_cfg = ModelConfig(model=inputs["base"], lora=True, lora_r=s["lora_r"], lora_alpha=s["lora_alpha"],
                             device=s["device"], dtype="auto")
-    train(cfg, model_cfg, prompts=inputs["prompts"], reward=inputs["reward_model"], out_dir=run_dir)
+    # step start = sampling; update start = the first policy forward of phase 7 (the rollout's
+    # forwards go through pipeline.rollout, not this module's name); step end = status.json update
+    marks = Marks()
+    sample, response_logits, write = tp.sample, tp.response_logits, tp.RunStatus.write
+
+    def timed_sample(*a, **k):
+        marks.step_start()
+        return sample(*a, **k)
+
+    def timed_logits(*a, **k):
+        marks.update_start()
+        return response_logits(*a, **k)
+
+    def timed_write(self, state, step, error=None):
+        if state == "running" and marks.start is not None:
+            marks.step_end()
+        return write(self, state, step, error)
+
+    tp.sample, tp.response_logits, tp.RunStatus.write = timed_sample, timed_logits, timed_write
+    tp.train(cfg, model_cfg, prompts=inputs["prompts"], reward=inputs["reward_model"], out_dir=run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    out = summarise([r["time/rollout"] for r in rows], [r["time/update"] for r in rows], s["batch_size"])
+    out = marks.summary(s["batch_size"])
     out["score"] = rows[-1]["objective/score"]
     out["kl"] = rows[-1]["objective/kl"]
     return out
@@ -174,36 +219,31 @@ def run_trl(s: dict, inputs: dict) -> dict:
                          eval_dataset=eval_ds, peft_config=peft_config)
 
     # Rollout/update split: the policy-and-value wrapper's forward runs only in the PPO epochs, so its
-    # first call in a step ends the rollout; on_step_end ends the step.
-    marks = {"step_start": None, "first_forward": None}
-    rollout, update, logs = [], [], []
+    # first call in a step ends the rollout; on_step_end ends the step (and starts the next).
+    marks = Marks()
+    history: list[dict] = []
     wrapper_forward = trl_ppo.PolicyAndValueWrapper.forward
 
     def timed_forward(self, **kwargs):
-        if marks["first_forward"] is None:
-            marks["first_forward"] = time.perf_counter()
+        marks.update_start()
         return wrapper_forward(self, **kwargs)
 
     trl_ppo.PolicyAndValueWrapper.forward = timed_forward
 
     class Timer(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            marks["step_start"] = time.perf_counter()
+            marks.step_start()
 
         def on_step_end(self, *a, **k):
-            now = time.perf_counter()
-            rollout.append(marks["first_forward"] - marks["step_start"])
-            update.append(now - marks["first_forward"])
-            marks["step_start"], marks["first_forward"] = now, None
+            marks.step_end()
 
         def on_log(self, args, state, control, logs=None, **k):
-            logs_list.append(dict(logs or {}))
+            history.append(dict(logs or {}))
 
-    logs_list = logs
     trainer.add_callback(Timer())
     trainer.train()
-    out = summarise(rollout, update, s["batch_size"])
-    last = next((entry for entry in reversed(logs) if "objective/scores" in entry), {})
+    out = marks.summary(s["batch_size"])
+    last = next((entry for entry in reversed(history) if "objective/scores" in entry), {})
     out["score"] = last.get("objective/scores", float("nan"))
     out["kl"] = last.get("objective/kl", float("nan"))
     return out
@@ -260,17 +300,20 @@ def main() -> int:
         results[which] = json.loads(lines[-1][len("CHILD_RESULT "):])
         print(f"{which}: done in {time.time() - t0:.0f}s", flush=True)
 
-    print(f"\n{'':8}{'episodes/s':>12}{'rollout s':>11}{'update s':>10}{'peak MB':>10}{'score':>8}{'KL':>8}")
+    print(f"\n{'':6}{'episodes/s':>11}{'eps (cpu)':>10}{'rollout s':>10}{'update s':>9}{'rollout cpu':>12}"
+          f"{'update cpu':>11}{'peak MB':>9}{'score':>8}{'KL':>8}")
     for which, r in results.items():
-        print(f"{which:8}{r['eps']:12.3f}{r['rollout_s']:11.2f}{r['update_s']:10.2f}{r['peak_mb']:10.0f}"
-              f"{r['score']:8.3f}{r['kl']:8.3f}")
+        print(f"{which:6}{r['eps']:11.3f}{r['eps_cpu']:10.3f}{r['rollout_s']:10.2f}{r['update_s']:9.2f}"
+              f"{r['rollout_cpu_s']:12.2f}{r['update_cpu_s']:11.2f}{r['peak_mb']:9.0f}{r['score']:8.3f}{r['kl']:8.3f}")
     if len(results) == 2:
         ours, trl = results["ours"], results["trl"]
-        ratio, mem = ours["eps"] / trl["eps"], ours["peak_mb"] / trl["peak_mb"]
-        print(f"\nratio ours/TRL: episodes/s x{ratio:.2f}, rollout x{trl['rollout_s'] / ours['rollout_s']:.2f} faster, "
-              f"update x{trl['update_s'] / ours['update_s']:.2f} faster, peak memory x{mem:.2f}")
+        ratio, ratio_cpu = ours["eps"] / trl["eps"], ours["eps_cpu"] / trl["eps_cpu"]
+        mem = ours["peak_mb"] / trl["peak_mb"]
+        print(f"\nours / TRL: episodes/s x{ratio:.2f} (wall), x{ratio_cpu:.2f} (CPU time); rollout "
+              f"x{trl['rollout_s'] / ours['rollout_s']:.2f} faster, update x{trl['update_s'] / ours['update_s']:.2f} "
+              f"faster; peak memory x{mem:.2f}")
         print(f"RESULT ppo ours_eps={ours['eps']:.3f} trl_eps={trl['eps']:.3f} ratio={ratio:.2f} "
-              f"ours_rollout_s={ours['rollout_s']:.2f} trl_rollout_s={trl['rollout_s']:.2f} "
+              f"ratio_cpu={ratio_cpu:.2f} ours_rollout_s={ours['rollout_s']:.2f} trl_rollout_s={trl['rollout_s']:.2f} "
               f"ours_update_s={ours['update_s']:.2f} trl_update_s={trl['update_s']:.2f} "
               f"ours_peak_mb={ours['peak_mb']:.0f} trl_peak_mb={trl['peak_mb']:.0f} device={s['device']}")
     return 0

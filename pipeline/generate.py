@@ -65,6 +65,8 @@ def prompt_token_ids(tokenizer, prompt, max_prompt_tokens: int | None = None) ->
     else:
         text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in to_messages(prompt))
         ids = tokenizer(text)["input_ids"]
+    if not ids:
+        raise ValueError(f"an empty prompt: {prompt!r}")
     if max_prompt_tokens and len(ids) > max_prompt_tokens:
         ids = ids[-max_prompt_tokens:]
     return ids

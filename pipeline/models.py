@@ -140,7 +140,10 @@ def resolve_model_path(model: str, cache_dir: str | os.PathLike = "") -> str:
         return str(default_model_dir(cache_dir))
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file() and not (path / META_FILE).is_file():
+        if not (path / "config.json").is_file():
+            if (path / META_FILE).is_file():
+                raise ValueError(f"--model {model}: an rlhf-loop checkpoint holding an adapter only; "
+                                 "load it with load_policy(cfg, adapter_path=...) / --adapter")
             raise ValueError(f"--model {model}: the folder has no config.json (not a Hugging Face model)")
         return str(path.resolve())
     if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
@@ -226,15 +229,17 @@ def is_peft(model: nn.Module) -> bool:
 def load_policy(cfg: ModelConfig, adapter_path: str | os.PathLike | None = None):
     """(policy, tokenizer): a causal LM on cfg's device/dtype, LoRA-wrapped when cfg.lora.
 
-    With adapter_path (a folder from save_policy) the saved policy is reloaded exactly: its
-    model_meta.json decides the base model and the LoRA settings, not cfg. Returned in eval mode
-    (Llama has no dropout); trainable parameters have requires_grad=True.
+    With adapter_path (a folder from save_policy; cfg.model may also name one) the saved policy is
+    reloaded exactly: its model_meta.json decides the base model and the LoRA settings, not cfg.
+    Returned in eval mode (Llama has no dropout); trainable parameters have requires_grad=True.
     """
     from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
+    if adapter_path is None and (Path(cfg.model).expanduser() / META_FILE).is_file():
+        adapter_path = cfg.model  # --model given a saved policy folder: reload it
     meta = read_meta(adapter_path) if adapter_path else None
     if meta is not None and meta.get("kind") != "policy":
         raise ValueError(f"{adapter_path}: a {meta.get('kind')} checkpoint, not a policy")

@@ -1,12 +1,15 @@
 """Preference pairs for reward training: read, check, split, tokenise, batch.
 
-Formats read (one pair per row, fields prompt / chosen / rejected, optional margin):
+Formats read (one pair per row, fields prompt / chosen / rejected, optional margin and split):
 - JSON Lines (.jsonl, or .json holding JSON lines or one list), Parquet (.parquet), a `datasets`
   folder (`save_to_disk`, split 'train' of a DatasetDict), or a folder of .parquet/.jsonl files;
 - HH-RLHF style rows without a prompt: chosen/rejected are whole transcripts, split at the last
   "\\n\\nAssistant:" (the prompt is the shared prefix up to and including it);
 - TRL's conversational form: prompt a list of {role, content} messages, chosen/rejected a list
   ending with the assistant's message (or whole conversations with an implicit shared prompt).
+
+A snapshot exported with a test split (store/export.py: column `split`, or a DatasetDict with a
+'test' split) keeps that split: its 'test' pairs are the held-out set.
 
 Bad input raises PairsError naming the file, the row and the field. Pairs whose chosen and rejected
 responses are identical carry no preference (their loss gradient is exactly zero): they are
@@ -43,6 +46,7 @@ class Pair:
     rejected: str
     margin: float = 0.0
     row: int = 0  # 0-based row in the source file, for error messages and reports
+    split: str = "train"  # a snapshot's own split ('train' / 'test'), when it has one
 
 
 @dataclass
@@ -77,10 +81,8 @@ def _read_rows(path: Path) -> list[dict]:
             from datasets import DatasetDict, load_from_disk
 
             ds = load_from_disk(str(path))
-            if isinstance(ds, DatasetDict):
-                if "train" not in ds:
-                    raise PairsError(f"{path}: a DatasetDict without a 'train' split ({list(ds)})")
-                ds = ds["train"]
+            if isinstance(ds, DatasetDict):  # splits 'train' and maybe 'test' (store/export.py)
+                return [{"split": name, **row} for name, part in ds.items() for row in part.to_list()]
             return ds.to_list()
         files = sorted(p for p in path.iterdir() if p.suffix in (".parquet", ".jsonl"))
         if not files:
@@ -150,8 +152,11 @@ def _row_to_pair(row, where: str, index: int) -> Pair:
         margin = 0.0
     elif not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin != margin:
         raise PairsError(f"{where}, field 'margin': expected a number, got {margin!r}")
+    split = row.get("split") or "train"
+    if split not in ("train", "test"):
+        raise PairsError(f"{where}, field 'split': expected 'train' or 'test', got {split!r}")
     return Pair(prompt, _response_text(chosen, where, "chosen"), _response_text(rejected, where, "rejected"),
-                float(margin), index)
+                float(margin), index, split)
 
 
 def read_pairs(path: str | Path) -> tuple[list[Pair], dict]:

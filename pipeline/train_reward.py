@@ -19,13 +19,24 @@ Run directory (written only here; the app tails it and registers the model):
     eval_report.json   held-out accuracy, margin, calibration, length baseline, truncation counts
 
 Ctrl-C or SIGTERM (the job runner's cancel) finishes the current step, saves a usable checkpoint,
-and marks the run 'cancelled'; `--resume` continues it. A second Ctrl-C stops at once.
+and marks the run 'cancelled' (exit code 130); `--resume` continues it with the run's own
+settings, optimiser and step. A second Ctrl-C stops at once. `--init-from` warm-starts from a
+previous reward checkpoint (the loop does this every round).
 
-Measured run (documented command; slow on CPU): SmolLM2-135M-Instruct on the HH dev pairs, about
-1,600 pairs for training and 400 held out (split by prompt):
+Held-out pairs: --eval-data, else a snapshot's own 'test' split, else eval_fraction of the prompts.
+Bad input (pipeline/reward_data.py): an empty or unreadable file is refused naming file, row and
+field; pairs with chosen == rejected are dropped and counted (they carry no preference and give a
+zero gradient), and a file of nothing else is refused; texts over max_length lose prompt tokens
+from the left, counted in eval_report.json ("truncation"), never dropped.
+
+Reference run, SmolLM2-135M-Instruct on the HH dev pairs, about 1,600 pairs for training and 400
+held out (split by prompt). Slow on CPU: on a busy 2-core machine one step of 8 pairs took
+45-65 s at max length 256, so this is hours of CPU time (a GPU should need minutes):
 
     python -m pipeline train-reward --data ../shared/data/hh_dev_pairs.jsonl --out runs/rm-hh \\
         --eval-fraction 0.2 --epochs 1 --batch-size 8 --lr 1e-4 --max-length 512 --norm-samples 64
+
+It prints the held-out accuracy beside the longer-response baseline and the calibration table.
 """
 
 from __future__ import annotations
@@ -51,25 +62,9 @@ from pipeline.reward_data import (
     collate, encode_pairs, length_grouped_batches, pairs_fingerprint, prompt_key, read_pairs, split_by_prompt,
 )
 from pipeline.reward_eval import autocast_for, evaluate, normalisation_stats, pair_scores
+from pipeline.rundir import append_metrics, write_json, write_status
 
-# --------------------------------------------------------------------------- run directory
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write whole or not at all (tmp + rename): a tailing reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-def write_status(out: Path, state: str, step: int, total: int, **extra) -> None:
-    write_json(out / "status.json", {"state": state, "progress": round(step / max(total, 1), 4),
-                                     "step": step, "total": total, "updated": time.time(), **extra})
-
-
-def append_metrics(out: Path, step: int, metrics: dict) -> None:
-    with open(out / "metrics.jsonl", "a", encoding="utf-8") as fh:
-        fh.write(json.dumps({"step": step, **metrics}) + "\n")
+# --------------------------------------------------------------------------- helpers
 
 
 @contextlib.contextmanager
@@ -145,7 +140,7 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
     else:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_status(out_dir, "starting", 0, 0)
+    write_status(out_dir, "running", 0, 0, phase="loading")
     progress = {"step": 0, "total": 0}  # kept current by _train, for the failure status
     try:
         return _train(data, out_dir, cfg, model_cfg, resume, init_from, on_step, progress)
@@ -166,13 +161,17 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     load_cfg = ModelConfig(**{**vars(model_cfg), "dtype": "fp32" if not model_cfg.lora else model_cfg.dtype})
     torch.manual_seed(cfg.seed)
 
-    # 1. Data: read, drop identical pairs, split by prompt.
+    # 1. Data: read, drop identical pairs; held-out pairs from --eval-data, the snapshot's 'test'
+    #    split, or eval_fraction of the prompts.
     pairs, data_report = read_pairs(data)
     if cfg.eval_data:
         train_pairs, (eval_pairs, eval_report) = pairs, read_pairs(cfg.eval_data)
         train_keys = {prompt_key(p.prompt) for p in train_pairs}
         eval_report["prompts_also_in_train"] = sum(prompt_key(p.prompt) in train_keys for p in eval_pairs)
         data_report["eval_file"] = eval_report
+    elif any(p.split == "test" for p in pairs):  # the snapshot's own split by prompt
+        train_pairs, eval_pairs = [p for p in pairs if p.split != "test"], [p for p in pairs if p.split == "test"]
+        data_report["split"] = "snapshot"
     else:
         train_pairs, eval_pairs = split_by_prompt(pairs, cfg.eval_fraction, cfg.seed)
     if not train_pairs:
@@ -226,7 +225,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     lengths = [it.length for it in train_items]
     model.train()
     bar = tqdm(total=total, initial=step, desc="reward model", unit="step", dynamic_ncols=True)
-    write_status(out_dir, "running", step, total)
+    write_status(out_dir, "running", step, total, phase="training")
     pairs_done, t_start, stopped = 0, time.perf_counter(), None
     with graceful_stop() as flag:
         for epoch in range(step // steps_per_epoch, cfg.epochs):
@@ -279,7 +278,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                 append_metrics(out_dir, step, metrics)
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
-                write_status(out_dir, "running", step, total)
+                write_status(out_dir, "running", step, total, phase="training")
                 progress.update(step=step, total=total)
                 if on_step is not None:
                     on_step(step, metrics)
@@ -298,7 +297,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         return {"state": "cancelled", "step": step, "total": total}
 
     # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
-    write_status(out_dir, "evaluating", step, total)
+    write_status(out_dir, "running", step, total, phase="evaluating")
     report = evaluate(model, eval_items, pad_id, device, dtype, batch_size=2 * cfg.batch_size)
     calib = report.pop("calibration", [])
     if report:
@@ -307,7 +306,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # 7. Reward normalisation on reference-policy samples, stored with the checkpoint.
     norm = None
     if cfg.norm_samples > 0:
-        write_status(out_dir, "normalising", step, total)
+        write_status(out_dir, "running", step, total, phase="normalising")
         norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
                                    policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size)
         append_metrics(out_dir, step, {"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]})

@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="output file (jsonl, parquet) or folder (datasets)")
     exp.add_argument("--round", type=int, action="append", dest="rounds", help="only this round (repeatable)")
     exp.add_argument("--annotator", action="append", dest="annotators", help="only this annotator (repeatable)")
-    exp.add_argument("--min-agreement", type=float, help="keep pairs at least this share of the item's rankings agree with")
+    exp.add_argument("--min-agreement", type=float,
+                     help="keep pairs that at least this share of the item's rankings agree with")
     exp.add_argument("--since", help="pairs created at or after this UTC date/time (ISO)")
     exp.add_argument("--until", help="pairs created before this UTC date/time (ISO)")
     exp.add_argument("--include-all-bad", action="store_true", help="also pairs from 'all bad' rankings")

@@ -5,8 +5,9 @@ Store holds one connection; each thread gets its own cursor (`con.cursor()`, a c
 same database) because a DuckDB connection must not be used by two threads at once. Writes are
 short transactions serialised by one lock: DuckDB would otherwise abort one of two concurrent
 transactions that touch the same rows (optimistic concurrency), and the queue's "check then
-lease" must be atomic anyway. Reads run concurrently on their own cursors (MVCC snapshots). Stores opened on the same file in
-one process share the lock (class _Shared), as DuckDB shares the database between them.
+lease" must be atomic anyway. Reads run concurrently on their own cursors (MVCC snapshots).
+Stores opened on the same file in one process share the lock (class _Shared), as DuckDB shares
+the database between them.
 """
 
 from __future__ import annotations
@@ -158,7 +159,14 @@ class StoreBase:
 
     @contextmanager
     def _tx(self, *, queue: bool = False):
-        """One short write transaction: BEGIN, the caller's statements, COMMIT (ROLLBACK on error).
+        """One short write transaction under the write lock (see _tx_locked)."""
+        with self._shared.lock:
+            with self._tx_locked(queue=queue) as cur:
+                yield cur
+
+    @contextmanager
+    def _tx_locked(self, *, queue: bool = False):
+        """BEGIN, the caller's statements, COMMIT (ROLLBACK on error); the write lock is held.
 
         Functions given to _on_commit(fn) run after COMMIT, still under the write lock, with the
         queue index (store/queue_index.py) if it exists: that is how the index follows the data.
@@ -166,38 +174,68 @@ class StoreBase:
         of the caller's writes), so the caller can use self._shared.queue.
         """
         cur = self._cur()
-        with self._shared.lock:
-            hooks: list = []
-            self._local.hooks = hooks
-            cur.execute("BEGIN TRANSACTION")
-            try:
-                if queue and self._shared.queue is None:
-                    self._shared.queue = self._build_queue_index(cur)
-                yield cur
-            except BaseException:
-                self._local.hooks = None
-                cur.execute("ROLLBACK")
-                raise
+        hooks: list = []
+        self._local.hooks = hooks
+        cur.execute("BEGIN TRANSACTION")
+        try:
+            if queue and self._shared.queue is None:
+                self._shared.queue = self._build_queue_index(cur)
+            yield cur
+        except BaseException:
             self._local.hooks = None
+            cur.execute("ROLLBACK")
+            raise
+        self._local.hooks = None
+        try:
+            cur.execute("COMMIT")
+        except duckdb.Error:
+            # A failed COMMIT has already aborted the transaction; make sure none is left open.
             try:
-                cur.execute("COMMIT")
+                cur.execute("ROLLBACK")
             except duckdb.Error:
-                # A failed COMMIT has already aborted the transaction; make sure none is left open.
+                pass
+            raise
+        index = self._shared.queue
+        if index is not None:
+            try:
+                for fn in hooks:
+                    if fn is None:  # the change was too large to follow: rebuild on next use
+                        self._shared.queue = None
+                        break
+                    fn(index)
+            except Exception:
+                self._shared.queue = None  # rebuilt from the database on next use
+
+    def _combined(self, kind: str, request, run_batch):
+        """Write `request` together with whatever other threads have queued of the same kind.
+
+        Flat combining (Hendler et al. 2010, "Flat combining and the synchronization-parallelism
+        tradeoff"): each caller queues its request, then takes the write lock; the first to get it
+        runs every queued request in ONE transaction (`run_batch(cur, requests) -> results`, one
+        result or exception per request) and the others find theirs done when they get the lock.
+        With 20 annotators submitting at once this turns 20 transactions into a few. Alone, a
+        caller simply runs its own request.
+        """
+        slot = _Slot(request)
+        shared = self._shared
+        with shared.pending_lock:
+            shared.pending.setdefault(kind, []).append(slot)
+        with shared.lock:
+            if not slot.done:
+                with shared.pending_lock:
+                    batch = shared.pending.pop(kind, [])
                 try:
-                    cur.execute("ROLLBACK")
-                except duckdb.Error:
-                    pass
-                raise
-            index = self._shared.queue
-            if index is not None:
-                try:
-                    for fn in hooks:
-                        if fn is None:  # the change was too large to follow: rebuild on next use
-                            self._shared.queue = None
-                            break
-                        fn(index)
-                except Exception:
-                    self._shared.queue = None  # rebuilt from the database on next use
+                    with self._tx_locked(queue=True) as cur:
+                        results = run_batch(cur, [s.request for s in batch])
+                except BaseException as exc:  # the whole transaction failed: every request fails
+                    results = [exc if s is slot else StoreError(f"{self.path}: the write failed: {exc!r}")
+                               for s in batch]
+                    shared.queue = None  # a batch may have touched the index: rebuild it from the database
+                for s, result in zip(batch, results):
+                    s.result, s.done = result, True
+        if isinstance(slot.result, BaseException):
+            raise slot.result
+        return slot.result
 
     def _on_commit(self, fn) -> None:
         """Run fn(queue_index) after the current transaction commits (see _tx); None drops the
@@ -283,6 +321,15 @@ def registered(cur, name: str, table: pa.Table):
         cur.unregister(name)
 
 
+class _Slot:
+    """One queued request of _combined: its result (or exception) once done."""
+
+    __slots__ = ("request", "result", "done")
+
+    def __init__(self, request):
+        self.request, self.result, self.done = request, None, False
+
+
 class _Shared:
     """State shared by every Store open on one file in this process: DuckDB gives them one database
     instance, so they must also share the write lock and the queue index."""
@@ -291,7 +338,9 @@ class _Shared:
     _registry_lock = threading.Lock()
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the write lock
+        self.pending_lock = threading.Lock()  # guards `pending`
+        self.pending: dict[str, list[_Slot]] = {}  # requests waiting for _combined
         self.refs = 0
         self.queue = None  # QueueIndex, built on first use
         self.settings: dict[str, str | None] = {}  # key -> JSON text (None: not set)

@@ -19,6 +19,7 @@ Formats: 'jsonl' (one file), 'parquet' (one file), 'datasets' (a folder written 
 written under a temporary name and renamed, so a crash never leaves half an export. The manifest
 (counts, filters, SHA-256 of the data files) is recorded in the store (Store.record_snapshot) and
 written beside the data: `<file>.snapshot.json`, or `snapshot.json` inside the datasets folder.
+An export that matches no pair is refused (InvalidRequest): an empty snapshot cannot train anything.
 
 `load_pairs_snapshot(path)` reads any of the three back as a list of dicts; training jobs use it
 and never open the DuckDB file.
@@ -33,7 +34,6 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from store.db import registered, to_db_time
 from store.errors import DataError, InvalidRequest
@@ -166,6 +166,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
                         "count(*) FILTER (WHERE split = 'test'), count(DISTINCT prompt_id), "
                         "count(DISTINCT annotator_id), count(*) FILTER (WHERE ranking_id IS NULL), "
                         "count(*) FILTER (WHERE all_bad) FROM _export").fetchall()[0]))
+        if counts["pairs"] == 0:
+            raise InvalidRequest(f"no pairs match these filters ({recorded}): nothing was exported")
         # 2. write the texts (DuckDB streams COPY; the datasets format goes through Arrow)
         if fmt == "datasets":
             _write_datasets(cur, tmp, counts["test"] > 0)
@@ -190,20 +192,29 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
 
 
 def _write_datasets(cur, folder: Path, has_test: bool) -> None:
+    """Stream each split from DuckDB into an Arrow file, memory-map it as a `datasets.Dataset`,
+    and `save_to_disk`: the rows never sit in RAM all at once."""
     import datasets  # imported here: it is slow to import and only this format needs it
 
-    table = cur.sql(_WRITE.format(where="")).to_arrow_table()
-    # plain string/int types: DuckDB may hand out string views, which `datasets` does not take
-    table = table.cast(pa.schema([pa.field(f.name, pa.string() if pa.types.is_string(f.type)
-                                           or pa.types.is_large_string(f.type)
-                                           or pa.types.is_string_view(f.type) else f.type)
-                                  for f in table.schema]))
-    split_col = table.column("split")
-    parts = {"train": table.filter(pc.equal(split_col, "train"))}
-    if has_test:
-        parts["test"] = table.filter(pc.equal(split_col, "test"))
-    dd = datasets.DatasetDict({name: datasets.Dataset(part) for name, part in parts.items()})
-    dd.save_to_disk(str(folder))
+    staging = folder.with_name(folder.name + ".arrow")
+    staging.mkdir()
+    try:
+        parts = {}
+        for split in ("train", "test") if has_test else ("train",):
+            reader = cur.sql(_WRITE.format(where=f"WHERE s.split = '{split}'")).to_arrow_reader(50_000)
+            # plain string types: DuckDB may hand out string views, which `datasets` does not take
+            schema = pa.schema([pa.field(f.name, pa.string() if pa.types.is_string_view(f.type)
+                                         or pa.types.is_large_string(f.type) else f.type)
+                                for f in reader.schema])
+            path = staging / f"{split}.arrow"
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+                for batch in reader:
+                    writer.write_batch(batch if batch.schema == schema else batch.cast(schema))
+            parts[split] = datasets.Dataset.from_file(str(path))
+        datasets.DatasetDict(parts).save_to_disk(str(folder))
+        del parts
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _manifest_path(out: Path, fmt: str) -> Path:

@@ -8,12 +8,15 @@
   unless the Store was opened with replace_rerankings=False (then both are kept);
 - "all bad" keeps the ranking and its pairs, marked all_bad (export leaves them out by default);
 - the annotator's lease on the item is released.
+Rankings submitted at the same moment by several annotators are written in one transaction
+(Store._combined); save_rankings_bulk writes many at once for imports, simulations and benches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import pyarrow as pa
@@ -69,6 +72,29 @@ def _groups(order) -> list[list[int]]:
         raise InvalidRequest(str(exc)) from None
 
 
+@dataclass
+class _Ready:
+    """A ranking checked against its item, ready to write."""
+
+    r: RankingIn
+    groups: list[list[int]]
+    display: list[int]
+    pairs: list[tuple[int, int, int]]
+    item_id: int
+
+    def record(self, ranking_id: int, now) -> Ranking:
+        r = self.r
+        return Ranking(id=ranking_id, item_id=self.item_id, prompt_id=r.prompt_id, annotator_id=r.annotator_id,
+                       order=self.groups, display_order=self.display, all_bad=bool(r.all_bad),
+                       duration_s=r.duration_s, client_token=r.client_token, comment=r.comment or "",
+                       created_at=from_db_time(now))
+
+
+def _ready(r: RankingIn, groups, item_id: int, item_prompt: int, item_resp) -> _Ready:
+    display = _check_against_item(r, groups, item_id, item_prompt, item_resp)
+    return _Ready(r, groups, display, ranking_to_pairs(groups), item_id)
+
+
 class RankingsMixin:
     """Ranking methods of Store."""
 
@@ -79,68 +105,88 @@ class RankingsMixin:
 
         order: tie groups of response ids, best first ([[3], [1, 2], [4]]), or a flat list.
         display_order: response ids as shown (default: the annotator's shuffle of the item).
-        Raises InvalidRequest (nothing stored) when the order does not fit the item.
+        Raises InvalidRequest or NotFoundError (nothing stored) when the order does not fit.
+        Concurrent calls are written together in one transaction (Store._combined).
         """
         r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
                       client_token, comment or "")
         groups = _groups(order)
-        pairs = ranking_to_pairs(groups)
+        result = self._combined("rankings", (r, groups), self._save_ranking_batch)
+        return result if isinstance(result, Ranking) else self.get_ranking(result)
+
+    def _save_ranking_batch(self, cur, requests) -> list:
+        """Inside the write transaction: check and write queued save_ranking requests. Returns per
+        request a Ranking, the id of an earlier ranking to return (repeated token), or an error."""
+        q = self._shared.queue
         now = utcnow()
-        with self._tx(queue=True) as cur:
-            # 1. check the order against the item (from the queue index: no query for queued items)
-            q = self._shared.queue
-            if annotator_id not in q.annotators:
-                raise NotFoundError(f"no annotator with id {annotator_id}")
-            item_id, item_prompt, item_resp = self._item_of(cur, q, groups[0][0])
-            display = _check_against_item(r, groups, item_id, item_prompt, item_resp)
-            # 2. a re-ranking of the same item replaces the earlier ranking and its pairs. The index
-            #    says whether there is one for queued items; other items ask the database.
-            replaced: list[int] = []
-            if self.replace_rerankings and (item_id not in q.item_prompt
-                                            or q.rankers.get(item_id, {}).get(annotator_id)):
-                prior = cur.execute("SELECT id, client_token FROM rankings WHERE annotator_id = ? AND item_id = ?",
-                                    [annotator_id, item_id]).fetchall()
-                if client_token is not None and any(p[1] == client_token for p in prior):
-                    replaced = []  # the same submission again: handled as a repeated token below
-                else:
-                    replaced = [p[0] for p in prior]
-            if replaced:
-                cur.execute("DELETE FROM pairs WHERE ranking_id IN (SELECT unnest(?))", [replaced])
-                cur.execute("DELETE FROM rankings WHERE id IN (SELECT unnest(?))", [replaced])
-            # 3. the ranking, unless this client token was stored before (idempotent: return that one)
-            inserted = cur.execute(
-                "INSERT INTO rankings SELECT nextval('rankings_id_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ? "
-                "WHERE ?::VARCHAR IS NULL OR NOT EXISTS "
-                "(SELECT 1 FROM rankings WHERE annotator_id = ? AND client_token = ?) RETURNING id",
-                [item_id, prompt_id, annotator_id, groups, display, r.all_bad, duration_s, client_token,
-                 r.comment, now, client_token, annotator_id, client_token]).fetchall()
-            same_token = not inserted
-            if same_token:
-                ranking_id = cur.execute("SELECT min(id) FROM rankings WHERE annotator_id = ? AND client_token = ?",
-                                         [annotator_id, client_token]).fetchall()[0][0]
-            else:
-                # 4. its pairs, and the end of the lease
-                ranking_id = inserted[0][0]
-                if pairs:
-                    cur.execute(
-                        "INSERT INTO pairs SELECT nextval('pairs_id_seq'), ?, ?, unnest(?), unnest(?), unnest(?), "
-                        "?, ?, ?, 'ranking', ?",
-                        [prompt_id, item_id, [p[0] for p in pairs], [p[1] for p in pairs],
-                         [float(p[2]) for p in pairs], ranking_id, annotator_id, r.all_bad, now])
-                if annotator_id in q.leases.get(item_id, {}):
-                    cur.execute("DELETE FROM leases WHERE item_id = ? AND annotator_id = ?", [item_id, annotator_id])
+        out: list = [None] * len(requests)
+        ready: list[tuple[int, _Ready]] = []
+        for i, (r, groups) in enumerate(requests):
+            try:
+                if r.annotator_id not in q.annotators:
+                    raise NotFoundError(f"no annotator with id {r.annotator_id}")
+                ready.append((i, _ready(r, groups, *self._item_of(cur, q, groups[0][0]))))
+            except (InvalidRequest, NotFoundError) as exc:
+                out[i] = exc
+        if len(ready) < 8:
+            # a few statements each beat the fixed cost of the Arrow path for small batches
+            seen: set[tuple[int, int]] = set()
+            written = []
+            for _, x in ready:
+                key = (x.r.annotator_id, x.item_id)
+                written.append(self._write_one(cur, q, x, now, check_db=key in seen))
+                seen.add(key)
+        else:
+            written = self._write_many(cur, [x for _, x in ready], now)
+        for (i, x), (ranking_id, new) in zip(ready, written):
+            out[i] = x.record(ranking_id, now) if new else ranking_id
+        return out
 
-                def follow(q, n_replaced=len(replaced)):
-                    for _ in range(n_replaced):
-                        q.remove_ranking(item_id, annotator_id)
-                    q.add_ranking(item_id, annotator_id)
+    def _write_one(self, cur, q, x: _Ready, now, *, check_db: bool = False) -> tuple[int, bool]:
+        """One ranking in the fewest statements (the common case of the UI): (id, newly written)."""
+        r, item_id, annotator_id = x.r, x.item_id, x.r.annotator_id
+        # 1. a re-ranking of the same item replaces the earlier ranking and its pairs. The index
+        #    says whether there is one for queued items (unless this transaction already wrote one:
+        #    check_db); other items ask the database.
+        replaced: list[int] = []
+        if self.replace_rerankings and (check_db or item_id not in q.item_prompt
+                                        or q.rankers.get(item_id, {}).get(annotator_id)):
+            prior = cur.execute(
+                "SELECT id, client_token, item_id FROM rankings WHERE annotator_id = ? "
+                "AND (item_id = ? OR client_token = ?)", [annotator_id, item_id, r.client_token]).fetchall()
+            if r.client_token is None or all(p[1] != r.client_token for p in prior):
+                replaced = [p[0] for p in prior if p[2] == item_id]
+        if replaced:
+            cur.execute("DELETE FROM pairs WHERE ranking_id IN (SELECT unnest(?))", [replaced])
+            cur.execute("DELETE FROM rankings WHERE id IN (SELECT unnest(?))", [replaced])
+        # 2. the ranking, unless this client token was stored before (idempotent: return that one)
+        inserted = cur.execute(
+            "INSERT INTO rankings SELECT nextval('rankings_id_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ? "
+            "WHERE ?::VARCHAR IS NULL OR NOT EXISTS "
+            "(SELECT 1 FROM rankings WHERE annotator_id = ? AND client_token = ?) RETURNING id",
+            [item_id, r.prompt_id, annotator_id, x.groups, x.display, bool(r.all_bad), r.duration_s,
+             r.client_token, r.comment or "", now, r.client_token, annotator_id, r.client_token]).fetchall()
+        if not inserted:
+            return cur.execute("SELECT min(id) FROM rankings WHERE annotator_id = ? AND client_token = ?",
+                               [annotator_id, r.client_token]).fetchall()[0][0], False
+        ranking_id = inserted[0][0]
+        # 3. its pairs, and the end of the lease
+        if x.pairs:
+            cur.execute(
+                "INSERT INTO pairs SELECT nextval('pairs_id_seq'), ?, ?, unnest(?), unnest(?), unnest(?), "
+                "?, ?, ?, 'ranking', ?",
+                [r.prompt_id, item_id, [p[0] for p in x.pairs], [p[1] for p in x.pairs],
+                 [float(p[2]) for p in x.pairs], ranking_id, annotator_id, bool(r.all_bad), now])
+        if annotator_id in q.leases.get(item_id, {}):
+            cur.execute("DELETE FROM leases WHERE item_id = ? AND annotator_id = ?", [item_id, annotator_id])
 
-                self._on_commit(follow)
-        if same_token:
-            return self.get_ranking(ranking_id)
-        return Ranking(id=ranking_id, item_id=item_id, prompt_id=prompt_id, annotator_id=annotator_id,
-                       order=groups, display_order=display, all_bad=r.all_bad, duration_s=duration_s,
-                       client_token=client_token, comment=r.comment, created_at=from_db_time(now))
+        def follow(q, n_replaced=len(replaced)):
+            for _ in range(n_replaced):
+                q.remove_ranking(item_id, annotator_id)
+            q.add_ranking(item_id, annotator_id)
+
+        self._on_commit(follow)
+        return ranking_id, True
 
     def _item_of(self, cur, q, response_id: int) -> tuple[int, int, tuple[int, ...]]:
         """(item id, prompt id, the item's response ids) of a response: from the queue index for
@@ -158,104 +204,103 @@ class RankingsMixin:
     def save_rankings_bulk(self, rankings: Sequence[RankingIn]) -> list[int]:
         """Save many rankings in one transaction with Arrow inserts; same rules as save_ranking,
         applied in input order. Returns the ranking id for each input (the earlier id for a
-        repeated client token; the replacing ranking's id for a replaced one)."""
+        repeated client token; the replacing ranking's id for a replaced one). One bad ranking
+        refuses the whole batch (nothing stored)."""
         rankings = list(rankings)
         if not rankings:
             return []
         groups = [_groups(r.order) for r in rankings]
-        first_ids = [g[0][0] for g in groups]
-        lookup = self._item_lookup(first_ids)
+        lookup = self._item_lookup([g[0][0] for g in groups])
         annotators = {r[0] for r in self._rows("SELECT id FROM annotators")}
-        displays, pair_lists, item_of = [], [], []
-        for r, g, first in zip(rankings, groups, first_ids):
+        ready = []
+        for r, g in zip(rankings, groups):
             if r.annotator_id not in annotators:
                 raise NotFoundError(f"no annotator with id {r.annotator_id}")
-            if first not in lookup:
-                raise NotFoundError(f"no response with id {first}")
-            item_id, item_prompt, item_resp = lookup[first]
-            displays.append(_check_against_item(r, g, item_id, item_prompt, item_resp))
-            pair_lists.append(ranking_to_pairs(g))
-            item_of.append(item_id)
-        now = utcnow()
+            if g[0][0] not in lookup:
+                raise NotFoundError(f"no response with id {g[0][0]}")
+            ready.append(_ready(r, g, *lookup[g[0][0]]))
         with self._tx() as cur:
-            # 1. idempotency and replacement against what is stored and within the batch
-            tokens = [(r.annotator_id, r.client_token) for r in rankings if r.client_token is not None]
-            stored_tokens = self._stored_tokens(cur, tokens)
-            result: list = [None] * len(rankings)
-            keep: dict = {}  # (annotator, item) or index -> input index kept
-            token_seen: dict = {}
-            for i, r in enumerate(rankings):
-                tok = (r.annotator_id, r.client_token)
-                if r.client_token is not None and tok in stored_tokens:
-                    result[i] = stored_tokens[tok]
-                    continue
-                if r.client_token is not None and tok in token_seen:
-                    result[i] = ("same", token_seen[tok])
-                    continue
-                if r.client_token is not None:
-                    token_seen[tok] = i
-                key = (r.annotator_id, item_of[i]) if self.replace_rerankings else i
-                if key in keep:
-                    result[keep[key]] = ("same", i)
-                keep[key] = i
-            kept = sorted(keep.values())
-            deleted = []
-            if self.replace_rerankings:
-                deleted = self._delete_rankings_of(cur, [(rankings[i].annotator_id, item_of[i]) for i in kept])
-            # 2. rankings
-            ids = self._reserve_ids(cur, "rankings_id_seq", len(kept))
-            id_of = dict(zip(kept, ids))
-            self._insert_arrow(cur, "rankings", {
-                "id": ids, "item_id": [item_of[i] for i in kept],
-                "prompt_id": [rankings[i].prompt_id for i in kept],
-                "annotator_id": [rankings[i].annotator_id for i in kept],
-                "order_groups": [groups[i] for i in kept], "display_order": [displays[i] for i in kept],
-                "all_bad": [bool(rankings[i].all_bad) for i in kept],
-                "duration_s": [rankings[i].duration_s for i in kept],
-                "client_token": [rankings[i].client_token for i in kept],
-                "comment": [rankings[i].comment or "" for i in kept], "created_at": [now] * len(kept),
-            }, {"id": pa.int64(), "item_id": pa.int64(), "prompt_id": pa.int64(), "annotator_id": pa.int64(),
-                "order_groups": pa.list_(pa.list_(pa.int64())), "display_order": pa.list_(pa.int64()),
-                "all_bad": pa.bool_(), "duration_s": pa.float64(), "client_token": pa.string(),
-                "comment": pa.string(), "created_at": pa.timestamp("us")})
-            # 3. pairs
-            flat = [(i, p) for i in kept for p in pair_lists[i]]
-            pair_ids = self._reserve_ids(cur, "pairs_id_seq", len(flat))
-            self._insert_arrow(cur, "pairs", {
-                "id": pair_ids, "prompt_id": [rankings[i].prompt_id for i, _ in flat],
-                "item_id": [item_of[i] for i, _ in flat], "chosen_id": [p[0] for _, p in flat],
-                "rejected_id": [p[1] for _, p in flat], "margin": [float(p[2]) for _, p in flat],
-                "ranking_id": [id_of[i] for i, _ in flat],
-                "annotator_id": [rankings[i].annotator_id for i, _ in flat],
-                "all_bad": [bool(rankings[i].all_bad) for i, _ in flat],
-                "source": ["ranking"] * len(flat), "created_at": [now] * len(flat),
-            }, {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
-                "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
-                "annotator_id": pa.int64(), "all_bad": pa.bool_(), "source": pa.string(),
-                "created_at": pa.timestamp("us")})
-            # 4. leases of the ranked items
-            self._with_keys(cur, [(rankings[i].annotator_id, item_of[i]) for i in kept],
-                            "DELETE FROM leases l USING {keys} k "
-                            "WHERE l.annotator_id = k.annotator_id AND l.item_id = k.item_id")
-            # 5. the queue index follows (or is rebuilt when the batch is large)
-            if len(kept) + len(deleted) > 2000:
-                self._on_commit(None)
-            else:
-                added = [(item_of[i], rankings[i].annotator_id) for i in kept]
+            return [ranking_id for ranking_id, _ in self._write_many(cur, ready, utcnow())]
 
-                def follow(q):
-                    for annotator_id, item_id in deleted:
-                        q.remove_ranking(item_id, annotator_id)
-                    for item_id, annotator_id in added:
-                        q.add_ranking(item_id, annotator_id)
+    def _write_many(self, cur, ready: list[_Ready], now) -> list[tuple[int, bool]]:
+        """Inside a transaction: write checked rankings with Arrow inserts, in input order.
+        Returns (ranking id, newly written) per input."""
+        # 1. idempotency and replacement against what is stored and within the batch
+        tokens = [(x.r.annotator_id, x.r.client_token) for x in ready if x.r.client_token is not None]
+        stored_tokens = self._stored_tokens(cur, tokens)
+        result: list = [None] * len(ready)
+        keep: dict = {}  # (annotator, item), or the input index when re-rankings are kept -> input index
+        token_seen: dict = {}
+        for i, x in enumerate(ready):
+            tok = (x.r.annotator_id, x.r.client_token)
+            if x.r.client_token is not None and tok in stored_tokens:
+                result[i] = stored_tokens[tok]
+                continue
+            if x.r.client_token is not None and tok in token_seen:
+                result[i] = ("same", token_seen[tok])
+                continue
+            if x.r.client_token is not None:
+                token_seen[tok] = i
+            key = (x.r.annotator_id, x.item_id) if self.replace_rerankings else i
+            if key in keep:
+                result[keep[key]] = ("same", i)
+            keep[key] = i
+        kept = sorted(keep.values())
+        rows = [ready[i] for i in kept]
+        deleted = []
+        if self.replace_rerankings:
+            deleted = self._delete_rankings_of(cur, [(x.r.annotator_id, x.item_id) for x in rows])
+        # 2. rankings
+        ids = self._reserve_ids(cur, "rankings_id_seq", len(kept))
+        id_of = dict(zip(kept, ids))
+        self._insert_arrow(cur, "rankings", {
+            "id": ids, "item_id": [x.item_id for x in rows], "prompt_id": [x.r.prompt_id for x in rows],
+            "annotator_id": [x.r.annotator_id for x in rows], "order_groups": [x.groups for x in rows],
+            "display_order": [x.display for x in rows], "all_bad": [bool(x.r.all_bad) for x in rows],
+            "duration_s": [x.r.duration_s for x in rows], "client_token": [x.r.client_token for x in rows],
+            "comment": [x.r.comment or "" for x in rows], "created_at": [now] * len(rows),
+        }, {"id": pa.int64(), "item_id": pa.int64(), "prompt_id": pa.int64(), "annotator_id": pa.int64(),
+            "order_groups": pa.list_(pa.list_(pa.int64())), "display_order": pa.list_(pa.int64()),
+            "all_bad": pa.bool_(), "duration_s": pa.float64(), "client_token": pa.string(),
+            "comment": pa.string(), "created_at": pa.timestamp("us")})
+        # 3. pairs
+        flat = [(rid, x, p) for rid, x in zip(ids, rows) for p in x.pairs]
+        pair_ids = self._reserve_ids(cur, "pairs_id_seq", len(flat))
+        self._insert_arrow(cur, "pairs", {
+            "id": pair_ids, "prompt_id": [x.r.prompt_id for _, x, _ in flat],
+            "item_id": [x.item_id for _, x, _ in flat], "chosen_id": [p[0] for _, _, p in flat],
+            "rejected_id": [p[1] for _, _, p in flat], "margin": [float(p[2]) for _, _, p in flat],
+            "ranking_id": [rid for rid, _, _ in flat], "annotator_id": [x.r.annotator_id for _, x, _ in flat],
+            "all_bad": [bool(x.r.all_bad) for _, x, _ in flat], "source": ["ranking"] * len(flat),
+            "created_at": [now] * len(flat),
+        }, {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
+            "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
+            "annotator_id": pa.int64(), "all_bad": pa.bool_(), "source": pa.string(),
+            "created_at": pa.timestamp("us")})
+        # 4. leases of the ranked items
+        self._with_keys(cur, [(x.r.annotator_id, x.item_id) for x in rows],
+                        "DELETE FROM leases l USING {keys} k "
+                        "WHERE l.annotator_id = k.annotator_id AND l.item_id = k.item_id")
+        # 5. the queue index follows (or is rebuilt when the batch is large)
+        if len(kept) + len(deleted) > 2000:
+            self._on_commit(None)
+        else:
+            added = [(x.item_id, x.r.annotator_id) for x in rows]
 
-                self._on_commit(follow)
+            def follow(q):
+                for annotator_id, item_id in deleted:
+                    q.remove_ranking(item_id, annotator_id)
+                for item_id, annotator_id in added:
+                    q.add_ranking(item_id, annotator_id)
+
+            self._on_commit(follow)
         out = []
         for i, res in enumerate(result):
+            own = res is None
             while isinstance(res, tuple):  # follow "same as input j" links
                 i = res[1]
                 res = result[i]
-            out.append(id_of[i] if res is None else res)
+            out.append((id_of[i] if res is None else res, own))
         return out
 
     def _item_lookup(self, response_ids: list[int]) -> dict[int, tuple[int, int, list[int]]]:

@@ -162,11 +162,12 @@ def test_duplicates_are_resampled(tiny_model, tiny_tokenizer):
 def test_generate_with_a_lora_policy(tiny_model_cfg):
     policy, tokenizer = load_policy(tiny_model_cfg)
     progress = []
-    results = generate_responses(policy, tokenizer, PROMPTS, k=2,
+    # 9 sequences in batches of 4: a prompt's K samples may be split across batches
+    results = generate_responses(policy, tokenizer, PROMPTS, k=3,
                                  cfg=GenerateConfig(max_new_tokens=6, batch_size=4),
                                  on_progress=lambda done, total: progress.append((done, total)))
-    assert [len(r) for r in results] == [2, 2, 2]
-    assert progress[-1] == (6, 6)
+    assert [len(r) for r in results] == [3, 3, 3]
+    assert progress == [(4, 9), (8, 9), (9, 9)]
 
 
 # --------------------------------------------------------------------------- CLI

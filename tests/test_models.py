@@ -164,6 +164,12 @@ def test_policy_save_and_reload_exactly(tiny_model_cfg, tmp_path, lora):
     with torch.no_grad():
         assert torch.equal(models.causal_lm_logits(reloaded, ids, mask), models.causal_lm_logits(policy, ids, mask))
     assert any(p.requires_grad for p in reloaded.parameters())  # can keep training
+    if lora:  # the adapter folder is not a base model, but --model may name it
+        with pytest.raises(ValueError, match="adapter only"):
+            resolve_model_path(str(out))
+        by_model, _ = load_policy(dataclasses.replace(cfg, model=str(out)))
+        with torch.no_grad():
+            assert torch.equal(models.causal_lm_logits(by_model, ids, mask), models.causal_lm_logits(policy, ids, mask))
 
 
 @pytest.mark.parametrize("lora", [True, False])

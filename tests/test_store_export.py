@@ -41,7 +41,8 @@ def test_jsonl_rows_are_trl_explicit_with_ids(store, ranked, tmp_path):
     assert first["chosen_model_version"] == r0.model_version_id and first["annotator"] == "ann0"
     assert first["margin"] == 1.0 and first["round"] == rnd.id and first["split"] == "train"
     imported = [r for r in rows if r["ranking_id"] is None]
-    assert [(r["prompt"], r["chosen"], r["rejected"], r["annotator"]) for r in imported] == [("Q?", "good", "bad", None)]
+    assert [(r["prompt"], r["chosen"], r["rejected"], r["annotator"]) for r in imported] == [
+        ("Q?", "good", "bad", None)]
     assert snap.counts["imported"] == 1 and snap.counts["annotators"] == 2
 
 
@@ -85,11 +86,13 @@ def test_filters(store, ranked, tmp_path):
     assert n(include_imported=False) == 15
     assert n(annotators=["ann1"]) == 6
     assert n(rounds=[rnd.id]) == 15
-    assert n(rounds=rnd.id + 1) == 0
+    with pytest.raises(InvalidRequest, match="no pairs match"):
+        n(rounds=rnd.id + 1)
     # item 0: both agree on every pair (1.0); item 1: they disagree on every pair (0.5 each)
     assert n(min_agreement=1.0) == 3 + 3 + 3 + 1  # item 0 by both, item 2 by ann0, imported
     now = datetime.now(timezone.utc)
-    assert n(since=now + timedelta(hours=1)) == 0
+    with pytest.raises(InvalidRequest, match="no pairs match"):
+        n(since=now + timedelta(hours=1))
     assert n(until=now + timedelta(hours=1)) == 16
     assert n(since=(now - timedelta(days=1)).date().isoformat()) == 16
     with pytest.raises(InvalidRequest, match="no annotator"):

@@ -71,14 +71,16 @@ def test_pairs_in_trl_and_hh_transcript_layouts(store, tmp_path):
     assert import_pairs(store, hh)["pairs"] == 1
     pairs = store.list_pairs()
     assert pairs[0].margin == 2.0 and pairs[1].margin == 1.0
-    assert store.get_prompt(pairs[1].prompt_id).text == "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant:"
+    hh_prompt = "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant:"
+    assert store.get_prompt(pairs[1].prompt_id).text == hh_prompt
     assert store.get_response(pairs[1].chosen_id).text == " 4"
 
 
 BAD_PAIRS = [
     ('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "a"\n', 2, "not valid JSON"),
     ('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "a"}\n', 2, "missing 'rejected'"),
-    ('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "  ", "rejected": "b"}\n', 2, "'chosen' is empty"),
+    ('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "  ", "rejected": "b"}\n', 2,
+     "'chosen' is empty"),
     ('{"prompt": "p", "chosen": "a", "rejected": "a"}\n', 1, "identical"),
     ('{"prompt": "p", "chosen": "a", "rejected": "b", "margin": "big"}\n', 1, "margin"),
     ('{"chosen": "\\n\\nHuman: x\\n\\nAssistant: a", "rejected": "\\n\\nHuman: y\\n\\nAssistant: b"}\n', 1, "differ"),

@@ -126,6 +126,14 @@ def test_index_follows_random_operations(store, store_annotators):
     seed_items(store, 2, 3, prefix="late")
     live, fresh = store._check_queue_index()
     assert live == fresh
+    # remaining_count agrees with what next_item actually hands out
+    for a in anns:
+        expected = store.remaining_count(a.id, overlap=2)
+        taken = []
+        while (got := store.next_item(a.id, overlap=2, exclude=taken)) is not None:
+            taken.append(got.item_id)
+        assert len(taken) == expected
+        store.release_lease(a.id)
 
 
 def test_eight_threads_submitting_at_once_lose_nothing(store_path):

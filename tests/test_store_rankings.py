@@ -163,3 +163,42 @@ def test_bulk_matches_single_path(tmp_path):
 def vars_of(r: RankingIn) -> dict:
     return {f: getattr(r, f) for f in ("annotator_id", "prompt_id", "order", "all_bad", "display_order",
                                        "duration_s", "client_token", "comment")}
+
+
+def test_concurrent_submissions_written_together_follow_the_same_rules(tmp_path):
+    """Store._combined writes queued save_ranking calls in one transaction: a few with the
+    statement-per-ranking path, 8 or more with the Arrow path. Both give what one-by-one calls give,
+    and a bad request fails alone."""
+    from store.pairs import normalize_order
+
+    outcomes = []
+    for name, chunk in (("sequential", 1), ("small-batches", 5), ("one-batch", 100)):
+        s = Store(tmp_path / f"{name}.duckdb")
+        items = seed_items(s, 10, 3)
+        a, b = s.add_annotator("a", "password-a"), s.add_annotator("b", "password-b")
+        ids = [x.response_ids for x in items]
+        reqs = [RankingIn(a.id, x.prompt_id, x.response_ids, client_token=f"t{i}") for i, x in enumerate(items)]
+        reqs += [
+            RankingIn(a.id, items[0].prompt_id, list(reversed(ids[0])), client_token="t0"),  # repeated token
+            RankingIn(b.id, items[1].prompt_id, ids[1][:2]),  # incomplete order: refused alone
+            RankingIn(999, items[1].prompt_id, ids[1]),  # unknown annotator: refused alone
+            RankingIn(a.id, items[2].prompt_id, list(reversed(ids[2])), client_token="re"),  # replaces t2
+            RankingIn(b.id, items[2].prompt_id, [[ids[2][0]], ids[2][1:]], all_bad=True),
+        ]
+        results = []
+        for start in range(0, len(reqs), chunk):
+            part = [(r, normalize_order(r.order)) for r in reqs[start:start + chunk]]
+            with s._shared.lock:
+                with s._tx_locked(queue=True) as cur:
+                    results += s._save_ranking_batch(cur, part)
+        kinds = [type(x).__name__ for x in results]
+        assert kinds[10] == "int" and results[10] == results[0].id  # the earlier ranking's id
+        assert kinds[11] == "InvalidRequest" and kinds[12] == "NotFoundError"
+        rows = sorted((r.item_id, r.annotator_id, r.order, r.all_bad, r.client_token) for r in s.list_rankings())
+        pairs = sorted((p.chosen_id, p.rejected_id, p.margin, p.annotator_id, p.all_bad) for p in s.list_pairs())
+        assert s._check_queue_index()[0] == s._check_queue_index()[1]
+        outcomes.append((rows, pairs))
+        s.close()
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    rows, pairs = outcomes[0]
+    assert len(rows) == 11 and len(pairs) == 11 * 3 - 1  # the all-bad order has a tie: 2 pairs

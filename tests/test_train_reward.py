@@ -271,3 +271,40 @@ def test_separate_eval_file(tmp_path, tiny_model_cfg):
     report = train_reward(str(train), str(tmp_path / "run"), cfg, tiny_model_cfg)
     assert report["train/pairs"] == 30 and report["eval/pairs"] == 15
     assert report["data"]["eval_file"]["prompts_also_in_train"] == 5
+
+
+@pytest.mark.slow
+def test_default_model_trains_on_hh_pairs(tmp_path, default_model_path):
+    """SmolLM2-135M on a few real HH pairs: chat template, pad == EOS, tied LM head, normalisation.
+    (The 1,600 / 400 pair measurement is a documented command in pipeline/train_reward.py.)"""
+    from pathlib import Path
+
+    from pipeline.config import ModelConfig
+
+    source = Path(__file__).resolve().parents[2] / "shared" / "data" / "hh_dev_pairs.jsonl"
+    if not source.is_file():
+        pytest.skip(f"{source} is missing (the shared HH dev pairs)")
+    rows = [json.loads(line) for line in source.read_text().splitlines()[:200]]
+    short = [r for r in rows if len(r["prompt"]) < 200 and max(len(r["chosen"]), len(r["rejected"])) < 200][:6]
+    data = write_jsonl(tmp_path / "hh.jsonl", short)
+    cfg = RewardConfig(batch_size=2, lr=1e-4, max_length=96, max_steps=2, eval_fraction=0.34,
+                       norm_samples=2, lm_coef=0.1)
+    model_cfg = ModelConfig(model=str(default_model_path), device="cpu")
+    report = train_reward(str(data), str(tmp_path / "run"), cfg, model_cfg)
+    assert report["steps"] == 2 and report["eval/pairs"] == 2
+    assert report["normalisation"]["samples"] == 2 and report["truncation"]["max_length"] == 96
+    model, _ = load_scalar_model(str(tmp_path / "run" / "checkpoint"), "reward", model_cfg)
+    assert model.reward_mean == pytest.approx(report["normalisation"]["reward_mean"])
+
+
+def test_snapshot_test_split_is_the_held_out_set(tmp_path, tiny_model_cfg):
+    from datasets import Dataset, DatasetDict
+
+    rows = marker_pairs(30)
+    DatasetDict({"train": Dataset.from_list(rows[:24]), "test": Dataset.from_list(rows[24:])}).save_to_disk(
+        str(tmp_path / "snap"))
+    pairs, _ = read_pairs(tmp_path / "snap")
+    assert [p.split for p in pairs].count("test") == 6
+    report = train_reward(str(tmp_path / "snap"), str(tmp_path / "run"), dataclasses.replace(FAST, epochs=1),
+                          tiny_model_cfg)
+    assert (report["train/pairs"], report["eval/pairs"], report["data"]["split"]) == (24, 6, "snapshot")

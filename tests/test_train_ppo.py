@@ -1,0 +1,334 @@
+"""PPO trainer (pipeline/train_ppo.py, pipeline/rollout.py) on tiny random models, CPU fp32.
+
+The tiny model's logits are bounded by its random lm_head (hidden 32, RMS-normed), so LoRA also
+targets lm_head here; otherwise no policy could concentrate probability on any token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import ModelConfig, PPOConfig
+from pipeline.generate import encode_prompts, sample
+from pipeline.models import causal_lm_logits, load_policy, load_scalar_model, make_reference, save_scalar_model
+from pipeline.rollout import Rollout, kl_shaped_advantages, make_reward, rollout_forwards, window
+from pipeline.train_ppo import main, train
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["How can I shop?", "What is the capital of France?", "Tell me about bread.", "Guitar tips?"]
+METRIC_KEYS = [
+    "objective/score", "objective/kl", "objective/rlhf_reward", "objective/entropy", "policy/loss",
+    "policy/clipfrac", "policy/approxkl", "policy/ratio_mean", "val/loss", "val/clipfrac", "val/explained_var",
+    "kl/beta", "gen/length_mean", "gen/eos_rate", "time/rollout", "time/update", "time/episodes_per_s",
+]
+
+
+@pytest.fixture
+def ppo_model_cfg(tiny_model_dir):
+    return ModelConfig(model=str(tiny_model_dir), device="cpu", dtype="fp32", lora=True, lora_r=4, lora_alpha=8,
+                       lora_targets="q_proj,v_proj,lm_head")
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def small_cfg(**overrides) -> PPOConfig:
+    base = dict(steps=2, batch_size=16, mini_batch_size=8, micro_batch_size=8, max_new_tokens=16, lr=1e-2,
+                critic_lr=1e-2, temperature=1.0, kl_control="fixed", init_kl_coef=0.2, sample_every=0)
+    return PPOConfig(**{**base, **overrides})
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(tmp_path, name, model_cfg, prompts_file, reward="script:count:e", **overrides) -> list[dict]:
+    out = tmp_path / name
+    train(small_cfg(**overrides), model_cfg, prompts=str(prompts_file), reward=reward, out_dir=out)
+    return read_metrics(out)
+
+
+def mean(rows, key, sl):
+    vals = [r[key] for r in rows[sl]]
+    return sum(vals) / len(vals)
+
+
+# --------------------------------------------------------------------------- rollout pieces
+
+
+def test_scripted_rewards_count_only_real_response_tokens(tiny_tokenizer):
+    tok = tiny_tokenizer
+    e_ids = tok(" the the", add_special_tokens=False)["input_ids"]
+    response = torch.tensor([e_ids + [tok.eos_token_id] + e_ids])  # (1, R): 'the' after EOS too
+    mask = torch.tensor([[1] * (len(e_ids) + 1) + [0] * len(e_ids)])
+    count, rm = make_reward("script:count:the", tok, ModelConfig())
+    assert rm is None
+    assert count(response, mask, response, mask).tolist() == [2.0]  # not 4: post-EOS text is ignored
+    length, _ = make_reward("script:length", tok, ModelConfig())
+    assert length(response, mask, response, mask).tolist() == [float(len(e_ids))]  # EOS not counted
+    with pytest.raises(ValueError, match="unknown script"):
+        make_reward("script:nope", tok, ModelConfig())
+    with pytest.raises(ValueError, match="no such folder"):
+        make_reward("/nonexistent/reward-model", tok, ModelConfig())
+
+
+def _rollout(values_tail: float, logp_tail: float) -> Rollout:
+    """B=2, R=5: row 0 ends with EOS at t=2, row 1 hits the length limit. Tails hold garbage."""
+    mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    logprobs = torch.tensor([[-1.0, -2, -0.5, logp_tail, logp_tail], [-1, -1, -1, -1, -1]])
+    ref = torch.tensor([[-1.5, -2, -1.0, 3 * logp_tail, 0], [-1, -2, -1, -1, -0.5]])
+    values = torch.tensor([[0.1, 0.2, 0.3, values_tail, values_tail], [0.0, 0.1, 0.2, 0.3, 0.4]])
+    return Rollout(prompts=["a", "b"], sequences=torch.zeros(2, 7, dtype=torch.long),
+                   attention_mask=torch.ones(2, 7, dtype=torch.long), response_ids=torch.zeros(2, 5, dtype=torch.long),
+                   mask=mask, prompt_length=2, logprobs=logprobs, ref_logprobs=ref, values=values,
+                   eos=torch.tensor([True, False]))
+
+
+def test_post_eos_positions_are_masked_in_rewards_and_advantages():
+    cfg = PPOConfig(missing_eos_penalty=1.0, kl_estimator="k1", gamma=1.0, lam=0.95)
+    score = torch.tensor([2.0, 3.0])
+    a = kl_shaped_advantages(_rollout(values_tail=50.0, logp_tail=-9.0), score, cfg, beta=0.1)
+    b = kl_shaped_advantages(_rollout(values_tail=-7.0, logp_tail=4.0), score, cfg, beta=0.1)
+    for x in (a, b):
+        assert torch.all(x.kl[0, 3:] == 0) and torch.all(x.rewards[0, 3:] == 0)
+        assert torch.all(x.advantages[0, 3:] == 0)
+    # garbage past EOS changes nothing at all
+    for field in ("kl", "rewards", "advantages", "returns", "score"):
+        assert torch.allclose(getattr(a, field), getattr(b, field)), field
+    # hand-computed: kl = logp - ref; the score sits on the EOS token; no EOS -> penalty 1.0
+    assert torch.allclose(a.kl[0, :3], torch.tensor([0.5, 0.0, 0.5]))
+    assert a.score.tolist() == [2.0, 2.0]
+    assert a.rewards[0, 2].item() == pytest.approx(-0.1 * 0.5 + 2.0)
+    assert a.rewards[1, 4].item() == pytest.approx(-0.1 * (-1 + 0.5) + 2.0)
+    assert a.kl_seq.tolist() == pytest.approx([1.0, 0.0 + 1 + 0 + 0 - 0.5])
+
+
+def test_reward_clip_then_penalty():
+    cfg = PPOConfig(missing_eos_penalty=0.5, reward_clip=1.0)
+    out = kl_shaped_advantages(_rollout(0.0, 0.0), torch.tensor([5.0, -5.0]), cfg, beta=0.0)
+    assert out.score.tolist() == [1.0, -1.5]
+
+
+def test_window_cuts_only_padding():
+    am = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0]])  # P = 4, R = 4
+    start, r = window(am, 4, torch.tensor([2, 3]))
+    assert (start, r) == (1, 3)
+
+
+def test_trimmed_rollout_forwards_equal_full_forward_and_sampling_logprobs(ppo_model_cfg):
+    torch.manual_seed(0)
+    policy, tok = load_policy(ppo_model_cfg)
+    critic, _ = load_scalar_model(ppo_model_cfg.model, kind="critic", cfg=ppo_model_cfg)
+    with torch.no_grad():  # move the adapter off zero so policy and reference differ
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    reference = make_reference(policy)
+    ids, am = encode_prompts(tok, PROMPTS * 2)
+    cfg = PPOConfig(max_new_tokens=12, temperature=0.9)
+    sb = sample(policy, ids, am, cfg, generator=torch.Generator().manual_seed(0),
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    mask = sb.response_mask.float()
+    ref, old, values = rollout_forwards(policy, reference, critic, sb.sequences, sb.attention_mask,
+                                        sb.response_ids, mask, sb.prompt_length, 0.9, chunk=3, need_old=True,
+                                        autocast=contextlib.nullcontext)
+    P, R = sb.prompt_length, sb.response_ids.shape[1]
+    with torch.no_grad():
+        full = torch.log_softmax(causal_lm_logits(policy, sb.sequences, sb.attention_mask)[:, P - 1 : -1] / 0.9, -1)
+        full = full.gather(2, sb.response_ids[..., None]).squeeze(2)  # (B, R)
+        full_ref = torch.log_softmax(reference(sb.sequences, sb.attention_mask)[:, P - 1 : -1] / 0.9, -1)
+        full_ref = full_ref.gather(2, sb.response_ids[..., None]).squeeze(2)
+        full_values = critic(sb.sequences, sb.attention_mask)[:, P - 1 : P - 1 + R]
+    m = mask.bool()
+    assert torch.allclose(old[m], full[m], atol=1e-5)  # trimming windows changes nothing
+    assert torch.allclose(ref[m], full_ref[m], atol=1e-5)
+    assert torch.allclose(values[m], full_values[m], atol=1e-5)
+    assert torch.allclose(sb.logprobs[m], full[m], atol=1e-4)  # pi_old from sampling = from a forward
+    assert (old[m] - ref[m]).abs().max() > 1e-2  # and it is not the reference
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def test_ratio_is_pi_theta_over_pi_old(tmp_path, ppo_model_cfg, prompts_file):
+    """On the first minibatch of every step pi_theta == pi_old, so the ratio is 1, although the
+    policy has moved away from the reference (KL > 0): a ratio against pi_ref would not be 1."""
+    rows = run(tmp_path, "fwd", ppo_model_cfg, prompts_file, steps=3, old_logprobs="forward", lr=5e-2)
+    for r in rows:
+        assert r["policy/ratio_first"] == pytest.approx(1.0, abs=1e-6)
+    assert rows[-1]["objective/kl"] > 0.05
+    assert any(abs(r["policy/ratio_mean"] - 1) > 1e-4 for r in rows)  # later minibatches do move
+    rows = run(tmp_path, "smp", ppo_model_cfg, prompts_file, steps=2, old_logprobs="sample", lr=5e-2)
+    for r in rows:
+        assert r["policy/ratio_first"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_score_rises_under_kl_control_and_kl_runs_away_without_it(tmp_path, ppo_model_cfg, prompts_file):
+    t0 = time.time()
+    controlled = run(tmp_path, "ctl", ppo_model_cfg, prompts_file, steps=30, kl_control="adaptive",
+                     init_kl_coef=0.2, kl_target=4.0, kl_horizon=64)
+    free = run(tmp_path, "free", ppo_model_cfg, prompts_file, steps=30, kl_control="fixed", init_kl_coef=0.0,
+               lr=3e-2)
+    assert time.time() - t0 < 60
+    first, last = slice(0, 5), slice(-5, None)
+    # the scripted reward (+1 per 'e' in the response) is learnt clearly ...
+    assert mean(controlled, "objective/score", last) > mean(controlled, "objective/score", first) + 1.5
+    # ... while the controller keeps the KL bounded (beta grows when KL > target)
+    assert max(r["objective/kl"] for r in controlled) < 20
+    assert controlled[-1]["kl/beta"] > controlled[0]["kl/beta"] * 0.9
+    # with beta = 0 and a higher learning rate, the policy runs away from the reference
+    assert mean(free, "objective/kl", last) > 30
+    assert mean(free, "objective/kl", last) > 2 * mean(controlled, "objective/kl", last)
+    for rows in (controlled, free):
+        assert all(set(METRIC_KEYS) <= set(r) for r in rows)
+
+
+def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts_file):
+    cfg = dict(kl_control="adaptive", init_kl_coef=0.2, kl_target=0.5, kl_horizon=32, lr_decay=False,
+               steps=4, lr=3e-2)
+    straight = run(tmp_path, "straight", ppo_model_cfg, prompts_file, **cfg)
+    out = tmp_path / "resumed"
+    train(small_cfg(**{**cfg, "steps": 2}), ppo_model_cfg, prompts=str(prompts_file), reward="script:count:e",
+          out_dir=out)
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2 and state["kl"]["value"] != 0.2
+    assert all("exp_avg" in s for s in state["policy_optim"]["state"].values())
+    with pytest.raises(ValueError, match="--resume"):
+        train(small_cfg(**cfg), ppo_model_cfg, prompts=str(prompts_file), reward="script:count:e", out_dir=out)
+    train(small_cfg(**cfg), ppo_model_cfg, prompts=str(prompts_file), reward="script:count:e", out_dir=out,
+          resume=True)
+    resumed = read_metrics(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):  # continuing == never stopping: same beta, same updates
+        for key in ("objective/score", "objective/kl", "kl/beta", "policy/loss", "val/loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    from safetensors.torch import load_file
+
+    wa = load_file(str(tmp_path / "straight" / "policy" / "adapter_model.safetensors"))
+    wb = load_file(str(out / "policy" / "adapter_model.safetensors"))
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_reference_is_unchanged_by_training(tmp_path, ppo_model_cfg, prompts_file, tiny_model_dir):
+    rows = run(tmp_path, "ref", ppo_model_cfg, prompts_file, steps=3, lr=5e-2)
+    assert rows[-1]["objective/kl"] > 0.05
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
+    trained, tok = load_policy(ppo_model_cfg, adapter_path=tmp_path / "ref" / "policy")
+    ids, am = encode_prompts(tok, PROMPTS)
+    with torch.no_grad():
+        ref_logits = make_reference(trained)(ids, am)
+        assert torch.equal(ref_logits, causal_lm_logits(start, ids, am))  # bit for bit the start
+        assert not torch.allclose(causal_lm_logits(trained, ids, am), ref_logits, atol=1e-3)
+    meta = json.loads((tmp_path / "ref" / "policy" / "model_meta.json").read_text())
+    assert meta["parent"] == str(Path(tiny_model_dir).resolve()) and meta["reward_model"] == "script:count:e"
+
+
+def test_full_fine_tuning_keeps_a_frozen_reference(tmp_path, tiny_model_dir, prompts_file):
+    cfg = ModelConfig(model=str(tiny_model_dir), device="cpu", dtype="fp32", lora=False)
+    rows = run(tmp_path, "full", cfg, prompts_file, steps=3, lr=3e-3)
+    assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)
+    assert rows[-1]["objective/kl"] > 0.05  # the policy moved, the reference did not follow
+    assert (tmp_path / "full" / "policy" / "model.safetensors").is_file()
+
+
+def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, prompts_file, tiny_model_dir):
+    rm, tok = load_scalar_model(str(tiny_model_dir), kind="reward", cfg=ppo_model_cfg)
+    rm_dir = save_scalar_model(rm, tok, tmp_path / "rm")
+    ptx = tmp_path / "ptx.jsonl"
+    ptx.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["The quick brown fox.", "Bake bread daily."]))
+    out = tmp_path / "cli"
+    argv = ["--policy", str(tiny_model_dir), "--reward", str(rm_dir), "--prompts", str(prompts_file),
+            "--out", str(out), "--steps", "2", "--batch-size", "8", "--mini-batch-size", "4",
+            "--micro-batch-size", "2", "--max-new-tokens", "8", "--sample-every", "1", "--ptx-coef", "0.1",
+            "--ptx-data", str(ptx), "--entropy-coef", "0.01", "--kl-estimator", "k3", "--whiten-rewards", "true",
+            "--reward-clip", "3", "--kl-control", "x1.5", "--device", "cpu", "--lora-r", "4", "--lora-alpha", "8"]
+    assert main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["critic_init"] == str(rm_dir)  # the critic starts from the reward model
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert set(METRIC_KEYS) <= set(r)
+        assert all(torch.isfinite(torch.tensor(float(v))) for v in r.values())
+        assert "ptx/loss" in r and "policy/entropy" in r
+    samples = [json.loads(line) for line in (out / "samples" / "step_2.jsonl").read_text().splitlines()]
+    assert samples and {"prompt", "response", "score", "kl", "finish_reason"} <= set(samples[0])
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "done" and status["step"] == 2 and status["progress"] == 1.0
+    meta = json.loads((out / "policy" / "model_meta.json").read_text())
+    assert meta["reward_model"] == str(Path(rm_dir).resolve())
+    assert {"policy", "critic", "trainer_state.pt"} <= set(os.listdir(out / "checkpoint"))
+
+
+def test_cli_rejects_bad_input_with_clear_errors(tmp_path, prompts_file, tiny_model_dir, capsys):
+    common = ["--policy", str(tiny_model_dir), "--device", "cpu", "--out", str(tmp_path / "bad")]
+    assert main(common + ["--reward", "script:length", "--prompts", str(tmp_path / "missing.jsonl")]) == 1
+    assert "missing.jsonl" in capsys.readouterr().out
+    assert main(common + ["--reward", "script:length", "--prompts", str(prompts_file), "--batch-size", "6"]) == 1
+    assert "multiple of --mini-batch-size" in capsys.readouterr().out
+    assert main(common + ["--reward", "nope/rm", "--prompts", str(prompts_file)]) == 1
+    assert "nope/rm" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    assert main(common + ["--reward", "script:length", "--prompts", str(bad)]) == 1
+    assert "line 2" in capsys.readouterr().out
+    status = json.loads((tmp_path / "bad" / "status.json").read_text())
+    assert status["state"] == "failed" and "line 2" in status["error"]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path, prompts_file, tiny_model_dir):
+    out = tmp_path / "job"
+    args = [sys.executable, "-m", "pipeline", "ppo", "--policy", str(tiny_model_dir), "--reward", "script:count:e",
+            "--prompts", str(prompts_file), "--out", str(out), "--batch-size", "8", "--mini-batch-size", "8",
+            "--micro-batch-size", "8", "--max-new-tokens", "8", "--device", "cpu", "--lora-r", "4",
+            "--sample-every", "0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args + ["--steps", "500"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # wait until a step has finished, as a job runner would see it
+        try:
+            if json.loads((out / "status.json").read_text())["step"] >= 1:
+                break
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, output[-2000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "cancelled" and "SIGTERM" in status["error"]
+    step = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
+    assert 1 <= step < 500 and not (out / "policy").exists()
+    done = subprocess.run(args + ["--steps", str(step + 1), "--resume"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads((out / "status.json").read_text())["state"] == "done"
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, step + 2))
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_run(tmp_path, tiny_model_dir, prompts_file):
+    cfg = ModelConfig(model=str(tiny_model_dir), device="cuda", dtype="bf16", lora=True, lora_r=4, lora_alpha=8,
+                      lora_targets="q_proj,v_proj,lm_head")
+    rows = run(tmp_path, "gpu", cfg, prompts_file, steps=2)
+    assert all(torch.isfinite(torch.tensor(r["objective/kl"])) for r in rows)
+    assert rows[0]["policy/ratio_first"] == pytest.approx(1.0, abs=1e-3)  # 'auto' -> forward in bf16
