@@ -147,6 +147,10 @@ def _row_to_pair(row, where: str, index: int) -> Pair:
             raise PairsError(f"{where}: no 'prompt' field and the 'chosen'/'rejected' conversations differ before the last message")
     if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt.strip()) or not prompt:
         raise PairsError(f"{where}, field 'prompt': expected non-empty text or a list of messages")
+    if isinstance(prompt, list):
+        for i, m in enumerate(prompt):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise PairsError(f"{where}, field 'prompt': message {i} is not a {{role, content}} object of text")
     margin = row.get("margin")
     if margin is None:
         margin = 0.0

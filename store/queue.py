@@ -13,7 +13,8 @@ annotators never get one item beyond the overlap; an expired lease no longer cou
 abandoned item returns to the queue by itself.
 
 The choice is made in memory (store/queue_index.py explains why) and the lease is written to the
-`leases` table in the same transaction.
+`leases` table in the same transaction; next_item calls made at the same moment by several
+annotators share one transaction (Store._combined).
 """
 
 from __future__ import annotations

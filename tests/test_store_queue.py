@@ -203,3 +203,19 @@ def test_concurrent_submissions_of_preassigned_rankings(store_path):
         assert len(s.list_rankings()) == 40 and len(s.list_pairs()) == 40 * 6
     finally:
         s.close()
+
+
+def test_next_item_requests_written_together_respect_each_other(store, store_annotators):
+    """Store._combined runs queued next_item calls in one transaction, in order: a later pick sees
+    the leases of the earlier ones."""
+    it1, it2 = seed_items(store, 2, 2)
+    a, b = store_annotators
+    c = store.add_annotator("ann2", "password-2")
+    requests = [(a.id, 1, 60.0, frozenset()), (b.id, 1, 60.0, frozenset()), (c.id, 1, 60.0, frozenset()),
+                (a.id, 1, 60.0, frozenset())]
+    with store._shared.lock:
+        with store._tx_locked(queue=True) as cur:
+            out = store._next_item_batch(cur, requests)
+    assert [x and x[0] for x in out] == [it1.item_id, it2.item_id, None, it1.item_id]  # a keeps its lease
+    assert sorted((i, ann) for i, ann, _ in store.active_leases()) == [(it1.item_id, a.id), (it2.item_id, b.id)]
+    assert store._check_queue_index()[0] == store._check_queue_index()[1]

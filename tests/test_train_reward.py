@@ -95,6 +95,9 @@ def test_bad_input_names_file_row_and_field(tmp_path):
     rows[1]["margin"] = "high"
     with pytest.raises(PairsError, match=r"row 1, field 'margin'"):
         read_pairs(write_jsonl(tmp_path / "margin.jsonl", rows))
+    bad_prompt = [{"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"}]
+    with pytest.raises(PairsError, match=r"row 0, field 'prompt': message 0"):
+        read_pairs(write_jsonl(tmp_path / "conv.jsonl", bad_prompt))
     (tmp_path / "broken.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n')
     with pytest.raises(PairsError, match="broken.jsonl, line 2: not valid JSON"):
         read_pairs(tmp_path / "broken.jsonl")
@@ -176,6 +179,21 @@ def test_pair_scores_equal_the_model_score(tiny_model_cfg, tmp_path):
         ours, _ = pair_scores(model, batch["input_ids"], batch["attention_mask"])
         theirs = model.score(batch["input_ids"], batch["attention_mask"])
     assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+def test_calibration_and_length_baseline_hand_values():
+    from pipeline.reward_data import EncodedPair
+    from pipeline.reward_eval import calibration, length_baseline
+
+    # |diff| sorted: .1 (wrong), .2, 3 | 4 (wrong), 5 -> buckets of 3 and 2
+    rows = calibration(torch.tensor([-0.1, 0.2, 3.0, -4.0, 5.0]), buckets=2)
+    assert [(r["count"], r["accuracy"]) for r in rows] == [(3, 0.6667), (2, 0.5)]
+    # predicted = mean sigmoid(|diff|): (.524979 + .549834 + .952574) / 3, (.982014 + .993307) / 2
+    assert rows[0]["predicted"] == pytest.approx(0.6758, abs=1e-4)
+    assert rows[1]["predicted"] == pytest.approx(0.9877, abs=1e-4)
+    assert (rows[0]["abs_diff_min"], rows[1]["abs_diff_max"]) == (0.1, 5.0)
+    items = [EncodedPair([1], [1], 0, 0, c, r) for c, r in ((5, 3), (2, 2), (1, 4))]
+    assert length_baseline(items) == 0.5  # longer chosen: 1, tie: 1/2, shorter: 0
 
 
 # --------------------------------------------------------------------------- end to end
@@ -267,9 +285,10 @@ def test_cli_errors_and_refusals(tmp_path, tiny_model_dir, capsys):
 def test_separate_eval_file(tmp_path, tiny_model_cfg):
     rows = marker_pairs(40)
     train, held = write_jsonl(tmp_path / "t.jsonl", rows[:30]), write_jsonl(tmp_path / "e.jsonl", rows[25:])
-    cfg = dataclasses.replace(FAST, epochs=1, eval_data=str(held))
+    cfg = dataclasses.replace(FAST, epochs=1, eval_data=str(held), grad_accum=2)
     report = train_reward(str(train), str(tmp_path / "run"), cfg, tiny_model_cfg)
     assert report["train/pairs"] == 30 and report["eval/pairs"] == 15
+    assert report["steps"] == 2  # 4 batches of <= 8 pairs, 2 accumulated per optimiser step
     assert report["data"]["eval_file"]["prompts_also_in_train"] == 5
 
 
