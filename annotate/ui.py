@@ -16,6 +16,7 @@ import functools
 import inspect
 from pathlib import Path
 
+import anyio
 import gradio as gr
 
 from annotate import handlers as h
@@ -124,11 +125,21 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
     return {"outs": outs, "guidelines": guidelines}
 
 
+def _password_check(ctx: AppContext):
+    """Gradio's login calls `auth` inside its event loop; a scrypt check takes tens of milliseconds
+    on purpose, so it runs in a worker thread instead of stalling every other user's requests."""
+
+    async def check(name: str, password: str) -> bool:
+        return await anyio.to_thread.run_sync(lambda: ctx.store.authenticate(name, password) is not None)
+
+    return check
+
+
 def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: int = 7860,
            prevent_thread_lock: bool = False, quiet: bool = False):
     """Serve the app. With ctx.auth, Gradio's login page checks passwords against the store (scrypt
     hashes) and signs a session cookie; handlers read the name from it (annotate/context.py)."""
-    auth = (lambda name, password: ctx.store.authenticate(name, password) is not None) if ctx.auth else None
+    auth = _password_check(ctx) if ctx.auth else None
     # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
     demo.queue(default_concurrency_limit=16)
     return demo.launch(

@@ -79,11 +79,19 @@ def annotator(url: str, i: int, seconds: float, prefetch: bool, start: threading
     from gradio_client import Client
 
     rng = random.Random(i)
-    client = Client(url, auth=(f"ann{i}", f"bench-pass-{i}"), verbose=False)
-    html = client.predict(api_name="/refresh")[0]
-    if prefetch:
-        client.predict(api_name="/prefetch")
-    start.wait()
+    try:
+        client = Client(url, auth=(f"ann{i}", f"bench-pass-{i}"), verbose=False, httpx_kwargs={"timeout": 60})
+        html = client.predict(api_name="/refresh")[0]
+        if prefetch:
+            client.predict(api_name="/prefetch")
+    except Exception as exc:
+        errors.append(f"connect: {type(exc).__name__}: {exc}")
+        start.abort()
+        return
+    try:
+        start.wait()
+    except threading.BrokenBarrierError:
+        return
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         m = re.search(r'data-k="(\d+)"', html or "")
@@ -113,7 +121,10 @@ def run_phase(url: str, n: int, seconds: float, prefetch: bool) -> dict:
                for i in range(n)]
     for t in threads:
         t.start()
-    barrier.wait()
+    try:
+        barrier.wait(timeout=300)  # every annotator logged in and has an item on screen
+    except threading.BrokenBarrierError:
+        raise RuntimeError(f"the annotators could not all connect: {errors[:3]}") from None
     t0 = time.perf_counter()
     for t in threads:
         t.join(seconds + 60)

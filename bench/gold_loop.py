@@ -1,0 +1,399 @@
+"""Does the loop make the policy better by a measure it was not trained on? A gold-judge experiment.
+
+In the style of Gao et al. 2022 ("Scaling Laws for Reward Model Overoptimization"): a fixed gold
+judge stands in for people. It is the `embedding` judge of pipeline/judge.py, on the offline
+all-MiniLM-L6-v2 model: cos(response, "helpful, friendly, detailed ...") - cos(response, "rude,
+evasive, unhelpful ...") + 0.5 cos(response, prompt). The pipeline never trains on it: simulated
+annotators rank each prompt's K responses by gold score with Bradley-Terry noise (through the
+store, like people in the app), a proxy reward model is trained on those rankings, and PPO
+optimises the proxy. The question is what happens to the gold score.
+
+    python bench/gold_loop.py            # SmolLM2-135M, 2 rounds, three KL settings (~40 min on 2 CPU cores)
+    python bench/gold_loop.py --quick    # tiny random models, the same steps end to end (a minute or two)
+
+Phases
+  0. held-out split: a fixed, seeded set of evaluation prompts is kept out of the store; the rest
+     of ../shared/data/prompts.jsonl is imported through the store (store.io.import_prompts)
+  1. round 1, shared by all settings: generate K responses per prompt with the base policy (a job),
+     simulated annotators rank them, reward model 1 is trained (a job); the base policy is evaluated
+  2. per setting (adaptive KL, fixed beta, beta = 0): the store is copied, PPO round 1 runs against
+     reward model 1, then rounds 2..R run through the real loop (pipeline/loop.py: generate with the
+     new policy, rank, retrain the reward model warm-started on all pairs so far, PPO)
+  3. every policy version is evaluated on the held-out prompts (bench/gold_eval.py), and the
+     gold judge scores PPO's per-step sample tables (gold along the PPO steps)
+  4. report.md, gold_vs_sqrt_kl.png, proxy_vs_gold.png, results.json in the results directory
+     (bench/gold_report.py); a full run also publishes report and plots to docs/results/
+
+Sharing round 1 (its responses, rankings and reward model) between the settings saves three
+generations and two reward trainings, and makes the settings differ only in their KL control.
+The last line is `RESULT gold_loop ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.config import GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig  # noqa: E402
+from pipeline.loop import LoopSettings  # noqa: E402
+
+from bench.gold_eval import EvalConfig  # noqa: E402
+
+PROMPTS = ROOT.parent / "shared" / "data" / "prompts.jsonl"
+OUT_ROOT = ROOT / "bench" / "out" / "gold_loop"
+PUBLISH = ROOT / "docs" / "results"
+
+# The three settings differ only in the KL control of PPO (pipeline/kl.py).
+# The Ziegler et al. horizon (10,000 episodes) assumes runs of many thousand episodes; ours see a
+# few hundred, so the horizon is one rollout: beta may move by up to 20% a step toward the target.
+VARIANTS = {
+    "adaptive": {"kl_control": "adaptive", "init_kl_coef": 0.1, "kl_target": 4.0, "kl_horizon": 16},
+    "fixed": {"kl_control": "fixed", "init_kl_coef": 0.1},
+    "beta0": {"kl_control": "fixed", "init_kl_coef": 0.0},
+}
+LABELS = {"adaptive": "adaptive KL (target 4 nats)", "fixed": "fixed beta = 0.1", "beta0": "beta = 0"}
+
+
+@dataclass
+class Experiment:
+    loop: LoopSettings
+    eval: EvalConfig
+    eval_prompts: int = 32
+    """Held-out prompts, never imported into the store."""
+    noise: float = 0.05
+    """Bradley-Terry temperature of the simulated annotators (in gold-score units)."""
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    threads: int = 2
+    seed: int = 0
+
+
+def full_experiment(threads: int = 2) -> Experiment:
+    """SmolLM2-135M on CPU, sized for about 40 minutes on 2 cores."""
+    tokens = 40
+    return Experiment(
+        loop=LoopSettings(
+            loop=LoopConfig(rounds=2, prompts_per_round=48, rankings_per_round=0, seed=0),
+            model=ModelConfig(model="default", device="cpu", dtype="fp32"),
+            generate=GenerateConfig(k=4, max_new_tokens=tokens, temperature=0.9, batch_size=32),
+            reward=RewardConfig(epochs=1, lr=2e-4, batch_size=8, max_length=192, norm_samples=32),
+            ppo=PPOConfig(steps=16, batch_size=16, mini_batch_size=8, micro_batch_size=8, ppo_epochs=2,
+                          lr=1e-4, critic_lr=1e-4, max_new_tokens=tokens, temperature=0.7,
+                          missing_eos_penalty=0.0, sample_every=1, max_prompt_tokens=128),
+            ppo_prompts=256),
+        eval=EvalConfig(samples=2, max_new_tokens=tokens, temperature=0.7, batch_size=16),
+        eval_prompts=32, threads=threads)
+
+
+def quick_experiment(model_dir: str, threads: int = 2) -> Experiment:
+    """Tiny random models: every step of the full run, in a minute or two (the slow test runs it)."""
+    tokens = 8
+    return Experiment(
+        loop=LoopSettings(
+            loop=LoopConfig(rounds=2, prompts_per_round=6, rankings_per_round=0, seed=0),
+            model=ModelConfig(model=model_dir, device="cpu", dtype="fp32", lora_r=4, lora_alpha=8),
+            generate=GenerateConfig(k=3, max_new_tokens=tokens, temperature=1.0, batch_size=18),
+            reward=RewardConfig(batch_size=4, max_length=64, norm_samples=0, eval_fraction=0.25, lr=1e-3),
+            ppo=PPOConfig(steps=2, batch_size=4, mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
+                          lr=1e-3, max_new_tokens=tokens, missing_eos_penalty=0.0, sample_every=1),
+            ppo_prompts=8),
+        eval=EvalConfig(samples=2, max_new_tokens=tokens, temperature=1.0, batch_size=8),
+        eval_prompts=4, threads=threads)
+
+
+def with_variant(settings: LoopSettings, variant: str) -> LoopSettings:
+    return dataclasses.replace(settings, ppo=dataclasses.replace(settings.ppo, **VARIANTS[variant]))
+
+
+# --------------------------------------------------------------------------- phase 0: prompts
+
+
+def split_prompts(path: Path, n_eval: int, seed: int, out_dir: Path) -> tuple[list[str], Path]:
+    """(held-out prompts, pool file): a seeded sample of n_eval prompts is held out; the pool file
+    holds the rest (for store.io.import_prompts)."""
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(rows) <= n_eval:
+        raise ValueError(f"{path}: {len(rows)} prompts, need more than the {n_eval} held out")
+    held = set(random.Random(seed).sample(range(len(rows)), n_eval))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pool = out_dir / "pool.jsonl"
+    with open(pool, "w", encoding="utf-8") as fh:
+        for i, row in enumerate(rows):
+            if i not in held:
+                fh.write(json.dumps(row) + "\n")
+    heldout = [rows[i]["prompt"] for i in sorted(held)]
+    (out_dir / "heldout.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in heldout))
+    return heldout, pool
+
+
+class RecordingJudge:
+    """The gold judge, remembering every score it gave (to measure the annotators' agreement)."""
+
+    def __init__(self, judge):
+        self.judge, self.name, self.scores = judge, judge.name, {}
+
+    def score(self, prompts, responses):
+        out = self.judge.score(prompts, responses)
+        self.scores.update({(p, r): s for p, r, s in zip(prompts, responses, out)})
+        return out
+
+
+def gold_agreement(store, judge: RecordingJudge) -> dict:
+    """Share of stored pairs whose chosen response has the higher gold score (1.0 = no noise)."""
+    agree = total = 0
+    for pair in store.list_pairs():
+        chosen, rejected = store.get_response(pair.chosen_id), store.get_response(pair.rejected_id)
+        prompt = store.get_prompt(pair.prompt_id).text
+        a, b = judge.scores.get((prompt, chosen.text)), judge.scores.get((prompt, rejected.text))
+        if a is None or b is None or a == b:
+            continue
+        total += 1
+        agree += a > b
+    return {"pairs": total, "agreement": agree / total if total else float("nan")}
+
+
+# --------------------------------------------------------------------------- round-1 steps
+# pipeline/loop.py's finish_round runs steps 4 (reward) and 5-6 (PPO) together; the settings share
+# step 4 of round 1, so here the two halves are called separately, with the same jobs and records.
+
+
+def train_reward_step(store, runner, rnd, settings: LoopSettings):
+    """Round step 4: snapshot of all pairs -> reward model job -> registered reward version."""
+    from pipeline.loop import _model_args, _wait_done, latest_reward
+    from store.export import export_pairs
+
+    store.update_round(rnd.id, status="training")
+    policy = store.get_model_version(rnd.policy_version_id)
+    snapshot = export_pairs(store, runner.runs_root / "snapshots" / f"round-{rnd.id}.parquet", "parquet")
+    previous = latest_reward(store)
+    args = ["--data", snapshot.path, *_cli(settings.reward), *_model_args(settings.model),
+            "--model", policy.base_model or settings.model.model]
+    if previous is not None and previous.path:
+        args += ["--init-from", previous.path]
+    run = runner.submit("train-reward", args, inputs={
+        "snapshot_id": snapshot.id, "round_id": rnd.id, "parent_version_id": previous.id if previous else None})
+    reward = store.get_model_version(_wait_done(runner, run, "reward training").outputs["model_version_id"])
+    store.update_round(rnd.id, reward_version_id=reward.id, snapshot_id=snapshot.id)
+    return reward
+
+
+def ppo_step(store, runner, rnd, reward, settings: LoopSettings):
+    """Round steps 5-6: PPO from the round's policy against `reward`; the new policy becomes active."""
+    from pipeline.loop import _model_args, _wait_done, write_prompts
+
+    policy = store.get_model_version(rnd.policy_version_id)
+    prompts = write_prompts(store.list_prompts(limit=settings.ppo_prompts),
+                            runner.runs_root / "inputs" / f"round-{rnd.id}-ppo-prompts.jsonl")
+    args = ["--prompts", str(prompts), "--reward", reward.path, *_cli(settings.ppo),
+            *_model_args(settings.model), "--model", policy.base_model or settings.model.model]
+    if policy.path:
+        args += ["--policy", policy.path]
+    run = runner.submit("ppo", args, inputs={"policy_version_id": policy.id, "reward_version_id": reward.id,
+                                             "round_id": rnd.id})
+    new_id = _wait_done(runner, run, "PPO").outputs["model_version_id"]
+    store.set_active_policy(new_id)
+    return store.update_round(rnd.id, status="done", new_policy_version_id=new_id)
+
+
+def _cli(cfg) -> list[str]:
+    from pipeline.config import to_cli_args
+
+    return to_cli_args(cfg)
+
+
+# --------------------------------------------------------------------------- the experiment
+
+
+def copy_store(store, src: Path, dst: Path) -> None:
+    """A consistent copy of the DuckDB file: close it first (DuckDB folds its WAL in on close)."""
+    store.close()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dst)
+
+
+def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log=print) -> dict:
+    """Phases 0-3 of the module docstring; returns (and writes) results.json's content."""
+    import torch
+
+    from bench.gold_eval import evaluate_policy
+    from pipeline.jobs import JobRunner
+    from pipeline.judge import make_judge
+    from pipeline.loop import finish_round, start_round
+    from pipeline.simulate import simulate_annotations
+    from store import Store
+    from store.io import import_prompts
+
+    torch.set_num_threads(exp.threads)
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"OMP_NUM_THREADS": str(exp.threads), "MKL_NUM_THREADS": str(exp.threads)}
+    settings = exp.loop
+    results: dict = {"settings": _describe(exp), "variants": {}, "timings": {}}
+
+    def save():
+        results["timings"]["total_s"] = time.perf_counter() - t0
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+    def evaluate(version, rewards: dict, tag: str) -> dict:
+        t = time.perf_counter()
+        metrics, rows = evaluate_policy(version.path, settings.model, heldout, judge, rewards, exp.eval)
+        with open(out / "eval" / f"{tag}.jsonl", "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
+        log(f"eval {tag}: " + ", ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
+        results["timings"][f"eval_{tag}_s"] = time.perf_counter() - t
+        return metrics
+
+    # 0. held-out split and the prompt pool, imported through the store
+    heldout, pool = split_prompts(prompts_file, exp.eval_prompts, exp.seed, out / "prompts")
+    (out / "eval").mkdir(exist_ok=True)
+    judge = RecordingJudge(make_judge("embedding"))
+    shared_db = out / "shared" / "rlhf.duckdb"
+    store = Store(shared_db)
+    runner = JobRunner(store, out / "shared" / "runs", poll_s=0.5, env=env)
+    try:
+        results["import"] = import_prompts(store, pool)
+        # 1. round 1: base policy generates, simulated annotators rank, reward model 1 trains
+        t = time.perf_counter()
+        rnd1 = start_round(store, runner, settings, 0)
+        simulate_annotations(store, judge, noise=exp.noise, seed=exp.seed)
+        results["annotators"] = {"round1": gold_agreement(store, judge)}
+        reward1 = train_reward_step(store, runner, rnd1, settings)
+        results["reward_models"] = {"rm1": {"path": reward1.path, **reward1.meta.get("eval", {})}}
+        results["timings"]["round1_shared_s"] = time.perf_counter() - t
+        base = store.get_model_version(rnd1.policy_version_id)
+        rnd1 = store.get_round(rnd1.id)
+    finally:
+        runner.shutdown()
+    copy_store(store, shared_db, out / "shared" / "after_round1.duckdb")
+    results["base"] = evaluate(base, {"rm1": reward1.path}, "base")
+    save()
+
+    # 2-3. each setting from the same start: PPO round 1 on reward model 1, then rounds 2..R
+    for name in exp.variants:
+        t = time.perf_counter()
+        s = with_variant(settings, name)
+        db = out / name / "rlhf.duckdb"
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out / "shared" / "after_round1.duckdb", db)
+        store = Store(db)
+        runner = JobRunner(store, out / name / "runs", poll_s=0.5, env=env)
+        rounds = []
+        try:
+            done = ppo_step(store, runner, rnd1, reward1, s)
+            rounds.append(done)
+            for n in range(1, settings.loop.rounds):
+                rnd = start_round(store, runner, s, n)
+                simulate_annotations(store, judge, noise=exp.noise, seed=exp.seed + n)
+                rounds.append(finish_round(store, runner, rnd, s))
+            agreement = gold_agreement(store, judge)
+            versions = [(store.get_model_version(r.new_policy_version_id), store.get_model_version(r.reward_version_id))
+                        for r in rounds]
+            ppo_runs = [store.get_run(v.run_id).run_dir for v, _ in versions]
+        finally:
+            runner.shutdown()
+            store.close()
+        train_s = time.perf_counter() - t
+        entry = {"label": LABELS[name], "ppo": VARIANTS[name], "annotators": agreement, "rounds": [],
+                 "steps": [], "train_s": train_s}
+        for n, ((policy, reward), run_dir) in enumerate(zip(versions, ppo_runs), 1):
+            metrics = evaluate(policy, {"rm1": reward1.path, "own": reward.path}, f"{name}_round{n}")
+            entry["rounds"].append({"round": n, "policy": policy.path, "reward": reward.path,
+                                    "reward_eval": reward.meta.get("eval", {}), **metrics})
+            entry["steps"] += ppo_step_trace(Path(run_dir), judge, n)
+        results["variants"][name] = entry
+        results["timings"][f"{name}_s"] = time.perf_counter() - t
+        save()
+    save()
+    return results
+
+
+def ppo_step_trace(run_dir: Path, judge, round_no: int) -> list[dict]:
+    """Per PPO step: proxy score and KL of the rollout (metrics.jsonl), and the gold score of the
+    step's sample table (samples/step_N.jsonl: the first responses of the rollout)."""
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        m = json.loads(line)
+        row = {"round": round_no, "step": m["step"], "proxy": m["objective/score"], "kl": m["objective/kl"],
+               "beta": m["kl/beta"], "length": m["gen/length_mean"], "eos_rate": m["gen/eos_rate"]}
+        samples = run_dir / "samples" / f"step_{m['step']}.jsonl"
+        if samples.is_file():
+            table = [json.loads(s) for s in samples.read_text(encoding="utf-8").splitlines() if s.strip()]
+            prompts = [t["prompt"] if isinstance(t["prompt"], str) else t["prompt"][-1]["content"] for t in table]
+            gold = judge.score(prompts, [t["response"] for t in table])
+            row.update(gold=sum(gold) / len(gold), gold_n=len(gold))
+        rows.append(row)
+    return rows
+
+
+def _describe(exp: Experiment) -> dict:
+    s = exp.loop
+    return {"model": s.model.model, "rounds": s.loop.rounds, "prompts_per_round": s.loop.prompts_per_round,
+            "k": s.generate.k, "max_new_tokens": s.generate.max_new_tokens,
+            "generate_temperature": s.generate.temperature, "reward": dataclasses.asdict(s.reward),
+            "ppo": dataclasses.asdict(s.ppo), "ppo_prompts": s.ppo_prompts, "lora_r": s.model.lora_r,
+            "eval_prompts": exp.eval_prompts, "eval": dataclasses.asdict(exp.eval), "noise": exp.noise,
+            "variants": {v: VARIANTS[v] for v in exp.variants}, "threads": exp.threads,
+            "judge": "embedding (all-MiniLM-L6-v2, pipeline/judge.py defaults)"}
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.gold_report import publish, result_line, write_report
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny random models, a minute or two")
+    parser.add_argument("--out", default="", help="results directory (default: bench/out/gold_loop/<time>)")
+    parser.add_argument("--prompts", default=str(PROMPTS), help="prompt pool (JSONL with 'prompt')")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    parser.add_argument("--rounds", type=int, default=0, help="override the number of rounds")
+    parser.add_argument("--ppo-steps", type=int, default=0, help="override PPO steps per round")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads here and in every job")
+    parser.add_argument("--publish", default=None,
+                        help="also copy report and plots here (default: docs/results for a full run, none for --quick)")
+    args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else OUT_ROOT / time.strftime("%Y%m%d-%H%M%S")
+    if not Path(args.prompts).is_file():
+        raise SystemExit(f"{args.prompts}: no such file (the shared prompts, ../shared/data/prompts.jsonl)")
+    if args.quick:
+        from pipeline.tiny import save_tiny_model_dir
+
+        exp = quick_experiment(str(save_tiny_model_dir(out / "tiny_model")), args.threads)
+    else:
+        exp = full_experiment(args.threads)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    exp.variants = args.variants.split(",")
+    if args.rounds:
+        exp.loop.loop.rounds = args.rounds
+    if args.ppo_steps:
+        exp.loop.ppo.steps = args.ppo_steps
+    started = time.time()
+    results = run_experiment(exp, out, Path(args.prompts))
+    results["wall_s"] = time.time() - started
+    results["mode"] = "quick" if args.quick else "full"
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    report = write_report(results, out)
+    print(f"report: {report}")
+    target = args.publish if args.publish is not None else ("" if args.quick else str(PUBLISH))
+    if target:
+        for path in publish(out, Path(target)):
+            print(f"published: {path}")
+    print(result_line(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The gold-loop experiment's report: plots (matplotlib, Agg) and a markdown page from results.json.
+
+    python bench/gold_report.py RESULTS_DIR    # rebuild report.md and the plots of a finished run
+
+Plots (Gao et al. 2022 draw gold and proxy against d = sqrt(KL), the distance from the start):
+- gold_vs_sqrt_kl.png: held-out gold score against sqrt(KL to the reference), one line per setting
+  through the start policy and each round; thin lines: the PPO steps (gold of each step's sample
+  table, smoothed, against the rollout's KL).
+- proxy_vs_gold.png: along the PPO steps of all rounds, the proxy (reward-model) score, the gold
+  score and the KL, per setting; markers: held-out evaluations at the end of each round.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+COLORS = {"adaptive": "tab:blue", "fixed": "tab:green", "beta0": "tab:red"}
+PLOTS = ("gold_vs_sqrt_kl.png", "proxy_vs_gold.png")
+
+
+def smooth(values: list[float], window: int = 4) -> list[float]:
+    """Trailing moving average (the sample tables hold only a few responses per step)."""
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1): i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def sqrt_kl(kl: float) -> float:
+    """sqrt of a KL estimate; the k1 estimate of a tiny KL can dip below 0 by sampling noise."""
+    return math.sqrt(max(kl, 0.0))
+
+
+def plot_gold_vs_sqrt_kl(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = results["base"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, v in results["variants"].items():
+        color = COLORS.get(name)
+        xs = [0.0] + [sqrt_kl(r["eval/kl"]) for r in v["rounds"]]
+        ys = [base["eval/gold"]] + [r["eval/gold"] for r in v["rounds"]]
+        ax.plot(xs, ys, "o-", color=color, label=v["label"], lw=2)
+        for r, x, y in zip(v["rounds"], xs[1:], ys[1:]):
+            ax.annotate(f"r{r['round']}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        steps = [s for s in v["steps"] if "gold" in s]
+        if steps:
+            ax.plot([sqrt_kl(s["kl"]) for s in steps], smooth([s["gold"] for s in steps]), "-", color=color,
+                    alpha=0.3, lw=1)
+    ax.axhline(base["eval/gold"], color="grey", lw=0.8, ls="--", label="start policy")
+    ax.set_xlabel("sqrt(KL to the reference)  [sqrt(nats per response)]")
+    ax.set_ylabel("gold score (embedding judge)")
+    ax.set_title("Gold score against distance from the start policy\n"
+                 "thick: held-out evaluation after each round; thin: PPO steps (sample tables, smoothed)",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_proxy_vs_gold(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    rounds_at = []
+    for name, v in results["variants"].items():
+        color, steps = COLORS.get(name), v["steps"]
+        x = list(range(1, len(steps) + 1))
+        axes[0].plot(x, [s["proxy"] for s in steps], color=color, label=v["label"])
+        gold = [(i, s["gold"]) for i, s in zip(x, steps) if "gold" in s]
+        if gold:
+            axes[1].plot([i for i, _ in gold], smooth([g for _, g in gold]), color=color)
+        axes[2].plot(x, [s["kl"] for s in steps], color=color)
+        # held-out evaluations at the end of each round
+        ends = [max(i for i, s in zip(x, steps) if s["round"] == r["round"]) for r in v["rounds"]]
+        axes[0].plot(ends, [r["eval/proxy:own"] for r in v["rounds"]], "o", color=color, mfc="white")
+        axes[1].plot(ends, [r["eval/gold"] for r in v["rounds"]], "o", color=color, mfc="white")
+        axes[2].plot(ends, [r["eval/kl"] for r in v["rounds"]], "o", color=color, mfc="white")
+        rounds_at = ends
+    for ax in axes:
+        for end in rounds_at[:-1]:
+            ax.axvline(end + 0.5, color="grey", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+    axes[1].axhline(results["base"]["eval/gold"], color="grey", lw=0.8, ls="--")
+    axes[0].set_ylabel("proxy score\n(reward model of the round)")
+    axes[1].set_ylabel("gold score\n(smoothed)")
+    axes[2].set_ylabel("KL to reference\n(nats per response)")
+    axes[2].set_xlabel("PPO step (all rounds; dotted: new round, new reward model)")
+    axes[0].set_title("Proxy and gold along PPO (lines: rollouts; circles: held-out evaluation)", fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _f(x, digits=3) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def results_table(results: dict) -> list[str]:
+    base = results["base"]
+    lines = ["| setting | after round | gold | gold - start | proxy (RM 1) | proxy (own RM) | KL | sqrt KL "
+             "| length | EOS rate | distinct-1 | distinct-2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def row(label, rnd, m, own):
+        return (f"| {label} | {rnd} | {_f(m['eval/gold'])} | {_f(m['eval/gold'] - base['eval/gold'], 3)} | "
+                f"{_f(m.get('eval/proxy:rm1'), 2)} | {own} | {_f(m['eval/kl'], 2)} | {_f(sqrt_kl(m['eval/kl']), 2)} | "
+                f"{_f(m['eval/length'], 1)} | {_f(m['eval/eos_rate'], 2)} | {_f(m['eval/distinct_1'])} | "
+                f"{_f(m['eval/distinct_2'])} |")
+
+    lines.append(row("start policy", "-", base, _f(base.get("eval/proxy:rm1"), 2)))
+    for v in results["variants"].values():
+        for r in v["rounds"]:
+            lines.append(row(v["label"], r["round"], r, _f(r.get("eval/proxy:own"), 2)))
+    return lines
+
+
+def observations(results: dict) -> list[str]:
+    """What the numbers say, computed (the expected picture is checked, not assumed)."""
+    base, out = results["base"], []
+    finals = {name: v["rounds"][-1] for name, v in results["variants"].items() if v["rounds"]}
+    for name, last in finals.items():
+        v = results["variants"][name]
+        out.append(f"- **{v['label']}**: gold {_f(base['eval/gold'])} -> {_f(last['eval/gold'])} "
+                   f"({'+' if last['eval/gold'] >= base['eval/gold'] else ''}{_f(last['eval/gold'] - base['eval/gold'])}), "
+                   f"proxy under RM 1 {_f(base.get('eval/proxy:rm1'), 2)} -> {_f(last.get('eval/proxy:rm1'), 2)}, "
+                   f"KL {_f(last['eval/kl'], 2)} nats, distinct-2 {_f(base['eval/distinct_2'])} -> "
+                   f"{_f(last['eval/distinct_2'])}, length {_f(base['eval/length'], 1)} -> {_f(last['eval/length'], 1)} tokens.")
+    controlled = [n for n in ("adaptive", "fixed") if n in finals]
+    if "beta0" in finals and controlled:
+        b0 = finals["beta0"]
+        best = max(controlled, key=lambda n: finals[n]["eval/gold"])
+        checks = [
+            ("gold rises under KL control", finals[best]["eval/gold"] > base["eval/gold"]),
+            ("beta = 0 drifts further (higher KL)", b0["eval/kl"] > max(finals[n]["eval/kl"] for n in controlled)),
+            ("beta = 0 reaches a higher proxy (RM 1) than its gold gain would suggest: proxy above the "
+             "KL-controlled runs' while gold is not", (b0.get("eval/proxy:rm1", 0) > finals[best].get("eval/proxy:rm1", 0))
+             and b0["eval/gold"] <= finals[best]["eval/gold"]),
+            ("beta = 0 loses diversity (distinct-2 below the start and below KL control)",
+             b0["eval/distinct_2"] < base["eval/distinct_2"]
+             and b0["eval/distinct_2"] < min(finals[n]["eval/distinct_2"] for n in controlled)),
+        ]
+        out.append("")
+        out.append("Checks of the expected picture (computed from the table):")
+        out += [f"- [{'x' if ok else ' '}] {text}" for text, ok in checks]
+    return out
+
+
+def samples_section(out_dir: Path, results: dict, n_prompts: int = 2) -> list[str]:
+    """The first held-out prompts, one response each from the start and each setting's last policy."""
+    tags = ["base"] + [f"{name}_round{v['rounds'][-1]['round']}" for name, v in results["variants"].items()
+                       if v["rounds"]]
+    tables = {}
+    for tag in tags:
+        path = out_dir / "eval" / f"{tag}.jsonl"
+        if path.is_file():
+            tables[tag] = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if "base" not in tables:
+        return []
+    lines = []
+    prompts = list(dict.fromkeys(r["prompt"] for r in tables["base"]))[:n_prompts]
+    for prompt in prompts:
+        lines += ["", f"**Prompt:** {prompt}", "", "| policy | gold | response |", "|---|---|---|"]
+        for tag, rows in tables.items():
+            row = next((r for r in rows if r["prompt"] == prompt), None)
+            if row:
+                text = row["response"].replace("|", "\\|").replace("\n", " ")
+                lines.append(f"| {tag} | {_f(row['gold'])} | {text} |")
+    return lines
+
+
+def write_report(results: dict, out_dir: Path) -> Path:
+    """report.md + both plots in out_dir; returns the report's path."""
+    out_dir = Path(out_dir)
+    plot_gold_vs_sqrt_kl(results, out_dir / PLOTS[0])
+    plot_proxy_vs_gold(results, out_dir / PLOTS[1])
+    s, t = results["settings"], results.get("timings", {})
+    agree = results.get("annotators", {}).get("round1", {})
+    rm1 = results.get("reward_models", {}).get("rm1", {})
+    wall = results.get("wall_s", t.get("total_s", 0.0))
+    lines = [
+        "# Gold-judge experiment: does the loop improve a measure it was not trained on?",
+        "",
+        f"Mode: **{results.get('mode', '?')}**, model `{Path(s['model']).name if results.get('mode') == 'quick' else s['model']}`, "
+        f"wall time **{wall / 60:.1f} min** ({wall:.0f} s), {s['threads']} torch threads. "
+        "Reproduce: `python bench/gold_loop.py` (full) or `python bench/gold_loop.py --quick` (tiny models).",
+        "",
+        "## Set-up",
+        "",
+        f"- Gold judge: {s['judge']}: cos(response, helpful description) - cos(response, unhelpful description) "
+        "+ 0.5 cos(response, prompt). The pipeline never trains on it.",
+        f"- Simulated annotators rank each prompt's K = {s['k']} responses by gold score with Bradley-Terry "
+        f"(Plackett-Luce) noise, temperature {s['noise']}; their pairs agree with the gold order in "
+        f"{_f(agree.get('agreement'), 3)} of {agree.get('pairs', 0)} round-1 pairs.",
+        f"- {s['rounds']} rounds of {s['prompts_per_round']} new prompts, responses of at most "
+        f"{s['max_new_tokens']} tokens (generation temperature {s['generate_temperature']}). Reward model: LoRA "
+        f"r{s['lora_r']}, lr {s['reward']['lr']}, {s['reward']['epochs']} epoch(s), warm-started each round from "
+        f"the previous one on all pairs so far; round-1 held-out pair accuracy {_f(rm1.get('eval/accuracy'))}.",
+        f"- PPO per round: {s['ppo']['steps']} steps of {s['ppo']['batch_size']} episodes, {s['ppo']['ppo_epochs']} "
+        f"epochs, minibatch {s['ppo']['mini_batch_size']}, lr {s['ppo']['lr']}, temperature "
+        f"{s['ppo']['temperature']}, missing-EOS penalty {s['ppo']['missing_eos_penalty']}; the reference is "
+        "always the start policy (KL accumulates over rounds).",
+        "- Settings, all from the same start and sharing round 1's responses, rankings and reward model: "
+        + "; ".join(f"{name}: `{json.dumps(v)}`" for name, v in s["variants"].items()) + ".",
+        f"- Evaluation: {s['eval_prompts']} held-out prompts (never in the store), {s['eval']['samples']} "
+        f"responses each at temperature {s['eval']['temperature']}, the same seed for every policy. "
+        "KL = mean over responses of sum_t log pi(y_t)/pi_ref(y_t) (k1, nats per response). "
+        "Proxy (RM 1) = round-1 reward model, comparable across settings; proxy (own RM) = the reward "
+        "model that trained the policy (normalised on start-policy samples).",
+        "",
+        "## Results (held-out prompts)",
+        "",
+        *results_table(results),
+        "",
+        "![gold vs sqrt KL](gold_vs_sqrt_kl.png)",
+        "",
+        "![proxy and gold along PPO](proxy_vs_gold.png)",
+        "",
+        "## Observations",
+        "",
+        *observations(results),
+        "",
+        "## Samples",
+        *samples_section(out_dir, results),
+        "",
+        "## Timings",
+        "",
+        "| phase | seconds |",
+        "|---|---|",
+        *[f"| {k.removesuffix('_s')} | {v:.0f} |" for k, v in t.items()],
+        "",
+    ]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def publish(out_dir: Path, target: Path) -> list[Path]:
+    """Copy the report (as gold_loop.md) and the plots to a well-known folder (docs/results)."""
+    target.mkdir(parents=True, exist_ok=True)
+    copied = [Path(shutil.copy2(out_dir / "report.md", target / "gold_loop.md"))]
+    copied += [Path(shutil.copy2(out_dir / name, target / name)) for name in PLOTS]
+    return copied
+
+
+def result_line(results: dict) -> str:
+    """`RESULT gold_loop key=value ...` for bench/run_all.py."""
+    parts = [f"mode={results.get('mode', '?')}", f"wall_s={results.get('wall_s', 0):.0f}",
+             f"base_gold={results['base']['eval/gold']:.4f}"]
+    for name, v in results["variants"].items():
+        if v["rounds"]:
+            last = v["rounds"][-1]
+            parts += [f"{name}_gold={last['eval/gold']:.4f}", f"{name}_kl={last['eval/kl']:.3f}",
+                      f"{name}_proxy_rm1={last.get('eval/proxy:rm1', float('nan')):.3f}",
+                      f"{name}_distinct2={last['eval/distinct_2']:.3f}"]
+    return "RESULT gold_loop " + " ".join(parts)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python bench/gold_report.py RESULTS_DIR")
+    folder = Path(sys.argv[1])
+    print(write_report(json.loads((folder / "results.json").read_text()), folder))
