@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -81,11 +82,17 @@ def main(argv=None) -> int:
     ctx = AppContext(store=store, auth=auth, data_dir=Path(args.db).resolve().parent, generator=generator,
                      generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens})
     demo = build_ui(ctx)
+    # `kill` (SIGTERM) stops the app like Ctrl-C, so the store is closed and checkpointed.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         launch(demo, ctx, host=host, port=args.port)
     finally:
         store.close()
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def render_item(prompt: str | Sequence[dict], responses: Sequence, token: str, m
             f'<header class="rl-card-head"><kbd>{pos}</kbd><span class="rl-card-title">Response {pos}</span>'
             f'<span class="rl-badge" aria-live="polite"></span></header>'
             f'<div class="rl-text">{format_text(str(text))}</div>'
-            f'<footer class="rl-card-foot">{_response_meta(resp)}</footer></article>'
+            f'<div class="rl-card-foot">{_response_meta(resp)}</div></article>'
         )
     return (
         f'<div class="rl-item" data-token="{esc(token)}" data-k="{k}">'

@@ -6,12 +6,13 @@ top-k, max new tokens) for all three rows:
 - hf generate: model.generate(num_return_sequences=K), text and tokens only;
 - hf generate + logprobs: the same with output_logits, log-probs computed afterwards, i.e. what
   our sampler returns.
-Rounds alternate the order of the three so load changes on a shared machine hit all alike.
-Tokens counted: response tokens up to and including EOS. Duplicate re-sampling is off for the
-comparison (max_resample=0).
+Rounds alternate the order of the three so load changes on a shared machine hit all alike, and
+both wall-clock and process CPU time are reported: on a busy machine CPU time (one thread by
+default) is the steadier measure. Tokens counted: response tokens up to and including EOS.
+Duplicate re-sampling is off for the comparison (max_resample=0).
 
-    python bench/generate_bench.py            # default model, 3 rounds of 8 prompts x K=4, 64 tokens
-    python bench/generate_bench.py --quick    # 1 round of 4 prompts x K=4, 32 tokens
+    python bench/generate_bench.py            # default model, 4 rounds of 8 prompts x K=4, 64 tokens
+    python bench/generate_bench.py --quick    # 3 rounds of 4 prompts x K=4, 32 tokens
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import GenerateConfig, ModelConfig  # noqa: E402
 from pipeline.generate import encode_prompts, generate_responses  # noqa: E402
-from pipeline.models import load_policy  # noqa: E402
+from pipeline.models import load_policy, pick_device  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.jsonl"
 FALLBACK = ["What are some hot dog toppings besides ketchup or mustard?", "How can I shop for the lowest prices?",
@@ -42,7 +43,7 @@ def load_model(name: str, device: str):
 
         tokenizer = build_tiny_tokenizer()
         tokenizer.padding_side = "left"
-        return build_tiny_model(tokenizer).to(device), tokenizer
+        return build_tiny_model(tokenizer).to(pick_device(device)), tokenizer
     # no adapter: generation from the base weights, as `python -m pipeline generate` does
     return load_policy(ModelConfig(model=name, device=device, lora=False))
 
@@ -80,18 +81,18 @@ def run_hf(model, tokenizer, prompts, cfg, logprobs: bool) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one round instead of three")
+    ap.add_argument("--quick", action="store_true", help="3 short rounds: 4 prompts x K, 32 new tokens")
     ap.add_argument("--model", default="default", help="'default', a model folder, or 'tiny' (random)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--prompts-per-batch", type=int, default=8)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 = steadiest timings)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rounds = 1 if args.quick else args.rounds
-    if args.quick:  # a quarter of the work: a couple of minutes on two CPU cores
+    if args.quick:  # an eighth of the work per round: a few minutes on a busy two-core machine
+        args.rounds = 3
         args.prompts_per_batch, args.max_new_tokens = min(args.prompts_per_batch, 4), min(args.max_new_tokens, 32)
 
     model, tokenizer = load_model(args.model, args.device)
@@ -105,31 +106,48 @@ def main() -> None:
         "hf generate": lambda ps: run_hf(model, tokenizer, ps, cfg, logprobs=False),
         "hf generate + logprobs": lambda ps: run_hf(model, tokenizer, ps, cfg, logprobs=True),
     }
-    run_hf(model, tokenizer, pool[:2], GenerateConfig(k=1, max_new_tokens=4), logprobs=False)  # warm-up
-    totals = {name: [0, 0.0] for name in methods}
-    for r in range(rounds):
+    for name in methods:  # warm-up (allocator, kernels) outside the timings
+        methods[name](pool[-2:])
+    # per round and method: (tokens, wall s, cpu s)
+    runs: list[dict[str, tuple[int, float, float]]] = []
+    for r in range(args.rounds):
         prompts = pool[r * n : (r + 1) * n]
         names = list(methods)
         names = names[r % 3 :] + names[: r % 3]  # rotate the order each round
+        runs.append({})
         for name in names:
             torch.manual_seed(r)
             cfg.seed = r
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             tokens = methods[name](prompts)
-            totals[name][0] += tokens
-            totals[name][1] += time.perf_counter() - t0
-            print(f"round {r + 1}/{rounds}  {name:<24} {tokens:5d} tokens  {totals[name][1]:7.1f} s total", flush=True)
+            runs[-1][name] = (tokens, time.perf_counter() - t0, time.process_time() - c0)
+            print(f"round {r + 1}/{args.rounds}  {name:<24} {tokens:5d} tokens  {runs[-1][name][1]:7.1f} s wall  "
+                  f"{runs[-1][name][2]:7.1f} s cpu", flush=True)
 
-    rate = {name: tok / sec for name, (tok, sec) in totals.items()}
+    def total(name: str, i: int) -> float:
+        return sum(run[name][i] for run in runs)
+
+    def median_ratio(name: str, i: int) -> float:
+        """Median over rounds of (ours tokens/s) / (name tokens/s): robust to a round hit by load."""
+        ratios = sorted((run["ours"][0] / run["ours"][i]) / (run[name][0] / run[name][i]) for run in runs)
+        return ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1 : len(ratios) // 2 + 1]) / 2
+
     device = next(model.parameters()).device
     print(f"\nmodel={args.model} device={device} threads={args.threads} batch={n} prompts x K={args.k} "
-          f"max_new_tokens={args.max_new_tokens} temperature={cfg.temperature} rounds={rounds}")
-    print(f"{'method':<26}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'ours / this':>13}")
-    for name, (tok, sec) in totals.items():
-        print(f"{name:<26}{tok:>8d}{sec:>10.1f}{rate[name]:>10.1f}{rate['ours'] / rate[name]:>12.2f}x")
-    print(f"RESULT generate ours_tok_s={rate['ours']:.1f} hf_tok_s={rate['hf generate']:.1f} "
-          f"ratio={rate['ours'] / rate['hf generate']:.2f} hf_logprobs_tok_s={rate['hf generate + logprobs']:.1f} "
-          f"ratio_logprobs={rate['ours'] / rate['hf generate + logprobs']:.2f}")
+          f"max_new_tokens={args.max_new_tokens} temperature={cfg.temperature} rounds={args.rounds}")
+    print(f"{'method':<24}{'tokens':>7}{'wall s':>8}{'tok/s':>7}{'cpu s':>8}{'tok/cpu-s':>10}"
+          f"{'ours/this (wall)':>18}{'ours/this (cpu)':>17}")
+    rate = {}
+    for name in methods:
+        tok, wall, cpu = total(name, 0), total(name, 1), total(name, 2)
+        rate[name] = tok / wall
+        print(f"{name:<24}{tok:>7.0f}{wall:>8.1f}{tok / wall:>7.1f}{cpu:>8.1f}{tok / cpu:>10.1f}"
+              f"{median_ratio(name, 1):>17.2f}x{median_ratio(name, 2):>16.2f}x")
+    print("(ratios: median over rounds of the per-round tokens/s ratio)")
+    hf, hf_lp = "hf generate", "hf generate + logprobs"
+    print(f"RESULT generate ours_tok_s={rate['ours']:.1f} hf_tok_s={rate[hf]:.1f} ratio={median_ratio(hf, 1):.2f} "
+          f"cpu_ratio={median_ratio(hf, 2):.2f} hf_logprobs_tok_s={rate[hf_lp]:.1f} "
+          f"ratio_logprobs={median_ratio(hf_lp, 1):.2f}")
 
 
 if __name__ == "__main__":

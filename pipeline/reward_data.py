@@ -2,7 +2,7 @@
 
 Formats read (one pair per row, fields prompt / chosen / rejected, optional margin and split):
 - JSON Lines (.jsonl, or .json holding JSON lines or one list), Parquet (.parquet), a `datasets`
-  folder (`save_to_disk`, split 'train' of a DatasetDict), or a folder of .parquet/.jsonl files;
+  folder (`save_to_disk`; every split of a DatasetDict, by name), or a folder of .parquet/.jsonl;
 - HH-RLHF style rows without a prompt: chosen/rejected are whole transcripts, split at the last
   "\\n\\nAssistant:" (the prompt is the shared prefix up to and including it);
 - TRL's conversational form: prompt a list of {role, content} messages, chosen/rejected a list

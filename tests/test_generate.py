@@ -11,7 +11,7 @@ import torch
 from pipeline.__main__ import main as cli
 from pipeline.config import GenerateConfig
 from pipeline.generate import (
-    _filter_logits, encode_prompts, generate_responses, prompt_token_ids, sample, to_messages,
+    _filter_logits, _sample_categorical, encode_prompts, generate_responses, prompt_token_ids, sample, to_messages,
 )
 from pipeline.models import causal_lm_logits, load_policy
 from pipeline.tiny import build_tiny_model, build_tiny_tokenizer
@@ -69,6 +69,14 @@ def test_filter_logits_top_p_and_top_k_by_hand():
     assert kept(_filter_logits(logits, 3, 1.0)) == [True, True, True, False]
     shuffled = logits[:, [2, 0, 3, 1]]  # filtering follows the values, not the positions
     assert kept(_filter_logits(shuffled, 0, 0.7)) == [False, True, False, True]
+
+
+def test_categorical_sampling_matches_the_distribution():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 1.0]]).repeat(20000, 1)  # (40000, 4)
+    tokens = _sample_categorical(probs, torch.Generator().manual_seed(0))
+    first = torch.bincount(tokens[0::2], minlength=4) / 20000
+    torch.testing.assert_close(first, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.01, rtol=0)
+    assert first[1] == 0 and (tokens[1::2] == 3).all()  # zero-probability tokens never drawn
 
 
 def test_sample_shapes_and_eos_masking(tiny_model, tiny_tokenizer):

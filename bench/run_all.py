@@ -1,0 +1,242 @@
+"""Run every benchmark under bench/ and write one results table: docs/results/benchmarks.md.
+
+    python bench/run_all.py            # each bench in its --quick mode (about half an hour on 2 CPU cores)
+    python bench/run_all.py --full     # each bench in its full mode (hours on CPU)
+    python bench/run_all.py --only store_bench,ui_bench
+
+Each bench runs as its own process, one after the other (a shared machine gives each bench all of
+it); its output goes to bench/out/run_all/<bench>.log, and its last line `RESULT name key=value
+...` is collected. The table has one row per headline figure: the figure, what it is compared
+with, and the ratio (how many times better ours is; for scores, the difference), followed by the
+machine the table was measured on and every RESULT line as printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHES = ["store_bench", "generate_bench", "reward_bench", "ppo_bench", "ui_bench", "gold_loop"]
+LOGS = ROOT / "bench" / "out" / "run_all"
+TABLE = ROOT / "docs" / "results" / "benchmarks.md"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One headline figure of a bench's RESULT line and what it is compared with."""
+
+    bench: str  # RESULT name
+    figure: str  # what is measured
+    key: str  # RESULT key of our figure
+    comparison: str  # what it is compared with
+    comparison_key: str  # RESULT key of the comparison ('' = none)
+    better: str = "higher"  # 'higher' / 'lower': the ratio is how many times better ours is; 'diff': ours - theirs
+
+
+ROWS = [
+    Row("store", "rankings stored/s (bulk, one transaction per batch)", "rankings_per_s",
+        "one ranking per transaction", "single_rankings_per_s"),
+    Row("store", "submit + next item p95 (ms)", "submit_next_p95_ms", "", "", "lower"),
+    Row("store", "pairs exported/s (Parquet)", "parquet_pairs_per_s", "JSONL", "jsonl_pairs_per_s"),
+    Row("generate", "sampling tokens/s (our KV-cache loop)", "ours_tok_s", "HF generate", "hf_tok_s"),
+    Row("generate", "sampling tokens/s with log-probs", "ours_tok_s", "HF generate + log-probs",
+        "hf_logprobs_tok_s"),
+    Row("reward", "reward-model training pairs/s", "ours_pairs_s", "TRL RewardTrainer", "trl_pairs_s"),
+    Row("reward", "held-out pair accuracy", "ours_acc", "TRL RewardTrainer", "trl_acc", "diff"),
+    Row("ppo", "PPO episodes/s", "ours_eps", "TRL PPOTrainer", "trl_eps"),
+    Row("ppo", "PPO peak memory (MB)", "ours_peak_mb", "TRL PPOTrainer", "trl_peak_mb", "lower"),
+    Row("ui", "annotate round trip p95 (ms)", "p95_ms", "without prefetch", "no_prefetch_p95_ms", "lower"),
+    Row("ui", "rankings submitted/s", "submissions_per_s", "", ""),
+    Row("gold_loop", "gold score after the last round, adaptive KL", "adaptive_gold", "start policy",
+        "base_gold", "diff"),
+    Row("gold_loop", "gold score after the last round, fixed beta", "fixed_gold", "start policy", "base_gold", "diff"),
+    Row("gold_loop", "gold score after the last round, beta = 0", "beta0_gold", "start policy", "base_gold", "diff"),
+    Row("gold_loop", "KL to the start (nats), beta = 0", "beta0_kl", "adaptive KL", "adaptive_kl", "lower"),
+]
+BENCH_RESULT_NAMES = {"store_bench": "store", "generate_bench": "generate", "reward_bench": "reward",
+                      "ppo_bench": "ppo", "ui_bench": "ui", "gold_loop": "gold_loop"}
+
+
+# --------------------------------------------------------------------------- RESULT lines
+
+
+def _value(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def parse_result_line(line: str) -> tuple[str, dict]:
+    """'RESULT name a=1 b=x' -> ('name', {'a': 1.0, 'b': 'x'}); raises ValueError on anything else."""
+    parts = line.strip().split()
+    if len(parts) < 2 or parts[0] != "RESULT":
+        raise ValueError(f"not a RESULT line: {line!r}")
+    values = {}
+    for part in parts[2:]:
+        key, sep, val = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"RESULT {parts[1]}: {part!r} is not key=value")
+        values[key] = _value(val)
+    return parts[1], values
+
+
+def last_result(output: str) -> str | None:
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    return lines[-1] if lines else None
+
+
+def _num(x) -> float | None:
+    return x if isinstance(x, float) and math.isfinite(x) else None
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.3g}" if abs(x) >= 1 else f"{x:.3f}"
+
+
+def ratio_text(row: Row, ours: float | None, theirs: float | None) -> str:
+    if ours is None or theirs is None:
+        return "n/a"
+    if row.better == "diff":
+        return f"{ours - theirs:+.3f}"
+    if row.better == "lower":
+        return f"{theirs / ours:.2f}x" if ours else "n/a"
+    return f"{ours / theirs:.2f}x" if theirs else "n/a"
+
+
+def build_table(results: dict[str, dict], failures: dict[str, str] | None = None) -> list[str]:
+    """Markdown rows for the parsed RESULT values {name: {key: value}}; a bench in `failures`
+    ({name: why}) gets one row saying so. Keys a RESULT line lacks are left out."""
+    failures = failures or {}
+    lines = ["| bench | figure | ours | compared with | theirs | ratio |", "|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r.bench for r in ROWS):
+        if name in failures:
+            lines.append(f"| {name} | **failed**: {failures[name]} | | | | |")
+            continue
+        if name not in results:
+            continue
+        values = results[name]
+        for row in (r for r in ROWS if r.bench == name):
+            if row.key not in values:
+                continue
+            ours = _num(values.get(row.key))
+            theirs = _num(values.get(row.comparison_key)) if row.comparison_key else None
+            lines.append(f"| {name} | {row.figure} | {_fmt(ours)} | {row.comparison or '-'} | "
+                         f"{_fmt(theirs) if row.comparison_key else '-'} | "
+                         f"{ratio_text(row, ours, theirs) if row.comparison_key else '-'} |")
+    return lines
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def machine_info() -> dict:
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}"}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["ram_gb"] = round(int(line.split()[1]) / 1024 ** 2, 1)
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except ImportError:
+        info["torch"] = "not installed"
+    return info
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_bench(name: str, full: bool, timeout: float) -> tuple[int, str, float]:
+    """(exit code, output, seconds) of `python bench/NAME.py [--quick]`, logged to bench/out/run_all."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(ROOT / "bench" / f"{name}.py")] + ([] if full else ["--quick"])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        parts = [p.decode("utf-8", "replace") if isinstance(p, bytes) else (p or "") for p in (exc.stdout, exc.stderr)]
+        rc, output = 124, "".join(parts) + f"\n(timed out after {timeout:.0f} s)"
+    (LOGS / f"{name}.log").write_text(output, encoding="utf-8")
+    return rc, output, time.perf_counter() - start
+
+
+def write_markdown(path: Path, mode: str, table: list[str], machine: dict, raw: list[str],
+                   seconds: dict[str, float]) -> Path:
+    lines = [
+        "# Benchmarks", "",
+        f"Measured with `python bench/run_all.py{' --full' if mode == 'full' else ''}` ({mode} modes), "
+        f"{time.strftime('%Y-%m-%d')}. Ratio: how many times better ours is (for scores: ours minus the "
+        "comparison). Each bench's docstring explains its set-up (`python bench/<name>.py --help`).", "",
+        *table, "",
+        "## Machine", "",
+        f"- CPU: {machine.get('cpu')}, {machine.get('cores')} cores; RAM {machine.get('ram_gb', '?')} GB; "
+        f"GPU: {machine.get('gpu', 'none')}",
+        f"- torch {machine.get('torch')}, Python {machine.get('python')}, {machine.get('os')}", "",
+        "## RESULT lines", "", "```", *raw, "```", "",
+        "| bench | seconds |", "|---|---|", *[f"| {k} | {v:.0f} |" for k, v in seconds.items()], "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="full modes instead of --quick")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(BENCHES)}")
+    parser.add_argument("--out", default=str(TABLE), help="the markdown table (default: docs/results/benchmarks.md)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per bench before it is stopped")
+    args = parser.parse_args(argv)
+    names = args.only.split(",") if args.only else BENCHES
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        raise SystemExit(f"--only: unknown {unknown}; choose from {', '.join(BENCHES)}")
+    results, failures, raw, seconds = {}, {}, [], {}
+    for name in names:
+        print(f"running {name} ({'full' if args.full else 'quick'}) ...", flush=True)
+        rc, output, took = run_bench(name, args.full, args.timeout)
+        seconds[name] = took
+        line = last_result(output)
+        result_name = BENCH_RESULT_NAMES[name]
+        if rc != 0 or line is None:
+            tail = " ".join(output.strip().splitlines()[-1:])[:160].replace("|", "/")
+            failures[result_name] = f"exit code {rc}; see bench/out/run_all/{name}.log ({tail})"
+            print(f"  failed: {failures[result_name]}")
+            continue
+        result_name, values = parse_result_line(line)
+        results[result_name] = values
+        raw.append(line)
+        print(f"  {line}  ({took:.0f} s)")
+    path = write_markdown(Path(args.out), "full" if args.full else "quick", build_table(results, failures),
+                          machine_info(), raw, seconds)
+    print(f"wrote {path}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

