@@ -78,7 +78,8 @@ def main(argv=None) -> int:
         if started:
             print(f"Generating K={args.k} responses for {started} prompts in the background.")
 
-    # 3. the UI
+    # 3. the UI (the queue's in-memory index is built now, not on the first annotator's request)
+    store.warm_queue()
     ctx = AppContext(store=store, auth=auth, data_dir=Path(args.db).resolve().parent, generator=generator,
                      generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens})
     demo = build_ui(ctx)

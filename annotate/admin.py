@@ -76,31 +76,57 @@ def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
 
 
 def generate(ctx: AppContext, n_prompts: float, k: float, max_new_tokens: float, temperature: float,
-             top_p: float, request: gr.Request) -> str:
-    """Start generating K responses for up to `n_prompts` prompts that have none (background job)."""
+             top_p: float, version: str | None, request: gr.Request):
+    """Start generating K responses for up to `n_prompts` prompts that have none, with the chosen
+    policy version (default: the active one), as a background job. Returns (progress bar, timer
+    update): the tab's timer polls the job until it ends."""
     admin(ctx, request)
     if ctx.generator is None:
         raise gr.Error("Generation is off in this app (started with --no-generate).")
+    version_id = None
+    if version:
+        mv = ctx.store.find_model_version(version)
+        if mv is None or mv.kind != "policy":
+            raise gr.Error(f"No policy version named {version!r}.")
+        version_id = mv.id
     prompts = ctx.store.prompts_without_responses(limit=int(n_prompts))
     if not prompts:
         raise gr.Error("Every prompt already has responses: import more prompts first.")
     cfg = GenerateConfig(k=int(k), max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                          top_p=float(top_p))
     try:
-        ctx.generator.start([p.id for p in prompts], cfg.k, cfg)
+        ctx.generator.start([p.id for p in prompts], cfg.k, cfg, version_id=version_id)
     except (RuntimeError, ValueError) as exc:
         raise gr.Error(str(exc)) from None
-    return job_html(ctx, request)
+    return job_poll(ctx, request)
+
+
+def job_poll(ctx: AppContext, request: gr.Request):
+    """(progress bar, timer update) for the background job: the timer keeps ticking only while the
+    job runs, so an idle admin page polls nothing."""
+    return job_html(ctx, request), gr.update(active=job_running(ctx))
+
+
+def job_running(ctx: AppContext) -> bool:
+    return ctx.generator is not None and ctx.generator.busy()
 
 
 def job_html(ctx: AppContext, request: gr.Request) -> str:
-    """The background job's progress bar (polled by the Data tab's timer)."""
+    """The background job's progress bar."""
     admin(ctx, request)
     job = ctx.generator.status() if ctx.generator is not None else None
     if job is None:
         pool = ctx.store.counts()["prompts_in_pool"]
         return render.render_job("Generation", 0, 0, "idle", f"{pool} prompts have no responses yet.")
     return render.render_job(job.label, job.done, job.total, job.status, job.error or job.detail)
+
+
+def policy_choices(ctx: AppContext, request: gr.Request):
+    """The Generate form's model choice: every policy version, the active one selected."""
+    admin(ctx, request)
+    active = ctx.store.active_policy()
+    names = [mv.name for mv in ctx.store.list_model_versions("policy")]
+    return gr.update(choices=names, value=active.name if active is not None else None)
 
 
 # ------------------------------------------------------------------------- statistics

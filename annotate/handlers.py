@@ -5,8 +5,8 @@ them to components and tests call them directly with a real store and a stand-in
 one starts by asking who the request belongs to (annotate/context.py), so identity and role come
 from the server, never from the page.
 
-Each action returns the same five outputs (see `view`): the session state, the item HTML, the
-progress line, and the comment box and "all bad" box reset for the next item.
+Each action returns the same six outputs (see `view`): the session state, the item HTML, the
+progress line, the comment box and "all bad" box reset for the next item, and the refresh timer.
 
 Rankings arrive from the page as display positions, best first, "=" for ties: "2>1=3>4" means
 response 2 is best, 1 and 3 tie, 4 is worst (positions as shown, 1-based). The handler maps
@@ -68,8 +68,11 @@ def parse_ranking(text: str, k: int, all_bad: bool = False) -> list[list[int]]:
 # ------------------------------------------------------------------------- the view
 
 
-def view(ctx: AppContext, state: SessionState, account: Annotator, *, reset_inputs: bool = True):
-    """(state, item_html, progress_html, comment, all_bad) for the current state."""
+def view(ctx: AppContext, state: SessionState, account: Annotator):
+    """(state, item_html, progress_html, comment, all_bad, refresh timer) for the current state.
+
+    The comment and "all bad" boxes are reset for the next item; the refresh timer runs only while
+    nothing is on screen (it looks for newly generated items)."""
     if state.current is not None:
         item = state.current.item
         item_html = render.render_item(item.prompt.messages or item.prompt.text, item.responses,
@@ -78,9 +81,7 @@ def view(ctx: AppContext, state: SessionState, account: Annotator, *, reset_inpu
         item_html = empty_html(ctx)
     p = ctx.store.progress(account.id)
     progress_html = render.render_progress(p.today, p.total, p.remaining, state.note)
-    if reset_inputs:
-        return state, item_html, progress_html, "", False
-    return state, item_html, progress_html, gr.skip(), gr.skip()
+    return state, item_html, progress_html, "", False, gr.update(active=state.current is None)
 
 
 def empty_html(ctx: AppContext) -> str:
@@ -121,12 +122,13 @@ def _current(state: SessionState, token: str = "") -> Showing:
 
 def open_page(ctx: AppContext, state: SessionState | None, request: gr.Request):
     """Page load: the header, which tabs this account may see (admins: Data, Train, Models, and the
-    Data tab's job timer), the guidelines, then the annotation view (see `load`)."""
+    Data tab's job timer while a job runs), the guidelines, then the annotation view (see `load`)."""
     account = user(ctx, request)
     is_admin = account.is_admin
     header = render.render_header(account.name, account.role, ctx.auth)
     tabs = [gr.update(visible=is_admin)] * 3
-    timer = gr.update(active=is_admin)
+    running = ctx.generator is not None and ctx.generator.busy()
+    timer = gr.update(active=is_admin and running)
     return (header, *tabs, timer, guidelines(ctx, request), *load(ctx, state, request))
 
 
@@ -145,7 +147,7 @@ def refresh(ctx: AppContext, state: SessionState | None, request: gr.Request):
     """Timer tick while the queue is empty: pick up newly generated items; leave a shown item alone
     (re-rendering it would wipe the ranking being made)."""
     if isinstance(state, SessionState) and state.current is not None:
-        return (state,) + (gr.skip(),) * 4
+        return (state,) + (gr.skip(),) * 4 + (gr.update(active=False),)
     return load(ctx, state, request)
 
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 # "\n\nAssistant:" that the response continues (Bai et al. 2022, dataset card of anthropics/hh-rlhf).
 _TURN = re.compile(r"(?:^|\n\n)(Human|Assistant|User|System):[ \t]?", re.MULTILINE)
 _FENCE = re.compile(r"```[^\n`]*\n?(.*?)(?:```|\Z)", re.DOTALL)
+# Applied to text that is already escaped, so the captured groups hold no markup of their own.
+_BOLD = re.compile(r"\*\*([^*\n]+?)\*\*")
+_CODE = re.compile(r"`([^`\n]+)`")
 _ROLE_LABEL = {"human": "Human", "user": "Human", "assistant": "Assistant", "system": "System"}
 
 
@@ -72,15 +75,21 @@ def split_turns(prompt: str | Sequence[dict]) -> list[Turn]:
 # --------------------------------------------------------------------------- text blocks
 
 
+def _prose(text: str) -> str:
+    """Escape, then show **bold** and `code` (models write markdown); the rest stays plain text."""
+    out = _BOLD.sub(r"<strong>\1</strong>", esc(text))
+    return _CODE.sub(r"<code>\1</code>", out)
+
+
 def format_text(text: str) -> str:
     """Escaped text with ``` fences shown as code blocks; newlines kept by CSS (pre-wrap)."""
     text = (text or "").strip("\n")
     out, last = [], 0
     for m in _FENCE.finditer(text):
-        out.append(f'<span class="rl-prose">{esc(text[last:m.start()])}</span>')
+        out.append(f'<span class="rl-prose">{_prose(text[last:m.start()])}</span>')
         out.append(f"<pre><code>{esc(m.group(1).rstrip())}</code></pre>")
         last = m.end()
-    out.append(f'<span class="rl-prose">{esc(text[last:])}</span>')
+    out.append(f'<span class="rl-prose">{_prose(text[last:])}</span>')
     return "".join(part for part in out if part != '<span class="rl-prose"></span>')
 
 

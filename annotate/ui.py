@@ -103,7 +103,10 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
             ranking = gr.Textbox(visible="hidden", elem_id="rl-ranking")
             token = gr.Textbox(visible="hidden", elem_id="rl-token")
 
-    outs = [state, item, progress, comment, all_bad]
+    # While nothing is on screen (queue empty, generation running), look for new items; the
+    # handlers switch this timer on and off (see handlers.view).
+    timer = gr.Timer(3.0, active=False)
+    outs = [state, item, progress, comment, all_bad, timer]
     fetch_next = dict(fn=bind(h.prefetch, ctx), inputs=[state], outputs=[state], api_name="prefetch",
                       api_visibility="undocumented", show_progress="hidden")
     sub = submit.click(
@@ -118,8 +121,6 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
                trigger_mode="once").success(**{**fetch_next, "api_name": None})
     undo.click(bind(h.undo, ctx), [state], outs, api_name="undo", show_progress="hidden",
                trigger_mode="once")
-    # While nothing is on screen (queue empty, generation running), look for new items.
-    timer = gr.Timer(3.0)
     timer.tick(bind(h.refresh, ctx), [state], outs, api_name="refresh", api_visibility="undocumented",
                show_progress="hidden")
     return {"outs": outs, "guidelines": guidelines}
@@ -135,11 +136,22 @@ def _password_check(ctx: AppContext):
     return check
 
 
+def _settle_matplotlib() -> None:
+    """Gradio wraps every event in `matplotlib.use("agg")` and back. Importing matplotlib (seconds)
+    inside the first event, and resolving an undecided backend on each one, would stall the event
+    loop for everyone; choosing 'agg' once at start makes both no-ops."""
+    import matplotlib
+
+    matplotlib.use("agg")
+    import matplotlib.pyplot  # noqa: F401  (imported now, not inside the first event)
+
+
 def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: int = 7860,
            prevent_thread_lock: bool = False, quiet: bool = False):
     """Serve the app. With ctx.auth, Gradio's login page checks passwords against the store (scrypt
     hashes) and signs a session cookie; handlers read the name from it (annotate/context.py)."""
     auth = _password_check(ctx) if ctx.auth else None
+    _settle_matplotlib()
     # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
     demo.queue(default_concurrency_limit=16)
     return demo.launch(

@@ -58,6 +58,7 @@ def data_tab(ctx: AppContext) -> dict:
                                     label="Max new tokens")
                 temperature = gr.Slider(0.0, 2.0, value=d.get("temperature", 0.7), step=0.05, label="Temperature")
                 top_p = gr.Slider(0.05, 1.0, value=d.get("top_p", 1.0), step=0.05, label="Top-p")
+                version = gr.Dropdown([], label="Policy version", info="default: the active policy")
             gen_btn = gr.Button("Generate", variant="primary", elem_id="rl-generate", interactive=ctx.generator is not None)
             job = gr.HTML(elem_id="rl-job", js_on_load=None)
         with gr.Tab("Export"):
@@ -96,9 +97,9 @@ def data_tab(ctx: AppContext) -> dict:
     refresh.click(_bind(a.statistics, ctx), None, stats_outs, **HIDDEN, api_name="statistics")
     import_btn.click(_bind(a.import_file, ctx), [upload, kind], [import_msg, import_errors],
                      **HIDDEN, api_name="import_file")
-    gen_btn.click(_bind(a.generate, ctx), [n_prompts, k, max_new, temperature, top_p], [job],
+    gen_btn.click(_bind(a.generate, ctx), [n_prompts, k, max_new, temperature, top_p, version], [job, timer],
                   **HIDDEN, api_name="generate")
-    timer.tick(_bind(a.job_html, ctx), None, [job], api_visibility="private", show_progress="hidden")
+    timer.tick(_bind(a.job_poll, ctx), None, [job, timer], api_visibility="private", show_progress="hidden")
     export_btn.click(_bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction], [export_file, export_msg],
                      **HIDDEN, api_name="export")
     add_btn.click(_bind(a.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
@@ -106,7 +107,8 @@ def data_tab(ctx: AppContext) -> dict:
     return {
         "timer": timer,
         "load": [(a.statistics, None, stats_outs), (a.users_table, None, [users]),
-                 (a.load_guidelines, None, [guidelines]), (a.job_html, None, [job]),
+                 (a.load_guidelines, None, [guidelines]), (a.job_poll, None, [job, timer]),
+                 (a.policy_choices, None, [version]),
                  (a.annotator_names, None, [who])],
     }
 

@@ -99,6 +99,10 @@ class RewardConfig:
     """Stop after this many optimiser steps (0 = run all epochs); the LR schedule spans the steps run."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 = off); 1.0 as TRL's default."""
+    max_tokens: int = 4096
+    """Most tokens (chosen + rejected rows x padded length) per forward pass: longer batches run in
+    chunks whose gradients add up to the batch's, capping activation memory (about 10 GB for
+    SmolLM2-135M in fp32 at 4096; 0 = no cap)."""
     eval_data: str = ""
     """Pairs file to evaluate on instead of holding out eval_fraction of the prompts ('' = hold out)."""
     norm_policy: str = ""

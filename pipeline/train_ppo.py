@@ -94,6 +94,10 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
         kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
         start = 0
         if resuming:
+            saved_base = read_meta(ckpt / "policy").get("base_model")
+            if saved_base != policy_model.rlhf_meta["base_model"]:
+                raise ValueError(f"{ckpt}: the checkpoint trains {saved_base}, but --policy starts from "
+                                 f"{policy_model.rlhf_meta['base_model']}; resume with the run's --policy")
             start = load_checkpoint(ckpt, policy_model, policy_opt, critic_opt, policy_sched, critic_sched,
                                     kl_ctl, device)
         metrics_path = out / "metrics.jsonl"
@@ -112,7 +116,6 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
 
         bar = tqdm(total=cfg.steps, initial=start, desc="ppo", unit="step", dynamic_ncols=True)
         metrics: dict = {}
-        ptx_cursor = 0
         for step in range(start, cfg.steps):
             t_start = time.perf_counter()
             B, temperature = cfg.batch_size, cfg.temperature
@@ -188,8 +191,10 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                         if n_minibatches == 0:  # pi_theta == pi_old here: the ratio must be 1
                             stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
                     if cfg.ptx_coef > 0:  # PPO-ptx (Ouyang et al. 2022, eq. 2): keep the LM objective
-                        texts = [ptx_texts[(ptx_cursor + i) % len(ptx_texts)] for i in range(cfg.micro_batch_size)]
-                        ptx_cursor += cfg.micro_batch_size
+                        # the texts follow from (step, minibatch), so a resumed run uses the same ones
+                        n_before = step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches
+                        texts = [ptx_texts[(n_before * cfg.micro_batch_size + i) % len(ptx_texts)]
+                                 for i in range(cfg.micro_batch_size)]
                         p_ids, p_am = ptx_batch(tokenizer, texts, cfg.ptx_max_length, device)
                         with autocast():
                             ptx_loss = lm_loss(causal_lm_logits(policy_model, p_ids, p_am), p_ids, p_am)
@@ -368,8 +373,13 @@ def truncate_metrics(path: Path, step: int) -> None:
     """Keep metric lines up to `step` (a resumed run rewrites the steps after its checkpoint)."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
     os.replace(tmp, path)

@@ -88,6 +88,20 @@ def graceful_stop():
             signal.signal(sig, h)
 
 
+def token_chunks(idx: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Split one batch of pair indices into chunks whose padded size (2 rows per pair x longest
+    row) stays within max_tokens; a pair that alone exceeds it runs alone. 0 = one chunk."""
+    if max_tokens <= 0:
+        return [idx]
+    chunks, current = [], []
+    for i in sorted(idx, key=lambda j: -lengths[j]):  # longest first: each chunk's width is its first
+        if current and 2 * (len(current) + 1) * lengths[current[0]] > max_tokens:
+            chunks.append(current)
+            current = []
+        current.append(i)
+    return chunks + [current]
+
+
 def lm_head_weight(model, cache_dir: str) -> torch.Tensor:
     """(V, H) output embedding for the LM term: the input embeddings when tied (SmolLM2), else the
     base model's lm_head.weight read from its safetensors (frozen; the reward backbone has no head)."""
@@ -239,29 +253,33 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                 sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
                 t0 = time.perf_counter()
                 for idx in micro:
-                    batch = collate([train_items[i] for i in idx], pad_id, with_lm_mask=lm_weight is not None)
-                    ids = batch["input_ids"].to(device)  # (2B, L)
-                    mask = batch["attention_mask"].to(device)  # (2B, L)
-                    b = len(idx)
-                    with autocast_for(device, dtype):
-                        scores, hidden = pair_scores(model, ids, mask)  # (2B,), (2B, L, H)
-                        r_c, r_r = scores[:b], scores[b:]  # (B,), (B,)
-                        loss = pairwise_loss(r_c, r_r, batch["margin"].to(device) if cfg.margin else None)
-                        if cfg.center_coef > 0:
-                            loss = loss + cfg.center_coef * center_loss(r_c, r_r)
-                        if lm_weight is not None:
-                            # Logits only from the first position that predicts a response token:
-                            # (B, L, V) over a 49k vocabulary is the largest tensor of the step.
-                            start = max(min(train_items[i].chosen_prompt_len for i in idx) - 1, 0)
-                            logits = hidden[:b, start:] @ lm_weight.to(hidden.dtype).T  # (B, L', V)
-                            lm = lm_loss(logits, ids[:b, start:], batch["lm_mask"][:, start:].to(device))
-                            loss = loss + cfg.lm_coef * lm
-                    (loss / len(micro)).backward()
-                    sums["loss"] += loss.item() * b
-                    sums["accuracy"] += (r_c > r_r).float().sum().item()
-                    sums["margin"] += (r_c - r_r).sum().item()
-                    sums["pairs"] += b
-                    sums["tokens"] += int(mask.sum())
+                    # A long batch runs as several forward passes of at most max_tokens tokens; each
+                    # chunk's loss is weighted by its share of the batch, so the gradient is the
+                    # batch's own (pairwise and centering terms are means over pairs).
+                    for chunk in token_chunks(idx, lengths, cfg.max_tokens):
+                        batch = collate([train_items[i] for i in chunk], pad_id, with_lm_mask=lm_weight is not None)
+                        ids = batch["input_ids"].to(device)  # (2b, L)
+                        mask = batch["attention_mask"].to(device)  # (2b, L)
+                        b = len(chunk)
+                        with autocast_for(device, dtype):
+                            scores, hidden = pair_scores(model, ids, mask)  # (2b,), (2b, L, H)
+                            r_c, r_r = scores[:b], scores[b:]  # (b,), (b,)
+                            loss = pairwise_loss(r_c, r_r, batch["margin"].to(device) if cfg.margin else None)
+                            if cfg.center_coef > 0:
+                                loss = loss + cfg.center_coef * center_loss(r_c, r_r)
+                            if lm_weight is not None:
+                                # Logits only from the first position that predicts a response token:
+                                # (b, L, V) over a 49k vocabulary is the largest tensor of the step.
+                                start = max(min(train_items[i].chosen_prompt_len for i in chunk) - 1, 0)
+                                logits = hidden[:b, start:] @ lm_weight.to(hidden.dtype).T  # (b, L', V)
+                                lm = lm_loss(logits, ids[:b, start:], batch["lm_mask"][:, start:].to(device))
+                                loss = loss + cfg.lm_coef * lm
+                        (loss * (b / len(idx)) / len(micro)).backward()
+                        sums["loss"] += loss.item() * b
+                        sums["accuracy"] += (r_c > r_r).float().sum().item()
+                        sums["margin"] += (r_c - r_r).sum().item()
+                        sums["pairs"] += b
+                        sums["tokens"] += int(mask.sum())
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
                 optimizer.step()
                 scheduler.step()

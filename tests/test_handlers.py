@@ -84,6 +84,12 @@ def test_untrusted_text_is_escaped():
     assert html.count('class="rl-card"') == 3 and "cut off" in html
 
 
+def test_markdown_bold_and_code_wrap_escaped_text_only():
+    html = render.format_text("**<b>bold</b>** and `<img src=x onerror=alert(1)>`\n```\n<script>x</script>\n```")
+    assert html.count("<strong>") == 1 and "<code>&lt;img src=x onerror=alert(1)&gt;</code>" in html
+    assert "<b>" not in html and "<img" not in html and "<script>" not in html
+
+
 def test_turns_from_hh_transcripts_and_messages():
     turns = render.split_turns("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant:")
     assert [(t.role, t.text) for t in turns] == [("Human", "hi"), ("Assistant", "hello"), ("Human", "how are you?")]
@@ -113,7 +119,7 @@ def test_submit_stores_exactly_the_ranked_pairs_and_moves_on(ctx):
     first, upcoming = state.current, state.prefetched
     order = positions_to_ids(state, "2>1=3>4")
     out = handlers.submit(ctx, state, "2>1=3>4", False, " nice ", first.token, req("ann"))
-    state, html, progress, comment, all_bad = out
+    state, html, progress, comment, all_bad, timer = out
     a = ctx.store.find_annotator("ann")
     (ranking,) = ctx.store.list_rankings(annotator_id=a.id)
     assert ranking.order == order and ranking.comment == "nice" and ranking.client_token == first.token
@@ -123,7 +129,7 @@ def test_submit_stores_exactly_the_ranked_pairs_and_moves_on(ctx):
     assert pairs == sorted([(b, t1), (b, t2), (b, w), (t1, w), (t2, w)])  # the tie gives no pair
     # the prefetched item is shown next, and the inputs are reset
     assert state.current.item.item_id == upcoming.item_id != first.item.item_id
-    assert comment == "" and all_bad is False
+    assert comment == "" and all_bad is False and not timer["active"]
     assert "<b>1</b> today" in progress and "Saved · 5 pairs" in progress
 
 
@@ -216,18 +222,19 @@ def test_undo_with_nothing_to_undo(ctx):
 
 
 def test_refresh_leaves_a_shown_item_alone_and_picks_up_new_ones(ctx):
-    state, html = show(ctx)
-    assert state.current is None and "all caught up" in html
+    state, html, *_, timer = handlers.load(ctx, None, req("ann"))
+    assert state.current is None and "all caught up" in html and timer["active"]
     seed_items(ctx.store, 1, 2)
-    state, html, *_ = handlers.refresh(ctx, state, req("ann"))
-    assert state.current is not None and "rl-card" in html
+    state, html, *_, timer = handlers.refresh(ctx, state, req("ann"))
+    assert state.current is not None and "rl-card" in html and not timer["active"]
     out = handlers.refresh(ctx, state, req("ann"))
-    assert all(isinstance(o, type(gr.skip())) for o in out[1:])
+    assert all(isinstance(o, type(gr.skip())) for o in out[1:5]) and not out[5]["active"]
 
 
 def test_open_page_shows_admin_tabs_to_admins_only(ctx):
     header, *tabs, timer, guide = handlers.open_page(ctx, None, req("boss"))[:6]
-    assert all(t["visible"] for t in tabs) and timer["active"] and "boss" in header and "admin" in header
+    assert all(t["visible"] for t in tabs) and "boss" in header and "admin" in header
+    assert not timer["active"]  # no job runs: nothing to poll
     header, *tabs, timer, guide = handlers.open_page(ctx, None, req("ann"))[:6]
     assert not any(t["visible"] for t in tabs) and not timer["active"]
     assert "Rank the responses" in guide
@@ -259,8 +266,9 @@ def _admin_calls(tmp_path):
     prompts.write_text('{"prompt": "hello"}\n')
     return {
         "import_file": lambda c, r: admin.import_file(c, str(prompts), "prompts", r),
-        "generate": lambda c, r: admin.generate(c, 4, 4, 16, 0.7, 1.0, r),
-        "job_html": lambda c, r: admin.job_html(c, r),
+        "generate": lambda c, r: admin.generate(c, 4, 4, 16, 0.7, 1.0, None, r),
+        "job_poll": lambda c, r: admin.job_poll(c, r),
+        "policy_choices": lambda c, r: admin.policy_choices(c, r),
         "statistics": lambda c, r: admin.statistics(c, r),
         "export": lambda c, r: admin.export(c, "jsonl", False, True, None, "", 0.0, 0.0, r),
         "users_table": lambda c, r: admin.users_table(c, r),
@@ -399,8 +407,11 @@ def test_background_generation_queues_items_and_records_the_run(store, tiny_mode
     store.add_prompts(["say hi", "\n\nHuman: hello\n\nAssistant: hey\n\nHuman: bye?\n\nAssistant:", "count to 3"])
     runner = GenerationRunner(store, tiny_model_cfg, chunk_prompts=2, torch_threads=1)
     ctx = AppContext(store=store, data_dir=tmp_path, generator=runner)
-    html = admin.generate(ctx, 3, 3, 8, 1.0, 1.0, req("boss"))
-    assert "rl-job" in html
+    with pytest.raises(gr.Error, match="No policy version"):
+        admin.generate(ctx, 3, 3, 8, 1.0, 1.0, "policy-v9", req("boss"))
+    html, timer = admin.generate(ctx, 3, 3, 8, 1.0, 1.0, None, req("boss"))
+    assert "rl-job" in html and timer["active"]
+    assert handlers.open_page(ctx, None, req("boss"))[4]["active"] or runner.status().status == "done"
     status = runner.wait(60)
     assert status.status == "done" and status.done == status.total == 3, status
     assert store.counts()["items"] == 3 and store.counts()["responses"] == 9
@@ -408,6 +419,8 @@ def test_background_generation_queues_items_and_records_the_run(store, tiny_mode
     policy = store.active_policy()
     assert run.status == "done" and run.inputs["model_version_id"] == policy.id
     assert {r.model_version_id for p in store.list_prompts() for r in store.prompt_responses(p.id)} == {policy.id}
-    assert "done · 3/3" in admin.job_html(ctx, req("boss"))
+    html, timer = admin.job_poll(ctx, req("boss"))
+    assert "done · 3/3" in html and not timer["active"]
+    assert admin.policy_choices(ctx, req("boss"))["value"] == policy.name
     with pytest.raises(gr.Error, match="already has responses"):
-        admin.generate(ctx, 3, 3, 8, 1.0, 1.0, req("boss"))
+        admin.generate(ctx, 3, 3, 8, 1.0, 1.0, policy.name, req("boss"))

@@ -327,3 +327,22 @@ def test_snapshot_test_split_is_the_held_out_set(tmp_path, tiny_model_cfg):
     report = train_reward(str(tmp_path / "snap"), str(tmp_path / "run"), dataclasses.replace(FAST, epochs=1),
                           tiny_model_cfg)
     assert (report["train/pairs"], report["eval/pairs"], report["data"]["split"]) == (24, 6, "snapshot")
+
+
+def test_token_chunks():
+    from pipeline.train_reward import token_chunks
+
+    lengths = [10, 50, 20, 40, 300]
+    assert token_chunks([0, 1, 2, 3], lengths, 0) == [[0, 1, 2, 3]]
+    # longest first; 2 rows per pair: [50, 40] -> 2*2*50 = 200 <= 200, adding 20 would be 300
+    assert token_chunks([0, 1, 2, 3], lengths, 200) == [[1, 3], [2, 0]]
+    assert token_chunks([4, 0], lengths, 200) == [[4], [0]]  # too long for any chunk: alone
+
+
+def test_chunked_batches_give_the_same_training(tmp_path, tiny_model_cfg):
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(48))
+    cfg = dataclasses.replace(FAST, epochs=1, lr=3e-3, center_coef=0.1)
+    whole = train_reward(str(data), str(tmp_path / "a"), cfg, tiny_model_cfg)
+    chunked = train_reward(str(data), str(tmp_path / "b"), dataclasses.replace(cfg, max_tokens=120), tiny_model_cfg)
+    assert chunked["eval/margin"] == pytest.approx(whole["eval/margin"], rel=1e-4)
+    assert chunked["eval/accuracy"] == whole["eval/accuracy"]
