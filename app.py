@@ -26,16 +26,21 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 def parse_args(argv=None) -> argparse.Namespace:
     from store import default_db_path
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--db", default=str(default_db_path()), help="DuckDB file (created on first start; default: %(default)s)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve a network; default: %(default)s)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--db", default=str(default_db_path()),
+                   help="DuckDB file, created on first start (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; 0.0.0.0 serves the network (default: %(default)s)")
     p.add_argument("--port", type=int, default=7860, help="port (default: %(default)s)")
-    p.add_argument("--no-auth", action="store_true", help="no login: one local admin user; binds 127.0.0.1 only")
-    p.add_argument("--model", default="default", help="policy base model: 'default' (SmolLM2-135M-Instruct) or a local HF folder")
-    p.add_argument("--k", type=int, default=4, help="responses per prompt for generation (default: %(default)s)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="no login: one local admin user; binds 127.0.0.1 only")
+    p.add_argument("--model", default="default",
+                   help="policy base model: 'default' (SmolLM2-135M-Instruct) or a local HF folder")
+    p.add_argument("--k", type=int, default=4, help="responses per prompt (default: %(default)s)")
     p.add_argument("--first-batch", type=int, default=16, metavar="N",
-                   help="prompts to generate for on a first start (0 = none; default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="response length limit for generation (default: %(default)s)")
+                   help="prompts to generate for on a first start, 0 = none (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="response length limit for generation (default: %(default)s)")
     p.add_argument("--no-generate", action="store_true", help="no model in the app: rank what is in the store")
     p.add_argument("--device", default="auto", help="generation device: auto, cpu, cuda (default: %(default)s)")
     return p.parse_args(argv)
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
     auth = not args.no_auth
     host = "127.0.0.1" if args.no_auth else args.host
     if args.no_auth and args.host not in ("127.0.0.1", "localhost"):
-        print(f"--no-auth: ignoring --host {args.host}; serving on 127.0.0.1 only")
+        print(f"--no-auth: ignoring --host {args.host}; serving on 127.0.0.1 only", flush=True)
 
     # 2. first start: an admin, the bundled prompts, a first batch of responses in the background
     password = bootstrap.ensure_admin(store, auth=auth)
@@ -66,7 +71,7 @@ def main(argv=None) -> int:
               "  (sign in, then add annotators in Data > Users)\n" + "=" * 64 + "\n", flush=True)
     added = bootstrap.ensure_prompts(store)
     if added:
-        print(f"Imported {added} bundled prompts.")
+        print(f"Imported {added} bundled prompts.", flush=True)
     generator = None
     if not args.no_generate:
         from annotate.background import GenerationRunner
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
         started = bootstrap.first_batch(store, generator, args.first_batch, args.k,
                                         GenerateConfig(k=args.k, max_new_tokens=args.max_new_tokens))
         if started:
-            print(f"Generating K={args.k} responses for {started} prompts in the background.")
+            print(f"Generating K={args.k} responses for {started} prompts in the background.", flush=True)
 
     # 3. the UI (the queue's in-memory index is built now, not on the first annotator's request)
     store.warm_queue()

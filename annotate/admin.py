@@ -165,7 +165,8 @@ def statistics(ctx: AppContext, request: gr.Request):
         "position": [f"#{i + 1}" for i in range(len(b.best_rate_by_position))],
         "best rate": list(b.best_rate_by_position),
     })
-    per_annotator = people[["annotator", "rankings"]] if len(people) else pd.DataFrame({"annotator": [], "rankings": []})
+    per_annotator = (people[["annotator", "rankings"]] if len(people)
+                     else pd.DataFrame({"annotator": [], "rankings": []}))
     return counts, people, agreement, bias, per_annotator, by_position
 
 

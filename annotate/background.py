@@ -172,5 +172,7 @@ class GenerationRunner:
 
     def _fail_interrupted_runs(self) -> None:
         """A 'generate' run left running by an app that stopped is over: mark it failed."""
-        for run in self.store.list_runs(kind=RUN_KIND, status="running") + self.store.list_runs(kind=RUN_KIND, status="queued"):
+        stale = self.store.list_runs(kind=RUN_KIND, status="running")
+        stale += self.store.list_runs(kind=RUN_KIND, status="queued")
+        for run in stale:
             self.store.update_run(run.id, status="failed", error="interrupted: the app stopped before it finished")

@@ -93,7 +93,8 @@ def empty_html(ctx: AppContext) -> str:
             busy=True,
         )
     return render.render_empty(
-        "You're all caught up", "No items are waiting for you. New ones appear here when an admin generates or imports them."
+        "You're all caught up",
+        "No items are waiting for you. New ones appear here when an admin generates or imports them.",
     )
 
 
@@ -215,8 +216,19 @@ def prefetch(ctx: AppContext, state: SessionState, request: gr.Request):
     Runs right after an item appears; returns only the state."""
     account = user(ctx, request)
     if state.current is not None and state.prefetched is None:
-        state.prefetched = ctx.store.next_item(account.id, exclude=[state.current.item.item_id])
+        on_screen = state.current.item.item_id
+        item = ctx.store.next_item(account.id, exclude=[on_screen])
+        # a Submit that ran meanwhile may have put this very item on screen
+        if item is not None and (state.current is None or item.item_id != state.current.item.item_id):
+            state.prefetched = item
     return state
+
+
+def leave(ctx: AppContext, request: gr.Request) -> None:
+    """The tab was closed or reloaded: give back this annotator's leased items (the one on screen
+    and the prefetched one) so others get them now rather than when the lease expires. A second
+    open tab of the same annotator keeps its item on screen and can still submit it."""
+    ctx.store.release_lease(user(ctx, request).id)
 
 
 def guidelines(ctx: AppContext, request: gr.Request) -> str:

@@ -6,8 +6,8 @@ script (static/annotate.js) that keeps the ranking in the page, so picking respo
 round trip; Submit sends it along with the item's token.
 
 Endpoints keep readable API names because the HTTP API is a real way in (bench/ui_bench.py drives
-/submit and /prefetch with gradio_client): the annotation endpoints are documented, the admin ones
-callable but undocumented, the timers private.
+/submit, /prefetch and /refresh with gradio_client): the annotation endpoints are documented, the
+admin ones and /refresh callable but undocumented, page-load and tab-select events private.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ THEME = gr.themes.Soft(
     font=[gr.themes.LocalFont("IBM Plex Sans", weights=(400, 600, 700)), "ui-sans-serif", "system-ui", "sans-serif"],
     font_mono=[gr.themes.LocalFont("IBM Plex Mono"), "ui-monospace", "monospace"],
 )
+
+
+# Before Submit reaches the server, the page script fills in the ranking and the item's token.
+SUBMIT_JS = """(s, r, b, c, t) => window.rlhf
+    ? [s, window.rlhf.encode(), b, c, window.rlhf.currentToken()]
+    : [s, r, b, c, t]"""
 
 
 def bind(fn, ctx: AppContext):
@@ -71,6 +77,7 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
             api_visibility="private",
         )
         page.success(bind(h.prefetch, ctx), [state], [state], api_visibility="private")
+        demo.unload(bind(h.leave, ctx))
         # Admin tabs load their tables when opened (only admins can see them; the handlers check).
         for tab, loads in ((data_tab, data["load"]), (models_tab, models["load"])):
             for fn, inputs, outputs in loads:
@@ -111,7 +118,7 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
                       api_visibility="undocumented", show_progress="hidden")
     sub = submit.click(
         bind(h.submit, ctx), [state, ranking, all_bad, comment, token], outs, api_name="submit",
-        js="(s, r, b, c, t) => [s, window.rlhf ? window.rlhf.encode() : r, b, c, window.rlhf ? window.rlhf.currentToken() : t]",
+        js=SUBMIT_JS,
         show_progress="hidden", trigger_mode="once",
     )
     sub.success(**fetch_next)

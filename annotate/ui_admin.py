@@ -59,7 +59,8 @@ def data_tab(ctx: AppContext) -> dict:
                 temperature = gr.Slider(0.0, 2.0, value=d.get("temperature", 0.7), step=0.05, label="Temperature")
                 top_p = gr.Slider(0.05, 1.0, value=d.get("top_p", 1.0), step=0.05, label="Top-p")
                 version = gr.Dropdown([], label="Policy version", info="default: the active policy")
-            gen_btn = gr.Button("Generate", variant="primary", elem_id="rl-generate", interactive=ctx.generator is not None)
+            gen_btn = gr.Button("Generate", variant="primary", elem_id="rl-generate",
+                                interactive=ctx.generator is not None)
             job = gr.HTML(elem_id="rl-job", js_on_load=None)
         with gr.Tab("Export"):
             gr.Markdown("Export the preference pairs as a **snapshot** (recorded, with its hash) and "
@@ -100,8 +101,8 @@ def data_tab(ctx: AppContext) -> dict:
     gen_btn.click(_bind(a.generate, ctx), [n_prompts, k, max_new, temperature, top_p, version], [job, timer],
                   **HIDDEN, api_name="generate")
     timer.tick(_bind(a.job_poll, ctx), None, [job, timer], api_visibility="private", show_progress="hidden")
-    export_btn.click(_bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction], [export_file, export_msg],
-                     **HIDDEN, api_name="export")
+    export_btn.click(_bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction],
+                     [export_file, export_msg], **HIDDEN, api_name="export")
     add_btn.click(_bind(a.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
     save_btn.click(_bind(a.save_guidelines, ctx), [guidelines], [save_msg], **HIDDEN, api_name="save_guidelines")
     return {

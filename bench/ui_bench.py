@@ -6,8 +6,13 @@ in with their own account and loop: submit a random ranking of the item on scree
 submit to the next item's HTML being back), then do what the browser does right after, fetch the
 item after that (/prefetch, untimed). No think time: this is the worst case for the server.
 
-Two phases, the same load: with prefetch (the app's behaviour) and without (each submit must take
-the next item from the queue itself). The ratio row shows what prefetching buys.
+Three phases, the same N threads each:
+- handlers: the same loop calling annotate/handlers.py directly in this process (no HTTP), the
+  app's own cost;
+- http + prefetch: the app as users run it (the headline figure);
+- http, no prefetch: each submit must take the next item from the queue itself.
+The ratio rows show what HTTP + Gradio + gradio_client add, and what prefetching buys. The machine's
+load average is printed too: on a shared machine the figures move with it.
 
     python bench/ui_bench.py            # 20 annotators, 60 s per phase
     python bench/ui_bench.py --quick    # 20 annotators, 10 s per phase
@@ -59,8 +64,8 @@ def free_port() -> int:
 
 def start_app(db: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--db", str(db), "--port", str(port), "--no-generate"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, str(ROOT / "app.py"), "--db", str(db), "--port", str(port), "--no-generate"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -80,7 +85,11 @@ def annotator(url: str, i: int, seconds: float, prefetch: bool, start: threading
 
     rng = random.Random(i)
     try:
-        client = Client(url, auth=(f"ann{i}", f"bench-pass-{i}"), verbose=False, httpx_kwargs={"timeout": 60})
+        # ssl_verify=False: the app is plain HTTP on localhost, so there is nothing to verify, and
+        # gradio_client would otherwise load the CA bundle again for every request (a new httpx
+        # client each time): on 2 cores that costs more CPU than the server spends on the request.
+        client = Client(url, auth=(f"ann{i}", f"bench-pass-{i}"), verbose=False, ssl_verify=False,
+                        httpx_kwargs={"timeout": 60})
         html = client.predict(api_name="/refresh")[0]
         if prefetch:
             client.predict(api_name="/prefetch")
@@ -113,12 +122,41 @@ def annotator(url: str, i: int, seconds: float, prefetch: bool, start: threading
             client.predict(api_name="/prefetch")
 
 
-def run_phase(url: str, n: int, seconds: float, prefetch: bool) -> dict:
+def in_process(store, i: int, seconds: float, prefetch: bool, start: threading.Barrier,
+               latencies: list, errors: list) -> None:
+    """The same loop as `annotator`, calling the handlers directly (what one request costs the app)."""
+    from types import SimpleNamespace
+
+    from annotate import handlers
+    from annotate.context import AppContext
+
+    rng = random.Random(i)
+    ctx, request = AppContext(store=store), SimpleNamespace(username=f"ann{i}")
+    state, html, *_ = handlers.load(ctx, None, request)
+    if prefetch:
+        state = handlers.prefetch(ctx, state, request)
+    start.wait()
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline and state.current is not None:
+        positions = list(range(1, state.current.k + 1))
+        rng.shuffle(positions)
+        t0 = time.perf_counter()
+        state, html, *_ = handlers.submit(ctx, state, ">".join(map(str, positions)), False, "", "", request)
+        latencies.append(time.perf_counter() - t0)
+        if prefetch:
+            state = handlers.prefetch(ctx, state, request)
+    if state.current is None:
+        errors.append("queue ran dry")
+
+
+def run_phase(target, n: int, seconds: float, prefetch: bool) -> dict:
+    """N threads running `annotator` against a URL, or `in_process` against an open Store."""
     latencies: list[float] = []
     errors: list[str] = []
     barrier = threading.Barrier(n + 1)
-    threads = [threading.Thread(target=annotator, args=(url, i, seconds, prefetch, barrier, latencies, errors), daemon=True)
-               for i in range(n)]
+    loop = annotator if isinstance(target, str) else in_process
+    threads = [threading.Thread(target=loop, args=(target, i, seconds, prefetch, barrier, latencies, errors),
+                                daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     try:
@@ -144,19 +182,28 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     seconds = args.seconds or (10.0 if args.quick else 60.0)
     # Enough items that the queue never runs dry at a few hundred submissions per second.
-    items = int(max(2000, 400 * seconds * 2))
+    items = int(max(4000, 300 * seconds * 3))
+    load_before = os.getloadavg()[0]
 
+    results = {}
     with tempfile.TemporaryDirectory(prefix="ui-bench-") as tmp:
         db = Path(tmp) / "bench.duckdb"
         t0 = time.time()
         seed(db, args.annotators, items, args.k)
         print(f"seeded {items} items (K={args.k}) and {args.annotators} annotators in {time.time() - t0:.1f} s")
+        # 1. the handlers alone, in this process (it owns the DuckDB file meanwhile)
+        store = Store(db)
+        try:
+            results["handlers"] = run_phase(store, args.annotators, seconds, True)
+        finally:
+            store.close()
+        print(f"  phase 'handlers' done: {results['handlers']['submissions']} submissions")
+        # 2. and 3. the app as its own process, through the HTTP API
         port = free_port()
         proc = start_app(db, port)
         url = f"http://127.0.0.1:{port}/"
         try:
-            results = {}
-            for name, prefetch in (("prefetch", True), ("no prefetch", False)):
+            for name, prefetch in (("http+prefetch", True), ("http, no pref.", False)):
                 results[name] = run_phase(url, args.annotators, seconds, prefetch)
                 print(f"  phase '{name}' done: {results[name]['submissions']} submissions")
         finally:
@@ -166,23 +213,31 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    print(f"\n{args.annotators} simulated annotators, {seconds:.0f} s per phase, "
-          f"cpu cores: {os.cpu_count()}, target p95 <= {TARGET_P95_MS:.0f} ms")
-    print(f"{'phase':<14}{'submissions':>12}{'per s':>9}{'p50 ms':>9}{'p95 ms':>9}{'errors':>8}")
+    load_after = os.getloadavg()[0]
+    print(f"\n{args.annotators} simulated annotators, {seconds:.0f} s per phase, {os.cpu_count()} cpu cores, "
+          f"load average {load_before:.1f} before / {load_after:.1f} after; target p95 <= {TARGET_P95_MS:.0f} ms")
+    print(f"{'phase':<16}{'submissions':>12}{'per s':>9}{'p50 ms':>9}{'p95 ms':>9}{'errors':>8}")
     for name, r in results.items():
-        print(f"{name:<14}{r['submissions']:>12}{r['per_s']:>9.1f}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}{r['errors']:>8}")
-    a, b = results["prefetch"], results["no prefetch"]
-    ratio = b["p95_ms"] / a["p95_ms"] if a["p95_ms"] else float("nan")
-    print(f"{'ratio':<14}{'':>12}{'':>9}{b['p50_ms'] / a['p50_ms']:>9.2f}{ratio:>9.2f}   (no prefetch / prefetch)")
+        print(f"{name:<16}{r['submissions']:>12}{r['per_s']:>9.1f}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}"
+              f"{r['errors']:>8}")
+    h, a, b = results["handlers"], results["http+prefetch"], results["http, no pref."]
+
+    def ratio_row(label, x, y):
+        print(f"{label:<16}{'':>12}{x['per_s'] / y['per_s']:>9.2f}{x['p50_ms'] / y['p50_ms']:>9.2f}"
+              f"{x['p95_ms'] / y['p95_ms']:>9.2f}")
+
+    ratio_row("http / handlers", a, h)
+    ratio_row("no pref./pref.", b, a)
     for name, r in results.items():
         if r["first_error"]:
             print(f"first error ({name}): {r['first_error']}")
     ok = a["p95_ms"] <= TARGET_P95_MS
-    print(f"\np95 submit-to-next-item with prefetch: {a['p95_ms']:.1f} ms ({'meets' if ok else 'misses'} the "
-          f"{TARGET_P95_MS:.0f} ms target)")
+    print(f"\np95 submit-to-next-item through HTTP with prefetch: {a['p95_ms']:.1f} ms "
+          f"({'meets' if ok else 'misses'} the {TARGET_P95_MS:.0f} ms target)")
     print(f"RESULT ui annotators={args.annotators} seconds={seconds:.0f} submissions_per_s={a['per_s']:.1f} "
-          f"p50_ms={a['p50_ms']:.1f} p95_ms={a['p95_ms']:.1f} no_prefetch_p95_ms={b['p95_ms']:.1f} "
-          f"ratio={ratio:.2f} errors={a['errors'] + b['errors']} target_met={ok}")
+          f"p50_ms={a['p50_ms']:.1f} p95_ms={a['p95_ms']:.1f} handlers_p95_ms={h['p95_ms']:.1f} "
+          f"no_prefetch_p95_ms={b['p95_ms']:.1f} ratio_http_over_handlers={a['p95_ms'] / h['p95_ms']:.2f} "
+          f"errors={a['errors'] + b['errors'] + h['errors']} load_avg={load_before:.1f} target_met={ok}")
     return 0
 
 

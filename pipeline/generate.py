@@ -265,7 +265,12 @@ def generate_responses(policy, tokenizer, prompts: list, k: int, cfg: GenerateCo
     if k < 1:
         raise ValueError(f"k={k}: need at least one response per prompt")
     device = next(policy.parameters()).device
-    ids = [prompt_token_ids(tokenizer, p, cfg.max_prompt_tokens) for p in prompts]
+    ids = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids.append(prompt_token_ids(tokenizer, prompt, cfg.max_prompt_tokens))
+        except ValueError as exc:
+            raise ValueError(f"prompt {i}: {exc}") from None
     # longest first: the batch most likely to run out of memory runs first, and similar lengths
     # share a batch so little compute goes to padding
     order = sorted(range(len(prompts)), key=lambda i: -len(ids[i]))

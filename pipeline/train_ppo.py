@@ -265,6 +265,9 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             save_checkpoint(ckpt, state)
         status.write("cancelled", state.get("step", 0), error=str(exc))
         raise
+    except KeyboardInterrupt:  # a second signal: stop now, keep the last checkpoint as it is
+        status.write("cancelled", state.get("step", 0), error="interrupted (no checkpoint saved)")
+        raise
     except BaseException as exc:
         status.write("failed", state.get("step", 0), error=f"{type(exc).__name__}: {exc}")
         raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -136,7 +137,13 @@ def test_annotator_ranks_with_the_keyboard_and_undoes(app, browser):
     card_text = page.inner_text("#rl-item")
     assert XSS[0] in card_text and XSS[1] in card_text
     assert page.locator("#rl-item img, #rl-item script").count() == 0
+    # closing the tab gives the leased items (on screen and prefetched) back to the queue
+    assert any(a == ann.id for _, a, _ in store.active_leases())
     page.close()
+    deadline = time.time() + 15
+    while any(a == ann.id for _, a, _ in store.active_leases()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(a == ann.id for _, a, _ in store.active_leases())
 
 
 def test_admin_imports_and_downloads_a_jsonl_export(app, browser, tmp_path):

@@ -243,8 +243,8 @@ def test_default_model_answers_a_real_prompt_offline(default_model_path, monkeyp
 
     prompt = json.loads((DATA / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
     policy, tokenizer = load_policy(ModelConfig(model="default", device="cpu", lora=False))
-    cfg = GenerateConfig(temperature=0.7, max_new_tokens=40, seed=0)
-    gens = generate_responses(policy, tokenizer, [prompt], k=2, cfg=cfg)[0]
+    cfg = GenerateConfig(temperature=0.7, max_new_tokens=32, seed=0)
+    gens = generate_responses(policy, tokenizer, [prompt], k=1, cfg=cfg)[0]
     for g in gens:
         words = g.text.split()
         assert len(words) >= 3 and g.finish_reason in ("eos", "length")

@@ -14,7 +14,6 @@ import pytest
 from annotate import admin, bootstrap, handlers, render
 from annotate.context import AppContext, Refused
 from annotate.handlers import parse_ranking
-from annotate.state import SessionState
 from tests.fixtures_store import seed_items
 
 
@@ -214,6 +213,17 @@ def test_undo_shows_the_last_item_again_and_deletes_its_pairs(ctx):
     assert len(ctx.store.list_rankings()) == 2
 
 
+def test_leaving_gives_the_leased_items_back(ctx):
+    seed_items(ctx.store, 2, 2)
+    state, _ = show(ctx)
+    handlers.prefetch(ctx, state, req("ann"))
+    other, _ = show(ctx, "bea")
+    assert other.current is None  # both items are leased to ann (one ranking per item)
+    handlers.leave(ctx, req("ann"))
+    other, _ = show(ctx, "bea")
+    assert other.current is not None
+
+
 def test_undo_with_nothing_to_undo(ctx):
     seed_items(ctx.store, 1, 2)
     state, _ = show(ctx)
@@ -282,13 +292,16 @@ def _admin_calls(tmp_path):
 
 def test_annotators_are_refused_every_admin_action_and_nothing_happens(ctx, tmp_path):
     seed_items(ctx.store, 2, 2)
-    before = (ctx.store.counts(), [a.name for a in ctx.store.list_annotators()], ctx.store.get_setting("guidelines_markdown"))
+    def snapshot():
+        s = ctx.store
+        return s.counts(), [a.name for a in s.list_annotators()], s.get_setting("guidelines_markdown")
+
+    before = snapshot()
     for name, call in _admin_calls(tmp_path).items():
         for who in ("ann", None):
             with pytest.raises(Refused):
                 call(ctx, req(who))
-    after = (ctx.store.counts(), [a.name for a in ctx.store.list_annotators()], ctx.store.get_setting("guidelines_markdown"))
-    assert after == before
+    assert snapshot() == before
     assert not ctx.export_dir.exists()
 
 
@@ -401,7 +414,6 @@ def test_first_start_creates_one_admin_and_imports_the_bundled_prompts(store):
 
 def test_background_generation_queues_items_and_records_the_run(store, tiny_model_cfg, tmp_path):
     from annotate.background import GenerationRunner
-    from pipeline.config import GenerateConfig
 
     store.add_annotator("boss", "boss-password", role="admin")
     store.add_prompts(["say hi", "\n\nHuman: hello\n\nAssistant: hey\n\nHuman: bye?\n\nAssistant:", "count to 3"])
