@@ -12,6 +12,7 @@ the one local admin account.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,28 +40,42 @@ class AppContext:
     """annotate.background.GenerationRunner, or None when generation is off (--no-generate)."""
     generate_defaults: dict = field(default_factory=dict)
     """Defaults for the Generate form: k, max_new_tokens, temperature, top_p."""
+    accounts: dict = field(default_factory=dict, repr=False)
+    """name -> (Annotator, expiry): annotation handlers reuse a lookup for ACCOUNT_CACHE_S."""
 
     @property
     def export_dir(self) -> Path:
         return self.data_dir / "exports"
 
 
-def user(ctx: AppContext, request) -> Annotator:
+ACCOUNT_CACHE_S = 10.0
+"""How long annotation handlers reuse an account lookup (a query per submit is a tenth of its cost
+under load). Admin actions always look the account up afresh, so a role change applies to them at
+once."""
+
+
+def user(ctx: AppContext, request, *, fresh: bool = False) -> Annotator:
     """The signed-in account behind this request (Refused if there is none)."""
     name = getattr(request, "username", None) if request is not None else None
     if name is None:
         if ctx.auth:
             raise Refused("Not signed in.")
         name = ctx.local_user
+    now = time.monotonic()
+    cached = None if fresh else ctx.accounts.get(name)
+    if cached is not None and cached[1] > now:
+        return cached[0]
     account = ctx.store.find_annotator(name)
     if account is None:
+        ctx.accounts.pop(name, None)
         raise Refused(f"No account named {name!r}: ask an admin to add you.")
+    ctx.accounts[name] = (account, now + ACCOUNT_CACHE_S)
     return account
 
 
 def admin(ctx: AppContext, request) -> Annotator:
     """The signed-in account, which must be an admin (Refused otherwise; nothing else happens)."""
-    account = user(ctx, request)
+    account = user(ctx, request, fresh=True)
     if not account.is_admin:
         raise Refused(f"{account.name} is an annotator: this action is for admins only.")
     return account

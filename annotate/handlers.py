@@ -124,7 +124,7 @@ def _current(state: SessionState, token: str = "") -> Showing:
 def open_page(ctx: AppContext, state: SessionState | None, request: gr.Request):
     """Page load: the header, which tabs this account may see (admins: Data, Train, Models, and the
     Data tab's job timer while a job runs), the guidelines, then the annotation view (see `load`)."""
-    account = user(ctx, request)
+    account = user(ctx, request, fresh=True)
     is_admin = account.is_admin
     header = render.render_header(account.name, account.role, ctx.auth)
     tabs = [gr.update(visible=is_admin)] * 3

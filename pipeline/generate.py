@@ -19,7 +19,6 @@ import inspect
 import json
 import os
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,6 +27,7 @@ import torch
 
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.models import load_policy, position_ids_from_mask
+from pipeline.rundir import write_json, write_status
 
 # --------------------------------------------------------------------------- prompts
 
@@ -350,10 +350,31 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)  # readers never see half a file
+@torch.no_grad()
+def reward_spread(reward_path: str, prompts: list, results: list[list[Generation]], model_cfg: ModelConfig,
+                  batch_size: int = 16) -> list[float]:
+    """Per prompt, max - min of the reward model's scores of its K responses: how clearly the
+    reward model separates them. Formats prompt + response exactly as reward training does."""
+    from pipeline.models import load_scalar_model
+    from pipeline.reward_data import encode_response
+
+    rm, tok = load_scalar_model(reward_path, kind="reward", cfg=model_cfg)
+    rm.eval()
+    device = next(rm.parameters()).device
+    rows, owners = [], []
+    for i, (prompt, gens) in enumerate(zip(prompts, results)):
+        prompt_ids = prompt_token_ids(tok, prompt)
+        for g in gens:
+            rows.append(prompt_ids + encode_response(tok, g.text))
+            owners.append(i)
+    scores: list[float] = []
+    for start in range(0, len(rows), batch_size):
+        ids, mask = left_pad(rows[start:start + batch_size], tok.pad_token_id, device)
+        scores += rm.score(ids, mask).float().tolist()  # (b,)
+    per_prompt: list[list[float]] = [[] for _ in prompts]
+    for owner, score in zip(owners, scores):
+        per_prompt[owner].append(score)
+    return [max(s) - min(s) for s in per_prompt]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -363,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="run directory (created) for responses.jsonl etc.")
     parser.add_argument("--adapter", default=None, help="a policy folder saved by save_policy")
     parser.add_argument("--limit", type=int, default=0, help="only the first N prompts (0 = all)")
+    parser.add_argument("--select-uncertain", type=int, default=0, metavar="N",
+                        help="keep only the N prompts whose K responses --reward separates least "
+                             "(active learning: annotations where the reward model is least sure)")
+    parser.add_argument("--reward", default="", help="reward model folder for --select-uncertain")
     add_arguments(parser, GenerateConfig)
     add_arguments(parser, ModelConfig)
     return parser
@@ -375,8 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     gen_cfg, model_cfg = from_args(GenerateConfig, args), from_args(ModelConfig, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    status = {"state": "running", "progress": "0/0", "started_at": time.time(), "error": None}
-    _write_json(out / "status.json", status)
+    if args.select_uncertain and not args.reward:
+        print("error: --select-uncertain needs --reward (a reward model folder)")
+        return 2
+    write_status(out, "running", 0, 0)
     try:
         rows = read_prompts(args.prompts)[: args.limit or None]
         # Sampling never trains: no fresh (all-zero) adapter without --adapter, and a saved adapter
@@ -387,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.adapter and meta["lora"]:
             policy = policy.merge_and_unload()
         model_name = str(Path(args.adapter).resolve()) if args.adapter else meta["base_model"]
-        _write_json(out / "config.json", {
+        write_json(out / "config.json", {
             "stage": "generate", "prompts": str(args.prompts), "adapter": args.adapter,
             "model": model_name, "num_prompts": len(rows),
             "generate": to_dict(gen_cfg), "model_config": to_dict(model_cfg)})
@@ -396,12 +423,17 @@ def main(argv: list[str] | None = None) -> int:
 
         def progress(done: int, total: int) -> None:
             bar.update(done - bar.n)
-            _write_json(out / "status.json", {**status, "progress": f"{done}/{total}",
-                                              "done": done, "total": total, "updated_at": time.time()})
+            write_status(out, "running", done, total)
 
         results = generate_responses(policy, tokenizer, [r["prompt"] for r in rows], gen_cfg.k, gen_cfg,
                                      on_progress=progress)
         bar.close()
+        if args.select_uncertain:
+            spread = reward_spread(args.reward, [r["prompt"] for r in rows], results, model_cfg)
+            keep = sorted(sorted(range(len(rows)), key=lambda i: spread[i])[: args.select_uncertain])
+            print(f"kept the {len(keep)} of {len(rows)} prompts the reward model separates least "
+                  f"(score spread {min(spread):.3f}..{max(spread[i] for i in keep):.3f})")
+            rows, results = [rows[i] for i in keep], [results[i] for i in keep]
         params = {key: getattr(gen_cfg, key) for key in
                   ("temperature", "top_p", "top_k", "max_new_tokens", "seed")}
         tmp = out / "responses.jsonl.tmp"
@@ -414,14 +446,12 @@ def main(argv: list[str] | None = None) -> int:
                         "sampling": params, "model": model_name}) + "\n")
         os.replace(tmp, out / "responses.jsonl")
         total = len(rows) * gen_cfg.k
-        _write_json(out / "status.json", {**status, "state": "done", "progress": f"{total}/{total}",
-                                          "done": total, "total": total, "finished_at": time.time()})
+        write_status(out, "done", total, total)
         print(f"wrote {total} responses to {out / 'responses.jsonl'}")
         return 0
     except (Exception, KeyboardInterrupt) as exc:
         error = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
-        _write_json(out / "status.json", {**status, "state": "failed", "error": error,
-                                          "finished_at": time.time()})
+        write_status(out, "failed", 0, 0, error=error)
         if isinstance(exc, (ValueError, RuntimeError, FileNotFoundError)):
             print(f"error: {error}")
             return 1

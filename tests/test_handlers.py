@@ -257,6 +257,16 @@ def test_requests_without_a_known_user_are_refused(ctx):
             handlers.load(ctx, None, request)
 
 
+def test_a_demoted_admin_is_refused_at_once(ctx):
+    boss = ctx.store.find_annotator("boss")
+    handlers.open_page(ctx, None, req("boss"))  # the account lookup is now cached
+    admin.users_table(ctx, req("boss"))
+    ctx.store.set_role(boss.id, "annotator")
+    with pytest.raises(Refused):
+        admin.users_table(ctx, req("boss"))
+    assert not handlers.open_page(ctx, None, req("boss"))[1]["visible"]
+
+
 def test_no_auth_mode_acts_as_the_local_admin(store, tmp_path):
     bootstrap.ensure_admin(store, auth=False)
     ctx = AppContext(store=store, auth=False, data_dir=tmp_path)

@@ -16,6 +16,10 @@ from pipeline.simulate import simulate_annotations
 from pipeline.tiny import CORPUS
 
 
+def runner_runs(store):
+    return sorted(store.list_runs(kind="generate"), key=lambda r: r.id)
+
+
 def tiny_settings(model_dir, prompts_per_round=6) -> LoopSettings:
     return LoopSettings(
         loop=LoopConfig(prompts_per_round=prompts_per_round),
@@ -60,7 +64,11 @@ def test_a_round_trains_a_policy_whose_responses_feed_the_next_round(store, tiny
     assert store.active_policy().id == policy.id
     assert store.metrics(store.get_model_version(policy.id).run_id, keys=["objective/kl"])
 
+    # the next round picks, of 2N candidates, the N prompts the new reward model separates least
+    settings.loop.strategy = "uncertain"
     nxt = start_round(store, runner, settings, 1)
+    assert "kept the 6 of 12 prompts" in (tmp_path / "runs" / f"{runner_runs(store)[-1].id:05d}-generate" /
+                                         "log.txt").read_text()
     items = {r.item_id for p in store.list_prompts(limit=1000) for r in store.prompt_responses(p.id)
              if r.model_version_id == policy.id}
     assert nxt.policy_version_id == policy.id and len(items) == 6
