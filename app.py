@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="response length limit for generation (default: %(default)s)")
     p.add_argument("--no-generate", action="store_true", help="no model in the app: rank what is in the store")
     p.add_argument("--device", default="auto", help="generation device: auto, cpu, cuda (default: %(default)s)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="do not fetch the next item ahead (only to measure what it buys: bench/ui_bench.py)")
     return p.parse_args(argv)
 
 
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
     # 3. the UI (the queue's in-memory index is built now, not on the first annotator's request)
     store.warm_queue()
     ctx = AppContext(store=store, auth=auth, data_dir=Path(args.db).resolve().parent, generator=generator,
-                     generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens})
+                     generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens},
+                     prefetch=not args.no_prefetch)
     demo = build_ui(ctx)
     # `kill` (SIGTERM) stops the app like Ctrl-C, so the store is closed and checkpointed.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -20,12 +20,13 @@ import pandas as pd
 
 from annotate import render
 from annotate.context import AppContext, admin
+from annotate.handlers import DEFAULT_GUIDELINES
 from pipeline.config import GenerateConfig
 from store import io as store_io
 from store.errors import DataError, StoreError
 from store.records import ROLES
-
-GUIDELINES_KEY = "guidelines_markdown"
+from store.users import generate_password
+from store.versions import GUIDELINES_KEY
 
 
 def _path(file) -> Path | None:
@@ -49,14 +50,15 @@ def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
     if path is None:
         raise gr.Error("Choose a file to import first.")
     empty = pd.DataFrame({"row": [], "problem": []})
+    name = render.esc(path.name)  # the uploader chose this name: shown as text, never as markup
     try:
         if kind == "prompts":
             result = store_io.import_prompts(ctx.store, path)
-            summary = (f"**Imported {path.name}**: {result['rows']} rows, {result['added']} new prompts, "
+            summary = (f"**Imported {name}**: {result['rows']} rows, {result['added']} new prompts, "
                        f"{result['duplicates']} already stored.")
         elif kind == "pairs":
             result = store_io.import_pairs(ctx.store, path)
-            summary = (f"**Imported {path.name}**: {result['pairs']} preference pairs "
+            summary = (f"**Imported {name}**: {result['pairs']} preference pairs "
                        f"({result['prompts_added']} new prompts).")
         else:
             raise gr.Error(f"Unknown import kind {kind!r}: choose prompts or pairs.")
@@ -64,11 +66,11 @@ def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
         rows = pd.DataFrame({"row": ["file" if r is None else str(r) for r, _ in exc.errors],
                              "problem": [p for _, p in exc.errors]})
         more = f" (and {exc.more} more)" if exc.more else ""
-        return (f'<span class="rl-errors">**{path.name} was not imported**: {len(exc.errors)} problem'
+        return (f"**✗ {name} was not imported**: {len(exc.errors)} problem"
                 f'{"s" if len(exc.errors) != 1 else ""}{more}. Nothing from this file was stored; fix '
-                f"the rows below and upload it again.</span>", rows)
+                f"the rows below and upload it again.", rows)
     except StoreError as exc:
-        raise gr.Error(f"{path.name}: {exc}") from None
+        raise gr.Error(f"{name}: {exc}") from None
     return summary, empty
 
 
@@ -240,8 +242,6 @@ def users_table(ctx: AppContext, request: gr.Request) -> pd.DataFrame:
 def add_user(ctx: AppContext, name: str, role: str, password: str, request: gr.Request):
     """Create an account. A blank password gets a random one, shown once. Returns (message, users)."""
     admin(ctx, request)
-    from store.users import generate_password
-
     if role not in ROLES:
         raise gr.Error(f"Role must be one of {', '.join(ROLES)}.")
     shown = not (password or "").strip()
@@ -264,8 +264,6 @@ def save_guidelines(ctx: AppContext, text: str, request: gr.Request) -> str:
 
 def load_guidelines(ctx: AppContext, request: gr.Request) -> str:
     admin(ctx, request)
-    from annotate.handlers import DEFAULT_GUIDELINES
-
     return ctx.store.get_setting(GUIDELINES_KEY, "") or DEFAULT_GUIDELINES
 
 

@@ -38,8 +38,17 @@ class AppContext:
     """Where exports are written (data_dir/exports)."""
     generator: object | None = None
     """annotate.background.GenerationRunner, or None when generation is off (--no-generate)."""
+    jobs: object | None = None
+    """pipeline.jobs.JobRunner: training and generation subprocess jobs (Train tab), or None."""
+    runs_dir: Path = field(default_factory=lambda: Path("data") / "runs")
+    """Where job run directories are written."""
     generate_defaults: dict = field(default_factory=dict)
     """Defaults for the Generate form: k, max_new_tokens, temperature, top_p."""
+    background: object | None = None
+    """A concurrent.futures executor that prefetches the next item after an action has returned
+    (no extra request from the page); None prefetches inline, before returning (tests)."""
+    prefetch: bool = True
+    """Fetch the next item ahead. Off only to measure what it buys (bench/ui_bench.py)."""
     accounts: dict = field(default_factory=dict, repr=False)
     """name -> (Annotator, expiry): annotation handlers reuse a lookup for ACCOUNT_CACHE_S."""
 

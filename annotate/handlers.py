@@ -8,6 +8,9 @@ from the server, never from the page.
 Each action returns the same six outputs (see `view`): the session state, the item HTML, the
 progress line, the comment box and "all bad" box reset for the next item, and the refresh timer.
 
+After each action the next item is fetched ahead in the background (`prefetch`), so the following
+Submit shows it without asking the queue: no extra request from the page, no wait for the user.
+
 Rankings arrive from the page as display positions, best first, "=" for ties: "2>1=3>4" means
 response 2 is best, 1 and 3 tie, 4 is worst (positions as shown, 1-based). The handler maps
 positions to response ids with the display order it recorded, so the stored ranking names
@@ -23,6 +26,7 @@ from annotate.context import AppContext, user
 from annotate.state import SessionState, Showing
 from store.errors import StoreError
 from store.records import Annotator
+from store.versions import GUIDELINES_KEY
 
 # ------------------------------------------------------------------------- ranking strings
 
@@ -141,7 +145,9 @@ def load(ctx: AppContext, state: SessionState | None, request: gr.Request):
     if state.current is None:
         item = ctx.store.next_item(account.id)
         state.current = Showing(item) if item is not None else None
-    return view(ctx, state, account)
+    out = view(ctx, state, account)
+    _prefetch_later(ctx, state, account)
+    return out
 
 
 def refresh(ctx: AppContext, state: SessionState | None, request: gr.Request):
@@ -171,7 +177,9 @@ def submit(ctx: AppContext, state: SessionState, ranking: str, all_bad: bool, co
     n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:])
     state.note = f"Saved · {n_pairs} pair{'s' if n_pairs != 1 else ''}" + (" · all bad" if all_bad else "")
     _advance(ctx, state, account)
-    return view(ctx, state, account)
+    out = view(ctx, state, account)
+    _prefetch_later(ctx, state, account)
+    return out
 
 
 def skip(ctx: AppContext, state: SessionState, request: gr.Request):
@@ -181,7 +189,9 @@ def skip(ctx: AppContext, state: SessionState, request: gr.Request):
     ctx.store.skip_item(account.id, showing.item.item_id)
     state.note = "Skipped"
     _advance(ctx, state, account)
-    return view(ctx, state, account)
+    out = view(ctx, state, account)
+    _prefetch_later(ctx, state, account)
+    return out
 
 
 def flag(ctx: AppContext, state: SessionState, comment: str, request: gr.Request):
@@ -193,7 +203,9 @@ def flag(ctx: AppContext, state: SessionState, comment: str, request: gr.Request
     ctx.store.flag_prompt(prompt_id, account.id, reason=(comment or "").strip() or "flagged while annotating")
     state.note = "Flagged"
     _advance(ctx, state, account, exclude_prompt=prompt_id)
-    return view(ctx, state, account)
+    out = view(ctx, state, account)
+    _prefetch_later(ctx, state, account)
+    return out
 
 
 def undo(ctx: AppContext, state: SessionState, request: gr.Request):
@@ -203,25 +215,46 @@ def undo(ctx: AppContext, state: SessionState, request: gr.Request):
     item = ctx.store.undo_last_ranking(account.id)
     if item is None:
         raise gr.Error("Nothing to undo: you have no submitted ranking.")
-    if state.prefetched is not None:
-        ctx.store.release_lease(account.id, state.prefetched.item_id)
-    state.prefetched = state.current.item if state.current is not None else None
-    state.current = Showing(item)
+    with state.lock:
+        dropped = state.prefetched
+        state.prefetched = state.current.item if state.current is not None else None
+        state.current = Showing(item)
+    if dropped is not None:
+        ctx.store.release_lease(account.id, dropped.item_id)
     state.note = "Undone · rank it again"
     return view(ctx, state, account)
 
 
-def prefetch(ctx: AppContext, state: SessionState, request: gr.Request):
-    """Fetch (and lease) the item after the one on screen, so the next Submit shows it at once.
-    Runs right after an item appears; returns only the state."""
-    account = user(ctx, request)
-    if state.current is not None and state.prefetched is None:
+def prefetch(ctx: AppContext, state: SessionState, account: Annotator) -> None:
+    """Fetch (and lease) the item after the one on screen, so the next action shows it at once.
+    Runs in the background after each action (see `_prefetch_later`)."""
+    with state.lock:
+        if state.current is None or state.prefetched is not None or state.prefetching:
+            return
+        state.prefetching = True
         on_screen = state.current.item.item_id
+    try:
         item = ctx.store.next_item(account.id, exclude=[on_screen])
-        # a Submit that ran meanwhile may have put this very item on screen
-        if item is not None and (state.current is None or item.item_id != state.current.item.item_id):
-            state.prefetched = item
-    return state
+    finally:
+        with state.lock:
+            state.prefetching = False
+            # An action may have run meanwhile and put this very item on screen (the queue hands
+            # an annotator their own leased item first), or filled the slot: then keep it unused.
+            shown = state.current.item.item_id if state.current is not None else None
+            keep = item is not None and state.prefetched is None and item.item_id != shown
+            if keep:
+                state.prefetched = item
+    if item is not None and not keep and item.item_id != shown:
+        ctx.store.release_lease(account.id, item.item_id)  # not needed after all: back to the queue
+
+
+def _prefetch_later(ctx: AppContext, state: SessionState, account: Annotator) -> None:
+    if not ctx.prefetch or state.current is None:
+        return
+    if ctx.background is None:
+        prefetch(ctx, state, account)
+    else:
+        ctx.background.submit(prefetch, ctx, state, account)
 
 
 def leave(ctx: AppContext, request: gr.Request) -> None:
@@ -234,7 +267,7 @@ def leave(ctx: AppContext, request: gr.Request) -> None:
 def guidelines(ctx: AppContext, request: gr.Request) -> str:
     """The annotation guidelines (markdown, edited by admins in the Data tab)."""
     user(ctx, request)
-    return ctx.store.get_setting("guidelines_markdown", "") or DEFAULT_GUIDELINES
+    return ctx.store.get_setting(GUIDELINES_KEY, "") or DEFAULT_GUIDELINES
 
 
 DEFAULT_GUIDELINES = """\

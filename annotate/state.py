@@ -8,6 +8,7 @@ and when the item appeared (for the ranking's duration).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -42,10 +43,20 @@ class SessionState:
     without a query."""
     note: str = ""
     """What the last action did ("Saved: 6 pairs"), shown in the progress line."""
+    prefetching: bool = False
+    """A prefetch is running in the background for this session."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Guards `prefetched`/`prefetching`: the background prefetch and the next action meet here."""
+
+    def __deepcopy__(self, memo) -> "SessionState":
+        # gr.State deep-copies its initial value for every new session: start each one empty
+        # (a lock cannot be copied, and there is nothing to carry over).
+        return SessionState()
 
     def take_prefetched(self, exclude_prompt: int | None = None) -> Item | None:
         """The prefetched item (and forget it); None if there is none or it has the excluded prompt."""
-        item, self.prefetched = self.prefetched, None
+        with self.lock:
+            item, self.prefetched = self.prefetched, None
         if item is not None and exclude_prompt is not None and item.prompt.id == exclude_prompt:
             return None
         return item

@@ -6,7 +6,7 @@ script (static/annotate.js) that keeps the ranking in the page, so picking respo
 round trip; Submit sends it along with the item's token.
 
 Endpoints keep readable API names because the HTTP API is a real way in (bench/ui_bench.py drives
-/submit, /prefetch and /refresh with gradio_client): the annotation endpoints are documented, the
+/submit and /refresh with gradio_client): the annotation endpoints are documented, the
 admin ones and /refresh callable but undocumented, page-load and tab-select events private.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
@@ -76,7 +77,6 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
             [header, data_tab, train_tab, models_tab, data["timer"], annotate["guidelines"], *annotate["outs"]],
             api_visibility="private",
         )
-        page.success(bind(h.prefetch, ctx), [state], [state], api_visibility="private")
         demo.unload(bind(h.leave, ctx))
         # Admin tabs load their tables when opened (only admins can see them; the handlers check).
         for tab, loads in ((data_tab, data["load"]), (models_tab, models["load"])):
@@ -114,20 +114,12 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
     # handlers switch this timer on and off (see handlers.view).
     timer = gr.Timer(3.0, active=False)
     outs = [state, item, progress, comment, all_bad, timer]
-    fetch_next = dict(fn=bind(h.prefetch, ctx), inputs=[state], outputs=[state], api_name="prefetch",
-                      api_visibility="undocumented", show_progress="hidden")
-    sub = submit.click(
-        bind(h.submit, ctx), [state, ranking, all_bad, comment, token], outs, api_name="submit",
-        js=SUBMIT_JS,
-        show_progress="hidden", trigger_mode="once",
-    )
-    sub.success(**fetch_next)
-    skip.click(bind(h.skip, ctx), [state], outs, api_name="skip", show_progress="hidden",
-               trigger_mode="once").success(**{**fetch_next, "api_name": None})
-    flag.click(bind(h.flag, ctx), [state, comment], outs, api_name="flag", show_progress="hidden",
-               trigger_mode="once").success(**{**fetch_next, "api_name": None})
-    undo.click(bind(h.undo, ctx), [state], outs, api_name="undo", show_progress="hidden",
-               trigger_mode="once")
+    quick = dict(show_progress="hidden", trigger_mode="once")
+    submit.click(bind(h.submit, ctx), [state, ranking, all_bad, comment, token], outs, api_name="submit",
+                 js=SUBMIT_JS, **quick)
+    skip.click(bind(h.skip, ctx), [state], outs, api_name="skip", **quick)
+    flag.click(bind(h.flag, ctx), [state, comment], outs, api_name="flag", **quick)
+    undo.click(bind(h.undo, ctx), [state], outs, api_name="undo", **quick)
     timer.tick(bind(h.refresh, ctx), [state], outs, api_name="refresh", api_visibility="undocumented",
                show_progress="hidden")
     return {"outs": outs, "guidelines": guidelines}
@@ -159,6 +151,8 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
     hashes) and signs a session cookie; handlers read the name from it (annotate/context.py)."""
     auth = _password_check(ctx) if ctx.auth else None
     _settle_matplotlib()
+    if ctx.background is None:  # the next item is fetched ahead by these threads (handlers.prefetch)
+        ctx.background = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefetch")
     # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
     demo.queue(default_concurrency_limit=16)
     return demo.launch(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from annotate import admin as a
+from annotate import ui_train
 from annotate.context import AppContext
 
 # Admin endpoints are callable through the API (and refused there for non-admins) but not listed.
@@ -115,20 +116,10 @@ def data_tab(ctx: AppContext) -> dict:
 
 
 def train_tab(ctx: AppContext) -> dict:
-    """Issue 7: reward-model and PPO jobs with progress, live metric plots, log tail and cancel."""
-    gr.Markdown(
-        "### Training\nTraining jobs started from here arrive with the job runner. Until then, export a "
-        "snapshot in **Data → Export** and train from the command line:\n\n"
-        "```bash\npython -m pipeline train-reward --help\n```",
-        elem_classes=["rl-placeholder"],
-    )
-    return {}
+    """Reward-model and PPO jobs, loop rounds, and a job monitor (annotate/ui_train.py)."""
+    return ui_train.train_tab(ctx)
 
 
 def models_tab(ctx: AppContext) -> dict:
-    """Model versions from the store; issue 7 adds lineage, metrics, samples and policy comparison."""
-    gr.Markdown("Every model version the store knows. **●** marks the active policy, which generates new responses.")
-    table = gr.Dataframe(interactive=False, elem_id="rl-models")
-    refresh = gr.Button("Refresh", size="sm", scale=0, min_width=120)
-    refresh.click(_bind(a.models_table, ctx), None, [table], **HIDDEN, api_name="models")
-    return {"load": [(a.models_table, None, [table])]}
+    """Model versions with lineage, samples, the active policy and comparisons (annotate/ui_train.py)."""
+    return ui_train.models_tab(ctx)

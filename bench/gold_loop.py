@@ -138,29 +138,36 @@ def split_prompts(path: Path, n_eval: int, seed: int, out_dir: Path) -> tuple[li
 
 
 class RecordingJudge:
-    """The gold judge, remembering every score it gave (to measure the annotators' agreement)."""
+    """The gold judge, remembering every score it gave (to measure the annotators' agreement).
+    One call at a time: a fast tokenizer shared by threads fails with 'Already borrowed'."""
 
     def __init__(self, judge):
+        import threading
+
         self.judge, self.name, self.scores = judge, judge.name, {}
+        self._lock = threading.Lock()
 
     def score(self, prompts, responses):
-        out = self.judge.score(prompts, responses)
-        self.scores.update({(p, r): s for p, r, s in zip(prompts, responses, out)})
+        with self._lock:
+            out = self.judge.score(prompts, responses)
+            self.scores.update({(p, r): s for p, r, s in zip(prompts, responses, out)})
         return out
 
 
 def gold_agreement(store, judge: RecordingJudge) -> dict:
-    """Share of stored pairs whose chosen response has the higher gold score (1.0 = no noise)."""
-    agree = total = 0
+    """Share of stored pairs whose chosen response has the higher gold score (1.0 = no noise).
+    Responses the judge has not scored in this process (a reused round 1) are scored now."""
+    rows = []
     for pair in store.list_pairs():
-        chosen, rejected = store.get_response(pair.chosen_id), store.get_response(pair.rejected_id)
         prompt = store.get_prompt(pair.prompt_id).text
-        a, b = judge.scores.get((prompt, chosen.text)), judge.scores.get((prompt, rejected.text))
-        if a is None or b is None or a == b:
-            continue
-        total += 1
-        agree += a > b
-    return {"pairs": total, "agreement": agree / total if total else float("nan")}
+        rows.append((prompt, store.get_response(pair.chosen_id).text, store.get_response(pair.rejected_id).text))
+    missing = list({(p, t) for p, a, b in rows for t in (a, b)} - judge.scores.keys())
+    if missing:
+        judge.score([p for p, _ in missing], [t for _, t in missing])
+    scored = [(judge.scores[(p, a)], judge.scores[(p, b)]) for p, a, b in rows]
+    scored = [(a, b) for a, b in scored if a != b]
+    agree = sum(a > b for a, b in scored)
+    return {"pairs": len(scored), "agreement": agree / len(scored) if scored else float("nan")}
 
 
 # --------------------------------------------------------------------------- round-1 steps
@@ -222,52 +229,105 @@ def copy_store(store, src: Path, dst: Path) -> None:
     shutil.copy2(src, dst)
 
 
-def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log=print) -> dict:
-    """Phases 0-3 of the module docstring; returns (and writes) results.json's content."""
+def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log=print,
+                   reuse_round1: Path | None = None, parallel: bool = False) -> dict:
+    """Phases 0-3 of the module docstring; returns (and writes) results.json's content.
+
+    reuse_round1: a results directory of an earlier run with the same settings whose phases 0-1
+    (round 1 and the start policy's evaluation) are taken as they are. parallel: the settings run
+    side by side, each with its own store and job queue (one process per job on a shared machine
+    gets a fairer share of the CPU; the results are the same as one after the other).
+    """
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
-    from bench.gold_eval import evaluate_policy
-    from pipeline.jobs import JobRunner
     from pipeline.judge import make_judge
-    from pipeline.loop import finish_round, start_round
-    from pipeline.simulate import simulate_annotations
-    from store import Store
-    from store.io import import_prompts
 
     torch.set_num_threads(exp.threads)
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    env = {"OMP_NUM_THREADS": str(exp.threads), "MKL_NUM_THREADS": str(exp.threads)}
-    settings = exp.loop
+    (out / "eval").mkdir(exist_ok=True)
     results: dict = {"settings": _describe(exp), "variants": {}, "timings": {}}
+    lock = threading.Lock()
 
     def save():
-        results["timings"]["total_s"] = time.perf_counter() - t0
-        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        with lock:
+            results["timings"]["total_s"] = time.perf_counter() - t0
+            (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
 
-    def evaluate(version, rewards: dict, tag: str) -> dict:
+    # 0. held-out split (seeded: a reused round 1 had the same) and the gold judge
+    heldout, pool = split_prompts(prompts_file, exp.eval_prompts, exp.seed, out / "prompts")
+    judge = RecordingJudge(make_judge("embedding"))
+    ctx = Context(exp, out, heldout, judge, results, lock, log)
+    if reuse_round1 is not None:
+        reward1, rnd1 = reuse_shared_round(ctx, Path(reuse_round1))
+    else:
+        reward1, rnd1 = shared_round(ctx, pool)
+    save()
+
+    # 2-3. each setting from the same start: PPO round 1 on reward model 1, then rounds 2..R
+    def one(name):
+        run_variant(ctx, name, rnd1, reward1, save)
+
+    if parallel:
+        with ThreadPoolExecutor(len(exp.variants)) as pool_:
+            list(pool_.map(one, exp.variants))  # re-raises the first failure
+        results["variants"] = {n: results["variants"][n] for n in exp.variants}
+    else:
+        for name in exp.variants:
+            one(name)
+    save()
+    return results
+
+
+@dataclass
+class Context:
+    exp: Experiment
+    out: Path
+    heldout: list
+    judge: RecordingJudge
+    results: dict
+    lock: object
+    log: object
+
+    def env(self) -> dict:
+        n = str(self.exp.threads)
+        return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
+    def evaluate(self, version_path, rewards: dict, tag: str) -> dict:
+        from bench.gold_eval import evaluate_policy
+
         t = time.perf_counter()
-        metrics, rows = evaluate_policy(version.path, settings.model, heldout, judge, rewards, exp.eval)
-        with open(out / "eval" / f"{tag}.jsonl", "w", encoding="utf-8") as fh:
+        metrics, rows = evaluate_policy(version_path, self.exp.loop.model, self.heldout, self.judge, rewards,
+                                        self.exp.eval)
+        with open(self.out / "eval" / f"{tag}.jsonl", "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
-        log(f"eval {tag}: " + ", ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
-        results["timings"][f"eval_{tag}_s"] = time.perf_counter() - t
+        self.log(f"eval {tag}: " + ", ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
+        with self.lock:
+            self.results["timings"][f"eval_{tag}_s"] = time.perf_counter() - t
         return metrics
 
-    # 0. held-out split and the prompt pool, imported through the store
-    heldout, pool = split_prompts(prompts_file, exp.eval_prompts, exp.seed, out / "prompts")
-    (out / "eval").mkdir(exist_ok=True)
-    judge = RecordingJudge(make_judge("embedding"))
+
+def shared_round(ctx: Context, pool: Path):
+    """Phase 1: import the pool, round 1 with the base policy, reward model 1, the base's evaluation."""
+    from pipeline.jobs import JobRunner
+    from pipeline.loop import start_round
+    from pipeline.simulate import simulate_annotations
+    from store import Store
+    from store.io import import_prompts
+
+    exp, out, results, settings = ctx.exp, ctx.out, ctx.results, ctx.exp.loop
     shared_db = out / "shared" / "rlhf.duckdb"
     store = Store(shared_db)
-    runner = JobRunner(store, out / "shared" / "runs", poll_s=0.5, env=env)
+    runner = JobRunner(store, out / "shared" / "runs", poll_s=0.5, env=ctx.env())
     try:
         results["import"] = import_prompts(store, pool)
-        # 1. round 1: base policy generates, simulated annotators rank, reward model 1 trains
         t = time.perf_counter()
         rnd1 = start_round(store, runner, settings, 0)
-        simulate_annotations(store, judge, noise=exp.noise, seed=exp.seed)
-        results["annotators"] = {"round1": gold_agreement(store, judge)}
+        simulate_annotations(store, ctx.judge, noise=exp.noise, seed=exp.seed)
+        results["annotators"] = {"round1": gold_agreement(store, ctx.judge)}
         reward1 = train_reward_step(store, runner, rnd1, settings)
         results["reward_models"] = {"rm1": {"path": reward1.path, **reward1.meta.get("eval", {})}}
         results["timings"]["round1_shared_s"] = time.perf_counter() - t
@@ -276,46 +336,81 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
     finally:
         runner.shutdown()
     copy_store(store, shared_db, out / "shared" / "after_round1.duckdb")
-    results["base"] = evaluate(base, {"rm1": reward1.path}, "base")
-    save()
+    results["base"] = ctx.evaluate(base.path, {"rm1": reward1.path}, "base")
+    return reward1, rnd1
 
-    # 2-3. each setting from the same start: PPO round 1 on reward model 1, then rounds 2..R
-    for name in exp.variants:
-        t = time.perf_counter()
-        s = with_variant(settings, name)
-        db = out / name / "rlhf.duckdb"
-        db.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(out / "shared" / "after_round1.duckdb", db)
-        store = Store(db)
-        runner = JobRunner(store, out / name / "runs", poll_s=0.5, env=env)
-        rounds = []
-        try:
-            done = ppo_step(store, runner, rnd1, reward1, s)
-            rounds.append(done)
-            for n in range(1, settings.loop.rounds):
-                rnd = start_round(store, runner, s, n)
-                simulate_annotations(store, judge, noise=exp.noise, seed=exp.seed + n)
-                rounds.append(finish_round(store, runner, rnd, s))
-            agreement = gold_agreement(store, judge)
-            versions = [(store.get_model_version(r.new_policy_version_id), store.get_model_version(r.reward_version_id))
-                        for r in rounds]
-            ppo_runs = [store.get_run(v.run_id).run_dir for v, _ in versions]
-        finally:
-            runner.shutdown()
-            store.close()
-        train_s = time.perf_counter() - t
-        entry = {"label": LABELS[name], "ppo": VARIANTS[name], "annotators": agreement, "rounds": [],
-                 "steps": [], "train_s": train_s}
-        for n, ((policy, reward), run_dir) in enumerate(zip(versions, ppo_runs), 1):
-            metrics = evaluate(policy, {"rm1": reward1.path, "own": reward.path}, f"{name}_round{n}")
+
+def reuse_shared_round(ctx: Context, src: Path):
+    """Phase 1 taken from an earlier run's results directory: its store copy, reward model 1 and
+    the start policy's evaluation."""
+    from store import Store
+
+    previous = json.loads((src / "results.json").read_text(encoding="utf-8"))
+    if "base" not in previous:
+        raise ValueError(f"{src}: round 1 did not finish there (no base evaluation in results.json)")
+    for key in ("import", "annotators", "reward_models", "base"):
+        ctx.results[key] = previous[key]
+    ctx.results["timings"].update({k: v for k, v in previous["timings"].items()
+                                   if k in ("round1_shared_s", "eval_base_s")})
+    ctx.results["reused_round1"] = {"from": src.name, "seconds_there": previous["timings"].get("total_s")}
+    (ctx.out / "shared").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src / "shared" / "after_round1.duckdb", ctx.out / "shared" / "after_round1.duckdb")
+    shutil.copy2(src / "eval" / "base.jsonl", ctx.out / "eval" / "base.jsonl")
+    store = Store(ctx.out / "shared" / "after_round1.duckdb")
+    try:
+        rnd1 = store.list_rounds()[0]
+        reward1 = store.get_model_version(rnd1.reward_version_id)
+    finally:
+        store.close()
+    return reward1, rnd1
+
+
+def run_variant(ctx: Context, name: str, rnd1, reward1, save=lambda: None) -> dict:
+    """One setting: a copy of the store after round 1, PPO round 1, rounds 2..R; each new policy
+    is evaluated as soon as it exists, and the partial results saved (a stopped run keeps them)."""
+    from pipeline.jobs import JobRunner
+    from pipeline.loop import finish_round, start_round
+    from pipeline.simulate import simulate_annotations
+    from store import Store
+
+    exp, out = ctx.exp, ctx.out
+    t = time.perf_counter()
+    s = with_variant(exp.loop, name)
+    db = out / name / "rlhf.duckdb"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(out / "shared" / "after_round1.duckdb", db)
+    entry = {"label": LABELS[name], "ppo": VARIANTS[name], "rounds": [], "steps": []}
+    with ctx.lock:
+        ctx.results["variants"][name] = entry
+    store = Store(db)
+    runner = JobRunner(store, out / name / "runs", poll_s=0.5, env=ctx.env())
+
+    def record(n: int, rnd) -> None:
+        policy, reward = store.get_model_version(rnd.new_policy_version_id), store.get_model_version(rnd.reward_version_id)
+        metrics = ctx.evaluate(policy.path, {"rm1": reward1.path, "own": reward.path}, f"{name}_round{n}")
+        steps = ppo_step_trace(Path(store.get_run(policy.run_id).run_dir), ctx.judge, n)
+        with ctx.lock:
             entry["rounds"].append({"round": n, "policy": policy.path, "reward": reward.path,
                                     "reward_eval": reward.meta.get("eval", {}), **metrics})
-            entry["steps"] += ppo_step_trace(Path(run_dir), judge, n)
-        results["variants"][name] = entry
-        results["timings"][f"{name}_s"] = time.perf_counter() - t
+            entry["steps"] += steps
+            ctx.results["timings"][f"{name}_s"] = time.perf_counter() - t
+        ctx.log(f"{name}: round {n} done")
         save()
+
+    try:
+        record(1, ppo_step(store, runner, rnd1, reward1, s))
+        for n in range(1, exp.loop.loop.rounds):
+            rnd = start_round(store, runner, s, n)
+            simulate_annotations(store, ctx.judge, noise=exp.noise, seed=exp.seed + n)
+            record(n + 1, finish_round(store, runner, rnd, s))
+        agreement = gold_agreement(store, ctx.judge)
+        with ctx.lock:
+            entry["annotators"] = agreement
+    finally:
+        runner.shutdown()
+        store.close()
     save()
-    return results
+    return entry
 
 
 def ppo_step_trace(run_dir: Path, judge, round_no: int) -> list[dict]:
@@ -363,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppo-steps", type=int, default=0, help="override PPO steps per round")
     parser.add_argument("--prompts-per-round", type=int, default=0, help="override new prompts per round")
     parser.add_argument("--threads", type=int, default=2, help="torch threads here and in every job")
+    parser.add_argument("--parallel", action="store_true", help="run the settings side by side")
+    parser.add_argument("--reuse-round1", default="",
+                        help="take round 1 and the start policy's evaluation from this earlier results directory")
     parser.add_argument("--publish", default=None,
                         help="also copy report and plots here (default: docs/results for a full run, none for --quick)")
     args = parser.parse_args(argv)
@@ -386,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts_per_round:
         exp.loop.loop.prompts_per_round = args.prompts_per_round
     started = time.time()
-    results = run_experiment(exp, out, Path(args.prompts))
+    results = run_experiment(exp, out, Path(args.prompts), reuse_round1=Path(args.reuse_round1) if args.reuse_round1
+                             else None, parallel=args.parallel)
     results["wall_s"] = time.time() - started
     results["mode"] = "quick" if args.quick else "full"
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))

@@ -1,18 +1,24 @@
-"""Load test of the annotation app: simulated annotators submitting rankings through the HTTP API.
+"""Load test of the annotation app: simulated annotators ranking through the HTTP API.
 
 The app runs as its own process (`python app.py --no-generate`, as users start it) on a temporary
-DuckDB file seeded with enough items; N annotator threads each hold a gradio_client session logged
-in with their own account and loop: submit a random ranking of the item on screen (timed: from
-submit to the next item's HTML being back), then do what the browser does right after, fetch the
-item after that (/prefetch, untimed). No think time: this is the worst case for the server.
+DuckDB file seeded with enough items. N annotator threads each hold a gradio_client session logged
+in with their own account and loop like a person in the browser: read the item for a while (the
+think time), submit a random ranking (timed: from Submit until the next item's HTML is back), and,
+as the page does right after, fetch the item after that (/prefetch, untimed).
 
-Three phases, the same N threads each:
-- handlers: the same loop calling annotate/handlers.py directly in this process (no HTTP), the
-  app's own cost;
-- http + prefetch: the app as users run it (the headline figure);
-- http, no prefetch: each submit must take the next item from the queue itself.
-The ratio rows show what HTTP + Gradio + gradio_client add, and what prefetching buys. The machine's
-load average is printed too: on a shared machine the figures move with it.
+Think time: a person needs 10-30 s per K=4 ranking (the Data tab shows the median); the default
+1 s (uniform 0.5-1.5 s) makes 20 simulated annotators offer the load of a few hundred people. With
+no think time every thread submits back to back, so latency is just N / throughput (Little's law);
+that saturated phase is run last, to show the capacity.
+
+Phases, N threads each:
+- handlers:        the same loop calling annotate/handlers.py in this process (no HTTP): the app's
+                   own cost;
+- http:            the app as users run it: the headline figure;
+- http, no prefetch: each Submit takes the next item from the queue itself;
+- http, saturated: no think time.
+The ratio rows show what HTTP + Gradio + gradio_client add, and what prefetching buys. The load
+average of the machine is printed too: on a shared machine the figures move with it.
 
     python bench/ui_bench.py            # 20 annotators, 60 s per phase
     python bench/ui_bench.py --quick    # 20 annotators, 10 s per phase
@@ -32,7 +38,9 @@ import tempfile
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -63,13 +71,16 @@ def free_port() -> int:
 
 
 def start_app(db: Path, port: int) -> subprocess.Popen:
+    """`python app.py` on the seeded file; its output goes to app.log beside it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "app.py"), "--db", str(db), "--port", str(port), "--no-generate"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = db.parent / "app.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the app exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"the app exited with {proc.returncode}: {log.read_text()[-2000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
             return proc
@@ -79,20 +90,67 @@ def start_app(db: Path, port: int) -> subprocess.Popen:
     raise RuntimeError("the app did not start within 120 s")
 
 
-def annotator(url: str, i: int, seconds: float, prefetch: bool, start: threading.Barrier,
-              latencies: list, errors: list) -> None:
-    from gradio_client import Client
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    http: bool
+    prefetch: bool
+    think_s: float
 
+
+class HttpSession:
+    """One annotator's browser tab, through gradio_client."""
+
+    def __init__(self, url: str, i: int):
+        from gradio_client import Client
+
+        # ssl_verify=False: the app is plain HTTP on localhost, so there is nothing to verify, and
+        # gradio_client would otherwise load the CA bundle again for every request (it makes a new
+        # httpx client each time): on 2 cores that cost more CPU than the server's whole request.
+        self.client = Client(url, auth=(f"ann{i}", f"bench-pass-{i}"), verbose=False, ssl_verify=False,
+                             httpx_kwargs={"timeout": 60})
+        self.k = self._k(self.client.predict(api_name="/refresh")[0])
+
+    @staticmethod
+    def _k(html: str) -> int:
+        m = re.search(r'data-k="(\d+)"', html or "")
+        return int(m.group(1)) if m else 0
+
+    def submit(self, ranking: str) -> None:
+        self.k = self._k(self.client.predict(ranking, False, "", "", api_name="/submit")[0])
+
+    def prefetch(self) -> None:
+        self.client.predict(api_name="/prefetch")
+
+
+class LocalSession:
+    """The same, calling the handlers directly (what a request costs the app itself)."""
+
+    def __init__(self, store, i: int):
+        from annotate import handlers
+        from annotate.context import AppContext
+
+        self.h, self.ctx, self.request = handlers, AppContext(store=store), SimpleNamespace(username=f"ann{i}")
+        self.state = handlers.load(self.ctx, None, self.request)[0]
+
+    @property
+    def k(self) -> int:
+        return self.state.current.k if self.state.current is not None else 0
+
+    def submit(self, ranking: str) -> None:
+        self.state = self.h.submit(self.ctx, self.state, ranking, False, "", "", self.request)[0]
+
+    def prefetch(self) -> None:
+        self.state = self.h.prefetch(self.ctx, self.state, self.request)
+
+
+def annotator(target, i: int, phase: Phase, seconds: float, start: threading.Barrier,
+              latencies: list, errors: list) -> None:
     rng = random.Random(i)
     try:
-        # ssl_verify=False: the app is plain HTTP on localhost, so there is nothing to verify, and
-        # gradio_client would otherwise load the CA bundle again for every request (a new httpx
-        # client each time): on 2 cores that costs more CPU than the server spends on the request.
-        client = Client(url, auth=(f"ann{i}", f"bench-pass-{i}"), verbose=False, ssl_verify=False,
-                        httpx_kwargs={"timeout": 60})
-        html = client.predict(api_name="/refresh")[0]
-        if prefetch:
-            client.predict(api_name="/prefetch")
+        session = HttpSession(target, i) if phase.http else LocalSession(target, i)
+        if phase.prefetch:
+            session.prefetch()
     except Exception as exc:
         errors.append(f"connect: {type(exc).__name__}: {exc}")
         start.abort()
@@ -102,73 +160,46 @@ def annotator(url: str, i: int, seconds: float, prefetch: bool, start: threading
     except threading.BrokenBarrierError:
         return
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        m = re.search(r'data-k="(\d+)"', html or "")
-        if not m or m.group(1) == "0":
+    while True:
+        if phase.think_s:
+            time.sleep(phase.think_s * rng.uniform(0.5, 1.5))  # reading the responses
+        if time.perf_counter() >= deadline:
+            return
+        if session.k == 0:
             errors.append("queue ran dry")
             return
-        positions = list(range(1, int(m.group(1)) + 1))
+        positions = list(range(1, session.k + 1))
         rng.shuffle(positions)
-        ranking = ">".join(map(str, positions))
         t0 = time.perf_counter()
         try:
-            html = client.predict(ranking, False, "", "", api_name="/submit")[0]
+            session.submit(">".join(map(str, positions)))
         except Exception as exc:  # counted, not fatal: the table shows them
             errors.append(f"{type(exc).__name__}: {exc}")
-            html = client.predict(api_name="/refresh")[0]
             continue
         latencies.append(time.perf_counter() - t0)
-        if prefetch:
-            client.predict(api_name="/prefetch")
+        if phase.prefetch:
+            session.prefetch()
 
 
-def in_process(store, i: int, seconds: float, prefetch: bool, start: threading.Barrier,
-               latencies: list, errors: list) -> None:
-    """The same loop as `annotator`, calling the handlers directly (what one request costs the app)."""
-    from types import SimpleNamespace
-
-    from annotate import handlers
-    from annotate.context import AppContext
-
-    rng = random.Random(i)
-    ctx, request = AppContext(store=store), SimpleNamespace(username=f"ann{i}")
-    state, html, *_ = handlers.load(ctx, None, request)
-    if prefetch:
-        state = handlers.prefetch(ctx, state, request)
-    start.wait()
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline and state.current is not None:
-        positions = list(range(1, state.current.k + 1))
-        rng.shuffle(positions)
-        t0 = time.perf_counter()
-        state, html, *_ = handlers.submit(ctx, state, ">".join(map(str, positions)), False, "", "", request)
-        latencies.append(time.perf_counter() - t0)
-        if prefetch:
-            state = handlers.prefetch(ctx, state, request)
-    if state.current is None:
-        errors.append("queue ran dry")
-
-
-def run_phase(target, n: int, seconds: float, prefetch: bool) -> dict:
-    """N threads running `annotator` against a URL, or `in_process` against an open Store."""
+def run_phase(target, n: int, seconds: float, phase: Phase) -> dict:
     latencies: list[float] = []
     errors: list[str] = []
     barrier = threading.Barrier(n + 1)
-    loop = annotator if isinstance(target, str) else in_process
-    threads = [threading.Thread(target=loop, args=(target, i, seconds, prefetch, barrier, latencies, errors),
+    threads = [threading.Thread(target=annotator, args=(target, i, phase, seconds, barrier, latencies, errors),
                                 daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     try:
-        barrier.wait(timeout=300)  # every annotator logged in and has an item on screen
+        barrier.wait(timeout=300)  # every annotator signed in, with an item on screen
     except threading.BrokenBarrierError:
         raise RuntimeError(f"the annotators could not all connect: {errors[:3]}") from None
     t0 = time.perf_counter()
     for t in threads:
-        t.join(seconds + 60)
+        t.join(seconds + 120)
     wall = time.perf_counter() - t0
     lat = sorted(latencies)
     q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
+    print(f"  {phase.name}: {len(lat)} submissions", flush=True)
     return {"submissions": len(lat), "per_s": len(lat) / wall, "p50_ms": q[49] * 1000, "p95_ms": q[94] * 1000,
             "errors": len(errors), "first_error": errors[0] if errors else ""}
 
@@ -178,34 +209,35 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="10 s per phase instead of 60 s")
     p.add_argument("--annotators", type=int, default=20)
     p.add_argument("--seconds", type=float, default=None, help="seconds per phase (default 60, --quick 10)")
+    p.add_argument("--think", type=float, default=1.0, help="mean seconds between items (default 1.0)")
     p.add_argument("--k", type=int, default=4)
     args = p.parse_args(argv)
     seconds = args.seconds or (10.0 if args.quick else 60.0)
-    # Enough items that the queue never runs dry at a few hundred submissions per second.
-    items = int(max(4000, 300 * seconds * 3))
+    n = args.annotators
+    phases = [Phase("handlers", False, True, args.think), Phase("http", True, True, args.think),
+              Phase("http, no prefetch", True, False, args.think), Phase("http, saturated", True, True, 0.0)]
+    # Enough items that the queue never runs dry (overlap 1: each item is ranked once).
+    items = int(2000 + seconds * (3 * n / max(args.think, 0.5) + 300))
     load_before = os.getloadavg()[0]
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="ui-bench-") as tmp:
         db = Path(tmp) / "bench.duckdb"
         t0 = time.time()
-        seed(db, args.annotators, items, args.k)
-        print(f"seeded {items} items (K={args.k}) and {args.annotators} annotators in {time.time() - t0:.1f} s")
-        # 1. the handlers alone, in this process (it owns the DuckDB file meanwhile)
+        seed(db, n, items, args.k)
+        print(f"seeded {items} items (K={args.k}) and {n} annotators in {time.time() - t0:.1f} s", flush=True)
+        # 1. the handlers alone, in this process (which owns the DuckDB file meanwhile)
         store = Store(db)
         try:
-            results["handlers"] = run_phase(store, args.annotators, seconds, True)
+            results[phases[0].name] = run_phase(store, n, seconds, phases[0])
         finally:
             store.close()
-        print(f"  phase 'handlers' done: {results['handlers']['submissions']} submissions")
-        # 2. and 3. the app as its own process, through the HTTP API
+        # 2. the app as its own process, through the HTTP API
         port = free_port()
         proc = start_app(db, port)
-        url = f"http://127.0.0.1:{port}/"
         try:
-            for name, prefetch in (("http+prefetch", True), ("http, no pref.", False)):
-                results[name] = run_phase(url, args.annotators, seconds, prefetch)
-                print(f"  phase '{name}' done: {results[name]['submissions']} submissions")
+            for phase in phases[1:]:
+                results[phase.name] = run_phase(f"http://127.0.0.1:{port}/", n, seconds, phase)
         finally:
             proc.terminate()
             try:
@@ -214,30 +246,28 @@ def main(argv=None) -> int:
                 proc.kill()
 
     load_after = os.getloadavg()[0]
-    print(f"\n{args.annotators} simulated annotators, {seconds:.0f} s per phase, {os.cpu_count()} cpu cores, "
-          f"load average {load_before:.1f} before / {load_after:.1f} after; target p95 <= {TARGET_P95_MS:.0f} ms")
-    print(f"{'phase':<16}{'submissions':>12}{'per s':>9}{'p50 ms':>9}{'p95 ms':>9}{'errors':>8}")
-    for name, r in results.items():
-        print(f"{name:<16}{r['submissions']:>12}{r['per_s']:>9.1f}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}"
-              f"{r['errors']:>8}")
-    h, a, b = results["handlers"], results["http+prefetch"], results["http, no pref."]
-
-    def ratio_row(label, x, y):
-        print(f"{label:<16}{'':>12}{x['per_s'] / y['per_s']:>9.2f}{x['p50_ms'] / y['p50_ms']:>9.2f}"
-              f"{x['p95_ms'] / y['p95_ms']:>9.2f}")
-
-    ratio_row("http / handlers", a, h)
-    ratio_row("no pref./pref.", b, a)
+    print(f"\n{n} simulated annotators, {seconds:.0f} s per phase, {os.cpu_count()} cpu cores, load average "
+          f"{load_before:.1f} before / {load_after:.1f} after; target p95 <= {TARGET_P95_MS:.0f} ms")
+    print(f"{'phase':<20}{'think s':>8}{'submissions':>12}{'per s':>8}{'p50 ms':>9}{'p95 ms':>9}{'errors':>7}")
+    for phase in phases:
+        r = results[phase.name]
+        print(f"{phase.name:<20}{phase.think_s:>8.1f}{r['submissions']:>12}{r['per_s']:>8.1f}{r['p50_ms']:>9.1f}"
+              f"{r['p95_ms']:>9.1f}{r['errors']:>7}")
+    h, a, b, sat = (results[ph.name] for ph in phases)
+    for label, x, y in (("ratio http/handlers", a, h), ("ratio no prefetch/prefetch", b, a)):
+        print(f"{label:<48}{x['p50_ms'] / y['p50_ms']:>9.2f}{x['p95_ms'] / y['p95_ms']:>9.2f}")
     for name, r in results.items():
         if r["first_error"]:
             print(f"first error ({name}): {r['first_error']}")
     ok = a["p95_ms"] <= TARGET_P95_MS
-    print(f"\np95 submit-to-next-item through HTTP with prefetch: {a['p95_ms']:.1f} ms "
-          f"({'meets' if ok else 'misses'} the {TARGET_P95_MS:.0f} ms target)")
-    print(f"RESULT ui annotators={args.annotators} seconds={seconds:.0f} submissions_per_s={a['per_s']:.1f} "
+    print(f"\np95 from Submit to the next item through HTTP: {a['p95_ms']:.1f} ms "
+          f"({'meets' if ok else 'misses'} the {TARGET_P95_MS:.0f} ms target); capacity without think time: "
+          f"{sat['per_s']:.1f} submissions/s")
+    print(f"RESULT ui annotators={n} seconds={seconds:.0f} think_s={args.think} submissions_per_s={a['per_s']:.1f} "
           f"p50_ms={a['p50_ms']:.1f} p95_ms={a['p95_ms']:.1f} handlers_p95_ms={h['p95_ms']:.1f} "
-          f"no_prefetch_p95_ms={b['p95_ms']:.1f} ratio_http_over_handlers={a['p95_ms'] / h['p95_ms']:.2f} "
-          f"errors={a['errors'] + b['errors'] + h['errors']} load_avg={load_before:.1f} target_met={ok}")
+          f"no_prefetch_p95_ms={b['p95_ms']:.1f} saturated_per_s={sat['per_s']:.1f} "
+          f"saturated_p95_ms={sat['p95_ms']:.1f} ratio_http_over_handlers_p95={a['p95_ms'] / h['p95_ms']:.2f} "
+          f"errors={sum(r['errors'] for r in results.values())} load_avg={load_before:.1f} target_met={ok}")
     return 0
 
 

@@ -203,7 +203,8 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16, autocast=None)
             texts = [tokenizer.decode(s[m.bool()]) for s, m in zip(sequences, attention_mask)]
             rm_tokenizer.padding_side = "left"
             enc = rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            sequences, attention_mask = enc["input_ids"].to(sequences.device), enc["attention_mask"].to(sequences.device)
+            device = sequences.device
+            sequences, attention_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
         out = []
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             with autocast():
@@ -295,6 +296,7 @@ def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_se
 
 
 __all__ = [
-    "Rollout", "Advantages", "kl_shaped_advantages", "window", "response_logits", "critic_values", "rollout_forwards", "make_reward",
-    "decode_responses", "prompt_order", "read_ptx_texts", "ptx_batch", "write_samples",
+    "Rollout", "Advantages", "kl_shaped_advantages", "window", "response_logits", "critic_values",
+    "rollout_forwards", "make_reward", "decode_responses", "prompt_order", "read_ptx_texts", "ptx_batch",
+    "write_samples",
 ]

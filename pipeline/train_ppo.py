@@ -31,8 +31,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -47,7 +45,10 @@ from pipeline.losses import (
 )
 from pipeline.models import (
     causal_lm_logits, load_policy, load_scalar_model, make_reference, pick_device, pick_dtype, read_meta,
-    save_policy, save_scalar_model,
+    save_policy,
+)
+from pipeline.ppo_state import (
+    Cancelled, RunStatus, StopFlag, load_checkpoint, save_checkpoint, truncate_metrics, write_json,
 )
 from pipeline.rollout import (
     Rollout, critic_values, kl_shaped_advantages, make_reward, prompt_order, ptx_batch, read_ptx_texts,
@@ -55,7 +56,6 @@ from pipeline.rollout import (
 )
 
 CHECKPOINT = "checkpoint"
-STATE_FILE = "trainer_state.pt"
 
 
 def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out_dir: str | os.PathLike,
@@ -106,7 +106,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
         use_sample_logprobs = cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32)
         state.update(policy=policy_model, critic=critic, tokenizer=tokenizer, opts=(policy_opt, critic_opt),
                      scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start)
-        _write_json(out / "config.json", {
+        write_json(out / "config.json", {
             "stage": "ppo", "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
             "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
             "ppo": to_dict(cfg), "model": to_dict(model_cfg)})
@@ -201,8 +201,9 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                         (cfg.ptx_coef * ptx_loss).backward()
                         stats["ptx/loss"] += float(ptx_loss.detach())
                     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-                    stats["policy/grad_norm"] += float(torch.nn.utils.clip_grad_norm_(_trainable(policy_model), max_norm))
-                    stats["val/grad_norm"] += float(torch.nn.utils.clip_grad_norm_(_trainable(critic), max_norm))
+                    clip = torch.nn.utils.clip_grad_norm_  # policy and critic clipped separately
+                    stats["policy/grad_norm"] += float(clip(_trainable(policy_model), max_norm))
+                    stats["val/grad_norm"] += float(clip(_trainable(critic), max_norm))
                     policy_opt.step()
                     critic_opt.step()
                     policy_opt.zero_grad(set_to_none=True)
@@ -350,138 +351,6 @@ def _trainable(model) -> list[torch.nn.Parameter]:
 
 def _reward_name(reward: str) -> str:
     return reward if reward.startswith("script:") else str(Path(reward).resolve())
-
-
-# --------------------------------------------------------------------------- run directory
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)  # readers never see half a file
-
-
-class RunStatus:
-    """status.json for the job runner: {state, step, total, progress, updated_at, error}."""
-
-    def __init__(self, out: Path, total: int):
-        self.path, self.total = out / "status.json", total
-
-    def write(self, state: str, step: int, error: str | None = None) -> None:
-        _write_json(self.path, {"state": state, "step": step, "total": self.total,
-                                "progress": round(step / self.total, 4), "updated_at": time.time(), "error": error})
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep metric lines up to `step` (a resumed run rewrites the steps after its checkpoint)."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def save_checkpoint(ckpt: Path, state: dict) -> None:
-    """checkpoint/: policy (adapter or full), critic, optimisers, schedulers, KL controller, step.
-    Written beside the old one and swapped in, so a kill mid-save leaves the previous checkpoint."""
-    tmp = ckpt.with_name(ckpt.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_policy(state["policy"], state["tokenizer"], tmp / "policy")
-    save_scalar_model(state["critic"], state["tokenizer"], tmp / "critic")
-    torch.save({"step": state["step"], "policy_optim": state["opts"][0].state_dict(),
-                "critic_optim": state["opts"][1].state_dict(), "policy_sched": state["scheds"][0].state_dict(),
-                "critic_sched": state["scheds"][1].state_dict(), "kl": state["kl"].state_dict()},
-               tmp / STATE_FILE)
-    old = ckpt.with_name(ckpt.name + ".old")
-    if ckpt.exists():
-        os.replace(ckpt, old)
-    os.replace(tmp, ckpt)
-    if old.exists():
-        import shutil
-
-        shutil.rmtree(old)
-
-
-def load_checkpoint(ckpt: Path, policy, policy_opt, critic_opt, policy_sched, critic_sched, kl_ctl, device) -> int:
-    """Restore the policy weights, optimisers, schedules and KL controller; returns the step."""
-    state_path = ckpt / STATE_FILE
-    if not state_path.is_file():
-        raise ValueError(f"{ckpt}: no {STATE_FILE} (an incomplete checkpoint)")
-    _load_policy_weights(policy, ckpt / "policy")
-    state = torch.load(state_path, map_location=device, weights_only=False)
-    policy_opt.load_state_dict(state["policy_optim"])
-    critic_opt.load_state_dict(state["critic_optim"])
-    policy_sched.load_state_dict(state["policy_sched"])
-    critic_sched.load_state_dict(state["critic_sched"])
-    kl_ctl.load_state_dict(state["kl"])
-    return int(state["step"])
-
-
-def _load_policy_weights(policy, folder: Path) -> None:
-    """Copy saved policy weights into the already-built policy (whose reference is the start)."""
-    from pipeline.models import is_peft
-
-    if is_peft(policy):
-        from peft import load_peft_weights, set_peft_model_state_dict
-
-        set_peft_model_state_dict(policy, load_peft_weights(str(folder), device=str(policy.device)))
-    else:
-        from transformers.modeling_utils import load_sharded_checkpoint
-
-        if (folder / "model.safetensors").is_file():
-            from safetensors.torch import load_file
-
-            policy.load_state_dict(load_file(str(folder / "model.safetensors"), device=str(policy.device)),
-                                   strict=False)
-        else:
-            load_sharded_checkpoint(policy, str(folder))
-
-
-# --------------------------------------------------------------------------- cancellation
-
-
-class Cancelled(Exception):
-    """SIGTERM or Ctrl-C arrived; the run stops at the next safe point."""
-
-
-class StopFlag:
-    """SIGTERM/SIGINT set a flag that the loop checks between phases and minibatches, so a
-    cancel never interrupts a write. A second signal stops at once."""
-
-    def __init__(self):
-        self.signal: str | None = None
-        self._previous: dict = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None:
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-
-    def check(self) -> None:
-        if self.signal is not None:
-            raise Cancelled(f"cancelled by {self.signal}")
 
 
 # --------------------------------------------------------------------------- CLI

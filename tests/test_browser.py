@@ -214,4 +214,4 @@ def test_annotator_cannot_reach_admin_actions(app, browser):
             client.predict(*args, api_name=api_name)
     assert snapshot() == before
     # while the annotation endpoints work for them
-    client.predict(api_name="/prefetch")
+    assert "rl-item" in client.predict(api_name="/refresh")[0]

@@ -14,6 +14,7 @@ import pytest
 from annotate import admin, bootstrap, handlers, render
 from annotate.context import AppContext, Refused
 from annotate.handlers import parse_ranking
+from annotate.state import Showing
 from tests.fixtures_store import seed_items
 
 
@@ -113,9 +114,9 @@ def test_load_shows_item_in_display_order(ctx):
 
 def test_submit_stores_exactly_the_ranked_pairs_and_moves_on(ctx):
     seed_items(ctx.store, 3, 4)
-    state, _ = show(ctx)
-    state = handlers.prefetch(ctx, state, req("ann"))
+    state, _ = show(ctx)  # with no executor, the next item is prefetched before load returns
     first, upcoming = state.current, state.prefetched
+    assert upcoming is not None and upcoming.item_id != first.item.item_id
     order = positions_to_ids(state, "2>1=3>4")
     out = handlers.submit(ctx, state, "2>1=3>4", False, " nice ", first.token, req("ann"))
     state, html, progress, comment, all_bad, timer = out
@@ -148,7 +149,7 @@ def test_double_submit_of_one_showing_stores_one_ranking(ctx):
     token, item = state.current.token, state.current.item
     handlers.submit(ctx, state, "1>2>3", False, "", token, req("ann"))
     # the same showing again (a retry): same client token -> the store keeps one ranking
-    state.current = type(state.current)(item, token=token)
+    state.current = Showing(item, token=token)
     handlers.submit(ctx, state, "1>2>3", False, "", token, req("ann"))
     assert len(ctx.store.list_rankings()) == 1
 
@@ -168,7 +169,6 @@ def test_never_shows_an_item_already_ranked(ctx):
     seen = []
     while state.current is not None:
         seen.append(state.current.item.item_id)
-        state = handlers.prefetch(ctx, state, req("ann"))
         state, *_ = handlers.submit(ctx, state, "1>2", False, "", "", req("ann"))
     assert len(seen) == len(set(seen)) == 4
     _, html, progress, *_ = handlers.load(ctx, state, req("ann"))
@@ -213,10 +213,45 @@ def test_undo_shows_the_last_item_again_and_deletes_its_pairs(ctx):
     assert len(ctx.store.list_rankings()) == 2
 
 
+def test_prefetch_runs_in_the_background_executor(ctx):
+    from concurrent.futures import ThreadPoolExecutor
+
+    seed_items(ctx.store, 3, 2)
+    ctx.background = ThreadPoolExecutor(max_workers=2)
+    state, _ = show(ctx)
+    ctx.background.shutdown(wait=True)
+    assert state.prefetched is not None and state.prefetched.item_id != state.current.item.item_id
+    assert not state.prefetching
+
+
+def test_a_prefetch_racing_an_action_never_doubles_the_item_on_screen(ctx, monkeypatch):
+    seed_items(ctx.store, 3, 2)
+    state, _ = show(ctx)
+    state.prefetched = None
+    real = ctx.store.next_item
+
+    def next_item_while_an_action_shows_it(annotator_id, **kw):
+        item = real(annotator_id, **kw)
+        state.current = Showing(item)  # a Submit ran meanwhile and showed this very item
+        return item
+
+    monkeypatch.setattr(ctx.store, "next_item", next_item_while_an_action_shows_it)
+    handlers.prefetch(ctx, state, ctx.store.find_annotator("ann"))
+    assert state.prefetched is None and not state.prefetching
+
+
+def test_no_prefetch_mode(ctx):
+    seed_items(ctx.store, 3, 2)
+    ctx.prefetch = False
+    state, _ = show(ctx)
+    assert state.prefetched is None
+    state, *_ = handlers.submit(ctx, state, "1>2", False, "", "", req("ann"))
+    assert state.current is not None and state.prefetched is None
+
+
 def test_leaving_gives_the_leased_items_back(ctx):
     seed_items(ctx.store, 2, 2)
-    state, _ = show(ctx)
-    handlers.prefetch(ctx, state, req("ann"))
+    state, _ = show(ctx)  # the item on screen and the prefetched one are leased to ann
     other, _ = show(ctx, "bea")
     assert other.current is None  # both items are leased to ann (one ranking per item)
     handlers.leave(ctx, req("ann"))

@@ -242,7 +242,7 @@ def test_reference_is_unchanged_by_training(tmp_path, ppo_model_cfg, prompts_fil
 
 def test_full_fine_tuning_keeps_a_frozen_reference(tmp_path, tiny_model_dir, prompts_file):
     cfg = ModelConfig(model=str(tiny_model_dir), device="cpu", dtype="fp32", lora=False)
-    rows = run(tmp_path, "full", cfg, prompts_file, steps=3, lr=3e-3)
+    rows = run(tmp_path, "full", cfg, prompts_file, steps=3, lr=3e-2)
     assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)
     assert rows[-1]["objective/kl"] > 0.05  # the policy moved, the reference did not follow
     assert (tmp_path / "full" / "policy" / "model.safetensors").is_file()

@@ -1,0 +1,300 @@
+"""Models-tab handlers: every model version with its lineage, metrics and samples; the active
+policy; comparing two policies on held-out prompts; the gold-loop experiment's plots.
+
+Plain functions `(ctx, inputs..., request) -> updates`, wired by annotate/ui_train.py and called
+directly by tests. Each starts with `admin(ctx, request)` (annotate/context.py).
+
+Lineage comes from the store's model versions: a policy names its parent policy, the reward model
+PPO used and its run; a reward model names the snapshot (export) it was trained on, its run, and
+the reward model it was warm-started from. The comparison samples both policies in a background
+task (annotate/tasks.py, pipeline/compare.py) and judges them with a reward model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from annotate import render
+from annotate.context import AppContext, admin
+from annotate.tasks import start_task, task_status
+from annotate.train import settings_of
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPARE_TASK = "compare"
+SIDE_BY_SIDE = 8
+"""Prompts shown side by side after a comparison."""
+
+
+def _names(store) -> dict[int, str]:
+    return {mv.id: mv.name for mv in store.list_model_versions()}
+
+
+def _summary(mv) -> str:
+    """A version's headline numbers: held-out accuracy of a reward model; the last PPO step's
+    score and KL of a policy; its latest comparison."""
+    meta = mv.meta or {}
+    ev, final = meta.get("eval") or {}, meta.get("final") or {}
+    parts = []
+    if "eval/accuracy" in ev:
+        parts.append(f"acc {ev['eval/accuracy']:.3f}")
+    if "objective/score" in final:
+        parts.append(f"score {final['objective/score']:.3f}")
+    if "objective/kl" in final:
+        parts.append(f"KL {final['objective/kl']:.3f}")
+    for key, value in meta.items():
+        if key.startswith("compare/") and isinstance(value, dict) and "win_rate" in value:
+            parts.append(f"wins {value['win_rate']:.0%} vs {key.split('/', 1)[1]}")
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------- the table and details
+
+
+def models_table(ctx: AppContext, request: gr.Request) -> pd.DataFrame:
+    """Every model version with its lineage and headline metrics; ● marks the active policy."""
+    admin(ctx, request)
+    store = ctx.store
+    active = store.active_policy()
+    names = _names(store)
+    runs = {r.id: r for r in store.list_runs()}
+    snapshots = {s.id: s for s in store.list_snapshots()}
+    rows = []
+    for mv in store.list_model_versions():
+        run, snap = runs.get(mv.run_id), snapshots.get(mv.snapshot_id)
+        rows.append({
+            "id": mv.id, "name": mv.name, "kind": mv.kind,
+            "active": "●" if active is not None and mv.id == active.id else "",
+            "parent": names.get(mv.parent_id, ""), "reward model": names.get(mv.reward_version_id, ""),
+            "snapshot": f"#{snap.id} ({snap.counts.get('pairs', 0)} pairs)" if snap else "",
+            "run": f"#{run.id} {run.kind}" if run else "", "metrics": _summary(mv),
+            "base model": mv.base_model or "", "created": mv.created_at.strftime("%Y-%m-%d %H:%M"),
+        })
+    return pd.DataFrame(rows, columns=["id", "name", "kind", "active", "parent", "reward model", "snapshot", "run",
+                                       "metrics", "base model", "created"])
+
+
+def version_choices(ctx: AppContext, request: gr.Request):
+    """(details picker, policy A, policy B, reward model): B defaults to the active policy, A to
+    its parent (what PPO improved on), the reward model to the newest."""
+    admin(ctx, request)
+    versions = ctx.store.list_model_versions()
+    policies = [mv.name for mv in versions if mv.kind == "policy"]
+    rewards = [mv.name for mv in versions if mv.kind == "reward" and mv.path]
+    active = ctx.store.active_policy()
+    parent = ctx.store.get_model_version(active.parent_id) if active and active.parent_id else None
+    b = active.name if active else (policies[-1] if policies else None)
+    a = parent.name if parent else next((n for n in policies if n != b), b)
+    return (gr.update(choices=[mv.name for mv in versions], value=b),
+            gr.update(choices=policies, value=a), gr.update(choices=policies, value=b),
+            gr.update(choices=rewards, value=rewards[-1] if rewards else None))
+
+
+def _version(ctx: AppContext, name: str | None, kind: str | None = None):
+    mv = ctx.store.find_model_version(name) if name else None
+    if mv is None or (kind is not None and mv.kind != kind):
+        raise gr.Error(f"No {kind or 'model'} version named {name!r}: pick one from the list.")
+    return mv
+
+
+def open_tab(ctx: AppContext, request: gr.Request):
+    """Everything the tab shows when opened: (table, details picker, policy A, policy B, reward
+    model, then version_details of the preselected version)."""
+    table = models_table(ctx, request)
+    pick, a, b, reward = version_choices(ctx, request)
+    return (table, pick, a, b, reward, *version_details(ctx, pick["value"], request))
+
+
+def version_details(ctx: AppContext, name: str | None, request: gr.Request):
+    """(lineage markdown, metrics and meta as JSON, sample table, sample caption) of a version."""
+    admin(ctx, request)
+    if not name:
+        return "Pick a model version.", {}, pd.DataFrame(), ""
+    mv = _version(ctx, name)
+    samples, caption = sample_table(ctx.store, mv)
+    return lineage_markdown(ctx.store, mv), {"meta": mv.meta, "path": mv.path, "base_model": mv.base_model}, \
+        samples, caption
+
+
+def lineage_markdown(store, mv) -> str:
+    """The version's ancestry, newest first: what trained each step and on what."""
+    names = _names(store)
+    lines = []
+    for v in store.model_lineage(mv.id):
+        facts = [f"**{v.name}** ({v.kind})"]
+        if v.run_id is not None:
+            run = store.get_run(v.run_id)
+            facts.append(f"run #{run.id} {run.kind} ({run.status})")
+        if v.reward_version_id is not None:
+            reward = store.get_model_version(v.reward_version_id)
+            facts.append(f"PPO against **{reward.name}**" + _reward_origin(store, reward, names))
+        if v.snapshot_id is not None:
+            facts.append(_snapshot_text(store, v.snapshot_id))
+        if v.parent_id is None:
+            facts.append(f"base model `{v.base_model}`" if v.path is None else "no parent")
+        lines.append("- " + " · ".join(facts) + (f" · from **{names[v.parent_id]}**" if v.parent_id else ""))
+    users = [u.name for u in store.list_model_versions() if mv.id in (u.parent_id, u.reward_version_id)]
+    if users:
+        lines.append(f"\nUsed to train: {', '.join(f'**{n}**' for n in users)}")
+    return "\n".join(lines)
+
+
+def _snapshot_text(store, snapshot_id: int) -> str:
+    snap = store.get_snapshot(snapshot_id)
+    return f"trained on snapshot #{snap.id} ({snap.counts.get('pairs', 0)} pairs, `{Path(snap.path).name}`)"
+
+
+def _reward_origin(store, reward, names) -> str:
+    bits = [_snapshot_text(store, reward.snapshot_id)] if reward.snapshot_id is not None else []
+    if reward.parent_id is not None:
+        bits.append(f"warm-started from {names.get(reward.parent_id)}")
+    return f" ({', '.join(bits)})" if bits else ""
+
+
+def sample_table(store, mv) -> tuple[pd.DataFrame, str]:
+    """The newest PPO sample table (run dir samples/step_N.jsonl) of the run that made `mv`."""
+    cols = ["prompt", "response", "score", "kl", "tokens", "finish_reason"]
+    run = store.get_run(mv.run_id) if mv.run_id is not None else None
+    folder = Path(run.run_dir) / "samples" if run is not None and run.run_dir else None
+    files = sorted(folder.glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1])) \
+        if folder is not None and folder.is_dir() else []
+    if not files:
+        why = "a reward model has no PPO samples" if mv.kind == "reward" else "no PPO run made this version"
+        return pd.DataFrame(columns=cols), f"No sample table: {why}."
+    rows = [json.loads(line) for line in files[-1].read_text(encoding="utf-8").splitlines() if line.strip()]
+    for row in rows:
+        if not isinstance(row.get("prompt"), str):
+            row["prompt"] = json.dumps(row.get("prompt"), ensure_ascii=False)
+    return pd.DataFrame(rows, columns=cols), f"PPO samples at step {files[-1].stem.split('_')[1]} of run #{run.id}."
+
+
+def set_active(ctx: AppContext, name: str | None, request: gr.Request):
+    """Make a policy version the one that generates new responses. Returns (message, table)."""
+    admin(ctx, request)
+    mv = _version(ctx, name, "policy")
+    ctx.store.set_active_policy(mv.id)
+    return f"**{mv.name}** is now the active policy: new responses come from it.", models_table(ctx, request)
+
+
+# ------------------------------------------------------------------------- comparing two policies
+
+
+def held_out_prompts(store, n: int) -> list:
+    """Up to n prompts nobody has seen: no responses (annotators never ranked them) and in no PPO
+    run's prompt file (no policy trained on them). The newest first, so the choice is stable."""
+    used: set[int] = set()
+    for run in store.list_runs(kind="ppo"):
+        args = run.config.get("args", [])
+        if "--prompts" in args:
+            path = Path(args[args.index("--prompts") + 1])
+            if path.is_file():
+                used.update(json.loads(line).get("id") for line in path.read_text(encoding="utf-8").splitlines()
+                            if line.strip())
+    pool = [p for p in store.prompts_without_responses() if p.id not in used]
+    return sorted(pool, key=lambda p: -p.id)[:n]
+
+
+def compare(ctx: AppContext, a_name: str | None, b_name: str | None, reward_name: str | None, n_prompts,
+            request: gr.Request):
+    """Start comparing policy A with policy B on held-out prompts, judged by a reward model (in
+    the background). Returns (progress bar, timer)."""
+    admin(ctx, request)
+    a, b = _version(ctx, a_name, "policy"), _version(ctx, b_name, "policy")
+    reward = _version(ctx, reward_name, "reward")
+    if a.id == b.id:
+        raise gr.Error("Pick two different policies to compare.")
+    if not reward.path:
+        raise gr.Error(f"{reward.name} has no checkpoint to score with.")
+    try:
+        n = int(n_prompts)
+    except (TypeError, ValueError):
+        raise gr.Error(f"Prompts: enter a whole number (got {n_prompts!r}).") from None
+    prompts = held_out_prompts(ctx.store, max(1, n))
+    if not prompts:
+        raise gr.Error("No held-out prompts left (every prompt has responses or trained a policy): "
+                       "import more prompts in Data → Import.")
+    settings = settings_of(ctx)
+    store = ctx.store
+
+    def work(task):
+        from pipeline.compare import CompareConfig, PolicySpec, compare_policies
+
+        cfg = CompareConfig(max_new_tokens=settings.ppo.max_new_tokens, temperature=settings.ppo.temperature)
+        specs = [PolicySpec(v.name, v.base_model or settings.model.model, v.path) for v in (a, b)]
+        result = compare_policies(*specs, reward.path, [p.messages or p.text for p in prompts], settings.model,
+                                  cfg, on_progress=lambda done, total, detail: task.update(
+                                      done=done, total=total, detail=detail))
+        result.update(a=a.name, b=b.name, reward=reward.name)
+        store.update_model_version(a.id, meta={f"compare/{b.name}": {
+            "win_rate": result["win_rate"], "stderr": result["stderr"], "reward": reward.name,
+            "prompts": result["prompts"], "mean": result["mean_a"], "mean_other": result["mean_b"]}})
+        return result
+
+    try:
+        start_task(ctx, COMPARE_TASK, f"{a.name} vs {b.name}", work)
+    except RuntimeError as exc:
+        raise gr.Error(str(exc)) from None
+    bar, *_ = compare_poll(ctx, request)
+    return bar, gr.update(active=True)
+
+
+def compare_poll(ctx: AppContext, request: gr.Request):
+    """(progress bar, result markdown, side-by-side table, timer) of the latest comparison."""
+    admin(ctx, request)
+    task = task_status(ctx, COMPARE_TASK)
+    empty = pd.DataFrame(columns=["prompt", "A", "A score", "B", "B score"])
+    if task is None:
+        return render.render_job("Compare", 0, 0, "idle", "Pick two policies and a reward model."), "", empty, \
+            gr.update(active=False)
+    bar = render.render_job(f"Compare {task.label}", task.done, task.total, task.status, task.error or task.detail)
+    if task.status != "done":
+        return bar, "", empty, gr.update(active=task.running)
+    r = task.result
+    text = (f"**{r['a']}** vs **{r['b']}** on {r['prompts']} held-out prompts, judged by **{r['reward']}**: "
+            f"{r['a']} wins **{r['win_rate']:.0%}** ± {r['stderr']:.0%} (ties count half); mean normalised "
+            f"reward {r['mean_a']:+.3f} vs {r['mean_b']:+.3f}.")
+    table = pd.DataFrame([{"prompt": row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"]),
+                           "A": row["response_a"], "A score": round(row["score_a"], 3),
+                           "B": row["response_b"], "B score": round(row["score_b"], 3)}
+                          for row in r["rows"][:SIDE_BY_SIDE]], columns=empty.columns)
+    return bar, text, table, gr.update(active=False)
+
+
+# ------------------------------------------------------------------------- gold-loop plots
+
+
+def gold_dirs(ctx: AppContext) -> list[Path]:
+    """Where bench/gold_loop.py's plots may be: data_dir/results/latest, the published
+    docs/results, and the newest bench/out/gold_loop/<time> folder."""
+    dirs = [ctx.data_dir / "results" / "latest", ROOT / "docs" / "results"]
+    out = ROOT / "bench" / "out" / "gold_loop"
+    if out.is_dir():
+        runs = sorted((d for d in out.iterdir() if d.is_dir() and any(d.glob("*.png"))), key=lambda d: d.name)
+        dirs += runs[-1:]
+    return [d for d in dirs if d.is_dir() and any(d.glob("*.png"))]
+
+
+def gold_plots(ctx: AppContext, request: gr.Request):
+    """(gallery of (image, caption), note). Images are served from a fresh temp copy, so no
+    results folder itself is exposed."""
+    admin(ctx, request)
+    dirs = gold_dirs(ctx)
+    if not dirs:
+        return [], ("No gold-loop results yet. `python bench/gold_loop.py --quick` runs the experiment on tiny "
+                    "models; a full run publishes its plots to docs/results/.")
+    tmp = Path(tempfile.mkdtemp(prefix="rlhf-gold-"))
+    images = []
+    for i, folder in enumerate(dirs):
+        for png in sorted(folder.glob("*.png")):
+            copy = tmp / f"{i}-{png.name}"
+            try:
+                shutil.copy2(png, copy)
+            except OSError as exc:
+                raise gr.Error(f"Cannot read {png}: {exc}") from None
+            images.append((str(copy), f"{png.stem} · {folder.name}"))
+    return images, "Gold-loop plots from " + ", ".join(f"`{d.name}`" for d in dirs) + "."

@@ -1,0 +1,152 @@
+"""Layout and wiring of the Train and Models tabs (logic: annotate/train.py, annotate/model_admin.py).
+
+Each builder returns {"load": [(handler, inputs, outputs), ...]}: what to run when its tab is
+opened (annotate/ui.py wires those to the tab's select event; the handlers check the admin role).
+Admin endpoints keep readable API names but stay out of the API docs, as on the Data tab.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from annotate import model_admin as m
+from annotate import train as t
+from annotate.context import AppContext
+
+HIDDEN = {"api_visibility": "undocumented"}
+QUIET = {"api_visibility": "private", "show_progress": "hidden"}
+
+
+def _bind(fn, ctx):
+    from annotate.ui import bind
+
+    return bind(fn, ctx)
+
+
+def train_tab(ctx: AppContext) -> dict:
+    s = t.settings_of(ctx)
+    enabled = ctx.jobs is not None
+    if not enabled:
+        gr.Markdown(f"**Training is off.** {t.NO_JOBS}", elem_id="rl-no-jobs")
+    gr.Markdown(f"Jobs run one at a time as subprocesses on base model `{s.model.model}` (device "
+                f"`{s.model.device}`); each writes its own run folder, and the monitor below follows it.")
+    lora = gr.Checkbox(value=s.model.lora, label=f"LoRA adapters (rank {s.model.lora_r}; off = full fine-tuning)")
+    with gr.Row(equal_height=False):
+        with gr.Column(variant="panel"):
+            gr.Markdown("#### Reward model\nBradley-Terry on every pair so far (a Parquet snapshot is exported first).")
+            epochs = gr.Number(value=s.reward.epochs, precision=0, minimum=1, label="Epochs")
+            rm_lr = gr.Number(value=s.reward.lr, label="Learning rate")
+            rm_batch = gr.Number(value=s.reward.batch_size, precision=0, minimum=1, label="Batch size (pairs)")
+            warm = gr.Checkbox(value=True, label="Warm start from the newest reward model")
+            rm_btn = gr.Button("Train reward model", variant="primary", elem_id="rl-train-reward", interactive=enabled)
+        with gr.Column(variant="panel"):
+            gr.Markdown("#### PPO\nFrom the active policy, against a frozen reward model.")
+            names = t.reward_names(ctx.store)
+            reward = gr.Dropdown(names, value=names[-1] if names else None, label="Reward model",
+                                 elem_id="rl-ppo-reward")
+            with gr.Row():
+                steps = gr.Number(value=s.ppo.steps, precision=0, minimum=1, label="Steps")
+                n_prompts = gr.Number(value=s.ppo_prompts, precision=0, minimum=1, label="Prompts")
+            kl_control = gr.Radio(list(t.KL_CONTROLS), value=s.ppo.kl_control, label="KL control",
+                                  info="adaptive: Ziegler et al. 2019 · x1.5: Schulman et al. 2017 · fixed β")
+            with gr.Row():
+                beta = gr.Number(value=s.ppo.init_kl_coef, label="β (initial)")
+                kl_target = gr.Number(value=s.ppo.kl_target, label="KL target (nats)")
+            with gr.Row():
+                ppo_lr = gr.Number(value=s.ppo.lr, label="Policy LR")
+                critic_lr = gr.Number(value=s.ppo.critic_lr, label="Critic LR")
+            activate = gr.Checkbox(value=True, label="Make the new policy active when done")
+            ppo_btn = gr.Button("Run PPO", variant="primary", elem_id="rl-run-ppo", interactive=enabled)
+        with gr.Column(variant="panel"):
+            gr.Markdown("#### Loop round\nFinish the round being annotated (snapshot → reward model → PPO → "
+                        "new active policy), then generate the next one.")
+            per_round = gr.Number(value=s.loop.prompts_per_round, precision=0, minimum=1, label="Prompts per round")
+            k = gr.Slider(2, 8, value=s.generate.k, step=1, label="K responses per prompt")
+            strategy = gr.Radio(["random", "uncertain"], value=s.loop.strategy, label="Prompt selection",
+                                info="uncertain: the prompts the reward model separates least")
+            round_btn = gr.Button("Run a full round", variant="primary", elem_id="rl-run-round", interactive=enabled)
+            next_btn = gr.Button("Start the next round (no training)", elem_id="rl-next-round", interactive=enabled)
+            round_md = gr.Markdown(elem_id="rl-round")
+    msg = gr.Markdown(elem_id="rl-train-msg")
+
+    gr.Markdown("### Job monitor")
+    with gr.Row():
+        run_pick = gr.Dropdown([("Latest job (follows new jobs)", t.LATEST)], value=t.LATEST, label="Run", elem_id="rl-run-pick", scale=3)
+        refresh = gr.Button("Refresh", size="sm", scale=0, min_width=100)
+        cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=0, min_width=120, elem_id="rl-cancel",
+                           interactive=enabled)
+    bar = gr.HTML(elem_id="rl-train-job", js_on_load=None)
+    plots = []
+    titles = list(t.PLOTS)
+    for row in (titles[:3], titles[3:]):
+        with gr.Row():
+            for title in row:
+                plots.append(gr.LinePlot(x="step", y="value", color="metric", title=title, height=240,
+                                         visible=False, elem_classes=["rl-train-plot"]))
+    with gr.Row(equal_height=False):
+        latest = gr.Dataframe(label="Latest values", interactive=False, scale=1, max_height=320)
+        log = gr.Textbox(label="Log (last lines)", lines=14, max_lines=14, interactive=False, autoscroll=True,
+                         scale=2, elem_id="rl-train-log")
+    timer = gr.Timer(1.0, active=False)
+
+    started = [msg, run_pick, timer]
+    poll_in, poll_out = [run_pick, reward], [bar, *plots, latest, log, round_md, run_pick, reward, timer]
+    poll = dict(fn=_bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
+    rm_btn.click(_bind(t.train_reward, ctx), [lora, epochs, rm_lr, rm_batch, warm], started,
+                 api_name="train_reward", **HIDDEN).success(**poll)
+    ppo_btn.click(_bind(t.run_ppo, ctx), [lora, reward, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
+                                          critic_lr, activate], started, api_name="run_ppo", **HIDDEN).success(**poll)
+    round_btn.click(_bind(t.run_full_round, ctx), [lora, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control, beta,
+                                                   kl_target, ppo_lr, critic_lr, per_round, k, strategy],
+                    started, api_name="run_round", **HIDDEN).success(**poll)
+    next_btn.click(_bind(t.start_next_round, ctx), [per_round, k, strategy], started, api_name="next_round",
+                   **HIDDEN).success(**poll)
+    cancel.click(_bind(t.cancel, ctx), [run_pick], [msg], api_name="cancel_run", **HIDDEN).success(**poll)
+    # .input, not .change: poll itself updates the picker, and must not trigger itself
+    run_pick.input(**poll)
+    refresh.click(**poll)
+    timer.tick(**poll)
+    return {"load": [(t.poll, poll_in, poll_out)]}
+
+
+def models_tab(ctx: AppContext) -> dict:
+    gr.Markdown("Every model version with its lineage. **●** marks the active policy, which generates new responses.")
+    table = gr.Dataframe(interactive=False, elem_id="rl-models")
+    refresh = gr.Button("Refresh", size="sm", scale=0, min_width=120)
+    with gr.Row():
+        pick = gr.Dropdown([], label="Model version", elem_id="rl-model-pick", scale=3)
+        make_active = gr.Button("Make this the active policy", elem_id="rl-make-active", scale=1)
+    model_msg = gr.Markdown()
+    with gr.Row(equal_height=False):
+        lineage = gr.Markdown(elem_id="rl-lineage")
+        meta = gr.JSON(label="Metrics and metadata", open=False)
+    caption = gr.Markdown()
+    samples = gr.Dataframe(label="Sample table", interactive=False, wrap=True, max_height=360)
+
+    gr.Markdown("### Compare two policies\nBoth sample one response per held-out prompt (never annotated, never "
+                "in a PPO prompt file) with the same seed; the reward model judges each pair.")
+    with gr.Row():
+        a = gr.Dropdown([], label="Policy A", elem_id="rl-compare-a")
+        b = gr.Dropdown([], label="Policy B", elem_id="rl-compare-b")
+        reward = gr.Dropdown([], label="Judged by reward model", elem_id="rl-compare-reward")
+        n = gr.Number(value=16, precision=0, minimum=1, label="Held-out prompts")
+    compare_btn = gr.Button("Compare", variant="primary", elem_id="rl-compare")
+    compare_bar = gr.HTML(elem_id="rl-compare-job", js_on_load=None)
+    compare_md = gr.Markdown(elem_id="rl-compare-result")
+    compare_df = gr.Dataframe(interactive=False, wrap=True, max_height=420)
+    compare_timer = gr.Timer(1.0, active=False)
+
+    gr.Markdown("### Gold loop\nPlots of `bench/gold_loop.py`: does the policy improve by a judge it never trained on?")
+    gold_note = gr.Markdown()
+    gallery = gr.Gallery(label="Gold-loop plots", columns=2, height=420, elem_id="rl-gold")
+
+    opened = [table, pick, a, b, reward, lineage, meta, samples, caption]
+    refresh.click(_bind(m.open_tab, ctx), None, opened, api_name="models", **HIDDEN)
+    pick.input(_bind(m.version_details, ctx), [pick], [lineage, meta, samples, caption], **QUIET)
+    make_active.click(_bind(m.set_active, ctx), [pick], [model_msg, table], api_name="set_active_policy", **HIDDEN)
+    compare_outs = [compare_bar, compare_md, compare_df, compare_timer]
+    compare_btn.click(_bind(m.compare, ctx), [a, b, reward, n], [compare_bar, compare_timer],
+                      api_name="compare_policies", **HIDDEN)
+    compare_timer.tick(_bind(m.compare_poll, ctx), None, compare_outs, **QUIET)
+    return {"load": [(m.open_tab, None, opened), (m.compare_poll, None, compare_outs),
+                     (m.gold_plots, None, [gallery, gold_note])]}
