@@ -113,8 +113,8 @@ def _advance(ctx: AppContext, state: SessionState, account: Annotator, exclude_p
     state.current = Showing(item) if item is not None else None
 
 
-def _current(state: SessionState, token: str = "") -> Showing:
-    if state.current is None:
+def _current(state: SessionState | None, token: str = "") -> Showing:
+    if state is None or state.current is None:
         raise gr.Error("There is no item on screen to act on.")
     if token and token != state.current.token:
         # The page ranked a different showing than the one the server has (a stale tab).
@@ -158,7 +158,7 @@ def refresh(ctx: AppContext, state: SessionState | None, request: gr.Request):
     return load(ctx, state, request)
 
 
-def submit(ctx: AppContext, state: SessionState, ranking: str, all_bad: bool, comment: str,
+def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: bool, comment: str,
            token: str, request: gr.Request):
     """Save the ranking of the item on screen (and its pairs), then show the next item."""
     account = user(ctx, request)
@@ -182,7 +182,7 @@ def submit(ctx: AppContext, state: SessionState, ranking: str, all_bad: bool, co
     return out
 
 
-def skip(ctx: AppContext, state: SessionState, request: gr.Request):
+def skip(ctx: AppContext, state: SessionState | None, request: gr.Request):
     """Skip the item on screen: this annotator will not be offered it again."""
     account = user(ctx, request)
     showing = _current(state)
@@ -194,7 +194,7 @@ def skip(ctx: AppContext, state: SessionState, request: gr.Request):
     return out
 
 
-def flag(ctx: AppContext, state: SessionState, comment: str, request: gr.Request):
+def flag(ctx: AppContext, state: SessionState | None, comment: str, request: gr.Request):
     """Flag the prompt on screen (broken, harmful, unanswerable): it leaves the queue for everyone
     until an admin looks at it. The comment box, if filled, is the reason."""
     account = user(ctx, request)
@@ -208,10 +208,11 @@ def flag(ctx: AppContext, state: SessionState, comment: str, request: gr.Request
     return out
 
 
-def undo(ctx: AppContext, state: SessionState, request: gr.Request):
+def undo(ctx: AppContext, state: SessionState | None, request: gr.Request):
     """Delete this annotator's last ranking (and its pairs) and show that item again. The item that
     was on screen becomes the next one."""
     account = user(ctx, request)
+    state = state if isinstance(state, SessionState) else SessionState()
     item = ctx.store.undo_last_ranking(account.id)
     if item is None:
         raise gr.Error("Nothing to undo: you have no submitted ranking.")

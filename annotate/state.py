@@ -1,5 +1,8 @@
 """Per-session state of the annotation view, kept in a gr.State (one per browser tab or API client).
 
+The gr.State starts as None; the first handler a session calls (page load, or /refresh through the
+API) puts a SessionState in it.
+
 Nothing here says *who* the user is: every handler asks the request (gr.Request.username, set by
 Gradio from the login cookie) and the store, so a session cannot claim another identity or role.
 The state only remembers what this tab shows: the item on screen, the one fetched ahead of time,
@@ -47,11 +50,6 @@ class SessionState:
     """A prefetch is running in the background for this session."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     """Guards `prefetched`/`prefetching`: the background prefetch and the next action meet here."""
-
-    def __deepcopy__(self, memo) -> "SessionState":
-        # gr.State deep-copies its initial value for every new session: start each one empty
-        # (a lock cannot be copied, and there is nothing to carry over).
-        return SessionState()
 
     def take_prefetched(self, exclude_prompt: int | None = None) -> Item | None:
         """The prefetched item (and forget it); None if there is none or it has the excluded prompt."""

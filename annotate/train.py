@@ -381,13 +381,19 @@ def latest_values(store, run) -> pd.DataFrame:
 
 
 def log_tail(ctx: AppContext, run, lines: int = 40) -> str:
+    """The last lines of the run's log.txt. tqdm redraws a line with carriage returns: each line
+    shows its last state (so lines are split on newlines only, never on the returns)."""
     if run is None or not run.run_dir:
         return ""
-    if ctx.jobs is not None:
-        return ctx.jobs.log_tail(run.id, lines)
-    path = Path(run.run_dir) / "log.txt"
-    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines()[-lines:])
+    try:
+        with open(Path(run.run_dir) / "log.txt", "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            text = fh.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+    rows = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.rstrip("\n").split("\n")]
+    return "\n".join(rows[-lines:])
 
 
 def round_status(ctx: AppContext) -> str:

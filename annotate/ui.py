@@ -24,7 +24,6 @@ from annotate import handlers as h
 from annotate import ui_admin
 from annotate.context import AppContext
 from annotate.render import render_shortcuts
-from annotate.state import SessionState
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -58,7 +57,7 @@ def bind(fn, ctx: AppContext):
 def build_ui(ctx: AppContext) -> gr.Blocks:
     """The whole app as a gr.Blocks (launch it with `launch`)."""
     with gr.Blocks(title="rlhf-loop · annotate", fill_width=True) as demo:
-        state = gr.State(SessionState())
+        state = gr.State(None)  # a SessionState once the page has loaded (handlers.load)
         header = gr.HTML(elem_id="rl-header-box", js_on_load=None)
         with gr.Tabs(elem_id="rl-tabs"):
             with gr.Tab("Annotate", id="annotate", elem_id="rl-tab-annotate"):
@@ -157,7 +156,7 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
     demo.queue(default_concurrency_limit=16)
     return demo.launch(
         server_name=host, server_port=port, auth=auth,
-        auth_message="Sign in with the account an admin created for you.",
+        auth_message="rlhf-loop · preference annotation. Sign in with the account an admin created for you.",
         prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True, ssr_mode=False,
         footer_links=[], theme=THEME, css=(STATIC / "annotate.css").read_text(),
         head=f"<script>{(STATIC / 'annotate.js').read_text()}</script>",

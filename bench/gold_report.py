@@ -197,11 +197,17 @@ def write_report(results: dict, out_dir: Path) -> Path:
     agree = results.get("annotators", {}).get("round1", {})
     rm1 = results.get("reward_models", {}).get("rm1", {})
     wall = results.get("wall_s", t.get("total_s", 0.0))
+    reused = results.get("reused_round1")
+    if reused:  # round 1 ran in an earlier process: its time counts too
+        wall += reused.get("seconds_there") or 0.0
+    how = (f" (round 1 and the start policy's evaluation {reused['seconds_there'] / 60:.1f} min in a first "
+           f"process, then the settings {results.get('wall_s', 0) / 60:.1f} min"
+           f"{', side by side' if results.get('parallel') else ''})" if reused else "")
     lines = [
         "# Gold-judge experiment: does the loop improve a measure it was not trained on?",
         "",
         f"Mode: **{results.get('mode', '?')}**, model `{Path(s['model']).name if results.get('mode') == 'quick' else s['model']}`, "
-        f"wall time **{wall / 60:.1f} min** ({wall:.0f} s), {s['threads']} torch threads. "
+        f"wall time **{wall / 60:.1f} min** ({wall:.0f} s){how}, {s['threads']} torch thread(s) per process. "
         "Reproduce: `python bench/gold_loop.py` (full) or `python bench/gold_loop.py --quick` (tiny models).",
         "",
         "## Set-up",
@@ -246,7 +252,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
         "",
         "| phase | seconds |",
         "|---|---|",
-        *[f"| {k.removesuffix('_s')} | {v:.0f} |" for k, v in t.items()],
+        *[f"| {k.removesuffix('_s')} | {v:.0f} |" for k, v in t.items() if k != "total_s"],
+        f"| total (this process) | {t.get('total_s', 0):.0f} |",
         "",
     ]
     path = out_dir / "report.md"

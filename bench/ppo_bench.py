@@ -6,10 +6,12 @@
 
 Both run one after the other, each in its own child process (so each peak-memory figure is its
 own), with the same: policy (the default SmolLM2-135M-Instruct, LoRA r16 on all linear layers),
-reward model (the same backbone and scalar head, saved once), critic (initialised from that
-reward model and fully trained, TRL's default arrangement), prompts (../shared/data/prompts.jsonl
-with the same chat template), batch size, minibatches, micro-batch size, response length, PPO
-epochs, temperature, fixed KL coefficient, missing-EOS penalty, precision and threads.
+reward model (the same backbone and scalar head, saved once), critic (starting as that reward
+model; `--critic lora` (default): the same LoRA setting, TRL's value model wrapped with peft by
+hand since TRL's peft_config covers the policy only; `--critic full`: fully trained, TRL's default
+arrangement), prompts (../shared/data/prompts.jsonl with the same chat template), batch size,
+minibatches, micro-batch size, response length, PPO epochs, temperature, fixed KL coefficient,
+missing-EOS penalty, precision and threads.
 Differences left as each library has them: TRL takes one learning rate for policy and critic and,
 with gradient accumulation over minibatches, steps its optimiser once per epoch; gradient
 checkpointing is turned off in TRL (its default is on) because ours does not checkpoint.
@@ -44,8 +46,8 @@ def settings(args) -> dict:
         if getattr(args, key, None):
             s[key] = getattr(args, key)
     return {**s, "temperature": 0.7, "lr": 1e-5, "kl_coef": 0.05, "missing_eos_penalty": 1.0, "lora_r": 16,
-            "lora_alpha": 32, "device": args.device, "threads": args.threads, "n_prompts": args.n_prompts,
-            "seed": 0}
+            "lora_alpha": 32, "critic": args.critic, "device": args.device, "threads": args.threads,
+            "n_prompts": args.n_prompts, "seed": 0}
 
 
 # --------------------------------------------------------------------------- shared inputs
@@ -60,17 +62,26 @@ def prepare(s: dict) -> dict:
 
     base = default_model_dir()
     OUT.mkdir(parents=True, exist_ok=True)
-    rm_dir = OUT / "reward_model"
+    rm_dir, critic_dir = OUT / "reward_model", OUT / "critic_lora"
     if not (rm_dir / "model_meta.json").is_file():
         torch.manual_seed(0)
         rm, tok = load_scalar_model("default", kind="reward", cfg=ModelConfig(device="cpu", dtype="fp32", lora=False))
         save_scalar_model(rm, tok, rm_dir)
+    if not (critic_dir / "model_meta.json").is_file():
+        # a LoRA critic on the same backbone with the reward model's head: starts equal to the RM
+        from safetensors.torch import load_file
+
+        lora_cfg = ModelConfig(device="cpu", dtype="fp32", lora=True, lora_r=s["lora_r"], lora_alpha=s["lora_alpha"])
+        critic, tok = load_scalar_model("default", kind="critic", cfg=lora_cfg)
+        critic.head.load_state_dict(load_file(str(rm_dir / "scalar_head.safetensors")))
+        save_scalar_model(critic, tok, critic_dir)
     if not PROMPTS.is_file():
         raise SystemExit(f"{PROMPTS} is missing: the bench needs the shared prompts file")
     prompts = OUT / "prompts.jsonl"
     lines = PROMPTS.read_text(encoding="utf-8").splitlines()[: s["n_prompts"]]
     prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return {"base": str(base), "reward_model": str(rm_dir), "prompts": str(prompts)}
+    return {"base": str(base), "reward_model": str(rm_dir), "prompts": str(prompts),
+            "critic_init": str(critic_dir if s["critic"] == "lora" else rm_dir)}
 
 
 class Marks:
@@ -153,7 +164,8 @@ def run_ours(s: dict, inputs: dict) -> dict:
         return write(self, state, step, error)
 
     tp.sample, tp.response_logits, tp.RunStatus.write = timed_sample, timed_logits, timed_write
-    tp.train(cfg, model_cfg, prompts=inputs["prompts"], reward=inputs["reward_model"], out_dir=run_dir)
+    tp.train(cfg, model_cfg, prompts=inputs["prompts"], reward=inputs["reward_model"], out_dir=run_dir,
+             critic_init=inputs["critic_init"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     out = marks.summary(s["batch_size"])
     out["score"] = rows[-1]["objective/score"]
@@ -198,8 +210,19 @@ def run_trl(s: dict, inputs: dict) -> dict:
         model.config.pad_token_id = tokenizer.pad_token_id
         return model
 
+    lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     reward_model = scalar(low)
-    value_model = scalar(torch.float32)  # fully trained: fp32 master weights, as ours
+    if s["critic"] == "lora":  # TRL's peft_config covers the policy only: the value model is wrapped here
+        from peft import get_peft_model
+
+        value_model = get_peft_model(scalar(low), LoraConfig(
+            r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0, task_type="SEQ_CLS",
+            target_modules=lora_targets, modules_to_save=["score"]))
+        for p in value_model.parameters():  # fp32 trainable parameters over a low-precision base, as ours
+            if p.requires_grad:
+                p.data = p.data.float()
+    else:
+        value_model = scalar(torch.float32)  # fully trained: fp32 master weights, as ours
     n_micro = s["batch_size"] // s["micro_batch_size"]
     args = TRLConfig(
         output_dir=str(OUT / "trl_run"), per_device_train_batch_size=s["micro_batch_size"],
@@ -212,8 +235,7 @@ def run_trl(s: dict, inputs: dict) -> dict:
         num_sample_generations=0, seed=s["seed"], disable_tqdm=True,
     )
     peft_config = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0, task_type="CAUSAL_LM",
-                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                             "down_proj"])
+                             target_modules=lora_targets)
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=None,
                          reward_model=reward_model, train_dataset=train_ds, value_model=value_model,
                          eval_dataset=eval_ds, peft_config=peft_config)
@@ -268,6 +290,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small settings: a few minutes on 2 CPU cores")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in both runs")
+    parser.add_argument("--critic", choices=["lora", "full"], default="lora",
+                        help="critic: LoRA (the same LoRA setting as the policy; TRL's value model wrapped with "
+                             "peft) or fully trained (TRL's default arrangement)")
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--batch-size", dest="batch_size", type=int, default=0)
     parser.add_argument("--mini-batch-size", dest="mini_batch_size", type=int, default=0)

@@ -3,8 +3,9 @@
 The app runs as its own process (`python app.py --no-generate`, as users start it) on a temporary
 DuckDB file seeded with enough items. N annotator threads each hold a gradio_client session logged
 in with their own account and loop like a person in the browser: read the item for a while (the
-think time), submit a random ranking (timed: from Submit until the next item's HTML is back), and,
-as the page does right after, fetch the item after that (/prefetch, untimed).
+think time), then submit a random ranking (timed: from Submit until the next item's HTML is back;
+the first 20% of each phase, at most 5 s, warms up and is not counted).
+The app fetches each annotator's next item ahead in the background after every action.
 
 Think time: a person needs 10-30 s per K=4 ranking (the Data tab shows the median); the default
 1 s (uniform 0.5-1.5 s) makes 20 simulated annotators offer the load of a few hundred people. With
@@ -15,7 +16,7 @@ Phases, N threads each:
 - handlers:        the same loop calling annotate/handlers.py in this process (no HTTP): the app's
                    own cost;
 - http:            the app as users run it: the headline figure;
-- http, no prefetch: each Submit takes the next item from the queue itself;
+- http, no prefetch: the app started with --no-prefetch: each Submit asks the queue itself;
 - http, saturated: no think time.
 The ratio rows show what HTTP + Gradio + gradio_client add, and what prefetching buys. The load
 average of the machine is printed too: on a shared machine the figures move with it.
@@ -70,10 +71,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(db: Path, port: int) -> subprocess.Popen:
+def start_app(db: Path, port: int, prefetch: bool = True) -> subprocess.Popen:
     """`python app.py` on the seeded file; its output goes to app.log beside it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "app.py"), "--db", str(db), "--port", str(port), "--no-generate"]
+    cmd += [] if prefetch else ["--no-prefetch"]
     log = db.parent / "app.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -119,18 +121,14 @@ class HttpSession:
     def submit(self, ranking: str) -> None:
         self.k = self._k(self.client.predict(ranking, False, "", "", api_name="/submit")[0])
 
-    def prefetch(self) -> None:
-        self.client.predict(api_name="/prefetch")
-
 
 class LocalSession:
     """The same, calling the handlers directly (what a request costs the app itself)."""
 
-    def __init__(self, store, i: int):
+    def __init__(self, ctx, i: int):
         from annotate import handlers
-        from annotate.context import AppContext
 
-        self.h, self.ctx, self.request = handlers, AppContext(store=store), SimpleNamespace(username=f"ann{i}")
+        self.h, self.ctx, self.request = handlers, ctx, SimpleNamespace(username=f"ann{i}")
         self.state = handlers.load(self.ctx, None, self.request)[0]
 
     @property
@@ -140,17 +138,12 @@ class LocalSession:
     def submit(self, ranking: str) -> None:
         self.state = self.h.submit(self.ctx, self.state, ranking, False, "", "", self.request)[0]
 
-    def prefetch(self) -> None:
-        self.state = self.h.prefetch(self.ctx, self.state, self.request)
-
 
 def annotator(target, i: int, phase: Phase, seconds: float, start: threading.Barrier,
               latencies: list, errors: list) -> None:
     rng = random.Random(i)
     try:
         session = HttpSession(target, i) if phase.http else LocalSession(target, i)
-        if phase.prefetch:
-            session.prefetch()
     except Exception as exc:
         errors.append(f"connect: {type(exc).__name__}: {exc}")
         start.abort()
@@ -159,7 +152,9 @@ def annotator(target, i: int, phase: Phase, seconds: float, start: threading.Bar
         start.wait()
     except threading.BrokenBarrierError:
         return
-    deadline = time.perf_counter() + seconds
+    begin = time.perf_counter()
+    deadline = begin + seconds
+    warm = begin + min(5.0, 0.2 * seconds)  # the first seconds after start-up are not counted
     while True:
         if phase.think_s:
             time.sleep(phase.think_s * rng.uniform(0.5, 1.5))  # reading the responses
@@ -176,9 +171,8 @@ def annotator(target, i: int, phase: Phase, seconds: float, start: threading.Bar
         except Exception as exc:  # counted, not fatal: the table shows them
             errors.append(f"{type(exc).__name__}: {exc}")
             continue
-        latencies.append(time.perf_counter() - t0)
-        if phase.prefetch:
-            session.prefetch()
+        if t0 >= warm:
+            latencies.append(time.perf_counter() - t0)
 
 
 def run_phase(target, n: int, seconds: float, phase: Phase) -> dict:
@@ -196,7 +190,7 @@ def run_phase(target, n: int, seconds: float, phase: Phase) -> dict:
     t0 = time.perf_counter()
     for t in threads:
         t.join(seconds + 120)
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - min(5.0, 0.2 * seconds)  # the counted part of the phase
     lat = sorted(latencies)
     q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
     print(f"  {phase.name}: {len(lat)} submissions", flush=True)
@@ -226,24 +220,31 @@ def main(argv=None) -> int:
         t0 = time.time()
         seed(db, n, items, args.k)
         print(f"seeded {items} items (K={args.k}) and {n} annotators in {time.time() - t0:.1f} s", flush=True)
-        # 1. the handlers alone, in this process (which owns the DuckDB file meanwhile)
+        # 1. the handlers alone, in this process (which owns the DuckDB file meanwhile), with
+        # background prefetching as in the app
+        from concurrent.futures import ThreadPoolExecutor
+
+        from annotate.context import AppContext
+
         store = Store(db)
         try:
-            results[phases[0].name] = run_phase(store, n, seconds, phases[0])
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                ctx = AppContext(store=store, background=pool)
+                results[phases[0].name] = run_phase(ctx, n, seconds, phases[0])
         finally:
             store.close()
-        # 2. the app as its own process, through the HTTP API
-        port = free_port()
-        proc = start_app(db, port)
-        try:
-            for phase in phases[1:]:
-                results[phase.name] = run_phase(f"http://127.0.0.1:{port}/", n, seconds, phase)
-        finally:
-            proc.terminate()
+        # 2. the app as its own process, through the HTTP API (a fresh start per setting)
+        for phase in phases[1:]:
+            port = free_port()
+            proc = start_app(db, port, prefetch=phase.prefetch)
             try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                results[phase.name] = run_phase(f"http://127.0.0.1:{port}/", n, seconds, phase)
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
     load_after = os.getloadavg()[0]
     print(f"\n{n} simulated annotators, {seconds:.0f} s per phase, {os.cpu_count()} cpu cores, load average "

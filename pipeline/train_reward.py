@@ -240,7 +240,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     model.train()
     bar = tqdm(total=total, initial=step, desc="reward model", unit="step", dynamic_ncols=True)
     write_status(out_dir, "running", step, total, phase="training")
-    pairs_done, t_start, stopped = 0, time.perf_counter(), None
+    pairs_done, t_start, cpu_start, stopped = 0, time.perf_counter(), time.process_time(), None
     with graceful_stop() as flag:
         for epoch in range(step // steps_per_epoch, cfg.epochs):
             if step >= total or stopped:
@@ -306,7 +306,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                 if cfg.save_every and step % cfg.save_every == 0 and step < total:
                     save()
     bar.close()
-    train_seconds = time.perf_counter() - t_start
+    train_seconds, train_cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
 
     # 5. Interrupted: save what we have (usable, unnormalised) and leave.
     if stopped:
@@ -336,7 +336,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         **report, "calibration": calib, "normalisation": norm,
         "train/pairs": len(train_items), "train/prompts": len({str(p.prompt) for p in train_pairs}),
         "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
-        "train/seconds": train_seconds, "train/pairs_per_s": pairs_done / max(train_seconds, 1e-9),
+        "train/seconds": train_seconds, "train/cpu_seconds": train_cpu,
+        "train/pairs_per_s": pairs_done / max(train_seconds, 1e-9),
         "steps": step, "data": data_report,
         "truncation": {
             "max_length": cfg.max_length,

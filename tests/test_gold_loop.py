@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.gold_eval import distinct_n
-from bench.gold_loop import split_prompts
+from bench.gold_steps import split_prompts
 from bench.run_all import build_table, last_result, parse_result_line
 
 # --------------------------------------------------------------------------- distinct-n

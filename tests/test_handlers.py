@@ -259,6 +259,18 @@ def test_leaving_gives_the_leased_items_back(ctx):
     assert other.current is not None
 
 
+def test_actions_before_any_item_was_shown(ctx):
+    seed_items(ctx.store, 1, 2)
+    for call in (lambda: handlers.submit(ctx, None, "1>2", False, "", "", req("ann")),
+                 lambda: handlers.skip(ctx, None, req("ann")),
+                 lambda: handlers.flag(ctx, None, "", req("ann"))):
+        with pytest.raises(gr.Error, match="no item on screen"):
+            call()
+    with pytest.raises(gr.Error, match="Nothing to undo"):
+        handlers.undo(ctx, None, req("ann"))
+    assert ctx.store.list_rankings() == [] and not ctx.store.flagged_prompts()
+
+
 def test_undo_with_nothing_to_undo(ctx):
     seed_items(ctx.store, 1, 2)
     state, _ = show(ctx)

@@ -179,12 +179,10 @@ def test_ratio_is_pi_theta_over_pi_old(tmp_path, ppo_model_cfg, prompts_file):
 
 @pytest.mark.slow
 def test_score_rises_under_kl_control_and_kl_runs_away_without_it(tmp_path, ppo_model_cfg, prompts_file):
-    t0 = time.time()
     controlled = run(tmp_path, "ctl", ppo_model_cfg, prompts_file, steps=30, kl_control="adaptive",
                      init_kl_coef=0.2, kl_target=4.0, kl_horizon=64)
     free = run(tmp_path, "free", ppo_model_cfg, prompts_file, steps=30, kl_control="fixed", init_kl_coef=0.0,
                lr=3e-2)
-    assert time.time() - t0 < 60
     first, last = slice(0, 5), slice(-5, None)
     # the scripted reward (+1 per 'e' in the response) is learnt clearly ...
     assert mean(controlled, "objective/score", last) > mean(controlled, "objective/score", first) + 1.5

@@ -25,6 +25,7 @@ from pipeline.jobs import JobRunner
 from pipeline.judge import make_judge
 from pipeline.simulate import simulate_annotations
 from pipeline.tiny import CORPUS
+from tests.fixtures_store import seed_items
 from tests.test_jobs import tiny_settings
 
 # Form values as the Train tab sends them (the tiny settings of tests/test_jobs.py).
@@ -91,7 +92,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     (reward,) = store.list_model_versions("reward")
     (snapshot,) = store.list_snapshots()
     assert reward.run_id == run.id and reward.snapshot_id == snapshot.id and snapshot.format == "parquet"
-    assert snapshot.counts["pairs"] == 6 * 3  # C(3,2) pairs per ranked item
+    assert snapshot.counts["pairs"] == len(store.list_pairs()) > 0  # every pair so far (ties give none)
     bar, *plots, latest, log, round_md, _, reward_pick, timer = train.poll(ctx, train.LATEST, None, boss)
     assert 'data-status="done"' in bar and "width:100.0%" in bar
     losses = plots[list(train.PLOTS).index("Losses")]
@@ -125,7 +126,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     table, pick, a, b, reward_pick, lineage, meta, samples, caption = model_admin.open_tab(ctx, boss)
     row = table[table["name"] == policy.name].iloc[0]
     assert (row["active"], row["parent"], row["reward model"]) == ("●", base.name, reward.name)
-    assert table[table["name"] == reward.name].iloc[0]["snapshot"].startswith(f"#{snapshot.id} (18 pairs")
+    assert table[table["name"] == reward.name].iloc[0]["snapshot"] == f"#{snapshot.id} ({snapshot.counts['pairs']} pairs)"
     assert pick["value"] == b["value"] == policy.name and a["value"] == base.name
     assert reward.name in lineage and base.name in lineage and f"snapshot #{snapshot.id}" in lineage
     assert len(samples) > 0 and "step 2" in caption
@@ -137,3 +138,262 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert f"**{base.name}** vs **{policy.name}**" in text and "wins" in text and not timer["active"]
     assert "win_rate" in store.get_model_version(base.id).meta[f"compare/{policy.name}"]
 
+
+
+# --------------------------------------------------------------------------- roles
+
+
+def state_of(ctx):
+    """Everything a handler could change."""
+    s = ctx.store
+    active = s.active_policy()
+    return (s.counts(), s.list_runs(), s.list_snapshots(), s.list_rounds(), s.list_model_versions(),
+            active.id if active else None, dict(tasks_of(ctx)), ctx.jobs.busy())
+
+
+def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
+    store = ctx.store
+    seed_items(store, 3, 3)  # prompts with responses from 'seed-policy'
+    seed = store.find_model_version("seed-policy")
+    store.set_active_policy(seed.id)
+    store.create_round(seed.id, status="annotating")
+    store.add_prompts([f"held-out {i}" for i in range(3)])
+    store.register_model_version("policy", "other-policy", base_model="tiny")
+    store.register_model_version("reward", "reward-v1", path=str(tmp_path), base_model="tiny")
+    calls = [
+        (train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": "reward-v1", **PPO_FORM}),
+        (train.run_full_round, FULL_ROUND_FORM), (train.start_next_round, ROUND_FORM),
+        (train.cancel, {"choice": train.LATEST}), (train.poll, {"choice": train.LATEST, "reward_value": None}),
+        (train.run_choices, {}), (train.reward_choices, {}),
+        (model_admin.models_table, {}), (model_admin.open_tab, {}), (model_admin.version_choices, {}),
+        (model_admin.version_details, {"name": "seed-policy"}), (model_admin.set_active, {"name": "other-policy"}),
+        (model_admin.compare, {"a_name": "seed-policy", "b_name": "other-policy", "reward_name": "reward-v1",
+                               "n_prompts": 2}),
+        (model_admin.compare_poll, {}), (model_admin.gold_plots, {}),
+    ]
+    before = state_of(ctx)
+    for fn, kwargs in calls:
+        with pytest.raises(Refused, match="admins only"):
+            fn(ctx, **kwargs, request=req("ann"))
+        assert state_of(ctx) == before, fn.__name__
+    # and nobody signed in is refused too
+    with pytest.raises(Refused, match="Not signed in"):
+        train.train_reward(ctx, **REWARD_FORM, request=None)
+    assert tasks_of(ctx) == {} and store.list_runs() == []
+
+
+def test_without_a_job_runner_the_buttons_explain_why_and_store_nothing(store, tmp_path, tiny_model_dir):
+    ctx = make_ctx(store, tmp_path, tiny_model_dir, jobs=False)
+    seed_items(store, 2, 3)
+    calls = [(train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": None, **PPO_FORM}),
+             (train.run_full_round, FULL_ROUND_FORM), (train.start_next_round, ROUND_FORM),
+             (train.cancel, {"choice": train.LATEST})]
+    for fn, kwargs in calls:
+        with pytest.raises(gr.Error, match="without a job runner"):
+            fn(ctx, **kwargs, request=req("boss"))
+    assert store.list_snapshots() == [] and store.list_runs() == [] and tasks_of(ctx) == {}
+    bar, *_, timer = train.poll(ctx, train.LATEST, None, req("boss"))  # the monitor still works
+    assert "No jobs yet" in bar and not timer["active"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"epochs": 0}, "Epochs"), ({"epochs": 1.5}, "Epochs"), ({"lr": "fast"}, "Reward learning rate"),
+    ({"batch_size": None}, "Batch size"),
+])
+def test_bad_reward_settings_are_refused_by_name(ctx, change, message):
+    with pytest.raises(gr.Error, match=message):
+        train.train_reward(ctx, **{**REWARD_FORM, **change}, request=req("boss"))
+    assert ctx.store.list_snapshots() == [] and ctx.store.list_runs() == []
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"steps": 0}, "Steps"), ({"kl_control": "magic"}, "KL control"), ({"beta": -1}, "β"),
+    ({"kl_target": 0}, "KL target"), ({"critic_lr": float("nan")}, "Critic learning rate"),
+])
+def test_bad_ppo_settings_are_refused_by_name(ctx, tmp_path, change, message):
+    ctx.store.register_model_version("reward", "reward-v1", path=str(tmp_path), base_model="tiny")
+    with pytest.raises(gr.Error, match=message):
+        train.run_ppo(ctx, reward_name="reward-v1", **{**PPO_FORM, **change}, request=req("boss"))
+    assert ctx.store.list_runs() == []
+
+
+def test_training_needs_pairs_and_ppo_needs_a_reward_model(ctx):
+    with pytest.raises(gr.Error, match="Cannot train a reward model yet"):
+        train.train_reward(ctx, **REWARD_FORM, request=req("boss"))
+    with pytest.raises(gr.Error, match="No reward model yet"):
+        train.run_ppo(ctx, reward_name=None, **PPO_FORM, request=req("boss"))
+    with pytest.raises(gr.Error, match="No trained reward model named 'nope'"):
+        train.run_ppo(ctx, reward_name="nope", **PPO_FORM, request=req("boss"))
+    assert ctx.store.list_snapshots() == [] and ctx.store.list_runs() == []
+
+
+# --------------------------------------------------------------------------- the job monitor
+
+
+def test_the_monitor_shows_a_runs_progress_metrics_and_log(ctx, tmp_path):
+    from pipeline.rundir import write_status
+
+    store = ctx.store
+    run = store.create_run("ppo")
+    run_dir = tmp_path / "runs" / "00001-ppo"
+    run_dir.mkdir(parents=True)
+    store.update_run(run.id, status="running", run_dir=str(run_dir))
+    write_status(run_dir, "running", 3, 10, phase="training")
+    (run_dir / "log.txt").write_text("loading\nstep 3/10\rstep 4/10\n")
+    store.add_metrics(run.id, [(1, "objective/kl", 0.1), (2, "objective/kl", 0.2), (1, "kl/beta", 0.05),
+                               (2, "policy/loss", None), (2, "time/rollout", 1.5)])
+    bar, *plots, latest, log, round_md, pick, reward, timer = train.poll(ctx, train.LATEST, None, req("boss"))
+    assert 'data-status="running"' in bar and "3/10" in bar and "width:30.0%" in bar and "training" in bar
+    by_title = dict(zip(train.PLOTS, plots))
+    assert list(by_title["KL to the reference (nats)"]["value"]["value"]) == [0.1, 0.2]
+    assert by_title["β (KL coefficient)"]["visible"] and not by_title["Accuracy"]["visible"]
+    assert not by_title["Losses"]["visible"]  # a null value is not plotted
+    assert dict(zip(latest["metric"], latest["value"])) == {"objective/kl": 0.2, "kl/beta": 0.05, "time/rollout": 1.5}
+    assert log.splitlines() == ["loading", "step 4/10"]  # tqdm's carriage returns: the last state
+    assert [v for _, v in pick["choices"]] == [train.LATEST, str(run.id)] and "No rounds yet" in round_md
+    # a 'running' row no job of this app is running (left by a stopped app) does not keep the timer on
+    assert not timer["active"]
+    with pytest.raises(gr.Error, match="not started by this app"):
+        train.cancel(ctx, str(run.id), req("boss"))
+    with pytest.raises(gr.Error, match="No run 'x'"):
+        train.poll(ctx, "x", None, req("boss"))
+
+
+def test_interrupted_jobs_and_rounds_are_marked_failed_at_start(store):
+    running = store.create_run("train-reward")
+    store.update_run(running.id, status="running")
+    queued, done = store.create_run("ppo"), store.create_run("ppo")
+    store.update_run(done.id, status="done")
+    policy = store.register_model_version("policy", base_model="tiny")
+    stale = store.create_round(policy.id, status="training")
+    open_round = store.create_round(policy.id, status="annotating")
+    assert train.fail_interrupted_jobs(store) == 2
+    assert [store.get_run(r.id).status for r in (running, queued, done)] == ["failed", "failed", "done"]
+    assert store.get_round(stale.id).status == "failed" and store.get_round(open_round.id).status == "annotating"
+
+
+def test_closing_a_round_records_the_policy_trained_from_it(store, tmp_path):
+    base = store.register_model_version("policy", "base", base_model="tiny")
+    store.set_active_policy(base.id)
+    rnd = store.create_round(base.id, status="annotating")
+    closed = train.close_round(store, rnd)  # nothing trained since: done, no outcome
+    assert closed.status == "done" and closed.new_policy_version_id is None
+    snap = store.record_snapshot(str(tmp_path / "s.parquet"), "parquet", {"pairs": 3}, {}, "0" * 64)
+    reward = store.register_model_version("reward", path=str(tmp_path), snapshot_id=snap.id)
+    child = store.register_model_version("policy", parent_id=base.id, reward_version_id=reward.id)
+    store.set_active_policy(child.id)
+    rnd = train.close_round(store, store.create_round(base.id, status="annotating"))
+    assert (rnd.new_policy_version_id, rnd.reward_version_id, rnd.snapshot_id) == (child.id, reward.id, snap.id)
+
+
+# --------------------------------------------------------------------------- the Models tab
+
+
+def test_models_tab_shows_lineage_metrics_samples_and_sets_the_active_policy(ctx, tmp_path):
+    store, boss = ctx.store, req("boss")
+    base = store.register_model_version("policy", "base", base_model="tiny")
+    store.set_active_policy(base.id)
+    snap = store.record_snapshot(str(tmp_path / "pairs.parquet"), "parquet", {"pairs": 12}, {}, "0" * 64)
+    rm_run = store.create_run("train-reward")
+    reward = store.register_model_version("reward", path=str(tmp_path / "rm"), run_id=rm_run.id,
+                                          snapshot_id=snap.id, meta={"eval": {"eval/accuracy": 0.75}})
+    ppo_run = store.create_run("ppo")
+    run_dir = tmp_path / "ppo-run"
+    for step in (1, 2, 10):  # the newest table is step 10, not step 2 (numeric order)
+        (run_dir / "samples").mkdir(parents=True, exist_ok=True)
+        (run_dir / "samples" / f"step_{step}.jsonl").write_text(json.dumps(
+            {"prompt": [{"role": "user", "content": "hi"}], "response": f"at step {step}", "score": 0.5, "kl": 0.1,
+             "tokens": 3, "finish_reason": "eos"}) + "\n")
+    store.update_run(ppo_run.id, run_dir=str(run_dir))
+    policy = store.register_model_version("policy", parent_id=base.id, reward_version_id=reward.id, run_id=ppo_run.id,
+                                          path=str(run_dir / "policy"),
+                                          meta={"final": {"objective/score": 0.5, "objective/kl": 1.25}})
+
+    table = model_admin.models_table(ctx, boss).set_index("name")
+    assert table.loc["base", "active"] == "●" and table.loc[policy.name, "active"] == ""
+    assert (table.loc[policy.name, "parent"], table.loc[policy.name, "reward model"]) == ("base", reward.name)
+    assert table.loc[policy.name, "run"] == f"#{ppo_run.id} ppo"
+    assert table.loc[policy.name, "metrics"] == "score 0.500, KL 1.250"
+    assert table.loc[reward.name, "snapshot"] == f"#{snap.id} (12 pairs)" and table.loc[reward.name, "metrics"] == "acc 0.750"
+
+    lineage, meta, samples, caption = model_admin.version_details(ctx, policy.name, boss)
+    assert f"PPO against **{reward.name}**" in lineage and f"snapshot #{snap.id} (12 pairs" in lineage
+    assert "from **base**" in lineage and "base model `tiny`" in lineage
+    assert list(samples["response"]) == ["at step 10"] and "step 10" in caption
+    assert meta["meta"]["final"]["objective/kl"] == 1.25
+    lineage, _, samples, caption = model_admin.version_details(ctx, reward.name, boss)
+    assert f"Used to train: **{policy.name}**" in lineage and len(samples) == 0 and "reward model" in caption
+
+    msg, table = model_admin.set_active(ctx, policy.name, boss)
+    assert store.active_policy().id == policy.id and table.set_index("name").loc[policy.name, "active"] == "●"
+    with pytest.raises(gr.Error, match="No policy version named"):
+        model_admin.set_active(ctx, reward.name, boss)
+    _, a, b, rewards = model_admin.version_choices(ctx, boss)
+    assert (a["value"], b["value"], rewards["value"]) == ("base", policy.name, reward.name)
+
+
+def test_held_out_prompts_are_neither_annotated_nor_ppo_prompts(ctx, tmp_path):
+    store = ctx.store
+    ids = store.add_prompts([f"prompt {i}" for i in range(6)])
+    policy = store.register_model_version("policy", base_model="tiny")
+    store.add_responses(ids[0], policy.id, ["a", "b"])
+    ppo_file = tmp_path / "ppo-prompts.jsonl"
+    ppo_file.write_text("".join(json.dumps({"id": i, "prompt": "x"}) + "\n" for i in ids[1:3]))
+    store.create_run("ppo", config={"args": ["--prompts", str(ppo_file), "--steps", "2"]})
+    assert [p.id for p in model_admin.held_out_prompts(store, 10)] == [ids[5], ids[4], ids[3]]
+    assert len(model_admin.held_out_prompts(store, 2)) == 2
+    other = store.register_model_version("policy", base_model="tiny")
+    reward = store.register_model_version("reward", path=str(tmp_path), base_model="tiny")
+    with pytest.raises(gr.Error, match="two different policies"):
+        model_admin.compare(ctx, policy.name, policy.name, reward.name, 4, req("boss"))
+    store.add_responses_bulk(policy.id, [(i, ["a", "b"]) for i in ids[3:]])
+    with pytest.raises(gr.Error, match="No held-out prompts left"):
+        model_admin.compare(ctx, policy.name, other.name, reward.name, 4, req("boss"))
+    assert tasks_of(ctx) == {}
+
+
+def _png(path):
+    """A valid 1x1 PNG."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(b"\x00\xff\x00\x00")) + chunk(b"IEND", b""))
+
+
+def test_gold_loop_plots_are_served_from_a_copy(ctx):
+    _png(ctx.data_dir / "results" / "latest" / "gold_vs_sqrt_kl.png")
+    images, note = model_admin.gold_plots(ctx, req("boss"))
+    (copy,) = [path for path, caption in images if caption == "gold_vs_sqrt_kl · latest"]
+    assert "latest" in note and copy != str(ctx.data_dir / "results" / "latest" / "gold_vs_sqrt_kl.png")
+    assert open(copy, "rb").read()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------- pipeline/compare.py
+
+
+def test_win_rate_counts_ties_as_half():
+    from pipeline.compare import win_rate
+
+    rate, stderr = win_rate([1.0, 2.0, 3.0, 5.0], [0.0, 2.0, 4.0, 1.0])
+    assert rate == pytest.approx(2.5 / 4) and stderr == pytest.approx((0.625 * 0.375 / 4) ** 0.5)
+    with pytest.raises(ValueError):
+        win_rate([], [])
+
+
+def test_a_policy_compared_with_itself_ties_everywhere(tiny_model_dir, tiny_model_cfg, tmp_path):
+    """The same weights and the same seed give the same responses, so every prompt is a tie."""
+    from pipeline.compare import CompareConfig, PolicySpec, compare_policies
+    from pipeline.models import load_scalar_model, save_scalar_model
+
+    rm, tok = load_scalar_model(str(tiny_model_dir), kind="reward", cfg=tiny_model_cfg)
+    save_scalar_model(rm, tok, tmp_path / "rm")
+    seen = []
+    result = compare_policies(PolicySpec("a", str(tiny_model_dir)), PolicySpec("b", str(tiny_model_dir)),
+                              str(tmp_path / "rm"), ["How do I bake bread?", "Hi!", "Tell me a joke."],
+                              tiny_model_cfg, CompareConfig(max_new_tokens=6, batch_size=2),
+                              on_progress=lambda done, total, detail: seen.append((done, total)))
+    assert result["win_rate"] == 0.5 and result["stderr"] == pytest.approx(0.5 / 3 ** 0.5)
+    assert [r["response_a"] for r in result["rows"]] == [r["response_b"] for r in result["rows"]]
+    assert seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == sorted(d for d, _ in seen)

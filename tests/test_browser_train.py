@@ -1,0 +1,128 @@
+"""The Train and Models tabs in headless Chromium (Playwright), with a real job runner on a tiny model.
+
+An admin clicks "Train reward model": a snapshot of the seeded pairs is exported, a train-reward
+subprocess job runs, the progress bar moves and reaches done, and the new reward model shows up in
+the Models tab.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from store import Store
+from store.io import import_pairs
+from tests.test_jobs import tiny_settings
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory, tiny_model_dir):
+    """(url, store) of the app served in this process, with a job runner whose jobs use the tiny model."""
+    import gradio as gr  # noqa: F401  (imported before the app so a missing install fails here)
+
+    from annotate.context import AppContext
+    from annotate.ui import build_ui, launch
+    from pipeline.jobs import JobRunner
+
+    folder = tmp_path_factory.mktemp("train_app")
+    store = Store(folder / "rlhf.duckdb")
+    store.add_annotator("boss", "boss-password", role="admin")
+    pairs = folder / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({
+        "prompt": f"How can I shop for the lowest prices, question {i}?",
+        "chosen": "Compare stores, use coupons and buy in bulk.", "rejected": "No."}) + "\n" for i in range(40)))
+    import_pairs(store, pairs)
+    runner = JobRunner(store, folder / "runs", poll_s=0.2)
+    ctx = AppContext(store=store, auth=True, data_dir=folder, jobs=runner, runs_dir=folder / "runs")
+    ctx.train_settings = tiny_settings(tiny_model_dir)
+    demo = build_ui(ctx)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch(demo, ctx, host="127.0.0.1", port=port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/", store
+    runner.shutdown()
+    demo.close()
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
+        pytest.skip("needs the system chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield b
+        b.close()
+
+
+def login(browser, url, name, password):
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    page.goto(url)
+    page.fill("input[type=text]", name)
+    page.fill("input[type=password]", password)
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#rl-header-box .rl-user", timeout=20_000)
+    return page
+
+
+def bar_state(page) -> tuple[str | None, float | None]:
+    """(data-status, fill width in %) of the monitor's progress bar."""
+    job = page.locator("#rl-train-job .rl-job")
+    if job.count() == 0:
+        return None, None
+    style = job.locator(".rl-bar-fill").get_attribute("style") or ""
+    width = re.search(r"width:\s*([\d.]+)%", style)
+    return job.get_attribute("data-status"), float(width.group(1)) if width else None
+
+
+def test_admin_trains_a_reward_model_and_sees_it_in_the_models_tab(app, browser):
+    url, store = app
+    page = login(browser, url, "boss", "boss-password")
+    page.get_by_role("tab", name="Train").click()
+    page.get_by_label("Epochs").fill("4")  # 30 training pairs, 2 per step: 60 steps to watch
+    page.click("#rl-train-reward")
+    page.wait_for_selector("#rl-train-msg :text('Queued run #')", timeout=20_000)
+
+    # the progress bar, polled by the page's timer, moves and reaches done
+    seen: list[tuple[str, float]] = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        status, width = bar_state(page)
+        if status is not None and width is not None and (not seen or seen[-1] != (status, width)):
+            seen.append((status, width))
+        if status in ("done", "failed", "cancelled"):
+            break
+        time.sleep(0.1)
+    assert seen and seen[-1] == ("done", 100.0), seen
+    moving = [w for s, w in seen if s == "running" and 0 < w < 100]
+    assert moving, f"never saw the bar part-way: {seen}"
+    widths = [w for s, w in seen if s in ("running", "done")]
+    assert widths == sorted(widths), seen
+    (run,) = store.list_runs(kind="train-reward")
+    assert run.status == "done"
+    # the finished run keeps its plots and log
+    page.wait_for_function("() => document.querySelector('#rl-train-log textarea').value.includes('checkpoint')",
+                           timeout=20_000)
+    assert page.locator(".rl-train-plot:visible").count() >= 2  # losses, accuracy, margin
+
+    # the Models tab lists the new version, with the snapshot it was trained on
+    (reward,) = store.list_model_versions("reward")
+    page.get_by_role("tab", name="Models").click()
+    page.wait_for_selector(f"#rl-models :text('{reward.name}')", timeout=20_000)
+    row = page.locator("#rl-models tr", has_text=reward.name).inner_text()
+    assert f"#{reward.snapshot_id} (" in row and "train-reward" in row
+    page.close()
