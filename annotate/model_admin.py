@@ -12,9 +12,12 @@ task (annotate/tasks.py, pipeline/compare.py) and judges them with a reward mode
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import gradio as gr
@@ -29,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPARE_TASK = "compare"
 SIDE_BY_SIDE = 8
 """Prompts shown side by side after a comparison."""
+SAMPLE_COLUMNS = ["prompt", "response", "score", "kl", "tokens", "finish_reason"]
 
 
 def _names(store) -> dict[int, str]:
@@ -90,7 +94,8 @@ def version_choices(ctx: AppContext, request: gr.Request):
     parent = ctx.store.get_model_version(active.parent_id) if active and active.parent_id else None
     b = active.name if active else (policies[-1] if policies else None)
     a = parent.name if parent else next((n for n in policies if n != b), b)
-    return (gr.update(choices=[mv.name for mv in versions], value=b),
+    pick = active.name if active else (versions[-1].name if versions else None)
+    return (gr.update(choices=[mv.name for mv in versions], value=pick),
             gr.update(choices=policies, value=a), gr.update(choices=policies, value=b),
             gr.update(choices=rewards, value=rewards[-1] if rewards else None))
 
@@ -114,11 +119,11 @@ def version_details(ctx: AppContext, name: str | None, request: gr.Request):
     """(lineage markdown, metrics and meta as JSON, sample table, sample caption) of a version."""
     admin(ctx, request)
     if not name:
-        return "Pick a model version.", {}, pd.DataFrame(), ""
+        return "No model versions yet.", {}, pd.DataFrame(columns=SAMPLE_COLUMNS), ""
     mv = _version(ctx, name)
     samples, caption = sample_table(ctx.store, mv)
-    return lineage_markdown(ctx.store, mv), {"meta": mv.meta, "path": mv.path, "base_model": mv.base_model}, \
-        samples, caption
+    about = {"meta": mv.meta, "path": mv.path, "base_model": mv.base_model}
+    return lineage_markdown(ctx.store, mv), about, samples, caption
 
 
 def lineage_markdown(store, mv) -> str:
@@ -158,7 +163,7 @@ def _reward_origin(store, reward, names) -> str:
 
 def sample_table(store, mv) -> tuple[pd.DataFrame, str]:
     """The newest PPO sample table (run dir samples/step_N.jsonl) of the run that made `mv`."""
-    cols = ["prompt", "response", "score", "kl", "tokens", "finish_reason"]
+    cols = SAMPLE_COLUMNS
     run = store.get_run(mv.run_id) if mv.run_id is not None else None
     folder = Path(run.run_dir) / "samples" if run is not None and run.run_dir else None
     files = sorted(folder.glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1])) \
@@ -280,21 +285,28 @@ def gold_dirs(ctx: AppContext) -> list[Path]:
 
 
 def gold_plots(ctx: AppContext, request: gr.Request):
-    """(gallery of (image, caption), note). Images are served from a fresh temp copy, so no
-    results folder itself is exposed."""
+    """(gallery of (image, caption), note). Images are served from copies in the temp folder, so
+    no results folder itself is exposed."""
     admin(ctx, request)
     dirs = gold_dirs(ctx)
     if not dirs:
-        return [], ("No gold-loop results yet. `python bench/gold_loop.py --quick` runs the experiment on tiny "
-                    "models; a full run publishes its plots to docs/results/.")
-    tmp = Path(tempfile.mkdtemp(prefix="rlhf-gold-"))
+        return gr.update(value=[], visible=False), (
+            "No gold-loop results yet. `python bench/gold_loop.py --quick` runs the experiment on tiny models; "
+            "a full run publishes its plots to docs/results/.")
+    # one copy per file version (its path and mtime name it), so repeated visits add nothing
+    cache = Path(tempfile.gettempdir()) / "rlhf-loop-gold"
+    cache.mkdir(exist_ok=True)
     images = []
-    for i, folder in enumerate(dirs):
+    for folder in dirs:
         for png in sorted(folder.glob("*.png")):
-            copy = tmp / f"{i}-{png.name}"
             try:
-                shutil.copy2(png, copy)
+                key = hashlib.sha1(f"{png.resolve()}:{png.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+                copy = cache / f"{key}-{png.name}"
+                if not copy.is_file():  # copied under a temporary name: a reader never sees half a file
+                    tmp = cache / f".{key}-{os.getpid()}-{threading.get_ident()}.tmp"
+                    shutil.copy2(png, tmp)
+                    os.replace(tmp, copy)
             except OSError as exc:
                 raise gr.Error(f"Cannot read {png}: {exc}") from None
             images.append((str(copy), f"{png.stem} · {folder.name}"))
-    return images, "Gold-loop plots from " + ", ".join(f"`{d.name}`" for d in dirs) + "."
+    return gr.update(value=images, visible=True), "Gold-loop plots from " + ", ".join(f"`{d.name}`" for d in dirs) + "."

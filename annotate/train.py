@@ -212,7 +212,8 @@ def run_full_round(ctx: AppContext, lora: bool, epochs, rm_lr, rm_batch, n_promp
                    kl_target, ppo_lr, critic_lr, prompts_per_round, k, strategy, request: gr.Request):
     """Finish the round being annotated (snapshot -> reward model -> PPO -> new active policy,
     pipeline.loop.finish_round) and start the next (generate with the new policy); with no open
-    round, start the first. Runs in the background. Returns (message, run choice, timer)."""
+    round, start the first. Runs in the background; if training fails (or is cancelled) the round
+    stays open for another try. Returns (message, run choice, timer)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
     settings = reward_settings(settings_of(ctx), lora, epochs, rm_lr, rm_batch)
@@ -229,7 +230,8 @@ def run_full_round(ctx: AppContext, lora: bool, epochs, rm_lr, rm_batch, n_promp
             try:
                 finished = finish_round(store, jobs, rnd, settings)
             except Exception as exc:
-                store.update_round(rnd.id, status="failed", meta={"error": str(exc)[:2000]})
+                # the round stays open with its rankings, so the admin can fix the cause and retry
+                store.update_round(rnd.id, status="annotating", meta={"last_error": str(exc)[:2000]})
                 raise
         task.update(detail="next round: generating with the active policy")
         new = _start_round(store, jobs, settings)

@@ -8,6 +8,7 @@ Admin endpoints keep readable API names but stay out of the API docs, as on the 
 from __future__ import annotations
 
 import gradio as gr
+import pandas as pd
 
 from annotate import model_admin as m
 from annotate import train as t
@@ -84,7 +85,8 @@ def train_tab(ctx: AppContext) -> dict:
                 plots.append(gr.LinePlot(x="step", y="value", color="metric", title=title, height=240,
                                          visible=False, elem_classes=["rl-train-plot"]))
     with gr.Row(equal_height=False):
-        latest = gr.Dataframe(label="Latest values", interactive=False, scale=1, max_height=320)
+        latest = gr.Dataframe(pd.DataFrame(columns=["metric", "step", "value"]), label="Latest values",
+                              interactive=False, scale=1, max_height=320)
         log = gr.Textbox(label="Log (last lines)", lines=14, max_lines=14, interactive=False, autoscroll=True,
                          scale=2, elem_id="rl-train-log")
     timer = gr.Timer(1.0, active=False)
@@ -115,13 +117,14 @@ def models_tab(ctx: AppContext) -> dict:
     refresh = gr.Button("Refresh", size="sm", scale=0, min_width=120)
     with gr.Row():
         pick = gr.Dropdown([], label="Model version", elem_id="rl-model-pick", scale=3)
-        make_active = gr.Button("Make this the active policy", elem_id="rl-make-active", scale=1)
+        make_active = gr.Button("Make this the active policy", elem_id="rl-make-active", scale=1, size="md")
     model_msg = gr.Markdown()
     with gr.Row(equal_height=False):
         lineage = gr.Markdown(elem_id="rl-lineage")
         meta = gr.JSON(label="Metrics and metadata", open=False)
     caption = gr.Markdown()
-    samples = gr.Dataframe(label="Sample table", interactive=False, wrap=True, max_height=360)
+    samples = gr.Dataframe(pd.DataFrame(columns=m.SAMPLE_COLUMNS),
+                           label="Sample table", interactive=False, wrap=True, max_height=360)
 
     gr.Markdown("### Compare two policies\nBoth sample one response per held-out prompt (never annotated, never "
                 "in a PPO prompt file) with the same seed; the reward model judges each pair.")
@@ -133,12 +136,13 @@ def models_tab(ctx: AppContext) -> dict:
     compare_btn = gr.Button("Compare", variant="primary", elem_id="rl-compare")
     compare_bar = gr.HTML(elem_id="rl-compare-job", js_on_load=None)
     compare_md = gr.Markdown(elem_id="rl-compare-result")
-    compare_df = gr.Dataframe(interactive=False, wrap=True, max_height=420)
+    compare_df = gr.Dataframe(pd.DataFrame(columns=["prompt", "A", "A score", "B", "B score"]), interactive=False,
+                              wrap=True, max_height=420, label="Side by side")
     compare_timer = gr.Timer(1.0, active=False)
 
     gr.Markdown("### Gold loop\nPlots of `bench/gold_loop.py`: does the policy improve by a judge it never trained on?")
     gold_note = gr.Markdown()
-    gallery = gr.Gallery(label="Gold-loop plots", columns=2, height=420, elem_id="rl-gold")
+    gallery = gr.Gallery(label="Gold-loop plots", columns=2, height=420, elem_id="rl-gold", visible=False)
 
     opened = [table, pick, a, b, reward, lineage, meta, samples, caption]
     refresh.click(_bind(m.open_tab, ctx), None, opened, api_name="models", **HIDDEN)

@@ -39,6 +39,7 @@ import dataclasses
 import json
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +133,6 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
     side by side, each with its own store and job queue (one process per job on a shared machine
     gets a fairer share of the CPU; the results are the same as one after the other).
     """
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -176,6 +176,9 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
     return results
 
 
+EVAL_LOCK = threading.Lock()
+
+
 @dataclass
 class Context:
     exp: Experiment
@@ -194,8 +197,9 @@ class Context:
         from bench.gold_eval import evaluate_policy
 
         t = time.perf_counter()
-        metrics, rows = evaluate_policy(version_path, self.exp.loop.model, self.heldout, self.judge, rewards,
-                                        self.exp.eval)
+        with EVAL_LOCK:  # one at a time: loading models from several threads at once is not safe
+            metrics, rows = evaluate_policy(version_path, self.exp.loop.model, self.heldout, self.judge, rewards,
+                                            self.exp.eval)
         with open(self.out / "eval" / f"{tag}.jsonl", "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
         self.log(f"eval {tag}: " + ", ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))

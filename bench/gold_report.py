@@ -282,8 +282,32 @@ def result_line(results: dict) -> str:
     return "RESULT gold_loop " + " ".join(parts)
 
 
+def merge(folders: list[Path], out_dir: Path) -> dict:
+    """One results dict from runs that share round 1 (--reuse-round1 of the same first run), each
+    contributing its settings; their eval tables are copied into out_dir/eval."""
+    runs = [json.loads((Path(f) / "results.json").read_text(encoding="utf-8")) for f in folders]
+    merged = {**runs[0], "variants": {}, "timings": {}, "merged_from": [Path(f).name for f in folders]}
+    (out_dir / "eval").mkdir(parents=True, exist_ok=True)
+    for folder, run in zip(folders, runs):
+        if run["base"] != runs[0]["base"]:
+            raise ValueError(f"{folder}: another start policy evaluation; merge only runs sharing round 1")
+        merged["variants"].update({k: v for k, v in run["variants"].items() if v.get("rounds")})
+        merged["timings"].update({f"{Path(folder).name}/{k}": v for k, v in run["timings"].items()})
+        for table in (Path(folder) / "eval").glob("*.jsonl"):
+            shutil.copy2(table, out_dir / "eval" / table.name)
+    return merged
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python bench/gold_report.py RESULTS_DIR")
-    folder = Path(sys.argv[1])
-    print(write_report(json.loads((folder / "results.json").read_text()), folder))
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python bench/gold_report.py RESULTS_DIR  |  "
+                         "python bench/gold_report.py --merge OUT_DIR WALL_SECONDS RESULTS_DIR...")
+    if sys.argv[1] == "--merge":  # --merge OUT_DIR WALL_SECONDS RESULTS_DIR...: the merged runs' end-to-end time
+        out = Path(sys.argv[2])
+        results = merge([Path(f) for f in sys.argv[4:]], out)
+        results.update(wall_s=float(sys.argv[3]), mode=results.get("mode", "full"))
+        (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+        print(write_report(results, out))
+    else:
+        folder = Path(sys.argv[1])
+        print(write_report(json.loads((folder / "results.json").read_text()), folder))

@@ -99,6 +99,9 @@ class RewardConfig:
     """Stop after this many optimiser steps (0 = run all epochs); the LR schedule spans the steps run."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 = off); 1.0 as TRL's default."""
+    share_prompt: bool = True
+    """Run each pair's prompt once and continue chosen and rejected from its KV cache (prefix
+    sharing; same scores, far fewer tokens when prompts are long). False = whole sequences."""
     max_tokens: int = 4096
     """Most tokens (chosen + rejected rows x padded length) per forward pass: longer batches run in
     chunks whose gradients add up to the batch's, capping activation memory (about 10 GB for

@@ -17,9 +17,10 @@ dropped, counted, and reported; a file left with no pairs is refused.
 
 Tokenising (must match how PPO will score policy samples): prompt messages through the chat
 template with the generation prompt (pipeline/generate.prompt_token_ids), then the response
-tokens, then EOS, the token generation stops at. Longer than max_length: tokens are cut from the
-left, so the prompt loses its start first (counted as prompt-truncated); a response that alone
-exceeds max_length keeps its last tokens (counted as response-truncated). Nothing is dropped.
+tokens, then EOS, the token generation stops at. Chosen and rejected keep one shared prompt. Longer
+than max_length: the prompt loses tokens from its left until it fits beside the longer response
+(counted as prompt-truncated); a response that alone exceeds max_length - 1 keeps its last tokens
+(counted as response-truncated). Nothing is dropped.
 """
 
 from __future__ import annotations
@@ -51,23 +52,34 @@ class Pair:
 
 @dataclass
 class EncodedPair:
-    chosen_ids: list[int]
-    rejected_ids: list[int]
-    chosen_prompt_len: int  # tokens of prompt kept in chosen_ids (the response follows)
-    rejected_prompt_len: int
+    prompt_ids: list[int]  # shared by both responses (truncated once, from the left)
+    chosen_response: list[int]  # response ids + EOS
+    rejected_response: list[int]
     chosen_response_tokens: int  # untruncated response lengths, for the length baseline
     rejected_response_tokens: int
     margin: float = 0.0
 
     @property
+    def chosen_ids(self) -> list[int]:
+        return self.prompt_ids + self.chosen_response
+
+    @property
+    def rejected_ids(self) -> list[int]:
+        return self.prompt_ids + self.rejected_response
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
     def length(self) -> int:
-        return max(len(self.chosen_ids), len(self.rejected_ids))
+        return len(self.prompt_ids) + max(len(self.chosen_response), len(self.rejected_response))
 
 
 @dataclass
 class EncodeReport:
-    prompt_truncated: int = 0  # sequences (chosen or rejected) that lost prompt tokens
-    response_truncated: int = 0  # sequences whose response alone exceeded max_length
+    prompt_truncated: int = 0  # pairs whose prompt lost tokens
+    response_truncated: int = 0  # responses that alone exceeded max_length - 1 tokens
     max_tokens_seen: int = 0  # longest prompt+response before truncation
     examples: list = field(default_factory=list)  # first few truncated source rows
 
@@ -242,19 +254,27 @@ def encode_response(tokenizer, response: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def _fit(prompt_ids: list[int], response_ids: list[int], max_length: int, report: EncodeReport, row: int):
-    total = len(prompt_ids) + len(response_ids)
-    report.max_tokens_seen = max(report.max_tokens_seen, total)
-    if total <= max_length:
-        return prompt_ids + response_ids, len(prompt_ids)
+def _fit(prompt_ids: list[int], chosen: list[int], rejected: list[int], max_length: int,
+         report: EncodeReport, row: int):
+    """(prompt, chosen, rejected) with prompt + the longer response <= max_length.
+
+    Both responses keep the same prompt (a pair compares responses in one context, and the prompt
+    then runs once for both). The prompt loses tokens from its left; it keeps at least one, so a
+    response longer than max_length - 1 keeps its last max_length - 1 tokens.
+    """
+    longest = max(len(chosen), len(rejected))
+    report.max_tokens_seen = max(report.max_tokens_seen, len(prompt_ids) + longest)
+    if len(prompt_ids) + longest <= max_length:
+        return prompt_ids, chosen, rejected
     if len(report.examples) < 10:
         report.examples.append(row)
-    if len(response_ids) < max_length:
+    keep = max(max_length - longest, 1)
+    if keep < len(prompt_ids):
         report.prompt_truncated += 1
-        keep = prompt_ids[total - max_length:]  # cut from the left of the prompt
-        return keep + response_ids, len(keep)
-    report.response_truncated += 1
-    return response_ids[-max_length:], 0
+    budget = max_length - keep
+    for response in (chosen, rejected):
+        report.response_truncated += len(response) > budget
+    return prompt_ids[-keep:], chosen[-budget:], rejected[-budget:]
 
 
 def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[EncodedPair], EncodeReport]:
@@ -268,11 +288,9 @@ def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[En
         key = pair.prompt if isinstance(pair.prompt, str) else json.dumps(pair.prompt)
         if key not in prompt_cache:
             prompt_cache[key] = encode_prompt(tokenizer, pair.prompt)
-        p = prompt_cache[key]
         c, r = encode_response(tokenizer, pair.chosen), encode_response(tokenizer, pair.rejected)
-        c_ids, c_plen = _fit(p, c, max_length, report, pair.row)
-        r_ids, r_plen = _fit(p, r, max_length, report, pair.row)
-        out.append(EncodedPair(c_ids, r_ids, c_plen, r_plen, len(c), len(r), pair.margin))
+        p, c_fit, r_fit = _fit(prompt_cache[key], c, r, max_length, report, pair.row)
+        out.append(EncodedPair(p, c_fit, r_fit, len(c), len(r), pair.margin))
     return out, report
 
 
@@ -299,23 +317,44 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, mega:
 
 
 def collate(items: list[EncodedPair], pad_id: int, with_lm_mask: bool = False) -> dict[str, torch.Tensor]:
-    """Chosen rows then rejected rows, right-padded to the longest of the batch (dynamic padding).
+    """Whole sequences, chosen rows then rejected rows, right-padded to the longest of the batch.
 
     input_ids, attention_mask: (2B, L); margin: (B,); lm_mask (optional): (B, L), 1 on the chosen
     response tokens (the LM-loss targets).
     """
     seqs = [it.chosen_ids for it in items] + [it.rejected_ids for it in items]
-    length = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)  # (2B, L)
-    attention_mask = torch.zeros((len(seqs), length), dtype=torch.long)  # (2B, L)
-    for i, s in enumerate(seqs):
-        input_ids[i, : len(s)] = torch.tensor(s)
-        attention_mask[i, : len(s)] = 1
+    input_ids, attention_mask = _pad(seqs, pad_id, left=False)  # (2B, L)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask,
              "margin": torch.tensor([it.margin for it in items], dtype=torch.float32)}  # (B,)
     if with_lm_mask:
-        lm_mask = torch.zeros((len(items), length), dtype=torch.long)  # (B, L)
+        lm_mask = torch.zeros((len(items), input_ids.shape[1]), dtype=torch.long)  # (B, L)
         for i, it in enumerate(items):
-            lm_mask[i, it.chosen_prompt_len: len(it.chosen_ids)] = 1
+            lm_mask[i, it.prompt_len: len(it.chosen_ids)] = 1
         batch["lm_mask"] = lm_mask
     return batch
+
+
+def collate_shared(items: list[EncodedPair], pad_id: int) -> dict[str, torch.Tensor]:
+    """A prompt once per pair, then both responses (for the shared-prefix forward pass).
+
+    prompt_ids, prompt_mask: (B, P), left-padded so every prompt ends at the same column and the
+    responses continue right after it; response_ids, response_mask: (2B, R), chosen rows then
+    rejected rows, right-padded; margin: (B,).
+    """
+    prompt_ids, prompt_mask = _pad([it.prompt_ids for it in items], pad_id, left=True)  # (B, P)
+    response_ids, response_mask = _pad([it.chosen_response for it in items]
+                                       + [it.rejected_response for it in items], pad_id, left=False)  # (2B, R)
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+            "response_mask": response_mask,
+            "margin": torch.tensor([it.margin for it in items], dtype=torch.float32)}  # (B,)
+
+
+def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask

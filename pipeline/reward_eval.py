@@ -1,7 +1,9 @@
 """Scoring pairs with a reward model, the held-out report, and reward normalisation.
 
-- `pair_scores`: one forward pass over chosen and rejected rows together, the score read at each
-  row's last real token (exactly ScalarModel.score), hidden states kept for the optional LM term.
+- `forward_pairs`: a batch of pairs through the reward model, the score read at each sequence's
+  last real token (exactly ScalarModel.score). Default: each prompt runs once and both responses
+  continue from its KV cache in one pass (`shared_prefix_scores`); or whole sequences, chosen and
+  rejected rows in one forward pass (`pair_scores`).
 - `evaluate`: accuracy, mean margin, loss, calibration (accuracy by |r_c - r_r| bucket, beside
   the Bradley-Terry probability sigmoid(|r_c - r_r|) the model claims), and the "longer response
   wins" baseline, so a user sees whether the model learned more than length.
@@ -13,14 +15,15 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import random
 
 import torch
 
-from pipeline.losses import last_token_index, pairwise_loss
+from pipeline.losses import last_token_index, lm_loss, pairwise_loss
 from pipeline.models import position_ids_from_mask
-from pipeline.reward_data import EncodedPair, Pair, collate
+from pipeline.reward_data import EncodedPair, Pair, collate, collate_shared
 
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
@@ -46,8 +49,79 @@ def pair_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     return scores, hidden
 
 
+def _cache_kwarg(model) -> str:
+    """Recent transformers renamed forward(past_key_values=) to forward(cache=)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+
+
+def shared_prefix_scores(model, prompt_ids, prompt_mask, response_ids, response_mask):
+    """Scores of 2B sequences that share B prompts, running each prompt once.
+
+    prompt_ids/mask: (B, P) left-padded; response_ids/mask: (2B, R), chosen rows then rejected,
+    right-padded. The prompt pass fills a KV cache, its rows are repeated for the two responses,
+    and the responses continue from it in one pass; gradients flow back through the cache into the
+    prompt pass. Same scores as whole sequences, with the prompt's tokens computed once instead of
+    twice (in HH-RLHF pairs the prompt is most of the tokens). The idea is the prefix sharing of
+    Wang & Hegde 2024, "Accelerating Direct Preference Optimization with Prefix Sharing".
+    Returns (scores (2B,), hidden at the last prompt token (B, H), response hidden (2B, R, H)).
+    """
+    from transformers import DynamicCache
+
+    backbone, cache = model.backbone, DynamicCache()
+    kw = _cache_kwarg(backbone)
+    b, width = prompt_ids.shape
+    first = backbone(input_ids=prompt_ids, attention_mask=prompt_mask,
+                     position_ids=position_ids_from_mask(prompt_mask), use_cache=True, **{kw: cache})
+    cache.batch_select_indices(torch.arange(b, device=prompt_ids.device).repeat(2))  # (2B, P) cache rows
+    full_mask = torch.cat([prompt_mask.repeat(2, 1), response_mask], dim=1)  # (2B, P + R)
+    second = backbone(input_ids=response_ids, attention_mask=full_mask,
+                      position_ids=position_ids_from_mask(full_mask)[:, width:], use_cache=True, **{kw: cache})
+    hidden = second.last_hidden_state  # (2B, R, H)
+    rows = torch.arange(hidden.size(0), device=hidden.device)
+    last_hidden = hidden[rows, last_token_index(response_mask)]  # (2B, H)
+    with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
+        scores = model.head(last_hidden.float()).squeeze(-1)  # (2B,)
+    return scores, first.last_hidden_state[:, -1], hidden
+
+
+def forward_pairs(model, items: list[EncodedPair], pad_id: int, device, share_prompt: bool = True,
+                  lm_weight: torch.Tensor | None = None):
+    """One batch of pairs through the reward model: (r_chosen (B,), r_rejected (B,), LM loss on the
+    chosen responses (or None), margin (B,), real tokens processed).
+
+    share_prompt: prompt once, then both responses (shared_prefix_scores); else whole sequences,
+    chosen and rejected rows in one forward pass (pair_scores). lm_weight (V, H): output embedding
+    for the LM term; logits are made only where response tokens are predicted.
+    """
+    n, lm = len(items), None
+    if share_prompt:
+        batch = collate_shared(items, pad_id)
+        p_ids, p_mask = batch["prompt_ids"].to(device), batch["prompt_mask"].to(device)  # (B, P)
+        r_ids, r_mask = batch["response_ids"].to(device), batch["response_mask"].to(device)  # (2B, R)
+        scores, prompt_last, hidden = shared_prefix_scores(model, p_ids, p_mask, r_ids, r_mask)
+        tokens = int(p_mask.sum() + r_mask.sum())
+        if lm_weight is not None:
+            # position 0 (last prompt token) predicts response token 0, position t predicts t+1
+            h = torch.cat([prompt_last[:, None], hidden[:n]], dim=1)  # (B, 1 + R, H)
+            labels = torch.cat([r_ids[:n, :1], r_ids[:n]], dim=1)  # (B, 1 + R); column 0 is never a target
+            mask = torch.cat([torch.zeros_like(r_mask[:n, :1]), r_mask[:n]], dim=1)  # (B, 1 + R)
+            lm = lm_loss(h @ lm_weight.to(h.dtype).T, labels, mask)
+    else:
+        batch = collate(items, pad_id, with_lm_mask=lm_weight is not None)
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (2B, L)
+        scores, hidden = pair_scores(model, ids, mask)  # (2B,), (2B, L, H)
+        tokens = int(mask.sum())
+        if lm_weight is not None:
+            start = max(min(it.prompt_len for it in items) - 1, 0)  # first position predicting a response token
+            logits = hidden[:n, start:] @ lm_weight.to(hidden.dtype).T  # (B, L', V)
+            lm = lm_loss(logits, ids[:n, start:], batch["lm_mask"][:, start:].to(device))
+    return scores[:n], scores[n:], lm, batch["margin"].to(device), tokens
+
+
 @torch.no_grad()
-def score_pairs(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_size: int = 16):
+def score_pairs(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_size: int = 16,
+                share_prompt: bool = True):
     """(r_chosen, r_rejected), each (P,) on CPU, in the order of `items` (batched by length)."""
     was_training = model.training
     model.eval()
@@ -55,11 +129,9 @@ def score_pairs(model, items: list[EncodedPair], pad_id: int, device, dtype, bat
     r_c, r_r = torch.zeros(len(items)), torch.zeros(len(items))
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        batch = collate([items[i] for i in idx], pad_id)
         with autocast_for(device, dtype):
-            scores, _ = pair_scores(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        scores = scores.float().cpu()  # (2b,)
-        r_c[idx], r_r[idx] = scores[: len(idx)], scores[len(idx):]
+            c, r, _, _, _ = forward_pairs(model, [items[i] for i in idx], pad_id, device, share_prompt)
+        r_c[idx], r_r[idx] = c.float().cpu(), r.float().cpu()
     model.train(was_training)
     return r_c, r_r
 
@@ -93,11 +165,12 @@ def length_baseline(items: list[EncodedPair]) -> float:
     return score / len(items)
 
 
-def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_size: int = 16) -> dict:
+def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_size: int = 16,
+             share_prompt: bool = True) -> dict:
     """Held-out metrics, flat keys under eval/, plus the calibration table."""
     if not items:
         return {}
-    r_c, r_r = score_pairs(model, items, pad_id, device, dtype, batch_size)
+    r_c, r_r = score_pairs(model, items, pad_id, device, dtype, batch_size, share_prompt)
     diff = r_c - r_r  # (P,)
     return {
         "eval/pairs": len(items),

@@ -6,8 +6,10 @@
 The model is `load_scalar_model(kind="reward")` on the policy's base model (SmolLM2-135M-Instruct
 by default), LoRA or full fine-tuning. Loss: Bradley-Terry -log sigmoid(r_c - r_r [- margin])
 (Ouyang et al. 2022, eq. 1), optional reward centering (TRL) and LM loss on the chosen response
-(Askell et al. 2021). Chosen and rejected rows go through the model in one forward pass, batches
-group pairs of similar length and are padded only to their own longest row.
+(Askell et al. 2021). Each pair's prompt runs once and its chosen and rejected responses continue
+from its KV cache together in one forward pass (--share-prompt false: whole sequences, chosen and
+rejected rows in one pass); batches group pairs of similar length and are padded only to their
+own longest row; long batches are split into chunks of at most --max-tokens.
 
 Run directory (written only here; the app tails it and registers the model):
     config.json        configs, input file and its sha256, command line
@@ -56,12 +58,12 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
-from pipeline.losses import center_loss, lm_loss, pairwise_loss
+from pipeline.losses import center_loss, pairwise_loss
 from pipeline.models import load_scalar_model, pick_device, pick_dtype, resolve_model_path, save_scalar_model
 from pipeline.reward_data import (
-    collate, encode_pairs, length_grouped_batches, pairs_fingerprint, prompt_key, read_pairs, split_by_prompt,
+    encode_pairs, length_grouped_batches, pairs_fingerprint, prompt_key, read_pairs, split_by_prompt,
 )
-from pipeline.reward_eval import autocast_for, evaluate, normalisation_stats, pair_scores
+from pipeline.reward_eval import autocast_for, evaluate, forward_pairs, normalisation_stats
 from pipeline.rundir import append_metrics, write_json, write_status
 
 # --------------------------------------------------------------------------- helpers
@@ -257,29 +259,21 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                     # chunk's loss is weighted by its share of the batch, so the gradient is the
                     # batch's own (pairwise and centering terms are means over pairs).
                     for chunk in token_chunks(idx, lengths, cfg.max_tokens):
-                        batch = collate([train_items[i] for i in chunk], pad_id, with_lm_mask=lm_weight is not None)
-                        ids = batch["input_ids"].to(device)  # (2b, L)
-                        mask = batch["attention_mask"].to(device)  # (2b, L)
                         b = len(chunk)
                         with autocast_for(device, dtype):
-                            scores, hidden = pair_scores(model, ids, mask)  # (2b,), (2b, L, H)
-                            r_c, r_r = scores[:b], scores[b:]  # (b,), (b,)
-                            loss = pairwise_loss(r_c, r_r, batch["margin"].to(device) if cfg.margin else None)
+                            r_c, r_r, lm, margin, tokens = forward_pairs(  # (b,), (b,), scalar, (b,)
+                                model, [train_items[i] for i in chunk], pad_id, device, cfg.share_prompt, lm_weight)
+                            loss = pairwise_loss(r_c, r_r, margin if cfg.margin else None)
                             if cfg.center_coef > 0:
                                 loss = loss + cfg.center_coef * center_loss(r_c, r_r)
-                            if lm_weight is not None:
-                                # Logits only from the first position that predicts a response token:
-                                # (b, L, V) over a 49k vocabulary is the largest tensor of the step.
-                                start = max(min(train_items[i].chosen_prompt_len for i in chunk) - 1, 0)
-                                logits = hidden[:b, start:] @ lm_weight.to(hidden.dtype).T  # (b, L', V)
-                                lm = lm_loss(logits, ids[:b, start:], batch["lm_mask"][:, start:].to(device))
+                            if lm is not None:
                                 loss = loss + cfg.lm_coef * lm
                         (loss * (b / len(idx)) / len(micro)).backward()
                         sums["loss"] += loss.item() * b
                         sums["accuracy"] += (r_c > r_r).float().sum().item()
                         sums["margin"] += (r_c - r_r).sum().item()
                         sums["pairs"] += b
-                        sums["tokens"] += int(mask.sum())
+                        sums["tokens"] += tokens
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
                 optimizer.step()
                 scheduler.step()
@@ -316,7 +310,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
 
     # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
     write_status(out_dir, "running", step, total, phase="evaluating")
-    report = evaluate(model, eval_items, pad_id, device, dtype, batch_size=2 * cfg.batch_size)
+    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt)
     calib = report.pop("calibration", [])
     if report:
         append_metrics(out_dir, step, report)

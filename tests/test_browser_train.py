@@ -122,7 +122,9 @@ def test_admin_trains_a_reward_model_and_sees_it_in_the_models_tab(app, browser)
     # the Models tab lists the new version, with the snapshot it was trained on
     (reward,) = store.list_model_versions("reward")
     page.get_by_role("tab", name="Models").click()
-    page.wait_for_selector(f"#rl-models :text('{reward.name}')", timeout=20_000)
-    row = page.locator("#rl-models tr", has_text=reward.name).inner_text()
-    assert f"#{reward.snapshot_id} (" in row and "train-reward" in row
+    page.wait_for_function("name => document.querySelector('#rl-models').innerText.includes(name)",
+                           arg=reward.name, timeout=20_000)
+    table = page.inner_text("#rl-models")
+    assert f"#{reward.snapshot_id} ({store.get_snapshot(reward.snapshot_id).counts['pairs']} pairs)" in table
+    assert f"#{run.id} train-reward" in table
     page.close()

@@ -194,7 +194,7 @@ def test_cli_writes_a_run_directory(tiny_model_dir, tmp_path):
     assert all(r["finish_reason"] in ("eos", "length") and 1 <= r["token_count"] <= 5 for r in rows)
     assert rows[0]["sampling"]["temperature"] == 0.7 and rows[0]["model"] == str(tiny_model_dir)
     status = json.loads((out / "status.json").read_text())
-    assert status["state"] == "done" and status["progress"] == "6/6"
+    assert status["state"] == "done" and (status["step"], status["total"], status["progress"]) == (6, 6, 1.0)
     assert json.loads((out / "config.json").read_text())["generate"]["k"] == 2
 
 

@@ -14,9 +14,10 @@ from pipeline.config import RewardConfig
 from pipeline.generate import prompt_token_ids
 from pipeline.models import load_scalar_model
 from pipeline.reward_data import (
-    PairsError, collate, encode_pairs, length_grouped_batches, prompt_key, read_pairs, split_by_prompt,
+    PairsError, collate, collate_shared, encode_pairs, length_grouped_batches, prompt_key, read_pairs,
+    split_by_prompt,
 )
-from pipeline.reward_eval import pair_scores
+from pipeline.reward_eval import forward_pairs
 from pipeline.train_reward import main, train_reward
 
 WORDS = ("the quick brown fox jumps over lazy dog bread flour water salt guitar chords "
@@ -130,19 +131,24 @@ def test_split_by_prompt_never_shares_a_prompt(tmp_path):
 def test_encoding_matches_generation_and_truncates_from_the_left(tmp_path, tiny_tokenizer):
     tok = tiny_tokenizer
     pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", [
-        {"prompt": "the quick brown fox " * 10, "chosen": "bread", "rejected": "salt water " * 30}]))
+        {"prompt": "the quick brown fox " * 10, "chosen": "bread", "rejected": "salt water"},
+        {"prompt": "the lazy dog", "chosen": "bread", "rejected": "salt water " * 30}]))
     prompt_ids = prompt_token_ids(tok, pairs[0].prompt)
     bread = tok("bread", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    full, report = encode_pairs(pairs, tok, max_length=1000)
-    assert full[0].chosen_ids == prompt_ids + bread and full[0].chosen_prompt_len == len(prompt_ids)
-    assert report.prompt_truncated == 0
+    salt = tok("salt water", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    full, report = encode_pairs(pairs[:1], tok, max_length=1000)
+    assert full[0].chosen_ids == prompt_ids + bread and full[0].rejected_ids == prompt_ids + salt
+    assert full[0].prompt_len == len(prompt_ids) and report.prompt_truncated == 0
 
-    limit = len(bread) + 5
+    # the prompt loses its start until it fits beside the longer response; both keep one prompt
+    limit = max(len(bread), len(salt)) + 5
     short, report = encode_pairs(pairs, tok, max_length=limit)
-    assert short[0].chosen_ids == prompt_ids[-5:] + bread  # prompt cut from its left, response whole
-    assert len(short[0].rejected_ids) == limit and short[0].rejected_ids[-1] == tok.eos_token_id
-    assert (report.prompt_truncated, report.response_truncated) == (1, 1)
-    assert short[0].rejected_response_tokens > limit  # the length baseline sees the real length
+    assert short[0].chosen_ids == prompt_ids[-5:] + bread and short[0].rejected_ids == prompt_ids[-5:] + salt
+    # a response longer than the limit keeps its last tokens after a 1-token prompt
+    assert short[1].prompt_len == 1 and len(short[1].rejected_ids) == limit
+    assert short[1].rejected_ids[-1] == tok.eos_token_id and short[1].chosen_response == bread
+    assert (report.prompt_truncated, report.response_truncated) == (2, 1)
+    assert short[1].rejected_response_tokens > limit  # the length baseline sees the real length
 
 
 def test_length_grouped_batches_cover_everything_once_and_pad_little():
@@ -163,22 +169,44 @@ def test_collate_puts_chosen_then_rejected(tmp_path, tiny_tokenizer):
     pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", marker_pairs(3)))
     items, _ = encode_pairs(pairs, tiny_tokenizer, 512)
     batch = collate(items, pad_id=0, with_lm_mask=True)
-    longest = max(it.length for it in items)
+    longest = max(max(len(it.chosen_ids), len(it.rejected_ids)) for it in items)
     assert batch["input_ids"].shape == (6, longest) and batch["lm_mask"].shape == (3, longest)
     assert batch["input_ids"][4, : len(items[1].rejected_ids)].tolist() == items[1].rejected_ids
     assert batch["attention_mask"][1].sum() == len(items[1].chosen_ids)
-    resp = len(items[0].chosen_ids) - items[0].chosen_prompt_len
-    assert batch["lm_mask"][0].sum() == resp and batch["lm_mask"][0, items[0].chosen_prompt_len] == 1
+    assert batch["lm_mask"][0].sum() == len(items[0].chosen_response)
+    assert batch["lm_mask"][0, items[0].prompt_len] == 1 and batch["lm_mask"][0, items[0].prompt_len - 1] == 0
+
+    shared = collate_shared(items, pad_id=0)
+    p_width = max(it.prompt_len for it in items)
+    assert shared["prompt_ids"].shape == (3, p_width) and shared["response_ids"].shape[0] == 6
+    assert shared["prompt_ids"][2, p_width - items[2].prompt_len:].tolist() == items[2].prompt_ids  # left-padded
+    assert shared["response_ids"][5, : len(items[2].rejected_response)].tolist() == items[2].rejected_response
 
 
-def test_pair_scores_equal_the_model_score(tiny_model_cfg, tmp_path):
+def test_shared_prompt_pass_gives_the_same_scores_and_gradients(tiny_model_cfg, tmp_path):
+    """Prefix sharing is an optimisation only: same scores as ScalarModel.score on whole
+    sequences, same LM term, same gradients, fewer tokens."""
     model, tok = load_scalar_model(tiny_model_cfg.model, "reward", tiny_model_cfg)
-    pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", marker_pairs(4)))
-    batch = collate(encode_pairs(pairs, tok, 512)[0], tok.pad_token_id)
+    pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", marker_pairs(5)))
+    items = encode_pairs(pairs, tok, 512)[0]
+    lm_weight = torch.randn(len(tok), model.backbone.config.hidden_size)
+    model.train()
+    results = {}
+    for share in (True, False):
+        model.zero_grad()
+        r_c, r_r, lm, _, tokens = forward_pairs(model, items, tok.pad_token_id, torch.device("cpu"), share, lm_weight)
+        (r_c.sum() - 2 * r_r.sum() + lm).backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[share] = (r_c.detach(), r_r.detach(), lm.detach(), grads, tokens)
+    batch = collate(items, tok.pad_token_id)
     with torch.no_grad():
-        ours, _ = pair_scores(model, batch["input_ids"], batch["attention_mask"])
-        theirs = model.score(batch["input_ids"], batch["attention_mask"])
-    assert torch.allclose(ours, theirs, atol=1e-5)
+        whole = model.score(batch["input_ids"], batch["attention_mask"])
+    shared, plain = results[True], results[False]
+    assert torch.allclose(shared[0], whole[:5], atol=1e-5) and torch.allclose(shared[1], whole[5:], atol=1e-5)
+    assert torch.allclose(plain[0], whole[:5], atol=1e-5)
+    assert torch.allclose(shared[2], plain[2], atol=1e-5)
+    assert torch.allclose(shared[3], plain[3], atol=1e-4 * plain[3].abs().max().item())
+    assert shared[4] == plain[4] - sum(it.prompt_len for it in items)  # each prompt once, not twice
 
 
 def test_calibration_and_length_baseline_hand_values():
@@ -192,7 +220,7 @@ def test_calibration_and_length_baseline_hand_values():
     assert rows[0]["predicted"] == pytest.approx(0.6758, abs=1e-4)
     assert rows[1]["predicted"] == pytest.approx(0.9877, abs=1e-4)
     assert (rows[0]["abs_diff_min"], rows[1]["abs_diff_max"]) == (0.1, 5.0)
-    items = [EncodedPair([1], [1], 0, 0, c, r) for c, r in ((5, 3), (2, 2), (1, 4))]
+    items = [EncodedPair([1], [2], [3], c, r) for c, r in ((5, 3), (2, 2), (1, 4))]
     assert length_baseline(items) == 0.5  # longer chosen: 1, tie: 1/2, shorter: 0
 
 

@@ -364,8 +364,9 @@ def _png(path):
 
 def test_gold_loop_plots_are_served_from_a_copy(ctx):
     _png(ctx.data_dir / "results" / "latest" / "gold_vs_sqrt_kl.png")
-    images, note = model_admin.gold_plots(ctx, req("boss"))
-    (copy,) = [path for path, caption in images if caption == "gold_vs_sqrt_kl · latest"]
+    gallery, note = model_admin.gold_plots(ctx, req("boss"))
+    (copy,) = [path for path, caption in gallery["value"] if caption == "gold_vs_sqrt_kl · latest"]
+    assert gallery["visible"]
     assert "latest" in note and copy != str(ctx.data_dir / "results" / "latest" / "gold_vs_sqrt_kl.png")
     assert open(copy, "rb").read()[:4] == b"\x89PNG"
 
