@@ -1,4 +1,4 @@
-"""Admin handlers (Data and Models tabs): import, generate, statistics, export, users, guidelines.
+"""Admin handlers of the Data tab: import, generate, statistics, export, users, guidelines.
 
 Every function starts with `admin(ctx, request)`, which raises `Refused` for anyone who is not a
 signed-in admin, before anything is read or written: an annotator reaching these endpoints through
@@ -265,21 +265,3 @@ def save_guidelines(ctx: AppContext, text: str, request: gr.Request) -> str:
 def load_guidelines(ctx: AppContext, request: gr.Request) -> str:
     admin(ctx, request)
     return ctx.store.get_setting(GUIDELINES_KEY, "") or DEFAULT_GUIDELINES
-
-
-# ------------------------------------------------------------------------- models
-
-
-def models_table(ctx: AppContext, request: gr.Request) -> pd.DataFrame:
-    """Every model version, with which one generates (the active policy)."""
-    admin(ctx, request)
-    active = ctx.store.active_policy()
-    rows = []
-    for mv in ctx.store.list_model_versions():
-        rows.append({
-            "id": mv.id, "name": mv.name, "kind": mv.kind,
-            "active": "●" if active is not None and mv.id == active.id else "",
-            "parent": mv.parent_id, "base model": mv.base_model, "path": mv.path or "",
-            "created": mv.created_at.strftime("%Y-%m-%d %H:%M"),
-        })
-    return pd.DataFrame(rows, columns=["id", "name", "kind", "active", "parent", "base model", "path", "created"])

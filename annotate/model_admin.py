@@ -110,6 +110,7 @@ def _version(ctx: AppContext, name: str | None, kind: str | None = None):
 def open_tab(ctx: AppContext, request: gr.Request):
     """Everything the tab shows when opened: (table, details picker, policy A, policy B, reward
     model, then version_details of the preselected version)."""
+    admin(ctx, request)
     table = models_table(ctx, request)
     pick, a, b, reward = version_choices(ctx, request)
     return (table, pick, a, b, reward, *version_details(ctx, pick["value"], request))

@@ -146,16 +146,18 @@ def train_reward(ctx: AppContext, lora: bool, epochs, lr, batch_size, warm_start
     except StoreError as exc:
         raise gr.Error(f"Cannot train a reward model yet: {exc}") from None
     previous = latest_reward(ctx.store) if warm_start else None
+    previous = previous if previous is not None and previous.path else None
     args = ["--data", snapshot.path, *to_cli_args(settings.reward),
             *model_args(settings.model, _base_model(ctx, settings))]
-    if previous is not None and previous.path:
+    if previous is not None:
         args += ["--init-from", previous.path]
-    run = jobs.submit("train-reward", args, config={"reward": to_dict(settings.reward), "model": to_dict(settings.model)},
+    run = jobs.submit("train-reward", args,
+                      config={"reward": to_dict(settings.reward), "model": to_dict(settings.model)},
                       inputs={"snapshot_id": snapshot.id, "parent_version_id": previous.id if previous else None})
-    warm = f", warm-started from {previous.name}" if previous is not None and previous.path else ""
+    warm = f", warm-started from {previous.name}" if previous is not None else ""
     msg = (f"Queued **run #{run.id}** (train-reward) on snapshot #{snapshot.id}: "
            f"{snapshot.counts.get('pairs', 0)} pairs{warm}.")
-    return msg, _run_choices(ctx, LATEST), gr.update(active=True)
+    return msg, run_picker(ctx, LATEST), gr.update(active=True)
 
 
 def run_ppo(ctx: AppContext, lora: bool, reward_name: str | None, n_prompts, steps, kl_control, beta, kl_target,
@@ -191,7 +193,7 @@ def run_ppo(ctx: AppContext, lora: bool, reward_name: str | None, n_prompts, ste
     then = " It becomes the active policy when it finishes." if activate else ""
     msg = (f"Queued **run #{run.id}** (PPO): {policy.name} against {reward.name}, {settings.ppo.steps} steps "
            f"on {len(prompts)} prompts.{then}")
-    return msg, _run_choices(ctx, LATEST), gr.update(active=True)
+    return msg, run_picker(ctx, LATEST), gr.update(active=True)
 
 
 # ------------------------------------------------------------------------- rounds
@@ -241,7 +243,7 @@ def run_full_round(ctx: AppContext, lora: bool, epochs, rm_lr, rm_batch, n_promp
     _start(ctx, label, work)
     what = (f"Finishing round {open_round.id} (reward model, PPO), then starting the next one."
             if open_round else "Starting the first round: generating responses with the active policy.")
-    return what, _run_choices(ctx, LATEST), gr.update(active=True)
+    return what, run_picker(ctx, LATEST), gr.update(active=True)
 
 
 def start_next_round(ctx: AppContext, prompts_per_round, k, strategy, request: gr.Request):
@@ -261,7 +263,7 @@ def start_next_round(ctx: AppContext, prompts_per_round, k, strategy, request: g
         return {"closed": rnd.id if rnd else None, "started": _start_round(store, jobs, settings).id}
 
     _start(ctx, "Next round", work)
-    return ("Starting the next round: generating responses with the active policy.", _run_choices(ctx, LATEST),
+    return ("Starting the next round: generating responses with the active policy.", run_picker(ctx, LATEST),
             gr.update(active=True))
 
 
@@ -288,13 +290,8 @@ def _start(ctx: AppContext, label: str, work) -> None:
 # ------------------------------------------------------------------------- the job monitor
 
 
-def run_choices(ctx: AppContext, request: gr.Request, value: str | None = LATEST):
+def run_picker(ctx: AppContext, value: str | None):
     """The monitor's run picker: "latest" (follows new jobs), then the 50 newest runs."""
-    admin(ctx, request)
-    return _run_choices(ctx, value)
-
-
-def _run_choices(ctx: AppContext, value: str | None):
     runs = ctx.store.list_runs(limit=50)
     choices = [("Latest job (follows new jobs)", LATEST)] + [
         (f"#{r.id} {r.kind} · {r.created_at:%Y-%m-%d %H:%M}", str(r.id)) for r in runs]
@@ -302,18 +299,13 @@ def _run_choices(ctx: AppContext, value: str | None):
     return gr.update(choices=choices, value=keep)
 
 
-def reward_choices(ctx: AppContext, request: gr.Request, value: str | None = None):
-    """The PPO form's reward model picker: trained reward versions, the newest preselected."""
-    admin(ctx, request)
-    return _reward_choices(ctx, value)
-
-
 def reward_names(store) -> list[str]:
     """Reward model versions with a checkpoint, oldest first."""
     return [mv.name for mv in store.list_model_versions("reward") if mv.path]
 
 
-def _reward_choices(ctx: AppContext, value: str | None):
+def reward_picker(ctx: AppContext, value: str | None):
+    """The PPO form's reward model picker: trained reward versions, the newest preselected."""
     names = reward_names(ctx.store)
     return gr.update(choices=names, value=value if value in names else (names[-1] if names else None))
 
@@ -328,11 +320,16 @@ def _resolve(ctx: AppContext, choice: str | None):
         raise gr.Error(f"No run {choice!r}: pick one from the list.") from None
 
 
-def metric_frames(store, run_id: int | None) -> dict[str, pd.DataFrame]:
-    """{plot title: long frame (step, value, metric)} of a run's metrics, one entry per PLOTS."""
-    rows = store.metrics(run_id) if run_id is not None else []
-    df = pd.DataFrame([(m.step, m.key, m.value) for m in rows], columns=["step", "metric", "value"])
-    df = df[df["value"].notna()] if len(df) else df
+def metric_frames(metrics, max_points: int = 400) -> dict[str, pd.DataFrame]:
+    """{plot title: long frame (step, value, metric)} of a run's metrics, one entry per PLOTS.
+    A long run is thinned to about `max_points` steps per line (the last step always kept)."""
+    df = pd.DataFrame([(m.step, m.key, m.value) for m in metrics], columns=["step", "metric", "value"])
+    df = df[df["value"].notna()]
+    if len(df):
+        steps = sorted(df["step"].unique())
+        stride = max(1, len(steps) // max_points)
+        keep = set(steps[::stride]) | {steps[-1]}
+        df = df[df["step"].isin(keep)]
     return {title: df[df["metric"].isin(keys)].reset_index(drop=True) for title, keys in PLOTS.items()}
 
 
@@ -342,13 +339,14 @@ def poll(ctx: AppContext, choice: str | None, reward_value: str | None, request:
     ticking only while a job or a round task is in flight."""
     admin(ctx, request)
     run = _resolve(ctx, choice)
-    frames = metric_frames(ctx.store, run.id if run else None)
+    metrics = ctx.store.metrics(run.id) if run is not None else []
+    frames = metric_frames(metrics)
     plots = [gr.update(value=df, visible=len(df) > 0) for df in frames.values()]
     task = task_status(ctx, ROUND_TASK)
     in_flight = (run is not None and run.status in ("queued", "running") and ctx.jobs is not None
                  and ctx.jobs.busy()) or (task is not None and task.running)
-    return (job_bar(ctx, run), *plots, latest_values(ctx.store, run), log_tail(ctx, run),
-            round_status(ctx), _run_choices(ctx, choice), _reward_choices(ctx, reward_value),
+    return (job_bar(ctx, run), *plots, latest_values(metrics), log_tail(run),
+            round_status(ctx), run_picker(ctx, choice), reward_picker(ctx, reward_value),
             gr.update(active=in_flight))
 
 
@@ -371,20 +369,19 @@ def job_bar(ctx: AppContext, run) -> str:
     return render.render_job(f"Run #{run.id} · {run.kind}", step, total, run.status, detail)
 
 
-def latest_values(store, run) -> pd.DataFrame:
+def latest_values(metrics) -> pd.DataFrame:
     """The last value of every metric of the run (the plots show their history)."""
-    rows = store.metrics(run.id) if run is not None else []
     last: dict[str, tuple[int, float]] = {}
-    for m in rows:
+    for m in metrics:
         if not math.isnan(m.value):
             last[m.key] = (m.step, m.value)
     return pd.DataFrame([{"metric": k, "step": s, "value": round(v, 5)} for k, (s, v) in sorted(last.items())],
                         columns=["metric", "step", "value"])
 
 
-def log_tail(ctx: AppContext, run, lines: int = 40) -> str:
-    """The last lines of the run's log.txt. tqdm redraws a line with carriage returns: each line
-    shows its last state (so lines are split on newlines only, never on the returns)."""
+def log_tail(run, lines: int = 40) -> str:
+    """The last lines of the run's log.txt. tqdm redraws its line with carriage returns, so lines
+    are split on newlines only and each shows its last state."""
     if run is None or not run.run_dir:
         return ""
     try:
@@ -430,8 +427,10 @@ def cancel(ctx: AppContext, choice: str | None, request: gr.Request) -> str:
 
 
 def fail_interrupted_jobs(store) -> int:
-    """At app start: job runs and rounds left in flight by a previous app process are over; mark
-    them failed (their subprocesses died with it). Returns how many runs were marked."""
+    """At app start: job runs left in flight by a previous app process are over (their
+    subprocesses died with it): mark them failed. A round caught generating failed too; one caught
+    training goes back to annotating (its rankings are kept) for another try. Returns how many
+    runs were marked."""
     n = 0
     for status in ("queued", "running"):
         for run in store.list_runs(status=status):
@@ -439,6 +438,8 @@ def fail_interrupted_jobs(store) -> int:
                 store.update_run(run.id, status="failed", error="interrupted: the app stopped before it finished")
                 n += 1
     for rnd in store.list_rounds():
-        if rnd.status in ("generating", "training"):
+        if rnd.status == "generating":
             store.update_round(rnd.id, status="failed", meta={"error": "interrupted: the app stopped"})
+        elif rnd.status == "training":
+            store.update_round(rnd.id, status="annotating", meta={"last_error": "interrupted: the app stopped"})
     return n

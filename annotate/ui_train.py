@@ -72,7 +72,8 @@ def train_tab(ctx: AppContext) -> dict:
 
     gr.Markdown("### Job monitor")
     with gr.Row():
-        run_pick = gr.Dropdown([("Latest job (follows new jobs)", t.LATEST)], value=t.LATEST, label="Run", elem_id="rl-run-pick", scale=3)
+        run_pick = gr.Dropdown([("Latest job (follows new jobs)", t.LATEST)], value=t.LATEST, label="Run",
+                               elem_id="rl-run-pick", scale=3)
         refresh = gr.Button("Refresh", size="sm", scale=0, min_width=100)
         cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=0, min_width=120, elem_id="rl-cancel",
                            interactive=enabled)

@@ -274,7 +274,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                         sums["margin"] += (r_c - r_r).sum().item()
                         sums["pairs"] += b
                         sums["tokens"] += tokens
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -122,3 +122,65 @@ def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(shared_dat
     for name in ("gold_vs_sqrt_kl.png", "proxy_vs_gold.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("RESULT gold_loop mode=quick ")
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _metrics(gold, kl, proxy, distinct2):
+    return {"eval/gold": gold, "eval/kl": kl, "eval/proxy:rm1": proxy, "eval/proxy:own": proxy,
+            "eval/length": 24.0, "eval/eos_rate": 0.0, "eval/distinct_1": 0.6, "eval/distinct_2": distinct2}
+
+
+def _variant(label, rounds):
+    steps = [{"round": r, "step": s, "proxy": 0.1 * s, "kl": 0.5 * s, "beta": 0.1, "gold": 0.3, "gold_n": 4}
+             for r in (1, 2) for s in (1, 2)]
+    return {"label": label, "ppo": {}, "steps": steps,
+            "rounds": [{"round": n, "policy": "p", "reward": f"rm{n}", **m} for n, m in enumerate(rounds, 1)]}
+
+
+def _results():
+    return {"mode": "full", "wall_s": 60.0, "timings": {"total_s": 60.0},
+            "settings": {"model": "default", "rounds": 2, "prompts_per_round": 4, "k": 4, "max_new_tokens": 24,
+                         "generate_temperature": 0.9, "reward": {"lr": 3e-4, "epochs": 1},
+                         "ppo": {"steps": 2, "batch_size": 8, "ppo_epochs": 1, "mini_batch_size": 4, "lr": 5e-4,
+                                 "temperature": 0.7, "missing_eos_penalty": 0.0},
+                         "lora_r": 16, "eval_prompts": 4, "eval": {"samples": 1, "temperature": 0.7}, "noise": 0.05,
+                         "variants": {}, "threads": 2, "judge": "embedding"},
+            "annotators": {"round1": {"pairs": 10, "agreement": 0.8}}, "reward_models": {"rm1": {}},
+            "base": _metrics(0.30, 0.0, 0.0, 0.95),
+            "variants": {"adaptive": _variant("adaptive KL", [_metrics(0.32, 1.0, 0.4, 0.94), _metrics(0.34, 2.0, 0.6, 0.93)]),
+                         "beta0": _variant("beta = 0", [_metrics(0.31, 3.0, 0.8, 0.90), _metrics(0.28, 9.0, 1.5, 0.70)])}}
+
+
+@pytest.mark.slow  # matplotlib: a few seconds
+def test_report_table_checks_and_plots_from_results(tmp_path):
+    from bench.gold_report import result_line, write_report
+
+    report = write_report(_results(), tmp_path).read_text()
+    assert "| adaptive KL | 2 | 0.340 | 0.040 | 0.60 | 0.60 | 2.00 | 1.41 |" in report
+    assert "- [x] gold rises under KL control" in report
+    assert "- [x] beta = 0 drifts further (higher KL)" in report
+    assert "- [x] beta = 0 loses diversity" in report
+    assert (tmp_path / "gold_vs_sqrt_kl.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "proxy_vs_gold.png").read_bytes()[:4] == b"\x89PNG"
+    assert result_line(_results()).startswith("RESULT gold_loop mode=full wall_s=60 base_gold=0.3000 adaptive_gold=0.3400")
+
+
+def test_merge_joins_settings_of_runs_that_share_round_one(tmp_path):
+    from bench.gold_report import merge
+
+    a, b = _results(), _results()
+    del b["variants"]["adaptive"]
+    b["variants"]["fixed"] = b["variants"].pop("beta0")
+    for name, run in (("one", a), ("two", b)):
+        (tmp_path / name / "eval").mkdir(parents=True)
+        (tmp_path / name / "results.json").write_text(json.dumps(run))
+        (tmp_path / name / "eval" / f"{name}.jsonl").write_text("{}\n")
+    merged = merge([tmp_path / "one", tmp_path / "two"], tmp_path / "out")
+    assert list(merged["variants"]) == ["adaptive", "beta0", "fixed"]
+    assert {p.name for p in (tmp_path / "out" / "eval").iterdir()} == {"one.jsonl", "two.jsonl"}
+    b["base"]["eval/gold"] = 0.5
+    (tmp_path / "two" / "results.json").write_text(json.dumps(b))
+    with pytest.raises(ValueError, match="another start policy"):
+        merge([tmp_path / "one", tmp_path / "two"], tmp_path / "out2")

@@ -4,6 +4,7 @@ a stand-in request carrying the user name (what Gradio's login puts on gr.Reques
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from annotate import admin, bootstrap, handlers, render
 from annotate.context import AppContext, Refused
 from annotate.handlers import parse_ranking
 from annotate.state import Showing
+from store import Store
 from tests.fixtures_store import seed_items
 
 
@@ -22,12 +24,26 @@ def req(name):
     return SimpleNamespace(username=name)
 
 
+@pytest.fixture(scope="module")
+def accounts_db(tmp_path_factory) -> Path:
+    """A closed store file holding the three accounts (scrypt hashing them once, not per test)."""
+    path = tmp_path_factory.mktemp("accounts") / "rlhf.duckdb"
+    with Store(path) as s:
+        s.add_annotator("boss", "boss-password", role="admin")
+        s.add_annotator("ann", "ann-password")
+        s.add_annotator("bea", "bea-password")
+    return path
+
+
 @pytest.fixture
-def ctx(store, tmp_path):
-    store.add_annotator("boss", "boss-password", role="admin")
-    store.add_annotator("ann", "ann-password")
-    store.add_annotator("bea", "bea-password")
-    return AppContext(store=store, auth=True, data_dir=tmp_path / "data")
+def ctx(accounts_db, tmp_path):
+    """A fresh copy of the accounts store per test: boss (admin), ann and bea (annotators)."""
+    path = tmp_path / "db" / "rlhf.duckdb"
+    path.parent.mkdir()
+    shutil.copy(accounts_db, path)
+    s = Store(path)
+    yield AppContext(store=s, auth=True, data_dir=tmp_path / "data")
+    s.close()
 
 
 def show(ctx, name="ann"):
@@ -343,7 +359,6 @@ def _admin_calls(tmp_path):
         "add_user": lambda c, r: admin.add_user(c, "mallory", "admin", "mallory-password", r),
         "save_guidelines": lambda c, r: admin.save_guidelines(c, "be evil", r),
         "load_guidelines": lambda c, r: admin.load_guidelines(c, r),
-        "models_table": lambda c, r: admin.models_table(c, r),
     }
 
 
@@ -448,14 +463,6 @@ def test_statistics(ctx):
     assert row["rankings"] == 2 and row["median s"] == 4.0
     assert dict(zip(agreement["measure"], agreement["value"]))["pairwise agreement"] == "1.000"
     assert len(by_position) == 3 and abs(by_position["best rate"].sum() - 1.0) < 1e-9
-
-
-def test_models_table_marks_the_active_policy(ctx):
-    mv = ctx.store.register_model_version("policy", base_model="tiny")
-    ctx.store.register_model_version("reward", parent_id=mv.id)
-    ctx.store.set_active_policy(mv.id)
-    table = admin.models_table(ctx, req("boss"))
-    assert list(table["kind"]) == ["policy", "reward"] and list(table["active"]) == ["●", ""]
 
 
 # --------------------------------------------------------------------------- first start and generation

@@ -178,22 +178,22 @@ def test_ratio_is_pi_theta_over_pi_old(tmp_path, ppo_model_cfg, prompts_file):
 
 
 @pytest.mark.slow
-def test_score_rises_under_kl_control_and_kl_runs_away_without_it(tmp_path, ppo_model_cfg, prompts_file):
-    controlled = run(tmp_path, "ctl", ppo_model_cfg, prompts_file, steps=30, kl_control="adaptive",
-                     init_kl_coef=0.2, kl_target=4.0, kl_horizon=64)
+def test_score_rises_with_the_kl_penalty_and_kl_runs_away_without_it(tmp_path, ppo_model_cfg, prompts_file):
+    """About 10 s on an idle 2-core CPU: 2 x 30 PPO steps of 16 episodes on the tiny model."""
+    penalised = run(tmp_path, "beta", ppo_model_cfg, prompts_file, steps=30, kl_control="fixed", init_kl_coef=0.2)
     free = run(tmp_path, "free", ppo_model_cfg, prompts_file, steps=30, kl_control="fixed", init_kl_coef=0.0,
                lr=3e-2)
     first, last = slice(0, 5), slice(-5, None)
     # the scripted reward (+1 per 'e' in the response) is learnt clearly ...
-    assert mean(controlled, "objective/score", last) > mean(controlled, "objective/score", first) + 1.5
-    # ... while the controller keeps the KL bounded (beta grows when KL > target)
-    assert max(r["objective/kl"] for r in controlled) < 20
-    assert controlled[-1]["kl/beta"] > controlled[0]["kl/beta"] * 0.9
-    # with beta = 0 and a higher learning rate, the policy runs away from the reference
+    assert mean(penalised, "objective/score", last) > mean(penalised, "objective/score", first) + 1.5
+    # ... while the KL penalty keeps the policy near the reference
+    assert max(r["objective/kl"] for r in penalised) < 15
+    # with beta = 0 and a higher learning rate the policy runs away from the reference
     assert mean(free, "objective/kl", last) > 30
-    assert mean(free, "objective/kl", last) > 2 * mean(controlled, "objective/kl", last)
-    for rows in (controlled, free):
+    assert mean(free, "objective/kl", last) > 3 * mean(penalised, "objective/kl", last)
+    for rows in (penalised, free):
         assert all(set(METRIC_KEYS) <= set(r) for r in rows)
+        assert all(r["policy/ratio_first"] == pytest.approx(1.0, abs=1e-4) for r in rows)
 
 
 def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts_file):

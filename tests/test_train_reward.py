@@ -313,7 +313,7 @@ def test_cli_errors_and_refusals(tmp_path, tiny_model_dir, capsys):
 def test_separate_eval_file(tmp_path, tiny_model_cfg):
     rows = marker_pairs(40)
     train, held = write_jsonl(tmp_path / "t.jsonl", rows[:30]), write_jsonl(tmp_path / "e.jsonl", rows[25:])
-    cfg = dataclasses.replace(FAST, epochs=1, eval_data=str(held), grad_accum=2)
+    cfg = dataclasses.replace(FAST, epochs=1, eval_data=str(held), grad_accum=2, share_prompt=False)
     report = train_reward(str(train), str(tmp_path / "run"), cfg, tiny_model_cfg)
     assert report["train/pairs"] == 30 and report["eval/pairs"] == 15
     assert report["steps"] == 2  # 4 batches of <= 8 pairs, 2 accumulated per optimiser step
@@ -340,8 +340,15 @@ def test_default_model_trains_on_hh_pairs(tmp_path, default_model_path):
     report = train_reward(str(data), str(tmp_path / "run"), cfg, model_cfg)
     assert report["steps"] == 2 and report["eval/pairs"] == 2
     assert report["normalisation"]["samples"] == 2 and report["truncation"]["max_length"] == 96
-    model, _ = load_scalar_model(str(tmp_path / "run" / "checkpoint"), "reward", model_cfg)
+    model, tok = load_scalar_model(str(tmp_path / "run" / "checkpoint"), "reward", model_cfg)
     assert model.reward_mean == pytest.approx(report["normalisation"]["reward_mean"])
+    # the shared-prompt pass scores exactly what ScalarModel.score (PPO's scorer) reads
+    items = encode_pairs(read_pairs(data)[0][:3], tok, 96)[0]
+    batch = collate(items, tok.pad_token_id)
+    with torch.no_grad():
+        r_c, r_r, _, _, _ = forward_pairs(model, items, tok.pad_token_id, torch.device("cpu"))
+        whole = model.score(batch["input_ids"], batch["attention_mask"])
+    assert torch.allclose(torch.cat([r_c, r_r]), whole, atol=1e-3)
 
 
 def test_snapshot_test_split_is_the_held_out_set(tmp_path, tiny_model_cfg):
