@@ -87,7 +87,13 @@ def main(argv=None) -> int:
 
     # 3. the UI (the queue's in-memory index is built now, not on the first annotator's request)
     store.warm_queue()
-    ctx = AppContext(store=store, auth=auth, data_dir=Path(args.db).resolve().parent, generator=generator,
+    # training jobs (Train tab) run as subprocesses writing run directories beside the database
+    from pipeline.jobs import JobRunner
+
+    data_dir = Path(args.db).resolve().parent
+    jobs = JobRunner(store, data_dir / "runs")
+    ctx = AppContext(store=store, auth=auth, data_dir=data_dir, generator=generator, jobs=jobs,
+                     runs_dir=data_dir / "runs",
                      generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens},
                      prefetch=not args.no_prefetch)
     demo = build_ui(ctx)
@@ -96,6 +102,7 @@ def main(argv=None) -> int:
     try:
         launch(demo, ctx, host=host, port=args.port)
     finally:
+        jobs.shutdown()
         store.close()
     return 0
 
