@@ -41,6 +41,10 @@ class Task:
         self._status = TaskStatus(name, label, "running")
         self._thread = threading.Thread(target=self._run, args=(fn,), name=f"task-{name}", daemon=True)
 
+    def start(self) -> "Task":
+        self._thread.start()
+        return self
+
     def status(self) -> TaskStatus:
         with self._lock:
             return self._status
@@ -82,9 +86,7 @@ def start_task(ctx, name: str, label: str, fn: Callable[[Task], object]) -> Task
         current = table.get(name)
         if current is not None and current.status().running:
             raise RuntimeError(f"{current.status().label} is still running: wait for it to finish")
-        task = Task(name, label, fn)
-        table[name] = task
-        task._thread.start()
+        table[name] = task = Task(name, label, fn).start()
     return task
 
 

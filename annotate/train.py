@@ -56,9 +56,11 @@ PLOTS = {
 def settings_of(ctx: AppContext) -> LoopSettings:
     """A private copy of the app's training settings (the forms change fields of it)."""
     settings = getattr(ctx, "train_settings", None)
-    if settings is None:
-        d = ctx.generate_defaults
-        settings = LoopSettings()
+    if settings is None:  # the app's own model and generation settings, else the defaults
+        settings, d = LoopSettings(), ctx.generate_defaults
+        model_cfg = getattr(ctx.generator, "model_cfg", None)
+        if model_cfg is not None:
+            settings.model.model, settings.model.device = model_cfg.model, model_cfg.device
         settings.generate.k = int(d.get("k", settings.generate.k))
         settings.generate.max_new_tokens = int(d.get("max_new_tokens", settings.generate.max_new_tokens))
     return copy.deepcopy(settings)

@@ -39,21 +39,25 @@ class Row:
     comparison: str  # what it is compared with
     comparison_key: str  # RESULT key of the comparison ('' = none)
     better: str = "higher"  # 'higher' / 'lower': the ratio is how many times better ours is; 'diff': ours - theirs
+    ratio_key: str = ""  # the bench's own ratio (from unrounded figures), used when present
 
 
 ROWS = [
     Row("store", "rankings stored/s (bulk, one transaction per batch)", "rankings_per_s",
-        "one ranking per transaction", "single_rankings_per_s"),
+        "one ranking per transaction", "single_rankings_per_s", ratio_key="ratio"),
     Row("store", "submit + next item p95 (ms)", "submit_next_p95_ms", "", "", "lower"),
     Row("store", "pairs exported/s (Parquet)", "parquet_pairs_per_s", "JSONL", "jsonl_pairs_per_s"),
-    Row("generate", "sampling tokens/s (our KV-cache loop)", "ours_tok_s", "HF generate", "hf_tok_s"),
+    Row("generate", "sampling tokens/s (our KV-cache loop)", "ours_tok_s", "HF generate", "hf_tok_s",
+        ratio_key="ratio"),
     Row("generate", "sampling tokens/s with log-probs", "ours_tok_s", "HF generate + log-probs",
-        "hf_logprobs_tok_s"),
-    Row("reward", "reward-model training pairs/s", "ours_pairs_s", "TRL RewardTrainer", "trl_pairs_s"),
+        "hf_logprobs_tok_s", ratio_key="ratio_logprobs"),
+    Row("reward", "reward-model training pairs/s", "ours_pairs_s", "TRL RewardTrainer", "trl_pairs_s",
+        ratio_key="ratio"),
     Row("reward", "held-out pair accuracy", "ours_acc", "TRL RewardTrainer", "trl_acc", "diff"),
-    Row("ppo", "PPO episodes/s", "ours_eps", "TRL PPOTrainer", "trl_eps"),
+    Row("ppo", "PPO episodes/s", "ours_eps", "TRL PPOTrainer", "trl_eps", ratio_key="ratio"),
     Row("ppo", "PPO peak memory (MB)", "ours_peak_mb", "TRL PPOTrainer", "trl_peak_mb", "lower"),
-    Row("ui", "annotate round trip p95 (ms)", "p95_ms", "without prefetch", "no_prefetch_p95_ms", "lower"),
+    Row("ui", "annotate round trip p95 (ms)", "p95_ms", "without prefetch", "no_prefetch_p95_ms", "lower",
+        ratio_key="ratio"),
     Row("ui", "rankings submitted/s", "submissions_per_s", "", ""),
     Row("gold_loop", "gold score after the last round, adaptive KL", "adaptive_gold", "start policy",
         "base_gold", "diff"),
@@ -106,7 +110,9 @@ def _fmt(x: float | None) -> str:
     return f"{x:.3g}" if abs(x) >= 1 else f"{x:.3f}"
 
 
-def ratio_text(row: Row, ours: float | None, theirs: float | None) -> str:
+def ratio_text(row: Row, ours: float | None, theirs: float | None, given: float | None = None) -> str:
+    if given is not None:
+        return f"{given:.2f}x"
     if ours is None or theirs is None:
         return "n/a"
     if row.better == "diff":
@@ -135,7 +141,7 @@ def build_table(results: dict[str, dict], failures: dict[str, str] | None = None
             theirs = _num(values.get(row.comparison_key)) if row.comparison_key else None
             lines.append(f"| {name} | {row.figure} | {_fmt(ours)} | {row.comparison or '-'} | "
                          f"{_fmt(theirs) if row.comparison_key else '-'} | "
-                         f"{ratio_text(row, ours, theirs) if row.comparison_key else '-'} |")
+                         f"{ratio_text(row, ours, theirs, _num(values.get(row.ratio_key))) if row.comparison_key else '-'} |")
     return lines
 
 

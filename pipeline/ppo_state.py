@@ -81,6 +81,13 @@ def save_checkpoint(ckpt: Path, state: dict) -> None:
         shutil.rmtree(old)
 
 
+def recover_checkpoint(ckpt: Path) -> None:
+    """A kill between the two renames of save_checkpoint leaves only checkpoint.old: put it back."""
+    old = ckpt.with_name(ckpt.name + ".old")
+    if not ckpt.exists() and old.is_dir():
+        os.replace(old, ckpt)
+
+
 def load_checkpoint(ckpt: Path, policy, policy_opt, critic_opt, policy_sched, critic_sched, kl_ctl, device) -> int:
     """Restore the policy weights, optimisers, schedules and KL controller; returns the step."""
     state_path = ckpt / STATE_FILE
@@ -110,8 +117,12 @@ def _load_policy_weights(policy, folder: Path) -> None:
         if (folder / "model.safetensors").is_file():
             from safetensors.torch import load_file
 
-            policy.load_state_dict(load_file(str(folder / "model.safetensors"), device=str(policy.device)),
-                                   strict=False)
+            weights = load_file(str(folder / "model.safetensors"), device=str(policy.device))
+            missing, unexpected = policy.load_state_dict(weights, strict=False)
+            missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings: not saved
+            if missing or unexpected:
+                raise ValueError(f"{folder}: the saved policy does not match the model "
+                                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         else:
             load_sharded_checkpoint(policy, str(folder))
 
@@ -152,5 +163,5 @@ class StopFlag:
             raise Cancelled(f"cancelled by {self.signal}")
 
 
-__all__ = ["RunStatus", "truncate_metrics", "save_checkpoint", "load_checkpoint", "Cancelled", "StopFlag",
-           "write_json"]
+__all__ = ["RunStatus", "truncate_metrics", "save_checkpoint", "recover_checkpoint", "load_checkpoint",
+           "Cancelled", "StopFlag", "write_json"]

@@ -48,7 +48,8 @@ from pipeline.models import (
     save_policy,
 )
 from pipeline.ppo_state import (
-    Cancelled, RunStatus, StopFlag, load_checkpoint, save_checkpoint, truncate_metrics, write_json,
+    Cancelled, RunStatus, StopFlag, load_checkpoint, recover_checkpoint, save_checkpoint, truncate_metrics,
+    write_json,
 )
 from pipeline.rollout import (
     Rollout, critic_values, kl_shaped_advantages, make_reward, prompt_order, ptx_batch, read_ptx_texts,
@@ -65,6 +66,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / CHECKPOINT
+    recover_checkpoint(ckpt)
     if ckpt.is_dir() and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
     resuming = resume and ckpt.is_dir()

@@ -164,6 +164,7 @@ def test_trimmed_rollout_forwards_equal_full_forward_and_sampling_logprobs(ppo_m
 # --------------------------------------------------------------------------- the loop
 
 
+@pytest.mark.slow
 def test_ratio_is_pi_theta_over_pi_old(tmp_path, ppo_model_cfg, prompts_file):
     """On the first minibatch of every step pi_theta == pi_old, so the ratio is 1, although the
     policy has moved away from the reference (KL > 0): a ratio against pi_ref would not be 1."""
@@ -196,6 +197,7 @@ def test_score_rises_with_the_kl_penalty_and_kl_runs_away_without_it(tmp_path, p
         assert all(r["policy/ratio_first"] == pytest.approx(1.0, abs=1e-4) for r in rows)
 
 
+@pytest.mark.slow
 def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts_file):
     cfg = dict(kl_control="adaptive", init_kl_coef=0.2, kl_target=0.5, kl_horizon=32, lr_decay=False,
                steps=4, lr=3e-2)
@@ -222,6 +224,7 @@ def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
 
 
+@pytest.mark.slow
 def test_reference_is_unchanged_by_training(tmp_path, ppo_model_cfg, prompts_file, tiny_model_dir):
     rows = run(tmp_path, "ref", ppo_model_cfg, prompts_file, steps=3, lr=5e-2)
     assert rows[-1]["objective/kl"] > 0.05
@@ -238,14 +241,21 @@ def test_reference_is_unchanged_by_training(tmp_path, ppo_model_cfg, prompts_fil
     assert meta["parent"] == str(Path(tiny_model_dir).resolve()) and meta["reward_model"] == "script:count:e"
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_keeps_a_frozen_reference(tmp_path, tiny_model_dir, prompts_file):
     cfg = ModelConfig(model=str(tiny_model_dir), device="cpu", dtype="fp32", lora=False)
     rows = run(tmp_path, "full", cfg, prompts_file, steps=3, lr=3e-2)
     assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)
     assert rows[-1]["objective/kl"] > 0.05  # the policy moved, the reference did not follow
     assert (tmp_path / "full" / "policy" / "model.safetensors").is_file()
+    # resuming a fully fine-tuned run reloads its weights into the policy (the reference stays the start)
+    train(small_cfg(steps=4, lr=3e-2), cfg, prompts=str(prompts_file), reward="script:count:e",
+          out_dir=tmp_path / "full", resume=True)
+    resumed = read_metrics(tmp_path / "full")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed[-1]["objective/kl"] > 0.05
 
 
+@pytest.mark.slow
 def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, prompts_file, tiny_model_dir):
     rm, tok = load_scalar_model(str(tiny_model_dir), kind="reward", cfg=ppo_model_cfg)
     rm_dir = save_scalar_model(rm, tok, tmp_path / "rm")

@@ -138,8 +138,6 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert result["prompts"] == 4 and 0.0 <= result["win_rate"] <= 1.0 and len(side_by_side) == 4
     assert f"**{base.name}** vs **{policy.name}**" in text and "wins" in text and not timer["active"]
     assert "win_rate" in store.get_model_version(base.id).meta[f"compare/{policy.name}"]
-    for r in sorted(store.list_runs(), key=lambda r: r.id):  # TIMING
-        print("TIMING", r.kind, r.created_at, r.started_at, r.finished_at, (r.finished_at - r.started_at).total_seconds())
 
 
 
@@ -416,3 +414,15 @@ def test_a_policy_compared_with_itself_ties_everywhere(tiny_model_dir, tiny_mode
     assert result["win_rate"] == 0.5 and result["stderr"] == pytest.approx(0.5 / 3 ** 0.5)
     assert [r["response_a"] for r in result["rows"]] == [r["response_b"] for r in result["rows"]]
     assert seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_without_train_settings_jobs_use_the_apps_model_and_generation_settings(store, tmp_path):
+    from pipeline.config import ModelConfig
+
+    generator = SimpleNamespace(model_cfg=ModelConfig(model="my/model", device="cpu"))
+    ctx = AppContext(store=store, generator=generator, generate_defaults={"k": 3, "max_new_tokens": 20})
+    settings = train.settings_of(ctx)
+    assert (settings.model.model, settings.model.device, settings.generate.k, settings.generate.max_new_tokens) == \
+        ("my/model", "cpu", 3, 20)
+    settings.model.model = "changed"  # each call gets its own copy
+    assert train.settings_of(ctx).model.model == "my/model"
