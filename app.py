@@ -61,6 +61,10 @@ def main(argv=None) -> int:
     except StoreLockedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    # jobs and rounds a previous app left running died with it: mark them so
+    from annotate.train import fail_interrupted_jobs
+
+    fail_interrupted_jobs(store)
     auth = not args.no_auth
     host = "127.0.0.1" if args.no_auth else args.host
     if args.no_auth and args.host not in ("127.0.0.1", "localhost"):
@@ -88,13 +92,18 @@ def main(argv=None) -> int:
     # 3. the UI (the queue's in-memory index is built now, not on the first annotator's request)
     store.warm_queue()
     # training jobs (Train tab) run as subprocesses writing run directories beside the database
+    from pipeline.config import GenerateConfig, ModelConfig
     from pipeline.jobs import JobRunner
+    from pipeline.loop import LoopSettings
 
     data_dir = Path(args.db).resolve().parent
     jobs = JobRunner(store, data_dir / "runs")
     ctx = AppContext(store=store, auth=auth, data_dir=data_dir, generator=generator, jobs=jobs,
                      runs_dir=data_dir / "runs",
                      generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens},
+                     train_settings=LoopSettings(
+                         model=ModelConfig(model=args.model, device=args.device),
+                         generate=GenerateConfig(k=args.k, max_new_tokens=args.max_new_tokens)),
                      prefetch=not args.no_prefetch)
     demo = build_ui(ctx)
     # `kill` (SIGTERM) stops the app like Ctrl-C, so the store is closed and checkpointed.

@@ -42,6 +42,10 @@ class AppContext:
     """pipeline.jobs.JobRunner: training and generation subprocess jobs (Train tab), or None."""
     runs_dir: Path = field(default_factory=lambda: Path("data") / "runs")
     """Where job run directories are written."""
+    train_settings: object | None = None
+    """pipeline.loop.LoopSettings the Train tab starts from (model, device, K); None = defaults."""
+    tasks: dict = field(default_factory=dict, repr=False)
+    """Background tasks of the Train and Models tabs (annotate/tasks.py), by name."""
     generate_defaults: dict = field(default_factory=dict)
     """Defaults for the Generate form: k, max_new_tokens, temperature, top_p."""
     background: object | None = None

@@ -69,11 +69,8 @@ class Task:
 
 
 def tasks_of(ctx) -> dict[str, Task]:
-    """The app's task table (created on first use when the context has none)."""
-    table = getattr(ctx, "tasks", None)
-    if table is None:
-        table = ctx.__dict__.setdefault("tasks", {})
-    return table
+    """The app's task table (AppContext.tasks)."""
+    return ctx.tasks
 
 
 _START_LOCK = threading.Lock()

@@ -55,7 +55,7 @@ PLOTS = {
 
 def settings_of(ctx: AppContext) -> LoopSettings:
     """A private copy of the app's training settings (the forms change fields of it)."""
-    settings = getattr(ctx, "train_settings", None)
+    settings = ctx.train_settings
     if settings is None:  # the app's own model and generation settings, else the defaults
         settings, d = LoopSettings(), ctx.generate_defaults
         model_cfg = getattr(ctx.generator, "model_cfg", None)

@@ -66,19 +66,19 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
                 data = ui_admin.data_tab(ctx)
             # Issue 7 fills these two: training jobs with live plots, and the model lineage.
             with gr.Tab("Train", id="train", visible=False, elem_id="rl-tab-train") as train_tab:
-                ui_admin.train_tab(ctx)
+                train = ui_admin.train_tab(ctx)
             with gr.Tab("Models", id="models", visible=False, elem_id="rl-tab-models") as models_tab:
                 models = ui_admin.models_tab(ctx)
 
         # Page load: who is this, which tabs may they see, and their first item.
-        page = demo.load(
+        demo.load(
             bind(h.open_page, ctx), [state],
             [header, data_tab, train_tab, models_tab, data["timer"], annotate["guidelines"], *annotate["outs"]],
             api_visibility="private",
         )
         demo.unload(bind(h.leave, ctx))
         # Admin tabs load their tables when opened (only admins can see them; the handlers check).
-        for tab, loads in ((data_tab, data["load"]), (models_tab, models["load"])):
+        for tab, loads in ((data_tab, data["load"]), (train_tab, train.get("load", [])), (models_tab, models["load"])):
             for fn, inputs, outputs in loads:
                 tab.select(bind(fn, ctx), inputs, outputs, api_visibility="private", show_progress="hidden")
     return demo

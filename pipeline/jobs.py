@@ -220,7 +220,7 @@ def _tail(path: Path, lines: int) -> str:
     except FileNotFoundError:
         return ""
     # tqdm redraws with carriage returns: keep the last state of each line
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines()[-lines:])
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")[-lines:])
 
 
 # ---------------------------------------------------------------------- finishers
