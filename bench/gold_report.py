@@ -253,7 +253,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
         "| phase | seconds |",
         "|---|---|",
         *[f"| {k.removesuffix('_s')} | {v:.0f} |" for k, v in t.items() if k != "total_s"],
-        f"| total (this process) | {t.get('total_s', 0):.0f} |",
+        *([f"| total (this process) | {t['total_s']:.0f} |"] if "total_s" in t else []),
         "",
     ]
     path = out_dir / "report.md"
@@ -292,7 +292,8 @@ def merge(folders: list[Path], out_dir: Path) -> dict:
         if run["base"] != runs[0]["base"]:
             raise ValueError(f"{folder}: another start policy evaluation; merge only runs sharing round 1")
         merged["variants"].update({k: v for k, v in run["variants"].items() if v.get("rounds")})
-        merged["timings"].update({f"{Path(folder).name}/{k}": v for k, v in run["timings"].items()})
+        merged["timings"].update({f"{Path(folder).name}/{k}": v for k, v in run["timings"].items()
+                                  if folder == folders[0] or k not in ("round1_shared_s", "eval_base_s")})
         for table in (Path(folder) / "eval").glob("*.jsonl"):
             shutil.copy2(table, out_dir / "eval" / table.name)
     return merged

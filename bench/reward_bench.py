@@ -22,7 +22,12 @@ length-grouped batches (pairs of similar length share a batch, so dynamic paddin
 TRL samples batches at random). The bench prints the tokens each one pushes through the model.
 
     python bench/reward_bench.py            # 400 train / 100 held-out pairs, max length 512
-    python bench/reward_bench.py --quick    # 32 / 16 pairs (a few minutes on an idle 2-core CPU)
+    python bench/reward_bench.py --quick    # 32 / 16 pairs
+    python bench/reward_bench.py --quick --model tiny --threads 1   # smoke test of the bench (seconds)
+
+--quick took 17 minutes with --threads 1 on a 2-core machine busy with other work (load 6-10);
+CPU seconds are reported beside wall-clock seconds because on such a machine the wall clock
+follows the load more than the trainer.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class RewardConfig:
     lr: float = 5e-5
     """Learning rate (AdamW, linear decay)."""
     batch_size: int = 8
-    """Pairs per optimiser step (before gradient accumulation)."""
+    """Pairs per forward pass (micro-batch); an optimiser step sees batch_size x grad_accum pairs."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimiser step."""
     max_length: int = 512

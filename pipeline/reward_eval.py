@@ -9,7 +9,8 @@
   wins" baseline, so a user sees whether the model learned more than length.
 - `normalisation_stats`: mean and std of the scores of responses sampled from the reference
   policy, stored with the checkpoint so PPO sees rewards of mean 0, std 1 at its start
-  (Ziegler et al. 2019, sec. 2.2; InstructGPT normalises the same way).
+  (Ziegler et al. 2019 normalise on samples of the initial policy; InstructGPT instead centres
+  the reward on labeler demonstrations).
 """
 
 from __future__ import annotations
