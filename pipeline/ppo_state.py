@@ -112,8 +112,6 @@ def _load_policy_weights(policy, folder: Path) -> None:
 
         set_peft_model_state_dict(policy, load_peft_weights(str(folder), device=str(policy.device)))
     else:
-        from transformers.modeling_utils import load_sharded_checkpoint
-
         if (folder / "model.safetensors").is_file():
             from safetensors.torch import load_file
 
@@ -123,7 +121,9 @@ def _load_policy_weights(policy, folder: Path) -> None:
             if missing or unexpected:
                 raise ValueError(f"{folder}: the saved policy does not match the model "
                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-        else:
+        else:  # a large model saved in shards
+            from transformers.trainer_utils import load_sharded_checkpoint
+
             load_sharded_checkpoint(policy, str(folder))
 
 
