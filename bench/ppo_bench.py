@@ -168,7 +168,7 @@ def run_ours(s: dict, inputs: dict) -> dict:
              critic_init=inputs["critic_init"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     out = marks.summary(s["batch_size"])
-    out["score"] = rows[-1]["objective/score"]
+    out["reward"] = rows[-1]["objective/rlhf_reward"]
     out["kl"] = rows[-1]["objective/kl"]
     return out
 
@@ -265,9 +265,9 @@ def run_trl(s: dict, inputs: dict) -> dict:
     trainer.add_callback(Timer())
     trainer.train()
     out = marks.summary(s["batch_size"])
-    last = next((entry for entry in reversed(history) if "objective/scores" in entry), {})
-    out["score"] = last.get("objective/scores", float("nan"))
-    out["kl"] = last.get("objective/kl", float("nan"))
+    last = next((entry for entry in reversed(history) if "objective/rlhf_reward" in entry), {})
+    out["reward"] = float(last.get("objective/rlhf_reward", float("nan")))
+    out["kl"] = float(last.get("objective/kl", float("nan")))
     return out
 
 
@@ -326,10 +326,10 @@ def main() -> int:
         print(f"{which}: done in {time.time() - t0:.0f}s", flush=True)
 
     print(f"\n{'':6}{'episodes/s':>11}{'eps (cpu)':>10}{'rollout s':>10}{'update s':>9}{'rollout cpu':>12}"
-          f"{'update cpu':>11}{'peak MB':>9}{'score':>8}{'KL':>8}")
+          f"{'update cpu':>11}{'peak MB':>9}{'reward':>8}{'KL':>8}")
     for which, r in results.items():
         print(f"{which:6}{r['eps']:11.3f}{r['eps_cpu']:10.3f}{r['rollout_s']:10.2f}{r['update_s']:9.2f}"
-              f"{r['rollout_cpu_s']:12.2f}{r['update_cpu_s']:11.2f}{r['peak_mb']:9.0f}{r['score']:8.3f}{r['kl']:8.3f}")
+              f"{r['rollout_cpu_s']:12.2f}{r['update_cpu_s']:11.2f}{r['peak_mb']:9.0f}{r['reward']:8.3f}{r['kl']:8.3f}")
     if len(results) == 2:
         ours, trl = results["ours"], results["trl"]
         ratio, ratio_cpu = ours["eps"] / trl["eps"], ours["eps_cpu"] / trl["eps_cpu"]

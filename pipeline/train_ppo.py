@@ -78,6 +78,8 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
         # 0. set-up: device, models (four roles), optimisers, KL controller, resume
         device = pick_device(model_cfg.device)
         dtype = pick_dtype(model_cfg.dtype, device)
+        if dtype == torch.float16:
+            raise ValueError("--dtype fp16: PPO here has no loss scaling; use bf16 (or fp32)")
         autocast = _autocast(device, dtype)
         torch.manual_seed(cfg.seed)
         rows = read_prompts(prompts)

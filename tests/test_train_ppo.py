@@ -164,7 +164,6 @@ def test_trimmed_rollout_forwards_equal_full_forward_and_sampling_logprobs(ppo_m
 # --------------------------------------------------------------------------- the loop
 
 
-@pytest.mark.slow
 def test_ratio_is_pi_theta_over_pi_old(tmp_path, ppo_model_cfg, prompts_file):
     """On the first minibatch of every step pi_theta == pi_old, so the ratio is 1, although the
     policy has moved away from the reference (KL > 0): a ratio against pi_ref would not be 1."""
@@ -224,7 +223,6 @@ def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
 
 
-@pytest.mark.slow
 def test_reference_is_unchanged_by_training(tmp_path, ppo_model_cfg, prompts_file, tiny_model_dir):
     rows = run(tmp_path, "ref", ppo_model_cfg, prompts_file, steps=3, lr=5e-2)
     assert rows[-1]["objective/kl"] > 0.05
@@ -241,7 +239,6 @@ def test_reference_is_unchanged_by_training(tmp_path, ppo_model_cfg, prompts_fil
     assert meta["parent"] == str(Path(tiny_model_dir).resolve()) and meta["reward_model"] == "script:count:e"
 
 
-@pytest.mark.slow
 def test_full_fine_tuning_keeps_a_frozen_reference(tmp_path, tiny_model_dir, prompts_file):
     cfg = ModelConfig(model=str(tiny_model_dir), device="cpu", dtype="fp32", lora=False)
     rows = run(tmp_path, "full", cfg, prompts_file, steps=3, lr=3e-2)
@@ -255,7 +252,6 @@ def test_full_fine_tuning_keeps_a_frozen_reference(tmp_path, tiny_model_dir, pro
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed[-1]["objective/kl"] > 0.05
 
 
-@pytest.mark.slow
 def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, prompts_file, tiny_model_dir):
     rm, tok = load_scalar_model(str(tiny_model_dir), kind="reward", cfg=ppo_model_cfg)
     rm_dir = save_scalar_model(rm, tok, tmp_path / "rm")
@@ -339,4 +335,4 @@ def test_cuda_bf16_run(tmp_path, tiny_model_dir, prompts_file):
                       lora_targets="q_proj,v_proj,lm_head")
     rows = run(tmp_path, "gpu", cfg, prompts_file, steps=2)
     assert all(torch.isfinite(torch.tensor(r["objective/kl"])) for r in rows)
-    assert rows[0]["policy/ratio_first"] == pytest.approx(1.0, abs=1e-3)  # 'auto' -> forward in bf16
+    assert rows[0]["policy/ratio_first"] == pytest.approx(1.0, abs=2e-2)  # 'auto' -> forward in bf16
