@@ -3,12 +3,17 @@
     python bench/run_all.py            # each bench in its --quick mode (about half an hour on 2 CPU cores)
     python bench/run_all.py --full     # each bench in its full mode (hours on CPU)
     python bench/run_all.py --only store_bench,ui_bench
+    python bench/run_all.py --only reward_bench --full --keep   # rerun one, keep the others' last logs
 
 Each bench runs as its own process, one after the other (a shared machine gives each bench all of
 it); its output goes to bench/out/run_all/<bench>.log, and its last line `RESULT name key=value
 ...` is collected. The table has one row per headline figure: the figure, what it is compared
 with, and the ratio (how many times better ours is; for scores, the difference), followed by the
 machine the table was measured on and every RESULT line as printed.
+
+--keep: benches left out by --only are taken from their last log in bench/out/run_all/ (its first
+line names the command that wrote it), so one table can collect benches run at different times or
+in different modes; the table lists each bench's command.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -174,10 +180,23 @@ def machine_info() -> dict:
 # --------------------------------------------------------------------------- running
 
 
-def run_bench(name: str, full: bool, timeout: float) -> tuple[int, str, float]:
-    """(exit code, output, seconds) of `python bench/NAME.py [--quick]`, logged to bench/out/run_all."""
+COMMAND_PREFIX = "# command: "
+SECONDS_PREFIX = "# seconds: "
+
+
+def bench_args(name: str, full: bool, extra: str = "") -> list[str]:
+    return ([] if full else ["--quick"]) + shlex.split(extra)
+
+
+def bench_command(name: str, full: bool, extra: str = "") -> str:
+    return shlex.join(["python", f"bench/{name}.py", *bench_args(name, full, extra)])
+
+
+def run_bench(name: str, full: bool, timeout: float, extra: str = "") -> tuple[int, str, float]:
+    """(exit code, output, seconds) of `python bench/NAME.py [--quick] [extra]`, logged to
+    bench/out/run_all with the command on the log's first line and the seconds it took on the second."""
     LOGS.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(ROOT / "bench" / f"{name}.py")] + ([] if full else ["--quick"])
+    cmd = [sys.executable, str(ROOT / "bench" / f"{name}.py"), *bench_args(name, full, extra)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     try:
@@ -186,16 +205,31 @@ def run_bench(name: str, full: bool, timeout: float) -> tuple[int, str, float]:
     except subprocess.TimeoutExpired as exc:
         parts = [p.decode("utf-8", "replace") if isinstance(p, bytes) else (p or "") for p in (exc.stdout, exc.stderr)]
         rc, output = 124, "".join(parts) + f"\n(timed out after {timeout:.0f} s)"
-    (LOGS / f"{name}.log").write_text(output, encoding="utf-8")
-    return rc, output, time.perf_counter() - start
+    took = time.perf_counter() - start
+    header = f"{COMMAND_PREFIX}{bench_command(name, full, extra)}\n{SECONDS_PREFIX}{took:.0f} exit={rc}\n"
+    (LOGS / f"{name}.log").write_text(header + output, encoding="utf-8")
+    return rc, output, took
 
 
-def write_markdown(path: Path, mode: str, table: list[str], machine: dict, raw: list[str],
-                   seconds: dict[str, float]) -> Path:
+def kept_log(name: str) -> tuple[str, int, str, float] | None:
+    """(command, exit code, output, seconds) of a bench's last log written by run_bench, or None."""
+    path = LOGS / f"{name}.log"
+    if not path.is_file():
+        return None
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if len(lines) < 2 or not lines[0].startswith(COMMAND_PREFIX) or not lines[1].startswith(SECONDS_PREFIX):
+        return None
+    seconds, exit_code = lines[1][len(SECONDS_PREFIX):].split()
+    return lines[0][len(COMMAND_PREFIX):], int(exit_code.removeprefix("exit=")), "\n".join(lines[2:]), float(seconds)
+
+
+def write_markdown(path: Path, table: list[str], machine: dict, raw: list[str],
+                   runs: dict[str, tuple[str, float]]) -> Path:
+    """runs: {bench: (command, seconds)}."""
     lines = [
         "# Benchmarks", "",
-        f"Measured with `python bench/run_all.py{' --full' if mode == 'full' else ''}` ({mode} modes), "
-        f"{time.strftime('%Y-%m-%d')}. Ratio: how many times better ours is (for scores: ours minus the "
+        f"Collected with `python bench/run_all.py`, {time.strftime('%Y-%m-%d')}; each bench's command is "
+        "listed below the table. Ratio: how many times better ours is (for scores: ours minus the "
         "comparison). Each bench's docstring explains its set-up (`python bench/<name>.py --help`).", "",
         *table, "",
         "## Machine", "",
@@ -203,7 +237,8 @@ def write_markdown(path: Path, mode: str, table: list[str], machine: dict, raw: 
         f"GPU: {machine.get('gpu', 'none')}",
         f"- torch {machine.get('torch')}, Python {machine.get('python')}, {machine.get('os')}", "",
         "## RESULT lines", "", "```", *raw, "```", "",
-        "| bench | seconds |", "|---|---|", *[f"| {k} | {v:.0f} |" for k, v in seconds.items()], "",
+        "| bench | command | seconds |", "|---|---|---|",
+        *[f"| {k} | `{cmd}` | {sec:.0f} |" for k, (cmd, sec) in runs.items()], "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines), encoding="utf-8")
@@ -217,16 +252,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(BENCHES)}")
     parser.add_argument("--out", default=str(TABLE), help="the markdown table (default: docs/results/benchmarks.md)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per bench before it is stopped")
+    parser.add_argument("--keep", action="store_true",
+                        help="benches left out by --only: take their last log from bench/out/run_all")
+    parser.add_argument("--bench-args", action="append", default=[], metavar="NAME=ARGS",
+                        help="extra arguments for one bench, e.g. gold_loop='--ppo-steps 24' (repeatable)")
     args = parser.parse_args(argv)
+    bad = [item for item in args.bench_args if "=" not in item]
+    if bad:
+        raise SystemExit(f"--bench-args: {bad[0]!r} is not NAME=ARGS")
+    extra = dict(item.split("=", 1) for item in args.bench_args)
     names = args.only.split(",") if args.only else BENCHES
-    unknown = [n for n in names if n not in BENCHES]
+    unknown = [n for n in [*names, *extra] if n not in BENCHES]
     if unknown:
         raise SystemExit(f"--only: unknown {unknown}; choose from {', '.join(BENCHES)}")
-    results, failures, raw, seconds = {}, {}, [], {}
-    for name in names:
-        print(f"running {name} ({'full' if args.full else 'quick'}) ...", flush=True)
-        rc, output, took = run_bench(name, args.full, args.timeout)
-        seconds[name] = took
+    results, failures, raw, runs = {}, {}, [], {}
+    for name in BENCHES:
+        if name in names:
+            print(f"running {name} ({'full' if args.full else 'quick'}) ...", flush=True)
+            rc, output, took = run_bench(name, args.full, args.timeout, extra.get(name, ""))
+            command = bench_command(name, args.full, extra.get(name, ""))
+        elif args.keep and (kept := kept_log(name)) is not None:
+            command, rc, output, took = kept
+            print(f"keeping the last {name} log ({command})", flush=True)
+        else:
+            continue
+        runs[name] = (command, took)
         line = last_result(output)
         result_name = BENCH_RESULT_NAMES[name]
         if rc != 0 or line is None:
@@ -238,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         results[result_name] = values
         raw.append(line)
         print(f"  {line}  ({took:.0f} s)")
-    path = write_markdown(Path(args.out), "full" if args.full else "quick", build_table(results, failures),
-                          machine_info(), raw, seconds)
+    path = write_markdown(Path(args.out), build_table(results, failures), machine_info(), raw, runs)
     print(f"wrote {path}")
     return 1 if failures else 0
 
