@@ -51,8 +51,8 @@ from pipeline.config import GenerateConfig, LoopConfig, ModelConfig, PPOConfig, 
 from pipeline.loop import LoopSettings  # noqa: E402
 
 from bench.gold_eval import EvalConfig  # noqa: E402
-from bench.gold_steps import (RecordingJudge, copy_store, gold_agreement, ppo_step, ppo_step_trace,  # noqa: E402
-                              split_prompts, train_reward_step)
+from bench.gold_steps import (RecordingJudge, copy_store, gold_agreement, ppo_step_trace,  # noqa: E402
+                              split_prompts)
 
 PROMPTS = ROOT.parent / "shared" / "data" / "prompts.jsonl"
 OUT_ROOT = ROOT / "bench" / "out" / "gold_loop"
@@ -211,7 +211,7 @@ class Context:
 def shared_round(ctx: Context, pool: Path):
     """Phase 1: import the pool, round 1 with the base policy, reward model 1, the base's evaluation."""
     from pipeline.jobs import JobRunner
-    from pipeline.loop import start_round
+    from pipeline.loop import start_round, train_round_reward
     from pipeline.simulate import simulate_annotations
     from store import Store
     from store.io import import_prompts
@@ -226,7 +226,10 @@ def shared_round(ctx: Context, pool: Path):
         rnd1 = start_round(store, runner, settings, 0)
         simulate_annotations(store, ctx.judge, noise=exp.noise, seed=exp.seed)
         results["annotators"] = {"round1": gold_agreement(store, ctx.judge)}
-        reward1 = train_reward_step(store, runner, rnd1, settings)
+        # round step 4 only: each setting runs its own PPO (step 5) against this reward model, so
+        # it is recorded on round 1 now, for the settings' store copies (and a later --reuse-round1)
+        reward1 = train_round_reward(store, runner, rnd1, settings)
+        store.update_round(rnd1.id, reward_version_id=reward1.id, snapshot_id=reward1.snapshot_id)
         results["reward_models"] = {"rm1": {"path": reward1.path, **reward1.meta.get("eval", {})}}
         results["timings"]["round1_shared_s"] = time.perf_counter() - t
         base = store.get_model_version(rnd1.policy_version_id)
@@ -267,7 +270,7 @@ def run_variant(ctx: Context, name: str, rnd1, reward1, save=lambda: None) -> di
     """One setting: a copy of the store after round 1, PPO round 1, rounds 2..R; each new policy
     is evaluated as soon as it exists, and the partial results saved (a stopped run keeps them)."""
     from pipeline.jobs import JobRunner
-    from pipeline.loop import finish_round, start_round
+    from pipeline.loop import finish_round, start_round, train_round_policy
     from pipeline.simulate import simulate_annotations
     from store import Store
 
@@ -296,7 +299,7 @@ def run_variant(ctx: Context, name: str, rnd1, reward1, save=lambda: None) -> di
         save()
 
     try:
-        record(1, ppo_step(store, runner, rnd1, reward1, s))
+        record(1, train_round_policy(store, runner, rnd1, reward1, s))  # round 1's steps 5-6
         for n in range(1, exp.loop.loop.rounds):
             rnd = start_round(store, runner, s, n)
             simulate_annotations(store, ctx.judge, noise=exp.noise, seed=exp.seed + n)

@@ -1,9 +1,8 @@
-"""The steps of the gold-loop experiment (bench/gold_loop.py) that touch the store and the jobs.
+"""Helpers of the gold-loop experiment (bench/gold_loop.py); its round steps are pipeline/loop.py's own
+(start_round, train_round_reward, train_round_policy, finish_round), with the same jobs and records.
 
 - split_prompts: the fixed held-out set, and the pool file that is imported through the store
 - RecordingJudge, gold_agreement: the gold judge, and how often the simulated annotators agree with it
-- train_reward_step, ppo_step: the two halves of pipeline/loop.py's finish_round (the settings share
-  round 1's reward model, then each runs its own PPO), with the same jobs and the same records
 - copy_store: a consistent copy of a store (one per setting after round 1)
 - ppo_step_trace: per PPO step, proxy score and KL (metrics.jsonl) and the gold score of the step's
   sample table
@@ -15,8 +14,6 @@ import json
 import random
 import shutil
 from pathlib import Path
-
-from pipeline.loop import LoopSettings
 
 # --------------------------------------------------------------------------- phase 0: prompts
 
@@ -72,53 +69,7 @@ def gold_agreement(store, judge: RecordingJudge) -> dict:
     return {"pairs": len(scored), "agreement": agree / len(scored) if scored else float("nan")}
 
 
-# --------------------------------------------------------------------------- round-1 steps
-# pipeline/loop.py's finish_round runs steps 4 (reward) and 5-6 (PPO) together; the settings share
-# step 4 of round 1, so here the two halves are called separately, with the same jobs and records.
-
-
-def train_reward_step(store, runner, rnd, settings: LoopSettings):
-    """Round step 4: snapshot of all pairs -> reward model job -> registered reward version."""
-    from pipeline.loop import _model_args, _wait_done, latest_reward
-    from store.export import export_pairs
-
-    store.update_round(rnd.id, status="training")
-    policy = store.get_model_version(rnd.policy_version_id)
-    snapshot = export_pairs(store, runner.runs_root / "snapshots" / f"round-{rnd.id}.parquet", "parquet")
-    previous = latest_reward(store)
-    args = ["--data", snapshot.path, *_cli(settings.reward), *_model_args(settings.model),
-            "--model", policy.base_model or settings.model.model]
-    if previous is not None and previous.path:
-        args += ["--init-from", previous.path]
-    run = runner.submit("train-reward", args, inputs={
-        "snapshot_id": snapshot.id, "round_id": rnd.id, "parent_version_id": previous.id if previous else None})
-    reward = store.get_model_version(_wait_done(runner, run, "reward training").outputs["model_version_id"])
-    store.update_round(rnd.id, reward_version_id=reward.id, snapshot_id=snapshot.id)
-    return reward
-
-
-def ppo_step(store, runner, rnd, reward, settings: LoopSettings):
-    """Round steps 5-6: PPO from the round's policy against `reward`; the new policy becomes active."""
-    from pipeline.loop import _model_args, _wait_done, write_prompts
-
-    policy = store.get_model_version(rnd.policy_version_id)
-    prompts = write_prompts(store.list_prompts(limit=settings.ppo_prompts),
-                            runner.runs_root / "inputs" / f"round-{rnd.id}-ppo-prompts.jsonl")
-    args = ["--prompts", str(prompts), "--reward", reward.path, *_cli(settings.ppo),
-            *_model_args(settings.model), "--model", policy.base_model or settings.model.model]
-    if policy.path:
-        args += ["--policy", policy.path]
-    run = runner.submit("ppo", args, inputs={"policy_version_id": policy.id, "reward_version_id": reward.id,
-                                             "round_id": rnd.id})
-    new_id = _wait_done(runner, run, "PPO").outputs["model_version_id"]
-    store.set_active_policy(new_id)
-    return store.update_round(rnd.id, status="done", new_policy_version_id=new_id)
-
-
-def _cli(cfg) -> list[str]:
-    from pipeline.config import to_cli_args
-
-    return to_cli_args(cfg)
+# --------------------------------------------------------------------------- store copies and PPO traces
 
 
 def copy_store(store, src: Path, dst: Path) -> None:

@@ -117,7 +117,18 @@ def start_round(store, runner, settings: LoopSettings, round_no: int = 0):
 
 
 def finish_round(store, runner, rnd, settings: LoopSettings):
-    """Steps 4-6: snapshot -> reward model -> PPO -> new active policy."""
+    """Steps 4-6: snapshot -> reward model -> PPO -> new active policy. Returns the finished round."""
+    reward = train_round_reward(store, runner, rnd, settings)
+    return train_round_policy(store, runner, rnd, reward, settings)
+
+
+def train_round_reward(store, runner, rnd, settings: LoopSettings):
+    """Step 4: a snapshot of every pair so far -> a train-reward job, warm-started from the latest
+    reward model -> the registered reward version (its snapshot_id names the snapshot).
+
+    The round is marked 'training'; the reward model is recorded on it only by train_round_policy,
+    so a round whose PPO fails keeps no half-finished outcome (the app reopens it for another try).
+    """
     from store.export import export_pairs
 
     store.update_round(rnd.id, status="training")
@@ -136,8 +147,18 @@ def finish_round(store, runner, rnd, settings: LoopSettings):
         "snapshot_id": snapshot.id, "round_id": rnd.id,
         "parent_version_id": previous.id if previous else None})
     reward_id = _wait_done(runner, run, "reward training").outputs["model_version_id"]
-    reward = store.get_model_version(reward_id)
-    # 5. PPO from the active policy against the new reward model
+    return store.get_model_version(reward_id)
+
+
+def train_round_policy(store, runner, rnd, reward, settings: LoopSettings):
+    """Steps 5-6: PPO (settings.ppo) from the round's policy against `reward` -> the new policy,
+    which becomes active (it writes the next round's responses). Returns the round, now done, with
+    its reward model, snapshot and new policy recorded.
+
+    Separate from train_round_reward so that several PPO settings can share one reward model
+    (bench/gold_loop.py runs its KL settings from round 1's)."""
+    policy = store.get_model_version(rnd.policy_version_id)
+    # 5. PPO on the first prompts of the pool
     pool = store.list_prompts(limit=settings.ppo_prompts)
     prompts_file = write_prompts(pool, runner.runs_root / "inputs" / f"round-{rnd.id}-ppo-prompts.jsonl")
     args = ["--prompts", str(prompts_file), "--reward", reward.path, *to_cli_args(settings.ppo),
@@ -150,7 +171,7 @@ def finish_round(store, runner, rnd, settings: LoopSettings):
     # 6. the new policy writes the next round's responses
     store.set_active_policy(new_policy_id)
     return store.update_round(rnd.id, status="done", reward_version_id=reward.id,
-                              new_policy_version_id=new_policy_id, snapshot_id=snapshot.id)
+                              new_policy_version_id=new_policy_id, snapshot_id=reward.snapshot_id)
 
 
 def _model_args(model_cfg: ModelConfig) -> list[str]:

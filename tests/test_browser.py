@@ -11,18 +11,16 @@ temporary DuckDB file seeded with prompts and responses (no model: these tests a
 from __future__ import annotations
 
 import json
-import shutil
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from store import Store
+from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
 XSS = ['<script>window.__xss = "script"</script>', '<img src=x onerror="window.__xss = \'img\'">']
 K = 3
 
@@ -30,10 +28,7 @@ K = 3
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """(url, store) of the app served in this process, seeded with 6 items of K=3 responses."""
-    import gradio as gr  # noqa: F401  (imported before the app so a missing install fails here)
-
     from annotate.context import AppContext
-    from annotate.ui import build_ui, launch
 
     folder = tmp_path_factory.mktemp("app")
     store = Store(folder / "rlhf.duckdb")
@@ -44,40 +39,9 @@ def app(tmp_path_factory):
         (pid,) = store.add_prompts([f"\n\nHuman: question {i} {XSS[0]}\n\nAssistant: earlier answer {XSS[1]}"
                                     f"\n\nHuman: and then?\n\nAssistant:"])
         store.add_responses(pid, mv.id, [f"reply {i}.{j} {XSS[j % 2]}" for j in range(K)])
-    ctx = AppContext(store=store, auth=True, data_dir=folder)
-    demo = build_ui(ctx)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch(demo, ctx, host="127.0.0.1", port=port, prevent_thread_lock=True, quiet=True)
-    yield f"http://127.0.0.1:{port}/", store
-    demo.close()
+    with serve(AppContext(store=store, auth=True, data_dir=folder)) as url:
+        yield url, store
     store.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-        pytest.skip("needs the system chromium (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM,
-                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield b
-        b.close()
-
-
-def login(browser, url, name, password):
-    page = browser.new_page(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
-    page.dialogs = []
-    page.on("dialog", lambda d: (page.dialogs.append(d.message), d.dismiss()))
-    page.goto(url)
-    page.fill("input[type=text]", name)
-    page.fill("input[type=password]", password)
-    page.keyboard.press("Enter")
-    page.wait_for_selector("#rl-header-box .rl-user", timeout=20_000)
-    return page
 
 
 def token(page) -> str:

@@ -9,29 +9,22 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import socket
 import time
-from pathlib import Path
 
 import pytest
 
 from store import Store
 from store.io import import_pairs
+from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
 from tests.test_jobs import tiny_settings
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
-
-CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory, tiny_model_dir):
     """(url, store) of the app served in this process, with a job runner whose jobs use the tiny model."""
-    import gradio as gr  # noqa: F401  (imported before the app so a missing install fails here)
-
     from annotate.context import AppContext
-    from annotate.ui import build_ui, launch
     from pipeline.jobs import JobRunner
 
     folder = tmp_path_factory.mktemp("train_app")
@@ -45,38 +38,10 @@ def app(tmp_path_factory, tiny_model_dir):
     runner = JobRunner(store, folder / "runs", poll_s=0.2)
     ctx = AppContext(store=store, auth=True, data_dir=folder, jobs=runner, runs_dir=folder / "runs")
     ctx.train_settings = tiny_settings(tiny_model_dir)
-    demo = build_ui(ctx)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch(demo, ctx, host="127.0.0.1", port=port, prevent_thread_lock=True, quiet=True)
-    yield f"http://127.0.0.1:{port}/", store
-    runner.shutdown()
-    demo.close()
+    with serve(ctx) as url:
+        yield url, store
+        runner.shutdown()
     store.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-        pytest.skip("needs the system chromium (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM,
-                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield b
-        b.close()
-
-
-def login(browser, url, name, password):
-    page = browser.new_page(viewport={"width": 1440, "height": 1000})
-    page.goto(url)
-    page.fill("input[type=text]", name)
-    page.fill("input[type=password]", password)
-    page.keyboard.press("Enter")
-    page.wait_for_selector("#rl-header-box .rl-user", timeout=20_000)
-    return page
 
 
 def bar_state(page) -> tuple[str | None, float | None]:
