@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline import packing
 from pipeline.config import ModelConfig, default_cache_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -274,6 +275,18 @@ def causal_lm_logits(model, input_ids, attention_mask, logits_to_keep: int = 0) 
     return out.logits
 
 
+def packed_lm_logits(model, packed, cells: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits at N cells of a packed batch (pipeline/packing.py): the LM head runs on
+    those cells only. The same as `causal_lm_logits` at those cells up to float rounding, for
+    models whose logits are lm_head(decoder output), as Llama-style models' are."""
+    base = model.get_base_model() if is_peft(model) else model
+    if getattr(base.config, "final_logit_softcapping", None) or getattr(base.config, "logit_scale", None):
+        raise ValueError(f"{type(base).__name__}: logits are post-processed after the LM head; "
+                         "packed forwards support plain lm_head(hidden) models only")
+    hidden = packing.hidden_states(base.get_decoder(), packed)[cells]  # (N, H)
+    return base.get_output_embeddings()(hidden)  # (N, V)
+
+
 class Reference(nn.Module):
     """The frozen starting policy: `reference(input_ids, attention_mask, logits_to_keep=0) -> logits`.
 
@@ -296,6 +309,14 @@ class Reference(nn.Module):
             return causal_lm_logits(self.frozen, input_ids, attention_mask, logits_to_keep)
         with self.policy.disable_adapter():
             return causal_lm_logits(self.policy, input_ids, attention_mask, logits_to_keep)
+
+    @torch.no_grad()
+    def packed_logits(self, packed, cells: torch.Tensor) -> torch.Tensor:
+        """(N, V) reference logits at N cells of a packed batch (see packed_lm_logits)."""
+        if self.frozen is not None:
+            return packed_lm_logits(self.frozen, packed, cells)
+        with self.policy.disable_adapter():
+            return packed_lm_logits(self.policy, packed, cells)
 
 
 def make_reference(policy: nn.Module) -> Reference:

@@ -1,8 +1,9 @@
 """The no-grad half of a PPO step: prompts in, a `Rollout` of per-token tensors out.
 
-pipeline/train_ppo.py calls these in its numbered phases; the update phase reuses `window`,
-`response_logits` and `critic_values` so the training forward pass computes log-probs and values
-exactly as the rollout did (same positions, same temperature, same trimming).
+pipeline/train_ppo.py calls these in its numbered phases; the update phase reuses
+`pack_responses`, `response_logits`, `response_logprobs` and `critic_values`, so the training
+forward pass computes log-probs and values exactly as the rollout did (same positions, same
+temperature). Every forward pass over episodes is packed without padding (pipeline/packing.py).
 
 Layout of one rollout (B episodes): `sequences` (B, P+R) is the left-padded prompt followed by the
 right-padded response; every per-token tensor is (B, R), aligned with the response tokens:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -26,7 +28,8 @@ from typing import Callable
 import torch
 
 from pipeline.losses import gae, kl_per_token, logprobs_from_logits, masked_whiten, shaped_rewards
-from pipeline.models import causal_lm_logits
+from pipeline.models import ScalarModel, is_peft, packed_lm_logits
+from pipeline.packing import Packed, attn_cost_ratio, gather_cells, hidden_states, pack
 
 # --------------------------------------------------------------------------- the rollout record
 
@@ -49,67 +52,116 @@ class Rollout:
         return self.mask.sum(1).long()  # (B,)
 
 
-# --------------------------------------------------------------------------- trimmed windows
+# --------------------------------------------------------------------------- packed forwards
 
 
-def window(attention_mask: torch.Tensor, prompt_length: int, resp_lengths: torch.Tensor) -> tuple[int, int]:
-    """(start, r): the columns [start, P + r) that hold every real token of these rows.
+@dataclass
+class PackedResponses:
+    """A batch of episodes packed without padding (pipeline/packing.py), with the N cells that
+    predict its real response tokens: the position before response token t (prompt end, then
+    the response so far) gives both its log-prob and the critic's value (state, then action)."""
+    packed: Packed
+    rows: torch.Tensor  # (N,) episode of each real response token
+    cols: torch.Tensor  # (N,) its response column t
+    index: torch.Tensor  # (N,) flat packed index of the position predicting it
+    tokens: torch.Tensor  # (N,) the token
+    shape: tuple[int, int]  # (b, R)
 
-    attention_mask: (b, P+R) of the rows; resp_lengths: (b,). Left padding shared by all rows and
-    response columns past the longest response are pure padding: cutting them changes no real
-    token's result (causal attention, pad-aware positions) and saves their compute.
-    """
-    prompt_real = attention_mask[:, :prompt_length].sum(1)  # (b,)
-    start = prompt_length - int(prompt_real.max())
-    return start, max(1, int(resp_lengths.max()))
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(N,) per-token values -> (b, R), 0 past each episode's EOS (differentiable)."""
+        return values.new_zeros(self.shape).index_put((self.rows, self.cols), values)
 
 
-def response_logits(model, input_ids, attention_mask, r: int, reference: bool = False) -> torch.Tensor:
-    """(b, r, V) logits predicting the r response tokens that end the (trimmed) window.
+def pack_responses(sequences, attention_mask, response_ids, mask, prompt_length: int,
+                   attn_per_linear: float) -> PackedResponses:
+    """Pack b episodes (sequences (b, P+R), mask (b, R)) and locate their response tokens."""
+    packed = pack(sequences, attention_mask, attn_per_linear)
+    rows, cols = mask.nonzero(as_tuple=True)  # (N,) each
+    index = gather_cells(packed, rows, prompt_length - 1 + cols)
+    return PackedResponses(packed=packed, rows=rows, cols=cols, index=index, tokens=response_ids[rows, cols],
+                           shape=tuple(mask.shape))
 
-    logits_to_keep=r+1 keeps the positions P-1 .. P+r-1: the lm_head never runs on prompt
-    positions (a 49k-vocabulary head is ~20% of a SmolLM2 forward). The last kept position
-    predicts past the window and is dropped.
-    """
+
+def attn_ratio(model) -> float:
+    """Attention cost per key relative to linear cost per token (choose_width's cost model)."""
+    backbone = model.backbone if isinstance(model, ScalarModel) else model
+    return attn_cost_ratio(backbone.config)
+
+
+def response_logits(model, pr: PackedResponses, reference: bool = False) -> torch.Tensor:
+    """(N, V) logits predicting the N real response tokens; the LM head runs on those cells only
+    (a 49k-vocabulary head is ~20% of a SmolLM2 forward per position)."""
     if reference:  # pipeline.models.Reference: adapter disabled, or the frozen copy
-        logits = model(input_ids, attention_mask, logits_to_keep=r + 1)
-    else:
-        logits = causal_lm_logits(model, input_ids, attention_mask, logits_to_keep=r + 1)
-    return logits[:, :-1]  # (b, r, V)
+        return model.packed_logits(pr.packed, pr.index)
+    return packed_lm_logits(model, pr.packed, pr.index)
 
 
-def critic_values(critic, input_ids, attention_mask, prompt_local: int, r: int) -> torch.Tensor:
-    """(b, r) values at the positions before each response token (state, then action)."""
-    values = critic(input_ids, attention_mask)  # (b, T)
-    return values[:, prompt_local - 1 : prompt_local - 1 + r].float()
+def response_logprobs(logits: torch.Tensor, pr: PackedResponses, temperature: float) -> torch.Tensor:
+    """(b, R) log-probs of the response tokens under logits / temperature, 0 past EOS."""
+    return pr.scatter(logprobs_from_logits(logits[None], pr.tokens[None], temperature)[0])
+
+
+def critic_values(critic, pr: PackedResponses) -> torch.Tensor:
+    """(b, R) values at the positions before each response token, 0 past EOS; the same as
+    ScalarModel.forward at those positions (the head on the last hidden state)."""
+    hidden = hidden_states(critic.backbone, pr.packed)[pr.index]  # (N, H)
+    return pr.scatter(critic.head(hidden.float()).squeeze(-1))
 
 
 @torch.no_grad()
 def rollout_forwards(policy, reference, critic, sequences, attention_mask, response_ids, mask,
                      prompt_length: int, temperature: float, chunk: int, need_old: bool,
                      autocast) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Reference log-probs, pi_old log-probs (only when need_old) and critic values, all (B, R).
-
-    Runs in chunks of `chunk` episodes, each trimmed to its own window. Positions past a row's
-    EOS hold whatever the model says there; callers multiply by the mask.
-    """
+    """Reference log-probs, pi_old log-probs (only when need_old) and critic values, all (B, R),
+    0 past each EOS. Runs in chunks of `chunk` episodes, each packed without padding."""
     B, R = response_ids.shape
     ref = torch.zeros(B, R, device=sequences.device)
     old = torch.zeros(B, R, device=sequences.device) if need_old else None
     values = torch.zeros(B, R, device=sequences.device)
-    lengths = mask.sum(1).long()
+    ratio = attn_ratio(policy)
     for rows in torch.arange(B, device=sequences.device).split(chunk):
-        start, r = window(attention_mask[rows], prompt_length, lengths[rows])
-        ids = sequences[rows, start : prompt_length + r]  # (b, T')
-        am = attention_mask[rows, start : prompt_length + r]  # (b, T')
-        tokens = response_ids[rows, :r]  # (b, r)
+        pr = pack_responses(sequences[rows], attention_mask[rows], response_ids[rows], mask[rows], prompt_length,
+                            ratio)
         with autocast():
-            ref[rows, :r] = logprobs_from_logits(response_logits(reference, ids, am, r, reference=True),
-                                                 tokens, temperature)
+            ref[rows] = response_logprobs(response_logits(reference, pr, reference=True), pr, temperature)
             if need_old:
-                old[rows, :r] = logprobs_from_logits(response_logits(policy, ids, am, r), tokens, temperature)
-            values[rows, :r] = critic_values(critic, ids, am, prompt_length - start, r)
+                old[rows] = response_logprobs(response_logits(policy, pr), pr, temperature)
+            values[rows] = critic_values(critic, pr).float()
     return ref, old, values
+
+
+@contextmanager
+def merged_lora(model):
+    """Run the body with the LoRA deltas merged into the base weights (W + s * B @ A) and the
+    adapter layers switched off, so sampling runs one plain linear per layer and decoding step
+    instead of base + adapter.
+
+    peft's merge_adapter() adds in place and unmerges by subtracting, which is not bit-exact in
+    floats, and the reference (adapter disabled) must stay the starting model bit for bit. So the
+    merged weights are new tensors and the original ones are put back afterwards: peak memory
+    grows by one copy of the adapted weights while sampling. A model without LoRA is left as is.
+    """
+    if not is_peft(model):
+        yield model
+        return
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    if any(any(layer.use_dora.values()) for layer in layers):  # DoRA's magnitude is not in the delta
+        yield model
+        return
+    originals = [layer.get_base_layer().weight.data for layer in layers]
+    with model.disable_adapter():  # the LoRA layers now run their base layer only
+        try:
+            for layer, weight in zip(layers, originals):
+                names = [n for n in layer.active_adapters if n in layer.lora_A or n in layer.lora_embedding_A]
+                if names:
+                    delta = sum(layer.get_delta_weight(n) for n in names)  # scaling s included
+                    layer.get_base_layer().weight.data = weight + delta.to(weight.dtype)
+            yield model
+        finally:
+            for layer, weight in zip(layers, originals):
+                layer.get_base_layer().weight.data = weight
 
 
 # --------------------------------------------------------------------------- rewards -> advantages
@@ -208,10 +260,21 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16, autocast=None)
         out = []
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             with autocast():
-                out.append(rm.normalised_score(sequences[rows], attention_mask[rows]).float())
+                out.append(packed_score(rm, sequences[rows], attention_mask[rows]).float())
         return torch.cat(out)  # (B,)
 
     return score, rm
+
+
+def packed_score(rm, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b,) ScalarModel.normalised_score, computed on the sequences packed without padding: the
+    head reads each sequence's last real token."""
+    packed = pack(input_ids, attention_mask, attn_ratio(rm))
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
+    last = (attention_mask.long() * positions).argmax(-1)  # (b,) highest position with mask 1
+    index = gather_cells(packed, torch.arange(input_ids.shape[0], device=input_ids.device), last)
+    hidden = hidden_states(rm.backbone, packed)[index]  # (b, H)
+    return (rm.head(hidden.float()).squeeze(-1) - rm.reward_mean) / rm.reward_std
 
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
@@ -296,7 +359,7 @@ def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_se
 
 
 __all__ = [
-    "Rollout", "Advantages", "kl_shaped_advantages", "window", "response_logits", "critic_values",
-    "rollout_forwards", "make_reward", "decode_responses", "prompt_order", "read_ptx_texts", "ptx_batch",
+    "Rollout", "Advantages", "kl_shaped_advantages", "PackedResponses", "pack_responses", "attn_ratio",
+    "response_logits", "response_logprobs", "critic_values", "rollout_forwards", "merged_lora", "packed_score", "make_reward", "decode_responses", "prompt_order", "read_ptx_texts", "ptx_batch",
     "write_samples",
 ]

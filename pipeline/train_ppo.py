@@ -14,6 +14,10 @@ One loop, read top to bottom in numbered phases (like CleanRL's ppo.py and TRL's
   8. KL controller and learning-rate schedules
   9. metrics.jsonl, status.json, sample table, checkpoint
 
+Speed without changing the arithmetic (beyond float rounding): sampling runs with the LoRA deltas
+merged into a copy of the base weights (`merged_lora`), and every forward pass over episodes, in
+the rollout and in the update, packs the sequences without padding (pipeline/packing.py).
+
 The four roles (../shared/DESIGN.md): the policy (LoRA by default), the reference (the policy with
 its adapter disabled, or a frozen copy with full fine-tuning), the frozen reward model, and the
 critic (initialised from the reward model). A run writes only into RUN_DIR: config.json,
@@ -41,7 +45,7 @@ from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, to
 from pipeline.generate import encode_prompts, read_prompts, sample
 from pipeline.kl import make_kl_controller
 from pipeline.losses import (
-    entropy_from_logits, lm_loss, logprobs_from_logits, masked_mean, masked_var, policy_loss, value_loss,
+    entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
 )
 from pipeline.models import (
     causal_lm_logits, load_policy, load_scalar_model, make_reference, pick_device, pick_dtype, read_meta,
@@ -52,8 +56,8 @@ from pipeline.ppo_state import (
     write_json,
 )
 from pipeline.rollout import (
-    Rollout, critic_values, kl_shaped_advantages, make_reward, prompt_order, ptx_batch, read_ptx_texts,
-    response_logits, rollout_forwards, window, write_samples,
+    Rollout, attn_ratio, critic_values, kl_shaped_advantages, make_reward, merged_lora, pack_responses, prompt_order,
+    ptx_batch, read_ptx_texts, response_logits, response_logprobs, rollout_forwards, write_samples,
 )
 
 CHECKPOINT = "checkpoint"
@@ -127,9 +131,10 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             batch_prompts = [rows[i]["prompt"] for i in prompt_order(len(rows), step, B, cfg.seed)]
             input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
 
-            # 2. sample from the current policy = pi_old; post-EOS tokens come back masked
+            # 2. sample from the current policy = pi_old; post-EOS tokens come back masked. LoRA is
+            # merged into (a copy of) the base weights meanwhile: one matmul per layer and step
             generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
-            with torch.no_grad(), autocast():
+            with torch.no_grad(), autocast(), merged_lora(policy_model):
                 sb = sample(policy_model, input_ids, prompt_mask, cfg, generator=generator,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
             mask = sb.response_mask.float()  # (B, R)
@@ -159,33 +164,33 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             stats = defaultdict(float)
             shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
             lengths = ro.lengths.cpu()
+            packing_ratio = attn_ratio(policy_model)
             n_minibatches = 0
             for epoch in range(cfg.ppo_epochs):
                 order = torch.randperm(B, generator=shuffle)
                 for mb in order.split(cfg.mini_batch_size):
                     # sorting by length inside the minibatch groups similar rows into a micro-batch
-                    # (less padding); the summed gradient of the minibatch is unchanged
+                    # (packs better); the summed gradient of the minibatch is unchanged
                     mb = mb[torch.argsort(lengths[mb], descending=True)].to(device)
                     mb_tokens = mask[mb].sum()
                     for micro in mb.split(cfg.micro_batch_size):
                         w = mask[micro].sum() / mb_tokens  # token share: accumulated loss = minibatch token mean
-                        start_col, r = window(ro.attention_mask[micro], ro.prompt_length, ro.lengths[micro])
-                        ids = ro.sequences[micro, start_col : ro.prompt_length + r]
-                        am = ro.attention_mask[micro, start_col : ro.prompt_length + r]
-                        m = mask[micro, :r]
+                        # the micro-batch's episodes packed without padding, as in the rollout
+                        pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro], ro.response_ids[micro],
+                                            mask[micro], ro.prompt_length, packing_ratio)
+                        m = mask[micro]  # (b, R)
                         with autocast():
-                            logits = response_logits(policy_model, ids, am, r)  # (b, r, V)
-                            logp = logprobs_from_logits(logits, ro.response_ids[micro, :r], temperature)
-                            pg_loss, pg = policy_loss(logp, ro.logprobs[micro, :r], advantages[micro, :r], m,
-                                                      cfg.cliprange)
+                            logits = response_logits(policy_model, pr)  # (N, V) at the N real response tokens
+                            logp = response_logprobs(logits, pr, temperature)  # (b, R)
+                            pg_loss, pg = policy_loss(logp, ro.logprobs[micro], advantages[micro], m, cfg.cliprange)
                             loss = pg_loss
                             if cfg.entropy_coef > 0:
-                                entropy = masked_mean(entropy_from_logits(logits), m)
+                                entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None])[0]), m)
                                 loss = loss - cfg.entropy_coef * entropy
                                 stats["policy/entropy"] += float(w * entropy)
                             del logits
-                            v = critic_values(critic, ids, am, ro.prompt_length - start_col, r)  # (b, r)
-                            vf_loss, vf_clipfrac = value_loss(v, ro.values[micro, :r], returns[micro, :r], m,
+                            v = critic_values(critic, pr)  # (b, R)
+                            vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], returns[micro], m,
                                                               cfg.cliprange_value)
                         (w * (loss + cfg.vf_coef * vf_loss)).backward()
                         for key, val in (("policy/loss", pg_loss), ("policy/clipfrac", pg["clipfrac"]),

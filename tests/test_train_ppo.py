@@ -21,7 +21,7 @@ import torch
 from pipeline.config import ModelConfig, PPOConfig
 from pipeline.generate import encode_prompts, sample
 from pipeline.models import causal_lm_logits, load_policy, load_scalar_model, make_reference, save_scalar_model
-from pipeline.rollout import Rollout, kl_shaped_advantages, make_reward, rollout_forwards, window
+from pipeline.rollout import Rollout, kl_shaped_advantages, make_reward, rollout_forwards
 from pipeline.train_ppo import main, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,13 +123,7 @@ def test_reward_clip_then_penalty():
     assert out.score.tolist() == [1.0, -1.5]
 
 
-def test_window_cuts_only_padding():
-    am = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0]])  # P = 4, R = 4
-    start, r = window(am, 4, torch.tensor([2, 3]))
-    assert (start, r) == (1, 3)
-
-
-def test_trimmed_rollout_forwards_equal_full_forward_and_sampling_logprobs(ppo_model_cfg):
+def test_packed_rollout_forwards_equal_full_forward_and_sampling_logprobs(ppo_model_cfg):
     torch.manual_seed(0)
     policy, tok = load_policy(ppo_model_cfg)
     critic, _ = load_scalar_model(ppo_model_cfg.model, kind="critic", cfg=ppo_model_cfg)
@@ -154,7 +148,7 @@ def test_trimmed_rollout_forwards_equal_full_forward_and_sampling_logprobs(ppo_m
         full_ref = full_ref.gather(2, sb.response_ids[..., None]).squeeze(2)
         full_values = critic(sb.sequences, sb.attention_mask)[:, P - 1 : P - 1 + R]
     m = mask.bool()
-    assert torch.allclose(old[m], full[m], atol=1e-5)  # trimming windows changes nothing
+    assert torch.allclose(old[m], full[m], atol=1e-5)  # packing changes nothing but rounding
     assert torch.allclose(ref[m], full_ref[m], atol=1e-5)
     assert torch.allclose(values[m], full_values[m], atol=1e-5)
     assert torch.allclose(sb.logprobs[m], full[m], atol=1e-4)  # pi_old from sampling = from a forward

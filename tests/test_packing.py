@@ -1,0 +1,96 @@
+"""Packed forwards (pipeline/packing.py) equal padded ones; merged-LoRA sampling leaves the base intact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import PPOConfig
+from pipeline.generate import encode_prompts, sample
+from pipeline.models import (
+    causal_lm_logits, load_policy, load_scalar_model, make_reference, packed_lm_logits,
+)
+from pipeline.packing import _first_fit, choose_width, gather_cells, pack
+from pipeline.rollout import critic_values, merged_lora, pack_responses, packed_score
+
+PROMPTS = ["How can I shop?", "What is the capital of France?", "Tell me about bread.", "Guitar tips?", "Hi"]
+
+
+def test_pack_layout_by_hand():
+    ids = torch.tensor([[0, 0, 5, 6, 7, 0], [0, 8, 9, 1, 2, 3], [0, 0, 0, 4, 0, 0]])
+    am = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]])
+    p = pack(ids, am, attn_per_linear=0.0, pad_token_id=99)  # no attention cost: one row of all 9 tokens
+    assert p.input_ids.tolist() == [[8, 9, 1, 2, 3, 5, 6, 7, 4]]  # longest first
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0]]
+    assert p.flat[0].tolist() == [-1, -1, 5, 6, 7, -1] and p.flat[2, 3].item() == 8
+    p = pack(ids, am, attn_per_linear=10.0, pad_token_id=99)  # attention dear: rows as wide as the longest
+    assert p.input_ids.tolist() == [[8, 9, 1, 2, 3], [5, 6, 7, 4, 99]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 0]]  # the pad is a segment of its own
+    with pytest.raises(ValueError, match="padding"):
+        gather_cells(p, torch.tensor([0]), torch.tensor([0]))
+    assert _first_fit([5, 3, 1], 5) == [[0], [1, 2]]  # first fit decreasing: 3 and 1 share a row
+    assert choose_width([4, 4, 3], 0.0) == 11 and choose_width([4, 4, 3], 1.0) == 4  # 11 cells vs 3 x 4
+
+
+@pytest.fixture
+def episodes(tiny_model_cfg):
+    """A LoRA policy moved off its start, a LoRA critic, and sampled episodes of several lengths."""
+    torch.manual_seed(0)
+    cfg = tiny_model_cfg.__class__(**{**tiny_model_cfg.__dict__, "lora_targets": "q_proj,v_proj,lm_head"})
+    policy, tok = load_policy(cfg)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    critic, _ = load_scalar_model(cfg.model, kind="critic", cfg=cfg)
+    ids, am = encode_prompts(tok, PROMPTS)
+    sb = sample(policy, ids, am, PPOConfig(max_new_tokens=10, temperature=1.0),
+                generator=torch.Generator().manual_seed(1), eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    return policy, critic, sb, cfg, tok
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1e9])  # one row for all, and one episode per row
+def test_packed_forwards_equal_padded_forwards(episodes, ratio):
+    policy, critic, sb, cfg, _ = episodes
+    P, mask = sb.prompt_length, sb.response_mask.float()
+    pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, P, ratio)
+    assert pr.packed.input_ids.shape[0] == (1 if ratio == 0 else len(PROMPTS))
+    reference = make_reference(policy)
+    m = mask.bool()
+    with torch.no_grad():
+        for logits, full in ((packed_lm_logits(policy, pr.packed, pr.index), causal_lm_logits(policy, sb.sequences,
+                                                                                              sb.attention_mask)),
+                             (reference.packed_logits(pr.packed, pr.index), reference(sb.sequences, sb.attention_mask))):
+            assert torch.allclose(logits, full[:, P - 1 : -1][m], atol=1e-5)
+        values = critic_values(critic, pr)
+        assert torch.allclose(values[m], critic(sb.sequences, sb.attention_mask)[:, P - 1 : -1][m], atol=1e-5)
+        assert torch.all(values[~m] == 0)
+        rm, _ = load_scalar_model(cfg.model, kind="reward", cfg=cfg)
+        rm.reward_mean, rm.reward_std = 0.3, 2.0
+        assert torch.allclose(packed_score(rm, sb.sequences, sb.attention_mask),
+                              rm.normalised_score(sb.sequences, sb.attention_mask), atol=1e-5)
+
+
+def test_sampling_with_merged_lora_matches_a_forward_and_restores_the_base_bit_for_bit(episodes):
+    policy, _, _, _, tok = episodes
+    base = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" not in n}
+    ids, am = encode_prompts(tok, PROMPTS)
+    with torch.no_grad():
+        before = causal_lm_logits(policy, ids, am)
+        with merged_lora(policy):
+            merged = causal_lm_logits(policy, ids, am)
+            sb = sample(policy, ids, am, PPOConfig(max_new_tokens=8, temperature=0.9),
+                        generator=torch.Generator().manual_seed(0), eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+        after = causal_lm_logits(policy, ids, am)
+        P = sb.prompt_length
+        full = torch.log_softmax(causal_lm_logits(policy, sb.sequences, sb.attention_mask)[:, P - 1 : -1] / 0.9, -1)
+        full = full.gather(2, sb.response_ids[..., None]).squeeze(2)
+    assert torch.allclose(merged, before, atol=1e-5)  # merged = base + adapter, up to rounding
+    assert torch.equal(after, before)  # the adapter is active again, on the original weights
+    m = sb.response_mask.bool()
+    assert torch.allclose(sb.logprobs[m], full[m], atol=1e-4)  # pi_old from merged sampling = from a forward
+    for n, p in policy.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base[n]), n  # the base (= the reference) is bit for bit the start
