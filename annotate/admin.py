@@ -1,4 +1,5 @@
-"""Admin handlers of the Data tab: import, generate, statistics, export, users, guidelines.
+"""Admin handlers of the Data tab: import, generate, statistics, export, flagged prompts, users,
+guidelines.
 
 Every function starts with `admin(ctx, request)`, which raises `Refused` for anyone who is not a
 signed-in admin, before anything is read or written: an annotator reaching these endpoints through
@@ -222,6 +223,39 @@ def _downloadable(path: Path) -> Path:
     target = tmp / path.name
     shutil.copy2(path, target)
     return target
+
+
+# ------------------------------------------------------------------------- flagged prompts
+
+
+def flagged_table(ctx: AppContext, request: gr.Request) -> pd.DataFrame:
+    """Prompts annotators flagged (their items are out of the queue), oldest flag first, with the
+    reasons given. Prompt text is shown as plain text (the table never renders markup)."""
+    admin(ctx, request)
+    rows = [{"prompt id": p.id, "flags": len(reasons), "reasons": " · ".join(r for r in reasons if r) or "–",
+             "prompt": _clip(p.text, 200)} for p, reasons in ctx.store.flagged_prompts()]
+    return pd.DataFrame(rows, columns=["prompt id", "flags", "reasons", "prompt"])
+
+
+def unflag(ctx: AppContext, prompt_id, request: gr.Request):
+    """Put a flagged prompt's items back in the queue (rankings made before the flag are kept).
+    Returns (message, flagged table)."""
+    admin(ctx, request)
+    try:
+        pid = int(prompt_id)
+    except (TypeError, ValueError):
+        raise gr.Error(f"Prompt id must be a number from the table, not {prompt_id!r}.") from None
+    if not ctx.store.is_flagged(pid):
+        raise gr.Error(f"Prompt {pid} is not flagged.")
+    ctx.store.unflag_prompt(pid)
+    remaining = ctx.store.items_remaining()
+    return (f"Prompt {pid} is back in the queue ({remaining} item{'s' if remaining != 1 else ''} still to rank).",
+            flagged_table(ctx, request))
+
+
+def _clip(text: str, n: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n - 1] + "…"
 
 
 # ------------------------------------------------------------------------- users and guidelines

@@ -10,6 +10,8 @@ progress line, the comment box and "all bad" box reset for the next item, and th
 
 After each action the next item is fetched ahead in the background (`prefetch`), so the following
 Submit shows it without asking the queue: no extra request from the page, no wait for the user.
+A Submit leases the item after that one in its ranking's own transaction (one commit per submit),
+and the background only loads its content.
 
 Rankings arrive from the page as display positions, best first, "=" for ties: "2>1=3>4" means
 response 2 is best, 1 and 3 tie, 4 is worst (positions as shown, 1-based). The handler maps
@@ -106,11 +108,16 @@ def _advance(ctx: AppContext, state: SessionState, account: Annotator, exclude_p
     """Show the next item: the prefetched one if still good, else ask the queue."""
     done_item = state.current.item.item_id if state.current else None
     item = state.take_prefetched(exclude_prompt)
-    if item is not None and ctx.store.list_rankings(annotator_id=account.id, item_id=item.item_id):
-        item = None  # ranked meanwhile in another tab: never show an item twice
+    if item is not None and not ctx.store.holds_lease(account.id, item.item_id):
+        item = None  # ranked, skipped or flagged meanwhile (another tab, a racing action): ask anew
     if item is None:
         item = ctx.store.next_item(account.id, exclude=[done_item] if done_item else [])
-    state.current = Showing(item) if item is not None else None
+    with state.lock:  # a background prefetch may have fetched this same item (own leases come first)
+        state.current = Showing(item) if item is not None else None
+        if item is not None and state.ahead == item.item_id:
+            state.ahead = None
+        if item is not None and state.prefetched is not None and state.prefetched.item_id == item.item_id:
+            state.prefetched = None
 
 
 def _current(state: SessionState | None, token: str = "") -> Showing:
@@ -166,17 +173,29 @@ def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: b
     groups = parse_ranking(ranking, showing.k, bool(all_bad))
     ids = showing.item.display_order
     order = [[ids[pos - 1] for pos in g] for g in groups]
+    fields = dict(all_bad=bool(all_bad), display_order=list(ids), duration_s=showing.elapsed(),
+                  client_token=showing.token, comment=(comment or "").strip())
+    with state.lock:
+        on_deck = state.prefetched if state.ahead is None else None
+    ahead = None
     try:
-        ctx.store.save_ranking(
-            account.id, showing.item.prompt.id, order, all_bad=bool(all_bad),
-            display_order=list(ids), duration_s=showing.elapsed(),
-            client_token=showing.token, comment=(comment or "").strip(),
-        )
+        if ctx.prefetch and on_deck is not None:
+            # the item after the prefetched one is leased in the ranking's own transaction (one
+            # commit per submit, not two); its content is loaded in the background (`prefetch`)
+            _, ahead = ctx.store.save_ranking_and_lease_next(
+                account.id, showing.item.prompt.id, order, exclude=[on_deck.item_id], **fields)
+        else:
+            ctx.store.save_ranking(account.id, showing.item.prompt.id, order, **fields)
     except StoreError as exc:
         raise gr.Error(f"Not saved: {exc}") from None
     n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:])
     state.note = f"Saved · {n_pairs} pair{'s' if n_pairs != 1 else ''}" + (" · all bad" if all_bad else "")
     _advance(ctx, state, account)
+    if ahead is not None:
+        with state.lock:
+            shown = state.current.item.item_id if state.current is not None else None
+            if ahead != shown:
+                state.ahead = ahead
     out = view(ctx, state, account)
     _prefetch_later(ctx, state, account)
     return out
@@ -217,36 +236,46 @@ def undo(ctx: AppContext, state: SessionState | None, request: gr.Request):
     if item is None:
         raise gr.Error("Nothing to undo: you have no submitted ranking.")
     with state.lock:
-        dropped = state.prefetched
+        dropped = [state.prefetched.item_id] if state.prefetched is not None else []
+        dropped += [state.ahead] if state.ahead is not None else []
+        keep = {item.item_id} | ({state.current.item.item_id} if state.current is not None else set())
         state.prefetched = state.current.item if state.current is not None else None
+        state.ahead = None
         state.current = Showing(item)
-    if dropped is not None:
-        ctx.store.release_lease(account.id, dropped.item_id)
+    for item_id in set(dropped) - keep:  # the one on screen stays leased: it is shown next
+        ctx.store.release_lease(account.id, item_id)
     state.note = "Undone · rank it again"
     return view(ctx, state, account)
 
 
 def prefetch(ctx: AppContext, state: SessionState, account: Annotator) -> None:
-    """Fetch (and lease) the item after the one on screen, so the next action shows it at once.
+    """Fetch (and lease) the item after the one on screen, so the next action shows it at once:
+    only its content when the submit's transaction already leased it (`state.ahead`).
     Runs in the background after each action (see `_prefetch_later`)."""
     with state.lock:
         if state.current is None or state.prefetched is not None or state.prefetching:
             return
         state.prefetching = True
         on_screen = state.current.item.item_id
+        ahead, state.ahead = state.ahead, None
+    item = None
     try:
-        item = ctx.store.next_item(account.id, exclude=[on_screen])
+        if ahead is not None:
+            item = ctx.store.get_item(ahead, account.id)  # leased already: no write, no lock
+        else:
+            item = ctx.store.next_item(account.id, exclude=[on_screen])
     finally:
         with state.lock:
             state.prefetching = False
             # An action may have run meanwhile and put this very item on screen (the queue hands
             # an annotator their own leased item first), or filled the slot: then keep it unused.
             shown = state.current.item.item_id if state.current is not None else None
-            keep = item is not None and state.prefetched is None and item.item_id != shown
-            if keep:
+            if item is not None and state.prefetched is None and item.item_id != shown:
                 state.prefetched = item
-    if item is not None and not keep and item.item_id != shown:
-        ctx.store.release_lease(account.id, item.item_id)  # not needed after all: back to the queue
+    # An item not kept stays leased to this annotator: the queue hands an annotator their own lease
+    # first, so it comes next. Releasing it here would race an action of this tab that is taking
+    # the same own-leased item from the queue at this moment: the item would be on screen with no
+    # lease, and another annotator could rank it beyond the overlap. `leave` releases everything.
 
 
 def _prefetch_later(ctx: AppContext, state: SessionState, account: Annotator) -> None:

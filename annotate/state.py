@@ -5,8 +5,8 @@ API) puts a SessionState in it.
 
 Nothing here says *who* the user is: every handler asks the request (gr.Request.username, set by
 Gradio from the login cookie) and the store, so a session cannot claim another identity or role.
-The state only remembers what this tab shows: the item on screen, the one fetched ahead of time,
-and when the item appeared (for the ranking's duration).
+The state only remembers what this tab shows: the item on screen, the ones fetched (or leased)
+ahead of time, and when the item appeared (for the ranking's duration).
 """
 
 from __future__ import annotations
@@ -44,12 +44,16 @@ class SessionState:
     prefetched: Item | None = None
     """The next item, fetched (and leased) after the current one appeared, so Submit can show it
     without a query."""
+    ahead: int | None = None
+    """The id of the item after `prefetched`, leased by the last Submit's transaction
+    (Store.save_ranking_and_lease_next); `prefetch` loads it into `prefetched`."""
     note: str = ""
     """What the last action did ("Saved: 6 pairs"), shown in the progress line."""
     prefetching: bool = False
     """A prefetch is running in the background for this session."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    """Guards `prefetched`/`prefetching`: the background prefetch and the next action meet here."""
+    """Guards `prefetched`/`ahead`/`prefetching`: the background prefetch and the next action meet
+    here."""
 
     def take_prefetched(self, exclude_prompt: int | None = None) -> Item | None:
         """The prefetched item (and forget it); None if there is none or it has the excluded prompt."""

@@ -1,5 +1,5 @@
-"""Layout and wiring of the admin tabs: Data (import, generate, statistics, export, users,
-guidelines), Train (issue 7) and Models. Logic lives in annotate/admin.py."""
+"""Layout and wiring of the admin tabs: Data (import, generate, statistics, export, flagged prompts,
+users, guidelines), Train (issue 7) and Models. Logic lives in annotate/admin.py."""
 
 from __future__ import annotations
 
@@ -81,6 +81,16 @@ def data_tab(ctx: AppContext) -> dict:
             export_btn = gr.Button("Export", variant="primary", elem_id="rl-export")
             export_msg = gr.Markdown(elem_id="rl-export-msg")
             export_file = gr.File(label="Download", interactive=False, elem_id="rl-export-file")
+        with gr.Tab("Flagged"):
+            gr.Markdown("Prompts annotators **flagged** (broken, harmful, unanswerable) are out of the "
+                        "queue for everyone. Look at them here; unflag one to put its items back.")
+            flagged = gr.Dataframe(label="Flagged prompts", interactive=False, elem_id="rl-flagged",
+                                   datatype=["number", "number", "str", "str"], wrap=True)
+            with gr.Row():
+                flag_id = gr.Number(None, label="Prompt id", precision=0, minimum=1, elem_id="rl-unflag-id", scale=1)
+                unflag_btn = gr.Button("Unflag", variant="primary", elem_id="rl-unflag", scale=0, min_width=120)
+                flag_refresh = gr.Button("Refresh", size="sm", scale=0, min_width=100)
+            unflag_msg = gr.Markdown(elem_id="rl-unflag-msg")
         with gr.Tab("Users"):
             with gr.Row():
                 name = gr.Textbox(label="Name", elem_id="rl-user-name")
@@ -104,13 +114,15 @@ def data_tab(ctx: AppContext) -> dict:
     timer.tick(_bind(a.job_poll, ctx), None, [job, timer], api_visibility="private", show_progress="hidden")
     export_btn.click(_bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction],
                      [export_file, export_msg], **HIDDEN, api_name="export")
+    unflag_btn.click(_bind(a.unflag, ctx), [flag_id], [unflag_msg, flagged], **HIDDEN, api_name="unflag")
+    flag_refresh.click(_bind(a.flagged_table, ctx), None, [flagged], **HIDDEN, api_name="flagged")
     add_btn.click(_bind(a.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
     save_btn.click(_bind(a.save_guidelines, ctx), [guidelines], [save_msg], **HIDDEN, api_name="save_guidelines")
     return {
         "timer": timer,
         "load": [(a.statistics, None, stats_outs), (a.users_table, None, [users]),
                  (a.load_guidelines, None, [guidelines]), (a.job_poll, None, [job, timer]),
-                 (a.policy_choices, None, [version]),
+                 (a.policy_choices, None, [version]), (a.flagged_table, None, [flagged]),
                  (a.annotator_names, None, [who])],
     }
 

@@ -13,8 +13,8 @@ annotators never get one item beyond the overlap; an expired lease no longer cou
 abandoned item returns to the queue by itself.
 
 The choice is made in memory (store/queue_index.py explains why) and the lease is written to the
-`leases` table in the same transaction; next_item calls made at the same moment by several
-annotators share one transaction (Store._combined).
+`leases` table in the same transaction; next_item and save_ranking calls made at the same moment
+by several annotators share one transaction (Store._write_batch).
 """
 
 from __future__ import annotations
@@ -27,13 +27,21 @@ from datetime import datetime, timedelta
 import pyarrow as pa
 
 from store.db import from_db_time, registered, to_db_time, utcnow
-from store.queue_index import QueueIndex
+from store.queue_index import RECENT_KEEP, QueueIndex
 from store.records import Item, Progress, Prompt
 
+WRITE_KIND = "queue"
+"""Store._combined's name for the save_ranking and next_item requests written together."""
 OVERLAP_KEY = "queue_overlap"
 LEASE_SECONDS_KEY = "queue_lease_seconds"
 DEFAULT_OVERLAP = 1
 DEFAULT_LEASE_SECONDS = 600
+
+
+def local_midnight() -> datetime:
+    """The start of today on this machine's clock, as the naive UTC the database stores."""
+    midnight = datetime.now().astimezone().replace(hour=0, minute=0, second=0, microsecond=0)
+    return to_db_time(midnight)
 
 
 def display_order_for(annotator_id: int, item_id: int, response_ids: list[int]) -> list[int]:
@@ -64,16 +72,42 @@ class QueueMixin:
                   lease_seconds: float | None = None, exclude=()) -> Item | None:
         """The next item for this annotator, leased to them for `lease_seconds`; None when the
         queue holds nothing for them. `exclude`: item ids not to return (e.g. the one on screen,
-        when prefetching the next). Concurrent calls share one transaction (Store._combined)."""
-        overlap = self.queue_overlap() if overlap is None else int(overlap)
-        lease_seconds = self.lease_seconds() if lease_seconds is None else float(lease_seconds)
-        request = (annotator_id, overlap, lease_seconds, frozenset(int(i) for i in exclude))
-        picked = self._combined("next_item", request, self._next_item_batch)
+        when prefetching the next). Concurrent calls share one transaction (Store._write_batch)."""
+        picked = self._combined(WRITE_KIND, ("next", self._next_request(annotator_id, overlap, lease_seconds, exclude)),
+                                self._write_batch)
         if picked is None:
             return None
         item_id, expires = picked
         item = self.get_item(item_id, annotator_id)
         return dataclasses.replace(item, lease_expires_at=from_db_time(expires))
+
+    def _next_request(self, annotator_id: int, overlap, lease_seconds, exclude) -> tuple:
+        overlap = self.queue_overlap() if overlap is None else int(overlap)
+        lease_seconds = self.lease_seconds() if lease_seconds is None else float(lease_seconds)
+        return annotator_id, overlap, lease_seconds, frozenset(int(i) for i in exclude)
+
+    def _write_batch(self, cur, requests) -> list:
+        """One transaction for the save_ranking and next_item requests that arrived together
+        (Store._combined): the rankings first, then the picks, which see them. A commit costs
+        DuckDB about 4 ms (it syncs its log to disk) and holds the write lock, so under load
+        annotators' rankings and leases share one. Requests are ("rank", ranking), ("next", pick)
+        or ("rank+next", (ranking, pick)) (Store.save_ranking_and_lease_next: the pick is made
+        only if the ranking is stored). Returns one result or exception per request."""
+        out: list = [None] * len(requests)
+        # 1. the rankings
+        ranks = [i for i, (kind, _) in enumerate(requests) if kind != "next"]
+        if ranks:
+            rankings = [req if kind == "rank" else req[0] for kind, req in (requests[i] for i in ranks)]
+            for i, result in zip(ranks, self._save_ranking_batch(cur, rankings)):
+                out[i] = result
+        # 2. the picks: of next_item, and of each save_ranking_and_lease_next whose ranking was stored
+        picks = [i for i, (kind, _) in enumerate(requests)
+                 if kind == "next" or (kind == "rank+next" and not isinstance(out[i], BaseException))]
+        if picks:
+            wanted = [req if kind == "next" else req[1] for kind, req in (requests[i] for i in picks)]
+            for i, picked in zip(picks, self._next_item_batch(cur, wanted)):
+                out[i] = picked if requests[i][0] == "next" else (out[i], picked)
+        return out
 
     def _next_item_batch(self, cur, requests) -> list:
         """Inside the write transaction: pick an item for each queued next_item request, in order,
@@ -82,26 +116,40 @@ class QueueMixin:
         q = self._shared.queue
         now = utcnow()
         self._collect_expired_leases(cur, q, now)
-        out, leases = [], {}
+        out, leases, renewed = [], {}, set()
         for annotator_id, overlap, lease_seconds, exclude in requests:
             item_id = q.pick(annotator_id, overlap, now, exclude)
             if item_id is None:
                 out.append(None)
                 continue
             expires = now + timedelta(seconds=lease_seconds)
+            key = (item_id, annotator_id)
+            if key not in leases and q.has_lease_row(item_id, annotator_id):
+                renewed.add(key)  # the table holds a row for it already (a reload, an expired lease)
+            leases[key] = expires
             q.set_lease(item_id, annotator_id, expires)
-            leases[(item_id, annotator_id)] = expires
             out.append((item_id, expires))
-        if len(leases) == 1:
-            ((item_id, annotator_id), expires), = leases.items()
-            cur.execute("INSERT OR REPLACE INTO leases VALUES (?, ?, ?)", [item_id, annotator_id, expires])
-        elif leases:
-            tbl = pa.table({"item_id": pa.array([k[0] for k in leases], pa.int64()),
-                            "annotator_id": pa.array([k[1] for k in leases], pa.int64()),
-                            "expires_at": pa.array(list(leases.values()), pa.timestamp("us"))})
-            with registered(cur, "_new_leases", tbl):
-                cur.execute("INSERT OR REPLACE INTO leases SELECT item_id, annotator_id, expires_at FROM _new_leases")
+        self._write_leases(cur, {k: e for k, e in leases.items() if k not in renewed},
+                           {k: leases[k] for k in renewed})
         return out
+
+    @staticmethod
+    def _write_leases(cur, new: dict, renewed: dict) -> None:
+        """Write lease rows: {(item, annotator): expires} of rows the table lacks (one INSERT),
+        and of rows it holds (UPDATE). The queue index knows which is which; a plain INSERT costs
+        DuckDB a fifth of an INSERT OR REPLACE (which checks the key and rewrites the row)."""
+        for (item_id, annotator_id), expires in renewed.items():
+            cur.execute("UPDATE leases SET expires_at = ? WHERE item_id = ? AND annotator_id = ?",
+                        [expires, item_id, annotator_id])
+        if 0 < len(new) <= 64:
+            cur.execute("INSERT INTO leases VALUES " + ", ".join(["(?, ?, ?)"] * len(new)),
+                        [x for (i, a), e in new.items() for x in (i, a, e)])
+        elif new:
+            tbl = pa.table({"item_id": pa.array([k[0] for k in new], pa.int64()),
+                            "annotator_id": pa.array([k[1] for k in new], pa.int64()),
+                            "expires_at": pa.array(list(new.values()), pa.timestamp("us"))})
+            with registered(cur, "_new_leases", tbl):
+                cur.execute("INSERT INTO leases SELECT item_id, annotator_id, expires_at FROM _new_leases")
 
     def _collect_expired_leases(self, cur, q, now: datetime) -> None:
         """Delete expired leases at most once a minute (they are ignored anyway; this keeps the
@@ -109,7 +157,7 @@ class QueueMixin:
         last = self._shared.lease_gc_at
         if last is None or (now - last).total_seconds() > 60:
             cur.execute("DELETE FROM leases WHERE expires_at <= ?", [now])
-            self._on_commit(lambda q: q.drop_expired(now))
+            q.drop_expired(now)  # at once, like the picks (Store._combined drops the index on failure)
             self._shared.lease_gc_at = now
 
     def _build_queue_index(self, cur) -> QueueIndex:
@@ -122,11 +170,23 @@ class QueueMixin:
             "WHERE i.queued GROUP BY ALL").fetchall()
         skips = cur.execute("SELECT annotator_id, item_id FROM skips").fetchall()
         flagged = [r[0] for r in cur.execute("SELECT DISTINCT prompt_id FROM flags").fetchall()]
-        now = utcnow()
-        leases = cur.execute("SELECT item_id, annotator_id, expires_at FROM leases WHERE expires_at > ?",
-                             [now]).fetchall()
+        leases = cur.execute("SELECT item_id, annotator_id, expires_at FROM leases").fetchall()
         annotators = [r[0] for r in cur.execute("SELECT id FROM annotators").fetchall()]
-        return QueueIndex.build(items, rankings, skips, flagged, leases, annotators, now)
+        # ranking times from a day before today: enough for the progress line's "today"
+        recent_since = local_midnight() - RECENT_KEEP
+        ranking_times = cur.execute(
+            "SELECT annotator_id, count(*), coalesce(list(created_at ORDER BY created_at) "
+            "FILTER (WHERE created_at >= ?), []) FROM rankings GROUP BY annotator_id", [recent_since]).fetchall()
+        return QueueIndex.build(items, rankings, skips, flagged, leases, annotators, ranking_times, recent_since)
+
+    def _queue_index(self) -> QueueIndex:
+        """The queue index for the progress queries, which read it under its own lock rather than
+        the write lock (built under the write lock first if needed)."""
+        q = self._shared.queue
+        if q is None:
+            with self._queue_locked() as q:
+                pass
+        return q
 
     def warm_queue(self) -> None:
         """Build the queue index now (about 2 s per 100,000 items) instead of on the first
@@ -137,16 +197,25 @@ class QueueMixin:
     def remaining_count(self, annotator_id: int, *, overlap: int | None = None) -> int:
         """Items the queue could still hand this annotator now (their own lease included)."""
         overlap = self.queue_overlap() if overlap is None else int(overlap)
-        with self._queue_locked() as q:
-            return q.remaining(annotator_id, overlap, utcnow())
+        return self._queue_index().remaining(annotator_id, overlap, utcnow())
 
     def progress(self, annotator_id: int, *, overlap: int | None = None) -> Progress:
-        """Today's rankings (since local midnight of this machine), all rankings, items left."""
-        midnight = datetime.now().astimezone().replace(hour=0, minute=0, second=0, microsecond=0)
-        today, total = self._one(
-            "SELECT count(*) FILTER (WHERE created_at >= ?), count(*) FROM rankings WHERE annotator_id = ?",
-            [to_db_time(midnight), annotator_id])
+        """Today's rankings (since local midnight of this machine), all rankings, items left.
+        Answered from the queue index: no query, and no wait for other annotators' writes."""
+        midnight = local_midnight()
+        counts = self._queue_index().ranking_counts(annotator_id, midnight)
+        if counts is None:  # the clock went back before what the index keeps
+            counts = self._one("SELECT count(*) FILTER (WHERE created_at >= ?), count(*) FROM rankings "
+                               "WHERE annotator_id = ?", [midnight, annotator_id])
+        today, total = counts
         return Progress(today=today, total=total, remaining=self.remaining_count(annotator_id, overlap=overlap))
+
+    def holds_lease(self, annotator_id: int, item_id: int) -> bool:
+        """Whether the annotator holds a live lease on the item (from the queue index, no query).
+        An item fetched ahead is shown only while it does: ranking, skipping or flagging it (in
+        another tab, or by an action racing the prefetch), releasing it or letting it expire all
+        end the lease."""
+        return self._queue_index().holds_lease(annotator_id, item_id, utcnow())
 
     def release_lease(self, annotator_id: int, item_id: int | None = None) -> None:
         """Give back one leased item (or all of the annotator's leases: logout, closed tab)."""
@@ -201,17 +270,17 @@ class QueueMixin:
     def items_remaining(self, *, overlap: int | None = None) -> int:
         """Queued items of unflagged prompts with fewer than `overlap` rankings (all annotators)."""
         overlap = self.queue_overlap() if overlap is None else int(overlap)
-        with self._queue_locked() as q:
-            return q.open_items(overlap)
+        return self._queue_index().open_items(overlap)
 
     def _check_queue_index(self) -> tuple[dict, dict]:
         """(the live index's summary, a freshly built one's): tests assert they are equal."""
+        since = local_midnight()
         with self._queue_locked() as q:
-            live = q.snapshot()
+            live = q.snapshot(since)
             cur = self._cur()
             cur.execute("BEGIN TRANSACTION")
             try:
-                fresh = self._build_queue_index(cur).snapshot()
+                fresh = self._build_queue_index(cur).snapshot(since)
             finally:
                 cur.execute("COMMIT")
         return live, fresh

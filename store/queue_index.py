@@ -7,18 +7,41 @@ the only writer of its file (DuckDB allows one read-write process), so it can ke
 the queue needs in memory and update them when its own transactions commit:
 
 - queued items: prompt, response ids, number of rankings, who ranked them;
-- per annotator: items ranked, items skipped, live leases; flagged prompts; annotator ids.
+- per annotator: items ranked, items skipped, leases; flagged prompts; annotator ids;
+- per annotator: how many rankings they made, and when they made the recent ones (the progress
+  line's "today" and "total" without a query per submit).
 
-The database stays the source of truth (leases are written to the `leases` table too): the index
-is built from it when first needed and rebuilt if an update ever fails. Every method here is called
-with the Store's write lock held. No SQL lives here.
+The database stays the source of truth: every fact here is also written there, in the transaction
+that changes it, and the index mirrors the rows exactly (the `leases` rows too, expired or not, so
+the Store knows whether a lease row exists without asking). It is built from the database when
+first needed and rebuilt if an update ever fails; a test compares a live index with a fresh build
+(`snapshot`). Updates and `pick` run with the Store's write lock held. The progress queries
+(`remaining`, `ranking_counts`, `holds_lease`, `open_items`) run without it, so a progress line
+never waits for another annotator's transaction: `lock` keeps them from reading a half-made
+update. No SQL lives here.
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 from collections import Counter, defaultdict
-from datetime import datetime
+from datetime import datetime, timedelta
+
+RECENT_KEEP = timedelta(days=1)
+"""How far before the earliest "today" asked about the index keeps ranking times (see
+ranking_counts): older ones only count towards the totals."""
+
+
+def _locked(method):
+    """Run the method holding the index's own lock (see the module docstring)."""
+
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    run.__name__, run.__doc__ = method.__name__, method.__doc__
+    return run
 
 
 class QueueIndex:
@@ -33,18 +56,33 @@ class QueueIndex:
         self.ranked: dict[int, set[int]] = defaultdict(set)  # annotator -> items ranked
         self.skipped: dict[int, set[int]] = defaultdict(set)  # annotator -> items skipped
         self.flagged: set[int] = set()  # prompt ids
-        self.leases: dict[int, dict[int, datetime]] = defaultdict(dict)  # item -> annotator -> expiry
+        # every row of the leases table, live or expired: item -> annotator -> expiry
+        self.leases: dict[int, dict[int, datetime]] = defaultdict(dict)
         self.held: dict[int, set[int]] = defaultdict(set)  # annotator -> leased items
+        # rankings of every item (queued or not) by annotator, and the creation times of those made
+        # at or after `recent_since` (sorted), so "how many today" is a bisect
+        self.ranking_total: Counter = Counter()
+        self.recent: dict[int, list[datetime]] = defaultdict(list)
+        self.recent_since: datetime = datetime.min
+        self.lock = threading.RLock()
         # items of unflagged prompts by number of rankings; each bucket sorted by id (oldest first)
         self.buckets: dict[int, list[int]] = defaultdict(list)
         self.bucket_sets: dict[int, set[int]] = defaultdict(set)
 
     @classmethod
-    def build(cls, items, rankings, skips, flagged, leases, annotators, now: datetime) -> "QueueIndex":
-        """From rows read in one transaction: items [(item, prompt, response ids)], rankings
-        [(item, annotator, count)], skips [(annotator, item)], flagged prompt ids, leases
-        [(item, annotator, expires)], annotator ids. Buckets are sorted once, not item by item."""
+    def build(cls, items, rankings, skips, flagged, leases, annotators, ranking_times,
+              recent_since: datetime) -> "QueueIndex":
+        """From rows read in one transaction: items [(item, prompt, response ids)], rankings of
+        queued items [(item, annotator, count)], skips [(annotator, item)], flagged prompt ids,
+        every lease row [(item, annotator, expires)], annotator ids, and per annotator
+        [(annotator, number of rankings, sorted times of those made at or after recent_since)].
+        Buckets are sorted once, not item by item."""
         q = cls()
+        q.recent_since = recent_since
+        for annotator_id, total, times in ranking_times:
+            q.ranking_total[annotator_id] = total
+            if times:
+                q.recent[annotator_id] = sorted(times)
         q.flagged = set(flagged)
         q.annotators = set(annotators)
         for item_id, prompt_id, response_ids in items:
@@ -62,8 +100,7 @@ class QueueIndex:
         for annotator_id, item_id in skips:
             q.skipped[annotator_id].add(item_id)
         for item_id, annotator_id, expires in leases:
-            if expires > now:
-                q.set_lease(item_id, annotator_id, expires)
+            q.set_lease(item_id, annotator_id, expires)
         for item_id in sorted(q.item_prompt):
             if q.item_prompt[item_id] not in q.flagged:
                 n = q.n_done[item_id]
@@ -73,6 +110,7 @@ class QueueIndex:
 
     # ------------------------------------------------------------------ updates
 
+    @_locked
     def add_item(self, item_id: int, prompt_id: int, response_ids) -> None:
         if item_id in self.item_prompt:
             return
@@ -85,15 +123,30 @@ class QueueIndex:
         if prompt_id not in self.flagged:
             self._bucket_add(0, item_id)
 
-    def add_ranking(self, item_id: int, annotator_id: int, count: int = 1) -> None:
+    @_locked
+    def add_ranking(self, item_id: int, annotator_id: int, created_at: datetime) -> None:
+        """A ranking was stored (its lease row, if any, was deleted in the same transaction)."""
+        self.ranking_total[annotator_id] += 1
+        if created_at >= self.recent_since:
+            bisect.insort(self.recent[annotator_id], created_at)
+        self.drop_lease(item_id, annotator_id)
         if item_id not in self.item_prompt:
             return  # not a queued item (e.g. imported pairs)
-        self.rankers[item_id][annotator_id] += count
+        self.rankers[item_id][annotator_id] += 1
         self.ranked[annotator_id].add(item_id)
-        self._move(item_id, self.n_done[item_id] + count)
-        self.drop_lease(item_id, annotator_id)
+        self._move(item_id, self.n_done[item_id] + 1)
 
-    def remove_ranking(self, item_id: int, annotator_id: int) -> None:
+    @_locked
+    def remove_ranking(self, item_id: int, annotator_id: int, created_at: datetime) -> None:
+        """A ranking made at `created_at` was deleted (undo, or replaced by a re-ranking)."""
+        self.ranking_total[annotator_id] -= 1
+        if self.ranking_total[annotator_id] <= 0:
+            del self.ranking_total[annotator_id]
+        times = self.recent.get(annotator_id)
+        if times and created_at >= self.recent_since:
+            at = bisect.bisect_left(times, created_at)
+            if at < len(times) and times[at] == created_at:
+                del times[at]
         if item_id not in self.item_prompt or self.rankers[item_id][annotator_id] <= 0:
             return
         self.rankers[item_id][annotator_id] -= 1
@@ -102,30 +155,36 @@ class QueueIndex:
             self.ranked[annotator_id].discard(item_id)
         self._move(item_id, self.n_done[item_id] - 1)
 
+    @_locked
     def set_lease(self, item_id: int, annotator_id: int, expires: datetime) -> None:
         self.leases[item_id][annotator_id] = expires
         self.held[annotator_id].add(item_id)
 
+    @_locked
     def drop_lease(self, item_id: int, annotator_id: int) -> None:
         self.leases.get(item_id, {}).pop(annotator_id, None)
         if not self.leases.get(item_id):
             self.leases.pop(item_id, None)
         self.held.get(annotator_id, set()).discard(item_id)
 
+    @_locked
     def drop_leases_of(self, annotator_id: int) -> None:
         for item_id in list(self.held.get(annotator_id, ())):
             self.drop_lease(item_id, annotator_id)
 
+    @_locked
     def drop_expired(self, now: datetime) -> None:
         for item_id in list(self.leases):
             for annotator_id, expires in list(self.leases[item_id].items()):
                 if expires <= now:
                     self.drop_lease(item_id, annotator_id)
 
+    @_locked
     def skip(self, annotator_id: int, item_id: int) -> None:
         self.skipped[annotator_id].add(item_id)
         self.drop_lease(item_id, annotator_id)
 
+    @_locked
     def flag(self, prompt_id: int) -> None:
         if prompt_id in self.flagged:
             return
@@ -135,6 +194,7 @@ class QueueIndex:
             for annotator_id in list(self.leases.get(item_id, {})):
                 self.drop_lease(item_id, annotator_id)
 
+    @_locked
     def unflag(self, prompt_id: int) -> None:
         if prompt_id not in self.flagged:
             return
@@ -143,6 +203,36 @@ class QueueIndex:
             self._bucket_add(self.n_done[item_id], item_id)
 
     # ------------------------------------------------------------------ queries
+
+    def has_lease_row(self, item_id: int, annotator_id: int) -> bool:
+        """Whether the leases table holds a row (live or expired) for this item and annotator."""
+        return annotator_id in self.leases.get(item_id, ())
+
+    @_locked
+    def holds_lease(self, annotator_id: int, item_id: int, now: datetime) -> bool:
+        """Whether the annotator holds a live lease on the item."""
+        expires = self.leases.get(item_id, {}).get(annotator_id)
+        return expires is not None and expires > now
+
+    @_locked
+    def ranking_counts(self, annotator_id: int, since: datetime) -> tuple[int, int] | None:
+        """(rankings made at or after `since`, all rankings) of an annotator; None when `since` is
+        earlier than the times the index keeps (the clock went back: ask the database). Times
+        older than a day before `since` are dropped now and then: "today" only moves forward."""
+        if since < self.recent_since:
+            return None
+        if since - RECENT_KEEP > self.recent_since + RECENT_KEEP:
+            self._forget_before(since - RECENT_KEEP)
+        times = self.recent.get(annotator_id, ())
+        return len(times) - bisect.bisect_left(times, since), self.ranking_total.get(annotator_id, 0)
+
+    def _forget_before(self, cutoff: datetime) -> None:
+        for annotator_id in list(self.recent):
+            times = self.recent[annotator_id]
+            del times[:bisect.bisect_left(times, cutoff)]
+            if not times:
+                del self.recent[annotator_id]
+        self.recent_since = cutoff
 
     def _others_leasing(self, item_id: int, annotator_id: int, now: datetime) -> int:
         return sum(1 for a, exp in self.leases.get(item_id, {}).items() if a != annotator_id and exp > now)
@@ -177,6 +267,7 @@ class QueueIndex:
                         break  # nothing later in this bucket can beat it
         return None if best is None else best[1]
 
+    @_locked
     def remaining(self, annotator_id: int, overlap: int, now: datetime) -> int:
         """How many items pick() could still hand this annotator (their own leases included)."""
         ranked = self.ranked.get(annotator_id, set())
@@ -194,6 +285,7 @@ class QueueIndex:
                 total -= 1
         return total
 
+    @_locked
     def open_items(self, overlap: int) -> int:
         """Queued items of unflagged prompts with fewer than `overlap` rankings."""
         return sum(len(m) for n, m in self.bucket_sets.items() if n < overlap)
@@ -224,9 +316,16 @@ class QueueIndex:
             del self.buckets[n]
             del self.bucket_sets[n]
 
-    def snapshot(self) -> dict:
-        """A comparable summary (tests check an updated index equals a freshly built one)."""
+    @_locked
+    def snapshot(self, since: datetime) -> dict:
+        """A comparable summary (tests check an updated index equals a freshly built one); the
+        ranking times are compared from `since` on (two indexes built at different times keep
+        different spans of them)."""
         return {
+            "leases": {(i, a): exp for i, by in self.leases.items() for a, exp in by.items()},
+            "ranking_total": {a: n for a, n in self.ranking_total.items() if n},
+            "recent": {a: t[bisect.bisect_left(t, since):] for a, t in self.recent.items()
+                       if t and t[-1] >= since},
             "items": dict(self.item_prompt),
             "responses": dict(self.item_responses),
             "n_done": dict(self.n_done),

@@ -8,8 +8,9 @@
   unless the Store was opened with replace_rerankings=False (then both are kept);
 - "all bad" keeps the ranking and its pairs, marked all_bad (export leaves them out by default);
 - the annotator's lease on the item is released.
-Rankings submitted at the same moment by several annotators are written in one transaction
-(Store._combined); save_rankings_bulk writes many at once for imports, simulations and benches.
+Rankings submitted at the same moment by several annotators are written in one transaction, with
+the leases of next_item calls waiting at that moment (Store._write_batch); save_rankings_bulk writes
+many at once for imports, simulations and benches.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pyarrow as pa
 from store.db import from_db_time, registered, utcnow
 from store.errors import InvalidRequest, NotFoundError
 from store.pairs import normalize_order, ranking_to_pairs
-from store.queue import display_order_for
+from store.queue import WRITE_KIND, display_order_for
 from store.records import Item, Pair, Ranking, RankingIn
 
 _RANKING_COLS = ("id, item_id, prompt_id, annotator_id, order_groups, display_order, all_bad, "
@@ -110,12 +111,27 @@ class RankingsMixin:
         """
         r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
                       client_token, comment or "")
-        groups = _groups(order)
-        result = self._combined("rankings", (r, groups), self._save_ranking_batch)
+        result = self._combined(WRITE_KIND, ("rank", (r, _groups(order))), self._write_batch)
         return result if isinstance(result, Ranking) else self.get_ranking(result)
 
+    def save_ranking_and_lease_next(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
+                                    display_order: list[int] | None = None, duration_s: float | None = None,
+                                    client_token: str | None = None, comment: str = "", *,
+                                    exclude=()) -> tuple[Ranking, int | None]:
+        """save_ranking, and in the same transaction lease this annotator's next item as next_item
+        would (not one of `exclude`): one commit per submit instead of two. Returns the ranking and
+        the leased item's id (None when the queue holds nothing more for them); fetch the item with
+        get_item. Nothing is leased when the ranking is refused."""
+        r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
+                      client_token, comment or "")
+        pick = self._next_request(annotator_id, None, None, exclude)
+        result, picked = self._combined(WRITE_KIND, ("rank+next", ((r, _groups(order)), pick)), self._write_batch)
+        ranking = result if isinstance(result, Ranking) else self.get_ranking(result)
+        return ranking, None if picked is None else picked[0]
+
     def _save_ranking_batch(self, cur, requests) -> list:
-        """Inside the write transaction: check and write queued save_ranking requests. Returns per
+        """Inside the write transaction (Store._write_batch): check and write queued save_ranking
+        requests, updating the queue index at once so the picks after them see them. Returns per
         request a Ranking, the id of an earlier ranking to return (repeated token), or an error."""
         q = self._shared.queue
         now = utcnow()
@@ -137,7 +153,7 @@ class RankingsMixin:
                 written.append(self._write_one(cur, q, x, now, check_db=key in seen))
                 seen.add(key)
         else:
-            written = self._write_many(cur, [x for _, x in ready], now)
+            written = self._write_many(cur, [x for _, x in ready], now, follow_now=True)
         for (i, x), (ranking_id, new) in zip(ready, written):
             out[i] = x.record(ranking_id, now) if new else ranking_id
         return out
@@ -148,17 +164,18 @@ class RankingsMixin:
         # 1. a re-ranking of the same item replaces the earlier ranking and its pairs. The index
         #    says whether there is one for queued items (unless this transaction already wrote one:
         #    check_db); other items ask the database.
-        replaced: list[int] = []
+        replaced: list[tuple[int, object]] = []  # (id, created_at)
         if self.replace_rerankings and (check_db or item_id not in q.item_prompt
                                         or q.rankers.get(item_id, {}).get(annotator_id)):
             prior = cur.execute(
-                "SELECT id, client_token, item_id FROM rankings WHERE annotator_id = ? "
+                "SELECT id, client_token, item_id, created_at FROM rankings WHERE annotator_id = ? "
                 "AND (item_id = ? OR client_token = ?)", [annotator_id, item_id, r.client_token]).fetchall()
             if r.client_token is None or all(p[1] != r.client_token for p in prior):
-                replaced = [p[0] for p in prior if p[2] == item_id]
+                replaced = [(p[0], p[3]) for p in prior if p[2] == item_id]
         if replaced:
-            cur.execute("DELETE FROM pairs WHERE ranking_id IN (SELECT unnest(?))", [replaced])
-            cur.execute("DELETE FROM rankings WHERE id IN (SELECT unnest(?))", [replaced])
+            ids = [rid for rid, _ in replaced]
+            cur.execute("DELETE FROM pairs WHERE ranking_id IN (SELECT unnest(?))", [ids])
+            cur.execute("DELETE FROM rankings WHERE id IN (SELECT unnest(?))", [ids])
         # 2. the ranking, unless this client token was stored before (idempotent: return that one)
         inserted = cur.execute(
             "INSERT INTO rankings SELECT nextval('rankings_id_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ? "
@@ -177,15 +194,12 @@ class RankingsMixin:
                 "?, ?, ?, 'ranking', ?",
                 [r.prompt_id, item_id, [p[0] for p in x.pairs], [p[1] for p in x.pairs],
                  [float(p[2]) for p in x.pairs], ranking_id, annotator_id, bool(r.all_bad), now])
-        if annotator_id in q.leases.get(item_id, {}):
+        if q.has_lease_row(item_id, annotator_id):
             cur.execute("DELETE FROM leases WHERE item_id = ? AND annotator_id = ?", [item_id, annotator_id])
 
-        def follow(q, n_replaced=len(replaced)):
-            for _ in range(n_replaced):
-                q.remove_ranking(item_id, annotator_id)
-            q.add_ranking(item_id, annotator_id)
-
-        self._on_commit(follow)
+        for _, created_at in replaced:  # the index follows at once (see _save_ranking_batch)
+            q.remove_ranking(item_id, annotator_id, created_at)
+        q.add_ranking(item_id, annotator_id, now)
         return ranking_id, True
 
     def _item_of(self, cur, q, response_id: int) -> tuple[int, int, tuple[int, ...]]:
@@ -222,9 +236,10 @@ class RankingsMixin:
         with self._tx() as cur:
             return [ranking_id for ranking_id, _ in self._write_many(cur, ready, utcnow())]
 
-    def _write_many(self, cur, ready: list[_Ready], now) -> list[tuple[int, bool]]:
+    def _write_many(self, cur, ready: list[_Ready], now, *, follow_now: bool = False) -> list[tuple[int, bool]]:
         """Inside a transaction: write checked rankings with Arrow inserts, in input order.
-        Returns (ranking id, newly written) per input."""
+        Returns (ranking id, newly written) per input. The queue index follows after the commit,
+        or at once with follow_now (inside Store._write_batch, which drops the index on failure)."""
         # 1. idempotency and replacement against what is stored and within the batch
         tokens = [(x.r.annotator_id, x.r.client_token) for x in ready if x.r.client_token is not None]
         stored_tokens = self._stored_tokens(cur, tokens)
@@ -282,18 +297,18 @@ class RankingsMixin:
                         "DELETE FROM leases l USING {keys} k "
                         "WHERE l.annotator_id = k.annotator_id AND l.item_id = k.item_id")
         # 5. the queue index follows (or is rebuilt when the batch is large)
-        if len(kept) + len(deleted) > 2000:
-            self._on_commit(None)
+        added = [(x.item_id, x.r.annotator_id) for x in rows]
+
+        def follow(q):
+            for annotator_id, item_id, created_at in deleted:
+                q.remove_ranking(item_id, annotator_id, created_at)
+            for item_id, annotator_id in added:
+                q.add_ranking(item_id, annotator_id, now)
+
+        if follow_now:
+            follow(self._shared.queue)
         else:
-            added = [(x.item_id, x.r.annotator_id) for x in rows]
-
-            def follow(q):
-                for annotator_id, item_id in deleted:
-                    q.remove_ranking(item_id, annotator_id)
-                for item_id, annotator_id in added:
-                    q.add_ranking(item_id, annotator_id)
-
-            self._on_commit(follow)
+            self._on_commit(follow if len(kept) + len(deleted) <= 2000 else None)
         out = []
         for i, res in enumerate(result):
             own = res is None
@@ -328,10 +343,11 @@ class RankingsMixin:
                                "GROUP BY ALL").fetchall()
         return {(a, t): rid for a, t, rid in rows}
 
-    def _delete_rankings_of(self, cur, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def _delete_rankings_of(self, cur, keys: list[tuple[int, int]]) -> list[tuple]:
         """Delete the stored rankings (and their pairs) of these (annotator, item) keys; returns
-        (annotator, item) of each ranking deleted."""
-        deleted = self._with_keys(cur, keys, "SELECT r.annotator_id, r.item_id FROM rankings r, {keys} k "
+        (annotator, item, created_at) of each ranking deleted."""
+        deleted = self._with_keys(cur, keys, "SELECT r.annotator_id, r.item_id, r.created_at "
+                                             "FROM rankings r, {keys} k "
                                              "WHERE r.annotator_id = k.annotator_id AND r.item_id = k.item_id")
         self._with_keys(cur, keys, "DELETE FROM pairs p USING rankings r, {keys} k WHERE p.ranking_id = r.id "
                                    "AND r.annotator_id = k.annotator_id AND r.item_id = k.item_id")
@@ -352,23 +368,28 @@ class RankingsMixin:
 
     def undo_last_ranking(self, annotator_id: int, *, lease_seconds: float | None = None) -> Item | None:
         """Delete the annotator's latest ranking and its pairs (one transaction) and lease its item
-        back to them; returns that item (in their display order) for the UI to show again, or
+        back to them (if it is queued); returns that item (in their display order) for the UI to show again, or
         None when they have no ranking."""
         lease_seconds = self.lease_seconds() if lease_seconds is None else float(lease_seconds)
-        with self._tx() as cur:
-            row = cur.execute("SELECT id, item_id FROM rankings WHERE annotator_id = ? "
+        with self._tx(queue=True) as cur:
+            q = self._shared.queue
+            row = cur.execute("SELECT id, item_id, created_at FROM rankings WHERE annotator_id = ? "
                               "ORDER BY created_at DESC, id DESC LIMIT 1", [annotator_id]).fetchone()
             if row is None:
                 return None
-            ranking_id, item_id = row
+            ranking_id, item_id, created_at = row
             cur.execute("DELETE FROM pairs WHERE ranking_id = ?", [ranking_id])
             cur.execute("DELETE FROM rankings WHERE id = ?", [ranking_id])
-            expires = utcnow() + timedelta(seconds=lease_seconds)
-            cur.execute("INSERT OR REPLACE INTO leases VALUES (?, ?, ?)", [item_id, annotator_id, expires])
+            expires = None
+            if item_id in q.item_prompt:  # only queued items are leased
+                expires = utcnow() + timedelta(seconds=lease_seconds)
+                lease, row_exists = {(item_id, annotator_id): expires}, q.has_lease_row(item_id, annotator_id)
+                self._write_leases(cur, {} if row_exists else lease, lease if row_exists else {})
 
             def follow(q):
-                q.remove_ranking(item_id, annotator_id)
-                q.set_lease(item_id, annotator_id, expires)
+                q.remove_ranking(item_id, annotator_id, created_at)
+                if expires is not None:
+                    q.set_lease(item_id, annotator_id, expires)
 
             self._on_commit(follow)
         return dataclasses.replace(self.get_item(item_id, annotator_id), lease_expires_at=from_db_time(expires))

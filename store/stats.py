@@ -3,10 +3,8 @@ inter-annotator agreement and position bias. The formulas are in store/agreement
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from store.agreement import agreement_summary, position_bias
-from store.db import to_db_time
+from store.queue import local_midnight
 from store.records import Agreement, AnnotatorStats, PositionBias
 
 
@@ -31,7 +29,6 @@ class StatsMixin:
 
     def annotator_stats(self) -> list[AnnotatorStats]:
         """Per annotator: rankings (all, today), pairs, skips, all-bad rankings, median seconds."""
-        midnight = datetime.now().astimezone().replace(hour=0, minute=0, second=0, microsecond=0)
         rows = self._rows(
             "WITH r AS (SELECT annotator_id, count(*) AS n, count(*) FILTER (WHERE created_at >= ?) AS today, "
             "           count(*) FILTER (WHERE all_bad) AS bad, median(duration_s) AS med "
@@ -43,7 +40,7 @@ class StatsMixin:
             "coalesce(s.n, 0), coalesce(r.bad, 0), r.med FROM annotators a "
             "LEFT JOIN r ON r.annotator_id = a.id LEFT JOIN p ON p.annotator_id = a.id "
             "LEFT JOIN s ON s.annotator_id = a.id ORDER BY a.id",
-            [to_db_time(midnight)])
+            [local_midnight()])
         return [AnnotatorStats(annotator_id=r[0], name=r[1], role=r[2], rankings=r[3], rankings_today=r[4],
                                pairs=r[5], skips=r[6], all_bad=r[7],
                                median_duration_s=None if r[8] is None else float(r[8])) for r in rows]

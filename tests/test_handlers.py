@@ -229,6 +229,17 @@ def test_undo_shows_the_last_item_again_and_deletes_its_pairs(ctx):
     assert len(ctx.store.list_rankings()) == 2
 
 
+def test_a_prefetched_item_no_longer_leased_is_not_shown(ctx):
+    """An item fetched ahead is shown only while its lease holds: here another tab of the same
+    annotator skipped it (a racing prefetch can leave one behind the same way)."""
+    seed_items(ctx.store, 3, 2)
+    state, _ = show(ctx)
+    upcoming = state.prefetched
+    ctx.store.skip_item(ctx.store.find_annotator("ann").id, upcoming.item_id)
+    state, *_ = handlers.submit(ctx, state, "1>2", False, "", "", req("ann"))
+    assert state.current is not None and state.current.item.item_id != upcoming.item_id
+
+
 def test_prefetch_runs_in_the_background_executor(ctx):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -355,6 +366,8 @@ def _admin_calls(tmp_path):
         "statistics": lambda c, r: admin.statistics(c, r),
         "export": lambda c, r: admin.export(c, "jsonl", False, True, None, "", 0.0, 0.0, r),
         "users_table": lambda c, r: admin.users_table(c, r),
+        "flagged_table": lambda c, r: admin.flagged_table(c, r),
+        "unflag": lambda c, r: admin.unflag(c, 1, r),
         "annotator_names": lambda c, r: admin.annotator_names(c, r),
         "add_user": lambda c, r: admin.add_user(c, "mallory", "admin", "mallory-password", r),
         "save_guidelines": lambda c, r: admin.save_guidelines(c, "be evil", r),
@@ -433,6 +446,34 @@ def test_export_filters_and_bad_input(ctx):
     with pytest.raises(gr.Error, match="no annotator named"):
         admin.export(ctx, "jsonl", False, True, ["ghost"], "", 0.0, 0.0, req("boss"))
     assert ctx.store.list_snapshots() == []
+
+
+def test_flagged_prompts_are_listed_and_unflagged_by_admins_only(ctx):
+    seed_items(ctx.store, 2, 2)
+    state, _ = show(ctx)
+    flagged = state.current.item
+    state, *_ = handlers.flag(ctx, state, "<b>broken</b> prompt", req("ann"))
+    kept = state.current.item  # now on ann's screen (leased to ann)
+    table = admin.flagged_table(ctx, req("boss"))
+    assert list(table["prompt id"]) == [flagged.prompt.id] and list(table["flags"]) == [1]
+    assert table["reasons"][0] == "<b>broken</b> prompt"  # plain text: the table renders no markup
+    assert table["prompt"][0] == " ".join(flagged.prompt.text.split())
+    # an annotator (or nobody) can neither list nor unflag, through the API too: nothing changes
+    for call in (lambda r: admin.flagged_table(ctx, r), lambda r: admin.unflag(ctx, flagged.prompt.id, r)):
+        for who in ("ann", None):
+            with pytest.raises(Refused):
+                call(req(who))
+    assert ctx.store.is_flagged(flagged.prompt.id)
+    with pytest.raises(gr.Error, match="is not flagged"):
+        admin.unflag(ctx, kept.prompt.id, req("boss"))
+    with pytest.raises(gr.Error, match="must be a number"):
+        admin.unflag(ctx, None, req("boss"))
+    msg, table = admin.unflag(ctx, flagged.prompt.id, req("boss"))
+    assert f"Prompt {flagged.prompt.id} is back in the queue" in msg and len(table) == 0
+    assert not ctx.store.is_flagged(flagged.prompt.id)
+    # its item is offered again: to bea, since the other item is leased to ann
+    other, _ = show(ctx, "bea")
+    assert other.current.item.item_id == flagged.item_id
 
 
 def test_add_user_with_generated_password(ctx):

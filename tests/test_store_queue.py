@@ -5,7 +5,12 @@ import threading
 import time
 from collections import Counter, defaultdict
 
+import pytest
+
 from store import Store
+from store.errors import InvalidRequest
+from store.pairs import normalize_order
+from store.records import RankingIn
 from tests.fixtures_store import seed_items
 
 
@@ -141,7 +146,7 @@ def test_eight_threads_submitting_at_once_lose_nothing(store_path):
     with exactly 2 rankings, nobody ranks an item twice, and every pair is stored."""
     s = Store(store_path)
     try:
-        items = seed_items(s, 40, 3)
+        seed_items(s, 40, 3)
         anns = [s.add_annotator(f"t{i}", "password-t") for i in range(8)]
         handed = defaultdict(set)
         lock = threading.Lock()
@@ -218,4 +223,87 @@ def test_next_item_requests_written_together_respect_each_other(store, store_ann
             out = store._next_item_batch(cur, requests)
     assert [x and x[0] for x in out] == [it1.item_id, it2.item_id, None, it1.item_id]  # a keeps its lease
     assert sorted((i, ann) for i, ann, _ in store.active_leases()) == [(it1.item_id, a.id), (it2.item_id, b.id)]
+    assert store._check_queue_index()[0] == store._check_queue_index()[1]
+
+
+def test_progress_counts_come_from_the_index_and_match_the_database(store, store_annotators):
+    """The progress line's today/total are kept in memory; rankings from before today count in
+    the total only, also after the index is rebuilt from the database."""
+    items = seed_items(store, 4, 2)
+    a, b = store_annotators
+    for it in items[:3]:
+        store.save_ranking(a.id, it.prompt_id, it.response_ids)
+    store.save_ranking(b.id, items[3].prompt_id, items[3].response_ids)
+    assert (store.progress(a.id).today, store.progress(a.id).total) == (3, 3)
+    # two of a's rankings were made two days ago (as in a database that has been in use for a while)
+    store._cur().execute("UPDATE rankings SET created_at = created_at - INTERVAL 2 DAY "
+                         "WHERE annotator_id = ? AND item_id IN (?, ?)", [a.id, items[0].item_id, items[1].item_id])
+    store._shared.queue = None  # rebuilt from the database on next use
+    p = store.progress(a.id)
+    assert (p.today, p.total, p.remaining) == (1, 3, 0)
+    store.undo_last_ranking(a.id)  # today's ranking
+    assert (store.progress(a.id).today, store.progress(a.id).total) == (0, 2)
+    store.save_ranking(a.id, items[0].prompt_id, list(reversed(items[0].response_ids)))  # replaces an old one
+    assert (store.progress(a.id).today, store.progress(a.id).total) == (1, 2)
+    assert (store.progress(b.id).today, store.progress(b.id).total) == (1, 1)
+    live, fresh = store._check_queue_index()
+    assert live == fresh and live["ranking_total"] == {a.id: 2, b.id: 1}
+
+
+def test_holds_lease_follows_every_way_a_lease_ends(store, store_annotators, store_policy):
+    it1, it2, it3, it4 = seed_items(store, 4, 2)
+    a, b = store_annotators
+    (loose,) = store.add_responses_bulk(store_policy.id, [(it1.prompt_id, ["x", "y"])], queued=False)
+    got = []
+    for i in range(4):  # four leases at once (each next_item excludes the ones held)
+        got.append(store.next_item(a.id, lease_seconds=0.3 if i == 3 else None, exclude=[g.item_id for g in got]))
+    assert [g.item_id for g in got] == [it1.item_id, it2.item_id, it3.item_id, it4.item_id]
+    assert all(store.holds_lease(a.id, g.item_id) for g in got) and not store.holds_lease(b.id, it1.item_id)
+    store.save_ranking(a.id, it1.prompt_id, it1.response_ids)
+    store.skip_item(a.id, it2.item_id)
+    store.flag_prompt(it3.prompt_id, b.id)
+    time.sleep(0.35)  # it4's lease expires
+    assert not any(store.holds_lease(a.id, g.item_id) for g in got)
+    assert store.undo_last_ranking(a.id).item_id == it1.item_id and store.holds_lease(a.id, it1.item_id)
+    store.release_lease(a.id, it1.item_id)
+    assert not store.holds_lease(a.id, it1.item_id) and not store.holds_lease(a.id, loose)
+    assert store._check_queue_index()[0] == store._check_queue_index()[1]
+
+
+def test_undo_of_an_item_outside_the_queue_leases_nothing(store, store_annotators, store_policy):
+    (it,) = seed_items(store, 1, 2)
+    a = store_annotators[0]
+    (loose,) = store.add_responses_bulk(store_policy.id, [(it.prompt_id, ["x", "y"])], queued=False)
+    store.save_ranking(a.id, it.prompt_id, store.response_ids_by_item([loose])[loose])
+    assert store.undo_last_ranking(a.id).item_id == loose
+    assert store.active_leases() == [] and store.list_rankings() == []
+    assert store._check_queue_index()[0] == store._check_queue_index()[1]
+
+
+def test_save_ranking_and_lease_next_in_one_transaction(store, store_annotators):
+    items = seed_items(store, 4, 2)
+    a, b = store_annotators
+    first = store.next_item(a.id)
+    on_deck = store.next_item(a.id, exclude=[first.item_id])
+    ranking, ahead = store.save_ranking_and_lease_next(a.id, first.prompt.id, first.display_order,
+                                                       exclude=[on_deck.item_id])
+    assert ranking.item_id == first.item_id and ahead not in (first.item_id, on_deck.item_id, None)
+    assert sorted(i for i, ann, _ in store.active_leases() if ann == a.id) == sorted([on_deck.item_id, ahead])
+    # a refused ranking leases nothing
+    with pytest.raises(InvalidRequest):
+        store.save_ranking_and_lease_next(a.id, on_deck.prompt.id, on_deck.display_order[:1], exclude=[ahead])
+    assert len(store.active_leases()) == 2
+    # a ranking and a pick of the same annotator written together: the pick sees the ranking
+    (last,) = [x for x in items if x.item_id not in (first.item_id, on_deck.item_id, ahead)]
+    store.release_lease(a.id)
+    rank = RankingIn(a.id, on_deck.prompt.id, on_deck.display_order)
+    requests = [("next", (a.id, 1, 60.0, frozenset())),  # arrives first, picked after the ranking
+                ("rank", (rank, normalize_order(rank.order))),
+                ("next", (b.id, 1, 60.0, frozenset()))]
+    with store._shared.lock:
+        with store._tx_locked(queue=True) as cur:
+            got_a, saved, got_b = store._write_batch(cur, requests)
+    assert saved.item_id == on_deck.item_id
+    # on_deck is the oldest unranked item: a would get it back had the pick not seen the ranking
+    assert got_a[0] == ahead and got_b[0] == last.item_id
     assert store._check_queue_index()[0] == store._check_queue_index()[1]
