@@ -32,7 +32,8 @@ from pipeline.config import ModelConfig
 from pipeline.generate import encode_prompts, sample
 from pipeline.losses import logprobs_from_logits
 from pipeline.models import load_policy, make_reference
-from pipeline.rollout import decode_responses, make_reward, response_logits, window
+from pipeline.rollout import (attn_ratio, decode_responses, make_reward, pack_responses, response_logits,
+                              response_logprobs)
 
 
 @dataclass
@@ -86,13 +87,11 @@ def evaluate_policy(adapter: str | None, model_cfg: ModelConfig, prompts: list[s
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         mask = sb.response_mask.float()  # (B, R)
         lengths = mask.sum(1).long()  # (B,)
-        # 3. reference log-probs of the same tokens, on the trimmed window (as pipeline/rollout.py)
-        col, r = window(sb.attention_mask, sb.prompt_length, lengths)
-        ids = sb.sequences[:, col:sb.prompt_length + r]  # (B, T')
-        am = sb.attention_mask[:, col:sb.prompt_length + r]  # (B, T')
-        ref_logp = logprobs_from_logits(response_logits(reference, ids, am, r, reference=True),
-                                        sb.response_ids[:, :r], cfg.temperature)  # (B, r)
-        kl = ((sb.logprobs[:, :r] - ref_logp) * mask[:, :r]).sum(1)  # (B,) k1, nats per sequence
+        # 3. reference log-probs of the same tokens, packed without padding (as pipeline/rollout.py)
+        pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length,
+                            attn_ratio(policy))
+        ref_logp = response_logprobs(response_logits(reference, pr, reference=True), pr, cfg.temperature)  # (B, R)
+        kl = ((sb.logprobs - ref_logp) * mask).sum(1)  # (B,) k1, nats per sequence
         # 4. gold judge on text, reward models on tokens
         texts = decode_responses(tokenizer, sb.response_ids, sb.response_mask)
         batch_prompts = [chunk[i] for i in sb.prompt_index.tolist()]
