@@ -187,7 +187,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                             if cfg.entropy_coef > 0:
                                 entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None])[0]), m)
                                 loss = loss - cfg.entropy_coef * entropy
-                                stats["policy/entropy"] += float(w * entropy)
+                                stats["policy/entropy"] += float(w * entropy.detach())
                             del logits
                             v = critic_values(critic, pr)  # (b, R)
                             vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], returns[micro], m,
