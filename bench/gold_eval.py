@@ -30,7 +30,6 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.generate import encode_prompts, sample
-from pipeline.losses import logprobs_from_logits
 from pipeline.models import load_policy, make_reference
 from pipeline.rollout import (attn_ratio, decode_responses, make_reward, pack_responses, response_logits,
                               response_logprobs)
