@@ -97,7 +97,7 @@ def full_experiment(threads: int = 2) -> Experiment:
                           lr=5e-4, critic_lr=3e-4, max_new_tokens=tokens, temperature=0.7,
                           missing_eos_penalty=0.0, sample_every=1, max_prompt_tokens=96, forward_batch_size=8),
             ppo_prompts=256),
-        eval=EvalConfig(samples=1, max_new_tokens=tokens, temperature=0.7, batch_size=16),
+        eval=EvalConfig(samples=4, max_new_tokens=tokens, temperature=0.7, batch_size=16),
         eval_prompts=24, threads=threads)
 
 
@@ -261,8 +261,13 @@ def reuse_shared_round(ctx: Context, src: Path):
     try:
         rnd1 = store.list_rounds()[0]
         reward1 = store.get_model_version(rnd1.reward_version_id)
+        base = store.get_model_version(rnd1.policy_version_id)
     finally:
         store.close()
+    if previous["settings"].get("eval") != dataclasses.asdict(ctx.exp.eval):
+        # another evaluation (e.g. more samples per prompt): the start policy is measured again the
+        # same way as the settings' policies, so that every row of the table is comparable
+        ctx.results["base"] = ctx.evaluate(base.path, {"rm1": reward1.path}, "base")
     return reward1, rnd1
 
 
@@ -340,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=0, help="override the number of rounds")
     parser.add_argument("--ppo-steps", type=int, default=0, help="override PPO steps per round")
     parser.add_argument("--prompts-per-round", type=int, default=0, help="override new prompts per round")
+    parser.add_argument("--eval-samples", type=int, default=0, help="override responses per held-out prompt")
     parser.add_argument("--threads", type=int, default=2, help="torch threads here and in every job")
     parser.add_argument("--parallel", action="store_true", help="run the settings side by side")
     parser.add_argument("--reuse-round1", default="",
@@ -366,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         exp.loop.ppo.steps = args.ppo_steps
     if args.prompts_per_round:
         exp.loop.loop.prompts_per_round = args.prompts_per_round
+    if args.eval_samples:
+        exp.eval.samples = args.eval_samples
     started = time.time()
     results = run_experiment(exp, out, Path(args.prompts), reuse_round1=Path(args.reuse_round1) if args.reuse_round1
                              else None, parallel=args.parallel)

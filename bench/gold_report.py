@@ -115,33 +115,82 @@ def _f(x, digits=3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def results_table(results: dict) -> list[str]:
-    base = results["base"]
-    lines = ["| setting | after round | gold | gold - start | proxy (RM 1) | proxy (own RM) | KL | sqrt KL "
+def load_eval(out_dir: Path, tag: str) -> list[dict]:
+    """The per-response rows of one evaluation (eval/TAG.jsonl), [] when it is not there."""
+    path = Path(out_dir) / "eval" / f"{tag}.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def paired_se(base_rows: list[dict], rows: list[dict]) -> float | None:
+    """Standard error of the mean gold change against the start policy, paired by prompt.
+
+    Every policy answers the same held-out prompts, so the prompt-to-prompt spread cancels: the
+    change is the mean over prompts of (mean gold of the policy's responses - the start's), and
+    its noise is the spread of those per-prompt differences / sqrt(prompts).
+    """
+    def per_prompt(table):
+        groups: dict[str, list[float]] = {}
+        for row in table:
+            groups.setdefault(row["prompt"], []).append(row["gold"])
+        return {p: sum(g) / len(g) for p, g in groups.items()}
+
+    a, b = per_prompt(base_rows), per_prompt(rows)
+    diffs = [b[p] - a[p] for p in a if p in b]
+    if len(diffs) < 2:
+        return None
+    mean = sum(diffs) / len(diffs)
+    return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+
+
+def gold_errors(results: dict, out_dir: Path | None) -> dict[str, float | None]:
+    """{f"{setting}_round{n}": paired s.e. of its gold change} from the eval tables in out_dir."""
+    if out_dir is None:
+        return {}
+    base_rows = load_eval(out_dir, "base")
+    tags = [f"{name}_round{r['round']}" for name, v in results["variants"].items() for r in v["rounds"]]
+    return {tag: paired_se(base_rows, load_eval(out_dir, tag)) for tag in tags}
+
+
+def _change(m: dict, base: dict, se: float | None) -> str:
+    d = m["eval/gold"] - base["eval/gold"]
+    return f"{'+' if d >= 0 else ''}{_f(d)}" + (f" ± {_f(se)}" if se is not None else "")
+
+
+def results_table(results: dict, out_dir: Path | None = None) -> list[str]:
+    base, errors = results["base"], gold_errors(results, out_dir)
+    lines = ["| setting | after round | gold | gold - start (± s.e.) | proxy (RM 1) | proxy (own RM) | KL | sqrt KL "
              "| length | EOS rate | distinct-1 | distinct-2 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def row(label, rnd, m, own):
-        return (f"| {label} | {rnd} | {_f(m['eval/gold'])} | {_f(m['eval/gold'] - base['eval/gold'], 3)} | "
+    def row(label, rnd, m, own, se=None):
+        return (f"| {label} | {rnd} | {_f(m['eval/gold'])} | {_change(m, base, se)} | "
                 f"{_f(m.get('eval/proxy:rm1'), 2)} | {own} | {_f(m['eval/kl'], 2)} | {_f(sqrt_kl(m['eval/kl']), 2)} | "
                 f"{_f(m['eval/length'], 1)} | {_f(m['eval/eos_rate'], 2)} | {_f(m['eval/distinct_1'])} | "
                 f"{_f(m['eval/distinct_2'])} |")
 
     lines.append(row("start policy", "-", base, _f(base.get("eval/proxy:rm1"), 2)))
-    for v in results["variants"].values():
+    for name, v in results["variants"].items():
         for r in v["rounds"]:
-            lines.append(row(v["label"], r["round"], r, _f(r.get("eval/proxy:own"), 2)))
+            lines.append(row(v["label"], r["round"], r, _f(r.get("eval/proxy:own"), 2),
+                             errors.get(f"{name}_round{r['round']}")))
     return lines
 
 
-def observations(results: dict) -> list[str]:
-    """What the numbers say, computed (the expected picture is checked, not assumed)."""
-    base, out = results["base"], []
+def observations(results: dict, out_dir: Path | None = None) -> list[str]:
+    """What the numbers say, computed (the expected picture is checked, not assumed): a gold
+    change counts as a rise only when it is more than two paired standard errors."""
+    base, out, errors = results["base"], [], gold_errors(results, out_dir)
     finals = {name: v["rounds"][-1] for name, v in results["variants"].items() if v["rounds"]}
+
+    def se(name):  # of the setting's last policy; None when its eval table is not there
+        return errors.get(f"{name}_round{finals[name]['round']}")
+
     for name, last in finals.items():
         v = results["variants"][name]
         out.append(f"- **{v['label']}**: gold {_f(base['eval/gold'])} -> {_f(last['eval/gold'])} "
-                   f"({'+' if last['eval/gold'] >= base['eval/gold'] else ''}{_f(last['eval/gold'] - base['eval/gold'])}), "
+                   f"({_change(last, base, se(name))}), "
                    f"proxy under RM 1 {_f(base.get('eval/proxy:rm1'), 2)} -> {_f(last.get('eval/proxy:rm1'), 2)}, "
                    f"KL {_f(last['eval/kl'], 2)} nats, distinct-2 {_f(base['eval/distinct_2'])} -> "
                    f"{_f(last['eval/distinct_2'])}, length {_f(base['eval/length'], 1)} -> {_f(last['eval/length'], 1)} tokens.")
@@ -150,7 +199,8 @@ def observations(results: dict) -> list[str]:
         b0 = finals["beta0"]
         best = max(controlled, key=lambda n: finals[n]["eval/gold"])
         checks = [
-            ("gold rises under KL control", finals[best]["eval/gold"] > base["eval/gold"]),
+            ("gold rises under KL control (by more than 2 s.e.)",
+             finals[best]["eval/gold"] - base["eval/gold"] > 2 * (se(best) or 0.0)),
             ("beta = 0 drifts further (higher KL)", b0["eval/kl"] > max(finals[n]["eval/kl"] for n in controlled)),
             ("beta = 0 reaches a higher proxy (RM 1) than its gold gain would suggest: proxy above the "
              "KL-controlled runs' while gold is not", (b0.get("eval/proxy:rm1", 0) > finals[best].get("eval/proxy:rm1", 0))
@@ -235,7 +285,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
         "",
         "## Results (held-out prompts)",
         "",
-        *results_table(results),
+        *results_table(results, out_dir),
         "",
         "![gold vs sqrt KL](gold_vs_sqrt_kl.png)",
         "",
@@ -243,7 +293,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
         "",
         "## Observations",
         "",
-        *observations(results),
+        *observations(results, out_dir),
         "",
         "## Samples",
         *samples_section(out_dir, results),

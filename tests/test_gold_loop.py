@@ -160,13 +160,46 @@ def test_report_table_checks_and_plots_from_results(tmp_path):
     from bench.gold_report import result_line, write_report
 
     report = write_report(_results(), tmp_path).read_text()
-    assert "| adaptive KL | 2 | 0.340 | 0.040 | 0.60 | 0.60 | 2.00 | 1.41 |" in report
+    assert "| adaptive KL | 2 | 0.340 | +0.040 | 0.60 | 0.60 | 2.00 | 1.41 |" in report
     assert "- [x] gold rises under KL control" in report
     assert "- [x] beta = 0 drifts further (higher KL)" in report
     assert "- [x] beta = 0 loses diversity" in report
     assert (tmp_path / "gold_vs_sqrt_kl.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "proxy_vs_gold.png").read_bytes()[:4] == b"\x89PNG"
     assert result_line(_results()).startswith("RESULT gold_loop mode=full wall_s=60 base_gold=0.3000 adaptive_gold=0.3400")
+
+
+def test_gold_change_standard_error_is_paired_by_prompt():
+    from bench.gold_report import paired_se
+
+    def rows(golds):
+        return [{"prompt": p, "gold": g} for p, gs in golds.items() for g in gs]
+
+    base = rows({"p1": [0.1, 0.3], "p2": [0.5], "p3": [0.4]})  # per prompt 0.2, 0.5, 0.4
+    policy = rows({"p1": [0.4], "p2": [0.5, 0.7], "p3": [0.4], "unpaired": [9.0]})  # 0.4, 0.6, 0.4
+    # differences 0.2, 0.1, 0.0: sample variance 0.01, s.e. sqrt(0.01 / 3)
+    assert paired_se(base, policy) == pytest.approx((0.01 / 3) ** 0.5)
+    assert paired_se(base, rows({"p1": [0.0]})) is None  # one prompt: no spread to measure
+
+
+@pytest.mark.slow  # matplotlib: a few seconds
+def test_report_gives_the_paired_error_and_needs_two_of_them_for_a_rise(tmp_path):
+    from bench.gold_report import write_report
+
+    results = _results()
+    (tmp_path / "eval").mkdir()
+    prompts = [f"p{i}" for i in range(4)]
+    base = [0.30, 0.30, 0.30, 0.30]
+    # adaptive round 2 gains 0.04 on average, but from two of the four prompts only
+    tables = {"base": base, "adaptive_round1": base, "adaptive_round2": [0.42, 0.30, 0.30, 0.34],
+              "beta0_round1": base, "beta0_round2": base}
+    for tag, golds in tables.items():
+        (tmp_path / "eval" / f"{tag}.jsonl").write_text(
+            "".join(json.dumps({"prompt": p, "gold": g, "response": "r"}) + "\n" for p, g in zip(prompts, golds)))
+    report = write_report(results, tmp_path).read_text()
+    # differences 0.12, 0, 0, 0.04: mean 0.04, sample sd 0.0566, s.e. 0.0283
+    assert "| adaptive KL | 2 | 0.340 | +0.040 ± 0.028 |" in report
+    assert "- [ ] gold rises under KL control (by more than 2 s.e.)" in report
 
 
 def test_merge_joins_settings_of_runs_that_share_round_one(tmp_path):
