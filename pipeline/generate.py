@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -27,6 +26,7 @@ import torch
 
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.models import load_policy, position_ids_from_mask
+from pipeline.packing import cache_kwarg
 from pipeline.rundir import write_json, write_status
 
 # --------------------------------------------------------------------------- prompts
@@ -142,13 +142,6 @@ def _eos_ids(model, eos_token_id) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-def _cache_kwarg(model) -> str:
-    """Recent transformers renamed forward(past_key_values=) to forward(cache=)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(type(inner).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, num_samples=1,
            generator: torch.Generator | None = None, eos_token_id=None, pad_token_id=None) -> SampleBatch:
@@ -173,7 +166,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     temperature = 1.0 if greedy else cfg.temperature
 
     # 1. prefill: each distinct prompt once, then copy its cache rows for its samples
-    cache, cache_kw = DynamicCache(), _cache_kwarg(model)
+    cache, cache_kw = DynamicCache(), cache_kwarg(model)
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask),
                 use_cache=True, logits_to_keep=1, **{cache_kw: cache})

@@ -275,15 +275,16 @@ def causal_lm_logits(model, input_ids, attention_mask, logits_to_keep: int = 0) 
     return out.logits
 
 
-def packed_lm_logits(model, packed, cells: torch.Tensor) -> torch.Tensor:
+def packed_lm_logits(model, packed, cells: torch.Tensor, frozen: str | None = None) -> torch.Tensor:
     """(N, V) logits at N cells of a packed batch (pipeline/packing.py): the LM head runs on
     those cells only. The same as `causal_lm_logits` at those cells up to float rounding, for
-    models whose logits are lm_head(decoder output), as Llama-style models' are."""
+    models whose logits are lm_head(decoder output), as Llama-style models' are. frozen: see
+    packing.hidden_states."""
     base = model.get_base_model() if is_peft(model) else model
     if getattr(base.config, "final_logit_softcapping", None) or getattr(base.config, "logit_scale", None):
         raise ValueError(f"{type(base).__name__}: logits are post-processed after the LM head; "
                          "packed forwards support plain lm_head(hidden) models only")
-    hidden = packing.hidden_states(base.get_decoder(), packed)[cells]  # (N, H)
+    hidden = packing.hidden_states(base.get_decoder(), packed, frozen)[cells]  # (N, H)
     return base.get_output_embeddings()(hidden)  # (N, V)
 
 
@@ -314,9 +315,9 @@ class Reference(nn.Module):
     def packed_logits(self, packed, cells: torch.Tensor) -> torch.Tensor:
         """(N, V) reference logits at N cells of a packed batch (see packed_lm_logits)."""
         if self.frozen is not None:
-            return packed_lm_logits(self.frozen, packed, cells)
-        with self.policy.disable_adapter():
-            return packed_lm_logits(self.policy, packed, cells)
+            return packed_lm_logits(self.frozen, packed, cells, frozen="reference")
+        with self.policy.disable_adapter():  # the base weights: never trained, so a prefix's KV is kept
+            return packed_lm_logits(self.policy, packed, cells, frozen="reference")
 
 
 def make_reference(policy: nn.Module) -> Reference:

@@ -15,20 +15,36 @@ cost grows with the square of the row width, so the width is chosen by a small c
 
 Outputs are read at chosen (sequence, column) cells of the original padded layout, through `flat`:
 the index of each real token in the packed rows, flattened.
+
+Shared prefix. Chat prompts start with the same tokens (SmolLM2's template puts a 24-token system
+prompt before every question: a third of a PPO episode's tokens). When every sequence starts with
+the same L >= 8 tokens, they are taken out of the rows and run once: their keys and values are
+computed by a forward over the L tokens alone and handed to the rows' forward as a KV cache, with
+positions starting at L and a mask that lets each token see the prefix plus its own segment,
+causally (prefix caching, as vLLM and SGLang do for inference). The outputs are again those of
+the padded batch, and gradients flow back through the prefix's keys and values. A frozen model
+(the reference, the reward model) computes a prefix's keys and values once per process.
 """
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
+
+MIN_PREFIX = 8
+"""Shorter common prefixes stay in the rows: the extra forward would cost more than it saves."""
 
 
 @dataclass
 class Packed:
     input_ids: torch.Tensor  # (n, W) real tokens of several sequences per row, pad token after them
-    position_ids: torch.Tensor  # (n, W) 0.. per sequence; trailing padding restarts at 0 (its own segment)
+    position_ids: torch.Tensor  # (n, W) 0.. per sequence (L.. with a prefix); trailing padding restarts
     flat: torch.Tensor  # (b, T) index into the flattened (n * W) packed cells of each real token, -1 for pad
+    prefix: torch.Tensor | None = None  # (L,) the tokens every sequence starts with, run once ahead of the rows
+    mask: torch.Tensor | None = None  # (n, 1, W, L + W) bool, with a prefix: who each cell attends to
 
 
 def choose_width(lengths: list[int], attn_per_linear: float) -> int:
@@ -75,14 +91,29 @@ def _first_fit(lengths: list[int], width: int) -> list[list[int]]:
     return bins
 
 
+def common_prefix(input_ids: torch.Tensor, real: torch.Tensor, limit: int) -> int:
+    """Number of leading real tokens (at most `limit`) that every row of (b, T) input_ids shares."""
+    if limit <= 0:
+        return 0
+    start = real.int().argmax(1)  # (b,) first real column (real tokens are contiguous)
+    cols = (start[:, None] + torch.arange(limit, device=input_ids.device)).clamp(max=input_ids.shape[1] - 1)
+    heads = input_ids.gather(1, cols)  # (b, limit) the first `limit` real tokens of each row
+    same = (heads == heads[:1]).all(0).int()  # (limit,)
+    return int(same.cumprod(0).sum())
+
+
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, attn_per_linear: float,
-         pad_token_id: int = 0) -> Packed:
+         pad_token_id: int = 0, max_prefix: int | None = None, min_prefix: int = MIN_PREFIX) -> Packed:
     """Pack the real tokens of each row of (b, T) input_ids into fewer, shorter rows.
 
     The real tokens of a row must be contiguous (left-padded prompt + right-padded response, as a
     rollout is); they keep their order, and positions count real tokens from 0, as
     `position_ids_from_mask` gives them in the padded layout. Padding cells form segments of
     their own, so any pad_token_id does.
+
+    A prefix of at least min_prefix tokens that every row starts with is taken out and run once
+    (module docstring); its cells are not in `flat`. max_prefix caps its length (default: all but
+    each row's last token), so that the cells a caller reads stay in the rows.
     """
     b, T = input_ids.shape
     device = input_ids.device
@@ -90,21 +121,37 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, attn_per_linear:
     lengths = real.sum(1).tolist()
     if min(lengths) < 1:
         raise ValueError("pack: a row without any real token")
-    width = choose_width(lengths, attn_per_linear)
-    bins = _first_fit(lengths, width)
+    limit = min(lengths) - 1 if max_prefix is None else min(max_prefix, min(lengths) - 1)
+    L = common_prefix(input_ids, real, limit) if b > 1 else 0
+    L = L if L >= min_prefix else 0
+    rest = [n - L for n in lengths]  # tokens of each sequence that go into the rows
+    width = choose_width(rest, attn_per_linear)
+    bins = _first_fit(rest, width)
     ids = torch.full((len(bins), width), pad_token_id, dtype=input_ids.dtype, device=device)
     pos = torch.empty((len(bins), width), dtype=torch.long, device=device)
+    segment = torch.empty((len(bins), width), dtype=torch.long, device=device)  # who may attend to whom
     flat = torch.full((b, T), -1, dtype=torch.long, device=device)
     for k, members in enumerate(bins):
         offset = 0
         for i in members:
-            n = lengths[i]
-            ids[k, offset : offset + n] = input_ids[i, real[i]]
-            pos[k, offset : offset + n] = torch.arange(n, device=device)
-            flat[i, real[i]] = torch.arange(k * width + offset, k * width + offset + n, device=device)
+            n = rest[i]
+            cells = real[i].nonzero().squeeze(1)[L:]  # (n,) padded-layout columns of the row's tokens
+            ids[k, offset : offset + n] = input_ids[i, cells]
+            pos[k, offset : offset + n] = torch.arange(L, L + n, device=device)
+            segment[k, offset : offset + n] = i
+            flat[i, cells] = torch.arange(k * width + offset, k * width + offset + n, device=device)
             offset += n
         pos[k, offset:] = torch.arange(width - offset, device=device)  # padding: a segment of its own
-    return Packed(input_ids=ids, position_ids=pos, flat=flat)
+        segment[k, offset:] = b + k
+    if L == 0:  # transformers builds the block-diagonal mask from the restarting positions
+        return Packed(input_ids=ids, position_ids=pos, flat=flat)
+    n = len(bins)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (W, W)
+    own = (segment[:, :, None] == segment[:, None, :]) & causal  # (n, W, W) own segment, causally
+    sees_prefix = torch.ones(n, width, L, dtype=torch.bool, device=device)  # every cell sees the prefix
+    mask = torch.cat([sees_prefix, own], dim=2)[:, None]  # (n, 1, W, L + W)
+    first = real[0].nonzero()[0, 0]
+    return Packed(input_ids=ids, position_ids=pos, flat=flat, prefix=input_ids[0, first : first + L], mask=mask)
 
 
 def gather_cells(packed: Packed, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -115,12 +162,63 @@ def gather_cells(packed: Packed, rows: torch.Tensor, cols: torch.Tensor) -> torc
     return index
 
 
-def hidden_states(backbone, packed: Packed) -> torch.Tensor:
-    """(n * W, H) last hidden states of a decoder backbone (no LM head) over the packed rows."""
-    out = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                   use_cache=False)
+def hidden_states(backbone, packed: Packed, frozen: str | None = None) -> torch.Tensor:
+    """(n * W, H) last hidden states of a decoder backbone (no LM head) over the packed rows.
+
+    frozen: a name for a role whose weights never change during the process ("reference",
+    "reward"): its prefix keys and values are computed once and kept (see prefix_kv).
+    """
+    if packed.prefix is None:
+        out = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                       use_cache=False)
+    else:
+        from transformers import DynamicCache
+
+        n = packed.input_ids.shape[0]
+        kv = prefix_kv(backbone, packed.prefix, frozen)
+        cache = DynamicCache(ddp_cache_data=[(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv])
+        out = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.mask,
+                       use_cache=False, **{cache_kwarg(backbone): cache})
     hidden = out.last_hidden_state  # (n, W, H)
     return hidden.reshape(-1, hidden.shape[-1])
 
 
-__all__ = ["Packed", "pack", "choose_width", "attn_cost_ratio", "gather_cells", "hidden_states"]
+# backbone -> {(role, autocast, prefix tokens): keys and values}; entries go with their model
+_FROZEN_PREFIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prefix_kv(backbone, prefix: torch.Tensor, frozen: str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values), each (1, kv_heads, L, head_dim), of the L prefix tokens.
+
+    Computed in the caller's grad mode (a training forward backpropagates through them), or, for a
+    frozen role, once without grad and then reused: a rollout's reference and reward-model passes
+    then never run the system prompt again.
+    """
+    from transformers import DynamicCache
+
+    key = (frozen, torch.is_autocast_enabled(), tuple(prefix.tolist())) if frozen else None
+    if key is not None:
+        kept = _FROZEN_PREFIXES.setdefault(backbone, {})
+        if key in kept:
+            return kept[key]
+    cache = DynamicCache()
+    positions = torch.arange(prefix.shape[0], device=prefix.device)[None]
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+        backbone(input_ids=prefix[None], position_ids=positions, use_cache=True, **{cache_kwarg(backbone): cache})
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    if key is not None:
+        if len(kept) >= 8:  # a handful of system prompts at most; never grow without bound
+            kept.clear()
+        kept[key] = kv
+    return kv
+
+
+def cache_kwarg(model) -> str:
+    """Recent transformers renamed forward(past_key_values=) to forward(cache=)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(inner).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+__all__ = ["Packed", "pack", "common_prefix", "choose_width", "attn_cost_ratio", "gather_cells", "hidden_states",
+           "prefix_kv", "cache_kwarg", "MIN_PREFIX"]

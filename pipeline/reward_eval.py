@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import random
 
@@ -24,6 +23,7 @@ import torch
 
 from pipeline.losses import last_token_index, lm_loss, pairwise_loss
 from pipeline.models import position_ids_from_mask
+from pipeline.packing import cache_kwarg
 from pipeline.reward_data import EncodedPair, Pair, collate, collate_shared
 
 
@@ -50,12 +50,6 @@ def pair_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     return scores, hidden
 
 
-def _cache_kwarg(model) -> str:
-    """Recent transformers renamed forward(past_key_values=) to forward(cache=)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
-
-
 def shared_prefix_scores(model, prompt_ids, prompt_mask, response_ids, response_mask):
     """Scores of 2B sequences that share B prompts, running each prompt once.
 
@@ -70,7 +64,7 @@ def shared_prefix_scores(model, prompt_ids, prompt_mask, response_ids, response_
     from transformers import DynamicCache
 
     backbone, cache = model.backbone, DynamicCache()
-    kw = _cache_kwarg(backbone)
+    kw = cache_kwarg(backbone)
     b, width = prompt_ids.shape
     first = backbone(input_ids=prompt_ids, attention_mask=prompt_mask,
                      position_ids=position_ids_from_mask(prompt_mask), use_cache=True, **{kw: cache})

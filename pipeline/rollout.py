@@ -74,8 +74,10 @@ class PackedResponses:
 
 def pack_responses(sequences, attention_mask, response_ids, mask, prompt_length: int,
                    attn_per_linear: float) -> PackedResponses:
-    """Pack b episodes (sequences (b, P+R), mask (b, R)) and locate their response tokens."""
-    packed = pack(sequences, attention_mask, attn_per_linear)
+    """Pack b episodes (sequences (b, P+R), mask (b, R)) and locate their response tokens; a
+    prefix every prompt starts with (the chat template's system prompt) runs once."""
+    last_prompt_token = int(attention_mask[:, :prompt_length].sum(1).min()) - 1  # must stay in the rows
+    packed = pack(sequences, attention_mask, attn_per_linear, max_prefix=last_prompt_token)
     rows, cols = mask.nonzero(as_tuple=True)  # (N,) each
     index = gather_cells(packed, rows, prompt_length - 1 + cols)
     return PackedResponses(packed=packed, rows=rows, cols=cols, index=index, tokens=response_ids[rows, cols],
@@ -273,7 +275,7 @@ def packed_score(rm, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> t
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
     last = (attention_mask.long() * positions).argmax(-1)  # (b,) highest position with mask 1
     index = gather_cells(packed, torch.arange(input_ids.shape[0], device=input_ids.device), last)
-    hidden = hidden_states(rm.backbone, packed)[index]  # (b, H)
+    hidden = hidden_states(rm.backbone, packed, frozen="reward")[index]  # (b, H)
     return (rm.head(hidden.float()).squeeze(-1) - rm.reward_mean) / rm.reward_std
 
 

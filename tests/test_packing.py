@@ -10,7 +10,7 @@ from pipeline.generate import encode_prompts, sample
 from pipeline.models import (
     causal_lm_logits, load_policy, load_scalar_model, make_reference, packed_lm_logits,
 )
-from pipeline.packing import _first_fit, choose_width, gather_cells, pack
+from pipeline.packing import _FROZEN_PREFIXES, _first_fit, choose_width, common_prefix, gather_cells, pack
 from pipeline.rollout import critic_values, merged_lora, pack_responses, packed_score
 
 PROMPTS = ["How can I shop?", "What is the capital of France?", "Tell me about bread.", "Guitar tips?", "Hi"]
@@ -32,9 +32,38 @@ def test_pack_layout_by_hand():
     assert choose_width([4, 4, 3], 0.0) == 11 and choose_width([4, 4, 3], 1.0) == 4  # 11 cells vs 3 x 4
 
 
+def test_common_prefix_is_taken_out_of_the_rows_and_masked_by_hand():
+    # three left-padded sequences that all start with 5 6 7 8; the prefix (capped at 3 here) runs once
+    ids = torch.tensor([[0, 5, 6, 7, 8, 1], [5, 6, 7, 8, 2, 3], [0, 0, 5, 6, 7, 8]])
+    am = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    assert common_prefix(ids, am.bool(), limit=6) == 4
+    assert pack(ids, am, 0.0, min_prefix=5).prefix is None  # shorter than min_prefix: left in the rows
+    p = pack(ids, am, attn_per_linear=0.0, pad_token_id=99, max_prefix=3, min_prefix=2)
+    assert p.prefix.tolist() == [5, 6, 7]
+    assert p.input_ids.tolist() == [[8, 2, 3], [8, 1, 8]]  # (8 2 3), then (8 1) and (8) share a row
+    assert p.position_ids.tolist() == [[3, 4, 5], [3, 4, 3]]  # positions go on after the prefix
+    assert p.flat[1].tolist() == [-1, -1, -1, 0, 1, 2] and p.flat[2].tolist() == [-1] * 5 + [5]
+    # every cell sees the 3 prefix tokens, then its own segment causally
+    assert p.mask.shape == (2, 1, 3, 3 + 3) and bool(p.mask[:, :, :, :3].all())
+    assert p.mask[0, 0, :, 3:].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert p.mask[1, 0, :, 3:].int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+
+
 @pytest.fixture
 def episodes(tiny_model_cfg):
     """A LoRA policy moved off its start, a LoRA critic, and sampled episodes of several lengths."""
+    return _episodes(tiny_model_cfg, PROMPTS)
+
+
+@pytest.fixture
+def system_episodes(tiny_model_cfg):
+    """The same, with one system prompt ahead of every question (as SmolLM2's chat template adds)."""
+    system = "You are a helpful assistant. Answer briefly and kindly, in plain words."
+    return _episodes(tiny_model_cfg, [[{"role": "system", "content": system}, {"role": "user", "content": p}]
+                                      for p in PROMPTS])
+
+
+def _episodes(tiny_model_cfg, prompts):
     torch.manual_seed(0)
     cfg = tiny_model_cfg.__class__(**{**tiny_model_cfg.__dict__, "lora_targets": "q_proj,v_proj,lm_head"})
     policy, tok = load_policy(cfg)
@@ -43,7 +72,7 @@ def episodes(tiny_model_cfg):
             if "lora_B" in name:
                 p.normal_(0, 0.5)
     critic, _ = load_scalar_model(cfg.model, kind="critic", cfg=cfg)
-    ids, am = encode_prompts(tok, PROMPTS)
+    ids, am = encode_prompts(tok, prompts)
     sb = sample(policy, ids, am, PPOConfig(max_new_tokens=10, temperature=1.0),
                 generator=torch.Generator().manual_seed(1), eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id)
@@ -52,6 +81,53 @@ def episodes(tiny_model_cfg):
 
 @pytest.mark.parametrize("ratio", [0.0, 1e9])  # one row for all, and one episode per row
 def test_packed_forwards_equal_padded_forwards(episodes, ratio):
+    pr = _check_packed_equals_padded(episodes, ratio)
+    assert pr.packed.prefix is None  # no common prefix of 8 tokens in these prompts
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1e9])
+def test_packed_forwards_with_a_shared_system_prompt_equal_padded_forwards(system_episodes, ratio):
+    pr = _check_packed_equals_padded(system_episodes, ratio)
+    assert pr.packed.prefix is not None and len(pr.packed.prefix) >= 8  # the system prompt ran once
+    # frozen roles keep the prefix's keys and values: a second pass reuses them, with the same result
+    policy, _, sb, _, _ = system_episodes
+    reference = make_reference(policy)
+    with torch.no_grad():
+        first = reference.packed_logits(pr.packed, pr.index)
+        decoder = policy.get_base_model().get_decoder()
+        kept = list(_FROZEN_PREFIXES[decoder].values())
+        assert len(kept) == 1
+        again = reference.packed_logits(pr.packed, pr.index)
+        assert list(_FROZEN_PREFIXES[decoder].values())[0] is kept[0]
+    assert torch.equal(first, again)
+
+
+def test_gradients_through_a_shared_prefix_equal_padded_gradients(system_episodes):
+    """The training forward: LoRA gradients of policy and critic flow back through the prefix's KV."""
+    policy, critic, sb, _, _ = system_episodes
+    P, mask = sb.prompt_length, sb.response_mask.float()
+    m = mask.bool()
+    pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, P, 0.0)
+    assert pr.packed.prefix is not None
+
+    def grads(loss_fn):
+        policy.zero_grad(), critic.zero_grad()
+        loss_fn().backward()
+        return {n: p.grad.clone() for model in (policy, critic) for n, p in model.named_parameters()
+                if p.requires_grad and p.grad is not None}
+
+    weights = torch.linspace(-1, 1, int(m.sum()))  # any loss that reads every response position
+    packed = grads(lambda: (packed_lm_logits(policy, pr.packed, pr.index).logsumexp(-1) * weights).sum()
+                   + (critic_values(critic, pr)[m] * weights).sum())
+    padded = grads(lambda: (causal_lm_logits(policy, sb.sequences, sb.attention_mask)[:, P - 1 : -1][m]
+                            .logsumexp(-1) * weights).sum()
+                   + (critic(sb.sequences, sb.attention_mask)[:, P - 1 : -1][m] * weights).sum())
+    assert packed.keys() == padded.keys() and any("lora_A" in n for n in packed)
+    for name in packed:
+        assert torch.allclose(packed[name], padded[name], atol=1e-4, rtol=1e-4), name
+
+
+def _check_packed_equals_padded(episodes, ratio):
     policy, critic, sb, cfg, _ = episodes
     P, mask = sb.prompt_length, sb.response_mask.float()
     pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, P, ratio)
@@ -70,6 +146,7 @@ def test_packed_forwards_equal_padded_forwards(episodes, ratio):
         rm.reward_mean, rm.reward_std = 0.3, 2.0
         assert torch.allclose(packed_score(rm, sb.sequences, sb.attention_mask),
                               rm.normalised_score(sb.sequences, sb.attention_mask), atol=1e-5)
+    return pr
 
 
 def test_sampling_with_merged_lora_matches_a_forward_and_restores_the_base_bit_for_bit(episodes):
