@@ -170,6 +170,8 @@ def run_ours(s: dict, inputs: dict) -> dict:
     out = marks.summary(s["batch_size"])
     out["reward"] = rows[-1]["objective/rlhf_reward"]
     out["kl"] = rows[-1]["objective/kl"]
+    measured = rows[1:] if len(rows) >= 3 else rows  # as Marks.summary: the first step warms up
+    out["phases"] = {k: sum(r[f"time/{k}"] for r in measured) / len(measured) for k in ("sample", "forwards", "score")}
     return out
 
 
@@ -330,6 +332,8 @@ def main() -> int:
     for which, r in results.items():
         print(f"{which:6}{r['eps']:11.3f}{r['eps_cpu']:10.3f}{r['rollout_s']:10.2f}{r['update_s']:9.2f}"
               f"{r['rollout_cpu_s']:12.2f}{r['update_cpu_s']:11.2f}{r['peak_mb']:9.0f}{r['reward']:8.3f}{r['kl']:8.3f}")
+    if "phases" in results.get("ours", {}):
+        print("ours, rollout phases (s per step): " + ", ".join(f"{k} {v:.2f}" for k, v in results["ours"]["phases"].items()))
     if len(results) == 2:
         ours, trl = results["ours"], results["trl"]
         ratio, ratio_cpu = ours["eps"] / trl["eps"], ours["eps_cpu"] / trl["eps_cpu"]

@@ -26,7 +26,7 @@ import torch
 
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.models import load_policy, position_ids_from_mask
-from pipeline.packing import cache_kwarg
+from pipeline.packing import MIN_PREFIX, cache_kwarg, common_prefix
 from pipeline.rundir import write_json, write_status
 
 # --------------------------------------------------------------------------- prompts
@@ -142,9 +142,33 @@ def _eos_ids(model, eos_token_id) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+def _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw):
+    """Run the L >= MIN_PREFIX tokens that every left-padded prompt starts with once, into `cache`
+    (repeated for every row), and return the rest of the batch to prefill after it:
+    (ids (b, P - L) left-padded without the prefix, mask (b, L + P - L) in the cache's layout, L).
+    With no such prefix: the batch as it is and 0."""
+    real = attention_mask.bool()
+    lengths = real.sum(1)  # (b,)
+    b, P = input_ids.shape
+    L = common_prefix(input_ids, real, int(lengths.min()) - 1) if b > 1 else 0
+    if L < MIN_PREFIX:
+        return input_ids, attention_mask, 0
+    first = P - int(lengths[0])
+    model(input_ids=input_ids[:1, first : first + L], position_ids=torch.arange(L, device=input_ids.device)[None],
+          use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+    cache.batch_select_indices(torch.zeros(b, dtype=torch.long, device=input_ids.device))
+    # row i is [pad][prefix][rest]: drop the L prefix columns that follow its padding
+    col = torch.arange(P - L, device=input_ids.device)[None]  # (1, P - L)
+    source = col + L * (col >= (P - lengths)[:, None])  # (b, P - L)
+    rest_mask = attention_mask.gather(1, source)
+    mask = torch.cat([rest_mask.new_ones(b, L), rest_mask], dim=1)  # (b, L + P - L)
+    return input_ids.gather(1, source), mask, L
+
+
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, num_samples=1,
-           generator: torch.Generator | None = None, eos_token_id=None, pad_token_id=None) -> SampleBatch:
+           generator: torch.Generator | None = None, eos_token_id=None, pad_token_id=None,
+           share_prefix: bool = True) -> SampleBatch:
     """Sample responses for a left-padded batch of prompts with the KV cache.
 
     cfg: anything with temperature, top_p, top_k, max_new_tokens (GenerateConfig, PPOConfig).
@@ -152,6 +176,8 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     row (an int, or one count per row); the prompt runs once and its cache is copied. Log-probs are
     from the unfiltered logits / temperature (what a training forward pass can reproduce), while
     sampling applies top-k / top-p. The model's train/eval mode is left as the caller set it.
+    share_prefix: tokens that every prompt starts with (a chat template's system prompt) are run
+    once for the batch (pipeline/packing.py, "Shared prefix").
     """
     from transformers import DynamicCache
 
@@ -165,14 +191,17 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     greedy = cfg.temperature <= 0
     temperature = 1.0 if greedy else cfg.temperature
 
-    # 1. prefill: each distinct prompt once, then copy its cache rows for its samples
+    # 1. prefill: a prefix common to all prompts once, then each distinct prompt's other tokens once,
+    # then copy its cache rows for its samples
     cache, cache_kw = DynamicCache(), cache_kwarg(model)
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask),
+    ids, mask, offset = input_ids, attention_mask, 0
+    if share_prefix:
+        ids, mask, offset = _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=offset + position_ids_from_mask(mask[:, offset:]),
                 use_cache=True, logits_to_keep=1, **{cache_kw: cache})
     cache.batch_select_indices(prompt_index)
     logits = out.logits[prompt_index, -1].float()  # (B, V)
-    mask = attention_mask[prompt_index]  # (B, P + t)
+    mask = mask[prompt_index]  # (B, cache length + t): the cache's layout, not the returned one
     next_pos = mask.sum(-1)  # (B,) position of the next token: count of real tokens so far
 
     response_ids = torch.full((B, R), pad, dtype=torch.long, device=device)

@@ -138,6 +138,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 sb = sample(policy_model, input_ids, prompt_mask, cfg, generator=generator,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
             mask = sb.response_mask.float()  # (B, R)
+            t_sample = time.perf_counter() - t_start
             stop.check()
 
             # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
@@ -151,8 +152,11 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                          ref_logprobs=ref_logp * mask, values=values * mask,
                          eos=torch.tensor([f == "eos" for f in sb.finish_reason], device=device))
 
+            t_forwards = time.perf_counter() - t_start - t_sample
+
             # 4. score prompt+response: reward model (normalised) or scripted
             raw_score = score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask)  # (B,)
+            t_score = time.perf_counter() - t_start - t_sample - t_forwards
 
             # 5-6. missing-EOS penalty, per-token KL, shaped rewards, GAE (pipeline/rollout.py)
             beta = kl_ctl.value
@@ -247,7 +251,8 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                     "gen/length_mean": float(ro.lengths.float().mean()),
                     "gen/eos_rate": float(ro.eos.float().mean()),
                     "policy/lr": lr_policy, "val/lr": lr_critic,
-                    "time/rollout": t_rollout, "time/update": t_update,
+                    "time/rollout": t_rollout, "time/update": t_update, "time/sample": t_sample,
+                    "time/forwards": t_forwards, "time/score": t_score,
                     "time/episodes_per_s": B / (time.perf_counter() - t_start),
                 })
             with open(metrics_path, "a", encoding="utf-8") as f:

@@ -55,12 +55,14 @@ def episodes(tiny_model_cfg):
     return _episodes(tiny_model_cfg, PROMPTS)
 
 
+SYSTEM = "You are a helpful assistant. Answer briefly and kindly, in plain words."
+SYSTEM_PROMPTS = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}] for p in PROMPTS]
+
+
 @pytest.fixture
 def system_episodes(tiny_model_cfg):
     """The same, with one system prompt ahead of every question (as SmolLM2's chat template adds)."""
-    system = "You are a helpful assistant. Answer briefly and kindly, in plain words."
-    return _episodes(tiny_model_cfg, [[{"role": "system", "content": system}, {"role": "user", "content": p}]
-                                      for p in PROMPTS])
+    return _episodes(tiny_model_cfg, SYSTEM_PROMPTS)
 
 
 def _episodes(tiny_model_cfg, prompts):
@@ -171,3 +173,25 @@ def test_sampling_with_merged_lora_matches_a_forward_and_restores_the_base_bit_f
     for n, p in policy.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, base[n]), n  # the base (= the reference) is bit for bit the start
+
+
+def test_sampling_runs_a_shared_system_prompt_once_with_the_same_result(system_episodes):
+    policy, _, _, _, tok = system_episodes
+    ids, am = encode_prompts(tok, SYSTEM_PROMPTS)
+    widths = []  # tokens per row of each forward pass
+    hook = policy.get_base_model().get_decoder().embed_tokens.register_forward_pre_hook(
+        lambda module, args: widths.append(tuple(args[0].shape)))
+    cfg = PPOConfig(max_new_tokens=8, temperature=0.9)
+    try:
+        with torch.no_grad():
+            runs = [sample(policy, ids, am, cfg, num_samples=2, generator=torch.Generator().manual_seed(3),
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, share_prefix=share)
+                    for share in (True, False)]
+    finally:
+        hook.remove()
+    shared, plain = runs
+    L = common_prefix(ids, am.bool(), ids.shape[1])
+    assert L >= 8 and widths[0] == (1, L)  # the system prompt ran alone, once
+    assert widths[1] == (len(PROMPTS), ids.shape[1] - L)  # then the rest of each prompt
+    assert torch.equal(shared.sequences, plain.sequences) and torch.equal(shared.attention_mask, plain.attention_mask)
+    assert torch.allclose(shared.logprobs, plain.logprobs, atol=1e-5)
