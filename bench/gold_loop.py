@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import shutil
 import sys
 import threading
@@ -84,8 +85,9 @@ class Experiment:
 
 
 def full_experiment(threads: int = 2) -> Experiment:
-    """SmolLM2-135M on CPU in fp32, sized for about 30 minutes on 2 idle cores (a reward-model step
-    of 8 pairs costs ~20 CPU-seconds here, a PPO step of 8 episodes ~40 to 70)."""
+    """SmolLM2-135M on CPU in fp32, sized for about 50 minutes on 2 idle cores with --parallel
+    --threads 1 (round 1 ~20 min; then per setting 2 x 24 PPO steps of 8 episodes, ~30 min side by
+    side): enough PPO for beta = 0 to over-optimise the proxy."""
     tokens = 24
     return Experiment(
         loop=LoopSettings(
@@ -93,7 +95,7 @@ def full_experiment(threads: int = 2) -> Experiment:
             model=ModelConfig(model="default", device="cpu", dtype="fp32"),
             generate=GenerateConfig(k=4, max_new_tokens=tokens, temperature=0.9, batch_size=32),
             reward=RewardConfig(epochs=1, lr=3e-4, batch_size=8, max_steps=6, max_length=128, norm_samples=16),
-            ppo=PPOConfig(steps=6, batch_size=8, mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
+            ppo=PPOConfig(steps=24, batch_size=8, mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
                           lr=5e-4, critic_lr=3e-4, max_new_tokens=tokens, temperature=0.7,
                           missing_eos_penalty=0.0, sample_every=1, max_prompt_tokens=96, forward_batch_size=8),
             ppo_prompts=256),
@@ -253,7 +255,9 @@ def reuse_shared_round(ctx: Context, src: Path):
         ctx.results[key] = previous[key]
     ctx.results["timings"].update({k: v for k, v in previous["timings"].items()
                                    if k in ("round1_shared_s", "eval_base_s")})
-    ctx.results["reused_round1"] = {"from": src.name, "seconds_there": previous["timings"].get("total_s")}
+    ctx.results["reused_round1"] = {"from": src.name, "seconds_there": previous["timings"].get("total_s"),
+                                    # the command that ran round 1 (further back when src reused it too)
+                                    "command": previous.get("reused_round1", {}).get("command") or previous.get("command")}
     (ctx.out / "shared").mkdir(parents=True, exist_ok=True)
     shutil.copy2(src / "shared" / "after_round1.duckdb", ctx.out / "shared" / "after_round1.duckdb")
     shutil.copy2(src / "eval" / "base.jsonl", ctx.out / "eval" / "base.jsonl")
@@ -378,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_experiment(exp, out, Path(args.prompts), reuse_round1=Path(args.reuse_round1) if args.reuse_round1
                              else None, parallel=args.parallel)
     results["wall_s"] = time.time() - started
+    results["command"] = "python bench/gold_loop.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     results["mode"] = "quick" if args.quick else "full"
     results["parallel"] = args.parallel
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))

@@ -258,7 +258,10 @@ def write_report(results: dict, out_dir: Path) -> Path:
         "",
         f"Mode: **{results.get('mode', '?')}**, model `{Path(s['model']).name if results.get('mode') == 'quick' else s['model']}`, "
         f"wall time **{wall / 60:.1f} min** ({wall:.0f} s){how}, {s['threads']} torch thread(s) per process. "
-        "Reproduce: `python bench/gold_loop.py` (full) or `python bench/gold_loop.py --quick` (tiny models).",
+        + (f"Made by `{results['command']}`" + (f" after `{reused['command']}` ran round 1" if reused and reused.get("command")
+                                                 else "") + ". " if results.get("command") else "")
+        + "Reproduce in one process: `python bench/gold_loop.py --parallel --threads 1` (full) or "
+        "`python bench/gold_loop.py --quick` (tiny models).",
         "",
         "## Set-up",
         "",
