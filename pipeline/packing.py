@@ -177,10 +177,23 @@ def hidden_states(backbone, packed: Packed, frozen: str | None = None) -> torch.
         n = packed.input_ids.shape[0]
         kv = prefix_kv(backbone, packed.prefix, frozen)
         cache = DynamicCache(ddp_cache_data=[(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv])
-        out = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.mask,
-                       use_cache=False, **{cache_kwarg(backbone): cache})
+        out = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                       attention_mask=_mask_for(backbone, packed.mask), use_cache=False,
+                       **{cache_kwarg(backbone): cache})
     hidden = out.last_hidden_state  # (n, W, H)
     return hidden.reshape(-1, hidden.shape[-1])
+
+
+def _mask_for(backbone, mask: torch.Tensor) -> torch.Tensor:
+    """The (n, 1, W, L + W) bool mask as the model's attention takes a ready 4D mask: as it is for
+    sdpa (True = attend); eager attention adds its mask to the scores, so there it is 0 / -inf."""
+    implementation = getattr(backbone.config, "_attn_implementation", None) or "sdpa"
+    if implementation == "sdpa":
+        return mask
+    if implementation == "eager":
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    raise ValueError(f"attention implementation {implementation!r}: packed forwards with a shared prefix "
+                     "need 'sdpa' or 'eager'")
 
 
 # backbone -> {(role, autocast, prefix tokens): keys and values}; entries go with their model

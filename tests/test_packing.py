@@ -104,6 +104,22 @@ def test_packed_forwards_with_a_shared_system_prompt_equal_padded_forwards(syste
     assert torch.equal(first, again)
 
 
+def test_shared_prefix_with_eager_attention_equals_padded(system_episodes):
+    """Eager attention adds the mask to the scores: the prefix path hands it 0 / -inf there."""
+    policy, _, sb, _, _ = system_episodes
+    policy.get_base_model().set_attn_implementation("eager")
+    try:
+        P, mask = sb.prompt_length, sb.response_mask.float()
+        pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, P, 0.0)
+        assert pr.packed.prefix is not None
+        with torch.no_grad():
+            packed = packed_lm_logits(policy, pr.packed, pr.index)
+            padded = causal_lm_logits(policy, sb.sequences, sb.attention_mask)[:, P - 1 : -1][mask.bool()]
+        assert torch.allclose(packed, padded, atol=1e-5)
+    finally:
+        policy.get_base_model().set_attn_implementation("sdpa")
+
+
 def test_gradients_through_a_shared_prefix_equal_padded_gradients(system_episodes):
     """The training forward: LoRA gradients of policy and critic flow back through the prefix's KV."""
     policy, critic, sb, _, _ = system_episodes
