@@ -272,7 +272,10 @@ def write_report(results: dict, out_dir: Path) -> Path:
         f"{_f(agree.get('agreement'), 3)} of {agree.get('pairs', 0)} round-1 pairs.",
         f"- {s['rounds']} rounds of {s['prompts_per_round']} new prompts, responses of at most "
         f"{s['max_new_tokens']} tokens (generation temperature {s['generate_temperature']}). Reward model: LoRA "
-        f"r{s['lora_r']}, lr {s['reward']['lr']}, {s['reward']['epochs']} epoch(s), warm-started each round from "
+        f"r{s['lora_r']}, lr {s['reward']['lr']}, {s['reward']['epochs']} epoch(s)"
+        + (f" capped at {s['reward']['max_steps']} steps of {s['reward']['batch_size']} pairs"
+           if s["reward"].get("max_steps") else f" in batches of {s['reward']['batch_size']} pairs")
+        + ", warm-started each round from "
         f"the previous one on all pairs so far; round-1 held-out pair accuracy {_f(rm1.get('eval/accuracy'))}.",
         f"- PPO per round: {s['ppo']['steps']} steps of {s['ppo']['batch_size']} episodes, {s['ppo']['ppo_epochs']} "
         f"epochs, minibatch {s['ppo']['mini_batch_size']}, lr {s['ppo']['lr']}, temperature "
