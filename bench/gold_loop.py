@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-samples", type=int, default=0, help="override responses per held-out prompt")
     parser.add_argument("--reward-steps", type=int, default=-1,
                         help="override the reward model's optimiser steps per round (0 = every pair, each epoch)")
+    parser.add_argument("--reward-epochs", type=int, default=0, help="override the reward model's epochs per round")
     parser.add_argument("--threads", type=int, default=2, help="torch threads here and in every job")
     parser.add_argument("--parallel", action="store_true", help="run the settings side by side")
     parser.add_argument("--reuse-round1", default="",
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         exp.eval.samples = args.eval_samples
     if args.reward_steps >= 0:
         exp.loop.reward.max_steps = args.reward_steps
+    if args.reward_epochs:
+        exp.loop.reward.epochs = args.reward_epochs
     started = time.time()
     results = run_experiment(exp, out, Path(args.prompts), reuse_round1=Path(args.reuse_round1) if args.reuse_round1
                              else None, parallel=args.parallel)
