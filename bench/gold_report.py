@@ -273,8 +273,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
         f"- {s['rounds']} rounds of {s['prompts_per_round']} new prompts, responses of at most "
         f"{s['max_new_tokens']} tokens (generation temperature {s['generate_temperature']}). Reward model: LoRA "
         f"r{s['lora_r']}, lr {s['reward']['lr']}, {s['reward']['epochs']} epoch(s)"
-        + (f" capped at {s['reward']['max_steps']} steps of {s['reward']['batch_size']} pairs"
-           if s["reward"].get("max_steps") else f" in batches of {s['reward']['batch_size']} pairs")
+        + (f" capped at {s['reward']['max_steps']} optimiser steps" if s["reward"].get("max_steps") else "")
         + ", warm-started each round from "
         f"the previous one on all pairs so far; round-1 held-out pair accuracy {_f(rm1.get('eval/accuracy'))}.",
         f"- PPO per round: {s['ppo']['steps']} steps of {s['ppo']['batch_size']} episodes, {s['ppo']['ppo_epochs']} "
