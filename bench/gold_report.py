@@ -144,10 +144,8 @@ def paired_se(base_rows: list[dict], rows: list[dict]) -> float | None:
     return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
 
 
-def gold_errors(results: dict, out_dir: Path | None) -> dict[str, float | None]:
+def gold_errors(results: dict, out_dir: Path) -> dict[str, float | None]:
     """{f"{setting}_round{n}": paired s.e. of its gold change} from the eval tables in out_dir."""
-    if out_dir is None:
-        return {}
     base_rows = load_eval(out_dir, "base")
     tags = [f"{name}_round{r['round']}" for name, v in results["variants"].items() for r in v["rounds"]]
     return {tag: paired_se(base_rows, load_eval(out_dir, tag)) for tag in tags}
@@ -158,8 +156,9 @@ def _change(m: dict, base: dict, se: float | None) -> str:
     return f"{'+' if d >= 0 else ''}{_f(d)}" + (f" ± {_f(se)}" if se is not None else "")
 
 
-def results_table(results: dict, out_dir: Path | None = None) -> list[str]:
-    base, errors = results["base"], gold_errors(results, out_dir)
+def results_table(results: dict, errors: dict[str, float | None]) -> list[str]:
+    """The table; errors: gold_errors' paired standard errors ({} when the eval tables are gone)."""
+    base = results["base"]
     lines = ["| setting | after round | gold | gold - start (± s.e.) | proxy (RM 1) | proxy (own RM) | KL | sqrt KL "
              "| length | EOS rate | distinct-1 | distinct-2 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -178,10 +177,10 @@ def results_table(results: dict, out_dir: Path | None = None) -> list[str]:
     return lines
 
 
-def observations(results: dict, out_dir: Path | None = None) -> list[str]:
+def observations(results: dict, errors: dict[str, float | None]) -> list[str]:
     """What the numbers say, computed (the expected picture is checked, not assumed): a gold
     change counts as a rise only when it is more than two paired standard errors."""
-    base, out, errors = results["base"], [], gold_errors(results, out_dir)
+    base, out = results["base"], []
     finals = {name: v["rounds"][-1] for name, v in results["variants"].items() if v["rounds"]}
 
     def se(name):  # of the setting's last policy; None when its eval table is not there
@@ -219,11 +218,7 @@ def samples_section(out_dir: Path, results: dict, n_prompts: int = 2) -> list[st
     """The first held-out prompts, one response each from the start and each setting's last policy."""
     tags = ["base"] + [f"{name}_round{v['rounds'][-1]['round']}" for name, v in results["variants"].items()
                        if v["rounds"]]
-    tables = {}
-    for tag in tags:
-        path = out_dir / "eval" / f"{tag}.jsonl"
-        if path.is_file():
-            tables[tag] = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    tables = {tag: rows for tag in tags if (rows := load_eval(out_dir, tag))}
     if "base" not in tables:
         return []
     lines = []
@@ -241,6 +236,7 @@ def samples_section(out_dir: Path, results: dict, n_prompts: int = 2) -> list[st
 def write_report(results: dict, out_dir: Path) -> Path:
     """report.md + both plots in out_dir; returns the report's path."""
     out_dir = Path(out_dir)
+    errors = gold_errors(results, out_dir)
     plot_gold_vs_sqrt_kl(results, out_dir / PLOTS[0])
     plot_proxy_vs_gold(results, out_dir / PLOTS[1])
     s, t = results["settings"], results.get("timings", {})
@@ -290,7 +286,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
         "",
         "## Results (held-out prompts)",
         "",
-        *results_table(results, out_dir),
+        *results_table(results, errors),
         "",
         "![gold vs sqrt KL](gold_vs_sqrt_kl.png)",
         "",
@@ -298,7 +294,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
         "",
         "## Observations",
         "",
-        *observations(results, out_dir),
+        *observations(results, errors),
         "",
         "## Samples",
         *samples_section(out_dir, results),

@@ -110,12 +110,17 @@ class Marks:
         self.start, self.mid = end, None
 
     def summary(self, batch_size: int) -> dict:
-        rows = self.rows[1:] if len(self.rows) >= 3 else self.rows  # the first step warms up
+        rows = measured(self.rows)
         n = len(rows)
         mean = [sum(r[i] for r in rows) / n for i in range(4)]
         return {"eps": batch_size / (mean[0] + mean[1]), "eps_cpu": batch_size / (mean[2] + mean[3]),
                 "rollout_s": mean[0], "update_s": mean[1], "rollout_cpu_s": mean[2], "update_cpu_s": mean[3],
                 "steps_measured": n}
+
+
+def measured(steps: list) -> list:
+    """The steps that count: all but the first (it warms up), when there are 3 or more."""
+    return steps[1:] if len(steps) >= 3 else steps
 
 
 def peak_mb(device: str) -> float:
@@ -170,8 +175,8 @@ def run_ours(s: dict, inputs: dict) -> dict:
     out = marks.summary(s["batch_size"])
     out["reward"] = rows[-1]["objective/rlhf_reward"]
     out["kl"] = rows[-1]["objective/kl"]
-    measured = rows[1:] if len(rows) >= 3 else rows  # as Marks.summary: the first step warms up
-    out["phases"] = {k: sum(r[f"time/{k}"] for r in measured) / len(measured) for k in ("sample", "forwards", "score")}
+    steps = measured(rows)
+    out["phases"] = {k: sum(r[f"time/{k}"] for r in steps) / len(steps) for k in ("sample", "forwards", "score")}
     return out
 
 
