@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     store.warm_queue()
     # training jobs (Train tab) run as subprocesses writing run directories beside the database
     from pipeline.config import GenerateConfig, ModelConfig
-    from pipeline.jobs import JobRunner
-    from pipeline.loop import LoopSettings
+    from pipeline.orchestrate.jobs import JobRunner
+    from pipeline.orchestrate.loop import LoopSettings
 
     data_dir = Path(args.db).resolve().parent
     jobs = JobRunner(store, data_dir / "runs")

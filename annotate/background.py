@@ -7,7 +7,7 @@ the first items while the rest are still being sampled.
 
 Each job is recorded as a run (kind 'generate') and every response names the policy version that
 wrote it. This is the only module of the app that touches a model; issue 7's job runner
-(pipeline/jobs.py) can replace `GenerationRunner` with a subprocess without changing the UI, which
+(pipeline/orchestrate/jobs.py) can replace `GenerationRunner` with a subprocess without changing the UI, which
 only calls `start()` and `status()`.
 """
 

@@ -39,11 +39,11 @@ class AppContext:
     generator: object | None = None
     """annotate.background.GenerationRunner, or None when generation is off (--no-generate)."""
     jobs: object | None = None
-    """pipeline.jobs.JobRunner: training and generation subprocess jobs (Train tab), or None."""
+    """pipeline.orchestrate.jobs.JobRunner: training and generation subprocess jobs (Train tab), or None."""
     runs_dir: Path = field(default_factory=lambda: Path("data") / "runs")
     """Where job run directories are written."""
     train_settings: object | None = None
-    """pipeline.loop.LoopSettings the Train tab starts from (model, device, K); None = defaults."""
+    """pipeline.orchestrate.loop.LoopSettings the Train tab starts from (model, device, K); None = defaults."""
     tasks: dict = field(default_factory=dict, repr=False)
     """Background tasks of the Train and Models tabs (annotate/tasks.py), by name."""
     generate_defaults: dict = field(default_factory=dict)

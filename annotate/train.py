@@ -5,12 +5,12 @@ components; tests call them directly. Each starts with `admin(ctx, request)`, so
 reaching them through the HTTP API gets `Refused` before anything is read or written.
 
 Every model-touching step is a subprocess job of the app's job runner (`ctx.jobs`, a
-pipeline.jobs.JobRunner: DESIGN.md, Process model). The handlers only build command lines from
-the form and the app's settings (`ctx.train_settings`, a pipeline.loop.LoopSettings: base model,
+pipeline.orchestrate.jobs.JobRunner: DESIGN.md, Process model). The handlers only build command lines from
+the form and the app's settings (`ctx.train_settings`, a pipeline.orchestrate.loop.LoopSettings: base model,
 device, LoRA rank ...) and submit them; the runner records the run, tails its metrics into the
 store and registers the model version it produced. A round ("Run a full round", "Start the next
 round") waits for several jobs in turn, so it runs in a background task (annotate/tasks.py) using
-pipeline/loop.py, the same code as the headless `python -m pipeline loop`.
+pipeline/orchestrate/loop.py, the same code as the headless `python -m pipeline loop`.
 
 The job monitor follows one run (or "latest", the newest): a progress bar from its status.json,
 plots of its metrics from the store, the tail of its log, and Cancel.
@@ -31,7 +31,7 @@ from annotate import render
 from annotate.context import AppContext, admin
 from annotate.tasks import start_task, task_status
 from pipeline.config import ModelConfig, to_cli_args, to_dict
-from pipeline.loop import (LoopSettings, current_round, ensure_base_policy, finish_round, latest_reward,
+from pipeline.orchestrate.loop import (LoopSettings, current_round, ensure_base_policy, finish_round, latest_reward,
                            start_round, write_prompts)
 from pipeline.rundir import read_status
 from store.errors import StoreError
@@ -175,7 +175,7 @@ def run_ppo(ctx: AppContext, lora: bool, reward_name: str | None, n_prompts, ste
         raise gr.Error(f"No trained reward model named {reward_name!r}." if reward_name else
                        "No reward model yet: train one first.")
     policy = ensure_base_policy(ctx.store, settings.model)
-    prompts = ctx.store.list_prompts(limit=settings.ppo_prompts)  # as pipeline/loop.py: the first N
+    prompts = ctx.store.list_prompts(limit=settings.ppo_prompts)  # as pipeline/orchestrate/loop.py: the first N
     if not prompts:
         raise gr.Error("No prompts to train on: import prompts in Data → Import first.")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
@@ -202,7 +202,7 @@ def run_ppo(ctx: AppContext, lora: bool, reward_name: str | None, n_prompts, ste
 
 
 def _start_round(store, jobs, settings: LoopSettings):
-    """pipeline.loop.start_round; a round it leaves half-made is marked failed."""
+    """pipeline.orchestrate.loop.start_round; a round it leaves half-made is marked failed."""
     try:
         return start_round(store, jobs, settings, len(store.list_rounds()))
     except Exception as exc:
@@ -215,7 +215,7 @@ def _start_round(store, jobs, settings: LoopSettings):
 def run_full_round(ctx: AppContext, lora: bool, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control, beta,
                    kl_target, ppo_lr, critic_lr, prompts_per_round, k, strategy, request: gr.Request):
     """Finish the round being annotated (snapshot -> reward model -> PPO -> new active policy,
-    pipeline.loop.finish_round) and start the next (generate with the new policy); with no open
+    pipeline.orchestrate.loop.finish_round) and start the next (generate with the new policy); with no open
     round, start the first. Runs in the background; if training fails (or is cancelled) the round
     stays open for another try. Returns (message, run choice, timer)."""
     admin(ctx, request)

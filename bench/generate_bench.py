@@ -39,7 +39,7 @@ FALLBACK = ["What are some hot dog toppings besides ketchup or mustard?", "How c
 
 def load_model(name: str, device: str):
     if name == "tiny":
-        from pipeline.tiny import build_tiny_model, build_tiny_tokenizer
+        from tests.tiny import build_tiny_model, build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer()
         tokenizer.padding_side = "left"

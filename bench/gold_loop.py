@@ -1,7 +1,7 @@
 """Does the loop make the policy better by a measure it was not trained on? A gold-judge experiment.
 
 In the style of Gao et al. 2022 ("Scaling Laws for Reward Model Overoptimization"): a fixed gold
-judge stands in for people. It is the `embedding` judge of pipeline/judge.py, on the offline
+judge stands in for people. It is the `embedding` judge of pipeline/orchestrate/judge.py, on the offline
 all-MiniLM-L6-v2 model: cos(response, "helpful, friendly, detailed ...") - cos(response, "rude,
 evasive, unhelpful ...") + 0.5 cos(response, prompt). The pipeline never trains on it: simulated
 annotators rank each prompt's K responses by gold score with Bradley-Terry noise (through the
@@ -19,7 +19,7 @@ Phases
   1. round 1, shared by all settings: generate K responses per prompt with the base policy (a job),
      simulated annotators rank them, reward model 1 is trained (a job); the base policy is evaluated
   2. per setting (adaptive KL, fixed beta, beta = 0): the store is copied, PPO round 1 runs against
-     reward model 1, then rounds 2..R run through the real loop (pipeline/loop.py: generate with the
+     reward model 1, then rounds 2..R run through the real loop (pipeline/orchestrate/loop.py: generate with the
      new policy, rank, retrain the reward model warm-started on all pairs so far, PPO)
   3. each new policy version is evaluated on the held-out prompts as soon as it exists
      (bench/gold_eval.py), and the gold judge scores PPO's per-step sample tables (gold along the
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.config import GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig  # noqa: E402
-from pipeline.loop import LoopSettings  # noqa: E402
+from pipeline.orchestrate.loop import LoopSettings  # noqa: E402
 
 from bench.gold_eval import EvalConfig  # noqa: E402
 from bench.gold_steps import (RecordingJudge, copy_store, gold_agreement, ppo_step_trace,  # noqa: E402
@@ -139,7 +139,7 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
 
     import torch
 
-    from pipeline.judge import make_judge
+    from pipeline.orchestrate.judge import make_judge
 
     torch.set_num_threads(exp.threads)
     t0 = time.perf_counter()
@@ -212,9 +212,9 @@ class Context:
 
 def shared_round(ctx: Context, pool: Path):
     """Phase 1: import the pool, round 1 with the base policy, reward model 1, the base's evaluation."""
-    from pipeline.jobs import JobRunner
-    from pipeline.loop import start_round, train_round_reward
-    from pipeline.simulate import simulate_annotations
+    from pipeline.orchestrate.jobs import JobRunner
+    from pipeline.orchestrate.loop import start_round, train_round_reward
+    from pipeline.orchestrate.simulate import simulate_annotations
     from store import Store
     from store.io import import_prompts
 
@@ -278,9 +278,9 @@ def reuse_shared_round(ctx: Context, src: Path):
 def run_variant(ctx: Context, name: str, rnd1, reward1, save=lambda: None) -> dict:
     """One setting: a copy of the store after round 1, PPO round 1, rounds 2..R; each new policy
     is evaluated as soon as it exists, and the partial results saved (a stopped run keeps them)."""
-    from pipeline.jobs import JobRunner
-    from pipeline.loop import finish_round, start_round, train_round_policy
-    from pipeline.simulate import simulate_annotations
+    from pipeline.orchestrate.jobs import JobRunner
+    from pipeline.orchestrate.loop import finish_round, start_round, train_round_policy
+    from pipeline.orchestrate.simulate import simulate_annotations
     from store import Store
 
     exp, out = ctx.exp, ctx.out
@@ -331,7 +331,7 @@ def _describe(exp: Experiment) -> dict:
             "ppo": dataclasses.asdict(s.ppo), "ppo_prompts": s.ppo_prompts, "lora_r": s.model.lora_r,
             "eval_prompts": exp.eval_prompts, "eval": dataclasses.asdict(exp.eval), "noise": exp.noise,
             "variants": {v: VARIANTS[v] for v in exp.variants}, "threads": exp.threads,
-            "judge": "embedding (all-MiniLM-L6-v2, pipeline/judge.py defaults)"}
+            "judge": "embedding (all-MiniLM-L6-v2, pipeline/orchestrate/judge.py defaults)"}
 
 
 # --------------------------------------------------------------------------- CLI
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.prompts).is_file():
         raise SystemExit(f"{args.prompts}: no such file (the shared prompts, ../shared/data/prompts.jsonl)")
     if args.quick:
-        from pipeline.tiny import save_tiny_model_dir
+        from tests.tiny import save_tiny_model_dir
 
         exp = quick_experiment(str(save_tiny_model_dir(out / "tiny_model")), args.threads)
     else:

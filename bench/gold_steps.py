@@ -1,4 +1,4 @@
-"""Helpers of the gold-loop experiment (bench/gold_loop.py); its round steps are pipeline/loop.py's own
+"""Helpers of the gold-loop experiment (bench/gold_loop.py); its round steps are pipeline/orchestrate/loop.py's own
 (start_round, train_round_reward, train_round_policy, finish_round), with the same jobs and records.
 
 - split_prompts: the fixed held-out set, and the pool file that is imported through the store

@@ -233,7 +233,7 @@ def main() -> None:
                 json.dumps({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}) + "\n" for p in rows))
         model = args.model
         if model == "tiny":  # a random tiny model: a smoke test of the bench itself, not a measurement
-            from pipeline.tiny import save_tiny_model_dir
+            from tests.tiny import save_tiny_model_dir
 
             model = str(save_tiny_model_dir(work / "tiny"))
         spec = {"model": model, "train": str(work / "train.jsonl"), "eval": str(work / "eval.jsonl"),

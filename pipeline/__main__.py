@@ -14,8 +14,8 @@ STAGES = {
     "generate": "pipeline.generate",
     "train-reward": "pipeline.train_reward",
     "ppo": "pipeline.train_ppo",
-    "simulate-annotators": "pipeline.simulate",
-    "loop": "pipeline.loop",
+    "simulate-annotators": "pipeline.orchestrate.simulate",
+    "loop": "pipeline.orchestrate.loop",
 }
 
 

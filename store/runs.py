@@ -1,6 +1,6 @@
 """Runs (training and generation jobs), their metrics, and loop rounds.
 
-A run row is the owner process's record of a job (pipeline/jobs.py): created `queued`, moved to
+A run row is the owner process's record of a job (pipeline/orchestrate/jobs.py): created `queued`, moved to
 `running` (started_at set), and ended `done`, `failed` (with its error) or `cancelled`
 (finished_at set). An ended run's status does not change again. Metrics are (step, key, value)
 rows, keys namespaced as in DESIGN.md ("objective/kl"); re-ingesting a step overwrites it.

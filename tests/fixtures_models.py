@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 
 from pipeline.config import ModelConfig
-from pipeline.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model_dir
+from tests.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 def app(tmp_path_factory, tiny_model_dir):
     """(url, store) of the app served in this process, with a job runner whose jobs use the tiny model."""
     from annotate.context import AppContext
-    from pipeline.jobs import JobRunner
+    from pipeline.orchestrate.jobs import JobRunner
 
     folder = tmp_path_factory.mktemp("train_app")
     store = Store(folder / "rlhf.duckdb")

@@ -14,7 +14,7 @@ from pipeline.generate import (
     _filter_logits, _sample_categorical, encode_prompts, generate_responses, prompt_token_ids, sample, to_messages,
 )
 from pipeline.models import causal_lm_logits, load_policy
-from pipeline.tiny import build_tiny_model, build_tiny_tokenizer
+from tests.tiny import build_tiny_model, build_tiny_tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 PROMPTS = ["hello there, how are you today?", "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: what?\n\nAssistant:", "a"]

@@ -9,11 +9,11 @@ import time
 import pytest
 
 from pipeline.config import GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig
-from pipeline.jobs import JobRunner
-from pipeline.judge import make_judge
-from pipeline.loop import LoopSettings, finish_round, start_round
-from pipeline.simulate import simulate_annotations
-from pipeline.tiny import CORPUS
+from pipeline.orchestrate.jobs import JobRunner
+from pipeline.orchestrate.judge import make_judge
+from pipeline.orchestrate.loop import LoopSettings, finish_round, start_round
+from pipeline.orchestrate.simulate import simulate_annotations
+from tests.tiny import CORPUS
 
 
 def runner_runs(store):

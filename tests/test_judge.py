@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.judge import ContainsJudge, LengthJudge, make_judge, simulated_ranking
+from pipeline.orchestrate.judge import ContainsJudge, LengthJudge, make_judge, simulated_ranking
 
 
 def test_rule_judges_score_by_hand():

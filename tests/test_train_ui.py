@@ -21,10 +21,10 @@ import pytest
 from annotate import admin, model_admin, train
 from annotate.context import AppContext, Refused
 from annotate.tasks import tasks_of
-from pipeline.jobs import JobRunner
-from pipeline.judge import make_judge
-from pipeline.simulate import simulate_annotations
-from pipeline.tiny import CORPUS
+from pipeline.orchestrate.jobs import JobRunner
+from pipeline.orchestrate.judge import make_judge
+from pipeline.orchestrate.simulate import simulate_annotations
+from tests.tiny import CORPUS
 from tests.fixtures_store import seed_items
 from tests.test_jobs import tiny_settings
 

@@ -15,7 +15,7 @@ import random
 import time
 import uuid
 
-from pipeline.judge import make_judge, simulated_ranking
+from pipeline.orchestrate.judge import make_judge, simulated_ranking
 
 
 def simulate_annotations(store, judge, name: str = "sim-gold", noise: float = 0.0, limit: int | None = None,

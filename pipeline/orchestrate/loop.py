@@ -8,7 +8,7 @@
               5. PPO from the active policy against it                   (a `ppo` job)
               6. register the new policy, make it active, and start round n+1's generation
 
-Every model-touching step is a subprocess job (pipeline/jobs.py); this module only decides what
+Every model-touching step is a subprocess job (pipeline/orchestrate/jobs.py); this module only decides what
 runs next and records it in the store, so the same code drives the app's "Run a full round"
 button and the headless `python -m pipeline loop --rounds R`.
 """
@@ -192,7 +192,7 @@ def current_round(store):
 def run_loop(store, runner, settings: LoopSettings, judge=None, noise: float = 0.0, log=print) -> list:
     """R rounds headless. Rankings come from `judge` (simulated annotator) or, without one, from
     people: the loop waits until `rankings_per_round` rankings of the round have arrived."""
-    from pipeline.simulate import simulate_annotations
+    from pipeline.orchestrate.simulate import simulate_annotations
 
     done = []
     rnd = current_round(store) or start_round(store, runner, settings, 0)
@@ -215,8 +215,8 @@ def run_loop(store, runner, settings: LoopSettings, judge=None, noise: float = 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.jobs import JobRunner
-    from pipeline.judge import make_judge
+    from pipeline.orchestrate.jobs import JobRunner
+    from pipeline.orchestrate.judge import make_judge
     from store import Store, default_db_path
 
     parser = argparse.ArgumentParser(prog="python -m pipeline loop", description=__doc__,
