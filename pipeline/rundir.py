@@ -83,3 +83,18 @@ class MetricsTail:
                 if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
                     rows.append((step, key, None if value is None else float(value)))
         return rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every row of a JSON Lines file (blank lines skipped); a bad line is a ValueError naming
+    the file and the line number."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}, line {n}: not valid JSON ({exc.msg})") from None
+    return rows
