@@ -5,8 +5,9 @@
     python app.py --db my.duckdb --port 7861 --no-generate
 
 On a first start the store is empty: an admin account is created (its one-time password is printed
-here), the bundled prompts are imported, and K responses for a first batch of prompts are generated
-in the background; the Annotate tab shows them as they arrive.
+here), the bundled prompts are imported, and a job generates K responses for a first batch of
+prompts; the Annotate tab shows them chunk by chunk as they arrive. The app process itself never
+loads a model: generation, training and comparison run as subprocess jobs (pipeline/orchestrate).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompts to generate for on a first start, 0 = none (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="response length limit for generation (default: %(default)s)")
-    p.add_argument("--no-generate", action="store_true", help="no model in the app: rank what is in the store")
-    p.add_argument("--device", default="auto", help="generation device: auto, cpu, cuda (default: %(default)s)")
+    p.add_argument("--no-generate", action="store_true",
+                   help="no first batch on a first start: rank what is in the store")
+    p.add_argument("--device", default="auto", help="jobs' device: auto, cpu, cuda (default: %(default)s)")
     p.add_argument("--no-prefetch", action="store_true",
                    help="do not fetch the next item ahead (only to measure what it buys: bench/ui_bench.py)")
     return p.parse_args(argv)
@@ -53,6 +55,9 @@ def main(argv=None) -> int:
     from annotate import bootstrap
     from annotate.context import AppContext
     from annotate.ui import build_ui, launch
+    from pipeline.config import GenerateConfig, ModelConfig
+    from pipeline.orchestrate.loop import make_runner
+    from pipeline.orchestrate.steps import LoopSettings
     from store import Store, StoreLockedError
 
     # 1. the store (one owner process per DuckDB file)
@@ -61,16 +66,19 @@ def main(argv=None) -> int:
     except StoreLockedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    # jobs and rounds a previous app left running died with it: mark them so
-    from annotate.train import fail_interrupted_jobs
-
-    fail_interrupted_jobs(store)
     auth = not args.no_auth
     host = "127.0.0.1" if args.no_auth else args.host
     if args.no_auth and args.host not in ("127.0.0.1", "localhost"):
         print(f"--no-auth: ignoring --host {args.host}; serving on 127.0.0.1 only", flush=True)
 
-    # 2. first start: an admin, the bundled prompts, a first batch of responses in the background
+    # 2. the job queue: every model runs in a subprocess job writing a run directory beside the
+    #    database; jobs and rounds a previous app left in flight are recovered here
+    data_dir = Path(args.db).resolve().parent
+    settings = LoopSettings(model=ModelConfig(model=args.model, device=args.device),
+                            generate=GenerateConfig(k=args.k, max_new_tokens=args.max_new_tokens))
+    jobs = make_runner(store, data_dir / "runs")
+
+    # 3. first start: an admin, the bundled prompts, a first batch of responses (a generate job)
     password = bootstrap.ensure_admin(store, auth=auth)
     if password is not None:
         print("\n" + "=" * 64 + f"\n  First start: created admin account 'admin'\n  one-time password: {password}\n"
@@ -78,32 +86,15 @@ def main(argv=None) -> int:
     added = bootstrap.ensure_prompts(store)
     if added:
         print(f"Imported {added} bundled prompts.", flush=True)
-    generator = None
     if not args.no_generate:
-        from annotate.background import GenerationRunner
-        from pipeline.config import GenerateConfig, ModelConfig
-
-        generator = GenerationRunner(store, ModelConfig(model=args.model, device=args.device))
-        started = bootstrap.first_batch(store, generator, args.first_batch, args.k,
-                                        GenerateConfig(k=args.k, max_new_tokens=args.max_new_tokens))
+        started = bootstrap.first_batch(store, jobs, settings, args.first_batch)
         if started:
-            print(f"Generating K={args.k} responses for {started} prompts in the background.", flush=True)
+            print(f"Generating K={args.k} responses for {started} prompts in a background job.", flush=True)
 
-    # 3. the UI (the queue's in-memory index is built now, not on the first annotator's request)
+    # 4. the UI (the queue's in-memory index is built now, not on the first annotator's request)
     store.warm_queue()
-    # training jobs (Train tab) run as subprocesses writing run directories beside the database
-    from pipeline.config import GenerateConfig, ModelConfig
-    from pipeline.orchestrate.jobs import JobRunner
-    from pipeline.orchestrate.loop import LoopSettings
-
-    data_dir = Path(args.db).resolve().parent
-    jobs = JobRunner(store, data_dir / "runs")
-    ctx = AppContext(store=store, auth=auth, data_dir=data_dir, generator=generator, jobs=jobs,
-                     runs_dir=data_dir / "runs",
+    ctx = AppContext(store=store, auth=auth, data_dir=data_dir, jobs=jobs, train_settings=settings,
                      generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens},
-                     train_settings=LoopSettings(
-                         model=ModelConfig(model=args.model, device=args.device),
-                         generate=GenerateConfig(k=args.k, max_new_tokens=args.max_new_tokens)),
                      prefetch=not args.no_prefetch)
     demo = build_ui(ctx)
     # `kill` (SIGTERM) stops the app like Ctrl-C, so the store is closed and checkpointed.

@@ -11,6 +11,7 @@ puts into components; tests call them directly.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import shutil
 import tempfile
@@ -19,10 +20,11 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from annotate import render
+from annotate import monitor, render
 from annotate.context import AppContext, admin
-from annotate.handlers import DEFAULT_GUIDELINES
-from pipeline.config import GenerateConfig
+from annotate.handlers import DEFAULT_GUIDELINES, generating
+from annotate.train import settings_of
+from pipeline.orchestrate.steps import submit_generate
 from store import io as store_io
 from store.errors import DataError, StoreError
 from store.records import ROLES
@@ -80,48 +82,44 @@ def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
 
 def generate(ctx: AppContext, n_prompts: float, k: float, max_new_tokens: float, temperature: float,
              top_p: float, version: str | None, request: gr.Request):
-    """Start generating K responses for up to `n_prompts` prompts that have none, with the chosen
-    policy version (default: the active one), as a background job. Returns (progress bar, timer
-    update): the tab's timer polls the job until it ends."""
+    """Queue a generate job: K responses for up to `n_prompts` prompts that have none, with the
+    chosen policy version (default: the active one). Items reach the queue chunk by chunk while
+    it runs. Returns (progress bar, timer update): the tab's timer polls the job until it ends."""
     admin(ctx, request)
-    if ctx.generator is None:
-        raise gr.Error("Generation is off in this app (started with --no-generate).")
-    version_id = None
+    if ctx.jobs is None:
+        raise gr.Error("This app runs without a job runner, so it cannot generate.")
+    mv = None
     if version:
         mv = ctx.store.find_model_version(version)
         if mv is None or mv.kind != "policy":
             raise gr.Error(f"No policy version named {version!r}.")
-        version_id = mv.id
     prompts = ctx.store.prompts_without_responses(limit=int(n_prompts))
     if not prompts:
         raise gr.Error("Every prompt already has responses: import more prompts first.")
-    cfg = GenerateConfig(k=int(k), max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                         top_p=float(top_p))
+    settings = settings_of(ctx)
+    cfg = dataclasses.replace(settings.generate, k=int(k), max_new_tokens=int(max_new_tokens),
+                              temperature=float(temperature), top_p=float(top_p))
     try:
-        ctx.generator.start([p.id for p in prompts], cfg.k, cfg, version_id=version_id)
-    except (RuntimeError, ValueError) as exc:
+        submit_generate(ctx.store, ctx.jobs, prompts, cfg, settings.model, mv, label="data-tab")
+    except ValueError as exc:
         raise gr.Error(str(exc)) from None
     return job_poll(ctx, request)
 
 
 def job_poll(ctx: AppContext, request: gr.Request):
-    """(progress bar, timer update) for the background job: the timer keeps ticking only while the
-    job runs, so an idle admin page polls nothing."""
-    return job_html(ctx, request), gr.update(active=job_running(ctx))
-
-
-def job_running(ctx: AppContext) -> bool:
-    return ctx.generator is not None and ctx.generator.busy()
+    """(progress bar, timer update) of the newest generate job: the timer keeps ticking only while
+    one is queued or running, so an idle admin page polls nothing."""
+    return job_html(ctx, request), gr.update(active=generating(ctx) is not None)
 
 
 def job_html(ctx: AppContext, request: gr.Request) -> str:
-    """The background job's progress bar."""
+    """The newest generate job's progress bar."""
     admin(ctx, request)
-    job = ctx.generator.status() if ctx.generator is not None else None
-    if job is None:
+    run = generating(ctx) or next(iter(ctx.store.list_runs(kind="generate", limit=1)), None)
+    if run is None:
         pool = ctx.store.counts()["prompts_in_pool"]
         return render.render_job("Generation", 0, 0, "idle", f"{pool} prompts have no responses yet.")
-    return render.render_job(job.label, job.done, job.total, job.status, job.error or job.detail)
+    return monitor.job_bar(run, run.config.get("label"))
 
 
 def policy_choices(ctx: AppContext, request: gr.Request):

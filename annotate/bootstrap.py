@@ -37,13 +37,16 @@ def ensure_prompts(store, path: Path = BUNDLED_PROMPTS) -> int:
     return store_io.import_prompts(store, path)["added"]
 
 
-def first_batch(store, generator, n: int, k: int, cfg) -> int:
-    """Start generating K responses for the first `n` prompts when nothing is queued yet, so there
-    is something to rank within minutes of a first start. Returns the number of prompts started."""
-    if generator is None or n <= 0 or store.counts()["items"] > 0:
+def first_batch(store, jobs, settings, n: int) -> int:
+    """Queue a generate job for K responses to the first `n` prompts when nothing is queued yet,
+    so there is something to rank within minutes of a first start (items appear chunk by chunk).
+    `settings`: a LoopSettings (its model and generate parts). Returns the number of prompts."""
+    from pipeline.orchestrate.steps import submit_generate
+
+    if jobs is None or n <= 0 or store.counts()["items"] > 0 or jobs.in_flight(("generate",)):
         return 0
     prompts = store.prompts_without_responses(limit=n)
     if not prompts:
         return 0
-    generator.start([p.id for p in prompts], k, cfg, label="First batch")
+    submit_generate(store, jobs, prompts, settings.generate, settings.model, label="first-batch")
     return len(prompts)

@@ -1,4 +1,4 @@
-"""What every handler shares: the store, the app's settings, background jobs, and who is asking.
+"""What every handler shares: the store, the app's settings, the job runner, and who is asking.
 
 Roles are enforced here, on the server, in every handler: `user(ctx, request)` reads the name that
 Gradio's login put on the request (`gr.Request.username`, from the signed session cookie) and looks
@@ -36,16 +36,11 @@ class AppContext:
     """The admin account used in --no-auth mode."""
     data_dir: Path = field(default_factory=lambda: Path("data"))
     """Where exports are written (data_dir/exports)."""
-    generator: object | None = None
-    """annotate.background.GenerationRunner, or None when generation is off (--no-generate)."""
     jobs: object | None = None
-    """pipeline.orchestrate.jobs.JobRunner: training and generation subprocess jobs (Train tab), or None."""
-    runs_dir: Path = field(default_factory=lambda: Path("data") / "runs")
-    """Where job run directories are written."""
+    """pipeline.orchestrate.jobs.JobRunner: every model runs in one of its subprocess jobs
+    (generation, training, comparison); None = no models in this app (rank what is stored)."""
     train_settings: object | None = None
-    """pipeline.orchestrate.loop.LoopSettings the Train tab starts from (model, device, K); None = defaults."""
-    tasks: dict = field(default_factory=dict, repr=False)
-    """Background tasks of the Train and Models tabs (annotate/tasks.py), by name."""
+    """pipeline.orchestrate.steps.LoopSettings the jobs start from (model, device, K); None = defaults."""
     generate_defaults: dict = field(default_factory=dict)
     """Defaults for the Generate form: k, max_new_tokens, temperature, top_p."""
     background: object | None = None

@@ -90,12 +90,20 @@ def view(ctx: AppContext, state: SessionState, account: Annotator):
     return state, item_html, progress_html, "", False, gr.update(active=state.current is None)
 
 
+def generating(ctx: AppContext):
+    """The generate job in flight (queued or running), or None."""
+    runs = ctx.jobs.in_flight(("generate",)) if ctx.jobs is not None else []
+    return runs[0] if runs else None
+
+
 def empty_html(ctx: AppContext) -> str:
-    job = ctx.generator.status() if ctx.generator is not None else None
-    if job is not None and job.running:
+    run = generating(ctx)
+    if run is not None:
+        status = ctx.jobs.progress(run.id)
+        done = f"{status.get('step', 0)}/{status['total']} responses done. " if status.get("total") else ""
         return render.render_empty(
             "Responses are being generated",
-            f"{job.label}: {job.done}/{job.total} prompts done. New items appear here as they are ready.",
+            f"Run #{run.id} ({run.status}): {done}New items appear here as they are ready.",
             busy=True,
         )
     return render.render_empty(
@@ -139,8 +147,7 @@ def open_page(ctx: AppContext, state: SessionState | None, request: gr.Request):
     is_admin = account.is_admin
     header = render.render_header(account.name, account.role, ctx.auth)
     tabs = [gr.update(visible=is_admin)] * 3
-    running = ctx.generator is not None and ctx.generator.busy()
-    timer = gr.update(active=is_admin and running)
+    timer = gr.update(active=is_admin and generating(ctx) is not None)
     return (header, *tabs, timer, guidelines(ctx, request), *load(ctx, state, request))
 
 

@@ -6,8 +6,8 @@ directly by tests. Each starts with `admin(ctx, request)` (annotate/context.py).
 
 Lineage comes from the store's model versions: a policy names its parent policy, the reward model
 PPO used and its run; a reward model names the snapshot (export) it was trained on, its run, and
-the reward model it was warm-started from. The comparison samples both policies in a background
-task (annotate/tasks.py, pipeline/compare.py) and judges them with a reward model.
+the reward model it was warm-started from. A comparison is a `compare` job (pipeline/compare.py):
+both policies sample, a reward model judges, and the result lands on policy A's version.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from annotate import render
+from annotate import monitor, render
 from annotate.context import AppContext, admin
-from annotate.tasks import start_task, task_status
 from annotate.train import settings_of
+from pipeline.orchestrate.steps import held_out_prompts, submit_compare
 
-ROOT = Path(__file__).resolve().parents[1]
-COMPARE_TASK = "compare"
 SIDE_BY_SIDE = 8
 """Prompts shown side by side after a comparison."""
 SAMPLE_COLUMNS = ["prompt", "response", "score", "kl", "tokens", "finish_reason"]
@@ -190,32 +188,15 @@ def set_active(ctx: AppContext, name: str | None, request: gr.Request):
 # ------------------------------------------------------------------------- comparing two policies
 
 
-def held_out_prompts(store, n: int) -> list:
-    """Up to n prompts nobody has seen: no responses (annotators never ranked them) and in no PPO
-    run's prompt file (no policy trained on them). The newest first, so the choice is stable."""
-    used: set[int] = set()
-    for run in store.list_runs(kind="ppo"):
-        args = run.config.get("args", [])
-        if "--prompts" in args:
-            path = Path(args[args.index("--prompts") + 1])
-            if path.is_file():
-                used.update(json.loads(line).get("id") for line in path.read_text(encoding="utf-8").splitlines()
-                            if line.strip())
-    pool = [p for p in store.prompts_without_responses() if p.id not in used]
-    return sorted(pool, key=lambda p: -p.id)[:n]
-
-
 def compare(ctx: AppContext, a_name: str | None, b_name: str | None, reward_name: str | None, n_prompts,
             request: gr.Request):
-    """Start comparing policy A with policy B on held-out prompts, judged by a reward model (in
-    the background). Returns (progress bar, timer)."""
+    """Queue a `compare` job: policy A against policy B on held-out prompts, judged by a reward
+    model. Returns (progress bar, timer)."""
     admin(ctx, request)
+    if ctx.jobs is None:
+        raise gr.Error("This app runs without a job runner, so it cannot compare policies.")
     a, b = _version(ctx, a_name, "policy"), _version(ctx, b_name, "policy")
     reward = _version(ctx, reward_name, "reward")
-    if a.id == b.id:
-        raise gr.Error("Pick two different policies to compare.")
-    if not reward.path:
-        raise gr.Error(f"{reward.name} has no checkpoint to score with.")
     try:
         n = int(n_prompts)
     except (TypeError, ValueError):
@@ -224,46 +205,30 @@ def compare(ctx: AppContext, a_name: str | None, b_name: str | None, reward_name
     if not prompts:
         raise gr.Error("No held-out prompts left (every prompt has responses or trained a policy): "
                        "import more prompts in Data → Import.")
-    settings = settings_of(ctx)
-    store = ctx.store
-
-    def work(task):
-        from pipeline.compare import CompareConfig, PolicySpec, compare_policies
-
-        cfg = CompareConfig(max_new_tokens=settings.ppo.max_new_tokens, temperature=settings.ppo.temperature)
-        specs = [PolicySpec(v.name, v.base_model or settings.model.model, v.path) for v in (a, b)]
-        result = compare_policies(*specs, reward.path, [p.messages or p.text for p in prompts], settings.model,
-                                  cfg, on_progress=lambda done, total, detail: task.update(
-                                      done=done, total=total, detail=detail))
-        result.update(a=a.name, b=b.name, reward=reward.name)
-        store.update_model_version(a.id, meta={f"compare/{b.name}": {
-            "win_rate": result["win_rate"], "stderr": result["stderr"], "reward": reward.name,
-            "prompts": result["prompts"], "mean": result["mean_a"], "mean_other": result["mean_b"]}})
-        return result
-
     try:
-        start_task(ctx, COMPARE_TASK, f"{a.name} vs {b.name}", work)
-    except RuntimeError as exc:
-        raise gr.Error(str(exc)) from None
+        submit_compare(ctx.store, ctx.jobs, a, b, reward, prompts, settings_of(ctx))
+    except ValueError as exc:
+        raise gr.Error(f"Cannot compare: {exc}.") from None
     bar, *_ = compare_poll(ctx, request)
     return bar, gr.update(active=True)
 
 
 def compare_poll(ctx: AppContext, request: gr.Request):
-    """(progress bar, result markdown, side-by-side table, timer) of the latest comparison."""
+    """(progress bar, result markdown, side-by-side table, timer) of the newest comparison."""
     admin(ctx, request)
-    task = task_status(ctx, COMPARE_TASK)
+    runs = ctx.store.list_runs(kind="compare", limit=1)
     empty = pd.DataFrame(columns=["prompt", "A", "A score", "B", "B score"])
-    if task is None:
+    if not runs:
         return render.render_job("Compare", 0, 0, "idle", "Pick two policies and a reward model."), "", empty, \
             gr.update(active=False)
-    bar = render.render_job(f"Compare {task.label}", task.done, task.total, task.status, task.error or task.detail)
-    if task.status != "done":
-        return bar, "", empty, gr.update(active=task.running)
-    r = task.result
-    text = (f"**{r['a']}** vs **{r['b']}** on {r['prompts']} held-out prompts, judged by **{r['reward']}**: "
-            f"{r['a']} wins **{r['win_rate']:.0%}** ± {r['stderr']:.0%} (ties count half); mean normalised "
-            f"reward {r['mean_a']:+.3f} vs {r['mean_b']:+.3f}.")
+    run = runs[0]
+    bar = monitor.job_bar(run, run.config.get("label"))
+    if run.status != "done":
+        return bar, "", empty, gr.update(active=run.status in ("queued", "running"))
+    r, i = json.loads((Path(run.run_dir) / "result.json").read_text(encoding="utf-8")), run.inputs
+    text = (f"**{i['a_name']}** vs **{i['b_name']}** on {r['prompts']} held-out prompts, judged by "
+            f"**{i['reward_name']}**: {i['a_name']} wins **{r['win_rate']:.0%}** ± {r['stderr']:.0%} (ties count "
+            f"half); mean normalised reward {r['mean_a']:+.3f} vs {r['mean_b']:+.3f}.")
     table = pd.DataFrame([{"prompt": row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"]),
                            "A": row["response_a"], "A score": round(row["score_a"], 3),
                            "B": row["response_b"], "B score": round(row["score_b"], 3)}
@@ -274,40 +239,35 @@ def compare_poll(ctx: AppContext, request: gr.Request):
 # ------------------------------------------------------------------------- gold-loop plots
 
 
-def gold_dirs(ctx: AppContext) -> list[Path]:
-    """Where bench/gold_loop.py's plots may be: data_dir/results/latest, the published
-    docs/results, and the newest bench/out/gold_loop/<time> folder."""
-    dirs = [ctx.data_dir / "results" / "latest", ROOT / "docs" / "results"]
-    out = ROOT / "bench" / "out" / "gold_loop"
-    if out.is_dir():
-        runs = sorted((d for d in out.iterdir() if d.is_dir() and any(d.glob("*.png"))), key=lambda d: d.name)
-        dirs += runs[-1:]
-    return [d for d in dirs if d.is_dir() and any(d.glob("*.png"))]
+def gold_dir(ctx: AppContext) -> Path:
+    """Where this store's gold-loop plots go: `python bench/gold_loop.py --publish DATA_DIR/results/gold_loop`
+    (DATA_DIR: the database's folder)."""
+    return ctx.data_dir / "results" / "gold_loop"
 
 
 def gold_plots(ctx: AppContext, request: gr.Request):
-    """(gallery of (image, caption), note). Images are served from copies in the temp folder, so
-    no results folder itself is exposed."""
+    """(gallery of (image, caption), note): the gold-loop plots of this store's own runs, if any.
+    Images are served from copies in the temp folder, so no results folder itself is exposed."""
     admin(ctx, request)
-    dirs = gold_dirs(ctx)
-    if not dirs:
+    folder = gold_dir(ctx)
+    pngs = sorted(folder.glob("*.png")) if folder.is_dir() else []
+    if not pngs:
         return gr.update(value=[], visible=False), (
-            "No gold-loop results yet. `python bench/gold_loop.py --quick` runs the experiment on tiny models; "
-            "a full run publishes its plots to docs/results/.")
+            f"No gold-loop results for this store yet (looked in `{folder.name}/` beside the database). "
+            "`python bench/gold_loop.py --quick --publish <that folder>` runs the experiment on tiny models.")
     # one copy per file version (its path and mtime name it), so repeated visits add nothing
     cache = Path(tempfile.gettempdir()) / "rlhf-loop-gold"
     cache.mkdir(exist_ok=True)
     images = []
-    for folder in dirs:
-        for png in sorted(folder.glob("*.png")):
-            try:
-                key = hashlib.sha1(f"{png.resolve()}:{png.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-                copy = cache / f"{key}-{png.name}"
-                if not copy.is_file():  # copied under a temporary name: a reader never sees half a file
-                    tmp = cache / f".{key}-{os.getpid()}-{threading.get_ident()}.tmp"
-                    shutil.copy2(png, tmp)
-                    os.replace(tmp, copy)
-            except OSError as exc:
-                raise gr.Error(f"Cannot read {png}: {exc}") from None
-            images.append((str(copy), f"{png.stem} · {folder.name}"))
-    return gr.update(value=images, visible=True), "Gold-loop plots from " + ", ".join(f"`{d.name}`" for d in dirs) + "."
+    for png in pngs:
+        try:
+            key = hashlib.sha1(f"{png.resolve()}:{png.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+            copy = cache / f"{key}-{png.name}"
+            if not copy.is_file():  # copied under a temporary name: a reader never sees half a file
+                tmp = cache / f".{key}-{os.getpid()}-{threading.get_ident()}.tmp"
+                shutil.copy2(png, tmp)
+                os.replace(tmp, copy)
+        except OSError as exc:
+            raise gr.Error(f"Cannot read {png}: {exc}") from None
+        images.append((str(copy), png.stem))
+    return gr.update(value=images, visible=True), f"Gold-loop plots of this store ({len(images)})."

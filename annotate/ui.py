@@ -12,8 +12,6 @@ admin ones and /refresh callable but undocumented, page-load and tab-select even
 
 from __future__ import annotations
 
-import functools
-import inspect
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import gradio as gr
 
 from annotate import handlers as h
 from annotate import ui_admin
+from annotate.bind import bind
 from annotate.context import AppContext
 from annotate.render import render_shortcuts
 
@@ -41,19 +40,6 @@ SUBMIT_JS = """(s, r, b, c, t) => window.rlhf
     : [s, r, b, c, t]"""
 
 
-def bind(fn, ctx: AppContext):
-    """`fn(ctx, *inputs, request)` -> `fn(*inputs, request)` for Gradio, keeping the signature and
-    annotations Gradio reads to inject gr.Request."""
-
-    @functools.wraps(fn)
-    def bound(*args, **kwargs):
-        return fn(ctx, *args, **kwargs)
-
-    params = list(inspect.signature(fn).parameters.values())[1:]
-    bound.__signature__ = inspect.Signature(params)
-    return bound
-
-
 def build_ui(ctx: AppContext) -> gr.Blocks:
     """The whole app as a gr.Blocks (launch it with `launch`)."""
     with gr.Blocks(title="rlhf-loop · annotate", fill_width=True) as demo:
@@ -64,7 +50,6 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
                 annotate = _annotate_tab(ctx, state)
             with gr.Tab("Data", id="data", visible=False, elem_id="rl-tab-data") as data_tab:
                 data = ui_admin.data_tab(ctx)
-            # Issue 7 fills these two: training jobs with live plots, and the model lineage.
             with gr.Tab("Train", id="train", visible=False, elem_id="rl-tab-train") as train_tab:
                 train = ui_admin.train_tab(ctx)
             with gr.Tab("Models", id="models", visible=False, elem_id="rl-tab-models") as models_tab:

@@ -1,5 +1,5 @@
 """Layout and wiring of the admin tabs: Data (import, generate, statistics, export, flagged prompts,
-users, guidelines), Train (issue 7) and Models. Logic lives in annotate/admin.py."""
+users, guidelines), Train and Models. Logic lives in annotate/admin.py."""
 
 from __future__ import annotations
 
@@ -7,16 +7,11 @@ import gradio as gr
 
 from annotate import admin as a
 from annotate import ui_train
+from annotate.bind import bind
 from annotate.context import AppContext
 
 # Admin endpoints are callable through the API (and refused there for non-admins) but not listed.
 HIDDEN = {"api_visibility": "undocumented"}
-
-
-def _bind(fn, ctx):
-    from annotate.ui import bind
-
-    return bind(fn, ctx)
 
 
 def data_tab(ctx: AppContext) -> dict:
@@ -61,7 +56,7 @@ def data_tab(ctx: AppContext) -> dict:
                 top_p = gr.Slider(0.05, 1.0, value=d.get("top_p", 1.0), step=0.05, label="Top-p")
                 version = gr.Dropdown([], label="Policy version", info="default: the active policy")
             gen_btn = gr.Button("Generate", variant="primary", elem_id="rl-generate",
-                                interactive=ctx.generator is not None)
+                                interactive=ctx.jobs is not None)
             job = gr.HTML(elem_id="rl-job", js_on_load=None)
         with gr.Tab("Export"):
             gr.Markdown("Export the preference pairs as a **snapshot** (recorded, with its hash) and "
@@ -106,18 +101,18 @@ def data_tab(ctx: AppContext) -> dict:
     timer = gr.Timer(1.5, active=False)
 
     stats_outs = [counts, people, agreement, bias, per_annotator, by_position]
-    refresh.click(_bind(a.statistics, ctx), None, stats_outs, **HIDDEN, api_name="statistics")
-    import_btn.click(_bind(a.import_file, ctx), [upload, kind], [import_msg, import_errors],
+    refresh.click(bind(a.statistics, ctx), None, stats_outs, **HIDDEN, api_name="statistics")
+    import_btn.click(bind(a.import_file, ctx), [upload, kind], [import_msg, import_errors],
                      **HIDDEN, api_name="import_file")
-    gen_btn.click(_bind(a.generate, ctx), [n_prompts, k, max_new, temperature, top_p, version], [job, timer],
+    gen_btn.click(bind(a.generate, ctx), [n_prompts, k, max_new, temperature, top_p, version], [job, timer],
                   **HIDDEN, api_name="generate")
-    timer.tick(_bind(a.job_poll, ctx), None, [job, timer], api_visibility="private", show_progress="hidden")
-    export_btn.click(_bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction],
+    timer.tick(bind(a.job_poll, ctx), None, [job, timer], api_visibility="private", show_progress="hidden")
+    export_btn.click(bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction],
                      [export_file, export_msg], **HIDDEN, api_name="export")
-    unflag_btn.click(_bind(a.unflag, ctx), [flag_id], [unflag_msg, flagged], **HIDDEN, api_name="unflag")
-    flag_refresh.click(_bind(a.flagged_table, ctx), None, [flagged], **HIDDEN, api_name="flagged")
-    add_btn.click(_bind(a.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
-    save_btn.click(_bind(a.save_guidelines, ctx), [guidelines], [save_msg], **HIDDEN, api_name="save_guidelines")
+    unflag_btn.click(bind(a.unflag, ctx), [flag_id], [unflag_msg, flagged], **HIDDEN, api_name="unflag")
+    flag_refresh.click(bind(a.flagged_table, ctx), None, [flagged], **HIDDEN, api_name="flagged")
+    add_btn.click(bind(a.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
+    save_btn.click(bind(a.save_guidelines, ctx), [guidelines], [save_msg], **HIDDEN, api_name="save_guidelines")
     return {
         "timer": timer,
         "load": [(a.statistics, None, stats_outs), (a.users_table, None, [users]),

@@ -11,17 +11,13 @@ import gradio as gr
 import pandas as pd
 
 from annotate import model_admin as m
+from annotate import monitor
 from annotate import train as t
+from annotate.bind import bind
 from annotate.context import AppContext
 
 HIDDEN = {"api_visibility": "undocumented"}
 QUIET = {"api_visibility": "private", "show_progress": "hidden"}
-
-
-def _bind(fn, ctx):
-    from annotate.ui import bind
-
-    return bind(fn, ctx)
 
 
 def train_tab(ctx: AppContext) -> dict:
@@ -72,14 +68,14 @@ def train_tab(ctx: AppContext) -> dict:
 
     gr.Markdown("### Job monitor")
     with gr.Row():
-        run_pick = gr.Dropdown([("Latest job (follows new jobs)", t.LATEST)], value=t.LATEST, label="Run",
+        run_pick = gr.Dropdown([("Latest job (follows new jobs)", monitor.LATEST)], value=monitor.LATEST, label="Run",
                                elem_id="rl-run-pick", scale=3)
         refresh = gr.Button("Refresh", size="sm", scale=0, min_width=100)
         cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=0, min_width=120, elem_id="rl-cancel",
                            interactive=enabled)
     bar = gr.HTML(elem_id="rl-train-job", js_on_load=None)
     plots = []
-    titles = list(t.PLOTS)
+    titles = list(monitor.PLOTS)
     for row in (titles[:3], titles[3:]):
         with gr.Row():
             for title in row:
@@ -94,17 +90,17 @@ def train_tab(ctx: AppContext) -> dict:
 
     started = [msg, run_pick, timer]
     poll_in, poll_out = [run_pick, reward], [bar, *plots, latest, log, round_md, run_pick, reward, timer]
-    poll = dict(fn=_bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
-    rm_btn.click(_bind(t.train_reward, ctx), [lora, epochs, rm_lr, rm_batch, warm], started,
+    poll = dict(fn=bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
+    rm_btn.click(bind(t.train_reward, ctx), [lora, epochs, rm_lr, rm_batch, warm], started,
                  api_name="train_reward", **HIDDEN).success(**poll)
-    ppo_btn.click(_bind(t.run_ppo, ctx), [lora, reward, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
+    ppo_btn.click(bind(t.run_ppo, ctx), [lora, reward, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
                                           critic_lr, activate], started, api_name="run_ppo", **HIDDEN).success(**poll)
-    round_btn.click(_bind(t.run_full_round, ctx), [lora, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control, beta,
+    round_btn.click(bind(t.run_full_round, ctx), [lora, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control, beta,
                                                    kl_target, ppo_lr, critic_lr, per_round, k, strategy],
                     started, api_name="run_round", **HIDDEN).success(**poll)
-    next_btn.click(_bind(t.start_next_round, ctx), [per_round, k, strategy], started, api_name="next_round",
+    next_btn.click(bind(t.start_next_round, ctx), [per_round, k, strategy], started, api_name="next_round",
                    **HIDDEN).success(**poll)
-    cancel.click(_bind(t.cancel, ctx), [run_pick], [msg], api_name="cancel_run", **HIDDEN).success(**poll)
+    cancel.click(bind(t.cancel, ctx), [run_pick], [msg], api_name="cancel_run", **HIDDEN).success(**poll)
     # .input, not .change: poll itself updates the picker, and must not trigger itself
     run_pick.input(**poll)
     refresh.click(**poll)
@@ -146,12 +142,12 @@ def models_tab(ctx: AppContext) -> dict:
     gallery = gr.Gallery(label="Gold-loop plots", columns=2, height=420, elem_id="rl-gold", visible=False)
 
     opened = [table, pick, a, b, reward, lineage, meta, samples, caption]
-    refresh.click(_bind(m.open_tab, ctx), None, opened, api_name="models", **HIDDEN)
-    pick.input(_bind(m.version_details, ctx), [pick], [lineage, meta, samples, caption], **QUIET)
-    make_active.click(_bind(m.set_active, ctx), [pick], [model_msg, table], api_name="set_active_policy", **HIDDEN)
+    refresh.click(bind(m.open_tab, ctx), None, opened, api_name="models", **HIDDEN)
+    pick.input(bind(m.version_details, ctx), [pick], [lineage, meta, samples, caption], **QUIET)
+    make_active.click(bind(m.set_active, ctx), [pick], [model_msg, table], api_name="set_active_policy", **HIDDEN)
     compare_outs = [compare_bar, compare_md, compare_df, compare_timer]
-    compare_btn.click(_bind(m.compare, ctx), [a, b, reward, n], [compare_bar, compare_timer],
+    compare_btn.click(bind(m.compare, ctx), [a, b, reward, n], [compare_bar, compare_timer],
                       api_name="compare_policies", **HIDDEN)
-    compare_timer.tick(_bind(m.compare_poll, ctx), None, compare_outs, **QUIET)
+    compare_timer.tick(bind(m.compare_poll, ctx), None, compare_outs, **QUIET)
     return {"load": [(m.open_tab, None, opened), (m.compare_poll, None, compare_outs),
                      (m.gold_plots, None, [gallery, gold_note])]}

@@ -7,7 +7,11 @@ stage is one line in STAGES.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
+import threading
+import time
 
 # stage name -> module with a `main(argv: list[str]) -> int`
 STAGES = {
@@ -17,6 +21,29 @@ STAGES = {
     "simulate-annotators": "pipeline.orchestrate.simulate",
     "loop": "pipeline.orchestrate.loop",
 }
+
+
+def watch_owner(interval_s: float = 1.0) -> None:
+    """A job started by a store's owner (pipeline/orchestrate/jobs.py sets $RLHF_LOOP_OWNER_PID)
+    stops when that owner dies: SIGTERM to itself, which a trainer answers by saving a checkpoint
+    and exiting. So a killed app leaves no job running that nobody watches."""
+    owner = os.environ.get("RLHF_LOOP_OWNER_PID")
+    if not owner or not owner.isdigit():
+        return
+
+    def watch():
+        while True:
+            time.sleep(interval_s)
+            try:
+                os.kill(int(owner), 0)
+            except ProcessLookupError:
+                print(f"the owner process {owner} is gone: stopping", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            except PermissionError:
+                pass  # alive, another user's
+
+    threading.Thread(target=watch, name="watch-owner", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,4 +57,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    watch_owner()
     sys.exit(main())

@@ -1,51 +1,58 @@
-"""The job runner and the closed loop, with real subprocess jobs on tiny models."""
+"""The job queue and the round state machine, with real subprocess jobs on tiny models."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import time
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from pipeline.config import GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig
-from pipeline.orchestrate.jobs import JobRunner
+from pipeline.orchestrate.jobs import INTERRUPTED, JobRunner
 from pipeline.orchestrate.judge import make_judge
-from pipeline.orchestrate.loop import LoopSettings, finish_round, start_round
+from pipeline.orchestrate.loop import (RoundFailed, finish_round, make_runner, recover_rounds, start_round,
+                                       wait_round)
 from pipeline.orchestrate.simulate import simulate_annotations
+from store import Store
+from tests.helpers import tiny_settings, wait_for
 from tests.tiny import CORPUS
 
-
-def runner_runs(store):
-    return sorted(store.list_runs(kind="generate"), key=lambda r: r.id)
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def tiny_settings(model_dir, prompts_per_round=6) -> LoopSettings:
-    return LoopSettings(
-        loop=LoopConfig(prompts_per_round=prompts_per_round),
-        model=ModelConfig(model=str(model_dir), device="cpu", dtype="fp32", lora_r=4, lora_alpha=8),
-        generate=GenerateConfig(k=3, max_new_tokens=8, temperature=1.0, batch_size=18),
-        reward=RewardConfig(batch_size=4, max_length=64, norm_samples=0, eval_fraction=0.25, lr=1e-3),
-        ppo=PPOConfig(steps=2, batch_size=4, mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
-                      max_new_tokens=8, sample_every=1),
-        ppo_prompts=8,
-    )
+def add_prompts(store, extra: int = 10) -> None:
+    store.add_prompts([line.split("?")[0] + "?" for line in CORPUS] + [f"Tell me about topic {i}." for i in range(extra)],
+                      source="test")
 
 
-def wait_for(predicate, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+def reward_job_args(tmp_path, model_dir, epochs: int) -> list[str]:
+    data = tmp_path / "pairs.jsonl"
+    with open(data, "w") as fh:
+        for i in range(64):
+            fh.write(json.dumps({"prompt": f"Question {i}?", "chosen": "Yes, gladly.", "rejected": "No."}) + "\n")
+    return ["--data", str(data), "--model", str(model_dir), "--device", "cpu", "--epochs", str(epochs),
+            "--batch-size", "2", "--norm-samples", "0"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- rounds
 
 
 @pytest.mark.slow
 def test_a_round_trains_a_policy_whose_responses_feed_the_next_round(store, tiny_model_dir, tmp_path):
-    store.add_prompts([line.split("?")[0] + "?" for line in CORPUS] + [f"Tell me about topic {i}." for i in range(10)],
-                      source="test")
-    runner = JobRunner(store, tmp_path / "runs", poll_s=0.2)
+    add_prompts(store)
+    runner = make_runner(store, tmp_path / "runs", poll_s=0.2)
     settings = tiny_settings(tiny_model_dir)
 
     rnd = start_round(store, runner, settings)
@@ -55,7 +62,7 @@ def test_a_round_trains_a_policy_whose_responses_feed_the_next_round(store, tiny
     assert simulate_annotations(store, make_judge("rule:length"), noise=0.0) == 6
 
     done = finish_round(store, runner, rnd, settings)
-    assert done.status == "done"
+    assert done.status == "done" and done.meta["last_error"] is None
     reward = store.get_model_version(done.reward_version_id)
     policy = store.get_model_version(done.new_policy_version_id)
     # lineage: snapshot -> reward model; base policy + reward model -> new policy
@@ -63,58 +70,134 @@ def test_a_round_trains_a_policy_whose_responses_feed_the_next_round(store, tiny
     assert policy.parent_id == base.id and policy.reward_version_id == reward.id
     assert store.active_policy().id == policy.id
     assert store.metrics(store.get_model_version(policy.id).run_id, keys=["objective/kl"])
+    # the hash the reward model recorded is the store's hash of the snapshot it trained on
+    assert reward.meta["data_sha256"] == store.get_snapshot(done.snapshot_id).sha256
 
     # the next round picks, of 2N candidates, the N prompts the new reward model separates least
     settings.loop.strategy = "uncertain"
     nxt = start_round(store, runner, settings, 1)
-    assert "kept the 6 of 12 prompts" in (tmp_path / "runs" / f"{runner_runs(store)[-1].id:05d}-generate" /
-                                         "log.txt").read_text()
+    gen = store.list_runs(kind="generate", limit=1)[0]
+    assert "kept the 6 of 12 prompts" in (Path(gen.run_dir) / "log.txt").read_text()
     items = {r.item_id for p in store.list_prompts(limit=1000) for r in store.prompt_responses(p.id)
              if r.model_version_id == policy.id}
     assert nxt.policy_version_id == policy.id and len(items) == 6
     runner.shutdown()
 
 
-def _long_reward_job(store, runner, tiny_model_dir, tmp_path):
-    data = tmp_path / "pairs.jsonl"
-    import json
+@pytest.mark.slow
+def test_a_failed_step_leaves_the_round_open_with_the_reason_and_a_retry_works(store, tiny_model_dir, tmp_path):
+    add_prompts(store)
+    runner = make_runner(store, tmp_path / "runs", poll_s=0.2)
+    settings = tiny_settings(tiny_model_dir)
+    rnd = start_round(store, runner, settings)
+    simulate_annotations(store, make_judge("rule:length"))
+    rankings = store.counts()["rankings"]
 
-    with open(data, "w") as fh:
-        for i in range(64):
-            fh.write(json.dumps({"prompt": f"Question {i}?", "chosen": "Yes, gladly.", "rejected": "No."}) + "\n")
-    return runner.submit("train-reward", ["--data", str(data), "--model", str(tiny_model_dir), "--device", "cpu",
-                                          "--epochs", "500", "--batch-size", "2", "--norm-samples", "0"])
+    broken = tiny_settings(tmp_path / "no-such-model")
+    with pytest.raises(RoundFailed, match="reward"):
+        finish_round(store, runner, rnd, broken)
+    rnd = store.get_round(rnd.id)
+    assert rnd.status == "annotating" and rnd.meta["failed_step"] == "reward"
+    assert "reward (run #" in rnd.meta["last_error"] and "no-such-model" in rnd.meta["last_error"]
+    assert store.counts()["rankings"] == rankings and store.list_model_versions("reward") == []
+
+    done = finish_round(store, runner, rnd, settings)  # the same action retries it
+    assert done.status == "done" and done.meta["last_error"] is None
+    runner.shutdown()
+
+
+def test_a_round_left_mid_step_without_a_job_is_reopened_at_start(store, tmp_path):
+    rnd = store.create_round(None, status="training")
+    runner = JobRunner(store, tmp_path / "runs")
+    assert recover_rounds(store, runner) == 1
+    rnd = store.get_round(rnd.id)
+    assert rnd.status == "annotating" and "interrupted" in rnd.meta["last_error"]
+    with pytest.raises(RoundFailed, match="interrupted"):
+        wait_round(store, rnd)
+    runner.shutdown()
+
+
+# --------------------------------------------------------------------------- jobs
 
 
 @pytest.mark.slow
 def test_a_killed_job_is_marked_failed_and_leaves_the_store_unchanged(store, tiny_model_dir, tmp_path):
     runner = JobRunner(store, tmp_path / "runs", poll_s=0.1)
-    run = _long_reward_job(store, runner, tiny_model_dir, tmp_path)
+    run = runner.submit("train-reward", reward_job_args(tmp_path, tiny_model_dir, 500))
     wait_for(lambda: store.metrics(run.id), timeout=90, what="the job's first metrics")
-    counts = store.counts()
-    versions = store.list_model_versions()
+    counts, versions = store.counts(), store.list_model_versions()
 
-    os.killpg(runner._jobs[run.id].process.pid, signal.SIGKILL)
+    os.killpg(store.get_run(run.id).outputs["pid"], signal.SIGKILL)
     ended = runner.wait(run.id, timeout=30)
 
     assert ended.status == "failed"
     assert "signal 9" in ended.error and "log tail" in ended.error
     assert store.counts() == counts and store.list_model_versions() == versions
+    runner.shutdown()
 
 
 @pytest.mark.slow
-def test_cancel_stops_a_job_gracefully(store, tiny_model_dir, tmp_path):
+def test_cancel_stops_a_job_gracefully_and_a_queued_one_never_starts(store, tiny_model_dir, tmp_path):
     runner = JobRunner(store, tmp_path / "runs", poll_s=0.1, grace_s=20)
-    run = _long_reward_job(store, runner, tiny_model_dir, tmp_path)
-    queued = _long_reward_job(store, runner, tiny_model_dir, tmp_path)  # one job at a time per device
+    run = runner.submit("train-reward", reward_job_args(tmp_path, tiny_model_dir, 500))
+    queued = runner.submit("train-reward", reward_job_args(tmp_path, tiny_model_dir, 500))
     wait_for(lambda: store.metrics(run.id), timeout=90, what="the job's first metrics")
-    assert store.get_run(queued.id).status == "queued"
+    assert store.get_run(queued.id).status == "queued"  # one job at a time
 
     runner.cancel(queued.id)
     runner.cancel(run.id)
 
     assert runner.wait(run.id, timeout=60).status == "cancelled"
     assert runner.wait(queued.id, timeout=10).status == "cancelled"
+    assert not (Path(store.get_run(queued.id).run_dir) / "log.txt").exists()
     # a graceful stop leaves a usable last checkpoint
-    assert (tmp_path / "runs" / f"{run.id:05d}-train-reward" / "checkpoint" / "model_meta.json").is_file()
+    assert (Path(run.run_dir) / "checkpoint" / "model_meta.json").is_file()
     assert store.list_model_versions("reward") == []
+    runner.shutdown()
+
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from pipeline.orchestrate.loop import make_runner
+    from store import Store
+
+    store = Store(sys.argv[1])
+    runner = make_runner(store, sys.argv[2], poll_s=0.1)
+    args = sys.argv[3:]
+    split = args.index("--")
+    runner.submit("train-reward", args[:split])
+    runner.submit("train-reward", args[split + 1:])
+    time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+def test_the_queue_survives_a_kill_9_of_its_owner(store_path, tiny_model_dir, tmp_path):
+    """The owner dies with one job running and one queued: the running job stops by itself, and
+    the next owner marks it interrupted and runs the queued one."""
+    runs = tmp_path / "runs"
+    long_args = reward_job_args(tmp_path, tiny_model_dir, 500)
+    short_args = reward_job_args(tmp_path, tiny_model_dir, 1)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(store_path), str(runs), *long_args, "--", *short_args],
+                             cwd=ROOT)
+    try:
+        wait_for(lambda: (runs / "00001-train-reward" / "metrics.jsonl").is_file(), timeout=120,
+                 what="the first job's metrics")
+    finally:
+        owner.kill()
+        owner.wait()
+
+    store = Store(store_path)
+    first, second = sorted(store.list_runs(), key=lambda r: r.id)
+    assert (first.status, second.status) == ("running", "queued")
+    wait_for(lambda: not alive(first.outputs["pid"]), timeout=15, what="the orphaned job to stop")
+
+    runner = make_runner(store, runs, poll_s=0.1)
+    first = store.get_run(first.id)
+    assert first.status == "failed" and first.error == INTERRUPTED
+    second = runner.wait(second.id, timeout=120)
+    assert second.status == "done", second.error
+    (reward,) = store.list_model_versions("reward")
+    assert reward.run_id == second.id
+    runner.shutdown()
+    store.close()

@@ -1,23 +1,27 @@
-"""Launch, watch and cancel pipeline jobs as subprocesses, and ingest what they write.
+"""The job queue: launch, watch and cancel pipeline jobs as subprocesses, one at a time.
 
-DESIGN.md, Process model: a job is `python -m pipeline <stage> ... --out RUN_DIR` (or the same
-under `accelerate launch`); it reads files, writes only its run directory and never opens the
-DuckDB file. The process that owns the store (the app, or a CLI) runs a `JobRunner`, which
+A job is `python -m pipeline <stage> ... --out RUN_DIR` (or the same under a launcher such as
+`torchrun`): it reads files, writes only its run directory and never opens the DuckDB file
+(docs/DESIGN.md, Process model). The process that owns the store (the app, or a CLI) runs one
+`JobRunner`, which
 
-  1. records the run in the store (status 'queued'),
-  2. starts the job when its device is free (one job at a time per device: a FIFO queue),
-  3. tails status.json and metrics.jsonl while it runs, copying metrics into the store,
-  4. when it ends, marks the run done / failed (with the error and the log tail) / cancelled, and
-     on success ingests its results (responses, new model versions) in one store transaction.
+  1. records each job as a run in the store, status 'queued': the queue *is* the `runs` table, so
+     it survives a restart of the owner;
+  2. starts the oldest queued run when the device set is free (one job at a time: the job may use
+     every device of the machine, so the whole set is one busy unit);
+  3. while it runs, tails status.json and metrics.jsonl, copying metrics into the store, and
+     ingests partial results as they appear (generated responses, chunk by chunk: ingest.py);
+  4. when it ends, marks the run done / failed (with its error and log tail) / cancelled, ingests
+     its results (new model versions ...) in the store, then calls `on_end(runner, run)`, which
+     the round state machine (loop.py) uses to start the next step.
 
-A job that crashes or is killed (even with SIGKILL) leaves its run marked failed and the store as
-it was: nothing from a run is written to the store before the run has finished successfully.
+On start the runner recovers what a previous owner left: a run still 'running' is over (its job
+stops by itself when its owner dies, see `OWNER_ENV`; a survivor is terminated here) and is
+marked failed "interrupted"; queued runs stay queued and start in order.
 """
 
 from __future__ import annotations
 
-import collections
-import json
 import os
 import shlex
 import signal
@@ -25,193 +29,271 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+import traceback
 from pathlib import Path
 from typing import Callable
 
+from pipeline.orchestrate import ingest
 from pipeline.rundir import MetricsTail, read_status
 
 DEFAULT_LAUNCHER = (sys.executable, "-m", "pipeline")
+OWNER_ENV = "RLHF_LOOP_OWNER_PID"
+"""Set in every job's environment: the pid of the process that owns the store. A job whose owner
+has died stops itself (pipeline/__main__.py), so a killed app leaves no job running unseen."""
+INTERRUPTED = "interrupted: the process that owned the job stopped before it finished"
 
 
 def launcher_from_env() -> tuple[str, ...]:
-    """$RLHF_LOOP_LAUNCHER (e.g. "accelerate launch --num_processes 4 -m pipeline") or python -m pipeline."""
+    """$RLHF_LOOP_LAUNCHER (e.g. "torchrun --nproc_per_node 2 -m pipeline") or python -m pipeline."""
     env = os.environ.get("RLHF_LOOP_LAUNCHER")
     return tuple(shlex.split(env)) if env else DEFAULT_LAUNCHER
 
 
-@dataclass
-class Job:
-    run_id: int
-    kind: str
-    args: list[str]
-    run_dir: Path
-    device: str
-    on_done: Callable | None = None
-    process: subprocess.Popen | None = None
-    cancel_requested: bool = False
-    finished: threading.Event = field(default_factory=threading.Event)
-
-
 class JobRunner:
-    """Owns the job queue of one store. Thread-safe; one worker thread per device."""
+    """Owns the job queue of one store (see the module docstring). Thread-safe."""
 
     def __init__(self, store, runs_root: str | Path, launcher=None, poll_s: float = 0.5,
-                 grace_s: float = 10.0, env: dict | None = None):
+                 grace_s: float = 10.0, env: dict | None = None,
+                 on_end: Callable[["JobRunner", object], None] | None = None):
+        """on_end(runner, run): called in the worker thread after a run has ended and its results
+        are in the store (also for runs found interrupted at start)."""
         self.store = store
         self.runs_root = Path(runs_root)
         self.launcher = tuple(launcher or launcher_from_env())
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "PYTHONUNBUFFERED": "1", **(env or {})}
-        self._lock = threading.Lock()
-        self._queues: dict[str, collections.deque[Job]] = {}
-        self._workers: dict[str, threading.Thread] = {}
-        self._jobs: dict[int, Job] = {}
+                    "PYTHONUNBUFFERED": "1", **(env or {}), OWNER_ENV: str(os.getpid())}
+        self.on_end = on_end
+        self._wake = threading.Condition()
+        self._settled: set[int] = set()  # runs of this runner that ended and were ingested
+        self._cancel: set[int] = set()
+        self._process: subprocess.Popen | None = None
+        self._current: int | None = None
         self._closed = False
+        self.recover()
+        self._worker = threading.Thread(target=self._work, name="jobs", daemon=True)
+        self._worker.start()
 
     # ------------------------------------------------------------------ public API
 
-    def submit(self, kind: str, args: list[str], *, inputs: dict | None = None, config: dict | None = None,
-               device: str = "auto", on_done: Callable | None = None):
+    def submit(self, kind: str, args: list[str], *, inputs: dict | None = None, config: dict | None = None):
         """Queue `python -m pipeline KIND ARGS --out RUN_DIR`; returns the store's Run.
 
-        `inputs` is recorded with the run and tells the finisher what to register (for example
-        the model version that generates, or the snapshot a reward model trains on).
-        `on_done(run)` is called in the worker thread after the run has ended and been ingested.
-        """
+        `inputs` is recorded with the run and tells ingest.py what to register when it ends (the
+        model version that generates, the snapshot a reward model trains on, the round step ...)."""
         if self._closed:
             raise RuntimeError("the job runner is shut down")
         run = self.store.create_run(kind, config={"args": list(args), **(config or {})}, inputs=inputs or {})
         run_dir = self.runs_root / f"{run.id:05d}-{kind}"
         run_dir.mkdir(parents=True, exist_ok=True)
         run = self.store.update_run(run.id, run_dir=str(run_dir))
-        job = Job(run.id, kind, list(args), run_dir, device, on_done)
-        with self._lock:
-            self._jobs[run.id] = job
-            self._queues.setdefault(device, collections.deque()).append(job)
-            worker = self._workers.get(device)
-            if worker is None or not worker.is_alive():
-                worker = threading.Thread(target=self._work, args=(device,), daemon=True,
-                                          name=f"jobs-{device}")
-                self._workers[device] = worker
-                worker.start()
+        with self._wake:
+            self._wake.notify_all()
         return run
 
     def cancel(self, run_id: int) -> None:
-        """Ask a job to stop: a queued job never starts; a running one gets SIGTERM (it saves a
+        """Stop a run: a queued one never starts; a running one gets SIGTERM (it saves a
         checkpoint and exits), then SIGKILL after `grace_s` seconds."""
-        job = self._jobs.get(run_id)
-        if job is None:
-            raise KeyError(f"run {run_id} is not a job of this runner")
-        job.cancel_requested = True
-        proc = job.process
+        run = self.store.get_run(run_id)
+        with self._wake:
+            if run.status not in ("queued", "running"):
+                raise ValueError(f"run {run_id} is {run.status}: nothing to cancel")
+            self._cancel.add(run_id)
+            proc = self._process if self._current == run_id else None
+            self._wake.notify_all()
         if proc is not None and proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
-            threading.Thread(target=self._kill_after_grace, args=(proc,), daemon=True).start()
+            _terminate(proc.pid, self.grace_s, wait=False, proc=proc)
 
     def wait(self, run_id: int, timeout: float | None = None):
-        """Block until the run has ended and been ingested; returns its Run."""
-        job = self._jobs[run_id]
-        if not job.finished.wait(timeout):
-            raise TimeoutError(f"run {run_id} ({job.kind}) still running after {timeout} s")
+        """Block until the run has ended and its results (and `on_end`) are through; returns it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._wake:
+            while run_id not in self._settled:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"run {run_id} still in flight after {timeout} s")
+                self._wake.wait(min(1.0, left) if left is not None else 1.0)
         return self.store.get_run(run_id)
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Block until no run is queued or running."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.busy():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"jobs still in flight after {timeout} s")
+            with self._wake:
+                self._wake.wait(0.2)
 
     def progress(self, run_id: int) -> dict:
         """The job's status.json (state, step, total, progress), or {} before it writes one."""
-        job = self._jobs.get(run_id)
-        run_dir = job.run_dir if job else Path(self.store.get_run(run_id).run_dir or ".")
-        return read_status(run_dir)
-
-    def log_tail(self, run_id: int, lines: int = 40) -> str:
-        job = self._jobs.get(run_id)
-        run_dir = job.run_dir if job else Path(self.store.get_run(run_id).run_dir or ".")
-        return _tail(run_dir / "log.txt", lines)
+        run = self.store.get_run(run_id)
+        return read_status(Path(run.run_dir)) if run.run_dir else {}
 
     def busy(self) -> bool:
-        return any(not job.finished.is_set() for job in self._jobs.values())
+        with self._wake:
+            if self._current is not None:
+                return True
+        return bool(self.store.list_runs(status="queued", limit=1))
+
+    def in_flight(self, kinds: tuple[str, ...] | None = None) -> list:
+        """Runs queued or running (of these kinds), oldest first."""
+        runs = self.store.list_runs(status="running") + self.store.list_runs(status="queued")
+        return sorted((r for r in runs if kinds is None or r.kind in kinds), key=lambda r: r.id)
 
     def shutdown(self, cancel_running: bool = True) -> None:
-        self._closed = True
-        if cancel_running:
-            for job in list(self._jobs.values()):
-                if not job.finished.is_set():
-                    self.cancel(job.run_id)
+        """Stop taking jobs. The running job is cancelled (and waited for) unless `cancel_running`
+        is False; queued runs stay queued for the next owner."""
+        with self._wake:
+            self._closed = True
+            current, proc = self._current, self._process
+            self._wake.notify_all()
+        if cancel_running and current is not None and proc is not None and proc.poll() is None:
+            self.cancel(current)
+        self._worker.join(self.grace_s + 5 if cancel_running else 0.1)
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self) -> int:
+        """Runs a previous owner left 'running' are over: stop a job still alive, mark the run
+        failed "interrupted", and tell `on_end`. Returns how many."""
+        stale = self.store.list_runs(status="running")
+        for run in stale:
+            pid = (run.outputs or {}).get("pid")
+            if pid and _alive(int(pid)):
+                _terminate(int(pid), self.grace_s, wait=True)
+            self._finish(run.id, "failed", INTERRUPTED)
+        return len(stale)
 
     # ------------------------------------------------------------------ worker
 
-    def _work(self, device: str) -> None:
+    def _next_queued(self):
+        queued = self.store.list_runs(status="queued")
+        return min(queued, key=lambda r: r.id) if queued else None
+
+    def _work(self) -> None:
         while True:
-            with self._lock:
-                queue = self._queues.get(device)
-                if not queue:
-                    self._workers.pop(device, None)
+            with self._wake:
+                if self._closed:
                     return
-                job = queue.popleft()
+            run = self._next_queued()
+            if run is None:
+                with self._wake:
+                    if not self._closed:
+                        self._wake.wait(self.poll_s * 4)
+                continue
             try:
-                self._run(job)
+                self._run(run)
             except Exception as exc:  # the runner must survive anything a job does
-                self._end(job, "failed", f"job runner error: {type(exc).__name__}: {exc}")
-            finally:
-                job.finished.set()
+                self._finish(run.id, "failed", f"job runner error: {type(exc).__name__}: {exc}")
 
-    def _run(self, job: Job) -> None:
-        if job.cancel_requested:
-            self._end(job, "cancelled", "cancelled before it started")
+    def _run(self, run) -> None:
+        if run.id in self._cancel:
+            self._finish(run.id, "cancelled", "cancelled before it started")
             return
+        run_dir = Path(run.run_dir)
         # 1. start the subprocess in its own process group (so cancel reaches its children too)
-        cmd = [*self.launcher, job.kind, *job.args, "--out", str(job.run_dir)]
-        (job.run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-        with open(job.run_dir / "log.txt", "ab") as log:
-            job.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=self.env, start_new_session=True)
-        self.store.update_run(job.run_id, status="running")
-        # 2. tail metrics while it runs
-        tail = MetricsTail(job.run_dir)
-        while job.process.poll() is None:
-            self._ingest_metrics(job, tail)
-            time.sleep(self.poll_s)
-        self._ingest_metrics(job, tail)
-        # 3. decide how it ended
-        rc = job.process.returncode
-        status = read_status(job.run_dir)
-        if job.cancel_requested:
-            self._end(job, "cancelled", status.get("error") or "cancelled by the user")
-        elif rc == 0 and status.get("state", "done") == "done":
-            # 4. ingest its results; a failure here fails the run and stores nothing of it
-            outputs = FINISHERS[job.kind](self.store, self.store.get_run(job.run_id), job.run_dir) \
-                if job.kind in FINISHERS else {}
-            self._end(job, "done", None, outputs)
-        else:
-            why = status.get("error") or (f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}")
-            self._end(job, "failed", f"{why}\n--- log tail ---\n{_tail(job.run_dir / 'log.txt', 30)}")
+        cmd = [*self.launcher, run.kind, *run.config.get("args", []), "--out", str(run_dir)]
+        (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+        with open(run_dir / "log.txt", "ab") as log, self._wake:
+            self._process = proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                start_new_session=True)
+            self._current = run.id
+        self.store.update_run(run.id, status="running", outputs={"pid": proc.pid})
+        try:
+            # 2. tail metrics and partial results while it runs
+            tail, partial = MetricsTail(run_dir), ingest.Partial(self.store, run)
+            while proc.poll() is None:
+                self._tail(run, tail, partial)
+                time.sleep(self.poll_s)
+            self._tail(run, tail, partial)
+            # 3. decide how it ended, 4. ingest its results
+            rc, status = proc.returncode, read_status(run_dir)
+            if run.id in self._cancel:
+                self._finish(run.id, "cancelled", status.get("error") or "cancelled by the user")
+            elif rc == 0 and status.get("state", "done") == "done":
+                try:  # a failure here fails the run; each ingest step is one store transaction
+                    outputs = ingest.finish(self.store, self.store.get_run(run.id), run_dir, partial)
+                except Exception as exc:
+                    self._finish(run.id, "failed", f"ingesting the results failed: {type(exc).__name__}: {exc}")
+                else:
+                    self._finish(run.id, "done", None, outputs)
+            else:
+                why = status.get("error") or (f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}")
+                self._finish(run.id, "failed", f"{why}\n--- log tail ---\n{tail_text(run_dir / 'log.txt', 30)}")
+        finally:
+            with self._wake:
+                self._process, self._current = None, None
 
-    def _ingest_metrics(self, job: Job, tail: MetricsTail) -> None:
+    def _tail(self, run, tail: MetricsTail, partial) -> None:
         rows = tail.read()
         if rows:
-            self.store.add_metrics(job.run_id, rows)
+            self.store.add_metrics(run.id, rows)
+        partial.poll()
 
-    def _end(self, job: Job, status: str, error: str | None, outputs: dict | None = None) -> None:
-        run = self.store.update_run(job.run_id, status=status, error=error, outputs=outputs or {})
-        if job.on_done is not None:
-            job.on_done(run)
-
-    def _kill_after_grace(self, proc: subprocess.Popen) -> None:
+    def _finish(self, run_id: int, status: str, error: str | None, outputs: dict | None = None) -> None:
+        run = self.store.update_run(run_id, status=status, error=error, outputs=outputs or {})
         try:
-            proc.wait(self.grace_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
+            if self.on_end is not None:
+                self.on_end(self, run)
+        except Exception:  # what comes next failed; the run itself is recorded as it ended
+            traceback.print_exc()
+        finally:
+            with self._wake:
+                self._settled.add(run_id)
+                self._cancel.discard(run_id)
+                self._wake.notify_all()
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+# ---------------------------------------------------------------------- processes
+
+
+def _alive(pid: int) -> bool:
     try:
-        os.killpg(proc.pid, sig)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _tail(path: Path, lines: int) -> str:
+def _terminate(pid: int, grace_s: float, wait: bool, proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM to the job's process group (it checkpoints and exits), SIGKILL after `grace_s`.
+    `proc`: our own child (waited for through Popen, which reaps it); without it, a job of an
+    earlier owner, watched until it is gone."""
+    _signal_group(pid, signal.SIGTERM)
+
+    def kill_later():
+        if proc is not None:
+            try:
+                proc.wait(grace_s)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.1)
+        _signal_group(pid, signal.SIGKILL)
+
+    if wait:
+        kill_later()
+    else:
+        threading.Thread(target=kill_later, daemon=True).start()
+
+
+def tail_text(path: Path, lines: int) -> str:
+    """The last `lines` lines of a log. tqdm redraws its line with carriage returns: each line
+    shows its last state."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
@@ -219,60 +301,5 @@ def _tail(path: Path, lines: int) -> str:
             text = fh.read().decode("utf-8", "replace")
     except FileNotFoundError:
         return ""
-    # tqdm redraws with carriage returns: keep the last state of each line
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")[-lines:])
-
-
-# ---------------------------------------------------------------------- finishers
-# Run in the owner process after a job succeeded: read the run directory, write the store.
-
-
-def finish_generate(store, run, run_dir: Path) -> dict:
-    """responses.jsonl -> one item per prompt, all in one transaction, tagged with the version."""
-    version_id = run.inputs["model_version_id"]
-    by_prompt: dict[int, list[dict]] = collections.defaultdict(list)
-    with open(run_dir / "responses.jsonl", encoding="utf-8") as fh:
-        for line in fh:
-            row = json.loads(line)
-            if row.get("prompt_id") is None:
-                raise ValueError("responses.jsonl row has no prompt_id: generate from a store export")
-            by_prompt[int(row["prompt_id"])].append({
-                "text": row["text"], "token_count": row["token_count"],
-                "finish_reason": row["finish_reason"], "sampling": row.get("sampling", {})})
-    item_ids = store.add_responses_bulk(version_id, list(by_prompt.items()), round_id=run.inputs.get("round_id"))
-    return {"items": len(item_ids), "responses": sum(len(v) for v in by_prompt.values())}
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def finish_train_reward(store, run, run_dir: Path) -> dict:
-    ckpt = run_dir / "checkpoint"
-    meta = _read_json(ckpt / "model_meta.json")
-    report = _read_json(run_dir / "eval_report.json")
-    version = store.register_model_version(
-        "reward", parent_id=run.inputs.get("parent_version_id"), path=str(ckpt),
-        base_model=meta.get("base_model"), run_id=run.id, snapshot_id=run.inputs.get("snapshot_id"),
-        meta={"eval": {k: v for k, v in report.items() if not isinstance(v, (list, dict))},
-              "reward_mean": meta.get("reward_mean"), "reward_std": meta.get("reward_std")})
-    return {"model_version_id": version.id}
-
-
-def finish_ppo(store, run, run_dir: Path) -> dict:
-    policy_dir = run_dir / "policy"
-    meta = _read_json(policy_dir / "model_meta.json")
-    last = {}
-    metrics_file = run_dir / "metrics.jsonl"
-    if metrics_file.is_file():
-        lines = metrics_file.read_text(encoding="utf-8").strip().splitlines()
-        last = json.loads(lines[-1]) if lines else {}
-    version = store.register_model_version(
-        "policy", parent_id=run.inputs.get("policy_version_id"), path=str(policy_dir),
-        base_model=meta.get("base_model"), run_id=run.id,
-        reward_version_id=run.inputs.get("reward_version_id"),
-        meta={"final": {k: v for k, v in last.items() if isinstance(v, (int, float))}})
-    return {"model_version_id": version.id}
-
-
-FINISHERS = {"generate": finish_generate, "train-reward": finish_train_reward, "ppo": finish_ppo}
+    rows = [line.rsplit("\r", 1)[-1] for line in text.rstrip("\n").split("\n")]
+    return "\n".join(rows[-lines:])

@@ -1,192 +1,209 @@
-"""The closed loop, one round at a time.
+"""The closed loop: the round state machine, used by the app's Train tab and the CLI alike.
 
-    round n:  1. pick N prompts from the pool        (random, or those the reward model separates least)
-              2. generate K responses with the active policy            (a `generate` job)
-              3. annotators rank them                      (people in the app, or a simulated judge)
-              4. export a snapshot of all pairs, train the reward model  (a `train-reward` job,
-                 warm-started from the previous reward model)
-              5. PPO from the active policy against it                   (a `ppo` job)
-              6. register the new policy, make it active, and start round n+1's generation
+    generating ──► annotating ──► training ──────────────► done
+    (a generate     (people, or a   (a train-reward job,      (the new policy is active; with
+     job with the    simulated       then a ppo job against    `next_round`, round n+1 starts
+     active policy)  annotator)      the new reward model)     generating at once)
 
-Every model-touching step is a subprocess job (pipeline/orchestrate/jobs.py); this module only decides what
-runs next and records it in the store, so the same code drives the app's "Run a full round"
-button and the headless `python -m pipeline loop --rounds R`.
+Every step is a job (steps.py builds it, jobs.py runs it). A job carries its round and step in
+its inputs; when it ends, `on_job_end` moves the round on and submits the next step, so a round
+advances whether or not anyone waits for it, and the queue (the `runs` table) carries it across a
+restart of the owner. The blocking functions (`start_round`, `finish_round`, ...) submit a step
+and wait for the round to settle: the CLI and the benchmarks use those.
+
+One failure rule: a step that fails, is cancelled or is interrupted puts its round back to
+'annotating', with `meta.last_error` saying which step, which run and why. The round keeps its
+items and rankings, and the same action (train again, or start the next round) retries it.
+
+    python -m pipeline loop --rounds 2 --judge embedding     # headless, simulated annotators
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import (GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, add_arguments,
-                             from_args, to_cli_args, to_dict)
+from pipeline.config import GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, add_arguments, from_args
+from pipeline.orchestrate.jobs import JobRunner
+from pipeline.orchestrate.steps import (LoopSettings, ensure_base_policy, select_prompts, submit_generate,
+                                        submit_ppo, submit_reward)
 
-
-@dataclass
-class LoopSettings:
-    """Everything a round needs, one dataclass per stage (pipeline/config.py)."""
-
-    loop: LoopConfig = field(default_factory=LoopConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    ppo_prompts: int = 256
-    """Prompts from the pool that PPO trains on each round."""
+IN_FLIGHT = ("generating", "training")
 
 
 class RoundFailed(RuntimeError):
     pass
 
 
-# ---------------------------------------------------------------------- model versions
-
-
-def ensure_base_policy(store, model_cfg: ModelConfig):
-    """The active policy; on a fresh store, register the base model as policy 'base' and activate it."""
-    active = store.active_policy()
-    if active is not None:
-        return active
-    base = store.find_model_version("base") or store.register_model_version(
-        "policy", name="base", base_model=model_cfg.model, meta={"note": "the starting policy, no training"})
-    return store.set_active_policy(base.id)
-
-
-def policy_args(version) -> list[str]:
-    """Command-line options that load a policy version: its base model, plus its adapter if trained."""
-    args = ["--model", version.base_model or "default"]
-    return args + (["--adapter", version.path] if version.path else [])
-
-
-def latest_reward(store):
-    versions = store.list_model_versions("reward")
-    return versions[-1] if versions else None
-
-
-# ---------------------------------------------------------------------- steps
-
-
-def select_prompts(store, n: int, strategy: str, seed: int = 0) -> list:
-    """N prompts that have no responses yet. 'uncertain' is handled by the generate job (it scores
-    candidates with the reward model), so here it means: a random candidate pool of 2N."""
-    if strategy not in ("random", "uncertain"):
-        raise ValueError(f"strategy must be 'random' or 'uncertain', not {strategy!r}")
-    pool = store.prompts_without_responses()
-    if not pool:
-        raise RoundFailed("the prompt pool is empty: import more prompts (Data tab or python -m store import-prompts)")
-    rng = random.Random(seed)
-    take = min(len(pool), n * (2 if strategy == "uncertain" else 1))
-    return rng.sample(pool, take)
-
-
-def write_prompts(prompts, path: Path) -> Path:
-    """The prompts a job reads: {"id", "prompt"} per line (chat messages when the prompt has them)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        for p in prompts:
-            fh.write(json.dumps({"id": p.id, "prompt": p.messages or p.text}) + "\n")
-    return path
-
-
-def _wait_done(runner, run, what: str):
-    run = runner.wait(run.id)
-    if run.status != "done":
-        raise RoundFailed(f"{what} (run {run.id}) ended {run.status}: {(run.error or '').strip()[:2000]}")
-    return run
-
-
-def start_round(store, runner, settings: LoopSettings, round_no: int = 0):
-    """Steps 1-2: create the round, pick its prompts, generate with the active policy."""
-    policy = ensure_base_policy(store, settings.model)
-    rnd = store.create_round(policy_version_id=policy.id, config={"loop": to_dict(settings.loop)})
-    prompts = select_prompts(store, settings.loop.prompts_per_round, settings.loop.strategy,
-                             settings.loop.seed + round_no)
-    prompts_file = write_prompts(prompts, runner.runs_root / "inputs" / f"round-{rnd.id}-prompts.jsonl")
-    args = ["--prompts", str(prompts_file), *policy_args(policy), *to_cli_args(settings.generate),
-            *_model_args(settings.model)]
-    reward = latest_reward(store)
-    if settings.loop.strategy == "uncertain" and reward is not None:
-        args += ["--select-uncertain", str(settings.loop.prompts_per_round), "--reward", reward.path]
-    run = runner.submit("generate", args, inputs={"model_version_id": policy.id, "round_id": rnd.id})
-    _wait_done(runner, run, "generation")
-    return store.update_round(rnd.id, status="annotating")
-
-
-def finish_round(store, runner, rnd, settings: LoopSettings):
-    """Steps 4-6: snapshot -> reward model -> PPO -> new active policy. Returns the finished round."""
-    reward = train_round_reward(store, runner, rnd, settings)
-    return train_round_policy(store, runner, rnd, reward, settings)
-
-
-def train_round_reward(store, runner, rnd, settings: LoopSettings):
-    """Step 4: a snapshot of every pair so far -> a train-reward job, warm-started from the latest
-    reward model -> the registered reward version (its snapshot_id names the snapshot).
-
-    The round is marked 'training'; the reward model is recorded on it only by train_round_policy,
-    so a round whose PPO fails keeps no half-finished outcome (the app reopens it for another try).
-    """
-    from store.export import export_pairs
-
-    store.update_round(rnd.id, status="training")
-    policy = store.get_model_version(rnd.policy_version_id)
-    # 4. a snapshot of every pair so far (rankings of all rounds, and imported pairs)
-    out = runner.runs_root / "snapshots" / f"round-{rnd.id}-{int(time.time())}.parquet"
-    snapshot = export_pairs(store, out, "parquet")
-    if not snapshot.counts.get("pairs"):
-        raise RoundFailed("no preference pairs to train on yet: rank some items first")
-    previous = latest_reward(store)
-    args = ["--data", snapshot.path, *to_cli_args(settings.reward), *_model_args(settings.model),
-            "--model", policy.base_model or settings.model.model]
-    if previous is not None and previous.path:
-        args += ["--init-from", previous.path]
-    run = runner.submit("train-reward", args, inputs={
-        "snapshot_id": snapshot.id, "round_id": rnd.id,
-        "parent_version_id": previous.id if previous else None})
-    reward_id = _wait_done(runner, run, "reward training").outputs["model_version_id"]
-    return store.get_model_version(reward_id)
-
-
-def train_round_policy(store, runner, rnd, reward, settings: LoopSettings):
-    """Steps 5-6: PPO (settings.ppo) from the round's policy against `reward` -> the new policy,
-    which becomes active (it writes the next round's responses). Returns the round, now done, with
-    its reward model, snapshot and new policy recorded.
-
-    Separate from train_round_reward so that several PPO settings can share one reward model
-    (bench/gold_loop.py runs its KL settings from round 1's)."""
-    policy = store.get_model_version(rnd.policy_version_id)
-    # 5. PPO on the first prompts of the pool
-    pool = store.list_prompts(limit=settings.ppo_prompts)
-    prompts_file = write_prompts(pool, runner.runs_root / "inputs" / f"round-{rnd.id}-ppo-prompts.jsonl")
-    args = ["--prompts", str(prompts_file), "--reward", reward.path, *to_cli_args(settings.ppo),
-            *_model_args(settings.model), "--model", policy.base_model or settings.model.model]
-    if policy.path:
-        args += ["--policy", policy.path]
-    run = runner.submit("ppo", args, inputs={"policy_version_id": policy.id, "reward_version_id": reward.id,
-                                             "round_id": rnd.id})
-    new_policy_id = _wait_done(runner, run, "PPO").outputs["model_version_id"]
-    # 6. the new policy writes the next round's responses
-    store.set_active_policy(new_policy_id)
-    return store.update_round(rnd.id, status="done", reward_version_id=reward.id,
-                              new_policy_version_id=new_policy_id, snapshot_id=reward.snapshot_id)
-
-
-def _model_args(model_cfg: ModelConfig) -> list[str]:
-    """ModelConfig options except --model (each step names its own model)."""
-    args = to_cli_args(model_cfg)
-    if "--model" in args:
-        i = args.index("--model")
-        del args[i:i + 2]
-    return args
+def make_runner(store, runs_root, **kwargs) -> JobRunner:
+    """The owner's job runner, wired to the round state machine; rounds a previous owner left
+    mid-step are settled (see `recover_rounds`)."""
+    runner = JobRunner(store, runs_root, on_end=on_job_end, **kwargs)
+    recover_rounds(store, runner)
+    return runner
 
 
 def current_round(store):
-    """The round waiting for annotations, if any."""
+    """The newest round waiting for annotations, if any."""
     rounds = [r for r in store.list_rounds() if r.status == "annotating"]
     return rounds[-1] if rounds else None
+
+
+# ---------------------------------------------------------------------- starting steps
+
+
+def start_round(store, runner, settings: LoopSettings, round_no: int | None = None, *, wait: bool = True):
+    """A new round: pick its prompts, generate K responses each with the active policy.
+    `round_no` seeds the prompt choice (default: the number of rounds so far)."""
+    policy = ensure_base_policy(store, settings.model)
+    round_no = len(store.list_rounds()) if round_no is None else round_no
+    try:
+        prompts = select_prompts(store, settings.loop.prompts_per_round, settings.loop.strategy,
+                                 settings.loop.seed + round_no)
+    except ValueError as exc:
+        raise RoundFailed(str(exc)) from None
+    rnd = store.create_round(policy_version_id=policy.id, config={"loop": settings.to_dict()["loop"]})
+    rnd = _begin(store, rnd, "generating", settings, {})
+    uncertain = settings.loop.prompts_per_round if settings.loop.strategy == "uncertain" else 0
+    _submit(store, rnd, "generate", lambda: submit_generate(
+        store, runner, prompts, settings.generate, settings.model, policy, round_id=rnd.id,
+        round_step="generate", select_uncertain=uncertain, label=f"round-{rnd.id}"))
+    return wait_round(store, rnd) if wait else rnd
+
+
+def finish_round(store, runner, rnd, settings: LoopSettings, *, next_round: bool = False, wait: bool = True):
+    """Train on the round: a snapshot of every pair so far -> reward model -> PPO from the round's
+    policy -> the new active policy; with `next_round`, then start the next round."""
+    rnd = _begin(store, rnd, "training", settings, {"policy": True, "next_round": next_round})
+    _submit(store, rnd, "reward", lambda: submit_reward(store, runner, settings, round_id=rnd.id,
+                                                        round_step="reward"))
+    return wait_round(store, rnd) if wait else rnd
+
+
+def train_round_reward(store, runner, rnd, settings: LoopSettings):
+    """Only the reward step (blocking): the round goes back to 'annotating'; returns the new
+    reward version. bench/gold_loop.py runs several PPO settings against one such model."""
+    rnd = _begin(store, rnd, "training", settings, {"policy": False})
+    run, _ = _submit(store, rnd, "reward", lambda: submit_reward(store, runner, settings, round_id=rnd.id,
+                                                                 round_step="reward"))
+    wait_round(store, rnd)
+    return store.get_model_version(store.get_run(run.id).outputs["model_version_id"])
+
+
+def train_round_policy(store, runner, rnd, reward, settings: LoopSettings, *, next_round: bool = False,
+                       wait: bool = True):
+    """Only the policy step: PPO from the round's policy against `reward`; the round ends done."""
+    rnd = _begin(store, rnd, "training", settings, {"next_round": next_round})
+    policy = store.get_model_version(rnd.policy_version_id)
+    _submit(store, rnd, "policy", lambda: submit_ppo(store, runner, settings, reward, policy, round_id=rnd.id,
+                                                     round_step="policy"))
+    return wait_round(store, rnd) if wait else rnd
+
+
+def close_round(store, rnd):
+    """Mark an annotating round done without training in it. If the active policy was trained
+    from the round's policy (by a separate PPO run), it is recorded as the round's outcome."""
+    active = store.active_policy()
+    if active is not None and active.parent_id == rnd.policy_version_id:
+        reward = store.get_model_version(active.reward_version_id) if active.reward_version_id else None
+        return store.update_round(rnd.id, status="done", new_policy_version_id=active.id,
+                                  reward_version_id=reward.id if reward else None,
+                                  snapshot_id=reward.snapshot_id if reward else None,
+                                  meta={"closed": "without training in the round; trained by separate runs"})
+    return store.update_round(rnd.id, status="done", meta={"closed": "without training, no new policy"})
+
+
+def _begin(store, rnd, status: str, settings: LoopSettings, plan: dict):
+    """Enter `status` with the settings and plan the later steps read (kept on the round, so a
+    restart of the owner does not lose them)."""
+    if status == "training" and rnd.status != "annotating":
+        raise RoundFailed(f"round {rnd.id} is {rnd.status}: only a round being annotated can be trained")
+    return store.update_round(rnd.id, status=status, meta={"settings": settings.to_dict(), "plan": plan,
+                                                           "last_error": None})
+
+
+def _submit(store, rnd, step: str, submit):
+    """Run `submit()`; if it cannot queue the step, the round fails by the one rule."""
+    try:
+        return submit()
+    except Exception as exc:
+        fail(store, rnd.id, step, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
+        raise RoundFailed(f"round {rnd.id}, {step}: {exc}") from exc
+
+
+def fail(store, round_id: int, step: str, why: str, run_id: int | None = None):
+    """The one failure rule (module docstring)."""
+    where = f"{step} (run #{run_id})" if run_id is not None else step
+    return store.update_round(round_id, status="annotating",
+                              meta={"last_error": f"{where} failed: {why.strip()[:2000]}", "failed_step": step})
+
+
+# ---------------------------------------------------------------------- advancing
+
+
+def on_job_end(runner, run) -> None:
+    """JobRunner's on_end: move the run's round to its next step (or fail it)."""
+    step, round_id = run.inputs.get("round_step"), run.inputs.get("round_id")
+    if not step or round_id is None:
+        return
+    store = runner.store
+    rnd = store.get_round(round_id)
+    if run.status != "done":
+        fail(store, round_id, step, run.error or run.status, run.id)
+        return
+    plan = rnd.meta.get("plan") or {}
+    settings = LoopSettings.from_dict(rnd.meta.get("settings") or {})
+    if step == "generate":
+        store.update_round(round_id, status="annotating")
+    elif step == "reward" and plan.get("policy"):
+        reward = store.get_model_version(run.outputs["model_version_id"])
+        policy = store.get_model_version(rnd.policy_version_id)
+        try:
+            submit_ppo(store, runner, settings, reward, policy, round_id=round_id, round_step="policy")
+        except Exception as exc:
+            fail(store, round_id, "policy", str(exc))
+    elif step == "reward":
+        store.update_round(round_id, status="annotating")
+    elif step == "policy":
+        reward = store.get_model_version(run.inputs["reward_version_id"])
+        store.update_round(round_id, status="done", reward_version_id=reward.id, snapshot_id=reward.snapshot_id,
+                           new_policy_version_id=run.outputs["model_version_id"])
+        if plan.get("next_round"):
+            try:
+                start_round(store, runner, settings, wait=False)
+            except RoundFailed:
+                pass  # the new round (if it was created) says why; none is created for an empty pool
+
+
+def recover_rounds(store, runner) -> int:
+    """Rounds left mid-step with no job of theirs queued or running (the owner stopped between
+    two steps) fail by the one rule. Returns how many."""
+    waiting = {r.inputs.get("round_id") for r in runner.in_flight()}
+    stale = [r for r in store.list_rounds() if r.status in IN_FLIGHT and r.id not in waiting]
+    for rnd in stale:
+        fail(store, rnd.id, "generate" if rnd.status == "generating" else "training",
+             "interrupted: the app stopped between two steps")
+    return len(stale)
+
+
+def wait_round(store, rnd, timeout: float | None = None, poll_s: float = 0.2):
+    """Block until the round has settled (not generating or training); RoundFailed if a step
+    failed. Returns the round."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        rnd = store.get_round(rnd.id)
+        if rnd.status not in IN_FLIGHT:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"round {rnd.id} still {rnd.status} after {timeout} s")
+        time.sleep(poll_s)
+    if rnd.meta.get("last_error"):
+        raise RoundFailed(f"round {rnd.id}: {rnd.meta['last_error']}")
+    return rnd
+
+
+# ---------------------------------------------------------------------- headless
 
 
 def run_loop(store, runner, settings: LoopSettings, judge=None, noise: float = 0.0, log=print) -> list:
@@ -204,18 +221,13 @@ def run_loop(store, runner, settings: LoopSettings, judge=None, noise: float = 0
             while store.round_counts(rnd.id).get("rankings", 0) < settings.loop.rankings_per_round:
                 time.sleep(5)
         log(f"round {rnd.id}: training")
-        try:
-            done.append(finish_round(store, runner, rnd, settings))
-        except Exception as exc:
-            store.update_round(rnd.id, status="failed", meta={"error": str(exc)[:2000]})
-            raise
+        done.append(finish_round(store, runner, rnd, settings))
         log(f"round {rnd.id}: done, new policy {done[-1].new_policy_version_id}")
         rnd = start_round(store, runner, settings, n + 1)
     return done
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.orchestrate.jobs import JobRunner
     from pipeline.orchestrate.judge import make_judge
     from store import Store, default_db_path
 
@@ -236,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
                             reward=from_args(RewardConfig, args, "rm_"), ppo=from_args(PPOConfig, args, "ppo_"),
                             ppo_prompts=args.ppo_prompts)
     store = Store(args.db)
-    runner = JobRunner(store, args.runs or Path(args.db).resolve().parent / "runs")
+    runner = make_runner(store, args.runs or Path(args.db).resolve().parent / "runs")
     try:
         run_loop(store, runner, settings, judge=make_judge(args.judge) if args.judge else None, noise=args.noise)
+    except RoundFailed as exc:
+        print(f"error: {exc}")
+        return 1
     finally:
         runner.shutdown()
         store.close()

@@ -1,0 +1,122 @@
+"""What the store learns from a run directory: run in the owner process, never in a job.
+
+    Partial(store, run).poll()        while a job runs: its results so far (generated responses
+                                      arrive in chunk files: each chunk becomes items at once)
+    finish(store, run, run_dir, p)    after it succeeded: the rest of its results, in the store
+
+Each chunk, and each finisher, writes the store in one transaction, so a job that crashes or is
+killed (even with SIGKILL) leaves the store with whole chunks only and no half-registered model.
+What a finisher registers is told by the run's `inputs` (recorded when it was submitted), so a
+job queued before a restart of the owner is ingested the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+from pipeline.rundir import read_jsonl
+
+CHUNKS = "chunks"
+"""Folder of a generate run: NNNNN.jsonl, each complete (written under a temporary name, then renamed)."""
+
+
+class Partial:
+    """Ingests a running job's partial results; `done` counts what it stored."""
+
+    def __init__(self, store, run):
+        self.store, self.run = store, run
+        self.next_chunk = 0
+        self.items = self.responses = 0
+
+    def poll(self) -> None:
+        if self.run.kind == "generate":
+            self._generated_chunks()
+
+    def _generated_chunks(self) -> None:
+        folder = Path(self.run.run_dir) / CHUNKS
+        while True:
+            path = folder / f"{self.next_chunk:05d}.jsonl"
+            if not path.is_file():
+                return
+            self.store_responses(read_jsonl(path))
+            self.next_chunk += 1
+
+    def store_responses(self, rows: list[dict]) -> None:
+        """responses rows -> one item per prompt, in one transaction, tagged with the version."""
+        by_prompt: dict[int, list[tuple]] = collections.defaultdict(list)
+        for row in rows:
+            if row.get("prompt_id") is None:
+                raise ValueError("a generated row has no prompt_id: generate from prompts that name their ids")
+            by_prompt[int(row["prompt_id"])].append(
+                (row["text"], row["token_count"], row["finish_reason"], row.get("sampling", {})))
+        inputs = self.run.inputs
+        self.store.add_responses_bulk(inputs["model_version_id"], list(by_prompt.items()),
+                                      round_id=inputs.get("round_id"))
+        self.items += len(by_prompt)
+        self.responses += sum(len(v) for v in by_prompt.values())
+
+
+# ---------------------------------------------------------------------- finishers
+
+
+def finish(store, run, run_dir: Path, partial: Partial) -> dict:
+    """The run's results into the store; returns what goes into the run's outputs."""
+    finisher = FINISHERS.get(run.kind)
+    return finisher(store, run, Path(run_dir), partial) if finisher is not None else {}
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def finish_generate(store, run, run_dir: Path, partial: Partial) -> dict:
+    partial.poll()  # chunks written after the last poll
+    return {"items": partial.items, "responses": partial.responses}
+
+
+def finish_train_reward(store, run, run_dir: Path, partial: Partial) -> dict:
+    ckpt = run_dir / "checkpoint"
+    meta = _read_json(ckpt / "model_meta.json")
+    report = _read_json(run_dir / "eval_report.json")
+    version = store.register_model_version(
+        "reward", parent_id=run.inputs.get("parent_version_id"), path=str(ckpt),
+        base_model=meta.get("base_model"), run_id=run.id, snapshot_id=run.inputs.get("snapshot_id"),
+        meta={"eval": {k: v for k, v in report.items() if not isinstance(v, (list, dict))},
+              "reward_mean": meta.get("reward_mean"), "reward_std": meta.get("reward_std"),
+              "data_sha256": _read_json(run_dir / "config.json").get("data_sha256")})
+    return {"model_version_id": version.id}
+
+
+def finish_ppo(store, run, run_dir: Path, partial: Partial) -> dict:
+    """The new policy; active at once when the run was submitted with `activate`."""
+    policy_dir = run_dir / "policy"
+    meta = _read_json(policy_dir / "model_meta.json")
+    metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    last = metrics[-1] if metrics else {}
+    version = store.register_model_version(
+        "policy", parent_id=run.inputs.get("policy_version_id"), path=str(policy_dir),
+        base_model=meta.get("base_model"), run_id=run.id,
+        reward_version_id=run.inputs.get("reward_version_id"),
+        meta={"final": {k: v for k, v in last.items() if isinstance(v, (int, float))}})
+    if run.inputs.get("activate"):
+        store.set_active_policy(version.id)
+    return {"model_version_id": version.id}
+
+
+def finish_compare(store, run, run_dir: Path, partial: Partial) -> dict:
+    """The win rate goes on policy A's version (meta "compare/<B>"); the rows stay in result.json."""
+    result = _read_json(run_dir / "result.json")
+    if "win_rate" not in result:
+        raise ValueError(f"{run_dir / 'result.json'} has no win_rate")
+    inputs = run.inputs
+    summary = {"win_rate": result["win_rate"], "stderr": result["stderr"], "mean_a": result["mean_a"],
+               "mean_b": result["mean_b"], "prompts": result["prompts"]}
+    store.update_model_version(inputs["a_version_id"], meta={f"compare/{inputs['b_name']}": {
+        **summary, "reward": inputs["reward_name"], "run_id": run.id}})
+    return summary
+
+
+FINISHERS = {"generate": finish_generate, "train-reward": finish_train_reward, "ppo": finish_ppo,
+             "compare": finish_compare}

@@ -1,0 +1,211 @@
+"""The jobs the owner can start, each built in one place: generate, train-reward, ppo, compare.
+
+Each `submit_*` reads what it needs from the store (prompts, model versions), writes the job's
+input files (a prompts file, a Parquet snapshot of the pairs), builds the command line from the
+stage configs (pipeline/config.py) and queues it on the JobRunner. The `inputs` recorded with the
+run tell ingest.py what to register when it ends. The Train, Data and Models tabs, the round
+state machine (loop.py) and the CLI all start jobs through these functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config import (GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, to_cli_args,
+                             to_dict)
+
+
+@dataclass
+class LoopSettings:
+    """Everything the jobs of a round need, one dataclass per stage (pipeline/config.py)."""
+
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    ppo_prompts: int = 256
+    """Prompts from the pool that PPO trains on each round."""
+
+    def to_dict(self) -> dict:
+        return {"loop": to_dict(self.loop), "model": to_dict(self.model), "generate": to_dict(self.generate),
+                "reward": to_dict(self.reward), "ppo": to_dict(self.ppo), "ppo_prompts": self.ppo_prompts}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LoopSettings":
+        """The inverse of to_dict; fields a newer version added keep their defaults."""
+        parts = {"loop": LoopConfig, "model": ModelConfig, "generate": GenerateConfig, "reward": RewardConfig,
+                 "ppo": PPOConfig}
+        made = {}
+        for name, cls_ in parts.items():
+            known = {f.name for f in dataclasses.fields(cls_)}
+            made[name] = cls_(**{k: v for k, v in (data.get(name) or {}).items() if k in known})
+        return cls(**made, ppo_prompts=int(data.get("ppo_prompts", cls.ppo_prompts)))
+
+
+# ---------------------------------------------------------------------- model versions
+
+
+def ensure_base_policy(store, model_cfg: ModelConfig):
+    """The active policy; on a fresh store, register the base model as policy 'base' and activate it."""
+    active = store.active_policy()
+    if active is not None:
+        return active
+    base = store.find_model_version("base") or store.register_model_version(
+        "policy", name="base", base_model=model_cfg.model, meta={"note": "the starting policy, no training"})
+    return store.set_active_policy(base.id)
+
+
+def latest_reward(store):
+    """The newest reward model with a checkpoint, or None."""
+    versions = [mv for mv in store.list_model_versions("reward") if mv.path]
+    return versions[-1] if versions else None
+
+
+def model_args(model_cfg: ModelConfig, base_model: str | None) -> list[str]:
+    """The ModelConfig options of a job, with `base_model` (a version's) as its --model."""
+    return to_cli_args(dataclasses.replace(model_cfg, model=base_model or model_cfg.model))
+
+
+# ---------------------------------------------------------------------- input files
+
+
+def inputs_dir(runner) -> Path:
+    return runner.runs_root / "inputs"
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + f"-{time.time_ns() % 1_000_000_000:09d}"
+
+
+def write_prompts(prompts, path: Path) -> Path:
+    """The prompts a job reads: {"id", "prompt"} per line (chat messages when the prompt has them)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for p in prompts:
+            fh.write(json.dumps({"id": p.id, "prompt": p.messages or p.text}) + "\n")
+    return path
+
+
+def read_prompt_ids(path: Path) -> set[int]:
+    """The prompt ids of a prompts file written by `write_prompts` (empty if it is gone)."""
+    if not path.is_file():
+        return set()
+    return {json.loads(line).get("id") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+
+
+def select_prompts(store, n: int, strategy: str, seed: int = 0) -> list:
+    """N prompts that have no responses yet. 'uncertain' is handled by the generate job (it scores
+    candidates with the reward model), so here it means: a random candidate pool of 2N."""
+    if strategy not in ("random", "uncertain"):
+        raise ValueError(f"strategy must be 'random' or 'uncertain', not {strategy!r}")
+    pool = store.prompts_without_responses()
+    if not pool:
+        raise ValueError("the prompt pool is empty: import more prompts (Data tab or python -m store import-prompts)")
+    take = min(len(pool), n * (2 if strategy == "uncertain" else 1))
+    return random.Random(seed).sample(pool, take)
+
+
+def held_out_prompts(store, n: int) -> list:
+    """Up to n prompts nobody has seen: no responses (annotators never ranked them) and in no PPO
+    run's prompt file (no policy trained on them). The newest first, so the choice is stable."""
+    used: set[int] = set()
+    for run in store.list_runs(kind="ppo"):
+        args = run.config.get("args", [])
+        if "--prompts" in args:
+            used |= read_prompt_ids(Path(args[args.index("--prompts") + 1]))
+    pool = [p for p in store.prompts_without_responses() if p.id not in used]
+    return sorted(pool, key=lambda p: -p.id)[:n]
+
+
+# ---------------------------------------------------------------------- the jobs
+
+
+def submit_generate(store, runner, prompts: list, gen_cfg: GenerateConfig, model_cfg: ModelConfig,
+                    version=None, *, round_id: int | None = None, round_step: str | None = None,
+                    select_uncertain: int = 0, label: str = "generate"):
+    """K responses per prompt with `version` (default: the active policy) -> items, chunk by chunk."""
+    if gen_cfg.k < 2:
+        raise ValueError(f"K={gen_cfg.k}: ranking needs at least 2 responses per prompt")
+    if not prompts:
+        raise ValueError("no prompts to generate for")
+    version = version or ensure_base_policy(store, model_cfg)
+    path = write_prompts(prompts, inputs_dir(runner) / f"{label}-{_stamp()}-prompts.jsonl")
+    args = ["--prompts", str(path), *model_args(model_cfg, version.base_model), *to_cli_args(gen_cfg)]
+    if version.path:
+        args += ["--adapter", version.path]
+    reward = latest_reward(store) if select_uncertain else None
+    if reward is not None:
+        args += ["--select-uncertain", str(select_uncertain), "--reward", reward.path]
+    return runner.submit("generate", args, config={"label": label, "generate": to_dict(gen_cfg)}, inputs={
+        "model_version_id": version.id, "prompts": len(prompts), "round_id": round_id, "round_step": round_step})
+
+
+def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = True, round_id: int | None = None,
+                  round_step: str | None = None):
+    """A Parquet snapshot of every pair so far (recorded in the store, with its hash) -> a
+    train-reward job on it, warm-started from the newest reward model. Returns (run, snapshot)."""
+    from store.export import export_pairs
+
+    snapshot = export_pairs(store, inputs_dir(runner) / f"pairs-{_stamp()}.parquet", "parquet")
+    if not snapshot.counts.get("pairs"):
+        raise ValueError("no preference pairs to train on yet: rank some items first")
+    policy = ensure_base_policy(store, settings.model)
+    previous = latest_reward(store) if warm_start else None
+    args = ["--data", snapshot.path, *to_cli_args(settings.reward), *model_args(settings.model, policy.base_model)]
+    if previous is not None:
+        args += ["--init-from", previous.path]
+    run = runner.submit("train-reward", args,
+                        config={"reward": to_dict(settings.reward), "model": to_dict(settings.model)},
+                        inputs={"snapshot_id": snapshot.id, "parent_version_id": previous.id if previous else None,
+                                "round_id": round_id, "round_step": round_step})
+    return run, snapshot
+
+
+def submit_ppo(store, runner, settings: LoopSettings, reward, policy=None, *, activate: bool = True,
+               round_id: int | None = None, round_step: str | None = None):
+    """PPO from `policy` (default: the active one) against the frozen reward model `reward`, on the
+    first `settings.ppo_prompts` prompts of the pool. With `activate`, the new policy becomes the
+    active one as soon as it is registered."""
+    if reward is None or reward.kind != "reward" or not reward.path:
+        raise ValueError("no trained reward model: train one first")
+    policy = policy or ensure_base_policy(store, settings.model)
+    prompts = store.list_prompts(limit=settings.ppo_prompts)
+    if not prompts:
+        raise ValueError("no prompts to train on: import prompts first")
+    path = write_prompts(prompts, inputs_dir(runner) / f"ppo-{_stamp()}-prompts.jsonl")
+    args = ["--prompts", str(path), "--reward", reward.path, *to_cli_args(settings.ppo),
+            *model_args(settings.model, policy.base_model)]
+    if policy.path:
+        args += ["--policy", policy.path]
+    return runner.submit("ppo", args, config={"ppo": to_dict(settings.ppo), "model": to_dict(settings.model)},
+                         inputs={"policy_version_id": policy.id, "reward_version_id": reward.id,
+                                 "prompts": len(prompts), "activate": activate, "round_id": round_id,
+                                 "round_step": round_step})
+
+
+def submit_compare(store, runner, a, b, reward, prompts: list, settings: LoopSettings):
+    """Policies `a` and `b` sample one response per prompt with the same seed; `reward` judges."""
+    if a.id == b.id:
+        raise ValueError("pick two different policies to compare")
+    if not reward.path:
+        raise ValueError(f"{reward.name} has no checkpoint to score with")
+    if not prompts:
+        raise ValueError("no held-out prompts to compare on")
+    path = write_prompts(prompts, inputs_dir(runner) / f"compare-{_stamp()}-prompts.jsonl")
+    args = ["--prompts", str(path), "--reward", reward.path,
+            "--max-new-tokens", str(settings.ppo.max_new_tokens), "--temperature", str(settings.ppo.temperature)]
+    for side, v in (("a", a), ("b", b)):
+        args += [f"--{side}-model", v.base_model or settings.model.model, f"--{side}-name", v.name]
+        if v.path:
+            args += [f"--{side}-adapter", v.path]
+    # each side names its own base model: the shared options leave --model out
+    model = to_cli_args(dataclasses.replace(settings.model, model=ModelConfig.model))
+    return runner.submit("compare", args + model, config={"label": f"{a.name} vs {b.name}"}, inputs={
+        "a_version_id": a.id, "b_version_id": b.id, "a_name": a.name, "b_name": b.name,
+        "reward_version_id": reward.id, "reward_name": reward.name, "prompts": len(prompts)})
