@@ -20,8 +20,8 @@ import gradio as gr
 
 from annotate import monitor
 from annotate.context import AppContext, admin
-from pipeline.orchestrate import loop, steps
-from pipeline.orchestrate.steps import LoopSettings, latest_reward
+from pipeline.orchestrate import loop
+from pipeline.orchestrate.steps import LoopSettings, ensure_base_policy, latest_reward, submit_ppo, submit_reward
 
 NO_JOBS = ("This app runs without a job runner, so training cannot start here. Train from the "
            "command line instead (`python -m pipeline train-reward --help`, `python -m pipeline ppo "
@@ -109,7 +109,7 @@ def train_reward(ctx: AppContext, lora: bool, epochs, lr, batch_size, warm_start
     jobs = _jobs(ctx)
     settings = reward_settings(settings_of(ctx), lora, epochs, lr, batch_size)
     try:
-        run, snapshot = steps.submit_reward(ctx.store, jobs, settings, warm_start=bool(warm_start))
+        run, snapshot = submit_reward(ctx.store, jobs, settings, warm_start=bool(warm_start))
     except ValueError as exc:
         raise gr.Error(f"Cannot train a reward model yet: {exc}") from None
     parent = run.inputs.get("parent_version_id")
@@ -118,21 +118,21 @@ def train_reward(ctx: AppContext, lora: bool, epochs, lr, batch_size, warm_start
                         f"{snapshot.counts.get('pairs', 0)} pairs{warm}.")
 
 
-def run_ppo(ctx: AppContext, lora: bool, reward_name: str | None, n_prompts, steps_, kl_control, beta, kl_target,
+def run_ppo(ctx: AppContext, lora: bool, reward_name: str | None, n_prompts, steps, kl_control, beta, kl_target,
             lr, critic_lr, activate: bool, request: gr.Request):
     """Queue a `ppo` job from the active policy against the chosen reward model (default: the
     newest). With `activate`, the new policy becomes the active one when the job succeeds.
     Returns (message, run choice, timer)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = ppo_settings(settings_of(ctx), lora, n_prompts, steps_, kl_control, beta, kl_target, lr, critic_lr)
+    settings = ppo_settings(settings_of(ctx), lora, n_prompts, steps, kl_control, beta, kl_target, lr, critic_lr)
     reward = ctx.store.find_model_version(reward_name) if reward_name else latest_reward(ctx.store)
     if reward is None or reward.kind != "reward" or not reward.path:
         raise gr.Error(f"No trained reward model named {reward_name!r}." if reward_name else
                        "No reward model yet: train one first.")
-    policy = steps.ensure_base_policy(ctx.store, settings.model)
+    policy = ensure_base_policy(ctx.store, settings.model)
     try:
-        run = steps.submit_ppo(ctx.store, jobs, settings, reward, policy, activate=bool(activate))
+        run = submit_ppo(ctx.store, jobs, settings, reward, policy, activate=bool(activate))
     except ValueError as exc:
         raise gr.Error(f"Cannot run PPO: {exc}.") from None
     then = " It becomes the active policy when it finishes." if activate else ""
@@ -143,7 +143,7 @@ def run_ppo(ctx: AppContext, lora: bool, reward_name: str | None, n_prompts, ste
 # ------------------------------------------------------------------------- rounds
 
 
-def run_full_round(ctx: AppContext, lora: bool, epochs, rm_lr, rm_batch, n_prompts, steps_, kl_control, beta,
+def run_full_round(ctx: AppContext, lora: bool, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control, beta,
                    kl_target, ppo_lr, critic_lr, prompts_per_round, k, strategy, request: gr.Request):
     """Train on the round being annotated (snapshot -> reward model -> PPO -> new active policy)
     and then start the next one; with no open round, start the first. The round advances as its
@@ -152,7 +152,7 @@ def run_full_round(ctx: AppContext, lora: bool, epochs, rm_lr, rm_batch, n_promp
     admin(ctx, request)
     jobs = _jobs(ctx)
     settings = reward_settings(settings_of(ctx), lora, epochs, rm_lr, rm_batch)
-    settings = ppo_settings(settings, lora, n_prompts, steps_, kl_control, beta, kl_target, ppo_lr, critic_lr)
+    settings = ppo_settings(settings, lora, n_prompts, steps, kl_control, beta, kl_target, ppo_lr, critic_lr)
     settings = round_settings(settings, prompts_per_round, k, strategy)
     _no_round_in_flight(ctx)
     rnd = loop.current_round(ctx.store)

@@ -13,22 +13,21 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from types import SimpleNamespace
 
 import gradio as gr
 import pytest
 
-from annotate import admin, model_admin, train
+from annotate import admin, model_admin, monitor, train
 from annotate.context import AppContext, Refused
-from annotate.tasks import tasks_of
-from pipeline.orchestrate.jobs import JobRunner
+from pipeline.orchestrate import loop
 from pipeline.orchestrate.judge import make_judge
 from pipeline.orchestrate.simulate import simulate_annotations
-from tests.tiny import CORPUS
+from pipeline.orchestrate.steps import held_out_prompts
 from tests.fixtures_store import seed_items
-from tests.test_jobs import tiny_settings
+from tests.helpers import req, tiny_settings
+from tests.tiny import CORPUS
 
-# Form values as the Train tab sends them (the tiny settings of tests/test_jobs.py).
+# Form values as the Train tab sends them (the tiny settings of tests/helpers.py).
 REWARD_FORM = dict(lora=True, epochs=1, lr=1e-3, batch_size=4, warm_start=True)
 PPO_FORM = dict(lora=True, n_prompts=8, steps=2, kl_control="adaptive", beta=0.05, kl_target=6.0, lr=1e-5,
                 critic_lr=1e-5, activate=True)
@@ -37,15 +36,11 @@ FULL_ROUND_FORM = dict(lora=True, epochs=1, rm_lr=1e-3, rm_batch=4, n_prompts=8,
                        beta=0.05, kl_target=6.0, ppo_lr=1e-5, critic_lr=1e-5, **ROUND_FORM)
 
 
-def req(name):
-    return SimpleNamespace(username=name)
-
-
 def make_ctx(store, tmp_path, model_dir, jobs=True) -> AppContext:
     store.add_annotator("boss", "boss-password", role="admin")
     store.add_annotator("ann", "ann-password")
-    ctx = AppContext(store=store, auth=True, data_dir=tmp_path / "data", runs_dir=tmp_path / "runs",
-                     jobs=JobRunner(store, tmp_path / "runs", poll_s=0.2) if jobs else None)
+    ctx = AppContext(store=store, auth=True, data_dir=tmp_path / "data",
+                     jobs=loop.make_runner(store, tmp_path / "runs", poll_s=0.2) if jobs else None)
     ctx.train_settings = tiny_settings(model_dir)
     return ctx
 
@@ -59,6 +54,11 @@ def ctx(store, tmp_path, tiny_model_dir):
 
 def last_run(ctx, kind):
     return ctx.store.list_runs(kind=kind, limit=1)[0]
+
+
+def settled_round(ctx):
+    """The newest round once its steps are through (the jobs advance it by themselves)."""
+    return loop.wait_round(ctx.store, ctx.store.list_rounds()[-1], timeout=180)
 
 
 # --------------------------------------------------------------------------- end to end
@@ -76,7 +76,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
 
     # 2. "Run a full round" with no open round starts the first one: a generate job with the base policy
     train.run_full_round(ctx, **FULL_ROUND_FORM, request=boss)
-    assert tasks_of(ctx)["round"].wait(120).status == "done", tasks_of(ctx)["round"].status().error
+    assert settled_round(ctx).status == "annotating"
     (round1,) = store.list_rounds()
     base = store.get_model_version(round1.policy_version_id)
     assert round1.status == "annotating" and store.round_counts(round1.id)["items"] == 6
@@ -86,16 +86,16 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
 
     # 4. "Train reward model": a snapshot is exported, a train-reward job runs and registers the model
     msg, pick, timer = train.train_reward(ctx, **REWARD_FORM, request=boss)
-    assert "train-reward" in msg and pick["value"] == train.LATEST and timer["active"]
+    assert "train-reward" in msg and pick["value"] == monitor.LATEST and timer["active"]
     run = ctx.jobs.wait(last_run(ctx, "train-reward").id, timeout=120)
     assert run.status == "done", run.error
     (reward,) = store.list_model_versions("reward")
     (snapshot,) = store.list_snapshots()
     assert reward.run_id == run.id and reward.snapshot_id == snapshot.id and snapshot.format == "parquet"
     assert snapshot.counts["pairs"] == len(store.list_pairs()) > 0  # every pair so far (ties give none)
-    bar, *plots, latest, log, round_md, _, reward_pick, timer = train.poll(ctx, train.LATEST, None, boss)
+    bar, *plots, latest, log, round_md, _, reward_pick, timer = train.poll(ctx, monitor.LATEST, None, boss)
     assert 'data-status="done"' in bar and "width:100.0%" in bar
-    losses = plots[list(train.PLOTS).index("Losses")]
+    losses = plots[list(monitor.PLOTS).index("Losses")]
     assert losses["visible"] and "train/loss" in set(losses["value"]["metric"])
     assert "eval/accuracy" in set(latest["metric"]) and reward_pick["value"] == reward.name
     assert "Round 1" in round_md and not timer["active"]
@@ -107,12 +107,12 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     policy = store.get_model_version(run.outputs["model_version_id"])
     assert store.active_policy().id == policy.id
     _, *plots, _, _, _, _, _, _ = train.poll(ctx, str(run.id), None, boss)
-    by_title = dict(zip(train.PLOTS, plots))
+    by_title = dict(zip(monitor.PLOTS, plots))
     assert by_title["KL to the reference (nats)"]["visible"] and by_title["β (KL coefficient)"]["visible"]
 
     # 6. "Start the next round": round 1 closes with what it led to; round 2 is generated by the new policy
     train.start_next_round(ctx, **ROUND_FORM, request=boss)
-    assert tasks_of(ctx)["round"].wait(120).status == "done", tasks_of(ctx)["round"].status().error
+    assert settled_round(ctx).status == "annotating"
     round1, round2 = store.list_rounds()
     items = {r.item_id for p in store.list_prompts(limit=1000) for r in store.prompt_responses(p.id)
              if r.model_version_id == policy.id}
@@ -131,13 +131,26 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert pick["value"] == b["value"] == policy.name and a["value"] == base.name
     assert reward.name in lineage and base.name in lineage and f"snapshot #{snapshot.id}" in lineage
     assert len(samples) > 0 and "step 2" in caption
-    model_admin.compare(ctx, base.name, policy.name, reward.name, 4, boss)
-    assert tasks_of(ctx)["compare"].wait(120).status == "done", tasks_of(ctx)["compare"].status().error
+    bar, timer = model_admin.compare(ctx, base.name, policy.name, reward.name, 4, boss)
+    assert timer["active"] and "compare" in bar
+    run = ctx.jobs.wait(last_run(ctx, "compare").id, timeout=120)
+    assert run.status == "done", run.error
     bar, text, side_by_side, timer = model_admin.compare_poll(ctx, boss)
-    result = tasks_of(ctx)["compare"].status().result
-    assert result["prompts"] == 4 and 0.0 <= result["win_rate"] <= 1.0 and len(side_by_side) == 4
-    assert f"**{base.name}** vs **{policy.name}**" in text and "wins" in text and not timer["active"]
-    assert "win_rate" in store.get_model_version(base.id).meta[f"compare/{policy.name}"]
+    result = json.loads((tmp_path / "runs" / f"{run.id:05d}-compare" / "result.json").read_text())
+    assert result["prompts"] == 4 and len(side_by_side) == 4 and not timer["active"]
+    assert list(side_by_side["A"]) == [row["response_a"] for row in result["rows"]]
+    assert f"**{base.name}** vs **{policy.name}**" in text and f"wins **{result['win_rate']:.0%}**" in text
+    recorded = store.get_model_version(base.id).meta[f"compare/{policy.name}"]
+    assert (recorded["win_rate"], recorded["run_id"]) == (result["win_rate"], run.id)
+
+    # 8. "Run a full round" on round 2: reward model -> PPO -> round 2 done -> round 3 generated, by itself
+    simulate_annotations(store, make_judge("rule:length"))
+    train.run_full_round(ctx, **FULL_ROUND_FORM, request=boss)
+    ctx.jobs.wait_idle(timeout=300)
+    round2, round3 = store.list_rounds()[1:]
+    assert round2.status == "done" and round2.meta["last_error"] is None
+    assert round3.status == "annotating" and round3.policy_version_id == round2.new_policy_version_id
+    assert store.active_policy().id == round2.new_policy_version_id and store.round_counts(round3.id)["items"] == 6
 
 
 
@@ -149,7 +162,7 @@ def state_of(ctx):
     s = ctx.store
     active = s.active_policy()
     return (s.counts(), s.list_runs(), s.list_snapshots(), s.list_rounds(), s.list_model_versions(),
-            active.id if active else None, dict(tasks_of(ctx)), ctx.jobs.busy())
+            active.id if active else None, ctx.jobs.busy())
 
 
 def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
@@ -164,7 +177,7 @@ def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
     calls = [
         (train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": "reward-v1", **PPO_FORM}),
         (train.run_full_round, FULL_ROUND_FORM), (train.start_next_round, ROUND_FORM),
-        (train.cancel, {"choice": train.LATEST}), (train.poll, {"choice": train.LATEST, "reward_value": None}),
+        (train.cancel, {"choice": monitor.LATEST}), (train.poll, {"choice": monitor.LATEST, "reward_value": None}),
         (model_admin.models_table, {}), (model_admin.open_tab, {}), (model_admin.version_choices, {}),
         (model_admin.version_details, {"name": "seed-policy"}), (model_admin.set_active, {"name": "other-policy"}),
         (model_admin.compare, {"a_name": "seed-policy", "b_name": "other-policy", "reward_name": "reward-v1",
@@ -179,7 +192,7 @@ def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
     # and nobody signed in is refused too
     with pytest.raises(Refused, match="Not signed in"):
         train.train_reward(ctx, **REWARD_FORM, request=None)
-    assert tasks_of(ctx) == {} and store.list_runs() == []
+    assert store.list_runs() == []
 
 
 def test_without_a_job_runner_the_buttons_explain_why_and_store_nothing(store, tmp_path, tiny_model_dir):
@@ -187,12 +200,12 @@ def test_without_a_job_runner_the_buttons_explain_why_and_store_nothing(store, t
     seed_items(store, 2, 3)
     calls = [(train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": None, **PPO_FORM}),
              (train.run_full_round, FULL_ROUND_FORM), (train.start_next_round, ROUND_FORM),
-             (train.cancel, {"choice": train.LATEST})]
+             (train.cancel, {"choice": monitor.LATEST})]
     for fn, kwargs in calls:
         with pytest.raises(gr.Error, match="without a job runner"):
             fn(ctx, **kwargs, request=req("boss"))
-    assert store.list_snapshots() == [] and store.list_runs() == [] and tasks_of(ctx) == {}
-    bar, *_, timer = train.poll(ctx, train.LATEST, None, req("boss"))  # the monitor still works
+    assert store.list_snapshots() == [] and store.list_runs() == []
+    bar, *_, timer = train.poll(ctx, monitor.LATEST, None, req("boss"))  # the monitor still works
     assert "No jobs yet" in bar and not timer["active"]
 
 
@@ -242,18 +255,18 @@ def test_the_monitor_shows_a_runs_progress_metrics_and_log(ctx, tmp_path):
     (run_dir / "log.txt").write_text("loading\nstep 3/10\rstep 4/10\n")
     store.add_metrics(run.id, [(1, "objective/kl", 0.1), (2, "objective/kl", 0.2), (1, "kl/beta", 0.05),
                                (2, "policy/loss", None), (2, "time/rollout", 1.5)])
-    bar, *plots, latest, log, round_md, pick, reward, timer = train.poll(ctx, train.LATEST, None, req("boss"))
+    bar, *plots, latest, log, round_md, pick, reward, timer = train.poll(ctx, monitor.LATEST, None, req("boss"))
     assert 'data-status="running"' in bar and "3/10" in bar and "width:30.0%" in bar and "training" in bar
-    by_title = dict(zip(train.PLOTS, plots))
+    by_title = dict(zip(monitor.PLOTS, plots))
     assert list(by_title["KL to the reference (nats)"]["value"]["value"]) == [0.1, 0.2]
     assert by_title["β (KL coefficient)"]["visible"] and not by_title["Accuracy"]["visible"]
     assert not by_title["Losses"]["visible"]  # a null value is not plotted
     assert dict(zip(latest["metric"], latest["value"])) == {"objective/kl": 0.2, "kl/beta": 0.05, "time/rollout": 1.5}
     assert log.splitlines() == ["loading", "step 4/10"]  # tqdm's carriage returns: the last state
-    assert [v for _, v in pick["choices"]] == [train.LATEST, str(run.id)] and "No rounds yet" in round_md
-    # a 'running' row no job of this app is running (left by a stopped app) does not keep the timer on
+    assert [v for _, v in pick["choices"]] == [monitor.LATEST, str(run.id)] and "No rounds yet" in round_md
+    # a 'running' row that no job of this app's runner is running does not keep the timer on
     assert not timer["active"]
-    with pytest.raises(gr.Error, match="not started by this app"):
+    with pytest.raises(gr.Error, match="not running in this job runner"):
         train.cancel(ctx, str(run.id), req("boss"))
     with pytest.raises(gr.Error, match="No run 'x'"):
         train.poll(ctx, "x", None, req("boss"))
@@ -263,40 +276,48 @@ def test_long_runs_are_thinned_for_plotting_keeping_the_last_step():
     from store import Metric
 
     metrics = [Metric(1, step, "train/loss", 1.0 / step) for step in range(1, 1001)]
-    losses = train.metric_frames(metrics, max_points=100)["Losses"]
+    losses = monitor.metric_frames(metrics, max_points=100)["Losses"]
     assert 100 <= len(losses) <= 101 and losses["step"].iloc[-1] == 1000 and losses["step"].iloc[0] == 1
 
 
-def test_work_left_in_flight_by_a_stopped_app_is_settled_at_start(store):
-    running = store.create_run("train-reward")
-    store.update_run(running.id, status="running")
-    queued, done = store.create_run("ppo"), store.create_run("ppo")
-    store.update_run(done.id, status="done")
+def test_work_left_in_flight_by_a_stopped_app_is_settled_at_start(store, tmp_path):
     policy = store.register_model_version("policy", base_model="tiny")
-    generating = store.create_round(policy.id, status="generating")
     training = store.create_round(policy.id, status="training")
+    generating = store.create_round(policy.id, status="generating")
     annotating = store.create_round(policy.id, status="annotating")
-    assert train.fail_interrupted_jobs(store) == 2
-    assert [store.get_run(r.id).status for r in (running, queued, done)] == ["failed", "failed", "done"]
-    assert "interrupted" in store.get_run(running.id).error
-    assert store.get_round(generating.id).status == "failed"
-    # a round caught training keeps its rankings and can be trained again
-    assert store.get_round(training.id).status == "annotating"
-    assert "interrupted" in store.get_round(training.id).meta["last_error"]
-    assert store.get_round(annotating.id).status == "annotating"
+    running = store.create_run("train-reward", inputs={"round_id": training.id, "round_step": "reward"})
+    store.update_run(running.id, status="running")
+    done = store.create_run("ppo")
+    store.update_run(done.id, status="done")
+    queued = store.create_run("noop", run_dir=str(tmp_path / "runs" / "queued"))
+    (tmp_path / "runs" / "queued").mkdir(parents=True)
+
+    runner = loop.make_runner(store, tmp_path / "runs", launcher=("true",), poll_s=0.05)
+    try:
+        assert store.get_run(running.id).status == "failed" and "interrupted" in store.get_run(running.id).error
+        assert runner.wait(queued.id, timeout=30).status == "done"  # queued work runs under the new owner
+        assert store.get_run(done.id).status == "done"
+        # a round caught mid-step keeps its rankings and can be retried; it says what happened
+        for rnd, step in ((training, "reward (run #"), (generating, "generate")):
+            rnd = store.get_round(rnd.id)
+            assert rnd.status == "annotating" and rnd.meta["last_error"].startswith(step), rnd.meta
+            assert "interrupted" in rnd.meta["last_error"]
+        assert store.get_round(annotating.id).meta == {}
+    finally:
+        runner.shutdown()
 
 
 def test_closing_a_round_records_the_policy_trained_from_it(store, tmp_path):
     base = store.register_model_version("policy", "base", base_model="tiny")
     store.set_active_policy(base.id)
     rnd = store.create_round(base.id, status="annotating")
-    closed = train.close_round(store, rnd)  # nothing trained since: done, no outcome
+    closed = loop.close_round(store, rnd)  # nothing trained since: done, no outcome
     assert closed.status == "done" and closed.new_policy_version_id is None
     snap = store.record_snapshot(str(tmp_path / "s.parquet"), "parquet", {"pairs": 3}, {}, "0" * 64)
     reward = store.register_model_version("reward", path=str(tmp_path), snapshot_id=snap.id)
     child = store.register_model_version("policy", parent_id=base.id, reward_version_id=reward.id)
     store.set_active_policy(child.id)
-    rnd = train.close_round(store, store.create_round(base.id, status="annotating"))
+    rnd = loop.close_round(store, store.create_round(base.id, status="annotating"))
     assert (rnd.new_policy_version_id, rnd.reward_version_id, rnd.snapshot_id) == (child.id, reward.id, snap.id)
 
 
@@ -355,8 +376,8 @@ def test_held_out_prompts_are_neither_annotated_nor_ppo_prompts(ctx, tmp_path):
     ppo_file = tmp_path / "ppo-prompts.jsonl"
     ppo_file.write_text("".join(json.dumps({"id": i, "prompt": "x"}) + "\n" for i in ids[1:3]))
     store.create_run("ppo", config={"args": ["--prompts", str(ppo_file), "--steps", "2"]})
-    assert [p.id for p in model_admin.held_out_prompts(store, 10)] == [ids[5], ids[4], ids[3]]
-    assert len(model_admin.held_out_prompts(store, 2)) == 2
+    assert [p.id for p in held_out_prompts(store, 10)] == [ids[5], ids[4], ids[3]]
+    assert len(held_out_prompts(store, 2)) == 2
     other = store.register_model_version("policy", base_model="tiny")
     reward = store.register_model_version("reward", path=str(tmp_path), base_model="tiny")
     with pytest.raises(gr.Error, match="two different policies"):
@@ -364,7 +385,7 @@ def test_held_out_prompts_are_neither_annotated_nor_ppo_prompts(ctx, tmp_path):
     store.add_responses_bulk(policy.id, [(i, ["a", "b"]) for i in ids[3:]])
     with pytest.raises(gr.Error, match="No held-out prompts left"):
         model_admin.compare(ctx, policy.name, other.name, reward.name, 4, req("boss"))
-    assert tasks_of(ctx) == {}
+    assert store.list_runs(kind="compare") == []
 
 
 def _png(path):
@@ -377,13 +398,15 @@ def _png(path):
                      + chunk(b"IDAT", zlib.compress(b"\x00\xff\x00\x00")) + chunk(b"IEND", b""))
 
 
-def test_gold_loop_plots_are_served_from_a_copy(ctx):
-    _png(ctx.data_dir / "results" / "latest" / "gold_vs_sqrt_kl.png")
+def test_gold_loop_plots_are_this_stores_own_served_from_a_copy(ctx):
     gallery, note = model_admin.gold_plots(ctx, req("boss"))
-    (copy,) = [path for path, caption in gallery["value"] if caption == "gold_vs_sqrt_kl · latest"]
-    assert gallery["visible"]
-    assert "latest" in note and copy != str(ctx.data_dir / "results" / "latest" / "gold_vs_sqrt_kl.png")
-    assert open(copy, "rb").read()[:4] == b"\x89PNG"
+    assert not gallery["visible"] and "No gold-loop results for this store" in note  # no bundled pictures
+    folder = model_admin.gold_dir(ctx)
+    _png(folder / "gold_vs_sqrt_kl.png")
+    gallery, note = model_admin.gold_plots(ctx, req("boss"))
+    ((copy, caption),) = gallery["value"]
+    assert gallery["visible"] and caption == "gold_vs_sqrt_kl" and "(1)" in note
+    assert copy != str(folder / "gold_vs_sqrt_kl.png") and open(copy, "rb").read()[:4] == b"\x89PNG"
 
 
 # --------------------------------------------------------------------------- pipeline/compare.py
@@ -416,13 +439,9 @@ def test_a_policy_compared_with_itself_ties_everywhere(tiny_model_dir, tiny_mode
     assert seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == sorted(d for d, _ in seen)
 
 
-def test_without_train_settings_jobs_use_the_apps_model_and_generation_settings(store, tmp_path):
-    from pipeline.config import ModelConfig
-
-    generator = SimpleNamespace(model_cfg=ModelConfig(model="my/model", device="cpu"))
-    ctx = AppContext(store=store, generator=generator, generate_defaults={"k": 3, "max_new_tokens": 20})
+def test_without_train_settings_jobs_use_the_apps_generation_settings(store):
+    ctx = AppContext(store=store, generate_defaults={"k": 3, "max_new_tokens": 20})
     settings = train.settings_of(ctx)
-    assert (settings.model.model, settings.model.device, settings.generate.k, settings.generate.max_new_tokens) == \
-        ("my/model", "cpu", 3, 20)
-    settings.model.model = "changed"  # each call gets its own copy
-    assert train.settings_of(ctx).model.model == "my/model"
+    assert (settings.model.model, settings.generate.k, settings.generate.max_new_tokens) == ("default", 3, 20)
+    settings.generate.k = 5  # each call gets its own copy
+    assert train.settings_of(ctx).generate.k == 3

@@ -99,6 +99,8 @@ class JobRunner:
         with self._wake:
             if run.status not in ("queued", "running"):
                 raise ValueError(f"run {run_id} is {run.status}: nothing to cancel")
+            if run.status == "running" and self._current != run_id:
+                raise ValueError(f"run {run_id} is not running in this job runner, so it cannot be cancelled here")
             self._cancel.add(run_id)
             proc = self._process if self._current == run_id else None
             self._wake.notify_all()
