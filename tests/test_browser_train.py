@@ -16,7 +16,7 @@ import pytest
 from store import Store
 from store.io import import_pairs
 from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
-from tests.test_jobs import tiny_settings
+from tests.helpers import tiny_settings
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 def app(tmp_path_factory, tiny_model_dir):
     """(url, store) of the app served in this process, with a job runner whose jobs use the tiny model."""
     from annotate.context import AppContext
-    from pipeline.orchestrate.jobs import JobRunner
+    from pipeline.orchestrate.loop import make_runner
 
     folder = tmp_path_factory.mktemp("train_app")
     store = Store(folder / "rlhf.duckdb")
@@ -35,8 +35,8 @@ def app(tmp_path_factory, tiny_model_dir):
         "prompt": f"How can I shop for the lowest prices, question {i}?",
         "chosen": "Compare stores, use coupons and buy in bulk.", "rejected": "No."}) + "\n" for i in range(40)))
     import_pairs(store, pairs)
-    runner = JobRunner(store, folder / "runs", poll_s=0.2)
-    ctx = AppContext(store=store, auth=True, data_dir=folder, jobs=runner, runs_dir=folder / "runs")
+    runner = make_runner(store, folder / "runs", poll_s=0.2)
+    ctx = AppContext(store=store, auth=True, data_dir=folder, jobs=runner)
     ctx.train_settings = tiny_settings(tiny_model_dir)
     with serve(ctx) as url:
         yield url, store

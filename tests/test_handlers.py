@@ -18,10 +18,7 @@ from annotate.handlers import parse_ranking
 from annotate.state import Showing
 from store import Store
 from tests.fixtures_store import seed_items
-
-
-def req(name):
-    return SimpleNamespace(username=name)
+from tests.helpers import req
 
 
 @pytest.fixture(scope="module")
@@ -517,27 +514,61 @@ def test_first_start_creates_one_admin_and_imports_the_bundled_prompts(store):
     assert added > 2000 and bootstrap.ensure_prompts(store) == 0
 
 
-def test_background_generation_queues_items_and_records_the_run(store, tiny_model_cfg, tmp_path):
-    from annotate.background import GenerationRunner
+def test_generation_is_a_job_whose_chunks_become_items(store, tiny_model_dir, tmp_path):
+    from pipeline.orchestrate.loop import make_runner
+    from tests.helpers import tiny_settings
 
     store.add_annotator("boss", "boss-password", role="admin")
     store.add_prompts(["say hi", "\n\nHuman: hello\n\nAssistant: hey\n\nHuman: bye?\n\nAssistant:", "count to 3"])
-    runner = GenerationRunner(store, tiny_model_cfg, chunk_prompts=2, torch_threads=1)
-    ctx = AppContext(store=store, data_dir=tmp_path, generator=runner)
-    with pytest.raises(gr.Error, match="No policy version"):
-        admin.generate(ctx, 3, 3, 8, 1.0, 1.0, "policy-v9", req("boss"))
-    html, timer = admin.generate(ctx, 3, 3, 8, 1.0, 1.0, None, req("boss"))
-    assert "rl-job" in html and timer["active"]
-    assert handlers.open_page(ctx, None, req("boss"))[4]["active"] or runner.status().status == "done"
-    status = runner.wait(60)
-    assert status.status == "done" and status.done == status.total == 3, status
-    assert store.counts()["items"] == 3 and store.counts()["responses"] == 9
-    (run,) = store.list_runs(kind="generate")
-    policy = store.active_policy()
-    assert run.status == "done" and run.inputs["model_version_id"] == policy.id
-    assert {r.model_version_id for p in store.list_prompts() for r in store.prompt_responses(p.id)} == {policy.id}
-    html, timer = admin.job_poll(ctx, req("boss"))
-    assert "done · 3/3" in html and not timer["active"]
-    assert admin.policy_choices(ctx, req("boss"))["value"] == policy.name
-    with pytest.raises(gr.Error, match="already has responses"):
-        admin.generate(ctx, 3, 3, 8, 1.0, 1.0, policy.name, req("boss"))
+    runner = make_runner(store, tmp_path / "runs", poll_s=0.1)
+    ctx = AppContext(store=store, data_dir=tmp_path, jobs=runner, train_settings=tiny_settings(tiny_model_dir))
+    try:
+        with pytest.raises(gr.Error, match="No policy version"):
+            admin.generate(ctx, 3, 3, 8, 1.0, 1.0, "policy-v9", req("boss"))
+        html, timer = admin.generate(ctx, 3, 3, 8, 1.0, 1.0, None, req("boss"))
+        assert "rl-job" in html and timer["active"]
+        (run,) = store.list_runs(kind="generate")
+        # while it is in flight an annotator's empty page says so, and an admin's page keeps polling
+        assert handlers.open_page(ctx, None, req("boss"))[4]["active"]
+        assert "being generated" in handlers.empty_html(ctx)
+        run = runner.wait(run.id, timeout=120)
+        assert run.status == "done", run.error
+        assert store.counts()["items"] == 3 and store.counts()["responses"] == 9
+        assert (run.outputs["items"], run.outputs["responses"]) == (3, 9)
+        policy = store.active_policy()
+        assert run.inputs["model_version_id"] == policy.id
+        assert {r.model_version_id for p in store.list_prompts() for r in store.prompt_responses(p.id)} == {policy.id}
+        html, timer = admin.job_poll(ctx, req("boss"))
+        assert 'data-status="done"' in html and "width:100.0%" in html and not timer["active"]
+        assert not handlers.open_page(ctx, None, req("boss"))[4]["active"]
+        assert admin.policy_choices(ctx, req("boss"))["value"] == policy.name
+        with pytest.raises(gr.Error, match="already has responses"):
+            admin.generate(ctx, 3, 3, 8, 1.0, 1.0, policy.name, req("boss"))
+    finally:
+        runner.shutdown()
+
+
+def test_chunks_of_a_running_generate_job_are_ingested_as_they_arrive(store, tmp_path):
+    """Each whole chunk file becomes items at the next poll, in order; a missing one waits."""
+    from pipeline.orchestrate.ingest import Partial
+
+    ids = store.add_prompts([f"prompt {i}" for i in range(4)])
+    policy = store.register_model_version("policy", base_model="tiny")
+    run = store.create_run("generate", run_dir=str(tmp_path), inputs={"model_version_id": policy.id})
+    (tmp_path / "chunks").mkdir()
+
+    def chunk(n, prompt_ids):
+        rows = [{"prompt_id": pid, "text": f"answer {j} to {pid}", "token_count": 3, "finish_reason": "eos"}
+                for pid in prompt_ids for j in range(2)]
+        (tmp_path / "chunks" / f"{n:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    partial = Partial(store, run)
+    partial.poll()
+    assert store.counts()["items"] == 0
+    chunk(0, ids[:2])
+    chunk(2, ids[3:])  # ahead of chunk 1: waits for it
+    partial.poll()
+    assert store.counts()["items"] == 2 and partial.next_chunk == 1
+    chunk(1, ids[2:3])
+    partial.poll()
+    assert store.counts()["items"] == 4 and (partial.items, partial.responses) == (4, 8)
