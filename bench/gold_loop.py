@@ -212,8 +212,7 @@ class Context:
 
 def shared_round(ctx: Context, pool: Path):
     """Phase 1: import the pool, round 1 with the base policy, reward model 1, the base's evaluation."""
-    from pipeline.orchestrate.jobs import JobRunner
-    from pipeline.orchestrate.loop import start_round, train_round_reward
+    from pipeline.orchestrate.loop import make_runner, start_round, train_round_reward
     from pipeline.orchestrate.simulate import simulate_annotations
     from store import Store
     from store.io import import_prompts
@@ -221,7 +220,7 @@ def shared_round(ctx: Context, pool: Path):
     exp, out, results, settings = ctx.exp, ctx.out, ctx.results, ctx.exp.loop
     shared_db = out / "shared" / "rlhf.duckdb"
     store = Store(shared_db)
-    runner = JobRunner(store, out / "shared" / "runs", poll_s=0.5, env=ctx.env())
+    runner = make_runner(store, out / "shared" / "runs", poll_s=0.5, env=ctx.env())
     try:
         results["import"] = import_prompts(store, pool)
         t = time.perf_counter()
@@ -278,8 +277,7 @@ def reuse_shared_round(ctx: Context, src: Path):
 def run_variant(ctx: Context, name: str, rnd1, reward1, save=lambda: None) -> dict:
     """One setting: a copy of the store after round 1, PPO round 1, rounds 2..R; each new policy
     is evaluated as soon as it exists, and the partial results saved (a stopped run keeps them)."""
-    from pipeline.orchestrate.jobs import JobRunner
-    from pipeline.orchestrate.loop import finish_round, start_round, train_round_policy
+    from pipeline.orchestrate.loop import finish_round, make_runner, start_round, train_round_policy
     from pipeline.orchestrate.simulate import simulate_annotations
     from store import Store
 
@@ -293,7 +291,7 @@ def run_variant(ctx: Context, name: str, rnd1, reward1, save=lambda: None) -> di
     with ctx.lock:
         ctx.results["variants"][name] = entry
     store = Store(db)
-    runner = JobRunner(store, out / name / "runs", poll_s=0.5, env=ctx.env())
+    runner = make_runner(store, out / name / "runs", poll_s=0.5, env=ctx.env())
 
     def record(n: int, rnd) -> None:
         policy, reward = store.get_model_version(rnd.new_policy_version_id), store.get_model_version(rnd.reward_version_id)
