@@ -25,7 +25,6 @@ than max_length: the prompt loses tokens from its left until it fits beside the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -220,19 +219,6 @@ def split_by_prompt(pairs: list[Pair], eval_fraction: float, seed: int) -> tuple
     train = [p for p in pairs if prompt_key(p.prompt) not in held]
     evals = [p for p in pairs if prompt_key(p.prompt) in held]
     return train, evals
-
-
-def pairs_fingerprint(path: str | Path) -> str:
-    """sha256 of the input file(s), recorded in config.json so a model names its data exactly."""
-    path = Path(path)
-    digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for f in files:
-        digest.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- tokenising

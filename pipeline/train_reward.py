@@ -63,10 +63,11 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
+from pipeline.hashing import snapshot_sha256
 from pipeline.losses import center_loss, pairwise_loss
 from pipeline.models import load_scalar_model, pick_device, pick_dtype, resolve_model_path, save_scalar_model
 from pipeline.reward_data import (
-    encode_pairs, length_grouped_batches, pairs_fingerprint, prompt_key, read_pairs, split_by_prompt,
+    encode_pairs, length_grouped_batches, prompt_key, read_pairs, split_by_prompt,
 )
 from pipeline.reward_eval import autocast_for, evaluate, forward_pairs, normalisation_stats
 from pipeline.rundir import append_metrics, write_json, write_status
@@ -150,7 +151,7 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
             raise ValueError(f"--resume: the run in {out_dir} already finished")
         # The run's own settings win (same batches, same schedule); only where it runs may change.
         saved = json.loads((out_dir / "config.json").read_text())
-        if saved["data_sha256"] != pairs_fingerprint(data):
+        if saved["data_sha256"] != snapshot_sha256(data):
             raise ValueError(f"--resume: {data} is not the data the run in {out_dir} started with ({saved['data']})")
         cfg = RewardConfig(**saved["reward"])
         model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
@@ -209,8 +210,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     if not resume:
         write_json(out_dir / "config.json", {
             "reward": to_dict(cfg), "model": to_dict(model_cfg), "data": str(data),
-            "data_sha256": pairs_fingerprint(data), "init_from": init_from,
-            "eval_data_sha256": pairs_fingerprint(cfg.eval_data) if cfg.eval_data else "", "base_model": model.base_model,
+            "data_sha256": snapshot_sha256(data), "init_from": init_from,
+            "eval_data_sha256": snapshot_sha256(cfg.eval_data) if cfg.eval_data else "", "base_model": model.base_model,
             "argv": sys.argv, "data_report": data_report,
         })
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from pipeline.hashing import snapshot_sha256
 from store.db import registered, to_db_time
 from store.errors import DataError, InvalidRequest
 from store.records import EXPORT_FORMATS, Snapshot
@@ -230,25 +231,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
-
-
-def snapshot_sha256(path) -> str:
-    """SHA-256 of an export's data: the file's bytes, or for a datasets folder its .arrow files
-    and dataset_dict.json in path order (not the state files, which hold random fingerprints)."""
-    path = Path(path)
-    h = hashlib.sha256()
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*")
-                       if p.is_file() and (p.suffix == ".arrow" or p.name == "dataset_dict.json"))
-    else:
-        files = [path]
-    for f in files:
-        if path.is_dir():
-            h.update(str(f.relative_to(path)).encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def load_pairs_snapshot(path, split: str | None = None) -> list[dict]:

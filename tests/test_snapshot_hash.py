@@ -1,0 +1,40 @@
+"""One snapshot hash: what train-reward records in config.json is the store's snapshot sha256."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.__main__ import main as cli
+from pipeline.hashing import snapshot_sha256
+from store.export import export_pairs
+from tests.fixtures_store import seed_items
+
+
+@pytest.fixture
+def ranked_store(store, store_annotators):
+    items = seed_items(store, 4, 3)
+    for it in items:
+        store.save_ranking(store_annotators[0].id, it.prompt_id, it.response_ids)
+    return store
+
+
+@pytest.mark.parametrize("fmt, name", [("parquet", "pairs.parquet"), ("jsonl", "pairs.jsonl"), ("datasets", "ds")])
+def test_export_records_the_shared_hash(ranked_store, tmp_path, fmt, name):
+    snap = export_pairs(ranked_store, tmp_path / name, fmt)
+    assert snap.sha256 == snapshot_sha256(snap.path)
+    # the manifest written beside the data is not part of the data
+    again = export_pairs(ranked_store, tmp_path / f"again-{name}", fmt)
+    assert fmt == "datasets" or again.sha256 == snap.sha256
+
+
+def test_train_reward_records_the_snapshot_hash(ranked_store, tmp_path, tiny_model_dir):
+    snap = export_pairs(ranked_store, tmp_path / "pairs.parquet", "parquet")
+    out = tmp_path / "rm"
+    rc = cli(["train-reward", "--data", snap.path, "--out", str(out), "--model", str(tiny_model_dir),
+              "--device", "cpu", "--dtype", "fp32", "--lora-r", "4", "--lora-alpha", "8", "--max-steps", "1",
+              "--batch-size", "4", "--norm-samples", "0", "--eval-fraction", "0.25"])
+    assert rc == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["data_sha256"] == snap.sha256 == ranked_store.get_snapshot(snap.id).sha256
