@@ -140,7 +140,8 @@ class JobRunner:
 
     def in_flight(self, kinds: tuple[str, ...] | None = None) -> list:
         """Runs queued or running (of these kinds), oldest first."""
-        runs = self.store.list_runs(status="running") + self.store.list_runs(status="queued")
+        # queued first: a run that starts between the two reads is in the second
+        runs = self.store.list_runs(status="queued") + self.store.list_runs(status="running")
         return sorted((r for r in runs if kinds is None or r.kind in kinds), key=lambda r: r.id)
 
     def shutdown(self, cancel_running: bool = True) -> None:
