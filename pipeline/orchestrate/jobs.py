@@ -142,7 +142,8 @@ class JobRunner:
         """Runs queued or running (of these kinds), oldest first."""
         # queued first: a run that starts between the two reads is in the second
         runs = self.store.list_runs(status="queued") + self.store.list_runs(status="running")
-        return sorted((r for r in runs if kinds is None or r.kind in kinds), key=lambda r: r.id)
+        latest = {r.id: r for r in runs}  # one that started between the reads is in both: keep the newer row
+        return sorted((r for r in latest.values() if kinds is None or r.kind in kinds), key=lambda r: r.id)
 
     def shutdown(self, cancel_running: bool = True) -> None:
         """Stop taking jobs. The running job is cancelled (and waited for) unless `cancel_running`
