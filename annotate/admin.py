@@ -24,7 +24,7 @@ from annotate import monitor, render
 from annotate.context import AppContext, admin
 from annotate.handlers import DEFAULT_GUIDELINES, generating
 from annotate.train import settings_of
-from pipeline.orchestrate.steps import submit_generate
+from pipeline.orchestrate.steps import prompt_pool, submit_generate
 from store import io as store_io
 from store.errors import DataError, StoreError
 from store.records import ROLES
@@ -93,9 +93,9 @@ def generate(ctx: AppContext, n_prompts: float, k: float, max_new_tokens: float,
         mv = ctx.store.find_model_version(version)
         if mv is None or mv.kind != "policy":
             raise gr.Error(f"No policy version named {version!r}.")
-    prompts = ctx.store.prompts_without_responses(limit=int(n_prompts))
+    prompts = prompt_pool(ctx.store, ctx.jobs, limit=int(n_prompts))
     if not prompts:
-        raise gr.Error("Every prompt already has responses: import more prompts first.")
+        raise gr.Error("Every prompt already has responses (or is being generated for): import more prompts first.")
     settings = settings_of(ctx)
     cfg = dataclasses.replace(settings.generate, k=int(k), max_new_tokens=int(max_new_tokens),
                               temperature=float(temperature), top_p=float(top_p))

@@ -41,11 +41,11 @@ def first_batch(store, jobs, settings, n: int) -> int:
     """Queue a generate job for K responses to the first `n` prompts when nothing is queued yet,
     so there is something to rank within minutes of a first start (items appear chunk by chunk).
     `settings`: a LoopSettings (its model and generate parts). Returns the number of prompts."""
-    from pipeline.orchestrate.steps import submit_generate
+    from pipeline.orchestrate.steps import prompt_pool, submit_generate
 
     if jobs is None or n <= 0 or store.counts()["items"] > 0 or jobs.in_flight(("generate",)):
         return 0
-    prompts = store.prompts_without_responses(limit=n)
+    prompts = prompt_pool(store, jobs, limit=n)
     if not prompts:
         return 0
     submit_generate(store, jobs, prompts, settings.generate, settings.model, label="first-batch")

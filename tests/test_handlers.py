@@ -528,6 +528,8 @@ def test_generation_is_a_job_whose_chunks_become_items(store, tiny_model_dir, tm
         html, timer = admin.generate(ctx, 3, 3, 8, 1.0, 1.0, None, req("boss"))
         assert "rl-job" in html and timer["active"]
         (run,) = store.list_runs(kind="generate")
+        with pytest.raises(gr.Error, match="being generated for"):  # a second click takes no prompt twice
+            admin.generate(ctx, 3, 3, 8, 1.0, 1.0, None, req("boss"))
         # while it is in flight an annotator's empty page says so, and an admin's page keeps polling
         assert handlers.open_page(ctx, None, req("boss"))[4]["active"]
         assert "being generated" in handlers.empty_html(ctx)

@@ -204,7 +204,10 @@ class JobRunner:
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
                 start_new_session=True)
             self._current = run.id
+            cancelled_meanwhile = run.id in self._cancel
         self.store.update_run(run.id, status="running", outputs={"pid": proc.pid})
+        if cancelled_meanwhile:  # cancelled between leaving the queue and starting
+            _terminate(proc.pid, self.grace_s, wait=False, proc=proc)
         try:
             # 2. tail metrics and partial results while it runs
             tail, partial = MetricsTail(run_dir), ingest.Partial(self.store, run)

@@ -59,7 +59,7 @@ def start_round(store, runner, settings: LoopSettings, round_no: int | None = No
     policy = ensure_base_policy(store, settings.model)
     round_no = len(store.list_rounds()) if round_no is None else round_no
     try:
-        prompts = select_prompts(store, settings.loop.prompts_per_round, settings.loop.strategy,
+        prompts = select_prompts(store, runner, settings.loop.prompts_per_round, settings.loop.strategy,
                                  settings.loop.seed + round_no)
     except ValueError as exc:
         raise RoundFailed(str(exc)) from None

@@ -99,12 +99,23 @@ def read_prompt_ids(path: Path) -> set[int]:
     return {json.loads(line).get("id") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
 
 
-def select_prompts(store, n: int, strategy: str, seed: int = 0) -> list:
-    """N prompts that have no responses yet. 'uncertain' is handled by the generate job (it scores
-    candidates with the reward model), so here it means: a random candidate pool of 2N."""
+def prompt_pool(store, runner, limit: int | None = None) -> list:
+    """Prompts with no responses that no generate job in flight is answering, oldest first (so
+    two generate jobs never give one prompt two items)."""
+    pending: set[int] = set()
+    for run in runner.in_flight(("generate",)):
+        args = run.config.get("args", [])
+        pending |= read_prompt_ids(Path(args[args.index("--prompts") + 1])) if "--prompts" in args else set()
+    pool = [p for p in store.prompts_without_responses() if p.id not in pending]
+    return pool[:limit] if limit is not None else pool
+
+
+def select_prompts(store, runner, n: int, strategy: str, seed: int = 0) -> list:
+    """N prompts from the pool. 'uncertain' is handled by the generate job (it scores candidates
+    with the reward model), so here it means: a random candidate pool of 2N."""
     if strategy not in ("random", "uncertain"):
         raise ValueError(f"strategy must be 'random' or 'uncertain', not {strategy!r}")
-    pool = store.prompts_without_responses()
+    pool = prompt_pool(store, runner)
     if not pool:
         raise ValueError("the prompt pool is empty: import more prompts (Data tab or python -m store import-prompts)")
     take = min(len(pool), n * (2 if strategy == "uncertain" else 1))
