@@ -193,7 +193,7 @@ def run_trl(s: dict, inputs: dict) -> dict:
     from trl.experimental.ppo import PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 
-    from pipeline.generate import prompt_token_ids, read_prompts
+    from pipeline.text import prompt_token_ids, read_prompts
     from pipeline.models import load_tokenizer
 
     cuda = s["device"] == "cuda"

@@ -5,7 +5,7 @@
   1. each policy samples one response per prompt, with the same seed (so the two differ by their
      weights, not by the random stream), then is freed before the next one loads
   2. the reward model scores prompt + response, formatted exactly as in reward training
-     (pipeline/reward_data.encode_response), normalised with its stored mean/std
+     (pipeline/scoring.score_texts), normalised with its stored mean/std
   3. win rate of A over B: the share of prompts where A's response scores higher, ties counting
      half (the "reward-model win rate" of AlpacaFarm and of TRL's judges, with the reward model
      as the judge), with its binomial standard error
@@ -21,9 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from pipeline.config import GenerateConfig, ModelConfig
+from pipeline.scoring import load_reward_model, score_texts
 
 
 @dataclass
@@ -62,25 +61,6 @@ def _sample(spec: PolicySpec, prompts: list, model_cfg: ModelConfig, cfg: Compar
     return [gens[0].text for gens in out]
 
 
-@torch.no_grad()
-def score_texts(reward_path: str, prompts: list, responses: list[str], model_cfg: ModelConfig,
-                batch_size: int = 16) -> list[float]:
-    """2. normalised reward-model scores of prompt + response (as reward training formats them)."""
-    from pipeline.generate import left_pad, prompt_token_ids
-    from pipeline.models import load_scalar_model
-    from pipeline.reward_data import encode_response
-
-    rm, tok = load_scalar_model(reward_path, kind="reward", cfg=model_cfg)
-    rm.requires_grad_(False).eval()
-    device = next(rm.parameters()).device
-    rows = [prompt_token_ids(tok, p) + encode_response(tok, r) for p, r in zip(prompts, responses)]
-    scores: list[float] = []
-    for start in range(0, len(rows), batch_size):
-        ids, mask = left_pad(rows[start:start + batch_size], tok.pad_token_id, device)  # (b, T)
-        scores += rm.normalised_score(ids, mask).float().tolist()  # (b,)
-    return scores
-
-
 def win_rate(a: list[float], b: list[float]) -> tuple[float, float]:
     """(share of a > b with ties as half, its binomial standard error)."""
     if len(a) != len(b) or not a:
@@ -112,8 +92,10 @@ def compare_policies(a: PolicySpec, b: PolicySpec, reward_path: str, prompts: li
     texts_a = _sample(a, prompts, model_cfg, cfg, lambda: step(f"sampling with {a.name}"))
     texts_b = _sample(b, prompts, model_cfg, cfg, lambda: step(f"sampling with {b.name}"))
     done = 2 * batches
-    scores_a = score_texts(reward_path, prompts, texts_a, model_cfg, cfg.batch_size)
-    scores_b = score_texts(reward_path, prompts, texts_b, model_cfg, cfg.batch_size)
+    rm, tokenizer = load_reward_model(reward_path, model_cfg)
+    scores_a = score_texts(rm, tokenizer, prompts, texts_a, cfg.batch_size)
+    scores_b = score_texts(rm, tokenizer, prompts, texts_b, cfg.batch_size)
+    del rm
     step("scored")
     rate, stderr = win_rate(scores_a, scores_b)
     rows = [{"prompt": p, "response_a": ta, "response_b": tb, "score_a": sa, "score_b": sb}

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,67 +27,7 @@ from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_arg
 from pipeline.models import load_policy, position_ids_from_mask
 from pipeline.packing import MIN_PREFIX, cache_kwarg, common_prefix
 from pipeline.rundir import write_json, write_status
-
-# --------------------------------------------------------------------------- prompts
-
-
-_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
-
-
-def to_messages(prompt) -> list[dict]:
-    """Chat messages for a prompt: a message list as is, an HH-RLHF transcript split into turns
-    ("\\n\\nHuman: ...\\n\\nAssistant:"; the empty last Assistant turn is the generation prompt),
-    anything else as one user message."""
-    if isinstance(prompt, list):
-        for i, m in enumerate(prompt):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"message {i} of a prompt is not a {{role, content}} dict: {m!r}")
-        return [{"role": m["role"], "content": m["content"]} for m in prompt]
-    if not isinstance(prompt, str):
-        raise ValueError(f"a prompt must be text or a list of messages, got {type(prompt).__name__}")
-    if not prompt.lstrip(" ").startswith("\n\nHuman:"):
-        return [{"role": "user", "content": prompt}]
-    parts = _HH_TURN.split(prompt.lstrip(" "))  # ['', 'Human', ' hi', 'Assistant', ' hello', ...]
-    messages = [{"role": "user" if role == "Human" else "assistant", "content": text.strip()}
-                for role, text in zip(parts[1::2], parts[2::2])]
-    if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
-        messages.pop()
-    return messages
-
-
-def prompt_token_ids(tokenizer, prompt, max_prompt_tokens: int | None = None) -> list[int]:
-    """Token ids of one prompt: the chat template with the generation prompt when the tokenizer has
-    one, else the raw text. Too long -> keep the last tokens (the end holds the question)."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(to_messages(prompt), add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in to_messages(prompt))
-        ids = tokenizer(text)["input_ids"]
-    if not ids:
-        raise ValueError(f"an empty prompt: {prompt!r}")
-    if max_prompt_tokens and len(ids) > max_prompt_tokens:
-        ids = ids[-max_prompt_tokens:]
-    return ids
-
-
-def left_pad(rows: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both (B, P), padded on the left."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def encode_prompts(tokenizer, prompts, max_prompt_tokens: int | None = None, device=None):
-    """(input_ids, attention_mask) (B, P), left-padded, chat template applied when present."""
-    rows = [prompt_token_ids(tokenizer, p, max_prompt_tokens) for p in prompts]
-    return left_pad(rows, tokenizer.pad_token_id, device)
-
+from pipeline.text import pad_rows, prompt_token_ids, read_prompts
 
 # --------------------------------------------------------------------------- sampling
 
@@ -305,7 +244,7 @@ def generate_responses(policy, tokenizer, prompts: list, k: int, cfg: GenerateCo
         nonlocal done
         fresh: dict[int, list[Generation]] = {p: [] for p in need}
         for batch in _batches(order, need, cfg.batch_size):
-            input_ids, mask = left_pad([ids[p] for p, _ in batch], pad, device)
+            input_ids, mask = pad_rows([ids[p] for p, _ in batch], pad, left=True, device=device)
             out = sample(policy, input_ids, mask, cfg, num_samples=[n for _, n in batch],
                          generator=generator, eos_token_id=eos, pad_token_id=pad)
             lengths = out.response_mask.sum(-1).tolist()
@@ -349,54 +288,17 @@ def _duplicate_slots(gens: list[Generation]) -> list[int]:
 # --------------------------------------------------------------------------- CLI
 
 
-def read_prompts(path: str | os.PathLike) -> list[dict]:
-    """Rows of a JSONL file with a `prompt` field (text or a list of {role, content} messages)."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise ValueError(f"{path}, line {n}: no 'prompt' field")
-            try:
-                to_messages(row["prompt"])
-            except ValueError as exc:
-                raise ValueError(f"{path}, line {n}, field 'prompt': {exc}") from None
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no prompts")
-    return rows
-
-
-@torch.no_grad()
 def reward_spread(reward_path: str, prompts: list, results: list[list[Generation]], model_cfg: ModelConfig,
                   batch_size: int = 16) -> list[float]:
-    """Per prompt, max - min of the reward model's scores of its K responses: how clearly the
-    reward model separates them. Formats prompt + response exactly as reward training does."""
-    from pipeline.models import load_scalar_model
-    from pipeline.reward_data import encode_response
+    """Per prompt, max - min of the reward model's (normalised) scores of its K responses: how
+    clearly the reward model separates them."""
+    from pipeline.scoring import load_reward_model, score_texts
 
-    rm, tok = load_scalar_model(reward_path, kind="reward", cfg=model_cfg)
-    rm.eval()
-    device = next(rm.parameters()).device
-    rows, owners = [], []
-    for i, (prompt, gens) in enumerate(zip(prompts, results)):
-        prompt_ids = prompt_token_ids(tok, prompt)
-        for g in gens:
-            rows.append(prompt_ids + encode_response(tok, g.text))
-            owners.append(i)
-    scores: list[float] = []
-    for start in range(0, len(rows), batch_size):
-        ids, mask = left_pad(rows[start:start + batch_size], tok.pad_token_id, device)
-        scores += rm.score(ids, mask).float().tolist()  # (b,)
-    per_prompt: list[list[float]] = [[] for _ in prompts]
-    for owner, score in zip(owners, scores):
-        per_prompt[owner].append(score)
-    return [max(s) - min(s) for s in per_prompt]
+    rm, tokenizer = load_reward_model(reward_path, model_cfg)
+    pairs = [(prompt, g.text) for prompt, gens in zip(prompts, results) for g in gens]
+    scores = score_texts(rm, tokenizer, [p for p, _ in pairs], [r for _, r in pairs], batch_size)
+    k = len(results[0]) if results else 0
+    return [max(scores[i:i + k]) - min(scores[i:i + k]) for i in range(0, len(scores), k)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ responses are identical carry no preference (their loss gradient is exactly zero
 dropped, counted, and reported; a file left with no pairs is refused.
 
 Tokenising (must match how PPO will score policy samples): prompt messages through the chat
-template with the generation prompt (pipeline/generate.prompt_token_ids), then the response
+template with the generation prompt (pipeline/text.prompt_token_ids), then the response
 tokens, then EOS, the token generation stops at. Chosen and rejected keep one shared prompt. Longer
 than max_length: the prompt loses tokens from its left until it fits beside the longer response
 (counted as prompt-truncated); a response that alone exceeds max_length - 1 keeps its last tokens
@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from pipeline.rundir import read_jsonl
+from pipeline.text import encode_response, pad_rows, prompt_token_ids
 
 HH_MARKER = "\n\nAssistant:"
 
@@ -107,21 +110,16 @@ def _read_rows(path: Path) -> list[dict]:
         return pq.read_table(path).to_pylist()
     if path.suffix not in (".jsonl", ".json"):
         raise PairsError(f"{path}: unknown pairs format {path.suffix!r} (use .jsonl, .json, .parquet or a datasets folder)")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
+    text = path.read_text(encoding="utf-8") if path.suffix == ".json" else ""
+    if text.lstrip().startswith("["):
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise PairsError(f"{path}: not valid JSON ({exc})") from None
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise PairsError(f"{path}, line {n}: not valid JSON ({exc.msg})") from None
-    return rows
+    try:
+        return read_jsonl(path)
+    except ValueError as exc:
+        raise PairsError(str(exc)) from None
 
 
 def _response_text(value, where: str, name: str) -> str:
@@ -224,22 +222,6 @@ def split_by_prompt(pairs: list[Pair], eval_fraction: float, seed: int) -> tuple
 # --------------------------------------------------------------------------- tokenising
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Prompt token ids exactly as generation encodes them (pipeline/generate.py: chat template with
-    the assistant turn opened, HH transcripts split into turns), so the reward model is trained on
-    the format PPO will ask it to score. Truncation is ours (encode_pairs), not generation's."""
-    from pipeline.generate import prompt_token_ids
-
-    return prompt_token_ids(tokenizer, prompt)
-
-
-def encode_response(tokenizer, response: str) -> list[int]:
-    """Response ids + EOS. With a chat template the text is stripped: the template puts the reply
-    right after 'assistant\\n' (HH replies start with a space that generation never produces)."""
-    text = response.strip() if tokenizer.chat_template else response
-    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-
-
 def _fit(prompt_ids: list[int], chosen: list[int], rejected: list[int], max_length: int,
          report: EncodeReport, row: int):
     """(prompt, chosen, rejected) with prompt + the longer response <= max_length.
@@ -273,7 +255,7 @@ def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[En
     for pair in pairs:
         key = pair.prompt if isinstance(pair.prompt, str) else json.dumps(pair.prompt)
         if key not in prompt_cache:
-            prompt_cache[key] = encode_prompt(tokenizer, pair.prompt)
+            prompt_cache[key] = prompt_token_ids(tokenizer, pair.prompt)
         c, r = encode_response(tokenizer, pair.chosen), encode_response(tokenizer, pair.rejected)
         p, c_fit, r_fit = _fit(prompt_cache[key], c, r, max_length, report, pair.row)
         out.append(EncodedPair(p, c_fit, r_fit, len(c), len(r), pair.margin))
@@ -309,7 +291,7 @@ def collate(items: list[EncodedPair], pad_id: int, with_lm_mask: bool = False) -
     response tokens (the LM-loss targets).
     """
     seqs = [it.chosen_ids for it in items] + [it.rejected_ids for it in items]
-    input_ids, attention_mask = _pad(seqs, pad_id, left=False)  # (2B, L)
+    input_ids, attention_mask = pad_rows(seqs, pad_id, left=False)  # (2B, L)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask,
              "margin": torch.tensor([it.margin for it in items], dtype=torch.float32)}  # (B,)
     if with_lm_mask:
@@ -327,20 +309,9 @@ def collate_shared(items: list[EncodedPair], pad_id: int) -> dict[str, torch.Ten
     responses continue right after it; response_ids, response_mask: (2B, R), chosen rows then
     rejected rows, right-padded; margin: (B,).
     """
-    prompt_ids, prompt_mask = _pad([it.prompt_ids for it in items], pad_id, left=True)  # (B, P)
-    response_ids, response_mask = _pad([it.chosen_response for it in items]
+    prompt_ids, prompt_mask = pad_rows([it.prompt_ids for it in items], pad_id, left=True)  # (B, P)
+    response_ids, response_mask = pad_rows([it.chosen_response for it in items]
                                        + [it.rejected_response for it in items], pad_id, left=False)  # (2B, R)
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
             "response_mask": response_mask,
             "margin": torch.tensor([it.margin for it in items], dtype=torch.float32)}  # (B,)
-
-
-def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        cols = slice(width - len(s), width) if left else slice(0, len(s))
-        ids[i, cols] = torch.tensor(s, dtype=torch.long)
-        mask[i, cols] = 1
-    return ids, mask

@@ -25,6 +25,7 @@ from pipeline.losses import last_token_index, lm_loss, pairwise_loss
 from pipeline.models import position_ids_from_mask
 from pipeline.packing import cache_kwarg
 from pipeline.reward_data import EncodedPair, Pair, collate, collate_shared
+from pipeline.text import prompt_token_ids
 
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
@@ -193,8 +194,9 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
     PPO will start from an earlier round's policy.
     """
     from pipeline.config import GenerateConfig
-    from pipeline.generate import generate_responses, prompt_token_ids
+    from pipeline.generate import generate_responses
     from pipeline.models import load_policy
+    from pipeline.scoring import score_rows
 
     rng = random.Random(seed)
     picked = rng.sample(prompts, n) if n <= len(prompts) else [rng.choice(prompts) for _ in range(n)]
@@ -207,19 +209,10 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
 
     was_training = model.training
     model.eval()
-    scores = []
-    for start in range(0, n, batch_size):
-        chunk = seqs[start:start + batch_size]
-        width = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)  # (b, L)
-        mask = torch.zeros_like(ids)  # (b, L)
-        for i, s in enumerate(chunk):
-            ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-        with autocast_for(device, dtype):
-            s, _ = pair_scores(model, ids.to(device), mask.to(device))
-        scores.append(s.float().cpu())
+    # raw scores (the statistics are what normalises them); not frozen: this model was just trained
+    all_scores = torch.tensor(score_rows(model, seqs, tokenizer.pad_token_id, batch_size, normalised=False,
+                                         frozen=False, autocast=lambda: autocast_for(device, dtype)))  # (n,)
     model.train(was_training)
-    all_scores = torch.cat(scores)  # (n,)
     std = all_scores.std().item() if n > 1 else 1.0
     if not math.isfinite(std) or std < 1e-6:
         std = 1.0  # constant scores: leave the scale alone rather than divide by ~0

@@ -11,9 +11,8 @@ right-padded response; every per-token tensor is (B, R), aligned with the respon
 everywhere). A critic value at t is read at the position *before* token t (the state the token
 was chosen in), as in TRL's `full_value[:, context_length - 1 : -1]`.
 
-Rewards: a reward-model folder (normalised score of prompt+response at its last real token), or a
-scripted reward for tests and benches: `script:count:<text>` (occurrences of <text> in the
-response) or `script:length` (response tokens, EOS excluded).
+Rewards (phase 4) come from pipeline/scoring.py: a reward model's normalised score of the rollout's
+token ids, or a scripted reward for tests and benches.
 """
 
 from __future__ import annotations
@@ -23,13 +22,14 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from pipeline.losses import gae, kl_per_token, logprobs_from_logits, masked_whiten, shaped_rewards
 from pipeline.models import ScalarModel, is_peft, packed_lm_logits
 from pipeline.packing import Packed, attn_cost_ratio, gather_cells, hidden_states, pack
+from pipeline.rundir import read_jsonl
+from pipeline.text import pad_rows
 
 # --------------------------------------------------------------------------- the rollout record
 
@@ -203,93 +203,12 @@ def kl_shaped_advantages(ro: Rollout, raw_score: torch.Tensor, cfg, beta: float)
                       returns=returns)
 
 
-# --------------------------------------------------------------------------- rewards
-
-ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16, autocast=None) -> tuple[ScoreFn, object | None]:
-    """(score_fn, reward_model or None) for --reward.
-
-    score_fn(sequences, attention_mask, response_ids, response_mask) -> (B,) float scores.
-    - 'script:count:<text>': occurrences of <text> in the decoded response (special tokens dropped);
-    - 'script:length': response tokens, EOS excluded;
-    - a folder saved by save_scalar_model(kind='reward'): its score at the last real token of
-      prompt+response, normalised with the stored mean/std (0/1 if never measured). The reward
-      model is frozen.
-    """
-    if spec.startswith("script:"):
-        kind, _, arg = spec[len("script:"):].partition(":")
-        if kind == "count":
-            if not arg:
-                raise ValueError(f"--reward {spec!r}: give the text to count, e.g. 'script:count: the'")
-
-            def count(sequences, attention_mask, response_ids, response_mask):
-                texts = decode_responses(tokenizer, response_ids, response_mask)
-                return torch.tensor([float(t.count(arg)) for t in texts], device=sequences.device)
-
-            return count, None
-        if kind == "length":
-            eos = tokenizer.eos_token_id
-
-            def length(sequences, attention_mask, response_ids, response_mask):
-                real = response_mask.bool() & (response_ids != eos)  # (B, R)
-                return real.sum(1).float()
-
-            return length, None
-        raise ValueError(f"--reward {spec!r}: unknown script; use 'script:count:<text>' or 'script:length'")
-
-    from pipeline.models import load_scalar_model, read_meta
-
-    if not Path(spec).is_dir():
-        raise ValueError(f"--reward {spec}: no such folder (expected a reward model saved by "
-                         "train-reward, or 'script:count:<text>' / 'script:length')")
-    if read_meta(spec).get("kind") != "reward":
-        raise ValueError(f"--reward {spec}: a {read_meta(spec).get('kind')} checkpoint, not a reward model")
-    rm, rm_tokenizer = load_scalar_model(spec, kind="reward", cfg=model_cfg)
-    rm.requires_grad_(False).eval()
-    same_vocab = rm_tokenizer.get_vocab() == tokenizer.get_vocab()
-    autocast = autocast or _null
-
-    @torch.no_grad()
-    def score(sequences, attention_mask, response_ids, response_mask):
-        if not same_vocab:  # a reward model from another family: re-tokenise the text
-            texts = [tokenizer.decode(s[m.bool()]) for s, m in zip(sequences, attention_mask)]
-            rm_tokenizer.padding_side = "left"
-            enc = rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            device = sequences.device
-            sequences, attention_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-        out = []
-        for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
-            with autocast():
-                out.append(packed_score(rm, sequences[rows], attention_mask[rows]).float())
-        return torch.cat(out)  # (B,)
-
-    return score, rm
-
-
-def packed_score(rm, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(b,) ScalarModel.normalised_score, computed on the sequences packed without padding: the
-    head reads each sequence's last real token."""
-    packed = pack(input_ids, attention_mask, attn_ratio(rm))
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
-    last = (attention_mask.long() * positions).argmax(-1)  # (b,) highest position with mask 1
-    index = gather_cells(packed, torch.arange(input_ids.shape[0], device=input_ids.device), last)
-    hidden = hidden_states(rm.backbone, packed, frozen="reward")[index]  # (b, H)
-    return (rm.head(hidden.float()).squeeze(-1) - rm.reward_mean) / rm.reward_std
+# --------------------------------------------------------------------------- texts
 
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
     return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
             for ids, m in zip(response_ids, response_mask)]
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --------------------------------------------------------------------------- prompts and PPO-ptx data
@@ -311,34 +230,22 @@ def prompt_order(n_prompts: int, step: int, batch_size: int, seed: int) -> list[
 
 def read_ptx_texts(path: str | os.PathLike) -> list[str]:
     """Texts for the PPO-ptx term: JSONL rows with a non-empty 'text' field."""
-    texts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
-                raise ValueError(f"{path}, line {n}: field 'text' is missing or empty")
-            texts.append(row["text"])
+    texts = [row["text"] for row in read_jsonl(path, check=_check_ptx_row)]
     if not texts:
         raise ValueError(f"{path}: no texts for PPO-ptx")
     return texts
+
+
+def _check_ptx_row(row) -> None:
+    if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
+        raise ValueError("field 'text' is missing or empty")
 
 
 def ptx_batch(tokenizer, texts: list[str], max_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) (b, T), right-padded, each text + EOS, cut to max_length."""
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"][: max_length - 1] + [tokenizer.eos_token_id]
             for t in texts]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    am = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        am[i, : len(r)] = 1
-    return ids.to(device), am.to(device)
+    return pad_rows(rows, tokenizer.pad_token_id, left=False, device=device)
 
 
 # --------------------------------------------------------------------------- sample table
@@ -362,6 +269,6 @@ def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_se
 
 __all__ = [
     "Rollout", "Advantages", "kl_shaped_advantages", "PackedResponses", "pack_responses", "attn_ratio",
-    "response_logits", "response_logprobs", "critic_values", "rollout_forwards", "merged_lora", "packed_score", "make_reward", "decode_responses", "prompt_order", "read_ptx_texts", "ptx_batch",
-    "write_samples",
+    "response_logits", "response_logprobs", "critic_values", "rollout_forwards", "merged_lora", "decode_responses",
+    "prompt_order", "read_ptx_texts", "ptx_batch", "write_samples",
 ]

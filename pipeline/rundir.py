@@ -19,6 +19,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 STATES = ("running", "done", "failed", "cancelled")
 
@@ -85,16 +86,22 @@ class MetricsTail:
         return rows
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every row of a JSON Lines file (blank lines skipped); a bad line is a ValueError naming
-    the file and the line number."""
+def read_jsonl(path: Path, check: Callable[[object], None] | None = None) -> list[dict]:
+    """Every row of a JSON Lines file (blank lines skipped). A line that is not JSON, or whose row
+    check(row) refuses with a ValueError, is a ValueError naming the file and the line number."""
     rows = []
     with open(path, encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}, line {n}: not valid JSON ({exc.msg})") from None
+            if check is not None:
+                try:
+                    check(row)
+                except ValueError as exc:
+                    raise ValueError(f"{path}, line {n}: {exc}") from None
+            rows.append(row)
     return rows

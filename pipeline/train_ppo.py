@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, to_dict
-from pipeline.generate import encode_prompts, read_prompts, sample
+from pipeline.generate import sample
 from pipeline.kl import make_kl_controller
 from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
@@ -56,9 +56,11 @@ from pipeline.ppo_state import (
     write_json,
 )
 from pipeline.rollout import (
-    Rollout, attn_ratio, critic_values, kl_shaped_advantages, make_reward, merged_lora, pack_responses, prompt_order,
-    ptx_batch, read_ptx_texts, response_logits, response_logprobs, rollout_forwards, write_samples,
+    Rollout, attn_ratio, critic_values, kl_shaped_advantages, merged_lora, pack_responses, prompt_order, ptx_batch,
+    read_ptx_texts, response_logits, response_logprobs, rollout_forwards, write_samples,
 )
+from pipeline.scoring import make_reward
+from pipeline.text import encode_prompts, read_prompts
 
 CHECKPOINT = "checkpoint"
 

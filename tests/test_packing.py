@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from pipeline.config import PPOConfig
-from pipeline.generate import encode_prompts, sample
+from pipeline.generate import sample
+from pipeline.text import encode_prompts
 from pipeline.models import (
     causal_lm_logits, load_policy, load_scalar_model, make_reference, packed_lm_logits,
 )
 from pipeline.packing import _FROZEN_PREFIXES, _first_fit, choose_width, common_prefix, gather_cells, pack
-from pipeline.rollout import critic_values, merged_lora, pack_responses, packed_score
+from pipeline.rollout import critic_values, merged_lora, pack_responses
+from pipeline.scoring import packed_score
 
 PROMPTS = ["How can I shop?", "What is the capital of France?", "Tell me about bread.", "Guitar tips?", "Hi"]
 

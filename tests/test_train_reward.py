@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.config import RewardConfig
-from pipeline.generate import prompt_token_ids
+from pipeline.text import prompt_token_ids
 from pipeline.models import load_scalar_model
 from pipeline.reward_data import (
     PairsError, collate, collate_shared, encode_pairs, length_grouped_batches, prompt_key, read_pairs,

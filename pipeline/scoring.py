@@ -1,0 +1,132 @@
+"""Reward-model scores of (prompt, response): one scoring function for every caller.
+
+    packed_score(rm, input_ids, attention_mask)     (b,) token ids in, the score at each row's last
+                                                    real token, computed packed without padding
+    score_rows(rm, rows, pad_id)                    lists of token ids (prompt + response) in batches
+    score_texts(rm, tokenizer, prompts, responses)  texts, encoded exactly as reward training encodes
+                                                    a pair (pipeline/text.py: the prompt through the
+                                                    chat template, then response + EOS)
+    make_reward(spec, tokenizer, model_cfg)         PPO's score_fn: a reward model on the rollout's
+                                                    token ids, or a scripted reward for tests
+
+Every path ends in `packed_score`: the same positions and fp32 head as ScalarModel.score, the head
+read at the last real token. Scores are normalised with the model's stored mean/std unless the
+caller measures those statistics itself (reward_eval.normalisation_stats).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pipeline.models import load_scalar_model, read_meta
+from pipeline.packing import gather_cells, hidden_states, pack
+from pipeline.rollout import attn_ratio, decode_responses
+from pipeline.text import encode_response, pad_rows, prompt_token_ids
+
+ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def packed_score(rm, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalised: bool = True,
+                 frozen: bool = True) -> torch.Tensor:
+    """(b,) the reward model's score of each row (padded on either side), computed on the rows
+    packed without padding. The head runs in fp32 outside any autocast, as in reward training.
+    frozen: the model's weights never change in this process, so a prefix common to all rows
+    keeps its keys and values between calls (pipeline/packing.py, prefix_kv)."""
+    packed = pack(input_ids, attention_mask, attn_ratio(rm))
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
+    last = (attention_mask.long() * positions).argmax(-1)  # (b,) highest position with mask 1
+    index = gather_cells(packed, torch.arange(input_ids.shape[0], device=input_ids.device), last)
+    hidden = hidden_states(rm.backbone, packed, frozen="reward" if frozen else None)[index]  # (b, H)
+    with torch.autocast(hidden.device.type, enabled=False):
+        scores = rm.head(hidden.float()).squeeze(-1)  # (b,)
+    return (scores - rm.reward_mean) / rm.reward_std if normalised else scores
+
+
+@torch.no_grad()
+def score_rows(rm, rows: list[list[int]], pad_id: int, batch_size: int = 16, normalised: bool = True,
+               frozen: bool = True, autocast=contextlib.nullcontext) -> list[float]:
+    """Scores of token-id rows (prompt + response each), batch_size rows per forward pass."""
+    device = next(rm.parameters()).device
+    scores: list[float] = []
+    for start in range(0, len(rows), batch_size):
+        ids, mask = pad_rows(rows[start:start + batch_size], pad_id, left=False, device=device)  # (b, T)
+        with autocast():
+            scores += packed_score(rm, ids, mask, normalised, frozen).float().tolist()
+    return scores
+
+
+def score_texts(rm, tokenizer, prompts: list, responses: list[str], batch_size: int = 16) -> list[float]:
+    """Normalised scores of prompt + response texts, formatted exactly as reward training does."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"score_texts: {len(prompts)} prompts but {len(responses)} responses")
+    rows = [prompt_token_ids(tokenizer, p) + encode_response(tokenizer, r) for p, r in zip(prompts, responses)]
+    return score_rows(rm, rows, tokenizer.pad_token_id, batch_size)
+
+
+def load_reward_model(path: str, model_cfg):
+    """(reward model, tokenizer): a folder saved by train-reward, frozen, in eval mode."""
+    if not Path(path).is_dir():
+        raise ValueError(f"--reward {path}: no such folder (expected a reward model saved by train-reward)")
+    kind = read_meta(path).get("kind")
+    if kind != "reward":
+        raise ValueError(f"--reward {path}: a {kind} checkpoint, not a reward model")
+    rm, tokenizer = load_scalar_model(path, kind="reward", cfg=model_cfg)
+    return rm.requires_grad_(False).eval(), tokenizer
+
+
+def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
+                autocast=contextlib.nullcontext) -> tuple[ScoreFn, object | None]:
+    """(score_fn, reward_model or None) for PPO's --reward.
+
+    score_fn(sequences, attention_mask, response_ids, response_mask) -> (B,) float scores.
+    - 'script:count:<text>': occurrences of <text> in the decoded response (special tokens dropped);
+    - 'script:length': response tokens, EOS excluded;
+    - a folder saved by save_scalar_model(kind='reward'): its normalised score of prompt+response
+      (packed_score). The reward model is frozen.
+    """
+    if spec.startswith("script:"):
+        kind, _, arg = spec[len("script:"):].partition(":")
+        if kind == "count":
+            if not arg:
+                raise ValueError(f"--reward {spec!r}: give the text to count, e.g. 'script:count: the'")
+
+            def count(sequences, attention_mask, response_ids, response_mask):
+                texts = decode_responses(tokenizer, response_ids, response_mask)
+                return torch.tensor([float(t.count(arg)) for t in texts], device=sequences.device)
+
+            return count, None
+        if kind == "length":
+            eos = tokenizer.eos_token_id
+
+            def length(sequences, attention_mask, response_ids, response_mask):
+                real = response_mask.bool() & (response_ids != eos)  # (B, R)
+                return real.sum(1).float()
+
+            return length, None
+        raise ValueError(f"--reward {spec!r}: unknown script; use 'script:count:<text>' or 'script:length'")
+
+    if not Path(spec).is_dir():
+        raise ValueError(f"--reward {spec}: no such folder (expected a reward model saved by "
+                         "train-reward, or 'script:count:<text>' / 'script:length')")
+    rm, rm_tokenizer = load_reward_model(spec, model_cfg)
+    same_vocab = rm_tokenizer.get_vocab() == tokenizer.get_vocab()
+
+    @torch.no_grad()
+    def score(sequences, attention_mask, response_ids, response_mask):
+        if not same_vocab:  # a reward model from another family: re-tokenise the text
+            texts = [tokenizer.decode(s[m.bool()]) for s, m in zip(sequences, attention_mask)]
+            rm_tokenizer.padding_side = "left"
+            enc = rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            device = sequences.device
+            sequences, attention_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+        out = []
+        for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
+            with autocast():
+                out.append(packed_score(rm, sequences[rows], attention_mask[rows]).float())
+        return torch.cat(out)  # (B,)
+
+    return score, rm

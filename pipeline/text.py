@@ -1,0 +1,100 @@
+"""Text in, token ids out: prompts files, chat formatting, prompt and response encoding, padding.
+
+Generation, reward training, PPO and scoring all encode through these functions, so a reward model
+is trained on exactly the token layout it is later asked to score:
+
+    prompt_token_ids(tokenizer, prompt)      chat template with the assistant turn opened (or raw text)
+    encode_response(tokenizer, response)     response ids + EOS, the token generation stops at
+    pad_rows(rows, pad_id, left=...)         (input_ids, attention_mask), padded on either side
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from pipeline.rundir import read_jsonl
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def to_messages(prompt) -> list[dict]:
+    """Chat messages for a prompt: a message list as is, an HH-RLHF transcript split into turns
+    ("\\n\\nHuman: ...\\n\\nAssistant:"; the empty last Assistant turn is the generation prompt),
+    anything else as one user message."""
+    if isinstance(prompt, list):
+        for i, m in enumerate(prompt):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"message {i} of a prompt is not a {{role, content}} dict: {m!r}")
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    if not isinstance(prompt, str):
+        raise ValueError(f"a prompt must be text or a list of messages, got {type(prompt).__name__}")
+    if not prompt.lstrip(" ").startswith("\n\nHuman:"):
+        return [{"role": "user", "content": prompt}]
+    parts = _HH_TURN.split(prompt.lstrip(" "))  # ['', 'Human', ' hi', 'Assistant', ' hello', ...]
+    messages = [{"role": "user" if role == "Human" else "assistant", "content": text.strip()}
+                for role, text in zip(parts[1::2], parts[2::2])]
+    if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+        messages.pop()
+    return messages
+
+
+def read_prompts(path: str | os.PathLike) -> list[dict]:
+    """Rows of a JSONL file with a `prompt` field (text or a list of {role, content} messages)."""
+    rows = read_jsonl(path, check=_check_prompt_row)
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def _check_prompt_row(row) -> None:
+    if not isinstance(row, dict) or "prompt" not in row:
+        raise ValueError("no 'prompt' field")
+    try:
+        to_messages(row["prompt"])
+    except ValueError as exc:
+        raise ValueError(f"field 'prompt': {exc}") from None
+
+
+def prompt_token_ids(tokenizer, prompt, max_prompt_tokens: int | None = None) -> list[int]:
+    """Token ids of one prompt: the chat template with the generation prompt when the tokenizer has
+    one, else the raw text. Too long -> keep the last tokens (the end holds the question)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(to_messages(prompt), add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in to_messages(prompt))
+        ids = tokenizer(text)["input_ids"]
+    if not ids:
+        raise ValueError(f"an empty prompt: {prompt!r}")
+    if max_prompt_tokens and len(ids) > max_prompt_tokens:
+        ids = ids[-max_prompt_tokens:]
+    return ids
+
+
+def encode_response(tokenizer, response: str) -> list[int]:
+    """Response ids + EOS. With a chat template the text is stripped: the template puts the reply
+    right after 'assistant\\n' (HH replies start with a space that generation never produces)."""
+    text = response.strip() if tokenizer.chat_template else response
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def pad_rows(rows: list[list[int]], pad_id: int, left: bool, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both (B, L) for the longest row L, padded on the left (prompts
+    that generation continues) or on the right."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        cols = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, cols] = torch.tensor(r, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids.to(device), mask.to(device)
+
+
+def encode_prompts(tokenizer, prompts, max_prompt_tokens: int | None = None, device=None):
+    """(input_ids, attention_mask) (B, P), left-padded, chat template applied when present."""
+    rows = [prompt_token_ids(tokenizer, p, max_prompt_tokens) for p in prompts]
+    return pad_rows(rows, tokenizer.pad_token_id, left=True, device=device)
