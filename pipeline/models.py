@@ -16,6 +16,7 @@ package. It is de-quantised once into a cached Hugging Face folder and loaded fr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -73,6 +74,14 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"--dtype {name!r}: expected one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """The context a run's forward passes go in: bf16/fp16 autocast when the run's dtype is lower
+    than fp32 (the scalar heads stay fp32 inside it), nothing in fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- finding the base model

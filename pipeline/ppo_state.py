@@ -1,63 +1,20 @@
-"""The PPO run directory: status.json, metrics.jsonl, checkpoints, and cancellation.
+"""PPO checkpoints: RUN_DIR/checkpoint holds everything `--resume` needs.
 
-pipeline/train_ppo.py writes through these so a job runner tailing RUN_DIR never reads half a
-file: JSON is written beside its target and renamed over it, and a checkpoint is written as a new
-folder that replaces the old one in two renames. SIGTERM / Ctrl-C only set a flag that the loop
-checks between phases and minibatches, so a cancel never interrupts a write.
+A checkpoint is written as a new folder that replaces the old one in two renames, so a kill
+mid-save leaves the previous one (the rest of the run directory: pipeline/rundir.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import threading
-import time
 from pathlib import Path
 
 import torch
 
-from pipeline.models import save_policy, save_scalar_model
+from pipeline.models import is_peft, save_policy, save_scalar_model
 
 STATE_FILE = "trainer_state.pt"
-
-
-# --------------------------------------------------------------------------- run directory
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write JSON beside `path`, then rename it over: readers see the old or the new file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)  # readers never see half a file
-
-
-class RunStatus:
-    """status.json for the job runner: {state, step, total, progress, updated_at, error}."""
-
-    def __init__(self, out: Path, total: int):
-        self.path, self.total = out / "status.json", total
-
-    def write(self, state: str, step: int, error: str | None = None) -> None:
-        write_json(self.path, {"state": state, "step": step, "total": self.total,
-                                "progress": round(step / self.total, 4), "updated_at": time.time(), "error": error})
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep metric lines up to `step` (a resumed run rewrites the steps after its checkpoint)."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def save_checkpoint(ckpt: Path, state: dict) -> None:
@@ -105,8 +62,6 @@ def load_checkpoint(ckpt: Path, policy, policy_opt, critic_opt, policy_sched, cr
 
 def _load_policy_weights(policy, folder: Path) -> None:
     """Copy saved policy weights into the already-built policy (whose reference is the start)."""
-    from pipeline.models import is_peft
-
     if is_peft(policy):
         from peft import load_peft_weights, set_peft_model_state_dict
 
@@ -127,41 +82,4 @@ def _load_policy_weights(policy, folder: Path) -> None:
             load_sharded_checkpoint(policy, str(folder))
 
 
-# --------------------------------------------------------------------------- cancellation
-
-
-class Cancelled(Exception):
-    """SIGTERM or Ctrl-C arrived; the run stops at the next safe point."""
-
-
-class StopFlag:
-    """SIGTERM/SIGINT set a flag that the loop checks between phases and minibatches, so a
-    cancel never interrupts a write. A second signal stops at once."""
-
-    def __init__(self):
-        self.signal: str | None = None
-        self._previous: dict = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None:
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-
-    def check(self) -> None:
-        if self.signal is not None:
-            raise Cancelled(f"cancelled by {self.signal}")
-
-
-__all__ = ["RunStatus", "truncate_metrics", "save_checkpoint", "recover_checkpoint", "load_checkpoint",
-           "Cancelled", "StopFlag", "write_json"]
+__all__ = ["save_checkpoint", "recover_checkpoint", "load_checkpoint"]

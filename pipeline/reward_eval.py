@@ -15,24 +15,17 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import random
 
 import torch
 
 from pipeline.losses import last_token_index, lm_loss, pairwise_loss
-from pipeline.models import position_ids_from_mask
+from pipeline.models import autocast, position_ids_from_mask
 from pipeline.packing import cache_kwarg
 from pipeline.reward_data import EncodedPair, Pair, collate, collate_shared
 from pipeline.text import prompt_token_ids
-
-
-def autocast_for(device: torch.device, dtype: torch.dtype):
-    """bf16/fp16 autocast where the run's dtype asks for it; nothing in fp32."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def pair_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -125,7 +118,7 @@ def score_pairs(model, items: list[EncodedPair], pad_id: int, device, dtype, bat
     r_c, r_r = torch.zeros(len(items)), torch.zeros(len(items))
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        with autocast_for(device, dtype):
+        with autocast(device, dtype):
             c, r, _, _, _ = forward_pairs(model, [items[i] for i in idx], pad_id, device, share_prompt)
         r_c[idx], r_r[idx] = c.float().cpu(), r.float().cpu()
     model.train(was_training)
@@ -211,7 +204,7 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
     model.eval()
     # raw scores (the statistics are what normalises them); not frozen: this model was just trained
     all_scores = torch.tensor(score_rows(model, seqs, tokenizer.pad_token_id, batch_size, normalised=False,
-                                         frozen=False, autocast=lambda: autocast_for(device, dtype)))  # (n,)
+                                         frozen=False, autocast=functools.partial(autocast, device, dtype)))  # (n,)
     model.train(was_training)
     std = all_scores.std().item() if n > 1 else 1.0
     if not math.isfinite(std) or std < 1e-6:

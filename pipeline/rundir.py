@@ -8,8 +8,12 @@ watch any of them (DESIGN.md, Process model):
                     rewritten whole (tmp + rename) so a reader never sees half a file
     metrics.jsonl   one JSON object per step: {"step": n, "namespace/key": value, ...}
 
-Writers use `write_json`, `write_status` and `append_metrics`; the job runner reads with
-`read_status` and `MetricsTail`.
+Writers use `write_json`, `write_status` and `append_metrics` (and `truncate_metrics` when a run
+resumes from a checkpoint); the job runner reads with `read_status` and `MetricsTail`. A trainer
+installs a `StopFlag`: SIGTERM (the job runner's cancel) or Ctrl-C only set a flag that the loop
+checks between phases, so a cancel never interrupts a write.
+
+This module imports no torch: the app process reads run directories through it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -47,6 +53,24 @@ def append_metrics(out: Path, step: int, metrics: dict) -> None:
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
     with open(Path(out) / "metrics.jsonl", "a", encoding="utf-8") as fh:
         fh.write(json.dumps({"step": int(step), **clean}) + "\n")
+
+
+def truncate_metrics(out: Path, step: int) -> None:
+    """Keep the metric lines up to `step`: a run resumed from the checkpoint of `step` logs the
+    steps after it again. A line cut short by a kill is dropped."""
+    path = Path(out) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def read_status(out: Path) -> dict:
@@ -105,3 +129,42 @@ def read_jsonl(path: Path, check: Callable[[object], None] | None = None) -> lis
                     raise ValueError(f"{path}, line {n}: {exc}") from None
             rows.append(row)
     return rows
+
+
+class Cancelled(Exception):
+    """SIGTERM or Ctrl-C arrived; the run stops at its next safe point."""
+
+
+class StopFlag:
+    """SIGTERM/SIGINT set `signal` (the signal's name); the loop calls `check()` (raises Cancelled)
+    or reads `signal` between phases. A second signal stops at once (KeyboardInterrupt).
+
+        with StopFlag() as stop:
+            ...
+            stop.check()
+    """
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopFlag":
+        if threading.current_thread() is threading.main_thread():  # handlers only in the main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        return False
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def check(self) -> None:
+        if self.signal is not None:
+            raise Cancelled(f"cancelled by {self.signal}")

@@ -18,7 +18,7 @@ Speed without changing the arithmetic (beyond float rounding): sampling runs wit
 merged into a copy of the base weights (`merged_lora`), and every forward pass over episodes, in
 the rollout and in the update, packs the sequences without padding (pipeline/packing.py).
 
-The four roles (../shared/DESIGN.md): the policy (LoRA by default), the reference (the policy with
+The four roles (docs/DESIGN.md): the policy (LoRA by default), the reference (the policy with
 its adapter disabled, or a frozen copy with full fine-tuning), the frozen reward model, and the
 critic (initialised from the reward model). A run writes only into RUN_DIR: config.json,
 metrics.jsonl (one JSON object per step), status.json, samples/step_N.jsonl, checkpoint/ (policy,
@@ -32,12 +32,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
+import functools
 import math
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,17 +50,15 @@ from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
 )
 from pipeline.models import (
-    causal_lm_logits, load_policy, load_scalar_model, make_reference, pick_device, pick_dtype, read_meta,
+    autocast, causal_lm_logits, load_policy, load_scalar_model, make_reference, pick_device, pick_dtype, read_meta,
     save_policy,
 )
-from pipeline.ppo_state import (
-    Cancelled, RunStatus, StopFlag, load_checkpoint, recover_checkpoint, save_checkpoint, truncate_metrics,
-    write_json,
-)
+from pipeline.ppo_state import load_checkpoint, recover_checkpoint, save_checkpoint
 from pipeline.rollout import (
     Rollout, attn_ratio, critic_values, kl_shaped_advantages, merged_lora, pack_responses, prompt_order, ptx_batch,
     read_ptx_texts, response_logits, response_logprobs, rollout_forwards, write_samples,
 )
+from pipeline.rundir import Cancelled, StopFlag, append_metrics, truncate_metrics, write_json, write_status
 from pipeline.scoring import make_reward
 from pipeline.text import encode_prompts, read_prompts
 
@@ -75,221 +75,198 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     recover_checkpoint(ckpt)
     if ckpt.is_dir() and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
-    resuming = resume and ckpt.is_dir()
-    status = RunStatus(out, cfg.steps)
-    stop = StopFlag()
-    stop.install()
     state: dict = {}
     try:
-        # 0. set-up: device, models (four roles), optimisers, KL controller, resume
-        device = pick_device(model_cfg.device)
-        dtype = pick_dtype(model_cfg.dtype, device)
-        if dtype == torch.float16:
-            raise ValueError("--dtype fp16: PPO here has no loss scaling; use bf16 (or fp32)")
-        autocast = _autocast(device, dtype)
-        torch.manual_seed(cfg.seed)
-        rows = read_prompts(prompts)
-        policy_model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
-        reference = make_reference(policy_model)  # before any resume: the *starting* policy
-        score_fn, rm = make_reward(reward, tokenizer, model_cfg, cfg.forward_batch_size, autocast)
-        critic_src = str(ckpt / "critic") if resuming else (
-            critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
-        critic, _ = load_scalar_model(critic_src, kind="critic", cfg=_master_cfg(model_cfg, critic_src, device, dtype))
-        policy_opt = _adamw(_trainable(policy_model), cfg.lr)
-        critic_opt = _adamw(_trainable(critic), cfg.critic_lr)
-        # linear decay to 0 over the run (TRL's default schedule); stepped once per PPO iteration
-        decay = (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
-        policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, decay)
-        critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, decay)
-        kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
-        start = 0
-        if resuming:
-            saved_base = read_meta(ckpt / "policy").get("base_model")
-            if saved_base != policy_model.rlhf_meta["base_model"]:
-                raise ValueError(f"{ckpt}: the checkpoint trains {saved_base}, but --policy starts from "
-                                 f"{policy_model.rlhf_meta['base_model']}; resume with the run's --policy")
-            start = load_checkpoint(ckpt, policy_model, policy_opt, critic_opt, policy_sched, critic_sched,
-                                    kl_ctl, device)
-        metrics_path = out / "metrics.jsonl"
-        truncate_metrics(metrics_path, start)
-        ptx_texts = read_ptx_texts(cfg.ptx_data) if cfg.ptx_coef > 0 else []
-        use_sample_logprobs = cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32)
-        state.update(policy=policy_model, critic=critic, tokenizer=tokenizer, opts=(policy_opt, critic_opt),
-                     scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start)
-        write_json(out / "config.json", {
-            "stage": "ppo", "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
-            "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
-            "ppo": to_dict(cfg), "model": to_dict(model_cfg)})
-        status.write("running", start)
+        with StopFlag() as stop:
+            # 0. set-up: device, models (four roles), optimisers, KL controller, resume
+            run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
+                         critic_init=critic_init, resuming=resume and ckpt.is_dir())
+            policy_model, critic, tokenizer, reference = run.policy, run.critic, run.tokenizer, run.reference
+            (policy_opt, critic_opt), (policy_sched, critic_sched), kl_ctl = run.opts, run.scheds, run.kl
+            device, autocast, rows = run.device, run.autocast, run.rows
+            state.update(policy=policy_model, critic=critic, tokenizer=tokenizer, opts=run.opts, scheds=run.scheds,
+                         kl=kl_ctl, step=run.start)
+            write_status(out, "running", run.start, cfg.steps)
 
-        from tqdm import tqdm
+            from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc="ppo", unit="step", dynamic_ncols=True)
-        metrics: dict = {}
-        for step in range(start, cfg.steps):
-            t_start = time.perf_counter()
-            B, temperature = cfg.batch_size, cfg.temperature
-            # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it)
-            batch_prompts = [rows[i]["prompt"] for i in prompt_order(len(rows), step, B, cfg.seed)]
-            input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
+            bar = tqdm(total=cfg.steps, initial=run.start, desc="ppo", unit="step", dynamic_ncols=True)
+            metrics: dict = {}
+            for step in range(run.start, cfg.steps):
+                t_start = time.perf_counter()
+                B, temperature = cfg.batch_size, cfg.temperature
+                # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it)
+                batch_prompts = [rows[i]["prompt"] for i in prompt_order(len(rows), step, B, cfg.seed)]
+                input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
 
-            # 2. sample from the current policy = pi_old; post-EOS tokens come back masked. LoRA is
-            # merged into (a copy of) the base weights meanwhile: one matmul per layer and step
-            generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
-            with torch.no_grad(), autocast(), merged_lora(policy_model):
-                sb = sample(policy_model, input_ids, prompt_mask, cfg, generator=generator,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            mask = sb.response_mask.float()  # (B, R)
-            t_sample = time.perf_counter() - t_start
-            stop.check()
+                # 2. sample from the current policy = pi_old; post-EOS tokens come back masked. LoRA is
+                # merged into (a copy of) the base weights meanwhile: one matmul per layer and step
+                generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+                with torch.no_grad(), autocast(), merged_lora(policy_model):
+                    sb = sample(policy_model, input_ids, prompt_mask, cfg, generator=generator,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                mask = sb.response_mask.float()  # (B, R)
+                t_sample = time.perf_counter() - t_start
+                stop.check()
 
-            # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
-            policy_model.eval()
-            ref_logp, old_logp, values = rollout_forwards(
-                policy_model, reference, critic, sb.sequences, sb.attention_mask, sb.response_ids, mask,
-                sb.prompt_length, temperature, cfg.forward_batch_size, not use_sample_logprobs, autocast)
-            ro = Rollout(prompts=batch_prompts, sequences=sb.sequences, attention_mask=sb.attention_mask,
-                         response_ids=sb.response_ids, mask=mask, prompt_length=sb.prompt_length,
-                         logprobs=(sb.logprobs if use_sample_logprobs else old_logp) * mask,
-                         ref_logprobs=ref_logp * mask, values=values * mask,
-                         eos=torch.tensor([f == "eos" for f in sb.finish_reason], device=device))
+                # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
+                policy_model.eval()
+                ref_logp, old_logp, values = rollout_forwards(
+                    policy_model, reference, critic, sb.sequences, sb.attention_mask, sb.response_ids, mask,
+                    sb.prompt_length, temperature, cfg.forward_batch_size, not run.sample_logprobs, autocast)
+                ro = Rollout(prompts=batch_prompts, sequences=sb.sequences, attention_mask=sb.attention_mask,
+                             response_ids=sb.response_ids, mask=mask, prompt_length=sb.prompt_length,
+                             logprobs=(sb.logprobs if run.sample_logprobs else old_logp) * mask,
+                             ref_logprobs=ref_logp * mask, values=values * mask,
+                             eos=torch.tensor([f == "eos" for f in sb.finish_reason], device=device))
 
-            t_forwards = time.perf_counter() - t_start - t_sample
+                t_forwards = time.perf_counter() - t_start - t_sample
 
-            # 4. score prompt+response: reward model (normalised) or scripted
-            raw_score = score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask)  # (B,)
-            t_score = time.perf_counter() - t_start - t_sample - t_forwards
+                # 4. score prompt+response: reward model (normalised) or scripted
+                raw_score = run.score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask)  # (B,)
+                t_score = time.perf_counter() - t_start - t_sample - t_forwards
 
-            # 5-6. missing-EOS penalty, per-token KL, shaped rewards, GAE (pipeline/rollout.py)
-            beta = kl_ctl.value
-            adv = kl_shaped_advantages(ro, raw_score, cfg, beta)
-            score, kl_seq, advantages, returns = adv.score, adv.kl_seq, adv.advantages, adv.returns
-            t_rollout = time.perf_counter() - t_start
+                # 5-6. missing-EOS penalty, per-token KL, shaped rewards, GAE (pipeline/rollout.py)
+                beta = kl_ctl.value
+                adv = kl_shaped_advantages(ro, raw_score, cfg, beta)
+                advantages, returns = adv.advantages, adv.returns
+                t_rollout = time.perf_counter() - t_start
 
-            # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches
-            stats = defaultdict(float)
-            shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-            lengths = ro.lengths.cpu()
-            packing_ratio = attn_ratio(policy_model)
-            n_minibatches = 0
-            for epoch in range(cfg.ppo_epochs):
-                order = torch.randperm(B, generator=shuffle)
-                for mb in order.split(cfg.mini_batch_size):
-                    # sorting by length inside the minibatch groups similar rows into a micro-batch
-                    # (packs better); the summed gradient of the minibatch is unchanged
-                    mb = mb[torch.argsort(lengths[mb], descending=True)].to(device)
-                    mb_tokens = mask[mb].sum()
-                    for micro in mb.split(cfg.micro_batch_size):
-                        w = mask[micro].sum() / mb_tokens  # token share: accumulated loss = minibatch token mean
-                        # the micro-batch's episodes packed without padding, as in the rollout
-                        pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro], ro.response_ids[micro],
-                                            mask[micro], ro.prompt_length, packing_ratio)
-                        m = mask[micro]  # (b, R)
-                        with autocast():
-                            logits = response_logits(policy_model, pr)  # (N, V) at the N real response tokens
-                            logp = response_logprobs(logits, pr, temperature)  # (b, R)
-                            pg_loss, pg = policy_loss(logp, ro.logprobs[micro], advantages[micro], m, cfg.cliprange)
-                            loss = pg_loss
-                            if cfg.entropy_coef > 0:
-                                entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None])[0]), m)
-                                loss = loss - cfg.entropy_coef * entropy
-                                stats["policy/entropy"] += float(w * entropy.detach())
-                            del logits
-                            v = critic_values(critic, pr)  # (b, R)
-                            vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], returns[micro], m,
-                                                              cfg.cliprange_value)
-                        (w * (loss + cfg.vf_coef * vf_loss)).backward()
-                        for key, val in (("policy/loss", pg_loss), ("policy/clipfrac", pg["clipfrac"]),
-                                         ("policy/approxkl", pg["approxkl"]), ("policy/ratio_mean", pg["ratio_mean"]),
-                                         ("val/loss", vf_loss), ("val/clipfrac", vf_clipfrac)):
-                            stats[key] += float(w * val.detach())
-                        if n_minibatches == 0:  # pi_theta == pi_old here: the ratio must be 1
-                            stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
-                    if cfg.ptx_coef > 0:  # PPO-ptx (Ouyang et al. 2022, eq. 2): keep the LM objective
-                        # the texts follow from (step, minibatch), so a resumed run uses the same ones
-                        n_before = step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches
-                        texts = [ptx_texts[(n_before * cfg.micro_batch_size + i) % len(ptx_texts)]
-                                 for i in range(cfg.micro_batch_size)]
-                        p_ids, p_am = ptx_batch(tokenizer, texts, cfg.ptx_max_length, device)
-                        with autocast():
-                            ptx_loss = lm_loss(causal_lm_logits(policy_model, p_ids, p_am), p_ids, p_am)
-                        (cfg.ptx_coef * ptx_loss).backward()
-                        stats["ptx/loss"] += float(ptx_loss.detach())
-                    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-                    clip = torch.nn.utils.clip_grad_norm_  # policy and critic clipped separately
-                    stats["policy/grad_norm"] += float(clip(_trainable(policy_model), max_norm))
-                    stats["val/grad_norm"] += float(clip(_trainable(critic), max_norm))
-                    policy_opt.step()
-                    critic_opt.step()
-                    policy_opt.zero_grad(set_to_none=True)
-                    critic_opt.zero_grad(set_to_none=True)
-                    n_minibatches += 1
-                    stop.check()
-            t_update = time.perf_counter() - t_start - t_rollout
+                # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches
+                stats = defaultdict(float)
+                shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+                lengths = ro.lengths.cpu()
+                packing_ratio = attn_ratio(policy_model)
+                n_minibatches = 0
+                for epoch in range(cfg.ppo_epochs):
+                    order = torch.randperm(B, generator=shuffle)
+                    for mb in order.split(cfg.mini_batch_size):
+                        # sorting by length inside the minibatch groups similar rows into a micro-batch
+                        # (packs better); the summed gradient of the minibatch is unchanged
+                        mb = mb[torch.argsort(lengths[mb], descending=True)].to(device)
+                        mb_tokens = mask[mb].sum()
+                        for micro in mb.split(cfg.micro_batch_size):
+                            w = mask[micro].sum() / mb_tokens  # token share: accumulated loss = minibatch token mean
+                            # the micro-batch's episodes packed without padding, as in the rollout
+                            pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro],
+                                                ro.response_ids[micro], mask[micro], ro.prompt_length, packing_ratio)
+                            m = mask[micro]  # (b, R)
+                            with autocast():
+                                logits = response_logits(policy_model, pr)  # (N, V) at the N real response tokens
+                                logp = response_logprobs(logits, pr, temperature)  # (b, R)
+                                pg_loss, pg = policy_loss(logp, ro.logprobs[micro], advantages[micro], m,
+                                                          cfg.cliprange)
+                                loss = pg_loss
+                                if cfg.entropy_coef > 0:
+                                    entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None])[0]), m)
+                                    loss = loss - cfg.entropy_coef * entropy
+                                    stats["policy/entropy"] += float(w * entropy.detach())
+                                del logits
+                                v = critic_values(critic, pr)  # (b, R)
+                                vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], returns[micro], m,
+                                                                  cfg.cliprange_value)
+                            (w * (loss + cfg.vf_coef * vf_loss)).backward()
+                            for key, val in (("policy/loss", pg_loss), ("policy/clipfrac", pg["clipfrac"]),
+                                             ("policy/approxkl", pg["approxkl"]),
+                                             ("policy/ratio_mean", pg["ratio_mean"]),
+                                             ("val/loss", vf_loss), ("val/clipfrac", vf_clipfrac)):
+                                stats[key] += float(w * val.detach())
+                            if n_minibatches == 0:  # pi_theta == pi_old here: the ratio must be 1
+                                stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
+                        if cfg.ptx_coef > 0:  # PPO-ptx (Ouyang et al. 2022, eq. 2): keep the LM objective
+                            # the texts follow from (step, minibatch), so a resumed run uses the same ones
+                            n_before = step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches
+                            texts = [run.ptx_texts[(n_before * cfg.micro_batch_size + i) % len(run.ptx_texts)]
+                                     for i in range(cfg.micro_batch_size)]
+                            p_ids, p_am = ptx_batch(tokenizer, texts, cfg.ptx_max_length, device)
+                            with autocast():
+                                ptx_loss = lm_loss(causal_lm_logits(policy_model, p_ids, p_am), p_ids, p_am)
+                            (cfg.ptx_coef * ptx_loss).backward()
+                            stats["ptx/loss"] += float(ptx_loss.detach())
+                        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+                        clip = torch.nn.utils.clip_grad_norm_  # policy and critic clipped separately
+                        stats["policy/grad_norm"] += float(clip(_trainable(policy_model), max_norm))
+                        stats["val/grad_norm"] += float(clip(_trainable(critic), max_norm))
+                        policy_opt.step()
+                        critic_opt.step()
+                        policy_opt.zero_grad(set_to_none=True)
+                        critic_opt.zero_grad(set_to_none=True)
+                        n_minibatches += 1
+                        stop.check()
+                t_update = time.perf_counter() - t_start - t_rollout
 
-            # 8. KL controller (on the measured KL per sequence) and learning rates
-            lr_policy, lr_critic = policy_sched.get_last_lr()[0], critic_sched.get_last_lr()[0]
-            kl_ctl.update(float(kl_seq.mean()), B)
-            policy_sched.step()
-            critic_sched.step()
-            state["step"] = step + 1
+                # 8. KL controller (on the measured KL per sequence) and learning rates
+                lrs = policy_sched.get_last_lr()[0], critic_sched.get_last_lr()[0]
+                kl_ctl.update(float(adv.kl_seq.mean()), B)
+                policy_sched.step()
+                critic_sched.step()
+                state["step"] = step + 1
 
-            # 9. metrics, status, sample table, checkpoint
-            metrics = {key: val / n_minibatches for key, val in stats.items() if key != "policy/ratio_first"}
-            metrics["policy/ratio_first"] = stats["policy/ratio_first"]
-            with torch.no_grad():
-                var_returns = masked_var(returns, mask)
-                metrics.update({
-                    "objective/score": float(raw_score.mean()),
-                    "objective/kl": float(kl_seq.mean()),
-                    "objective/non_score_reward": float((-beta * kl_seq).mean()),
-                    "objective/rlhf_reward": float((score - beta * kl_seq).mean()),
-                    # TRL's estimate: mean over sequences of the summed -log pi_old of the sampled tokens
-                    "objective/entropy": float((-ro.logprobs).sum(1).mean()),
-                    "val/explained_var": float(1 - masked_var(returns - ro.values, mask) / var_returns)
-                    if var_returns > 0 else 0.0,
-                    "val/value_mean": float(masked_mean(ro.values, mask)),
-                    "kl/beta": beta, "kl/beta_next": kl_ctl.value,
-                    "gen/length_mean": float(ro.lengths.float().mean()),
-                    "gen/eos_rate": float(ro.eos.float().mean()),
-                    "policy/lr": lr_policy, "val/lr": lr_critic,
-                    "time/rollout": t_rollout, "time/update": t_update, "time/sample": t_sample,
-                    "time/forwards": t_forwards, "time/score": t_score,
-                    "time/episodes_per_s": B / (time.perf_counter() - t_start),
-                })
-            with open(metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
-            status.write("running", step + 1)
-            bar.update(1)
-            bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
-                            beta=f"{beta:.3g}")
-            if cfg.sample_every > 0 and ((step + 1) % cfg.sample_every == 0 or step + 1 == cfg.steps):
-                write_samples(out / "samples" / f"step_{step + 1}.jsonl", tokenizer, ro, raw_score, kl_seq)
-            if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                save_checkpoint(ckpt, state)
-            del sb, ro, adv, advantages, returns
-        bar.close()
+                # 9. metrics, status, sample table, checkpoint
+                times = {"rollout": t_rollout, "update": t_update, "sample": t_sample, "forwards": t_forwards,
+                         "score": t_score, "step": time.perf_counter() - t_start}
+                metrics = step_metrics(stats, n_minibatches, ro, raw_score, adv, beta, kl_ctl.value, lrs, times)
+                append_metrics(out, step + 1, metrics)
+                write_status(out, "running", step + 1, cfg.steps)
+                bar.update(1)
+                bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
+                                beta=f"{beta:.3g}")
+                if cfg.sample_every > 0 and ((step + 1) % cfg.sample_every == 0 or step + 1 == cfg.steps):
+                    write_samples(out / "samples" / f"step_{step + 1}.jsonl", tokenizer, ro, raw_score, adv.kl_seq)
+                if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                    save_checkpoint(ckpt, state)
+                del sb, ro, adv, advantages, returns
+            bar.close()
 
-        # the end: a resumable checkpoint, and the policy for the owner process to register
-        save_checkpoint(ckpt, state)
-        policy_model.rlhf_meta = {**policy_model.rlhf_meta, "parent": parent, "reward_model": _reward_name(reward),
-                                  "run": str(out.resolve()), "steps": cfg.steps}
-        save_policy(policy_model, tokenizer, out / "policy")
-        status.write("done", cfg.steps)
-        return metrics
+            # the end: a resumable checkpoint, and the policy for the owner process to register
+            save_checkpoint(ckpt, state)
+            policy_model.rlhf_meta = {**policy_model.rlhf_meta, "parent": run.parent,
+                                      "reward_model": _reward_name(reward), "run": str(out.resolve()),
+                                      "steps": cfg.steps}
+            save_policy(policy_model, tokenizer, out / "policy")
+            write_status(out, "done", cfg.steps, cfg.steps)
+            return metrics
     except Cancelled as exc:
         if "policy" in state:
             save_checkpoint(ckpt, state)
-        status.write("cancelled", state.get("step", 0), error=str(exc))
+        write_status(out, "cancelled", state.get("step", 0), cfg.steps, error=str(exc))
         raise
     except KeyboardInterrupt:  # a second signal: stop now, keep the last checkpoint as it is
-        status.write("cancelled", state.get("step", 0), error="interrupted (no checkpoint saved)")
+        write_status(out, "cancelled", state.get("step", 0), cfg.steps, error="interrupted (no checkpoint saved)")
         raise
     except BaseException as exc:
-        status.write("failed", state.get("step", 0), error=f"{type(exc).__name__}: {exc}")
+        write_status(out, "failed", state.get("step", 0), cfg.steps, error=f"{type(exc).__name__}: {exc}")
         raise
-    finally:
-        stop.uninstall()
+
+
+def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.Tensor, adv, beta: float,
+                 beta_next: float, lrs: tuple[float, float], times: dict) -> dict:
+    """Phase 9's metrics.jsonl line: the update's averages over minibatches, then the rollout's
+    objective, value, KL-controller, generation and timing figures."""
+    metrics = {key: val / n_minibatches for key, val in stats.items() if key != "policy/ratio_first"}
+    metrics["policy/ratio_first"] = stats["policy/ratio_first"]
+    mask, returns, kl_seq = ro.mask, adv.returns, adv.kl_seq
+    with torch.no_grad():
+        var_returns = masked_var(returns, mask)
+        metrics.update({
+            "objective/score": float(raw_score.mean()),
+            "objective/kl": float(kl_seq.mean()),
+            "objective/non_score_reward": float((-beta * kl_seq).mean()),
+            "objective/rlhf_reward": float((adv.score - beta * kl_seq).mean()),
+            # TRL's estimate: mean over sequences of the summed -log pi_old of the sampled tokens
+            "objective/entropy": float((-ro.logprobs).sum(1).mean()),
+            "val/explained_var": float(1 - masked_var(returns - ro.values, mask) / var_returns)
+            if var_returns > 0 else 0.0,
+            "val/value_mean": float(masked_mean(ro.values, mask)),
+            "kl/beta": beta, "kl/beta_next": beta_next,
+            "gen/length_mean": float(ro.lengths.float().mean()),
+            "gen/eos_rate": float(ro.eos.float().mean()),
+            "policy/lr": lrs[0], "val/lr": lrs[1],
+            "time/rollout": times["rollout"], "time/update": times["update"], "time/sample": times["sample"],
+            "time/forwards": times["forwards"], "time/score": times["score"],
+            "time/episodes_per_s": len(ro.prompts) / times["step"],
+        })
+    return metrics
 
 
 # --------------------------------------------------------------------------- set-up helpers
@@ -321,6 +298,71 @@ def check_config(cfg: PPOConfig) -> None:
         raise ValueError("; ".join(problems))
 
 
+@dataclass
+class RunParts:
+    """What phase 0 builds: the four roles, optimisers, schedules, KL controller, inputs."""
+    device: torch.device
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    policy: torch.nn.Module
+    tokenizer: object
+    parent: str
+    reference: torch.nn.Module
+    score_fn: Callable
+    critic: torch.nn.Module
+    opts: tuple
+    scheds: tuple
+    kl: object
+    start: int  # the step to continue from (0, or the checkpoint's)
+    rows: list  # prompts file rows
+    ptx_texts: list
+    sample_logprobs: bool  # pi_old from the sampling pass (else one forward pass)
+
+
+def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out: Path, policy: str,
+           critic_init: str, resuming: bool) -> RunParts:
+    """Phase 0: load the four roles, build optimisers and schedules, restore a checkpoint when
+    resuming (metrics after its step are dropped), and write config.json."""
+    ckpt = out / CHECKPOINT
+    device = pick_device(model_cfg.device)
+    dtype = pick_dtype(model_cfg.dtype, device)
+    if dtype == torch.float16:
+        raise ValueError("--dtype fp16: PPO here has no loss scaling; use bf16 (or fp32)")
+    amp = functools.partial(autocast, device, dtype)
+    torch.manual_seed(cfg.seed)
+    rows = read_prompts(prompts)
+    policy_model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
+    reference = make_reference(policy_model)  # before any resume: the *starting* policy
+    score_fn, rm = make_reward(reward, tokenizer, model_cfg, cfg.forward_batch_size, amp)
+    critic_src = str(ckpt / "critic") if resuming else (
+        critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
+    critic, _ = load_scalar_model(critic_src, kind="critic", cfg=_master_cfg(model_cfg, critic_src, device, dtype))
+    policy_opt = _adamw(_trainable(policy_model), cfg.lr)
+    critic_opt = _adamw(_trainable(critic), cfg.critic_lr)
+    # linear decay to 0 over the run (TRL's default schedule); stepped once per PPO iteration
+    decay = (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
+    policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, decay)
+    critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, decay)
+    kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
+    start = 0
+    if resuming:
+        saved_base = read_meta(ckpt / "policy").get("base_model")
+        if saved_base != policy_model.rlhf_meta["base_model"]:
+            raise ValueError(f"{ckpt}: the checkpoint trains {saved_base}, but --policy starts from "
+                             f"{policy_model.rlhf_meta['base_model']}; resume with the run's --policy")
+        start = load_checkpoint(ckpt, policy_model, policy_opt, critic_opt, policy_sched, critic_sched, kl_ctl, device)
+    truncate_metrics(out, start)
+    ptx_texts = read_ptx_texts(cfg.ptx_data) if cfg.ptx_coef > 0 else []
+    write_json(out / "config.json", {
+        "stage": "ppo", "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
+        "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
+        "ppo": to_dict(cfg), "model": to_dict(model_cfg)})
+    return RunParts(
+        device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer, parent=parent, reference=reference,
+        score_fn=score_fn, critic=critic, opts=(policy_opt, critic_opt), scheds=(policy_sched, critic_sched),
+        kl=kl_ctl, start=start, rows=rows, ptx_texts=ptx_texts,
+        sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
+
+
 def load_starting_policy(policy: str, model_cfg: ModelConfig, device, dtype):
     """(policy, tokenizer, parent): --policy is a folder saved by save_policy (its adapter keeps
     training; the reference is then the base model, adapter disabled: KL stays measured against
@@ -343,13 +385,6 @@ def _master_cfg(model_cfg: ModelConfig, folder: str, device, dtype, lora: bool |
     if torch.device(device).type == "cuda" and dtype != torch.float32 and not lora:
         return dataclasses.replace(model_cfg, dtype="fp32")
     return model_cfg
-
-
-def _autocast(device, dtype):
-    """bf16/fp16 autocast on CUDA; plain fp32 elsewhere."""
-    if torch.device(device).type == "cuda" and dtype != torch.float32:
-        return lambda: torch.autocast("cuda", dtype=dtype)
-    return contextlib.nullcontext
 
 
 def _adamw(params: list, lr: float) -> torch.optim.AdamW:

@@ -49,13 +49,10 @@ It prints the held-out accuracy beside the longer-response baseline and the cali
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -65,35 +62,16 @@ from tqdm.auto import tqdm
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
 from pipeline.hashing import snapshot_sha256
 from pipeline.losses import center_loss, pairwise_loss
-from pipeline.models import load_scalar_model, pick_device, pick_dtype, resolve_model_path, save_scalar_model
+from pipeline.models import (
+    autocast, load_scalar_model, pick_device, pick_dtype, resolve_model_path, save_scalar_model,
+)
 from pipeline.reward_data import (
     encode_pairs, length_grouped_batches, prompt_key, read_pairs, split_by_prompt,
 )
-from pipeline.reward_eval import autocast_for, evaluate, forward_pairs, normalisation_stats
-from pipeline.rundir import append_metrics, write_json, write_status
+from pipeline.reward_eval import evaluate, forward_pairs, normalisation_stats
+from pipeline.rundir import StopFlag, append_metrics, read_status, truncate_metrics, write_json, write_status
 
 # --------------------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def graceful_stop():
-    """SIGINT/SIGTERM set flag['stop'] so the loop can save and leave; a second SIGINT aborts."""
-    flag = {"stop": None}
-
-    def handler(signum, frame):
-        if flag["stop"] is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        flag["stop"] = signal.Signals(signum).name
-
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            old[sig] = signal.signal(sig, handler)
-    try:
-        yield flag
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
 
 
 def token_chunks(idx: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -146,8 +124,7 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
     if resume:
         if not (out_dir / "trainer_state.pt").is_file():
             raise FileNotFoundError(f"--resume: {out_dir} has no trainer_state.pt to continue from")
-        status = json.loads((out_dir / "status.json").read_text())
-        if status.get("state") == "done":
+        if read_status(out_dir).get("state") == "done":
             raise ValueError(f"--resume: the run in {out_dir} already finished")
         # The run's own settings win (same batches, same schedule); only where it runs may change.
         saved = json.loads((out_dir / "config.json").read_text())
@@ -229,12 +206,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
-        # Steps logged after the last save are trained again: drop their old lines.
-        lines = (out_dir / "metrics.jsonl").read_text().splitlines() if (out_dir / "metrics.jsonl").exists() else []
-        kept = "".join(line + "\n" for line in lines if json.loads(line)["step"] <= step)
-        tmp = out_dir / ".metrics.jsonl.tmp"
-        tmp.write_text(kept)
-        os.replace(tmp, out_dir / "metrics.jsonl")
+        truncate_metrics(out_dir, step)  # steps logged after the last save are trained again
 
     def save(norm: dict | None = None) -> None:
         save_scalar_model(model, tokenizer, out_dir / "checkpoint")
@@ -249,7 +221,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     bar = tqdm(total=total, initial=step, desc="reward model", unit="step", dynamic_ncols=True)
     write_status(out_dir, "running", step, total, phase="training")
     pairs_done, t_start, cpu_start, stopped = 0, time.perf_counter(), time.process_time(), None
-    with graceful_stop() as flag:
+    with StopFlag() as stop:
         for epoch in range(step // steps_per_epoch, cfg.epochs):
             if step >= total or stopped:
                 break
@@ -266,7 +238,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                     # batch's own (pairwise and centering terms are means over pairs).
                     for chunk in token_chunks(idx, lengths, cfg.max_tokens):
                         b = len(chunk)
-                        with autocast_for(device, dtype):
+                        with autocast(device, dtype):
                             r_c, r_r, lm, margin, tokens = forward_pairs(  # (b,), (b,), scalar, (b,)
                                 model, [train_items[i] for i in chunk], pad_id, device, cfg.share_prompt, lm_weight)
                             loss = pairwise_loss(r_c, r_r, margin if cfg.margin else None)
@@ -301,8 +273,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                 progress.update(step=step, total=total)
                 if on_step is not None:
                     on_step(step, metrics)
-                if flag["stop"]:
-                    stopped = flag["stop"]
+                if stop.signal:
+                    stopped = stop.signal
                     break
                 if cfg.save_every and step % cfg.save_every == 0 and step < total:
                     save()
