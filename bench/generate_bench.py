@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.config import GenerateConfig, ModelConfig  # noqa: E402
 from pipeline.generate import generate_responses  # noqa: E402
 from pipeline.text import encode_prompts  # noqa: E402
-from pipeline.models import load_policy, pick_device  # noqa: E402
+from pipeline.models import pick_device  # noqa: E402
+from pipeline.policy import load_policy  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.jsonl"
 FALLBACK = ["What are some hot dog toppings besides ketchup or mustard?", "How can I shop for the lowest prices?",

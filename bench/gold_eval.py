@@ -30,7 +30,7 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.generate import sample
-from pipeline.models import load_policy, make_reference
+from pipeline.policy import load_policy, make_reference
 from pipeline.rollout import (attn_ratio, decode_responses, pack_responses, response_logits,
                               response_logprobs)
 from pipeline.scoring import make_reward

@@ -48,7 +48,7 @@ def _sample(spec: PolicySpec, prompts: list, model_cfg: ModelConfig, cfg: Compar
             on_step: Callable[[], None]) -> list[str]:
     """1. one response per prompt from `spec`, then free the model."""
     from pipeline.generate import generate_responses
-    from pipeline.models import load_policy
+    from pipeline.policy import load_policy
 
     # lora=False: a base policy is sampled as it is (no fresh zero adapter to wrap it in); a trained
     # one is reloaded from its folder, whose model_meta.json decides LoRA or full weights.

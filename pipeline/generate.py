@@ -1,14 +1,8 @@
 """Batched sampling of K responses per prompt, and the `python -m pipeline generate` CLI.
 
-Two levels:
-- `sample(model, input_ids, attention_mask, cfg)`: one left-padded batch in, a `SampleBatch` of
-  tensors out (response ids, mask up to and including EOS, log-probs of the sampled tokens). The
-  PPO trainer uses it for rollouts. It is our own KV-cache loop rather than `model.generate`: it
-  computes log-probs as it samples, runs the prompt once for its K samples (the cache is copied K
-  times after the prefill), and drops finished rows from the batch (bench/generate_bench.py).
-- `generate_responses(policy, tokenizer, prompts, k, cfg)`: prompts in, K `Generation`s per
-  prompt out; chat template, HH-RLHF transcripts, length-sorted batching, seeding, and
-  re-sampling of duplicates so annotators never rank two identical responses.
+`generate_responses(policy, tokenizer, prompts, k, cfg)`: prompts in, K `Generation`s per prompt
+out, through `pipeline.sampling.sample`; chat template (pipeline/text.py), length-sorted batching,
+seeding, and re-sampling of duplicates so annotators never rank two identical responses.
 """
 
 from __future__ import annotations
@@ -24,174 +18,10 @@ from typing import Callable
 import torch
 
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
-from pipeline.models import load_policy, position_ids_from_mask
-from pipeline.packing import MIN_PREFIX, cache_kwarg, common_prefix
+from pipeline.policy import load_policy
 from pipeline.rundir import write_json, write_status
+from pipeline.sampling import sample
 from pipeline.text import pad_rows, prompt_token_ids, read_prompts
-
-# --------------------------------------------------------------------------- sampling
-
-
-@dataclass
-class SampleBatch:
-    sequences: torch.Tensor  # (B, P+R) prompt (left-padded) then response (right-padded)
-    attention_mask: torch.Tensor  # (B, P+R) prompt mask then response_mask
-    response_ids: torch.Tensor  # (B, R) sampled tokens, pad after EOS
-    response_mask: torch.Tensor  # (B, R) 1 up to and including EOS, 0 after
-    logprobs: torch.Tensor  # (B, R) log p(token) under logits / temperature; 0 where masked
-    finish_reason: list[str]  # per row: 'eos' or 'length'
-    prompt_index: torch.Tensor  # (B,) which input row each sample came from
-    prompt_length: int  # P
-
-
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside top-k and outside the top-p nucleus (Holtzman et al. 2020)."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def _sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs (B, V) by inverse-CDF sampling: a single uniform per row.
-
-    torch.multinomial draws one exponential per vocabulary entry, which on CPU costs about a quarter
-    of a 135M-model decoding step; a cumulative sum and a binary search cost a few ms. The sum is in
-    float64 so tokens with tiny probabilities keep their share; zero-probability (filtered) tokens
-    are never chosen because the search returns the first cdf strictly above u.
-    """
-    cdf = probs.double().cumsum(-1)  # (B, V)
-    total = cdf[:, -1:]  # (B, 1), 1 up to rounding
-    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64) * total
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total strictly
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)
-
-
-def _eos_ids(model, eos_token_id) -> list[int]:
-    eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
-    if eos is None:
-        raise ValueError("sample: no eos_token_id given and the model's generation_config has none")
-    return [eos] if isinstance(eos, int) else list(eos)
-
-
-def _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw):
-    """Run the L >= MIN_PREFIX tokens that every left-padded prompt starts with once, into `cache`
-    (repeated for every row), and return the rest of the batch to prefill after it:
-    (ids (b, P - L) left-padded without the prefix, mask (b, L + P - L) in the cache's layout, L).
-    With no such prefix: the batch as it is and 0."""
-    real = attention_mask.bool()
-    lengths = real.sum(1)  # (b,)
-    b, P = input_ids.shape
-    L = common_prefix(input_ids, real, int(lengths.min()) - 1) if b > 1 else 0
-    if L < MIN_PREFIX:
-        return input_ids, attention_mask, 0
-    first = P - int(lengths[0])
-    model(input_ids=input_ids[:1, first : first + L], position_ids=torch.arange(L, device=input_ids.device)[None],
-          use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-    cache.batch_select_indices(torch.zeros(b, dtype=torch.long, device=input_ids.device))
-    # row i is [pad][prefix][rest]: drop the L prefix columns that follow its padding
-    col = torch.arange(P - L, device=input_ids.device)[None]  # (1, P - L)
-    source = col + L * (col >= (P - lengths)[:, None])  # (b, P - L)
-    rest_mask = attention_mask.gather(1, source)
-    mask = torch.cat([rest_mask.new_ones(b, L), rest_mask], dim=1)  # (b, L + P - L)
-    return input_ids.gather(1, source), mask, L
-
-
-@torch.no_grad()
-def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, num_samples=1,
-           generator: torch.Generator | None = None, eos_token_id=None, pad_token_id=None,
-           share_prefix: bool = True) -> SampleBatch:
-    """Sample responses for a left-padded batch of prompts with the KV cache.
-
-    cfg: anything with temperature, top_p, top_k, max_new_tokens (GenerateConfig, PPOConfig).
-    temperature 0 = greedy (log-probs then from the raw logits). num_samples: samples per input
-    row (an int, or one count per row); the prompt runs once and its cache is copied. Log-probs are
-    from the unfiltered logits / temperature (what a training forward pass can reproduce), while
-    sampling applies top-k / top-p. The model's train/eval mode is left as the caller set it.
-    share_prefix: tokens that every prompt starts with (a chat template's system prompt) are run
-    once for the batch (pipeline/packing.py, "Shared prefix").
-    """
-    from transformers import DynamicCache
-
-    device = input_ids.device
-    eos = torch.tensor(_eos_ids(model, eos_token_id), device=device)
-    pad = pad_token_id if pad_token_id is not None else model.generation_config.pad_token_id
-    pad = int(eos[0]) if pad is None else pad
-    counts = torch.as_tensor(num_samples, device=device).expand(input_ids.shape[0])
-    prompt_index = torch.arange(input_ids.shape[0], device=device).repeat_interleave(counts)  # (B,)
-    B, P, R = prompt_index.shape[0], input_ids.shape[1], cfg.max_new_tokens
-    greedy = cfg.temperature <= 0
-    temperature = 1.0 if greedy else cfg.temperature
-
-    # 1. prefill: a prefix common to all prompts once, then each distinct prompt's other tokens once,
-    # then copy its cache rows for its samples
-    cache, cache_kw = DynamicCache(), cache_kwarg(model)
-    ids, mask, offset = input_ids, attention_mask, 0
-    if share_prefix:
-        ids, mask, offset = _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=offset + position_ids_from_mask(mask[:, offset:]),
-                use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-    cache.batch_select_indices(prompt_index)
-    logits = out.logits[prompt_index, -1].float()  # (B, V)
-    mask = mask[prompt_index]  # (B, cache length + t): the cache's layout, not the returned one
-    next_pos = mask.sum(-1)  # (B,) position of the next token: count of real tokens so far
-
-    response_ids = torch.full((B, R), pad, dtype=torch.long, device=device)
-    logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
-    lengths = torch.full((B,), R, dtype=torch.long, device=device)
-    ended = torch.zeros(B, dtype=torch.bool, device=device)
-    active = torch.arange(B, device=device)  # rows still generating, as indices into the batch
-    width = 0
-    for t in range(R):
-        # 2. choose the next token of every active row; record its log-prob
-        logp = torch.log_softmax(logits / temperature, dim=-1)  # (A, V)
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            filtering = bool(cfg.top_k) or cfg.top_p < 1.0
-            probs = _filter_logits(logp, cfg.top_k, cfg.top_p).softmax(-1) if filtering else logp.exp()
-            token = _sample_categorical(probs, generator)  # (A,)
-        response_ids[active, t] = token
-        logprobs[active, t] = logp.gather(1, token[:, None]).squeeze(1)
-        width = t + 1
-        # 3. rows that produced EOS are done; drop them from the batch and the cache
-        is_eos = torch.isin(token, eos)  # (A,)
-        if is_eos.any():
-            lengths[active[is_eos]] = t + 1
-            ended[active[is_eos]] = True
-            keep = (~is_eos).nonzero().squeeze(1)
-            if keep.numel() == 0:
-                break
-            active, token, mask, next_pos = active[keep], token[keep], mask[keep], next_pos[keep]
-            cache.batch_select_indices(keep)
-        if t == R - 1:
-            break
-        # 4. one decoding step for the rows still running
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    use_cache=True, **{cache_kw: cache})
-        logits = out.logits[:, -1].float()
-        next_pos = next_pos + 1
-
-    response_ids, logprobs = response_ids[:, :width], logprobs[:, :width]
-    response_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()  # (B, R)
-    logprobs = logprobs * response_mask
-    prompt_ids, prompt_mask = input_ids[prompt_index], attention_mask[prompt_index]
-    return SampleBatch(
-        sequences=torch.cat([prompt_ids, response_ids], dim=1),
-        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
-        response_ids=response_ids, response_mask=response_mask, logprobs=logprobs,
-        finish_reason=["eos" if e else "length" for e in ended.tolist()],
-        prompt_index=prompt_index, prompt_length=P,
-    )
-
 
 # --------------------------------------------------------------------------- K responses per prompt
 

@@ -1,8 +1,6 @@
-"""The four PPO roles and the default model: loading, saving, reloading exactly.
+"""Models on disk and the scalar roles: the default model, devices, LoRA, reward model and critic,
+saving and reloading exactly (the policy and reference: pipeline/policy.py).
 
-- policy: a causal LM, a LoRA adapter on it by default (peft), full fine-tuning as an option.
-- reference: the frozen starting policy. With LoRA it is the same model with the adapter disabled
-  (peft's `disable_adapter()` context: no second copy); with full fine-tuning a frozen deep copy.
 - reward / critic: `ScalarModel`, a backbone with a linear head giving one value per token. The
   reward is read at the last non-pad token; the critic uses every token. A critic may start from a
   reward checkpoint (InstructGPT, Ouyang et al. 2022, section 3.5).
@@ -17,7 +15,6 @@ package. It is de-quantised once into a cached Hugging Face folder and loaded fr
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.util
 import json
 import os
@@ -28,7 +25,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline import packing
 from pipeline.config import ModelConfig, default_cache_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -233,105 +229,13 @@ def is_peft(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-# --------------------------------------------------------------------------- policy and reference
-
-
-def load_policy(cfg: ModelConfig, adapter_path: str | os.PathLike | None = None):
-    """(policy, tokenizer): a causal LM on cfg's device/dtype, LoRA-wrapped when cfg.lora.
-
-    With adapter_path (a folder from save_policy; cfg.model may also name one) the saved policy is
-    reloaded exactly: its model_meta.json decides the base model and the LoRA settings, not cfg.
-    Returned in eval mode (Llama has no dropout); trainable parameters have requires_grad=True.
-    """
-    from peft import PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
-    if adapter_path is None and (Path(cfg.model).expanduser() / META_FILE).is_file():
-        adapter_path = cfg.model  # --model given a saved policy folder: reload it
-    meta = read_meta(adapter_path) if adapter_path else None
-    if meta is not None and meta.get("kind") != "policy":
-        raise ValueError(f"{adapter_path}: a {meta.get('kind')} checkpoint, not a policy")
-    base = meta["base_model"] if meta else _canonical_base(cfg.model)
-    lora = (meta["lora"] if meta else (lora_settings(cfg) if cfg.lora else None))
-    weights = str(adapter_path) if meta and not lora else resolve_model_path(base, cfg.cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).to(device)
-    tokenizer = load_tokenizer(adapter_path if meta else weights)
-    if lora:
-        if meta:
-            model = PeftModel.from_pretrained(model, str(adapter_path), is_trainable=True)
-        else:
-            model = get_peft_model(model, _lora_config(model, lora, "CAUSAL_LM"))
-        _fp32_trainables(model)
-    else:
-        model.requires_grad_(True)
-    model.eval()
-    model.rlhf_meta = {"kind": "policy", "base_model": base, "lora": lora}
-    return model, tokenizer
+# --------------------------------------------------------------------------- positions
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counting only real tokens, so a left-padded row starts at 0 (as generate() does)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
 
-
-def causal_lm_logits(model, input_ids, attention_mask, logits_to_keep: int = 0) -> torch.Tensor:
-    """Logits (B, T, V) of a causal LM with pad-aware positions; logits_to_keep=N keeps the last N."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask),
-                use_cache=False, logits_to_keep=logits_to_keep)
-    return out.logits
-
-
-def packed_lm_logits(model, packed, cells: torch.Tensor, frozen: str | None = None) -> torch.Tensor:
-    """(N, V) logits at N cells of a packed batch (pipeline/packing.py): the LM head runs on
-    those cells only. The same as `causal_lm_logits` at those cells up to float rounding, for
-    models whose logits are lm_head(decoder output), as Llama-style models' are. frozen: see
-    packing.hidden_states."""
-    base = model.get_base_model() if is_peft(model) else model
-    if getattr(base.config, "final_logit_softcapping", None) or getattr(base.config, "logit_scale", None):
-        raise ValueError(f"{type(base).__name__}: logits are post-processed after the LM head; "
-                         "packed forwards support plain lm_head(hidden) models only")
-    hidden = packing.hidden_states(base.get_decoder(), packed, frozen)[cells]  # (N, H)
-    return base.get_output_embeddings()(hidden)  # (N, V)
-
-
-class Reference(nn.Module):
-    """The frozen starting policy: `reference(input_ids, attention_mask, logits_to_keep=0) -> logits`.
-
-    With LoRA this holds no weights of its own: it runs the policy with the adapter disabled. The
-    policy is kept outside the module tree so it is never counted, saved or moved twice.
-    """
-
-    def __init__(self, policy: nn.Module):
-        super().__init__()
-        if is_peft(policy):
-            self.__dict__["policy"] = policy  # not registered as a submodule
-            self.frozen = None
-        else:
-            self.__dict__["policy"] = None
-            self.frozen = copy.deepcopy(policy).eval().requires_grad_(False)
-
-    @torch.no_grad()
-    def forward(self, input_ids, attention_mask, logits_to_keep: int = 0) -> torch.Tensor:
-        if self.frozen is not None:
-            return causal_lm_logits(self.frozen, input_ids, attention_mask, logits_to_keep)
-        with self.policy.disable_adapter():
-            return causal_lm_logits(self.policy, input_ids, attention_mask, logits_to_keep)
-
-    @torch.no_grad()
-    def packed_logits(self, packed, cells: torch.Tensor) -> torch.Tensor:
-        """(N, V) reference logits at N cells of a packed batch (see packed_lm_logits)."""
-        if self.frozen is not None:
-            return packed_lm_logits(self.frozen, packed, cells, frozen="reference")
-        with self.policy.disable_adapter():  # the base weights: never trained, so a prefix's KV is kept
-            return packed_lm_logits(self.policy, packed, cells, frozen="reference")
-
-
-def make_reference(policy: nn.Module) -> Reference:
-    """The reference for KL: adapter disabled (LoRA) or a frozen copy made now (full fine-tuning)."""
-    return Reference(policy)
 
 
 # --------------------------------------------------------------------------- reward model and critic

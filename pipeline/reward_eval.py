@@ -188,7 +188,7 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
     """
     from pipeline.config import GenerateConfig
     from pipeline.generate import generate_responses
-    from pipeline.models import load_policy
+    from pipeline.policy import load_policy
     from pipeline.scoring import score_rows
 
     rng = random.Random(seed)

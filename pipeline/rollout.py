@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from pipeline.losses import gae, kl_per_token, logprobs_from_logits, masked_whiten, shaped_rewards
-from pipeline.models import ScalarModel, is_peft, packed_lm_logits
+from pipeline.models import ScalarModel, is_peft
 from pipeline.packing import Packed, attn_cost_ratio, gather_cells, hidden_states, pack
+from pipeline.policy import packed_lm_logits
 from pipeline.rundir import read_jsonl
 from pipeline.text import pad_rows
 

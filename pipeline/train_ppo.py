@@ -44,21 +44,19 @@ from typing import Callable
 import torch
 
 from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, to_dict
-from pipeline.generate import sample
 from pipeline.kl import make_kl_controller
 from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
 )
-from pipeline.models import (
-    autocast, causal_lm_logits, load_policy, load_scalar_model, make_reference, pick_device, pick_dtype, read_meta,
-    save_policy,
-)
+from pipeline.models import autocast, load_scalar_model, pick_device, pick_dtype, read_meta, save_policy
+from pipeline.policy import causal_lm_logits, load_policy, make_reference
 from pipeline.ppo_state import load_checkpoint, recover_checkpoint, save_checkpoint
 from pipeline.rollout import (
     Rollout, attn_ratio, critic_values, kl_shaped_advantages, merged_lora, pack_responses, prompt_order, ptx_batch,
     read_ptx_texts, response_logits, response_logprobs, rollout_forwards, write_samples,
 )
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, truncate_metrics, write_json, write_status
+from pipeline.sampling import sample
 from pipeline.scoring import make_reward
 from pipeline.text import encode_prompts, read_prompts
 

@@ -10,8 +10,9 @@ import torch
 
 from pipeline.__main__ import main as cli
 from pipeline.config import GenerateConfig
-from pipeline.generate import _filter_logits, _sample_categorical, generate_responses, sample
-from pipeline.models import causal_lm_logits, load_policy
+from pipeline.generate import generate_responses
+from pipeline.policy import causal_lm_logits, load_policy
+from pipeline.sampling import _filter_logits, _sample_categorical, sample
 from pipeline.text import encode_prompts, prompt_token_ids, to_messages
 from tests.tiny import build_tiny_model, build_tiny_tokenizer
 

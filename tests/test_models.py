@@ -1,4 +1,4 @@
-"""pipeline/models.py on tiny random models: the four roles, device/dtype, saving and reloading."""
+"""pipeline/models.py and pipeline/policy.py on tiny random models: the four roles, device/dtype, saving and reloading."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from pipeline import models
 from pipeline.models import (
-    ScalarModel, load_policy, load_scalar_model, make_reference, pick_device, pick_dtype,
-    resolve_model_path, save_policy, save_scalar_model,
+    ScalarModel, load_scalar_model, pick_device, pick_dtype, resolve_model_path, save_policy, save_scalar_model,
 )
+from pipeline.policy import causal_lm_logits, load_policy, make_reference
 
 
 def _batch(tokenizer, texts, side="left"):
@@ -32,7 +32,7 @@ def _seq_logprobs(logits, input_ids):
 def _train_step(model, input_ids, mask, lr=1e-2):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
-    logits = models.causal_lm_logits(model, input_ids, mask)
+    logits = causal_lm_logits(model, input_ids, mask)
     loss = -(_seq_logprobs(logits, input_ids) * mask[:, 1:]).sum() / mask[:, 1:].sum()
     loss.backward()
     opt.step()
@@ -99,10 +99,10 @@ def test_reference_is_bit_identical_after_a_policy_step(tiny_model_cfg, lora):
     reference = make_reference(policy)
     ids, mask = _batch(tokenizer, ["hello there, how are you?", "a dog"])
     before = reference(ids, mask)
-    policy_before = models.causal_lm_logits(policy, ids, mask).detach()
+    policy_before = causal_lm_logits(policy, ids, mask).detach()
     torch.testing.assert_close(before, policy_before)  # LoRA B starts at 0: policy == reference
     _train_step(policy, ids, mask)
-    assert not torch.allclose(models.causal_lm_logits(policy, ids, mask), policy_before)
+    assert not torch.allclose(causal_lm_logits(policy, ids, mask), policy_before)
     assert torch.equal(reference(ids, mask), before)
     if lora:  # no second copy of the weights
         assert sum(p.numel() for p in reference.parameters()) == 0
@@ -162,14 +162,14 @@ def test_policy_save_and_reload_exactly(tiny_model_cfg, tmp_path, lora):
     # reload with a config that disagrees: the checkpoint's own settings win
     reloaded, _ = load_policy(dataclasses.replace(cfg, lora=not lora, lora_r=2), adapter_path=out)
     with torch.no_grad():
-        assert torch.equal(models.causal_lm_logits(reloaded, ids, mask), models.causal_lm_logits(policy, ids, mask))
+        assert torch.equal(causal_lm_logits(reloaded, ids, mask), causal_lm_logits(policy, ids, mask))
     assert any(p.requires_grad for p in reloaded.parameters())  # can keep training
     if lora:  # the adapter folder is not a base model, but --model may name it
         with pytest.raises(ValueError, match="adapter only"):
             resolve_model_path(str(out))
         by_model, _ = load_policy(dataclasses.replace(cfg, model=str(out)))
         with torch.no_grad():
-            assert torch.equal(models.causal_lm_logits(by_model, ids, mask), models.causal_lm_logits(policy, ids, mask))
+            assert torch.equal(causal_lm_logits(by_model, ids, mask), causal_lm_logits(policy, ids, mask))
 
 
 @pytest.mark.parametrize("lora", [True, False])

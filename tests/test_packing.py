@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from pipeline.config import PPOConfig
-from pipeline.generate import sample
-from pipeline.text import encode_prompts
-from pipeline.models import (
-    causal_lm_logits, load_policy, load_scalar_model, make_reference, packed_lm_logits,
-)
+from pipeline.models import load_scalar_model
 from pipeline.packing import _FROZEN_PREFIXES, _first_fit, choose_width, common_prefix, gather_cells, pack
+from pipeline.policy import causal_lm_logits, load_policy, make_reference, packed_lm_logits
 from pipeline.rollout import critic_values, merged_lora, pack_responses
+from pipeline.sampling import sample
 from pipeline.scoring import packed_score
+from pipeline.text import encode_prompts
 
 PROMPTS = ["How can I shop?", "What is the capital of France?", "Tell me about bread.", "Guitar tips?", "Hi"]
 

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig, PPOConfig
-from pipeline.generate import sample
-from pipeline.models import causal_lm_logits, load_policy, load_scalar_model, make_reference, save_scalar_model
+from pipeline.models import load_scalar_model, save_scalar_model
+from pipeline.policy import causal_lm_logits, load_policy, make_reference
 from pipeline.rollout import Rollout, kl_shaped_advantages, rollout_forwards
+from pipeline.sampling import sample
 from pipeline.scoring import make_reward
 from pipeline.text import encode_prompts
 from pipeline.train_ppo import main, train
