@@ -16,7 +16,8 @@ from pipeline.sampling import _filter_logits, _sample_categorical, sample
 from pipeline.text import encode_prompts, prompt_token_ids, to_messages
 from tests.tiny import build_tiny_model, build_tiny_tokenizer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# the bundled default prompt pool (real HH-RLHF user turns; license in store/data/LICENSE.md)
+DATA = Path(__file__).resolve().parents[1] / "store" / "data"
 PROMPTS = ["hello there, how are you today?", "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: what?\n\nAssistant:", "a"]
 
 
@@ -236,8 +237,6 @@ def test_cli_bad_prompt_file_fails_clearly(tiny_model_dir, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_default_model_answers_a_real_prompt_offline(default_model_path, monkeypatch):
-    if not (DATA / "prompts.jsonl").is_file():
-        pytest.skip(f"{DATA / 'prompts.jsonl'} is absent")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from pipeline.config import ModelConfig
 
