@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -142,12 +143,41 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep only the N prompts whose K responses --reward separates least "
                              "(active learning: annotations where the reward model is least sure)")
     parser.add_argument("--reward", default="", help="reward model folder for --select-uncertain")
+    parser.add_argument("--chunk-prompts", type=int, default=4, metavar="N",
+                        help="write RUN_DIR/chunks/NNNNN.jsonl as each N prompts have their K responses")
     add_arguments(parser, GenerateConfig)
     add_arguments(parser, ModelConfig)
     return parser
 
 
+CHUNKS = "chunks"
+CHUNK_SEED_STRIDE = 1_000_003
+"""Chunk c samples with seed + c * CHUNK_SEED_STRIDE: distinct streams, the same for a seed."""
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write whole or not at all (tmp name, then rename): a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def response_rows(rows: list[dict], results: list[list[Generation]], first_index: int, sampling: dict,
+                  model_name: str) -> list[dict]:
+    """responses.jsonl rows, K per prompt; prompt_index counts from first_index."""
+    return [{"prompt": row["prompt"], "prompt_index": first_index + i, "prompt_id": row.get("id"),
+             "text": g.text, "token_count": len(g.token_ids), "finish_reason": g.finish_reason,
+             "sampling": sampling, "model": model_name}
+            for i, (row, gens) in enumerate(zip(rows, results)) for g in gens]
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Sample in chunks of --chunk-prompts prompts; each finished chunk's rows go to
+    RUN_DIR/chunks/NNNNN.jsonl at once (the owner ingests them while the job runs), then all rows to
+    responses.jsonl. With --select-uncertain every prompt is sampled and scored first, and only the
+    kept prompts are written, as chunk files after the selection."""
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
@@ -156,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.select_uncertain and not args.reward:
         print("error: --select-uncertain needs --reward (a reward model folder)")
+        return 2
+    if args.chunk_prompts < 1:
+        print("error: --chunk-prompts must be at least 1")
         return 2
     write_status(out, "running", 0, 0)
     try:
@@ -170,17 +203,33 @@ def main(argv: list[str] | None = None) -> int:
         model_name = str(Path(args.adapter).resolve()) if args.adapter else meta["base_model"]
         write_json(out / "config.json", {
             "stage": "generate", "prompts": str(args.prompts), "adapter": args.adapter,
-            "model": model_name, "num_prompts": len(rows),
+            "model": model_name, "num_prompts": len(rows), "chunk_prompts": args.chunk_prompts,
             "generate": to_dict(gen_cfg), "model_config": to_dict(model_cfg)})
         torch.manual_seed(gen_cfg.seed)
-        bar = tqdm(total=len(rows) * gen_cfg.k, desc="generate", unit="resp")
+        sampling = {key: getattr(gen_cfg, key) for key in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")}
+        chunks = out / CHUNKS
+        shutil.rmtree(chunks, ignore_errors=True)  # a rerun in the same folder starts its chunks afresh
+        chunks.mkdir()
+        n, k, total = args.chunk_prompts, gen_cfg.k, len(rows) * gen_cfg.k
+        bar = tqdm(total=total, desc="generate", unit="resp")
+        results: list[list[Generation]] = []
+        written: list[dict] = []
+        n_chunks = 0
 
-        def progress(done: int, total: int) -> None:
-            bar.update(done - bar.n)
-            write_status(out, "running", done, total)
+        def progress(chunk_done: int, chunk_total: int) -> None:
+            bar.update(len(results) * k + chunk_done - bar.n)
+            write_status(out, "running", len(results) * k + chunk_done, total, chunks=n_chunks)
 
-        results = generate_responses(policy, tokenizer, [r["prompt"] for r in rows], gen_cfg.k, gen_cfg,
-                                     on_progress=progress)
+        for c, start in enumerate(range(0, len(rows), n)):
+            part = generate_responses(policy, tokenizer, [r["prompt"] for r in rows[start:start + n]], k,
+                                      dataclasses.replace(gen_cfg, seed=gen_cfg.seed + c * CHUNK_SEED_STRIDE),
+                                      on_progress=progress)
+            results += part
+            if not args.select_uncertain:
+                lines = response_rows(rows[start:start + n], part, start, sampling, model_name)
+                write_jsonl(chunks / f"{c:05d}.jsonl", lines)
+                written, n_chunks = written + lines, n_chunks + 1
+            write_status(out, "running", len(results) * k, total, chunks=n_chunks)
         bar.close()
         if args.select_uncertain:
             spread = reward_spread(args.reward, [r["prompt"] for r in rows], results, model_cfg)
@@ -188,19 +237,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept the {len(keep)} of {len(rows)} prompts the reward model separates least "
                   f"(score spread {min(spread):.3f}..{max(spread[i] for i in keep):.3f})")
             rows, results = [rows[i] for i in keep], [results[i] for i in keep]
-        params = {key: getattr(gen_cfg, key) for key in
-                  ("temperature", "top_p", "top_k", "max_new_tokens", "seed")}
-        tmp = out / "responses.jsonl.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for i, (row, gens) in enumerate(zip(rows, results)):
-                for g in gens:
-                    f.write(json.dumps({
-                        "prompt": row["prompt"], "prompt_index": i, "prompt_id": row.get("id"),
-                        "text": g.text, "token_count": len(g.token_ids), "finish_reason": g.finish_reason,
-                        "sampling": params, "model": model_name}) + "\n")
-        os.replace(tmp, out / "responses.jsonl")
-        total = len(rows) * gen_cfg.k
-        write_status(out, "done", total, total)
+            for c, start in enumerate(range(0, len(rows), n)):
+                lines = response_rows(rows[start:start + n], results[start:start + n], start, sampling, model_name)
+                write_jsonl(chunks / f"{c:05d}.jsonl", lines)
+                written, n_chunks = written + lines, n_chunks + 1
+        write_jsonl(out / "responses.jsonl", written)
+        total = len(rows) * k
+        write_status(out, "done", total, total, chunks=n_chunks)
         print(f"wrote {total} responses to {out / 'responses.jsonl'}")
         return 0
     except (Exception, KeyboardInterrupt) as exc:

@@ -252,3 +252,49 @@ def test_default_model_answers_a_real_prompt_offline(default_model_path, monkeyp
         assert {w.lower().strip(".,!?:") for w in words} & {"the", "a", "and", "to", "of", "you", "is", "are"}
         if g.finish_reason == "eos":
             assert g.token_ids[-1] == tokenizer.eos_token_id
+
+
+def _read_chunks(out: Path) -> list[list[dict]]:
+    files = sorted((out / "chunks").iterdir())
+    assert [f.name for f in files] == [f"{i:05d}.jsonl" for i in range(len(files))]  # no temporary files left
+    return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+
+
+def test_cli_writes_chunk_files_as_prompts_finish(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    texts = [f"prompt number {i}, please answer" for i in range(5)]
+    prompts.write_text("\n".join(json.dumps({"prompt": p, "id": 10 + i}) for i, p in enumerate(texts)) + "\n")
+    args = ["generate", "--prompts", str(prompts), "--model", str(tiny_model_dir), "--k", "2",
+            "--max-new-tokens", "4", "--device", "cpu", "--chunk-prompts", "2", "--seed", "3"]
+    assert cli([*args, "--out", str(tmp_path / "run")]) == 0
+    chunks = _read_chunks(tmp_path / "run")
+    assert [len(c) for c in chunks] == [4, 4, 2]  # 2 prompts x K=2, 2 x 2, then the last prompt
+    rows = [json.loads(line) for line in (tmp_path / "run" / "responses.jsonl").read_text().splitlines()]
+    assert [r for c in chunks for r in c] == rows
+    assert [r["prompt_id"] for r in rows] == [10, 10, 11, 11, 12, 12, 13, 13, 14, 14]
+    assert [r["prompt_index"] for r in rows] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert set(rows[0]) == {"prompt", "prompt_index", "prompt_id", "text", "token_count", "finish_reason",
+                            "sampling", "model"}
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["state"], status["step"], status["total"], status["chunks"]) == ("done", 10, 10, 3)
+    # the same seed gives the same chunks
+    assert cli([*args, "--out", str(tmp_path / "again")]) == 0
+    assert _read_chunks(tmp_path / "again") == chunks
+
+
+def test_cli_select_uncertain_writes_only_the_kept_prompts(tiny_model_cfg, tmp_path):
+    from pipeline.models import load_scalar_model, save_scalar_model
+
+    rm, tok = load_scalar_model(tiny_model_cfg.model, kind="reward", cfg=tiny_model_cfg)
+    save_scalar_model(rm, tok, tmp_path / "rm")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"question {i}?", "id": i}) for i in range(5)) + "\n")
+    out = tmp_path / "run"
+    assert cli(["generate", "--prompts", str(prompts), "--out", str(out), "--model", tiny_model_cfg.model,
+                "--k", "3", "--max-new-tokens", "4", "--device", "cpu", "--chunk-prompts", "2",
+                "--select-uncertain", "3", "--reward", str(tmp_path / "rm")]) == 0
+    chunks = _read_chunks(out)
+    assert [len(c) for c in chunks] == [6, 3]
+    rows = [r for c in chunks for r in c]
+    assert len({r["prompt_id"] for r in rows}) == 3 and [r["prompt_index"] for r in rows] == [0] * 3 + [1] * 3 + [2] * 3
+    assert json.loads((out / "status.json").read_text())["state"] == "done"
