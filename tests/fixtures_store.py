@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 
+# the real prompt pool is the app's bundled one (license: store/data/LICENSE.md): not copied twice
+from annotate.bootstrap import BUNDLED_PROMPTS
 from store import Store
 
-__all__ = ["SHARED_DATA", "SeededItem", "seed_items", "store", "store_path", "shared_data",
-           "store_policy", "store_annotators"]
+__all__ = ["TEST_DATA", "BUNDLED_PROMPTS", "SeededItem", "seed_items", "store", "store_path", "test_data",
+           "shared_data", "store_policy", "store_annotators"]
 
-# ../shared/data relative to the repository root (real HH-RLHF files; see its README.md).
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# Real HH-RLHF preference pairs carried by the repository (provenance, license, content warning:
+# tests/data/README.md).
+TEST_DATA = Path(__file__).resolve().parent / "data"
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,15 @@ def store_annotators(store):
 
 
 @pytest.fixture
-def shared_data() -> Path:
-    if not (SHARED_DATA / "prompts.jsonl").is_file():
-        pytest.skip(f"the shared test data is absent ({SHARED_DATA}: ../shared/data from the repository root)")
-    return SHARED_DATA
+def test_data() -> Path:
+    """tests/data, with hh_dev_pairs.jsonl (2,000 HH-RLHF pairs). It is part of the repository: a
+    missing file is a broken checkout, so this fails rather than skips."""
+    for path in (TEST_DATA / "hh_dev_pairs.jsonl", BUNDLED_PROMPTS):
+        assert path.is_file(), f"{path} is missing from the checkout"
+    return TEST_DATA
+
+
+@pytest.fixture
+def shared_data(test_data) -> Path:
+    """The old name of test_data, kept until its last user (tests/test_handlers.py) is switched."""
+    return test_data

@@ -10,6 +10,7 @@ import pytest
 
 from store import Store, StoreLockedError
 from store.__main__ import main
+from tests.fixtures_store import BUNDLED_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def test_cli_reports_the_lock(held_db):
     assert "the database is in use by another process" in out.stderr and str(held_db) in out.stderr
 
 
-def test_users_import_export_stats(tmp_path, capsys, monkeypatch, shared_data):
+def test_users_import_export_stats(tmp_path, capsys, monkeypatch, test_data):
     db = tmp_path / "cli.duckdb"
     monkeypatch.setenv("RLHF_LOOP_DB", str(db))  # the default path, overridden
     assert main(["users", "add", "boss", "--admin"]) == 0
@@ -66,9 +67,9 @@ def test_users_import_export_stats(tmp_path, capsys, monkeypatch, shared_data):
     listing = capsys.readouterr().out
     assert "boss" in listing and "admin" in listing and "ann" in listing
 
-    assert main(["import-prompts", str(shared_data / "prompts.jsonl")]) == 0
+    assert main(["import-prompts", str(BUNDLED_PROMPTS)]) == 0
     assert json.loads(capsys.readouterr().out)["added"] == 2205
-    assert main(["import-pairs", str(shared_data / "hh_dev_pairs.jsonl")]) == 0
+    assert main(["import-pairs", str(test_data / "hh_dev_pairs.jsonl")]) == 0
     capsys.readouterr()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": ""}\n', encoding="utf-8")

@@ -1,4 +1,4 @@
-"""Import (real shared files, every accepted layout, refused files store nothing)."""
+"""Import (the real bundled prompts and tests/data pairs, every accepted layout, refused files store nothing)."""
 
 import json
 
@@ -8,6 +8,7 @@ import pytest
 
 from store import DataError
 from store.io import import_pairs, import_prompts, read_rows
+from tests.fixtures_store import BUNDLED_PROMPTS
 
 
 def _write_jsonl(path, rows):
@@ -15,24 +16,24 @@ def _write_jsonl(path, rows):
     return path
 
 
-def test_import_shared_prompts(store, shared_data):
-    out = import_prompts(store, shared_data / "prompts.jsonl")
+def test_import_bundled_prompts(store):
+    out = import_prompts(store, BUNDLED_PROMPTS)
     assert out["rows"] == out["added"] == 2205 and out["duplicates"] == 0
     first = store.list_prompts(limit=1)[0]
-    assert first.text == json.loads((shared_data / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
+    assert first.text == json.loads((BUNDLED_PROMPTS).read_text().splitlines()[0])["prompt"]
     assert first.source.startswith("anthropics/hh-rlhf")
     assert len(store.prompts_without_responses()) == 2205
-    again = import_prompts(store, shared_data / "prompts.jsonl")
+    again = import_prompts(store, BUNDLED_PROMPTS)
     assert again["added"] == 0 and again["duplicates"] == 2205
 
 
-def test_import_shared_hh_pairs(store, shared_data):
-    out = import_pairs(store, shared_data / "hh_dev_pairs.jsonl")
+def test_import_real_hh_pairs(store, test_data):
+    out = import_pairs(store, test_data / "hh_dev_pairs.jsonl")
     assert out["pairs"] == 2000 and out["prompts_added"] == 1998
     mv = store.get_model_version(out["model_version_id"])
     assert mv.kind == "policy" and mv.name.startswith("import:hh_dev_pairs.jsonl:")
     pair = store.list_pairs(limit=1)[0]
-    row = json.loads((shared_data / "hh_dev_pairs.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    row = json.loads((test_data / "hh_dev_pairs.jsonl").read_text(encoding="utf-8").splitlines()[0])
     assert store.get_prompt(pair.prompt_id).text == row["prompt"]
     assert store.get_response(pair.chosen_id).text == row["chosen"]  # leading space kept
     assert store.get_response(pair.rejected_id).text == row["rejected"]
@@ -40,7 +41,7 @@ def test_import_shared_hh_pairs(store, shared_data):
     assert pair.annotator_id is None and pair.source == "import:hh_dev_pairs.jsonl"
     assert store.counts()["items"] == 0  # imported pairs are not queued for annotation
     with pytest.raises(DataError, match="already imported"):
-        import_pairs(store, shared_data / "hh_dev_pairs.jsonl")
+        import_pairs(store, test_data / "hh_dev_pairs.jsonl")
     assert store.counts()["pairs"] == 2000
 
 
