@@ -18,6 +18,7 @@ STAGES = {
     "generate": "pipeline.generate",
     "train-reward": "pipeline.train_reward",
     "ppo": "pipeline.train_ppo",
+    "compare": "pipeline.compare",
     "simulate-annotators": "pipeline.orchestrate.simulate",
     "loop": "pipeline.orchestrate.loop",
 }

@@ -11,18 +11,31 @@
      as the judge), with its binomial standard error
 
 A policy is given as (base model, adapter folder or None), what a store model version holds.
-Used by the app's Models tab in a background thread; it never touches the store.
+
+    python -m pipeline compare --prompts held_out.jsonl --reward RM_DIR --out RUN_DIR \
+        --a-model default --a-adapter runs/ppo-2/policy --a-name v2 --b-model default --b-name base
+
+runs it as a job: RUN_DIR gets config.json, status.json (step/total over the sampling batches of
+both policies, then scoring) and result.json: {"a", "b" (the names), "win_rate", "stderr",
+"mean_a", "mean_b", "prompts", "rows": [{prompt, response_a, response_b, score_a, score_b}]}.
+Exit 0 when done; 1 with status 'failed' and the error; 130 with status 'cancelled' on SIGTERM or
+Ctrl-C (checked after every batch). It never touches the store: the owner ingests result.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-from pipeline.config import GenerateConfig, ModelConfig
+from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
+from pipeline.rundir import Cancelled, StopFlag, write_json, write_status
 from pipeline.scoring import load_reward_model, score_texts
+from pipeline.text import read_prompts
 
 
 @dataclass
@@ -102,3 +115,64 @@ def compare_policies(a: PolicySpec, b: PolicySpec, reward_path: str, prompts: li
             for p, ta, tb, sa, sb in zip(prompts, texts_a, texts_b, scores_a, scores_b)]
     return {"win_rate": rate, "stderr": stderr, "mean_a": sum(scores_a) / len(scores_a),
             "mean_b": sum(scores_b) / len(scores_b), "prompts": len(prompts), "rows": rows}
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline compare",
+                                     description="Win rate of policy A over policy B, judged by a reward model.")
+    parser.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field (and an optional 'id') per line")
+    parser.add_argument("--reward", required=True, help="reward model folder (saved by train-reward)")
+    parser.add_argument("--out", required=True, help="run directory (created)")
+    for side in ("a", "b"):
+        parser.add_argument(f"--{side}-model", required=True, help=f"policy {side.upper()}'s base model")
+        parser.add_argument(f"--{side}-adapter", default=None,
+                            help=f"policy {side.upper()}'s folder saved by save_policy (none = the base model)")
+        parser.add_argument(f"--{side}-name", default=side.upper(), help=f"policy {side.upper()}'s name in the result")
+    add_arguments(parser, CompareConfig)
+    add_arguments(parser, ModelConfig)  # device, dtype, cache; each side names its own --x-model
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg, model_cfg = from_args(CompareConfig, args), from_args(ModelConfig, args)
+    a = PolicySpec(args.a_name, args.a_model, args.a_adapter)
+    b = PolicySpec(args.b_name, args.b_model, args.b_adapter)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_status(out, "running", 0, 0, phase="loading")
+    progress = {"step": 0, "total": 0}
+    try:
+        with StopFlag() as stop:
+            prompts = [row["prompt"] for row in read_prompts(args.prompts)]
+            write_json(out / "config.json", {
+                "stage": "compare", "prompts": str(args.prompts), "reward": args.reward,
+                "a": dataclasses.asdict(a), "b": dataclasses.asdict(b), "compare": to_dict(cfg),
+                "model": to_dict(model_cfg)})
+
+            def on_progress(done: int, total: int, detail: str) -> None:
+                progress.update(step=done, total=total)
+                write_status(out, "running", done, total, phase=detail)
+                stop.check()
+
+            result = compare_policies(a, b, args.reward, prompts, model_cfg, cfg, on_progress)
+    except (Cancelled, KeyboardInterrupt) as exc:
+        write_status(out, "cancelled", **progress, error=str(exc) or "interrupted")
+        print(f"cancelled: {exc}", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        write_status(out, "failed", **progress, error=f"{type(exc).__name__}: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except BaseException as exc:
+        write_status(out, "failed", **progress, error=f"{type(exc).__name__}: {exc}")
+        raise
+    write_json(out / "result.json", {"a": a.name, "b": b.name, **result})
+    write_status(out, "done", progress["total"], progress["total"])
+    print(f"{a.name} vs {b.name}: win rate {result['win_rate']:.3f} +- {result['stderr']:.3f} "
+          f"on {result['prompts']} prompts (mean score {result['mean_a']:.3f} vs {result['mean_b']:.3f})")
+    return 0
+
