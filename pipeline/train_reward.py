@@ -34,7 +34,7 @@ from the left, counted in eval_report.json ("truncation"), never dropped.
 Reference run, SmolLM2-135M-Instruct on the HH dev pairs, 1,601 pairs for training and 399 held
 out (split by prompt):
 
-    python -m pipeline train-reward --data ../shared/data/hh_dev_pairs.jsonl --out runs/rm-hh \\
+    python -m pipeline train-reward --data tests/data/hh_dev_pairs.jsonl --out runs/rm-hh \\
         --eval-fraction 0.2 --epochs 1 --batch-size 8 --lr 1e-4 --max-length 512 --norm-samples 16
 
 On 2 idle CPU cores (fp32, LoRA r16) about 0.8 pairs/s, so ~35 min for the epoch of 201 steps

@@ -228,7 +228,7 @@ def test_calibration_and_length_baseline_hand_values():
 
 
 def test_learns_the_marker_word(tmp_path, tiny_model_cfg):
-    """The issue's check: > 95% held-out accuracy within seconds, run directory complete."""
+    """> 95% held-out accuracy within seconds, run directory complete."""
     data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(240))
     out = tmp_path / "run"
     report = train_reward(str(data), str(out), dataclasses.replace(FAST, norm_samples=4), tiny_model_cfg)
