@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+
+import store.db as store_db
 
 # the real prompt pool is the app's bundled one (license: store/data/LICENSE.md): not copied twice
 from annotate.bootstrap import BUNDLED_PROMPTS
 from store import Store
 
 __all__ = ["TEST_DATA", "BUNDLED_PROMPTS", "SeededItem", "seed_items", "store", "store_path", "test_data",
-           "shared_data", "store_policy", "store_annotators"]
+           "shared_data", "store_policy", "store_annotators", "StoreClock", "clock"]
 
 # Real HH-RLHF preference pairs carried by the repository (provenance, license, content warning:
 # tests/data/README.md).
@@ -65,6 +69,31 @@ def store_policy(store):
 def store_annotators(store):
     """Two annotator accounts, ann0 and ann1 (password 'password-<i>'); scrypt makes each ~0.1 s."""
     return [store.add_annotator(f"ann{i}", f"password-{i}") for i in range(2)]
+
+
+class StoreClock:
+    """The store's clock (store.db.utcnow, as every store module imported it), moved by hand: the
+    real UTC time plus an offset that only `advance` changes. Lease expiry is then tested without
+    sleeping against a deadline that a slow or busy machine could miss."""
+
+    def __init__(self):
+        self.offset = timedelta(0)
+        self._real = store_db.utcnow
+
+    def __call__(self) -> datetime:
+        return self._real() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> StoreClock:
+    fake = StoreClock()
+    for name, module in list(sys.modules.items()):
+        if (name == "store" or name.startswith("store.")) and getattr(module, "utcnow", None) is fake._real:
+            monkeypatch.setattr(module, "utcnow", fake)
+    return fake
 
 
 @pytest.fixture

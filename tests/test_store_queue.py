@@ -2,7 +2,6 @@
 
 import random
 import threading
-import time
 from collections import Counter, defaultdict
 
 import pytest
@@ -31,15 +30,18 @@ def test_next_item_prefers_items_needing_annotations_and_respects_overlap(store,
     assert store.next_item(c.id, overlap=2, exclude=[ids[2]]).item_id == ids[0]
 
 
-def test_leases_block_other_annotators_until_they_expire(store, store_annotators):
+def test_leases_block_other_annotators_until_they_expire(store, store_annotators, clock):
     (it,) = seed_items(store, 1, 2)
     a, b = store_annotators
-    assert store.next_item(a.id, overlap=1, lease_seconds=0.3).item_id == it.item_id
+    assert store.next_item(a.id, overlap=1, lease_seconds=60).item_id == it.item_id
     assert store.next_item(b.id, overlap=1) is None  # leased by a
     assert store.remaining_count(b.id, overlap=1) == 0
     assert store.remaining_count(a.id, overlap=1) == 1  # a's own lease counts for a
     assert [(i, ann) for i, ann, _ in store.active_leases()] == [(it.item_id, a.id)]
-    time.sleep(0.35)
+    clock.advance(30)  # half way: still a's
+    assert [(i, ann) for i, ann, _ in store.active_leases()] == [(it.item_id, a.id)]
+    assert store.next_item(b.id, overlap=1) is None
+    clock.advance(31)
     assert store.active_leases() == []
     assert store.next_item(b.id, overlap=1).item_id == it.item_id  # expired lease ignored
     assert store.next_item(a.id, overlap=1) is None
@@ -250,19 +252,20 @@ def test_progress_counts_come_from_the_index_and_match_the_database(store, store
     assert live == fresh and live["ranking_total"] == {a.id: 2, b.id: 1}
 
 
-def test_holds_lease_follows_every_way_a_lease_ends(store, store_annotators, store_policy):
+def test_holds_lease_follows_every_way_a_lease_ends(store, store_annotators, store_policy, clock):
     it1, it2, it3, it4 = seed_items(store, 4, 2)
     a, b = store_annotators
     (loose,) = store.add_responses_bulk(store_policy.id, [(it1.prompt_id, ["x", "y"])], queued=False)
     got = []
     for i in range(4):  # four leases at once (each next_item excludes the ones held)
-        got.append(store.next_item(a.id, lease_seconds=0.3 if i == 3 else None, exclude=[g.item_id for g in got]))
+        got.append(store.next_item(a.id, lease_seconds=60 if i == 3 else None, exclude=[g.item_id for g in got]))
     assert [g.item_id for g in got] == [it1.item_id, it2.item_id, it3.item_id, it4.item_id]
     assert all(store.holds_lease(a.id, g.item_id) for g in got) and not store.holds_lease(b.id, it1.item_id)
     store.save_ranking(a.id, it1.prompt_id, it1.response_ids)
     store.skip_item(a.id, it2.item_id)
     store.flag_prompt(it3.prompt_id, b.id)
-    time.sleep(0.35)  # it4's lease expires
+    assert store.holds_lease(a.id, it4.item_id)
+    clock.advance(61)  # it4's 60 s lease expires; the default one (600 s) would not have
     assert not any(store.holds_lease(a.id, g.item_id) for g in got)
     assert store.undo_last_ranking(a.id).item_id == it1.item_id and store.holds_lease(a.id, it1.item_id)
     store.release_lease(a.id, it1.item_id)
