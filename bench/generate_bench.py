@@ -33,10 +33,8 @@ from pipeline.text import encode_prompts  # noqa: E402
 from pipeline.models import pick_device  # noqa: E402
 from pipeline.policy import load_policy  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.jsonl"
-FALLBACK = ["What are some hot dog toppings besides ketchup or mustard?", "How can I shop for the lowest prices?",
-            "How do I bake bread?", "What is a good way to learn the guitar?", "Why is the sky blue?",
-            "How do I write a cover letter?", "What should I pack for a beach trip?", "How do plants grow?"]
+# the app's bundled prompt pool (license: store/data/LICENSE.md)
+DATA = Path(__file__).resolve().parents[1] / "store" / "data" / "prompts.jsonl"
 
 
 def load_model(name: str, device: str):
@@ -101,7 +99,7 @@ def main() -> None:
     model.eval()
     cfg = GenerateConfig(k=args.k, max_new_tokens=args.max_new_tokens, batch_size=args.prompts_per_batch * args.k,
                          max_resample=0)
-    pool = [json.loads(line)["prompt"] for line in DATA.open()] if DATA.is_file() else FALLBACK * 8
+    pool = [json.loads(line)["prompt"] for line in DATA.open(encoding="utf-8")]
     n = args.prompts_per_batch
     methods = {
         "ours": lambda ps: run_ours(model, tokenizer, ps, cfg),

@@ -15,7 +15,7 @@ optimises the proxy. The question is what happens to the gold score.
 
 Phases
   0. held-out split: a fixed, seeded set of evaluation prompts is kept out of the store; the rest
-     of ../shared/data/prompts.jsonl is imported through the store (store.io.import_prompts)
+     of the bundled prompt pool (store/data/prompts.jsonl) is imported through the store (store.io.import_prompts)
   1. round 1, shared by all settings: generate K responses per prompt with the base policy (a job),
      simulated annotators rank them, reward model 1 is trained (a job); the base policy is evaluated
   2. per setting (adaptive KL, fixed beta, beta = 0): the store is copied, PPO round 1 runs against
@@ -55,7 +55,7 @@ from bench.gold_eval import EvalConfig  # noqa: E402
 from bench.gold_steps import (RecordingJudge, copy_store, gold_agreement, ppo_step_trace,  # noqa: E402
                               split_prompts)
 
-PROMPTS = ROOT.parent / "shared" / "data" / "prompts.jsonl"
+PROMPTS = ROOT / "store" / "data" / "prompts.jsonl"  # the app's bundled pool (license: store/data/LICENSE.md)
 OUT_ROOT = ROOT / "bench" / "out" / "gold_loop"
 PUBLISH = ROOT / "docs" / "results"
 
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else OUT_ROOT / time.strftime("%Y%m%d-%H%M%S")
     if not Path(args.prompts).is_file():
-        raise SystemExit(f"{args.prompts}: no such file (the shared prompts, ../shared/data/prompts.jsonl)")
+        raise SystemExit(f"{args.prompts}: no such file (the default is the bundled pool, store/data/prompts.jsonl)")
     if args.quick:
         from tests.tiny import save_tiny_model_dir
 

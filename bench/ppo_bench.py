@@ -9,7 +9,7 @@ own), with the same: policy (the default SmolLM2-135M-Instruct, LoRA r16 on all 
 reward model (the same backbone and scalar head, saved once), critic (starting as that reward
 model; `--critic lora` (default): the same LoRA setting, TRL's value model wrapped with peft by
 hand since TRL's peft_config covers the policy only; `--critic full`: fully trained, TRL's default
-arrangement), prompts (../shared/data/prompts.jsonl with the same chat template), batch size,
+arrangement), prompts (the bundled pool, store/data/prompts.jsonl, with the same chat template), batch size,
 minibatches, micro-batch size, response length, PPO epochs, temperature, fixed KL coefficient,
 missing-EOS penalty, precision and threads.
 Differences left as each library has them: TRL takes one learning rate for policy and critic and,
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ROOT.parent / "shared" / "data" / "prompts.jsonl"
+PROMPTS = ROOT / "store" / "data" / "prompts.jsonl"  # the app's bundled pool (license: store/data/LICENSE.md)
 OUT = ROOT / "bench" / "out" / "ppo"
 
 
@@ -76,7 +76,7 @@ def prepare(s: dict) -> dict:
         critic.head.load_state_dict(load_file(str(rm_dir / "scalar_head.safetensors")))
         save_scalar_model(critic, tok, critic_dir)
     if not PROMPTS.is_file():
-        raise SystemExit(f"{PROMPTS} is missing: the bench needs the shared prompts file")
+        raise SystemExit(f"{PROMPTS} is missing: the bench needs the bundled prompts file")
     prompts = OUT / "prompts.jsonl"
     lines = PROMPTS.read_text(encoding="utf-8").splitlines()[: s["n_prompts"]]
     prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -153,7 +153,7 @@ def run_ours(s: dict, inputs: dict) -> dict:
     # step start = sampling; update start = the first policy forward of phase 7 (the rollout's
     # forwards go through pipeline.rollout, not this module's name); step end = status.json update
     marks = Marks()
-    sample, response_logits, write = tp.sample, tp.response_logits, tp.RunStatus.write
+    sample, response_logits, write = tp.sample, tp.response_logits, tp.write_status
 
     def timed_sample(*a, **k):
         marks.step_start()
@@ -163,12 +163,12 @@ def run_ours(s: dict, inputs: dict) -> dict:
         marks.update_start()
         return response_logits(*a, **k)
 
-    def timed_write(self, state, step, error=None):
+    def timed_write(out, state, step, *a, **k):
         if state == "running" and marks.start is not None:
             marks.step_end()
-        return write(self, state, step, error)
+        return write(out, state, step, *a, **k)
 
-    tp.sample, tp.response_logits, tp.RunStatus.write = timed_sample, timed_logits, timed_write
+    tp.sample, tp.response_logits, tp.write_status = timed_sample, timed_logits, timed_write
     tp.train(cfg, model_cfg, prompts=inputs["prompts"], reward=inputs["reward_model"], out_dir=run_dir,
              critic_init=inputs["critic_init"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.config import ModelConfig, RewardConfig  # noqa: E402
 from pipeline.reward_data import collate, encode_pairs, read_pairs, split_by_prompt  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "hh_dev_pairs.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "hh_dev_pairs.jsonl"  # provenance: tests/data/README.md
 
 
 def peak_rss_mb() -> float:
@@ -221,7 +221,7 @@ def main() -> None:
     if args.quick:  # at 512 tokens almost nothing is truncated (at 256, half the pairs would be)
         args.train_pairs, args.eval_pairs = 32, 16
     if not DATA.is_file():
-        sys.exit(f"{DATA} is missing: the benchmark needs the HH dev pairs (../shared/data/)")
+        sys.exit(f"{DATA} is missing: the benchmark needs the HH dev pairs (tests/data/)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pairs, _ = read_pairs(DATA)
     train, held = split_by_prompt(pairs, 0.2, seed=args.seed)
