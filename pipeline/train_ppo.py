@@ -30,37 +30,29 @@ and marks the run cancelled; `--resume` continues from it.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import functools
 import math
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, to_dict
-from pipeline.kl import make_kl_controller
+from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args
 from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
 )
-from pipeline.models import autocast, load_scalar_model, pick_device, pick_dtype, read_meta, save_policy
-from pipeline.policy import causal_lm_logits, load_policy, make_reference
-from pipeline.ppo_state import load_checkpoint, recover_checkpoint, save_checkpoint
+from pipeline.models import save_policy
+from pipeline.policy import causal_lm_logits
+from pipeline.ppo_state import CHECKPOINT, load_checkpoint, recover_checkpoint, save_checkpoint, set_up, trainable
 from pipeline.rollout import (
     Rollout, attn_ratio, critic_values, kl_shaped_advantages, merged_lora, pack_responses, prompt_order, ptx_batch,
-    read_ptx_texts, response_logits, response_logprobs, rollout_forwards, write_samples,
+    response_logits, response_logprobs, rollout_forwards, write_samples,
 )
-from pipeline.rundir import Cancelled, StopFlag, append_metrics, truncate_metrics, write_json, write_status
+from pipeline.rundir import Cancelled, StopFlag, append_metrics, write_status
 from pipeline.sampling import sample
-from pipeline.scoring import make_reward
-from pipeline.text import encode_prompts, read_prompts
+from pipeline.text import encode_prompts
 
-CHECKPOINT = "checkpoint"
 
 
 def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out_dir: str | os.PathLike,
@@ -76,7 +68,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     state: dict = {}
     try:
         with StopFlag() as stop:
-            # 0. set-up: device, models (four roles), optimisers, KL controller, resume
+            # 0. set-up: device, models (four roles), optimisers, KL controller, resume (pipeline/ppo_state.py)
             run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
                          critic_init=critic_init, resuming=resume and ckpt.is_dir())
             policy_model, critic, tokenizer, reference = run.policy, run.critic, run.tokenizer, run.reference
@@ -183,8 +175,8 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                             stats["ptx/loss"] += float(ptx_loss.detach())
                         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
                         clip = torch.nn.utils.clip_grad_norm_  # policy and critic clipped separately
-                        stats["policy/grad_norm"] += float(clip(_trainable(policy_model), max_norm))
-                        stats["val/grad_norm"] += float(clip(_trainable(critic), max_norm))
+                        stats["policy/grad_norm"] += float(clip(trainable(policy_model), max_norm))
+                        stats["val/grad_norm"] += float(clip(trainable(critic), max_norm))
                         policy_opt.step()
                         critic_opt.step()
                         policy_opt.zero_grad(set_to_none=True)
@@ -267,7 +259,7 @@ def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.
     return metrics
 
 
-# --------------------------------------------------------------------------- set-up helpers
+# --------------------------------------------------------------------------- helpers
 
 
 def check_config(cfg: PPOConfig) -> None:
@@ -294,108 +286,6 @@ def check_config(cfg: PPOConfig) -> None:
         problems.append("--ptx-coef > 0 needs --ptx-data (JSONL with a 'text' field)")
     if problems:
         raise ValueError("; ".join(problems))
-
-
-@dataclass
-class RunParts:
-    """What phase 0 builds: the four roles, optimisers, schedules, KL controller, inputs."""
-    device: torch.device
-    autocast: Callable[[], contextlib.AbstractContextManager]
-    policy: torch.nn.Module
-    tokenizer: object
-    parent: str
-    reference: torch.nn.Module
-    score_fn: Callable
-    critic: torch.nn.Module
-    opts: tuple
-    scheds: tuple
-    kl: object
-    start: int  # the step to continue from (0, or the checkpoint's)
-    rows: list  # prompts file rows
-    ptx_texts: list
-    sample_logprobs: bool  # pi_old from the sampling pass (else one forward pass)
-
-
-def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out: Path, policy: str,
-           critic_init: str, resuming: bool) -> RunParts:
-    """Phase 0: load the four roles, build optimisers and schedules, restore a checkpoint when
-    resuming (metrics after its step are dropped), and write config.json."""
-    ckpt = out / CHECKPOINT
-    device = pick_device(model_cfg.device)
-    dtype = pick_dtype(model_cfg.dtype, device)
-    if dtype == torch.float16:
-        raise ValueError("--dtype fp16: PPO here has no loss scaling; use bf16 (or fp32)")
-    amp = functools.partial(autocast, device, dtype)
-    torch.manual_seed(cfg.seed)
-    rows = read_prompts(prompts)
-    policy_model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
-    reference = make_reference(policy_model)  # before any resume: the *starting* policy
-    score_fn, rm = make_reward(reward, tokenizer, model_cfg, cfg.forward_batch_size, amp)
-    critic_src = str(ckpt / "critic") if resuming else (
-        critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
-    critic, _ = load_scalar_model(critic_src, kind="critic", cfg=_master_cfg(model_cfg, critic_src, device, dtype))
-    policy_opt = _adamw(_trainable(policy_model), cfg.lr)
-    critic_opt = _adamw(_trainable(critic), cfg.critic_lr)
-    # linear decay to 0 over the run (TRL's default schedule); stepped once per PPO iteration
-    decay = (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
-    policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, decay)
-    critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, decay)
-    kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
-    start = 0
-    if resuming:
-        saved_base = read_meta(ckpt / "policy").get("base_model")
-        if saved_base != policy_model.rlhf_meta["base_model"]:
-            raise ValueError(f"{ckpt}: the checkpoint trains {saved_base}, but --policy starts from "
-                             f"{policy_model.rlhf_meta['base_model']}; resume with the run's --policy")
-        start = load_checkpoint(ckpt, policy_model, policy_opt, critic_opt, policy_sched, critic_sched, kl_ctl, device)
-    truncate_metrics(out, start)
-    ptx_texts = read_ptx_texts(cfg.ptx_data) if cfg.ptx_coef > 0 else []
-    write_json(out / "config.json", {
-        "stage": "ppo", "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
-        "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
-        "ppo": to_dict(cfg), "model": to_dict(model_cfg)})
-    return RunParts(
-        device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer, parent=parent, reference=reference,
-        score_fn=score_fn, critic=critic, opts=(policy_opt, critic_opt), scheds=(policy_sched, critic_sched),
-        kl=kl_ctl, start=start, rows=rows, ptx_texts=ptx_texts,
-        sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
-
-
-def load_starting_policy(policy: str, model_cfg: ModelConfig, device, dtype):
-    """(policy, tokenizer, parent): --policy is a folder saved by save_policy (its adapter keeps
-    training; the reference is then the base model, adapter disabled: KL stays measured against
-    the original model across rounds, as InstructGPT keeps the SFT model), or a base model."""
-    if policy and (Path(policy) / "model_meta.json").is_file():
-        meta = read_meta(policy)
-        cfg = _master_cfg(model_cfg, policy, device, dtype, lora=bool(meta.get("lora")))
-        model, tokenizer = load_policy(cfg, adapter_path=policy)
-        return model, tokenizer, str(Path(policy).resolve())
-    cfg = dataclasses.replace(model_cfg, model=policy or model_cfg.model)
-    model, tokenizer = load_policy(_master_cfg(cfg, "", device, dtype, lora=cfg.lora))
-    return model, tokenizer, model.rlhf_meta["base_model"]
-
-
-def _master_cfg(model_cfg: ModelConfig, folder: str, device, dtype, lora: bool | None = None) -> ModelConfig:
-    """Fully trained weights stay fp32 masters under bf16/fp16 autocast on CUDA; LoRA keeps a
-    low-precision frozen base (models.py already keeps the LoRA parameters in fp32)."""
-    if lora is None:
-        lora = bool(read_meta(folder).get("lora")) if (Path(folder) / "model_meta.json").is_file() else model_cfg.lora
-    if torch.device(device).type == "cuda" and dtype != torch.float32 and not lora:
-        return dataclasses.replace(model_cfg, dtype="fp32")
-    return model_cfg
-
-
-def _adamw(params: list, lr: float) -> torch.optim.AdamW:
-    """AdamW without weight decay (TRL's PPO default); the fused kernel when the parameters allow
-    it (about 6x faster than the per-tensor loop for a fully trained 135M critic on CPU)."""
-    try:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
-    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-
-def _trainable(model) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _reward_name(reward: str) -> str:
@@ -441,5 +331,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["train", "main", "build_parser", "check_config", "load_starting_policy", "save_checkpoint",
-           "load_checkpoint", "Cancelled"]
+__all__ = ["train", "main", "build_parser", "check_config", "step_metrics"]
