@@ -407,8 +407,8 @@ def test_import_prompts_and_a_bad_file(ctx, tmp_path):
     assert ctx.store.counts()["prompts"] == 2  # nothing from either bad file was stored
 
 
-def test_import_pairs(ctx, shared_data, tmp_path):
-    rows = [json.loads(line) for line in (shared_data / "hh_dev_pairs.jsonl").open()][:5]
+def test_import_pairs(ctx, test_data, tmp_path):
+    rows = [json.loads(line) for line in (test_data / "hh_dev_pairs.jsonl").open()][:5]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     msg, errors = admin.import_file(ctx, str(path), "pairs", req("boss"))
