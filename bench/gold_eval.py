@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.generate import sample
 from pipeline.policy import load_policy, make_reference
 from pipeline.rollout import (attn_ratio, decode_responses, pack_responses, response_logits,
                               response_logprobs)
+from pipeline.sampling import sample
 from pipeline.scoring import make_reward
 from pipeline.text import encode_prompts
 
