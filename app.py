@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-generate", action="store_true",
                    help="no first batch on a first start: rank what is in the store")
     p.add_argument("--device", default="auto", help="jobs' device: auto, cpu, cuda (default: %(default)s)")
+    p.add_argument("--session-hours", type=float, default=12.0,
+                   help="a sign-in lasts this long, then the login form is shown again (default: %(default)s)")
     p.add_argument("--no-prefetch", action="store_true",
                    help="do not fetch the next item ahead (only to measure what it buys: bench/ui_bench.py)")
     return p.parse_args(argv)
@@ -52,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.session_hours > 0:
+        print(f"error: --session-hours must be positive, not {args.session_hours}", file=sys.stderr)
+        return 2
     from annotate import bootstrap
     from annotate.context import AppContext
     from annotate.ui import build_ui, launch
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     store.warm_queue()
     ctx = AppContext(store=store, auth=auth, data_dir=data_dir, jobs=jobs, train_settings=settings,
                      generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens},
-                     prefetch=not args.no_prefetch)
+                     prefetch=not args.no_prefetch, session_hours=args.session_hours)
     demo = build_ui(ctx)
     # `kill` (SIGTERM) stops the app like Ctrl-C, so the store is closed and checkpointed.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -1,5 +1,5 @@
-"""Admin handlers of the Data tab: import, generate, statistics, export, flagged prompts, users,
-guidelines.
+"""Admin handlers of the Data tab: import, generate, statistics, export, flagged prompts, users
+(add, reset a password, change a role, deactivate, unlock), guidelines, backup.
 
 Every function starts with `admin(ctx, request)`, which raises `Refused` for anyone who is not a
 signed-in admin, before anything is read or written: an annotator reaching these endpoints through
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from annotate.context import AppContext, admin
 from annotate.handlers import DEFAULT_GUIDELINES, generating
 from annotate.train import settings_of
 from pipeline.orchestrate.steps import prompt_pool, submit_generate
+from store import backup as store_backup
 from store import io as store_io
 from store.errors import DataError, StoreError
 from store.records import ROLES
@@ -266,9 +268,91 @@ def annotator_names(ctx: AppContext, request: gr.Request):
 
 
 def users_table(ctx: AppContext, request: gr.Request) -> pd.DataFrame:
+    """Every account: role, whether it may sign in, its last sign-in (UTC), and whether failed
+    sign-ins have locked it for now (annotate/accounts.py)."""
     admin(ctx, request)
-    return pd.DataFrame([{"id": a.id, "name": a.name, "role": a.role,
-                          "created": a.created_at.strftime("%Y-%m-%d %H:%M")} for a in ctx.store.list_annotators()])
+    locked = ctx.throttle.locked_names()
+    when = lambda t: "–" if t is None else t.strftime("%Y-%m-%d %H:%M")  # noqa: E731
+    return pd.DataFrame([{"id": a.id, "name": a.name, "role": a.role, "active": "yes" if a.active else "no",
+                          "last sign-in": when(a.last_login_at), "created": when(a.created_at),
+                          "locked": f"{math.ceil(locked[a.name])} s" if a.name in locked else "–"}
+                         for a in ctx.store.list_annotators()],
+                        columns=["id", "name", "role", "active", "last sign-in", "created", "locked"])
+
+
+def _account(ctx: AppContext, name: str):
+    try:
+        return ctx.store.annotator_named((name or "").strip())
+    except StoreError as exc:
+        raise gr.Error(f"{exc}.") from None
+
+
+def _end_sessions(ctx: AppContext, name: str) -> str:
+    ended = ctx.sessions.end(name) if ctx.sessions is not None else 0
+    return f" {ended} open session{'s' if ended != 1 else ''} ended." if ended else ""
+
+
+def reset_password(ctx: AppContext, name: str, password: str, request: gr.Request):
+    """Give an account a new password (blank: a random one, shown once) and end its sessions.
+    Returns (message, users)."""
+    admin(ctx, request)
+    account = _account(ctx, name)
+    shown = not (password or "").strip()
+    password = generate_password() if shown else password
+    try:
+        ctx.store.set_password(account.id, password)
+    except StoreError as exc:
+        raise gr.Error(f"Password not reset: {exc}.") from None
+    ctx.throttle.unlock(account.name)
+    msg = f"New password for **{account.name}**." + _end_sessions(ctx, account.name)
+    if shown:
+        msg += f" One-time password: `{password}` (shown only now; pass it on privately)."
+    return msg, users_table(ctx, request)
+
+
+def change_role(ctx: AppContext, name: str, role: str, request: gr.Request):
+    """Make an account an annotator or an admin (applies to its next request). Returns (message, users)."""
+    admin(ctx, request)
+    account = _account(ctx, name)
+    if role not in ROLES:
+        raise gr.Error(f"Role must be one of {', '.join(ROLES)}, not {role!r}.")
+    try:
+        ctx.store.set_role(account.id, role)
+    except StoreError as exc:
+        raise gr.Error(f"Role not changed: {exc}.") from None
+    return f"**{account.name}** is now an {role}.", users_table(ctx, request)
+
+
+def set_active(ctx: AppContext, name: str, active: bool, request: gr.Request):
+    """Deactivate an account (its sessions end now, its rankings stay) or activate it again.
+    Returns (message, users)."""
+    admin(ctx, request)
+    account = _account(ctx, name)
+    try:
+        ctx.store.set_active(account.id, bool(active))
+    except StoreError as exc:
+        raise gr.Error(f"Not changed: {exc}.") from None
+    if active:
+        return f"**{account.name}** can sign in again.", users_table(ctx, request)
+    return (f"**{account.name}** is deactivated: it cannot sign in, its rankings stay."
+            + _end_sessions(ctx, account.name), users_table(ctx, request))
+
+
+def deactivate(ctx: AppContext, name: str, request: gr.Request):
+    return set_active(ctx, name, False, request)
+
+
+def activate(ctx: AppContext, name: str, request: gr.Request):
+    return set_active(ctx, name, True, request)
+
+
+def unlock(ctx: AppContext, name: str, request: gr.Request):
+    """Clear an account's failed sign-ins, so it may try again now. Returns (message, users)."""
+    admin(ctx, request)
+    account = _account(ctx, name)
+    was = ctx.throttle.unlock(account.name)
+    msg = f"**{account.name}** is unlocked." if was else f"**{account.name}** had no failed sign-ins."
+    return msg, users_table(ctx, request)
 
 
 def add_user(ctx: AppContext, name: str, role: str, password: str, request: gr.Request):
@@ -286,6 +370,25 @@ def add_user(ctx: AppContext, name: str, role: str, password: str, request: gr.R
     if shown:
         msg += f" One-time password: `{password}` (shown only now; pass it on privately)."
     return msg, users_table(ctx, request)
+
+
+# ------------------------------------------------------------------------- backup
+
+
+def backup(ctx: AppContext, request: gr.Request):
+    """Back the whole database up while annotators keep working (store/backup.py) into
+    data_dir/backups, and hand back a copy to download. Returns (file path, summary markdown)."""
+    admin(ctx, request)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    try:
+        info = store_backup.backup(ctx.store, ctx.data_dir / "backups" / f"rlhf-{stamp}.duckdb")
+    except StoreError as exc:
+        raise gr.Error(f"Backup failed: {exc}") from None
+    t = info["tables"]
+    summary = (f"**Backup** `{Path(info['path']).name}` · {info['bytes'] / 2**20:.1f} MiB · "
+               f"{t['rankings'][0]} rankings, {t['pairs'][0]} pairs, {t['prompts'][0]} prompts, "
+               f"{t['annotators'][0]} accounts · restore with `python -m store restore FILE` (app stopped)")
+    return str(_downloadable(Path(info["path"]))), summary
 
 
 def save_guidelines(ctx: AppContext, text: str, request: gr.Request) -> str:

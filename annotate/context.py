@@ -6,6 +6,8 @@ the account up in the store; `admin(ctx, request)` additionally refuses non-admi
 is not a permission: the HTTP API reaches every event, so an annotator calling an admin endpoint
 through gradio_client gets `Refused` and nothing happens.
 
+Deactivated accounts are refused here too, on every request, whatever session they still hold.
+
 With `--no-auth` (single-user mode, bound to localhost) there is no login: every request acts as
 the one local admin account.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from annotate.accounts import Sessions, Throttle
 from store.records import Annotator
 
 
@@ -49,7 +52,15 @@ class AppContext:
     prefetch: bool = True
     """Fetch the next item ahead. Off only to measure what it buys (bench/ui_bench.py)."""
     accounts: dict = field(default_factory=dict, repr=False)
-    """name -> (Annotator, expiry): annotation handlers reuse a lookup for ACCOUNT_CACHE_S."""
+    """name -> (Annotator, expiry, store.accounts_version): annotation handlers reuse a lookup for
+    ACCOUNT_CACHE_S, unless any account changed since."""
+    session_hours: float = 12.0
+    """A sign-in lasts this long; then the login form is shown again (annotate/accounts.py)."""
+    throttle: Throttle = field(default_factory=Throttle, repr=False)
+    """Failed sign-ins per name and address, and the locks they earn (annotate/accounts.py)."""
+    sessions: Sessions | None = field(default=None, repr=False)
+    """Gradio's sign-in tokens with their ages, once `launch` has installed them (None before,
+    and in tests that call handlers directly)."""
 
     @property
     def export_dir(self) -> Path:
@@ -58,8 +69,9 @@ class AppContext:
 
 ACCOUNT_CACHE_S = 10.0
 """How long annotation handlers reuse an account lookup (a query per submit is a tenth of its cost
-under load). Admin actions always look the account up afresh, so a role change applies to them at
-once."""
+under load). A cached lookup is dropped as soon as any account changes (the store's
+accounts_version moves), so a deactivation or a role change applies to the next request; admin
+actions look the account up afresh anyway."""
 
 
 def user(ctx: AppContext, request, *, fresh: bool = False) -> Annotator:
@@ -70,14 +82,18 @@ def user(ctx: AppContext, request, *, fresh: bool = False) -> Annotator:
             raise Refused("Not signed in.")
         name = ctx.local_user
     now = time.monotonic()
+    version = ctx.store.accounts_version
     cached = None if fresh else ctx.accounts.get(name)
-    if cached is not None and cached[1] > now:
+    if cached is not None and cached[1] > now and cached[2] == version:
         return cached[0]
     account = ctx.store.find_annotator(name)
     if account is None:
         ctx.accounts.pop(name, None)
         raise Refused(f"No account named {name!r}: ask an admin to add you.")
-    ctx.accounts[name] = (account, now + ACCOUNT_CACHE_S)
+    if not account.active:
+        ctx.accounts.pop(name, None)
+        raise Refused(f"The account {name!r} is deactivated: ask an admin.")
+    ctx.accounts[name] = (account, now + ACCOUNT_CACHE_S, version)
     return account
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import anyio
 import gradio as gr
+from starlette.middleware import Middleware
 
+from annotate import accounts, ui_admin
 from annotate import handlers as h
-from annotate import ui_admin
 from annotate.bind import bind
 from annotate.context import AppContext
 from annotate.render import render_shortcuts
@@ -54,6 +54,8 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
                 train = ui_admin.train_tab(ctx)
             with gr.Tab("Models", id="models", visible=False, elem_id="rl-tab-models") as models_tab:
                 models = ui_admin.models_tab(ctx)
+            with gr.Tab("Account", id="account", elem_id="rl-tab-account"):
+                _account_tab(ctx)
 
         # Page load: who is this, which tabs may they see, and their first item.
         demo.load(
@@ -109,14 +111,18 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
     return {"outs": outs, "guidelines": guidelines}
 
 
-def _password_check(ctx: AppContext):
-    """Gradio's login calls `auth` inside its event loop; a scrypt check takes tens of milliseconds
-    on purpose, so it runs in a worker thread instead of stalling every other user's requests."""
-
-    async def check(name: str, password: str) -> bool:
-        return await anyio.to_thread.run_sync(lambda: ctx.store.authenticate(name, password) is not None)
-
-    return check
+def _account_tab(ctx: AppContext) -> None:
+    """Everyone: change your own password, sign out."""
+    with gr.Column(elem_id="rl-account"):
+        current = gr.Textbox(label="Current password", type="password", elem_id="rl-pw-current")
+        new = gr.Textbox(label="New password (at least 8 characters)", type="password", elem_id="rl-pw-new")
+        again = gr.Textbox(label="New password again", type="password", elem_id="rl-pw-again")
+        change = gr.Button("Change password", variant="primary", elem_id="rl-pw-change")
+        msg = gr.Markdown(elem_id="rl-pw-msg")
+        if ctx.auth:
+            gr.HTML('<a href="logout">Sign out</a> (on every device)', js_on_load=None)
+    change.click(bind(accounts.change_password, ctx), [current, new, again], [msg],
+                 api_name="change_password", api_visibility="undocumented")
 
 
 def _settle_matplotlib() -> None:
@@ -132,18 +138,26 @@ def _settle_matplotlib() -> None:
 def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: int = 7860,
            prevent_thread_lock: bool = False, quiet: bool = False):
     """Serve the app. With ctx.auth, Gradio's login page checks passwords against the store (scrypt
-    hashes) and signs a session cookie; handlers read the name from it (annotate/context.py)."""
-    auth = _password_check(ctx) if ctx.auth else None
+    hashes, throttled) and signs a session cookie that lasts ctx.session_hours; handlers read the
+    name from it (annotate/context.py, annotate/accounts.py)."""
+    auth = accounts.password_check(ctx) if ctx.auth else None
     _settle_matplotlib()
     if ctx.background is None:  # the next item is fetched ahead by these threads (handlers.prefetch)
         ctx.background = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefetch")
     # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
     demo.queue(default_concurrency_limit=16)
-    return demo.launch(
+    result = demo.launch(
         server_name=host, server_port=port, auth=auth,
         auth_message="rlhf-loop · preference annotation. Sign in with the account an admin created for you.",
-        prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True, ssr_mode=False,
+        prevent_thread_lock=True, quiet=quiet, show_error=True, ssr_mode=False,
         footer_links=[], theme=THEME, css=(STATIC / "annotate.css").read_text(),
         head=f"<script>{(STATIC / 'annotate.js').read_text()}</script>",
-        max_threads=64,
+        max_threads=64, app_kwargs={"middleware": [Middleware(accounts.ClientAddress)]},
     )
+    # Gradio keeps its sign-in tokens in App.tokens (a plain dict, empty until the first login):
+    # swapping in a table that ages them out is what makes sessions expire.
+    ctx.sessions = accounts.Sessions(ctx.session_hours * 3600.0)
+    demo.server_app.tokens = ctx.sessions
+    if not prevent_thread_lock:
+        demo.block_thread()
+    return result

@@ -93,7 +93,29 @@ def data_tab(ctx: AppContext) -> dict:
                 password = gr.Textbox(label="Password (blank = generate one)", type="password")
             add_btn = gr.Button("Add user", variant="primary", elem_id="rl-add-user")
             add_msg = gr.Markdown()
-            users = gr.Dataframe(label="Accounts", interactive=False)
+            users = gr.Dataframe(label="Accounts (locked = too many failed sign-ins, for the time shown)",
+                                 interactive=False, elem_id="rl-users")
+            gr.Markdown("**Manage an account.** A password reset and a deactivation end the account's "
+                        "open sessions at once; a deactivated account keeps its rankings.")
+            with gr.Row():
+                who_name = gr.Textbox(label="Account name", elem_id="rl-manage-name")
+                new_role = gr.Radio(["annotator", "admin"], value="annotator", label="Role")
+                new_password = gr.Textbox(label="New password (blank = generate one)", type="password")
+            with gr.Row():
+                reset_btn = gr.Button("Reset password", size="sm", elem_id="rl-reset-password")
+                role_btn = gr.Button("Set role", size="sm", elem_id="rl-set-role")
+                deactivate_btn = gr.Button("Deactivate", size="sm", variant="stop", elem_id="rl-deactivate")
+                activate_btn = gr.Button("Activate", size="sm", elem_id="rl-activate")
+                unlock_btn = gr.Button("Unlock", size="sm", elem_id="rl-unlock")
+                users_refresh = gr.Button("Refresh", size="sm")
+            manage_msg = gr.Markdown(elem_id="rl-manage-msg")
+        with gr.Tab("Backup"):
+            gr.Markdown("A **backup** is a copy of the whole database at one instant, taken while "
+                        "annotators keep working. Restore it with `python -m store restore FILE` "
+                        "while the app is stopped.")
+            backup_btn = gr.Button("Back up now", variant="primary", elem_id="rl-backup")
+            backup_msg = gr.Markdown(elem_id="rl-backup-msg")
+            backup_file = gr.File(label="Download", interactive=False, elem_id="rl-backup-file")
         with gr.Tab("Guidelines"):
             guidelines = gr.Code(language="markdown", label="Annotation guidelines (markdown)", lines=14)
             save_btn = gr.Button("Save guidelines", variant="primary")
@@ -112,6 +134,16 @@ def data_tab(ctx: AppContext) -> dict:
     unflag_btn.click(bind(a.unflag, ctx), [flag_id], [unflag_msg, flagged], **HIDDEN, api_name="unflag")
     flag_refresh.click(bind(a.flagged_table, ctx), None, [flagged], **HIDDEN, api_name="flagged")
     add_btn.click(bind(a.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
+    reset_btn.click(bind(a.reset_password, ctx), [who_name, new_password], [manage_msg, users],
+                    **HIDDEN, api_name="reset_password")
+    role_btn.click(bind(a.change_role, ctx), [who_name, new_role], [manage_msg, users], **HIDDEN, api_name="set_role")
+    deactivate_btn.click(bind(a.deactivate, ctx), [who_name],
+                         [manage_msg, users], **HIDDEN, api_name="deactivate")
+    activate_btn.click(bind(a.activate, ctx), [who_name],
+                       [manage_msg, users], **HIDDEN, api_name="activate")
+    unlock_btn.click(bind(a.unlock, ctx), [who_name], [manage_msg, users], **HIDDEN, api_name="unlock")
+    users_refresh.click(bind(a.users_table, ctx), None, [users], **HIDDEN, api_name="users")
+    backup_btn.click(bind(a.backup, ctx), None, [backup_file, backup_msg], **HIDDEN, api_name="backup")
     save_btn.click(bind(a.save_guidelines, ctx), [guidelines], [save_msg], **HIDDEN, api_name="save_guidelines")
     return {
         "timer": timer,

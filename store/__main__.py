@@ -2,13 +2,20 @@
 
     python -m store users add NAME [--admin] [--password P]
     python -m store users list
+    python -m store users passwd NAME [--password P]     set a chosen password
+    python -m store users reset NAME                     set a random password and print it
+    python -m store users role NAME annotator|admin
+    python -m store users deactivate|activate NAME       (a deactivated account keeps its rankings)
+    python -m store backup PATH                          a copy of the whole database
+    python -m store restore BACKUP                       check BACKUP, then put it in place of --db
     python -m store import-prompts FILE
     python -m store import-pairs FILE
     python -m store export --format jsonl|parquet|datasets --out PATH [filters]
     python -m store stats
 
 The database defaults to $RLHF_LOOP_DB, else ./data/rlhf.duckdb. While the app runs it owns the
-file, and these commands stop with a message saying so (use the app's admin tab instead).
+file, and these commands stop with a message saying so (use the app's admin tab instead: Data >
+Users, Data > Backup). `restore` keeps the database it replaces beside it (`*.before-restore-*`).
 Exit status: 0 done, 1 refused input (nothing stored), 2 the database is in use or missing.
 """
 
@@ -37,6 +44,21 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("--password", help=f"its password (at least {MIN_PASSWORD_CHARS} characters); "
                                         "default: asked for on a terminal, else generated and printed")
     users.add_parser("list", help="list accounts")
+    passwd = users.add_parser("passwd", help="set an account's password (asked for on a terminal)")
+    passwd.add_argument("name")
+    passwd.add_argument("--password", help=f"the new password (at least {MIN_PASSWORD_CHARS} characters)")
+    users.add_parser("reset", help="give an account a random password and print it").add_argument("name")
+    role = users.add_parser("role", help="change an account's role")
+    role.add_argument("name")
+    role.add_argument("role", choices=ROLES)
+    users.add_parser("deactivate", help="stop an account from signing in (its rankings stay)").add_argument("name")
+    users.add_parser("activate", help="let a deactivated account sign in again").add_argument("name")
+
+    bk = sub.add_parser("backup", help="copy the whole database to a file (while the app runs: Data > Backup)")
+    bk.add_argument("path")
+    bk.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    rs = sub.add_parser("restore", help="check a backup and put it in place of the database (app stopped)")
+    rs.add_argument("backup")
 
     for name, what in (("import-prompts", "prompts (a 'prompt' or 'messages' column)"),
                        ("import-pairs", "preference pairs (TRL prompt/chosen/rejected, or HH-RLHF transcripts)")):
@@ -67,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from store.repo import Store  # after parsing, so --help is fast
 
+    if args.command == "restore":  # never opens the database as a Store: it replaces the file
+        return _restore(args)
     try:
         store = Store(args.db)
     except StoreLockedError as exc:
@@ -104,9 +128,19 @@ def _run(store, args) -> int:
         print(f"created {user.role} {user.name!r} (id {user.id})")
         if shown:
             print(f"password: {password}")
-    elif args.command == "users":
+    elif args.command == "users" and args.action == "list":
         for a in store.list_annotators():
-            print(f"{a.id:>4}  {a.name:<24} {a.role:<10} created {a.created_at:%Y-%m-%d %H:%M} UTC")
+            last = "never" if a.last_login_at is None else f"{a.last_login_at:%Y-%m-%d %H:%M} UTC"
+            print(f"{a.id:>4}  {a.name:<24} {a.role:<10} {'active' if a.active else 'DEACTIVATED':<12}"
+                  f"created {a.created_at:%Y-%m-%d %H:%M} UTC, last sign-in {last}")
+    elif args.command == "users":
+        return _manage_user(store, args)
+    elif args.command == "backup":
+        from store.backup import backup
+
+        info = backup(store, args.path, overwrite=args.overwrite)
+        rows = sum(n for n, _ in info["tables"].values())
+        print(f"backed up {len(info['tables'])} tables ({rows} rows, {info['bytes']} bytes) to {info['path']}")
     elif args.command in ("import-prompts", "import-pairs"):
         limit = {} if args.max_mb is None else {"max_bytes": int(args.max_mb * 1024 * 1024)}
         fn = io.import_prompts if args.command == "import-prompts" else io.import_pairs
@@ -121,6 +155,52 @@ def _run(store, args) -> int:
         print(json.dumps(snap.counts))
     elif args.command == "stats":
         _print_stats(store)
+    return 0
+
+
+def _manage_user(store, args) -> int:
+    account = store.annotator_named(args.name)
+    if args.action == "passwd":
+        password = args.password
+        if password is None:
+            if not sys.stdin.isatty():
+                print("error: give --password, or run this on a terminal to be asked", file=sys.stderr)
+                return 1
+            password = getpass.getpass(f"new password for {account.name}: ")
+            if getpass.getpass("again: ") != password:
+                print("error: the passwords differ", file=sys.stderr)
+                return 1
+        store.set_password(account.id, password)
+        print(f"password of {account.name!r} changed")
+    elif args.action == "reset":
+        password = generate_password()
+        store.set_password(account.id, password)
+        print(f"password of {account.name!r} reset\npassword: {password}")
+    elif args.action == "role":
+        store.set_role(account.id, args.role)
+        print(f"{account.name!r} is now an {args.role}")
+    else:
+        store.set_active(account.id, args.action == "activate")
+        print(f"{account.name!r} is {'active' if args.action == 'activate' else 'deactivated (its rankings stay)'}")
+    return 0
+
+
+def _restore(args) -> int:
+    from store.backup import BackupError, restore
+
+    db = args.db or default_db_path()
+    try:
+        info = restore(args.backup, db)
+    except StoreLockedError as exc:
+        print(f"error: {exc}; nothing was restored", file=sys.stderr)
+        return 2
+    except (BackupError, InvalidRequest) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    rows = sum(n for n, _ in info["tables"].values())
+    print(f"restored {args.backup} ({len(info['tables'])} tables, {rows} rows) to {db}")
+    if info["replaced"]:
+        print(f"the database it replaced is kept as {info['replaced']}")
     return 0
 
 

@@ -345,6 +345,9 @@ class _Shared:
         self.queue = None  # QueueIndex, built on first use
         self.settings: dict[str, str | None] = {}  # key -> JSON text (None: not set)
         self.lease_gc_at = None
+        # Bumped after every committed account change (role, password, active): callers that
+        # cache an account (annotate/context.py) compare it to know their copy is stale.
+        self.accounts_version = 0
 
     @classmethod
     def acquire(cls, path: Path) -> "_Shared":

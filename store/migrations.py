@@ -178,6 +178,15 @@ MIGRATIONS: list[tuple[str, str]] = [
         );
         """,
     ),
+    (
+        # Accounts an admin can switch off without deleting their rankings, and the time of each
+        # account's last sign-in (shown in the Users table).
+        "0002_account_state",
+        """
+        ALTER TABLE annotators ADD COLUMN active BOOLEAN NOT NULL DEFAULT TRUE;
+        ALTER TABLE annotators ADD COLUMN last_login_at TIMESTAMP;
+        """,
+    ),
 ]
 
 

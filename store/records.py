@@ -73,6 +73,11 @@ class Annotator:
     role: str
     """annotator | admin"""
     created_at: datetime
+    active: bool = True
+    """False once an admin deactivated the account: it cannot sign in and every request of a
+    session it still holds is refused; its rankings stay."""
+    last_login_at: datetime | None = None
+    """Its last successful sign-in (None: never signed in through the app)."""
 
     @property
     def is_admin(self) -> bool:

@@ -332,6 +332,7 @@ def test_a_demoted_admin_is_refused_at_once(ctx):
     boss = ctx.store.find_annotator("boss")
     handlers.open_page(ctx, None, req("boss"))  # the account lookup is now cached
     admin.users_table(ctx, req("boss"))
+    ctx.store.set_role(ctx.store.find_annotator("bea").id, "admin")  # the last admin cannot be demoted
     ctx.store.set_role(boss.id, "annotator")
     with pytest.raises(Refused):
         admin.users_table(ctx, req("boss"))

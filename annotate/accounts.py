@@ -1,0 +1,215 @@
+"""Signing in: the password check behind Gradio's login, login throttling, session expiry, and a
+user's own password change.
+
+Gradio's login (`POST /login`) calls `password_check(ctx)` with the name and password, and on
+success puts a random token in a cookie and `token -> name` in `App.tokens`; every later request
+is resolved through `App.tokens.get(token)` (gradio/routes.py, get_current_user). Two hooks here:
+
+- **Throttling** (`Throttle`): failures are counted per account name and per client address.
+  After FREE_FAILURES failures for a name (FREE_FAILURES_PER_ADDRESS for an address, higher
+  because many people may share one address behind a NAT) every further attempt waits an
+  exponentially growing time (1 s, 2 s, 4 s, ... capped at LOCK_CAP_S) during which the login is
+  refused with HTTP 429 and a message saying how long, without even checking the password.
+  A success clears the name's count; the admin's Users table shows locked names and unlocks them.
+  The counts live in the app process: a restart forgets them. The client address is the TCP
+  peer (behind a reverse proxy that is the proxy: forwarded headers are not trusted).
+- **Session expiry** (`Sessions`): `App.tokens` is replaced by a table that records when each
+  token was issued and forgets it `max_age_s` later, so the cookie of a session older than
+  `--session-hours` counts as signed out everywhere (pages show the login form again, API calls
+  get 401), each session on its own clock. Deactivating an account or resetting its password
+  ends its sessions at once (`Sessions.end`). Tokens are in memory: a restart signs everyone out.
+
+Role and deactivation checks on every request stay in annotate/context.py (`user`, `admin`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import threading
+import time
+
+import anyio
+import gradio as gr
+from fastapi import HTTPException
+
+from store.errors import StoreError
+
+FREE_FAILURES = 5
+FREE_FAILURES_PER_ADDRESS = 30
+LOCK_BASE_S = 1.0
+LOCK_CAP_S = 15 * 60.0
+
+# The address of the client whose request is being served, set by ClientAddress (an ASGI
+# middleware) so that the password check, which Gradio calls with only a name and a password,
+# can count failures per address.
+CLIENT_ADDRESS: contextvars.ContextVar[str | None] = contextvars.ContextVar("client_address", default=None)
+
+
+class ClientAddress:
+    """ASGI middleware: puts the TCP peer's address in CLIENT_ADDRESS for the request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        token = CLIENT_ADDRESS.set((scope.get("client") or (None,))[0])
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CLIENT_ADDRESS.reset(token)
+
+
+class Throttle:
+    """Failed sign-ins per key ('name:<n>' or 'address:<a>'), and the lock they earn."""
+
+    def __init__(self, *, free: int = FREE_FAILURES, free_per_address: int = FREE_FAILURES_PER_ADDRESS,
+                 base_s: float = LOCK_BASE_S, cap_s: float = LOCK_CAP_S, clock=time.monotonic):
+        self.free, self.free_per_address, self.base_s, self.cap_s = free, free_per_address, base_s, cap_s
+        self.clock = clock
+        self._failures: dict[str, tuple[int, float]] = {}  # key -> (count, time of the last one)
+        self._lock = threading.Lock()
+
+    def _wait(self, key: str, free: int, now: float) -> float:
+        count, last = self._failures.get(key, (0, 0.0))
+        if count < free:
+            return 0.0
+        return max(0.0, last + min(self.cap_s, self.base_s * 2 ** (count - free)) - now)
+
+    def wait_s(self, name: str, address: str | None) -> tuple[float, str]:
+        """(seconds until `name` from `address` may try again, what is locked); 0 = now."""
+        now = self.clock()
+        with self._lock:
+            by_name = self._wait(f"name:{name}", self.free, now)
+            by_address = self._wait(f"address:{address}", self.free_per_address, now) if address else 0.0
+        if by_name >= by_address:
+            return by_name, f"the account {name!r}"
+        return by_address, f"your address ({address})"
+
+    def failed(self, name: str, address: str | None) -> None:
+        now = self.clock()
+        with self._lock:
+            self._forget_old(now)
+            for key in (f"name:{name}",) + ((f"address:{address}",) if address else ()):
+                count, _ = self._failures.get(key, (0, now))
+                self._failures[key] = (count + 1, now)
+
+    def succeeded(self, name: str) -> None:
+        with self._lock:
+            self._failures.pop(f"name:{name}", None)
+
+    def unlock(self, name: str) -> bool:
+        """Clear `name`'s failures; True if it had any."""
+        with self._lock:
+            return self._failures.pop(f"name:{name}", None) is not None
+
+    def locked_names(self) -> dict[str, float]:
+        """name -> seconds its lock still lasts, for every name locked now."""
+        now = self.clock()
+        with self._lock:
+            keys = [k for k in self._failures if k.startswith("name:")]
+            waits = {k[5:]: self._wait(k, self.free, now) for k in keys}
+        return {name: s for name, s in waits.items() if s > 0}
+
+    def _forget_old(self, now: float) -> None:
+        # Guessing random names must not grow the table for ever: a record whose lock (if any)
+        # ended a cap ago is dropped.
+        if len(self._failures) < 10_000:
+            return
+        self._failures = {k: v for k, v in self._failures.items() if now - v[1] < 2 * self.cap_s}
+
+
+class Sessions(dict):
+    """Gradio's token -> name table (App.tokens) with an age limit per token.
+
+    Gradio reads it with .get(token), `in`, [token], and iterates it on logout; an expired token
+    disappears on its next read, whichever way it is read."""
+
+    def __init__(self, max_age_s: float, clock=time.monotonic):
+        super().__init__()
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self._issued: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __setitem__(self, token, name) -> None:
+        with self._lock:
+            self._issued[token] = self.clock()
+            super().__setitem__(token, name)
+
+    def _expire(self, token) -> None:
+        issued = self._issued.get(token)
+        if issued is not None and self.clock() - issued >= self.max_age_s:
+            with self._lock:
+                super().pop(token, None)
+                self._issued.pop(token, None)
+
+    def get(self, token, default=None):
+        self._expire(token)
+        return super().get(token, default)
+
+    def __getitem__(self, token):
+        self._expire(token)
+        return super().__getitem__(token)
+
+    def __contains__(self, token) -> bool:
+        self._expire(token)
+        return super().__contains__(token)
+
+    def __delitem__(self, token) -> None:
+        with self._lock:
+            super().pop(token, None)
+            self._issued.pop(token, None)
+
+    def end(self, name: str) -> int:
+        """Sign `name` out everywhere now; the number of sessions ended."""
+        with self._lock:
+            tokens = [t for t, n in self.items() if n == name]
+            for t in tokens:
+                super().pop(t, None)
+                self._issued.pop(t, None)
+        return len(tokens)
+
+
+def password_check(ctx):
+    """The `auth` function given to Gradio's launch: throttled, and run in a worker thread (a
+    scrypt check takes most of a second on purpose and must not stall the event loop)."""
+
+    async def check(name: str, password: str) -> bool:
+        address = CLIENT_ADDRESS.get()
+        wait, what = ctx.throttle.wait_s(name, address)
+        if wait > 0:
+            # Gradio's login route lets this through as the response: 429 with the message.
+            raise HTTPException(status_code=429, detail=(
+                f"Too many failed sign-ins for {what}: try again in {math.ceil(wait)} s."))
+        account = await anyio.to_thread.run_sync(ctx.store.authenticate, name, password)
+        if account is None:
+            ctx.throttle.failed(name, address)
+            return False
+        ctx.throttle.succeeded(name)
+        return True
+
+    return check
+
+
+def change_password(ctx, current: str, new: str, again: str, request: gr.Request) -> str:
+    """The signed-in user changes their own password (their current one is asked for, so a
+    browser left open cannot be used to take the account over)."""
+    from annotate.context import user  # context imports this module for its defaults
+
+    account = user(ctx, request, fresh=True)
+    wait, _ = ctx.throttle.wait_s(account.name, None)
+    if wait > 0:
+        raise gr.Error(f"Too many wrong passwords: try again in {math.ceil(wait)} s.")
+    if (new or "") != (again or ""):
+        raise gr.Error("The two new passwords differ.")
+    if not ctx.store.check_password(account.id, current or ""):
+        ctx.throttle.failed(account.name, None)
+        raise gr.Error("Your current password is not right.")
+    try:
+        ctx.store.set_password(account.id, new)
+    except StoreError as exc:
+        raise gr.Error(f"Password not changed: {exc}.") from None
+    return f"Password changed for **{account.name}**. It applies from your next sign-in."
