@@ -93,12 +93,13 @@ def test_a_failed_step_leaves_the_round_open_with_the_reason_and_a_retry_works(s
     simulate_annotations(store, make_judge("rule:length"))
     rankings = store.counts()["rankings"]
 
-    broken = tiny_settings(tmp_path / "no-such-model")
+    broken = tiny_settings(tiny_model_dir)
+    broken.model.dtype = "fp7"  # the train-reward job refuses it
     with pytest.raises(RoundFailed, match="reward"):
         finish_round(store, runner, rnd, broken)
     rnd = store.get_round(rnd.id)
     assert rnd.status == "annotating" and rnd.meta["failed_step"] == "reward"
-    assert "reward (run #" in rnd.meta["last_error"] and "no-such-model" in rnd.meta["last_error"]
+    assert "reward (run #" in rnd.meta["last_error"] and "fp7" in rnd.meta["last_error"]
     assert store.counts()["rankings"] == rankings and store.list_model_versions("reward") == []
 
     done = finish_round(store, runner, rnd, settings)  # the same action retries it
