@@ -188,7 +188,11 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     snap = store.record_snapshot(str(out), fmt, counts, recorded, digest)
     manifest = {"snapshot_id": snap.id, "format": fmt, "counts": counts, "filters": recorded,
                 "sha256": digest, "columns": COLUMNS, "created_at": snap.created_at.isoformat()}
-    _manifest_path(out, fmt).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    # the manifest too goes under a temporary name first: a crash never leaves half of one
+    manifest_path = _manifest_path(out, fmt)
+    tmp_manifest = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
+    tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp_manifest, manifest_path)
     return snap
 
 
