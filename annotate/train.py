@@ -65,21 +65,23 @@ def _number(value, name: str, *, minimum: float, integer: bool = False) -> float
     return int(x) if integer else x
 
 
-def reward_settings(settings: LoopSettings, lora, epochs, lr, batch_size) -> LoopSettings:
+def reward_settings(settings: LoopSettings, lora, processes, epochs, lr, batch_size) -> LoopSettings:
     """The reward form's values on top of the app's settings."""
     settings.model.lora = bool(lora)
+    settings.processes = _number(processes, "Processes", minimum=1, integer=True)
     settings.reward.epochs = _number(epochs, "Epochs", minimum=1, integer=True)
     settings.reward.lr = _number(lr, "Reward learning rate", minimum=1e-12)
     settings.reward.batch_size = _number(batch_size, "Batch size", minimum=1, integer=True)
     return settings
 
 
-def ppo_settings(settings: LoopSettings, lora, n_prompts, steps, kl_control, beta, kl_target, lr,
+def ppo_settings(settings: LoopSettings, lora, processes, n_prompts, steps, kl_control, beta, kl_target, lr,
                  critic_lr) -> LoopSettings:
     """The PPO form's values on top of the app's settings."""
     if kl_control not in KL_CONTROLS:
         raise gr.Error(f"KL control: choose one of {', '.join(KL_CONTROLS)} (got {kl_control!r}).")
     settings.model.lora = bool(lora)
+    settings.processes = _number(processes, "Processes", minimum=1, integer=True)
     settings.ppo_prompts = _number(n_prompts, "PPO prompts", minimum=1, integer=True)
     settings.ppo.steps = _number(steps, "Steps", minimum=1, integer=True)
     settings.ppo.kl_control = kl_control
@@ -102,12 +104,13 @@ def round_settings(settings: LoopSettings, prompts_per_round, k, strategy) -> Lo
 # ------------------------------------------------------------------------- starting jobs
 
 
-def train_reward(ctx: AppContext, lora: bool, epochs, lr, batch_size, warm_start: bool, request: gr.Request):
+def train_reward(ctx: AppContext, lora: bool, processes, epochs, lr, batch_size, warm_start: bool,
+                 request: gr.Request):
     """Export a snapshot of every pair (Parquet, recorded in the store), then queue a
     `train-reward` job on it. Returns (message, run choice, timer)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = reward_settings(settings_of(ctx), lora, epochs, lr, batch_size)
+    settings = reward_settings(settings_of(ctx), lora, processes, epochs, lr, batch_size)
     try:
         run, snapshot = submit_reward(ctx.store, jobs, settings, warm_start=bool(warm_start))
     except ValueError as exc:
@@ -118,14 +121,15 @@ def train_reward(ctx: AppContext, lora: bool, epochs, lr, batch_size, warm_start
                         f"{snapshot.counts.get('pairs', 0)} pairs{warm}.")
 
 
-def run_ppo(ctx: AppContext, lora: bool, reward_name: str | None, n_prompts, steps, kl_control, beta, kl_target,
-            lr, critic_lr, activate: bool, request: gr.Request):
+def run_ppo(ctx: AppContext, lora: bool, processes, reward_name: str | None, n_prompts, steps, kl_control, beta,
+            kl_target, lr, critic_lr, activate: bool, request: gr.Request):
     """Queue a `ppo` job from the active policy against the chosen reward model (default: the
     newest). With `activate`, the new policy becomes the active one when the job succeeds.
     Returns (message, run choice, timer)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = ppo_settings(settings_of(ctx), lora, n_prompts, steps, kl_control, beta, kl_target, lr, critic_lr)
+    settings = ppo_settings(settings_of(ctx), lora, processes, n_prompts, steps, kl_control, beta, kl_target, lr,
+                            critic_lr)
     reward = ctx.store.find_model_version(reward_name) if reward_name else latest_reward(ctx.store)
     if reward is None or reward.kind != "reward" or not reward.path:
         raise gr.Error(f"No trained reward model named {reward_name!r}." if reward_name else
@@ -143,16 +147,17 @@ def run_ppo(ctx: AppContext, lora: bool, reward_name: str | None, n_prompts, ste
 # ------------------------------------------------------------------------- rounds
 
 
-def run_full_round(ctx: AppContext, lora: bool, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control, beta,
-                   kl_target, ppo_lr, critic_lr, prompts_per_round, k, strategy, request: gr.Request):
+def run_full_round(ctx: AppContext, lora: bool, processes, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control,
+                   beta, kl_target, ppo_lr, critic_lr, prompts_per_round, k, strategy, request: gr.Request):
     """Train on the round being annotated (snapshot -> reward model -> PPO -> new active policy)
     and then start the next one; with no open round, start the first. The round advances as its
     jobs end (pipeline/orchestrate/loop.py); a failed step leaves it open, saying why, for another
     try. Returns (message, run choice, timer)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = reward_settings(settings_of(ctx), lora, epochs, rm_lr, rm_batch)
-    settings = ppo_settings(settings, lora, n_prompts, steps, kl_control, beta, kl_target, ppo_lr, critic_lr)
+    settings = reward_settings(settings_of(ctx), lora, processes, epochs, rm_lr, rm_batch)
+    settings = ppo_settings(settings, lora, processes, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
+                            critic_lr)
     settings = round_settings(settings, prompts_per_round, k, strategy)
     _no_round_in_flight(ctx)
     rnd = loop.current_round(ctx.store)

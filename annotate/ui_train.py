@@ -27,7 +27,10 @@ def train_tab(ctx: AppContext) -> dict:
         gr.Markdown(f"**Training is off.** {t.NO_JOBS}", elem_id="rl-no-jobs")
     gr.Markdown(f"Jobs run one at a time as subprocesses on base model `{s.model.model}` (device "
                 f"`{s.model.device}`); each writes its own run folder, and the monitor below follows it.")
-    lora = gr.Checkbox(value=s.model.lora, label=f"LoRA adapters (rank {s.model.lora_r}; off = full fine-tuning)")
+    with gr.Row():
+        lora = gr.Checkbox(value=s.model.lora, label=f"LoRA adapters (rank {s.model.lora_r}; off = full fine-tuning)")
+        processes = gr.Number(value=s.processes, precision=0, minimum=1, label="Processes per job",
+                              info="data-parallel ranks, e.g. one per GPU (torchrun)", elem_id="rl-processes")
     with gr.Row(equal_height=False):
         with gr.Column(variant="panel"):
             gr.Markdown("#### Reward model\nBradley-Terry on every pair so far (a Parquet snapshot is exported first).")
@@ -91,12 +94,14 @@ def train_tab(ctx: AppContext) -> dict:
     started = [msg, run_pick, timer]
     poll_in, poll_out = [run_pick, reward], [bar, *plots, latest, log, round_md, run_pick, reward, timer]
     poll = dict(fn=bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
-    rm_btn.click(bind(t.train_reward, ctx), [lora, epochs, rm_lr, rm_batch, warm], started,
+    rm_btn.click(bind(t.train_reward, ctx), [lora, processes, epochs, rm_lr, rm_batch, warm], started,
                  api_name="train_reward", **HIDDEN).success(**poll)
-    ppo_btn.click(bind(t.run_ppo, ctx), [lora, reward, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
-                                          critic_lr, activate], started, api_name="run_ppo", **HIDDEN).success(**poll)
-    round_btn.click(bind(t.run_full_round, ctx), [lora, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control, beta,
-                                                   kl_target, ppo_lr, critic_lr, per_round, k, strategy],
+    ppo_btn.click(bind(t.run_ppo, ctx), [lora, processes, reward, n_prompts, steps, kl_control, beta, kl_target,
+                                        ppo_lr, critic_lr, activate], started, api_name="run_ppo",
+                  **HIDDEN).success(**poll)
+    round_btn.click(bind(t.run_full_round, ctx), [lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps,
+                                                  kl_control, beta, kl_target, ppo_lr, critic_lr, per_round, k,
+                                                  strategy],
                     started, api_name="run_round", **HIDDEN).success(**poll)
     next_btn.click(bind(t.start_next_round, ctx), [per_round, k, strategy], started, api_name="next_round",
                    **HIDDEN).success(**poll)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import struct
 import zlib
 
@@ -28,11 +29,11 @@ from tests.helpers import req, tiny_settings
 from tests.tiny import CORPUS
 
 # Form values as the Train tab sends them (the tiny settings of tests/helpers.py).
-REWARD_FORM = dict(lora=True, epochs=1, lr=1e-3, batch_size=4, warm_start=True)
-PPO_FORM = dict(lora=True, n_prompts=8, steps=2, kl_control="adaptive", beta=0.05, kl_target=6.0, lr=1e-5,
+REWARD_FORM = dict(lora=True, processes=1, epochs=1, lr=1e-3, batch_size=4, warm_start=True)
+PPO_FORM = dict(lora=True, processes=1, n_prompts=8, steps=2, kl_control="adaptive", beta=0.05, kl_target=6.0, lr=1e-5,
                 critic_lr=1e-5, activate=True)
 ROUND_FORM = dict(prompts_per_round=6, k=3, strategy="random")
-FULL_ROUND_FORM = dict(lora=True, epochs=1, rm_lr=1e-3, rm_batch=4, n_prompts=8, steps=2, kl_control="adaptive",
+FULL_ROUND_FORM = dict(lora=True, processes=1, epochs=1, rm_lr=1e-3, rm_batch=4, n_prompts=8, steps=2, kl_control="adaptive",
                        beta=0.05, kl_target=6.0, ppo_lr=1e-5, critic_lr=1e-5, **ROUND_FORM)
 
 
@@ -211,7 +212,7 @@ def test_without_a_job_runner_the_buttons_explain_why_and_store_nothing(store, t
 
 @pytest.mark.parametrize("change, message", [
     ({"epochs": 0}, "Epochs"), ({"epochs": 1.5}, "Epochs"), ({"lr": "fast"}, "Reward learning rate"),
-    ({"batch_size": None}, "Batch size"),
+    ({"batch_size": None}, "Batch size"), ({"processes": 0}, "Processes"), ({"processes": 1.5}, "Processes"),
 ])
 def test_bad_reward_settings_are_refused_by_name(ctx, change, message):
     with pytest.raises(gr.Error, match=message):
@@ -445,3 +446,34 @@ def test_without_train_settings_jobs_use_the_apps_generation_settings(store):
     assert (settings.model.model, settings.generate.k, settings.generate.max_new_tokens) == ("default", 3, 20)
     settings.generate.k = 5  # each call gets its own copy
     assert train.settings_of(ctx).generate.k == 3
+
+
+# --------------------------------------------------------------------------- several processes
+
+
+def test_a_job_launches_as_many_processes_as_asked():
+    from pipeline.orchestrate.jobs import DEFAULT_LAUNCHER, launch_command
+
+    assert launch_command(1) == DEFAULT_LAUNCHER
+    two = launch_command(2)
+    assert two[1:3] == ("-m", "torch.distributed.run") and two[two.index("--nproc_per_node") + 1] == "2"
+    assert two[-2:] == ("-m", "pipeline")
+    fsdp = launch_command(4, "fsdp.yaml")
+    assert fsdp[1:3] == ("-m", "accelerate.commands.launch") and "fsdp.yaml" in fsdp and fsdp[-2:] == ("-m", "pipeline")
+    with pytest.raises(ValueError, match="processes"):
+        launch_command(0)
+
+
+@pytest.mark.slow
+def test_the_train_tab_trains_a_reward_model_on_two_processes(ctx):
+    """A 2-process reward job (torchrun; gloo on CPU) from the Train tab registers one version."""
+    store = ctx.store
+    seed_items(store, 8, 3)
+    assert simulate_annotations(store, make_judge("rule:length")) == 8
+    train.train_reward(ctx, **{**REWARD_FORM, "processes": 2}, request=req("boss"))
+    run = ctx.jobs.wait(last_run(ctx, "train-reward").id, timeout=300)
+    assert run.status == "done", run.error
+    command = (Path(run.run_dir) / "command.txt").read_text()
+    assert "torch.distributed.run" in command and "--nproc_per_node 2" in command
+    (reward,) = store.list_model_versions("reward")
+    assert reward.run_id == run.id

@@ -1,7 +1,7 @@
 """The job queue: launch, watch and cancel pipeline jobs as subprocesses, one at a time.
 
-A job is `python -m pipeline <stage> ... --out RUN_DIR` (or the same under a launcher such as
-`torchrun`): it reads files, writes only its run directory and never opens the DuckDB file
+A job is `python -m pipeline <stage> ... --out RUN_DIR` (or, with several processes, the same
+under `torchrun` or `accelerate launch`): it reads files, writes only its run directory and never opens the DuckDB file
 (docs/DESIGN.md, Process model). The process that owns the store (the app, or a CLI) runs one
 `JobRunner`, which
 
@@ -43,10 +43,26 @@ has died stops itself (pipeline/__main__.py), so a killed app leaves no job runn
 INTERRUPTED = "interrupted: the process that owned the job stopped before it finished"
 
 
-def launcher_from_env() -> tuple[str, ...]:
-    """$RLHF_LOOP_LAUNCHER (e.g. "torchrun --nproc_per_node 2 -m pipeline") or python -m pipeline."""
+def launcher_from_env() -> tuple[str, ...] | None:
+    """$RLHF_LOOP_LAUNCHER (e.g. "accelerate launch --config_file my.yaml -m pipeline"), if set:
+    it then launches every job, whatever its number of processes."""
     env = os.environ.get("RLHF_LOOP_LAUNCHER")
-    return tuple(shlex.split(env)) if env else DEFAULT_LAUNCHER
+    return tuple(shlex.split(env)) if env else None
+
+
+def launch_command(nproc: int = 1, accelerate_config: str = "") -> tuple[str, ...]:
+    """How a job with `nproc` processes starts: one process is `python -m pipeline`; several are
+    data-parallel ranks under torchrun (`python -m torch.distributed.run`), or under
+    `accelerate launch` with a config file (FSDP, DeepSpeed: configs/accelerate/)."""
+    if nproc < 1:
+        raise ValueError(f"processes must be >= 1, not {nproc}")
+    if accelerate_config:
+        return (sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config,
+                "--num_processes", str(nproc), "-m", "pipeline")
+    if nproc == 1:
+        return DEFAULT_LAUNCHER
+    return (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "-m", "pipeline")
 
 
 class JobRunner:
@@ -59,7 +75,8 @@ class JobRunner:
         are in the store (also for runs found interrupted at start)."""
         self.store = store
         self.runs_root = Path(runs_root)
-        self.launcher = tuple(launcher or launcher_from_env())
+        self.launcher = tuple(launcher) if launcher else launcher_from_env()
+        """A fixed launcher for every job (tests, $RLHF_LOOP_LAUNCHER); None = each job's own."""
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -77,14 +94,19 @@ class JobRunner:
 
     # ------------------------------------------------------------------ public API
 
-    def submit(self, kind: str, args: list[str], *, inputs: dict | None = None, config: dict | None = None):
-        """Queue `python -m pipeline KIND ARGS --out RUN_DIR`; returns the store's Run.
+    def submit(self, kind: str, args: list[str], *, inputs: dict | None = None, config: dict | None = None,
+               nproc: int = 1, accelerate_config: str = ""):
+        """Queue `python -m pipeline KIND ARGS --out RUN_DIR` (as `nproc` data-parallel processes,
+        see `launch_command`); returns the store's Run.
 
         `inputs` is recorded with the run and tells ingest.py what to register when it ends (the
         model version that generates, the snapshot a reward model trains on, the round step ...)."""
         if self._closed:
             raise RuntimeError("the job runner is shut down")
-        run = self.store.create_run(kind, config={"args": list(args), **(config or {})}, inputs=inputs or {})
+        launch = {"nproc": int(nproc), "accelerate_config": accelerate_config}
+        launch_command(**launch)  # a bad setting is refused now, not when the job comes up
+        run = self.store.create_run(kind, config={"args": list(args), "launch": launch, **(config or {})},
+                                    inputs=inputs or {})
         run_dir = self.runs_root / f"{run.id:05d}-{kind}"
         run_dir.mkdir(parents=True, exist_ok=True)
         run = self.store.update_run(run.id, run_dir=str(run_dir))
@@ -197,7 +219,8 @@ class JobRunner:
             return
         run_dir = Path(run.run_dir)
         # 1. start the subprocess in its own process group (so cancel reaches its children too)
-        cmd = [*self.launcher, run.kind, *run.config.get("args", []), "--out", str(run_dir)]
+        launcher = self.launcher or launch_command(**run.config.get("launch", {}))
+        cmd = [*launcher, run.kind, *run.config.get("args", []), "--out", str(run_dir)]
         (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
         with open(run_dir / "log.txt", "ab") as log, self._wake:
             self._process = proc = subprocess.Popen(

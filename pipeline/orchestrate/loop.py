@@ -68,7 +68,7 @@ def start_round(store, runner, settings: LoopSettings, round_no: int | None = No
     uncertain = settings.loop.prompts_per_round if settings.loop.strategy == "uncertain" else 0
     _submit(store, rnd, "generate", lambda: submit_generate(
         store, runner, prompts, settings.generate, settings.model, policy, round_id=rnd.id,
-        round_step="generate", select_uncertain=uncertain, label=f"round-{rnd.id}"))
+        round_step="generate", select_uncertain=uncertain, label=f"round-{rnd.id}", launch=settings.launch))
     return wait_round(store, rnd) if wait else rnd
 
 
@@ -239,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                                                     "'' = wait for people to rank in the app")
     parser.add_argument("--noise", type=float, default=0.0, help="simulated annotator's Bradley-Terry noise")
     parser.add_argument("--ppo-prompts", type=int, default=256, help="pool prompts PPO trains on per round")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="data-parallel processes per job, e.g. one per GPU (torchrun; default: %(default)s)")
+    parser.add_argument("--accelerate-config", default="",
+                        help="launch jobs with `accelerate launch --config_file` this file (FSDP, DeepSpeed)")
     for cls, prefix in ((LoopConfig, ""), (ModelConfig, ""), (GenerateConfig, "gen_"), (RewardConfig, "rm_"),
                         (PPOConfig, "ppo_")):
         add_arguments(parser, cls, prefix)
@@ -246,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = LoopSettings(loop=from_args(LoopConfig, args), model=from_args(ModelConfig, args),
                             generate=from_args(GenerateConfig, args, "gen_"),
                             reward=from_args(RewardConfig, args, "rm_"), ppo=from_args(PPOConfig, args, "ppo_"),
-                            ppo_prompts=args.ppo_prompts)
+                            ppo_prompts=args.ppo_prompts, processes=args.processes,
+                            accelerate_config=args.accelerate_config)
     store = Store(args.db)
     runner = make_runner(store, args.runs or Path(args.db).resolve().parent / "runs")
     try:

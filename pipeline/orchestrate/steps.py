@@ -31,10 +31,21 @@ class LoopSettings:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     ppo_prompts: int = 256
     """Prompts from the pool that PPO trains on each round."""
+    processes: int = 1
+    """Data-parallel processes per generate / train-reward / ppo job (e.g. one per GPU)."""
+    accelerate_config: str = ""
+    """An `accelerate` config file (FSDP, DeepSpeed) the jobs launch with; '' = torchrun for
+    several processes."""
 
     def to_dict(self) -> dict:
         return {"loop": to_dict(self.loop), "model": to_dict(self.model), "generate": to_dict(self.generate),
-                "reward": to_dict(self.reward), "ppo": to_dict(self.ppo), "ppo_prompts": self.ppo_prompts}
+                "reward": to_dict(self.reward), "ppo": to_dict(self.ppo), "ppo_prompts": self.ppo_prompts,
+                "processes": self.processes, "accelerate_config": self.accelerate_config}
+
+    @property
+    def launch(self) -> dict:
+        """How the jobs start (JobRunner.submit's nproc and accelerate_config)."""
+        return {"nproc": self.processes, "accelerate_config": self.accelerate_config}
 
     @classmethod
     def from_dict(cls, data: dict) -> "LoopSettings":
@@ -45,7 +56,9 @@ class LoopSettings:
         for name, cls_ in parts.items():
             known = {f.name for f in dataclasses.fields(cls_)}
             made[name] = cls_(**{k: v for k, v in (data.get(name) or {}).items() if k in known})
-        return cls(**made, ppo_prompts=int(data.get("ppo_prompts", cls.ppo_prompts)))
+        return cls(**made, ppo_prompts=int(data.get("ppo_prompts", cls.ppo_prompts)),
+                   processes=int(data.get("processes", cls.processes)),
+                   accelerate_config=str(data.get("accelerate_config", cls.accelerate_config)))
 
 
 # ---------------------------------------------------------------------- model versions
@@ -139,7 +152,7 @@ def held_out_prompts(store, n: int) -> list:
 
 def submit_generate(store, runner, prompts: list, gen_cfg: GenerateConfig, model_cfg: ModelConfig,
                     version=None, *, round_id: int | None = None, round_step: str | None = None,
-                    select_uncertain: int = 0, label: str = "generate"):
+                    select_uncertain: int = 0, label: str = "generate", launch: dict | None = None):
     """K responses per prompt with `version` (default: the active policy) -> items, chunk by chunk."""
     if gen_cfg.k < 2:
         raise ValueError(f"K={gen_cfg.k}: ranking needs at least 2 responses per prompt")
@@ -154,7 +167,8 @@ def submit_generate(store, runner, prompts: list, gen_cfg: GenerateConfig, model
     if reward is not None:
         args += ["--select-uncertain", str(select_uncertain), "--reward", reward.path]
     return runner.submit("generate", args, config={"label": label, "generate": to_dict(gen_cfg)}, inputs={
-        "model_version_id": version.id, "prompts": len(prompts), "round_id": round_id, "round_step": round_step})
+        "model_version_id": version.id, "prompts": len(prompts), "round_id": round_id, "round_step": round_step},
+        **(launch or {}))
 
 
 def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = True, round_id: int | None = None,
@@ -174,7 +188,7 @@ def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = T
     run = runner.submit("train-reward", args,
                         config={"reward": to_dict(settings.reward), "model": to_dict(settings.model)},
                         inputs={"snapshot_id": snapshot.id, "parent_version_id": previous.id if previous else None,
-                                "round_id": round_id, "round_step": round_step})
+                                "round_id": round_id, "round_step": round_step}, **settings.launch)
     return run, snapshot
 
 
@@ -197,7 +211,7 @@ def submit_ppo(store, runner, settings: LoopSettings, reward, policy=None, *, ac
     return runner.submit("ppo", args, config={"ppo": to_dict(settings.ppo), "model": to_dict(settings.model)},
                          inputs={"policy_version_id": policy.id, "reward_version_id": reward.id,
                                  "prompts": len(prompts), "activate": activate, "round_id": round_id,
-                                 "round_step": round_step})
+                                 "round_step": round_step}, **settings.launch)
 
 
 def submit_compare(store, runner, a, b, reward, prompts: list, settings: LoopSettings):
