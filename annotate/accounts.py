@@ -200,6 +200,8 @@ def change_password(ctx, current: str, new: str, again: str, request: gr.Request
     from annotate.context import user  # context imports this module for its defaults
 
     account = user(ctx, request, fresh=True)
+    if not all(isinstance(v, str) or v is None for v in (current, new, again)):
+        raise gr.Error("Passwords must be text.")
     wait, _ = ctx.throttle.wait_s(account.name, None)
     if wait > 0:
         raise gr.Error(f"Too many wrong passwords: try again in {math.ceil(wait)} s.")

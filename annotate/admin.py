@@ -187,6 +187,13 @@ def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: b
     file to download: the JSONL or Parquet file, or the `datasets` folder zipped.
     Returns (file path, summary markdown)."""
     admin(ctx, request)
+    min_agreement = _number(min_agreement, "Minimum agreement", 0.0, 1.0)
+    test_fraction = _number(test_fraction, "Test fraction", 0.0, 0.99)
+    if annotators is not None and (not isinstance(annotators, (list, tuple))
+                                   or not all(isinstance(a, str) for a in annotators)):
+        raise gr.Error(f"Annotators must be a list of account names, not {annotators!r}.")
+    if since is not None and not isinstance(since, str):
+        raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.")
     since_date = None
     if since and since.strip():
         try:
@@ -201,9 +208,9 @@ def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: b
     try:
         snap = store_io.export_pairs(
             ctx.store, out, fmt, annotators=list(annotators) if annotators else None, since=since_date,
-            min_agreement=float(min_agreement) if min_agreement else None,
+            min_agreement=min_agreement or None,
             include_all_bad=bool(include_all_bad), include_imported=bool(include_imported),
-            test_fraction=float(test_fraction))
+            test_fraction=test_fraction)
     except StoreError as exc:
         raise gr.Error(f"Export failed: {exc}") from None
     download = _downloadable(Path(snap.path))
@@ -212,6 +219,19 @@ def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: b
                f"{c.get('test', 0)} test) from {c.get('prompts', 0)} prompts · saved as `{Path(snap.path).name}` · "
                f"sha256 `{snap.sha256[:12]}`")
     return str(download), summary
+
+
+def _number(value, label: str, lo: float, hi: float) -> float:
+    """A form's number, checked: gr.Error naming the field unless lo <= value <= hi (None = lo)."""
+    if value is None or value == "":
+        return lo
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = float("nan")
+    if isinstance(value, bool) or not lo <= x <= hi:  # NaN fails the comparison too
+        raise gr.Error(f"{label} must be a number from {lo:g} to {hi:g}, not {value!r}.")
+    return x
 
 
 def _downloadable(path: Path) -> Path:
@@ -243,8 +263,10 @@ def unflag(ctx: AppContext, prompt_id, request: gr.Request):
     admin(ctx, request)
     try:
         pid = int(prompt_id)
-    except (TypeError, ValueError):
-        raise gr.Error(f"Prompt id must be a number from the table, not {prompt_id!r}.") from None
+    except (TypeError, ValueError, OverflowError):
+        pid = 0
+    if not 0 < pid < 2**63:
+        raise gr.Error(f"Prompt id must be a number from the table, not {prompt_id!r}.")
     if not ctx.store.is_flagged(pid):
         raise gr.Error(f"Prompt {pid} is not flagged.")
     ctx.store.unflag_prompt(pid)
@@ -280,9 +302,21 @@ def users_table(ctx: AppContext, request: gr.Request) -> pd.DataFrame:
                         columns=["id", "name", "role", "active", "last sign-in", "created", "locked"])
 
 
+def _text(value, label: str) -> str:
+    """A form's text field, checked: gr.Error naming the field when it is not text (None = "")."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise gr.Error(f"{label} must be text, not {value!r}.")
+    return value
+
+
 def _account(ctx: AppContext, name: str):
+    name = _text(name, "Account name").strip()
+    if not name:
+        raise gr.Error("Give the account's name.")
     try:
-        return ctx.store.annotator_named((name or "").strip())
+        return ctx.store.annotator_named(name)
     except StoreError as exc:
         raise gr.Error(f"{exc}.") from None
 
@@ -297,7 +331,8 @@ def reset_password(ctx: AppContext, name: str, password: str, request: gr.Reques
     Returns (message, users)."""
     admin(ctx, request)
     account = _account(ctx, name)
-    shown = not (password or "").strip()
+    password = _text(password, "Password")
+    shown = not password.strip()
     password = generate_password() if shown else password
     try:
         ctx.store.set_password(account.id, password)
@@ -358,9 +393,10 @@ def unlock(ctx: AppContext, name: str, request: gr.Request):
 def add_user(ctx: AppContext, name: str, role: str, password: str, request: gr.Request):
     """Create an account. A blank password gets a random one, shown once. Returns (message, users)."""
     admin(ctx, request)
+    name, password = _text(name, "Name"), _text(password, "Password")
     if role not in ROLES:
         raise gr.Error(f"Role must be one of {', '.join(ROLES)}.")
-    shown = not (password or "").strip()
+    shown = not password.strip()
     password = generate_password() if shown else password
     try:
         account = ctx.store.add_annotator(name, password, role=role)
@@ -393,7 +429,7 @@ def backup(ctx: AppContext, request: gr.Request):
 
 def save_guidelines(ctx: AppContext, text: str, request: gr.Request) -> str:
     admin(ctx, request)
-    ctx.store.set_setting(GUIDELINES_KEY, text or "")
+    ctx.store.set_setting(GUIDELINES_KEY, _text(text, "Guidelines"))
     return "Guidelines saved: annotators see them on their next page load."
 
 
