@@ -1,7 +1,10 @@
 """The pipeline CLI: `python -m pipeline <stage> --help`.
 
 Each stage module owns its argument parser (`main(argv)`); this file only dispatches, so adding a
-stage is one line in STAGES.
+stage is one line in STAGES. The same command runs under a launcher, one process per device
+(pipeline/distributed.py):
+
+    python -m torch.distributed.run --nproc_per_node N -m pipeline <stage> ... --out RUN_DIR
 """
 
 from __future__ import annotations
@@ -57,6 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.main(argv[1:]) or 0)
 
 
-if __name__ == "__main__":
+def run() -> int:
+    """The process entry: watch the owner, then run the stage. Under torchrun each rank runs this;
+    torchrun's @record writes a failing rank's traceback where the launcher's error summary
+    (in the job's log) shows it."""
     watch_owner()
-    sys.exit(main())
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun (or accelerate launch)
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(main)()
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

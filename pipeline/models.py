@@ -47,12 +47,21 @@ set_offline()
 
 
 def pick_device(name: str = "auto") -> torch.device:
-    """'auto' -> cuda when present, else cpu; anything else is passed to torch.device."""
+    """'auto' -> cuda when present, else cpu; anything else is passed to torch.device.
+
+    Under a launcher (torchrun, accelerate launch) 'auto' and 'cuda' mean this process's own
+    device, cuda:$LOCAL_RANK, so N processes on one machine never share a GPU."""
     if name in ("", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0))
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                             "(one process per device: --nproc_per_node at most that many)")
     return device
 
 
@@ -63,12 +72,25 @@ _DTYPES = {
 }
 
 
+def _bf16_supported(device: torch.device) -> bool:
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # older torch: no including_emulation
+        return torch.cuda.is_bf16_supported()
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' -> bf16 on cuda, fp32 on cpu; else one of fp32/bf16/fp16."""
+    """'auto' -> bf16 on a CUDA device that computes in bf16 (Ampere and later), else fp32; or one
+    of fp32/bf16/fp16. bf16 asked of a GPU without it is refused (emulated bf16 is slower than
+    fp32), and fp16 is not chosen for you: training here has no loss scaling."""
+    cuda = torch.device(device).type == "cuda"
     if name in ("", "auto"):
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return torch.bfloat16 if cuda and _bf16_supported(torch.device(device)) else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype {name!r}: expected one of auto, {', '.join(_DTYPES)}")
+    if cuda and _DTYPES[name] == torch.bfloat16 and not _bf16_supported(torch.device(device)):
+        raise ValueError(f"--dtype {name}: this GPU has no bf16 arithmetic (compute capability < 8.0); "
+                         "use --dtype fp32 (or auto)")
     return _DTYPES[name]
 
 

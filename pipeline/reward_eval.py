@@ -155,11 +155,18 @@ def length_baseline(items: list[EncodedPair]) -> float:
 
 
 def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_size: int = 16,
-             share_prompt: bool = True) -> dict:
-    """Held-out metrics, flat keys under eval/, plus the calibration table."""
+             share_prompt: bool = True, dist=None) -> dict:
+    """Held-out metrics, flat keys under eval/, plus the calibration table. dist (pipeline/distributed.py):
+    each process scores its share of the pairs and every process gets all the scores."""
     if not items:
         return {}
-    r_c, r_r = score_pairs(model, items, pad_id, device, dtype, batch_size, share_prompt)
+    if dist is not None and dist.world > 1:
+        idx = dist.shard(range(len(items)))
+        c, r = score_pairs(model, [items[i] for i in idx], pad_id, device, dtype, batch_size, share_prompt)
+        r_c = torch.tensor(dist.unshard(c.tolist(), len(items)))
+        r_r = torch.tensor(dist.unshard(r.tolist(), len(items)))
+    else:
+        r_c, r_r = score_pairs(model, items, pad_id, device, dtype, batch_size, share_prompt)
     diff = r_c - r_r  # (P,)
     return {
         "eval/pairs": len(items),
@@ -178,13 +185,14 @@ def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_
 
 @torch.no_grad()
 def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int, device, dtype,
-                        policy_path: str = "", batch_size: int = 16) -> dict:
+                        policy_path: str = "", batch_size: int = 16, dist=None) -> dict:
     """Sample one response for each of n prompts (drawn from the training pairs) from the reference
     policy, score prompt + response tokens exactly as PPO will (the sampled ids, EOS included when
     the policy stopped), and return the scores' mean and std.
 
     The reference policy is the base model (no adapter), or the policy folder `policy_path` when
-    PPO will start from an earlier round's policy.
+    PPO will start from an earlier round's policy. dist (pipeline/distributed.py): each process
+    samples and scores its share of the prompts; the statistics are over all of them.
     """
     from pipeline.config import GenerateConfig
     from pipeline.generate import generate_responses
@@ -194,6 +202,8 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
     rng = random.Random(seed)
     picked = rng.sample(prompts, n) if n <= len(prompts) else [rng.choice(prompts) for _ in range(n)]
     picked = [p.prompt for p in picked]
+    if dist is not None:
+        picked = dist.shard(picked)
     ref_cfg = type(model_cfg)(**{**vars(model_cfg), "model": model.base_model or model_cfg.model, "lora": False})
     policy, tokenizer = load_policy(ref_cfg, adapter_path=policy_path or None)
     gens = generate_responses(policy, tokenizer, picked, 1, GenerateConfig(k=1, seed=seed, batch_size=batch_size))
@@ -206,9 +216,13 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
     all_scores = torch.tensor(score_rows(model, seqs, tokenizer.pad_token_id, batch_size, normalised=False,
                                          frozen=False, autocast=functools.partial(autocast, device, dtype)))  # (n,)
     model.train(was_training)
+    eos = [g[0].finish_reason == "eos" for g in gens]
+    if dist is not None and dist.world > 1:
+        all_scores = torch.tensor(sum(dist.gather_objects(all_scores.tolist()), []))
+        eos = sum(dist.gather_objects(eos), [])
     std = all_scores.std().item() if n > 1 else 1.0
     if not math.isfinite(std) or std < 1e-6:
         std = 1.0  # constant scores: leave the scale alone rather than divide by ~0
-    eos_rate = sum(g[0].finish_reason == "eos" for g in gens) / n
+    eos_rate = sum(eos) / n
     return {"reward_mean": all_scores.mean().item(), "reward_std": std, "samples": n,
             "policy": policy_path or "base model", "eos_rate": eos_rate}

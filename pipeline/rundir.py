@@ -13,6 +13,9 @@ resumes from a checkpoint); the job runner reads with `read_status` and `Metrics
 installs a `StopFlag`: SIGTERM (the job runner's cancel) or Ctrl-C only set a flag that the loop
 checks between phases, so a cancel never interrupts a write.
 
+In a job of N processes (pipeline/distributed.py) only rank 0 writes: `set_writer(False)` on the
+other ranks makes write_json, write_status, append_metrics and truncate_metrics do nothing.
+
 This module imports no torch: the app process reads run directories through it.
 """
 
@@ -29,9 +32,23 @@ from typing import Callable
 
 STATES = ("running", "done", "failed", "cancelled")
 
+_WRITER = True  # False on ranks other than 0 of a multi-process job
+
+
+def set_writer(enabled: bool) -> None:
+    """Whether this process writes the run directory (pipeline.distributed.setup sets it)."""
+    global _WRITER
+    _WRITER = bool(enabled)
+
+
+def is_writer() -> bool:
+    return _WRITER
+
 
 def write_json(path: Path, data: dict) -> None:
     """Write whole or not at all: a tailing reader never sees half a file."""
+    if not _WRITER:
+        return
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
@@ -42,6 +59,8 @@ def write_status(out: Path, state: str, step: int, total: int, error: str | None
     """status.json: `progress` is step / total in [0, 1]."""
     if state not in STATES:
         raise ValueError(f"status state must be one of {STATES}, not {state!r}")
+    if not _WRITER:
+        return
     write_json(Path(out) / "status.json", {
         "state": state, "step": int(step), "total": int(total),
         "progress": round(step / total, 4) if total else 0.0,
@@ -50,6 +69,8 @@ def write_status(out: Path, state: str, step: int, total: int, error: str | None
 
 def append_metrics(out: Path, step: int, metrics: dict) -> None:
     """One line per step; non-finite numbers are written as null (JSON has no NaN)."""
+    if not _WRITER:
+        return
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
     with open(Path(out) / "metrics.jsonl", "a", encoding="utf-8") as fh:
         fh.write(json.dumps({"step": int(step), **clean}) + "\n")
@@ -59,7 +80,7 @@ def truncate_metrics(out: Path, step: int) -> None:
     """Keep the metric lines up to `step`: a run resumed from the checkpoint of `step` logs the
     steps after it again. A line cut short by a kill is dropped."""
     path = Path(out) / "metrics.jsonl"
-    if not path.is_file():
+    if not _WRITER or not path.is_file():
         return
     keep = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -137,7 +158,9 @@ class Cancelled(Exception):
 
 class StopFlag:
     """SIGTERM/SIGINT set `signal` (the signal's name); the loop calls `check()` (raises Cancelled)
-    or reads `signal` between phases. A second signal stops at once (KeyboardInterrupt).
+    or reads `signal` between phases. A second Ctrl-C (SIGINT) stops at once (KeyboardInterrupt);
+    a repeated SIGTERM is the same cancel: a launcher (torchrun, accelerate launch) forwards the
+    SIGTERM its process group received to its workers, which then get it twice.
 
         with StopFlag() as stop:
             ...
@@ -162,6 +185,8 @@ class StopFlag:
 
     def _handle(self, signum, frame) -> None:
         if self.signal is not None:
+            if signum == signal.SIGTERM:
+                return
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
 

@@ -60,10 +60,11 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
+from pipeline.distributed import Dist, setup
 from pipeline.hashing import snapshot_sha256
 from pipeline.losses import center_loss, pairwise_loss
 from pipeline.models import (
-    autocast, load_scalar_model, pick_device, pick_dtype, resolve_model_path, save_scalar_model,
+    autocast, load_scalar_model, pick_dtype, resolve_model_path, save_scalar_model,
 )
 from pipeline.reward_data import (
     encode_pairs, length_grouped_batches, prompt_key, read_pairs, split_by_prompt,
@@ -113,8 +114,11 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
     """Train, evaluate, normalise and save. Returns the eval report (also in eval_report.json).
 
     on_step(step, metrics) is called after each optimiser step (tests use it to send signals).
+    Under a launcher of N processes (pipeline/distributed.py) every rank calls this; each takes its
+    share of every batch and rank 0 writes the run directory.
     """
     out_dir = Path(out)
+    dist = setup(model_cfg.device)
     if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1:
         raise ValueError("batch_size, grad_accum and epochs must be at least 1")
     # 0. Run directory: never write over another run's results without --resume. A folder holding
@@ -136,25 +140,29 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
     elif results:
         raise FileExistsError(f"--out {out_dir} already holds a run ({', '.join(results)}): pass --resume to "
                               "continue it, or choose a new folder")
-    else:
+    elif dist.is_main:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_status(out_dir, "running", 0, 0, phase="loading")
     progress = {"step": 0, "total": 0}  # kept current by _train, for the failure status
     try:
-        return _train(data, out_dir, cfg, model_cfg, resume, init_from, on_step, progress)
+        report = _train(data, out_dir, cfg, model_cfg, resume, init_from, on_step, progress, dist)
+        dist.close()
+        return report
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             write_status(out_dir, "cancelled", **progress, error="interrupted twice: stopped without saving")
         else:
-            write_status(out_dir, "failed", **progress, error=f"{type(exc).__name__}: {exc}")
+            write_status(out_dir, "failed", **progress, error=dist.describe_failure(exc))
         raise
 
 
 def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resume, init_from, on_step,
-           progress: dict) -> dict:
-    device = pick_device(model_cfg.device)
+           progress: dict, dist: Dist) -> dict:
+    device = dist.device
     dtype = pick_dtype(model_cfg.dtype, device)
+    if dtype == torch.float16:
+        raise ValueError("--dtype fp16: reward training here has no loss scaling; use bf16 (or fp32)")
     # Full fine-tuning keeps fp32 master weights and runs bf16 under autocast; with LoRA the frozen
     # base may sit in bf16 (models.py keeps the LoRA weights fp32).
     load_cfg = ModelConfig(**{**vars(model_cfg), "dtype": "fp32" if not model_cfg.lora else model_cfg.dtype})
@@ -189,7 +197,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
             "reward": to_dict(cfg), "model": to_dict(model_cfg), "data": str(data),
             "data_sha256": snapshot_sha256(data), "init_from": init_from,
             "eval_data_sha256": snapshot_sha256(cfg.eval_data) if cfg.eval_data else "", "base_model": model.base_model,
-            "argv": sys.argv, "data_report": data_report,
+            "argv": sys.argv, "data_report": data_report, "processes": dist.world,
         })
 
     # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
@@ -197,6 +205,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps > 0:
         total = min(total, cfg.max_steps)
+    wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
@@ -209,6 +218,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         truncate_metrics(out_dir, step)  # steps logged after the last save are trained again
 
     def save(norm: dict | None = None) -> None:
+        if not dist.is_main:  # every rank holds the same weights
+            return
         save_scalar_model(model, tokenizer, out_dir / "checkpoint")
         tmp = out_dir / ".trainer_state.pt.tmp"
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
@@ -218,7 +229,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
     lengths = [it.length for it in train_items]
     model.train()
-    bar = tqdm(total=total, initial=step, desc="reward model", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=step, desc="reward model", unit="step", dynamic_ncols=True,
+               disable=not dist.is_main)
     write_status(out_dir, "running", step, total, phase="training")
     pairs_done, t_start, cpu_start, stopped = 0, time.perf_counter(), time.process_time(), None
     with StopFlag() as stop:
@@ -232,39 +244,49 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                 micro = batches[k * cfg.grad_accum:(k + 1) * cfg.grad_accum]
                 sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
                 t0 = time.perf_counter()
-                for idx in micro:
-                    # A long batch runs as several forward passes of at most max_tokens tokens; each
-                    # chunk's loss is weighted by its share of the batch, so the gradient is the
-                    # batch's own (pairwise and centering terms are means over pairs).
-                    for chunk in token_chunks(idx, lengths, cfg.max_tokens):
-                        b = len(chunk)
+                # A long batch runs as several forward passes of at most max_tokens tokens; each
+                # chunk's loss is weighted by its share of the batch, so the gradient is the batch's
+                # own (pairwise and centering terms are means over pairs). With N processes each
+                # takes every N-th pair of each batch, and DDP's mean over ranks undoes loss_scale.
+                chunks = [(chunk, len(chunk) / len(idx) / len(micro) * dist.loss_scale)
+                          for idx in micro for chunk in token_chunks(dist.shard(idx), lengths, cfg.max_tokens)
+                          if chunk]
+                if not chunks:  # fewer pairs than processes: this rank joins the all-reduce with zeros
+                    chunks = [(micro[0][:1], 0.0)]
+                for j, (chunk, weight) in enumerate(chunks):
+                    b = len(chunk)
+                    with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
                         with autocast(device, dtype):
-                            r_c, r_r, lm, margin, tokens = forward_pairs(  # (b,), (b,), scalar, (b,)
-                                model, [train_items[i] for i in chunk], pad_id, device, cfg.share_prompt, lm_weight)
+                            r_c, r_r, lm, margin, tokens = wrapped(  # (b,), (b,), scalar, (b,)
+                                forward_pairs, [train_items[i] for i in chunk], pad_id, device, cfg.share_prompt,
+                                lm_weight)
                             loss = pairwise_loss(r_c, r_r, margin if cfg.margin else None)
                             if cfg.center_coef > 0:
                                 loss = loss + cfg.center_coef * center_loss(r_c, r_r)
                             if lm is not None:
                                 loss = loss + cfg.lm_coef * lm
-                        (loss * (b / len(idx)) / len(micro)).backward()
-                        sums["loss"] += loss.item() * b
-                        sums["accuracy"] += (r_c > r_r).float().sum().item()
-                        sums["margin"] += (r_c - r_r).sum().item()
-                        sums["pairs"] += b
-                        sums["tokens"] += tokens
+                        (loss * weight).backward()
+                    if weight == 0.0:
+                        continue
+                    sums["loss"] += loss.item() * b
+                    sums["accuracy"] += (r_c > r_r).float().sum().item()
+                    sums["margin"] += (r_c - r_r).sum().item()
+                    sums["pairs"] += b
+                    sums["tokens"] += tokens
+                sums = dist.reduce_sum(sums)  # the whole batch's sums, on every rank
                 clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                pairs_done += sums["pairs"]
-                n = sums["pairs"]
+                n = int(sums["pairs"])
+                pairs_done += n
                 metrics = {
                     "train/loss": sums["loss"] / n, "train/accuracy": sums["accuracy"] / n,
                     "train/margin": sums["margin"] / n, "train/lr": scheduler.get_last_lr()[0],
                     "train/grad_norm": float(grad_norm), "train/epoch": epoch + (k + 1) / steps_per_epoch,
-                    "train/pairs_per_s": n / (time.perf_counter() - t0), "train/tokens": sums["tokens"],
+                    "train/pairs_per_s": n / (time.perf_counter() - t0), "train/tokens": int(sums["tokens"]),
                 }
                 append_metrics(out_dir, step, metrics)
                 bar.update(1)
@@ -273,8 +295,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                 progress.update(step=step, total=total)
                 if on_step is not None:
                     on_step(step, metrics)
-                if stop.signal:
-                    stopped = stop.signal
+                if dist.stop_requested(stop.signal):  # any rank's signal stops every rank here
+                    stopped = stop.signal or "a signal to another rank"
                     break
                 if cfg.save_every and step % cfg.save_every == 0 and step < total:
                     save()
@@ -284,12 +306,13 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # 5. Interrupted: save what we have (usable, unnormalised) and leave.
     if stopped:
         save()
+        dist.barrier()  # the other ranks exit only once rank 0 has saved
         write_status(out_dir, "cancelled", step, total, message=f"stopped by {stopped}; --resume continues")
         return {"state": "cancelled", "step": step, "total": total}
 
     # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
     write_status(out_dir, "running", step, total, phase="evaluating")
-    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt)
+    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, dist)
     calib = report.pop("calibration", [])
     if report:
         append_metrics(out_dir, step, report)
@@ -299,12 +322,13 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     if cfg.norm_samples > 0:
         write_status(out_dir, "running", step, total, phase="normalising")
         norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
-                                   policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size)
+                                   policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=dist)
         append_metrics(out_dir, step, {"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]})
         model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
 
     # 8. Save the checkpoint and the report.
     save(norm)
+    dist.barrier()
     full = {
         **report, "calibration": calib, "normalisation": norm,
         "train/pairs": len(train_items), "train/prompts": len({str(p.prompt) for p in train_pairs}),

@@ -46,10 +46,41 @@ def test_pick_device_and_dtype():
     assert pick_device("cpu") == torch.device("cpu")
     assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert pick_dtype("auto", torch.device("cpu")) == torch.float32
-    assert pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert pick_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ValueError, match="--dtype 'fp8'"):
         pick_dtype("fp8", torch.device("cpu"))
+
+
+def fake_gpus(monkeypatch, count: int, bf16: bool) -> None:
+    """CUDA as seen through torch.cuda's queries, on a machine without it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+
+
+def test_each_launched_process_gets_its_own_gpu(monkeypatch):
+    """Under torchrun / accelerate launch, 'auto' and 'cuda' are cuda:$LOCAL_RANK; an index past
+    the machine's devices is refused instead of failing inside CUDA."""
+    fake_gpus(monkeypatch, count=2, bf16=True)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert pick_device("auto") == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert pick_device("auto") == pick_device("cuda") == torch.device("cuda", 1)
+    assert pick_device("cuda:0") == torch.device("cuda", 0)  # an explicit index wins
+    assert pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ValueError, match="2 CUDA device"):
+        pick_device("auto")
+
+
+def test_bf16_only_where_the_gpu_computes_in_it(monkeypatch):
+    fake_gpus(monkeypatch, count=1, bf16=True)
+    assert pick_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    fake_gpus(monkeypatch, count=1, bf16=False)  # a V100 or T4: fp32, never fp16 without loss scaling
+    assert pick_dtype("auto", torch.device("cuda", 0)) == torch.float32
+    with pytest.raises(ValueError, match="no bf16"):
+        pick_dtype("bf16", torch.device("cuda", 0))
+    assert pick_dtype("fp16", torch.device("cuda", 0)) == torch.float16  # asked for by name only
 
 
 def test_resolve_model_path(tiny_model_dir, tmp_path):

@@ -59,6 +59,26 @@ def test_stop_flag_sets_on_sigterm_and_restores_the_handler():
         assert stop.signal == "SIGTERM"
         with pytest.raises(Cancelled, match="SIGTERM"):
             stop.check()
-        with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
-            os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # a launcher forwarding the group's SIGTERM: same cancel
+        assert stop.signal == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C stops at once
+            os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_only_the_writer_process_writes_the_run_directory(tmp_path):
+    """Ranks other than 0 of a multi-process job (pipeline/distributed.py) write nothing."""
+    from pipeline.rundir import append_metrics, set_writer, write_json, write_status
+
+    set_writer(False)
+    try:
+        write_json(tmp_path / "config.json", {"a": 1})
+        write_status(tmp_path, "running", 1, 2)
+        append_metrics(tmp_path, 1, {"x": 1.0})
+        with pytest.raises(ValueError):  # a bad state is still refused on every rank
+            write_status(tmp_path, "nope", 1, 2)
+    finally:
+        set_writer(True)
+    assert list(tmp_path.iterdir()) == []
+    write_status(tmp_path, "running", 1, 2)
+    assert (tmp_path / "status.json").is_file()

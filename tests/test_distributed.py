@@ -1,0 +1,138 @@
+"""Training stages on 2 processes (torchrun, a gloo group on CPU) against the same runs on 1, plus a
+rank that fails and a cancel of the whole process group.
+
+Every run here is the job runner's command, `python -m torch.distributed.run --nproc_per_node 2
+-m pipeline <stage> ... --out RUN_DIR`, with stdout and stderr in RUN_DIR/log.txt as the runner
+keeps them, under a timeout so no test can hang. Tiny models; the whole file takes about a minute
+and a half on 2 CPU cores (each launch pays ~10 s of imports).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import ModelConfig, RewardConfig, to_cli_args
+from pipeline.distributed import CallThrough, Dist
+from tests.test_train_reward import marker_pairs, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list, out: Path, n: int = 2, module: str = "pipeline", wait: bool = True, timeout: float = 150):
+    """The job runner's command for n processes, output in out/log.txt; its own process group."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+           "--master_port", str(free_port()), "-m", module, *map(str, args), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(ROOT), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "20"}
+    log = open(out / "log.txt", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if not wait:
+        return proc
+    try:
+        proc.wait(timeout)
+    finally:
+        stop_group(proc)
+    return proc
+
+
+def stop_group(proc) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def log_of(out: Path) -> str:
+    return (out / "log.txt").read_text()
+
+
+def status_of(out: Path) -> dict:
+    return json.loads((out / "status.json").read_text())
+
+
+def metric_lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def model_args(cfg: ModelConfig) -> list[str]:
+    return to_cli_args(cfg)
+
+
+# --------------------------------------------------------------------------- helpers on one process
+
+
+def test_distributed_helpers_on_one_process_are_the_identity():
+    dist = Dist(device=torch.device("cpu"))
+    assert dist.shard([1, 2, 3]) == [1, 2, 3] and dist.unshard([1, 2, 3], 3) == [1, 2, 3]
+    assert dist.reduce_sum({"a": 2.0}) == {"a": 2.0} and dist.loss_scale == 1.0
+    assert dist.stop_requested(None) is False and dist.stop_requested("SIGTERM") is True
+    halves = [Dist(device=torch.device("cpu"), rank=r, world=2).shard(list(range(5))) for r in (0, 1)]
+    assert halves == [[0, 2, 4], [1, 3]]
+    model = torch.nn.Linear(2, 1)
+    wrapped = CallThrough(model)
+    x = torch.ones(1, 2)
+    assert torch.equal(wrapped(lambda m, t: m(t) * 2, x), model(x) * 2)
+
+
+# --------------------------------------------------------------------------- reward model
+
+
+def test_distributed_reward_training_equals_one_process(tmp_path, tiny_model_cfg):
+    """Same CLI on 2 processes: each rank takes half of every batch, DDP averages the gradients, so
+    the per-step losses, the held-out accuracy and the trained weights are the 1-process run's."""
+    from safetensors.torch import load_file
+
+    from pipeline.train_reward import train_reward
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(44))
+    cfg = RewardConfig(epochs=1, lr=1e-2, batch_size=8, grad_accum=2, norm_samples=5, eval_fraction=0.25,
+                       max_tokens=300)
+    one = tmp_path / "one"
+    train_reward(str(data), str(one), cfg, tiny_model_cfg)
+
+    two = tmp_path / "two"
+    proc = launch(["train-reward", "--data", data, *to_cli_args(cfg), *model_args(tiny_model_cfg)], two)
+    assert proc.returncode == 0, log_of(two)[-3000:]
+    assert status_of(two)["state"] == "done"
+    assert json.loads((two / "config.json").read_text())["processes"] == 2
+
+    lines_one, lines_two = metric_lines(one), metric_lines(two)
+    assert [m["step"] for m in lines_two] == [m["step"] for m in lines_one]  # rank 0 alone writes
+    for a, b in zip(lines_one, lines_two):
+        for key in ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "eval/accuracy"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
+        if "train/tokens" in a:
+            assert a["train/tokens"] == b["train/tokens"]
+    report = json.loads((two / "eval_report.json").read_text())
+    assert report["normalisation"]["samples"] == 5 and report["train/pairs"] == 33
+    w_one = load_file(str(one / "checkpoint" / "scalar_head.safetensors"))
+    w_two = load_file(str(two / "checkpoint" / "scalar_head.safetensors"))
+    # the head's bias cancels in r_c - r_r: its gradient is float noise that Adam scales to full steps
+    torch.testing.assert_close(w_two["weight"], w_one["weight"], rtol=1e-4, atol=1e-5)
+    a_one = load_file(str(one / "checkpoint" / "adapter_model.safetensors"))
+    a_two = load_file(str(two / "checkpoint" / "adapter_model.safetensors"))
+    for key in a_one:
+        torch.testing.assert_close(a_two[key], a_one[key], rtol=1e-4, atol=1e-5)
