@@ -154,6 +154,11 @@ class Dist:
             return signal_name is not None
         return self.reduce_sum({"stop": 1.0 if signal_name else 0.0})["stop"] > 0
 
+    def check_stop(self, stop: rundir.StopFlag) -> None:
+        """rundir.StopFlag.check across ranks: raises Cancelled on every rank when any saw a signal."""
+        if self.stop_requested(stop.signal):
+            raise rundir.Cancelled(f"cancelled by {stop.signal or 'a signal to another rank'}")
+
     def barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
@@ -193,14 +198,12 @@ def setup(device: str = "auto") -> Dist:
             raise ValueError(f"--device {device}: with {world} processes each uses its own GPU, cuda:$LOCAL_RANK; "
                              "pass --device auto or cuda (CUDA_VISIBLE_DEVICES picks the GPUs)")
         from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs
 
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         # The stages place their models themselves (device from LOCAL_RANK) and run their own
-        # autocast (--dtype); buffers (rotary tables) are the same on every rank.
-        accelerator = Accelerator(cpu=dev.type == "cpu", device_placement=False,
-                                  kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        # autocast (--dtype).
+        accelerator = Accelerator(cpu=dev.type == "cpu", device_placement=False)
         dist = Dist(device=dev, rank=accelerator.process_index, world=accelerator.num_processes,
                     accelerator=accelerator)
     else:

@@ -167,6 +167,40 @@ def merged_lora(model):
                 layer.get_base_layer().weight.data = weight
 
 
+def gather_rollout(ro: Rollout, score: torch.Tensor, dist, pad_id: int) -> tuple[Rollout, torch.Tensor]:
+    """Every rank's rollout and scores as one batch, rank 0's episodes first, on every rank
+    (pipeline/distributed.py). Prompts are re-padded on the left to the longest prompt width and
+    responses on the right to the longest response, so the layout stays (B, P+R) as one process
+    would have it. One process: returned as is."""
+    if dist.world == 1:
+        return ro, score
+    names = ("sequences", "attention_mask", "response_ids", "mask", "logprobs", "ref_logprobs", "values", "eos")
+    mine = {name: getattr(ro, name).cpu() for name in names}
+    parts = dist.gather_objects({**mine, "score": score.cpu(), "prompts": ro.prompts, "P": ro.prompt_length})
+    P = max(part["P"] for part in parts)
+    R = max(part["response_ids"].shape[1] for part in parts)
+
+    def widen(x: torch.Tensor, left: int, right: int, fill) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (left, right), value=fill)
+
+    out = {name: [] for name in names}
+    for part in parts:
+        p, r = part["P"], part["response_ids"].shape[1]
+        for name in ("sequences", "attention_mask"):
+            fill = pad_id if name == "sequences" else 0
+            x = part[name]
+            out[name].append(torch.cat([widen(x[:, :p], P - p, 0, fill), widen(x[:, p:], 0, R - r, fill)], dim=1))
+        out["response_ids"].append(widen(part["response_ids"], 0, R - r, pad_id))
+        for name in ("mask", "logprobs", "ref_logprobs", "values"):
+            out[name].append(widen(part[name], 0, R - r, 0.0))
+        out["eos"].append(part["eos"])
+    device = ro.sequences.device
+    whole = {name: torch.cat(out[name]).to(device) for name in names}
+    prompts = [prompt for part in parts for prompt in part["prompts"]]
+    return (Rollout(prompts=prompts, prompt_length=P, **whole),
+            torch.cat([part["score"] for part in parts]).to(device))
+
+
 # --------------------------------------------------------------------------- rewards -> advantages
 
 
@@ -269,7 +303,7 @@ def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_se
 
 
 __all__ = [
-    "Rollout", "Advantages", "kl_shaped_advantages", "PackedResponses", "pack_responses", "attn_ratio",
+    "Rollout", "Advantages", "kl_shaped_advantages", "gather_rollout", "PackedResponses", "pack_responses", "attn_ratio",
     "response_logits", "response_logprobs", "critic_values", "rollout_forwards", "merged_lora", "decode_responses",
     "prompt_order", "read_ptx_texts", "ptx_batch", "write_samples",
 ]

@@ -18,6 +18,11 @@ Speed without changing the arithmetic (beyond float rounding): sampling runs wit
 merged into a copy of the base weights (`merged_lora`), and every forward pass over episodes, in
 the rollout and in the update, packs the sequences without padding (pipeline/packing.py).
 
+On N processes (a launcher; pipeline/distributed.py) each rank samples, scores and runs the no-grad
+forwards for its B/N prompts; the rollouts are gathered so every rank computes the same advantages,
+KL and controller update on the whole batch; each rank then trains on its share of every
+minibatch, DDP averaging the gradients, and rank 0 writes the run directory.
+
 The four roles (docs/DESIGN.md): the policy (LoRA by default), the reference (the policy with
 its adapter disabled, or a frozen copy with full fine-tuning), the frozen reward model, and the
 critic (initialised from the reward model). A run writes only into RUN_DIR: config.json,
@@ -39,6 +44,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args
+from pipeline.distributed import setup
 from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
 )
@@ -46,8 +52,8 @@ from pipeline.models import save_policy
 from pipeline.policy import causal_lm_logits
 from pipeline.ppo_state import CHECKPOINT, load_checkpoint, recover_checkpoint, save_checkpoint, set_up, trainable
 from pipeline.rollout import (
-    Rollout, attn_ratio, critic_values, kl_shaped_advantages, merged_lora, pack_responses, prompt_order, ptx_batch,
-    response_logits, response_logprobs, rollout_forwards, write_samples,
+    Rollout, attn_ratio, critic_values, gather_rollout, kl_shaped_advantages, merged_lora, pack_responses,
+    prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
 )
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, write_status
 from pipeline.sampling import sample
@@ -58,11 +64,14 @@ from pipeline.text import encode_prompts
 def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out_dir: str | os.PathLike,
           policy: str = "", critic_init: str = "", resume: bool = False) -> dict:
     """Run PPO; returns the last step's metrics. See the module docstring for the phases."""
-    check_config(cfg)
+    dist = setup(model_cfg.device)
+    check_config(cfg, dist.world)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / CHECKPOINT
-    recover_checkpoint(ckpt)
+    if dist.is_main:
+        recover_checkpoint(ckpt)
+    dist.barrier()
     if ckpt.is_dir() and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
     state: dict = {}
@@ -76,28 +85,33 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             device, autocast, rows = run.device, run.autocast, run.rows
             state.update(policy=policy_model, critic=critic, tokenizer=tokenizer, opts=run.opts, scheds=run.scheds,
                          kl=kl_ctl, step=run.start)
+            # training forwards go through these (gradients averaged across ranks); sampling and the
+            # no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
+            policy_w, critic_w = dist.wrap(policy_model), dist.wrap(critic)
             write_status(out, "running", run.start, cfg.steps)
 
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=run.start, desc="ppo", unit="step", dynamic_ncols=True)
+            bar = tqdm(total=cfg.steps, initial=run.start, desc="ppo", unit="step", dynamic_ncols=True,
+                       disable=not dist.is_main)
+            local = slice(dist.rank * cfg.batch_size // dist.world, (dist.rank + 1) * cfg.batch_size // dist.world)
             metrics: dict = {}
             for step in range(run.start, cfg.steps):
                 t_start = time.perf_counter()
                 B, temperature = cfg.batch_size, cfg.temperature
                 # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it)
-                batch_prompts = [rows[i]["prompt"] for i in prompt_order(len(rows), step, B, cfg.seed)]
+                batch_prompts = [rows[i]["prompt"] for i in prompt_order(len(rows), step, B, cfg.seed)][local]
                 input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
 
                 # 2. sample from the current policy = pi_old; post-EOS tokens come back masked. LoRA is
                 # merged into (a copy of) the base weights meanwhile: one matmul per layer and step
-                generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+                generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step + 7_919 * dist.rank)
                 with torch.no_grad(), autocast(), merged_lora(policy_model):
                     sb = sample(policy_model, input_ids, prompt_mask, cfg, generator=generator,
                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
                 mask = sb.response_mask.float()  # (B, R)
                 t_sample = time.perf_counter() - t_start
-                stop.check()
+                dist.check_stop(stop)
 
                 # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
                 policy_model.eval()
@@ -114,6 +128,10 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
 
                 # 4. score prompt+response: reward model (normalised) or scripted
                 raw_score = run.score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask)  # (B,)
+                # N processes: every rank gets the whole batch (rank 0's episodes first), so phases 5-6
+                # and the KL controller see the same numbers everywhere
+                ro, raw_score = gather_rollout(ro, raw_score, dist, tokenizer.pad_token_id)
+                mask = ro.mask
                 t_score = time.perf_counter() - t_start - t_sample - t_forwards
 
                 # 5-6. missing-EOS penalty, per-token KL, shaped rewards, GAE (pipeline/rollout.py)
@@ -132,30 +150,35 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                     order = torch.randperm(B, generator=shuffle)
                     for mb in order.split(cfg.mini_batch_size):
                         # sorting by length inside the minibatch groups similar rows into a micro-batch
-                        # (packs better); the summed gradient of the minibatch is unchanged
+                        # (packs better); the summed gradient of the minibatch is unchanged. With N
+                        # processes each rank takes every N-th episode of the minibatch.
                         mb = mb[torch.argsort(lengths[mb], descending=True)].to(device)
                         mb_tokens = mask[mb].sum()
-                        for micro in mb.split(cfg.micro_batch_size):
+                        micros = mb[dist.rank::dist.world].split(cfg.micro_batch_size)
+                        for j, micro in enumerate(micros):
                             w = mask[micro].sum() / mb_tokens  # token share: accumulated loss = minibatch token mean
-                            # the micro-batch's episodes packed without padding, as in the rollout
-                            pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro],
-                                                ro.response_ids[micro], mask[micro], ro.prompt_length, packing_ratio)
-                            m = mask[micro]  # (b, R)
-                            with autocast():
-                                logits = response_logits(policy_model, pr)  # (N, V) at the N real response tokens
-                                logp = response_logprobs(logits, pr, temperature)  # (b, R)
-                                pg_loss, pg = policy_loss(logp, ro.logprobs[micro], advantages[micro], m,
-                                                          cfg.cliprange)
-                                loss = pg_loss
-                                if cfg.entropy_coef > 0:
-                                    entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None])[0]), m)
-                                    loss = loss - cfg.entropy_coef * entropy
-                                    stats["policy/entropy"] += float(w * entropy.detach())
-                                del logits
-                                v = critic_values(critic, pr)  # (b, R)
-                                vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], returns[micro], m,
-                                                                  cfg.cliprange_value)
-                            (w * (loss + cfg.vf_coef * vf_loss)).backward()
+                            last = j == len(micros) - 1  # the last backward of the step all-reduces
+                            with dist.sync(policy_w, last and cfg.ptx_coef <= 0), dist.sync(critic_w, last):
+                                # the micro-batch's episodes packed without padding, as in the rollout
+                                pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro],
+                                                    ro.response_ids[micro], mask[micro], ro.prompt_length,
+                                                    packing_ratio)
+                                m = mask[micro]  # (b, R)
+                                with autocast():
+                                    logits = policy_w(response_logits, pr)  # (N, V) at the N real response tokens
+                                    logp = response_logprobs(logits, pr, temperature)  # (b, R)
+                                    pg_loss, pg = policy_loss(logp, ro.logprobs[micro], advantages[micro], m,
+                                                              cfg.cliprange)
+                                    loss = pg_loss
+                                    if cfg.entropy_coef > 0:
+                                        entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None])[0]), m)
+                                        loss = loss - cfg.entropy_coef * entropy
+                                        stats["policy/entropy"] += float(w * entropy.detach())
+                                    del logits
+                                    v = critic_w(critic_values, pr)  # (b, R)
+                                    vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], returns[micro], m,
+                                                                      cfg.cliprange_value)
+                                (w * dist.loss_scale * (loss + cfg.vf_coef * vf_loss)).backward()
                             for key, val in (("policy/loss", pg_loss), ("policy/clipfrac", pg["clipfrac"]),
                                              ("policy/approxkl", pg["approxkl"]),
                                              ("policy/ratio_mean", pg["ratio_mean"]),
@@ -168,11 +191,13 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                             n_before = step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches
                             texts = [run.ptx_texts[(n_before * cfg.micro_batch_size + i) % len(run.ptx_texts)]
                                      for i in range(cfg.micro_batch_size)]
-                            p_ids, p_am = ptx_batch(tokenizer, texts, cfg.ptx_max_length, device)
+                            mine = dist.shard(texts)
+                            share = len(mine) / len(texts)  # a rank with no text joins the all-reduce with 0
+                            p_ids, p_am = ptx_batch(tokenizer, mine or texts[:1], cfg.ptx_max_length, device)
                             with autocast():
-                                ptx_loss = lm_loss(causal_lm_logits(policy_model, p_ids, p_am), p_ids, p_am)
-                            (cfg.ptx_coef * ptx_loss).backward()
-                            stats["ptx/loss"] += float(ptx_loss.detach())
+                                ptx_loss = lm_loss(policy_w(causal_lm_logits, p_ids, p_am), p_ids, p_am)
+                            (cfg.ptx_coef * share * dist.loss_scale * ptx_loss).backward()
+                            stats["ptx/loss"] += float(share * ptx_loss.detach())
                         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
                         clip = torch.nn.utils.clip_grad_norm_  # policy and critic clipped separately
                         stats["policy/grad_norm"] += float(clip(trainable(policy_model), max_norm))
@@ -182,8 +207,11 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                         policy_opt.zero_grad(set_to_none=True)
                         critic_opt.zero_grad(set_to_none=True)
                         n_minibatches += 1
-                        stop.check()
+                        dist.check_stop(stop)
                 t_update = time.perf_counter() - t_start - t_rollout
+                # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
+                norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm")}
+                stats = {**dist.reduce_sum(dict(stats)), **norms}
 
                 # 8. KL controller (on the measured KL per sequence) and learning rates
                 lrs = policy_sched.get_last_lr()[0], critic_sched.get_last_lr()[0]
@@ -201,31 +229,39 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
                                 beta=f"{beta:.3g}")
-                if cfg.sample_every > 0 and ((step + 1) % cfg.sample_every == 0 or step + 1 == cfg.steps):
+                if dist.is_main and cfg.sample_every > 0 and ((step + 1) % cfg.sample_every == 0
+                                                             or step + 1 == cfg.steps):
                     write_samples(out / "samples" / f"step_{step + 1}.jsonl", tokenizer, ro, raw_score, adv.kl_seq)
-                if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                if dist.is_main and cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                     save_checkpoint(ckpt, state)
                 del sb, ro, adv, advantages, returns
             bar.close()
 
             # the end: a resumable checkpoint, and the policy for the owner process to register
-            save_checkpoint(ckpt, state)
             policy_model.rlhf_meta = {**policy_model.rlhf_meta, "parent": run.parent,
                                       "reward_model": _reward_name(reward), "run": str(out.resolve()),
                                       "steps": cfg.steps}
-            save_policy(policy_model, tokenizer, out / "policy")
+            if dist.is_main:  # every rank holds the same weights
+                save_checkpoint(ckpt, state)
+                save_policy(policy_model, tokenizer, out / "policy")
+            dist.barrier()  # the other ranks exit only once rank 0 has saved
             write_status(out, "done", cfg.steps, cfg.steps)
+            dist.close()
             return metrics
     except Cancelled as exc:
-        if "policy" in state:
+        # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint
+        if "policy" in state and dist.is_main:
             save_checkpoint(ckpt, state)
+        dist.barrier()
         write_status(out, "cancelled", state.get("step", 0), cfg.steps, error=str(exc))
+        print(f"cancelled at step {state.get('step', 0)} (rank {dist.rank} of {dist.world})", flush=True)
+        dist.close()
         raise
     except KeyboardInterrupt:  # a second signal: stop now, keep the last checkpoint as it is
         write_status(out, "cancelled", state.get("step", 0), cfg.steps, error="interrupted (no checkpoint saved)")
         raise
     except BaseException as exc:
-        write_status(out, "failed", state.get("step", 0), cfg.steps, error=f"{type(exc).__name__}: {exc}")
+        write_status(out, "failed", state.get("step", 0), cfg.steps, error=dist.describe_failure(exc))
         raise
 
 
@@ -262,9 +298,13 @@ def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.
 # --------------------------------------------------------------------------- helpers
 
 
-def check_config(cfg: PPOConfig) -> None:
-    """Derived sizes and choices, checked once before anything loads."""
+def check_config(cfg: PPOConfig, world: int = 1) -> None:
+    """Derived sizes and choices, checked once before anything loads. world: processes, each taking
+    batch_size / world prompts and mini_batch_size / world episodes of each minibatch."""
     problems = []
+    if world > 1 and (cfg.batch_size % world or cfg.mini_batch_size % world):
+        problems.append(f"--batch-size {cfg.batch_size} and --mini-batch-size {cfg.mini_batch_size} are split "
+                        f"across {world} processes: both must be multiples of {world}")
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.ppo_epochs < 1:
         problems.append("--steps, --batch-size and --ppo-epochs must be >= 1")
     if cfg.mini_batch_size < 1 or cfg.batch_size % cfg.mini_batch_size:

@@ -40,11 +40,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list, out: Path, n: int = 2, module: str = "pipeline", wait: bool = True, timeout: float = 150):
-    """The job runner's command for n processes, output in out/log.txt; its own process group."""
+def launch(args: list, out: Path, n: int = 2, script: Path | None = None, wait: bool = True, timeout: float = 150):
+    """The job runner's command for n processes (`-m pipeline`, or a script standing in for it),
+    output in out/log.txt, in its own process group."""
     out.mkdir(parents=True, exist_ok=True)
+    entry = [str(script)] if script else ["-m", "pipeline"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-           "--master_port", str(free_port()), "-m", module, *map(str, args), "--out", str(out)]
+           "--master_port", str(free_port()), *entry, *map(str, args), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(ROOT), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "20"}
     log = open(out / "log.txt", "w")
@@ -136,3 +138,100 @@ def test_distributed_reward_training_equals_one_process(tmp_path, tiny_model_cfg
     a_two = load_file(str(two / "checkpoint" / "adapter_model.safetensors"))
     for key in a_one:
         torch.testing.assert_close(a_two[key], a_one[key], rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- PPO: cancel and resume
+
+
+def wait_for_step(out: Path, step: int, proc, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if status_of(out)["step"] >= step:
+                return
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout} s:\n{log_of(out)[-3000:]}")
+
+
+def test_distributed_ppo_cancel_stops_every_rank_at_one_step_and_resume_finishes(tmp_path, tiny_model_dir):
+    """SIGTERM to the whole process group (the job runner's cancel): both ranks stop after the same
+    step, rank 0 writes one checkpoint and status 'cancelled'; --resume on 2 processes finishes the
+    run with each step logged once. The gathered rollout keeps pi_theta / pi_old at 1 before the
+    first update, and PPO-ptx trains on both ranks' texts."""
+    from tests.test_train_ppo import PROMPTS
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    ptx = tmp_path / "ptx.jsonl"
+    ptx.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "ppo"
+    args = ["ppo", "--policy", tiny_model_dir, "--reward", "script:count:e", "--prompts", prompts,
+            "--batch-size", 8, "--mini-batch-size", 4, "--micro-batch-size", 1, "--max-new-tokens", 8,
+            "--device", "cpu", "--lora-r", 4, "--sample-every", 2, "--ptx-coef", 0.1, "--ptx-data", ptx]
+    proc = launch(args + ["--steps", 500], out, wait=False)
+    try:
+        wait_for_step(out, 2, proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        stop_group(proc)
+    log = log_of(out)
+    assert proc.returncode != 0, log[-3000:]
+    status = status_of(out)
+    assert status["state"] == "cancelled" and "SIGTERM" in status["error"], status
+    step = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
+    assert status["step"] == step and 2 <= step < 500 and not (out / "policy").exists()
+    assert f"cancelled at step {step} (rank 0 of 2)" in log and f"cancelled at step {step} (rank 1 of 2)" in log
+    lines = metric_lines(out)
+    assert [m["step"] for m in lines] == list(range(1, step + 1))
+    assert all(m["policy/ratio_first"] == pytest.approx(1.0, abs=1e-3) for m in lines)
+    assert all(m["ptx/loss"] > 0 for m in lines)
+
+    done = launch(args + ["--steps", step + 2, "--resume"], out)
+    assert done.returncode == 0, log_of(out)[-3000:]
+    assert status_of(out)["state"] == "done" and (out / "policy" / "model_meta.json").is_file()
+    assert [m["step"] for m in metric_lines(out)] == list(range(1, step + 3))
+
+
+# --------------------------------------------------------------------------- a rank that fails
+
+FAIL_ON_RANK_1 = """
+import os, sys
+from pipeline import __main__ as entry, train_reward
+
+real, calls = train_reward.forward_pairs, [0]
+
+
+def failing(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 3:
+        raise RuntimeError("injected failure on rank 1")
+    return real(*args, **kwargs)
+
+
+if os.environ["RANK"] == "1":
+    train_reward.forward_pairs = failing
+sys.argv[0] = "pipeline"
+sys.exit(entry.run())
+"""
+
+
+def test_distributed_failure_on_another_rank_fails_the_job_with_its_traceback(tmp_path, tiny_model_cfg):
+    """Rank 1 raises in its third forward: the launcher exits non-zero within a bounded time, the
+    log holds rank 1's traceback, and rank 0 (whose collective broke) marks the run failed."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(40))
+    script = tmp_path / "fail_on_rank_1.py"
+    script.write_text(FAIL_ON_RANK_1)
+    out = tmp_path / "rm"
+    cfg = RewardConfig(epochs=3, batch_size=4, norm_samples=0)
+    t0 = time.time()
+    proc = launch(["train-reward", "--data", data, *to_cli_args(cfg), *model_args(tiny_model_cfg)], out,
+                  script=script, timeout=120)
+    log = log_of(out)
+    assert proc.returncode not in (0, None) and time.time() - t0 < 100, log[-3000:]
+    assert "RuntimeError: injected failure on rank 1" in log and "Traceback" in log
+    status = status_of(out)
+    assert status["state"] == "failed", status
+    assert "rank 0 of 2" in status["error"], status
