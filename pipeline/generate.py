@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
+from pipeline.distributed import setup
 from pipeline.policy import load_policy
 from pipeline.rundir import write_json, write_status
 from pipeline.sampling import sample
@@ -177,11 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     """Sample in chunks of --chunk-prompts prompts; each finished chunk's rows go to
     RUN_DIR/chunks/NNNNN.jsonl at once (the owner ingests them while the job runs), then all rows to
     responses.jsonl. With --select-uncertain every prompt is sampled and scored first, and only the
-    kept prompts are written, as chunk files after the selection."""
+    kept prompts are written, as chunk files after the selection.
+
+    On N processes (pipeline/distributed.py) rank r samples chunks r, r + N, ...; each chunk has its
+    own seed, so the responses are those of one process, and rank 0 writes every chunk in order."""
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
     gen_cfg, model_cfg = from_args(GenerateConfig, args), from_args(ModelConfig, args)
+    dist = setup(model_cfg.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.select_uncertain and not args.reward:
@@ -208,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(gen_cfg.seed)
         sampling = {key: getattr(gen_cfg, key) for key in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")}
         chunks = out / CHUNKS
-        shutil.rmtree(chunks, ignore_errors=True)  # a rerun in the same folder starts its chunks afresh
-        chunks.mkdir()
+        if dist.is_main:
+            shutil.rmtree(chunks, ignore_errors=True)  # a rerun in the same folder starts its chunks afresh
+            chunks.mkdir()
         n, k, total = args.chunk_prompts, gen_cfg.k, len(rows) * gen_cfg.k
-        bar = tqdm(total=total, desc="generate", unit="resp")
+        bar = tqdm(total=total, desc="generate", unit="resp", disable=not dist.is_main)
         results: list[list[Generation]] = []
         written: list[dict] = []
         n_chunks = 0
@@ -220,18 +226,28 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(len(results) * k + chunk_done - bar.n)
             write_status(out, "running", len(results) * k + chunk_done, total, chunks=n_chunks)
 
-        for c, start in enumerate(range(0, len(rows), n)):
-            part = generate_responses(policy, tokenizer, [r["prompt"] for r in rows[start:start + n]], k,
-                                      dataclasses.replace(gen_cfg, seed=gen_cfg.seed + c * CHUNK_SEED_STRIDE),
-                                      on_progress=progress)
-            results += part
-            if not args.select_uncertain:
-                lines = response_rows(rows[start:start + n], part, start, sampling, model_name)
-                write_jsonl(chunks / f"{c:05d}.jsonl", lines)
-                written, n_chunks = written + lines, n_chunks + 1
-            write_status(out, "running", len(results) * k, total, chunks=n_chunks)
+        starts = list(range(0, len(rows), n))
+        for first in range(0, len(starts), dist.world):  # chunks first .. first + N - 1, one per rank
+            c = first + dist.rank
+            mine = None
+            if c < len(starts):
+                mine = generate_responses(policy, tokenizer, [r["prompt"] for r in rows[starts[c]:starts[c] + n]], k,
+                                          dataclasses.replace(gen_cfg, seed=gen_cfg.seed + c * CHUNK_SEED_STRIDE),
+                                          on_progress=progress if dist.world == 1 else None)
+            for c, part in enumerate(dist.gather_objects(mine), start=first):
+                if part is None:
+                    continue
+                start = starts[c]
+                results += part
+                if not args.select_uncertain:
+                    lines = response_rows(rows[start:start + n], part, start, sampling, model_name)
+                    if dist.is_main:
+                        write_jsonl(chunks / f"{c:05d}.jsonl", lines)
+                    written, n_chunks = written + lines, n_chunks + 1
+                write_status(out, "running", len(results) * k, total, chunks=n_chunks)
+                bar.update(len(results) * k - bar.n)
         bar.close()
-        if args.select_uncertain:
+        if args.select_uncertain:  # every rank holds every response; each scores and selects the same
             spread = reward_spread(args.reward, [r["prompt"] for r in rows], results, model_cfg)
             keep = sorted(sorted(range(len(rows)), key=lambda i: spread[i])[: args.select_uncertain])
             print(f"kept the {len(keep)} of {len(rows)} prompts the reward model separates least "
@@ -239,15 +255,18 @@ def main(argv: list[str] | None = None) -> int:
             rows, results = [rows[i] for i in keep], [results[i] for i in keep]
             for c, start in enumerate(range(0, len(rows), n)):
                 lines = response_rows(rows[start:start + n], results[start:start + n], start, sampling, model_name)
-                write_jsonl(chunks / f"{c:05d}.jsonl", lines)
+                if dist.is_main:
+                    write_jsonl(chunks / f"{c:05d}.jsonl", lines)
                 written, n_chunks = written + lines, n_chunks + 1
-        write_jsonl(out / "responses.jsonl", written)
         total = len(rows) * k
+        if dist.is_main:
+            write_jsonl(out / "responses.jsonl", written)
+            print(f"wrote {total} responses to {out / 'responses.jsonl'}")
         write_status(out, "done", total, total, chunks=n_chunks)
-        print(f"wrote {total} responses to {out / 'responses.jsonl'}")
+        dist.close()
         return 0
     except (Exception, KeyboardInterrupt) as exc:
-        error = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+        error = "interrupted" if isinstance(exc, KeyboardInterrupt) else dist.describe_failure(exc)
         write_status(out, "failed", 0, 0, error=error)
         if isinstance(exc, (ValueError, RuntimeError, FileNotFoundError)):
             print(f"error: {error}")

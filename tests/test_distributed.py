@@ -235,3 +235,28 @@ def test_distributed_failure_on_another_rank_fails_the_job_with_its_traceback(tm
     status = status_of(out)
     assert status["state"] == "failed", status
     assert "rank 0 of 2" in status["error"], status
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def test_distributed_generate_writes_the_one_process_chunks(tmp_path, tiny_model_dir):
+    """Rank r samples chunks r, r + 2, ... with each chunk's own seed; rank 0 writes them all, in
+    order: the run directory holds exactly what one process writes."""
+    from pipeline.__main__ import main as cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i}, please answer", "id": i}) + "\n"
+                               for i in range(5)))
+    args = ["generate", "--prompts", prompts, "--model", tiny_model_dir, "--k", 2, "--max-new-tokens", 4,
+            "--device", "cpu", "--chunk-prompts", 2, "--seed", 3]
+    assert cli([*map(str, args), "--out", str(tmp_path / "one")]) == 0
+    proc = launch(args, tmp_path / "two")
+    assert proc.returncode == 0, log_of(tmp_path / "two")[-3000:]
+    for name in ("00000.jsonl", "00001.jsonl", "00002.jsonl"):
+        assert (tmp_path / "two" / "chunks" / name).read_text() == (tmp_path / "one" / "chunks" / name).read_text()
+    assert sorted(p.name for p in (tmp_path / "two" / "chunks").iterdir()) == ["00000.jsonl", "00001.jsonl",
+                                                                                  "00002.jsonl"]
+    assert (tmp_path / "two" / "responses.jsonl").read_text() == (tmp_path / "one" / "responses.jsonl").read_text()
+    status = status_of(tmp_path / "two")
+    assert (status["state"], status["step"], status["chunks"]) == ("done", 10, 3)
