@@ -157,6 +157,8 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
     # Gradio keeps its sign-in tokens in App.tokens (a plain dict, empty until the first login):
     # swapping in a table that ages them out is what makes sessions expire.
     ctx.sessions = accounts.Sessions(ctx.session_hours * 3600.0)
+    for token, name in list(demo.server_app.tokens.items()):  # a sign-in that came first
+        ctx.sessions[token] = name
     demo.server_app.tokens = ctx.sessions
     if not prevent_thread_lock:
         demo.block_thread()

@@ -27,6 +27,7 @@ does not have; the bench wakes that poll when the result arrives (`wake_client_o
 
     python bench/ui_bench.py            # 20 annotators, 60 s per phase
     python bench/ui_bench.py --quick    # 20 annotators, 10 s per phase
+    python bench/ui_bench.py --annotators 50 --seconds 300 --phases http --stock-client   # load run
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ TARGET_P95_MS = 150.0
 
 def seed(db: Path, annotators: int, items: int, k: int) -> None:
     """Accounts ann0..ann{N-1} (password 'bench-pass-<i>') and `items` items of K responses."""
+    from concurrent.futures import ThreadPoolExecutor
+
     store = Store(db)
-    for i in range(annotators):
-        store.add_annotator(f"ann{i}", f"bench-pass-{i}")
+    # each account costs a scrypt hash (most of a second, GIL released): hash them side by side
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        list(pool.map(lambda i: store.add_annotator(f"ann{i}", f"bench-pass-{i}"), range(annotators)))
     mv = store.register_model_version("policy", "bench-policy", base_model="none")
     prompt_ids = store.add_prompts([f"\n\nHuman: benchmark question {i}?\n\nAssistant:" for i in range(items)])
     for start in range(0, items, 2000):
@@ -246,7 +250,7 @@ def run_phase(target, n: int, seconds: float, phase: Phase) -> dict:
     q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
     print(f"  {phase.name}: {len(lat)} submissions", flush=True)
     return {"submissions": len(lat), "per_s": len(lat) / wall, "p50_ms": q[49] * 1000, "p95_ms": q[94] * 1000,
-            "errors": len(errors), "first_error": errors[0] if errors else ""}
+            "p99_ms": q[98] * 1000, "errors": len(errors), "first_error": errors[0] if errors else ""}
 
 
 def main(argv=None) -> int:
@@ -256,6 +260,10 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="seconds per phase (default 60, --quick 10)")
     p.add_argument("--think", type=float, default=1.0, help="mean seconds between items (default 1.0)")
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--phases", default="handlers,http,http-no-prefetch,saturated",
+                   help="comma-separated phases to run, of handlers, http, http-no-prefetch, saturated "
+                        "(default: all; e.g. --annotators 50 --seconds 300 --phases http --stock-client "
+                        "for a long load run)")
     p.add_argument("--stock-client", action="store_true",
                    help="leave gradio_client's 50 ms result polling in (see wake_client_on_messages)")
     args = p.parse_args(argv)
@@ -263,8 +271,13 @@ def main(argv=None) -> int:
         wake_client_on_messages()
     seconds = args.seconds or (10.0 if args.quick else 60.0)
     n = args.annotators
-    phases = [Phase("handlers", False, True, args.think), Phase("http", True, True, args.think),
-              Phase("http, no prefetch", True, False, args.think), Phase("http, saturated", True, True, 0.0)]
+    every = {"handlers": Phase("handlers", False, True, args.think), "http": Phase("http", True, True, args.think),
+             "http-no-prefetch": Phase("http, no prefetch", True, False, args.think),
+             "saturated": Phase("http, saturated", True, True, 0.0)}
+    unknown = [x for x in args.phases.split(",") if x not in every]
+    if unknown:
+        p.error(f"unknown phases {unknown}: choose from {', '.join(every)}")
+    phases = [every[x] for x in every if x in args.phases.split(",")]
     # Enough items that the queue never runs dry (overlap 1: each item is ranked once).
     items = int(2000 + seconds * (3 * n / max(args.think, 0.5) + 300))
     load_before = os.getloadavg()[0]
@@ -281,15 +294,16 @@ def main(argv=None) -> int:
 
         from annotate.context import AppContext
 
-        store = Store(db)
-        try:
-            with ThreadPoolExecutor(max_workers=4) as pool:
-                ctx = AppContext(store=store, background=pool)
-                results[phases[0].name] = run_phase(ctx, n, seconds, phases[0])
-        finally:
-            store.close()
+        if not phases[0].http:
+            store = Store(db)
+            try:
+                with ThreadPoolExecutor(max_workers=4) as pool:
+                    ctx = AppContext(store=store, background=pool)
+                    results[phases[0].name] = run_phase(ctx, n, seconds, phases[0])
+            finally:
+                store.close()
         # 2. the app as its own process, through the HTTP API (a fresh start per setting)
-        for phase in phases[1:]:
+        for phase in (ph for ph in phases if ph.http):
             port = free_port()
             proc = start_app(db, port, prefetch=phase.prefetch)
             try:
@@ -306,23 +320,33 @@ def main(argv=None) -> int:
     print(f"\n{n} simulated annotators, {seconds:.0f} s per phase, {os.cpu_count()} cpu cores, load average "
           f"{load_before:.1f} before / {load_after:.1f} after; gradio_client result polling: "
           f"{'stock (50 ms)' if args.stock_client else 'woken on arrival'}; target p95 <= {TARGET_P95_MS:.0f} ms")
-    print(f"{'phase':<20}{'think s':>8}{'submissions':>12}{'per s':>8}{'p50 ms':>9}{'p95 ms':>9}{'errors':>7}")
+    print(f"{'phase':<20}{'think s':>8}{'submissions':>12}{'per s':>8}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"
+          f"{'errors':>7}")
     for phase in phases:
         r = results[phase.name]
         print(f"{phase.name:<20}{phase.think_s:>8.1f}{r['submissions']:>12}{r['per_s']:>8.1f}{r['p50_ms']:>9.1f}"
-              f"{r['p95_ms']:>9.1f}{r['errors']:>7}")
-    h, a, b, sat = (results[ph.name] for ph in phases)
-    for label, x, y in (("ratio http/handlers", a, h), ("ratio no prefetch/prefetch", b, a)):
-        print(f"{label:<48}{x['p50_ms'] / y['p50_ms']:>9.2f}{x['p95_ms'] / y['p95_ms']:>9.2f}")
+              f"{r['p95_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['errors']:>7}")
     for name, r in results.items():
         if r["first_error"]:
             print(f"first error ({name}): {r['first_error']}")
+    if len(phases) < len(every):  # a partial run: its own result line, no ratios between phases
+        for phase in phases:
+            r = results[phase.name]
+            print(f"RESULT ui phase={phase.name.replace(' ', '').replace(',', '-')} annotators={n} "
+                  f"seconds={seconds:.0f} think_s={phase.think_s} submissions={r['submissions']} "
+                  f"submissions_per_s={r['per_s']:.1f} p50_ms={r['p50_ms']:.1f} p95_ms={r['p95_ms']:.1f} "
+                  f"p99_ms={r['p99_ms']:.1f} errors={r['errors']} load_avg={load_before:.1f} client={client}")
+        return 0 if all(r["errors"] == 0 for r in results.values()) else 1
+    h, a, b, sat = (results[ph.name] for ph in phases)
+    for label, x, y in (("ratio http/handlers", a, h), ("ratio no prefetch/prefetch", b, a)):
+        print(f"{label:<48}{x['p50_ms'] / y['p50_ms']:>9.2f}{x['p95_ms'] / y['p95_ms']:>9.2f}"
+              f"{x['p99_ms'] / y['p99_ms']:>9.2f}")
     ok = a["p95_ms"] <= TARGET_P95_MS
     print(f"\np95 from Submit to the next item through HTTP: {a['p95_ms']:.1f} ms "
           f"({'meets' if ok else 'misses'} the {TARGET_P95_MS:.0f} ms target); capacity without think time: "
           f"{sat['per_s']:.1f} submissions/s")
     print(f"RESULT ui annotators={n} seconds={seconds:.0f} think_s={args.think} submissions_per_s={a['per_s']:.1f} "
-          f"p50_ms={a['p50_ms']:.1f} p95_ms={a['p95_ms']:.1f} handlers_p95_ms={h['p95_ms']:.1f} "
+          f"p50_ms={a['p50_ms']:.1f} p95_ms={a['p95_ms']:.1f} p99_ms={a['p99_ms']:.1f} handlers_p95_ms={h['p95_ms']:.1f} "
           f"no_prefetch_p95_ms={b['p95_ms']:.1f} saturated_per_s={sat['per_s']:.1f} "
           f"saturated_p95_ms={sat['p95_ms']:.1f} ratio_http_over_handlers_p95={a['p95_ms'] / h['p95_ms']:.2f} "
           f"errors={sum(r['errors'] for r in results.values())} load_avg={load_before:.1f} client={client} "
