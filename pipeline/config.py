@@ -44,7 +44,12 @@ class ModelConfig:
     device: str = "auto"
     """'auto' (cuda when present, else cpu), 'cpu', 'cuda', 'cuda:1' ..."""
     dtype: str = "auto"
-    """'auto' (bf16 on cuda, fp32 on cpu), 'fp32', 'bf16', 'fp16'."""
+    """'auto' (bf16 on a GPU that computes in it, else fp32), 'fp32', 'bf16', 'fp16'."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations during the backward pass instead of keeping them
+    (transformers' non-reentrant checkpointing): about a third more compute for far less activation
+    memory, for bigger models. Training forwards then run without a shared prompt/prefix KV cache
+    (checkpointing turns caches off); the numbers are the same."""
 
 
 @dataclass

@@ -178,6 +178,10 @@ class Dist:
         """status.json's error: with N processes a failure on another rank reaches rank 0 as a broken
         collective, so say where to look."""
         text = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, torch.OutOfMemoryError):
+            text = (f"{type(exc).__name__}: out of memory on {self.device}. Lower the per-process sizes "
+                    "(--max-tokens, --micro-batch-size, --forward-batch-size, --batch-size) or pass "
+                    f"--gradient-checkpointing true (docs/scaling.md). {str(exc).splitlines()[0] if str(exc) else ''}")
         if self.world > 1:
             text += (f" (rank {self.rank} of {self.world} processes; when another rank failed first, "
                      "its traceback is in the job's log)")

@@ -245,6 +245,21 @@ def _fp32_trainables(model: nn.Module) -> None:
             p.data = p.data.float()
 
 
+def enable_checkpointing(model: nn.Module) -> None:
+    """transformers' gradient checkpointing, non-reentrant (works with frozen LoRA bases and needs no
+    input that requires grad). It acts on layers in training mode, with grad enabled."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 names it so
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def checkpointing(model: nn.Module) -> bool:
+    """Whether a policy, reward model or critic recomputes activations in its backward pass."""
+    inner = model.backbone if isinstance(model, ScalarModel) else model
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in inner.modules())
+
+
 def is_peft(model: nn.Module) -> bool:
     from peft import PeftModel
 
@@ -358,6 +373,8 @@ def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig
         tokenizer = load_tokenizer(weights)
     if not model.lora:
         model.requires_grad_(True)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model.backbone)
     return model.eval(), tokenizer
 
 

@@ -18,8 +18,8 @@ from torch import nn
 from pipeline import packing
 from pipeline.config import ModelConfig
 from pipeline.models import (
-    META_FILE, _canonical_base, _fp32_trainables, _lora_config, is_peft, load_tokenizer, lora_settings, pick_device,
-    pick_dtype, position_ids_from_mask, read_meta, resolve_model_path,
+    META_FILE, _canonical_base, _fp32_trainables, _lora_config, enable_checkpointing, is_peft, load_tokenizer,
+    lora_settings, pick_device, pick_dtype, position_ids_from_mask, read_meta, resolve_model_path,
 )
 
 
@@ -53,6 +53,8 @@ def load_policy(cfg: ModelConfig, adapter_path: str | os.PathLike | None = None)
         _fp32_trainables(model)
     else:
         model.requires_grad_(True)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
     model.eval()
     model.rlhf_meta = {"kind": "policy", "base_model": base, "lora": lora}
     return model, tokenizer

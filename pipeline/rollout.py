@@ -74,11 +74,12 @@ class PackedResponses:
 
 
 def pack_responses(sequences, attention_mask, response_ids, mask, prompt_length: int,
-                   attn_per_linear: float) -> PackedResponses:
+                   attn_per_linear: float, share_prefix: bool = True) -> PackedResponses:
     """Pack b episodes (sequences (b, P+R), mask (b, R)) and locate their response tokens; a
-    prefix every prompt starts with (the chat template's system prompt) runs once."""
+    prefix every prompt starts with (the chat template's system prompt) runs once, unless
+    share_prefix is False (gradient checkpointing: its layers drop a KV cache)."""
     last_prompt_token = int(attention_mask[:, :prompt_length].sum(1).min()) - 1  # must stay in the rows
-    packed = pack(sequences, attention_mask, attn_per_linear, max_prefix=last_prompt_token)
+    packed = pack(sequences, attention_mask, attn_per_linear, max_prefix=last_prompt_token if share_prefix else 0)
     rows, cols = mask.nonzero(as_tuple=True)  # (N,) each
     index = gather_cells(packed, rows, prompt_length - 1 + cols)
     return PackedResponses(packed=packed, rows=rows, cols=cols, index=index, tokens=response_ids[rows, cols],

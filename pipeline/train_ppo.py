@@ -48,7 +48,7 @@ from pipeline.distributed import setup
 from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
 )
-from pipeline.models import save_policy
+from pipeline.models import checkpointing, save_policy
 from pipeline.policy import causal_lm_logits
 from pipeline.ppo_state import CHECKPOINT, load_checkpoint, recover_checkpoint, save_checkpoint, set_up, trainable
 from pipeline.rollout import (
@@ -115,6 +115,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
 
                 # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
                 policy_model.eval()
+                critic.eval()
                 ref_logp, old_logp, values = rollout_forwards(
                     policy_model, reference, critic, sb.sequences, sb.attention_mask, sb.response_ids, mask,
                     sb.prompt_length, temperature, cfg.forward_batch_size, not run.sample_logprobs, autocast)
@@ -146,6 +147,10 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 lengths = ro.lengths.cpu()
                 packing_ratio = attn_ratio(policy_model)
                 n_minibatches = 0
+                # gradient checkpointing acts in training mode only, and drops KV caches: no shared prefix
+                recompute = checkpointing(policy_model) or checkpointing(critic)
+                policy_model.train(recompute)
+                critic.train(recompute)
                 for epoch in range(cfg.ppo_epochs):
                     order = torch.randperm(B, generator=shuffle)
                     for mb in order.split(cfg.mini_batch_size):
@@ -162,7 +167,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                                 # the micro-batch's episodes packed without padding, as in the rollout
                                 pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro],
                                                     ro.response_ids[micro], mask[micro], ro.prompt_length,
-                                                    packing_ratio)
+                                                    packing_ratio, share_prefix=not recompute)
                                 m = mask[micro]  # (b, R)
                                 with autocast():
                                     logits = policy_w(response_logits, pr)  # (N, V) at the N real response tokens

@@ -191,6 +191,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
     eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
     pad_id = tokenizer.pad_token_id
+    # gradient checkpointing turns the KV cache off, so the prompt cannot be shared between responses
+    share_prompt = cfg.share_prompt and not model_cfg.gradient_checkpointing
     lm_weight = lm_head_weight(model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None
     if not resume:
         write_json(out_dir / "config.json", {
@@ -258,7 +260,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                     with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
                         with autocast(device, dtype):
                             r_c, r_r, lm, margin, tokens = wrapped(  # (b,), (b,), scalar, (b,)
-                                forward_pairs, [train_items[i] for i in chunk], pad_id, device, cfg.share_prompt,
+                                forward_pairs, [train_items[i] for i in chunk], pad_id, device, share_prompt,
                                 lm_weight)
                             loss = pairwise_loss(r_c, r_r, margin if cfg.margin else None)
                             if cfg.center_coef > 0:

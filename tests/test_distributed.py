@@ -92,6 +92,9 @@ def test_distributed_helpers_on_one_process_are_the_identity():
     assert dist.stop_requested(None) is False and dist.stop_requested("SIGTERM") is True
     halves = [Dist(device=torch.device("cpu"), rank=r, world=2).shard(list(range(5))) for r in (0, 1)]
     assert halves == [[0, 2, 4], [1, 3]]
+    oom = dist.describe_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert "--gradient-checkpointing true" in oom and "Tried to allocate 2.00 GiB" in oom
+    assert "rank 1 of 2" in Dist(device=torch.device("cpu"), rank=1, world=2).describe_failure(ValueError("x"))
     model = torch.nn.Linear(2, 1)
     wrapped = CallThrough(model)
     x = torch.ones(1, 2)

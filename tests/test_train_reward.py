@@ -12,7 +12,7 @@ import torch
 
 from pipeline.config import RewardConfig
 from pipeline.text import prompt_token_ids
-from pipeline.models import load_scalar_model
+from pipeline.models import checkpointing, load_scalar_model
 from pipeline.reward_data import (
     PairsError, collate, collate_shared, encode_pairs, length_grouped_batches, prompt_key, read_pairs,
     split_by_prompt,
@@ -381,3 +381,21 @@ def test_chunked_batches_give_the_same_training(tmp_path, tiny_model_cfg):
     chunked = train_reward(str(data), str(tmp_path / "b"), dataclasses.replace(cfg, max_tokens=120), tiny_model_cfg)
     assert chunked["eval/margin"] == pytest.approx(whole["eval/margin"], rel=1e-4)
     assert chunked["eval/accuracy"] == whole["eval/accuracy"]
+
+
+def test_gradient_checkpointing_changes_memory_not_numbers(tmp_path, tiny_model_cfg):
+    """--gradient-checkpointing true recomputes activations in the backward pass (whole sequences:
+    checkpointed layers keep no KV cache); the losses are the run's without it."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(24))
+    cfg = dataclasses.replace(FAST, epochs=1)
+    plain = train_reward(str(data), str(tmp_path / "plain"), dataclasses.replace(cfg, share_prompt=False),
+                         tiny_model_cfg)
+    gc_cfg = dataclasses.replace(tiny_model_cfg, gradient_checkpointing=True)
+    recomputed = train_reward(str(data), str(tmp_path / "gc"), cfg, gc_cfg)
+    model, _ = load_scalar_model(str(tmp_path / "gc" / "checkpoint"), "reward", gc_cfg)
+    assert checkpointing(model)
+    lines = [[json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+             for name in ("plain", "gc")]
+    assert [m["train/loss"] for m in lines[1] if "train/loss" in m] == pytest.approx(
+        [m["train/loss"] for m in lines[0] if "train/loss" in m], rel=1e-5)
+    assert recomputed["eval/accuracy"] == plain["eval/accuracy"]
