@@ -465,11 +465,15 @@ def test_a_job_launches_as_many_processes_as_asked():
 
 
 @pytest.mark.slow
-def test_the_train_tab_trains_a_reward_model_on_two_processes(ctx):
+def test_the_train_tab_trains_a_reward_model_on_two_processes(ctx, tmp_path):
     """A 2-process reward job (torchrun; gloo on CPU) from the Train tab registers one version."""
+    from store.io import import_pairs
+
     store = ctx.store
-    seed_items(store, 8, 3)
-    assert simulate_annotations(store, make_judge("rule:length")) == 8
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Question {i}?", "chosen": "Yes, gladly: here is how.",
+                                         "rejected": "No."}) + "\n" for i in range(16)))
+    import_pairs(store, pairs)
     train.train_reward(ctx, **{**REWARD_FORM, "processes": 2}, request=req("boss"))
     run = ctx.jobs.wait(last_run(ctx, "train-reward").id, timeout=300)
     assert run.status == "done", run.error
