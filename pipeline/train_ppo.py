@@ -55,7 +55,7 @@ from pipeline.rollout import (
     Rollout, attn_ratio, critic_values, gather_rollout, kl_shaped_advantages, merged_lora, pack_responses,
     prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
 )
-from pipeline.rundir import Cancelled, StopFlag, append_metrics, write_status
+from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, write_status
 from pipeline.sampling import sample
 from pipeline.text import encode_prompts
 
@@ -371,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}")
         return 1
+    if not is_writer():  # rank 0 of N processes speaks for the run
+        return 0
     print(f"done: policy saved in {Path(args.out) / 'policy'}; last score "
           f"{metrics.get('objective/score', float('nan')):.3f}, KL {metrics.get('objective/kl', float('nan')):.3f}")
     return 0

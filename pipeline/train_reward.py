@@ -70,7 +70,9 @@ from pipeline.reward_data import (
     encode_pairs, length_grouped_batches, prompt_key, read_pairs, split_by_prompt,
 )
 from pipeline.reward_eval import evaluate, forward_pairs, normalisation_stats
-from pipeline.rundir import StopFlag, append_metrics, read_status, truncate_metrics, write_json, write_status
+from pipeline.rundir import (
+    StopFlag, append_metrics, is_writer, read_status, truncate_metrics, write_json, write_status,
+)
 
 # --------------------------------------------------------------------------- helpers
 
@@ -394,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print_summary(report)
+    if is_writer():  # rank 0 of N processes speaks for the run
+        print_summary(report)
     return 130 if report.get("state") == "cancelled" else 0
 
 
