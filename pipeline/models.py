@@ -381,9 +381,22 @@ def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig
 # --------------------------------------------------------------------------- saving
 
 
+def recover_folder(out_dir: Path) -> None:
+    """Undo what a kill in the middle of `_atomic_folder` left: the old folder renamed aside but
+    the new one not yet in place is put back; half-written temporary folders are removed. One
+    writer per run directory, so whatever is there is stale."""
+    out_dir = Path(out_dir)
+    olds = sorted(out_dir.parent.glob(f".{out_dir.name}-old-*"))
+    if not out_dir.exists() and olds:
+        olds.pop().rename(out_dir)
+    for stale in [*olds, *out_dir.parent.glob(f".{out_dir.name}-tmp-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def _atomic_folder(out_dir: Path, write) -> Path:
     """Run write(tmp) then rename tmp over out_dir: readers see the old or the new, never half."""
     out_dir = Path(out_dir)
+    recover_folder(out_dir)
     tmp = _make_tmp_dir(out_dir)
     try:
         write(tmp)

@@ -64,7 +64,7 @@ from pipeline.distributed import Dist, setup
 from pipeline.hashing import snapshot_sha256
 from pipeline.losses import center_loss, pairwise_loss
 from pipeline.models import (
-    autocast, load_scalar_model, pick_dtype, resolve_model_path, save_scalar_model,
+    autocast, load_scalar_model, pick_dtype, recover_folder, resolve_model_path, save_scalar_model,
 )
 from pipeline.reward_data import (
     encode_pairs, length_grouped_batches, prompt_key, read_pairs, split_by_prompt,
@@ -188,6 +188,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
 
     # 2. Model: a new reward head on the base model, a previous reward model (--init-from), or this
     #    run's own checkpoint (--resume).
+    if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
+        recover_folder(out_dir / "checkpoint")
     source = str(out_dir / "checkpoint") if resume else (init_from or model_cfg.model)
     model, tokenizer = load_scalar_model(source, "reward", load_cfg)
     train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
