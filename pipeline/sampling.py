@@ -44,19 +44,41 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
-def _sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _sample_categorical(probs: torch.Tensor, generator: torch.Generator | None,
+                        blocked: bool | None = None, block: int = 1024) -> torch.Tensor:
     """One token per row of probs (B, V) by inverse-CDF sampling: a single uniform per row.
 
     torch.multinomial draws one exponential per vocabulary entry, which on CPU costs about a quarter
-    of a 135M-model decoding step; a cumulative sum and a binary search cost a few ms. The sum is in
-    float64 so tokens with tiny probabilities keep their share; zero-probability (filtered) tokens
-    are never chosen because the search returns the first cdf strictly above u.
+    of a 135M-model decoding step; a cumulative sum and a binary search cost a few ms. The sum must
+    keep tokens with tiny probabilities their share: a float32 running sum over 150k entries near
+    1.0 has a step of 6e-8, so it is done in float64 on CPU. GPUs other than the data-centre ones
+    run float64 at 1/32-1/64 of the float32 rate, so there (`blocked`, the default off CPU) the sum
+    is two-level: float64 only over the V/block block totals, float32 inside the chosen block (its
+    running sum is relative to the block's start, so its rounding is relative to the block's mass).
+    Both forms pick the same token unless u falls within float rounding of a boundary
+    (tests/test_generate.py). Zero-probability (filtered) tokens are never chosen: the searches
+    return the first cdf strictly above u, and u stays strictly below the total.
     """
-    cdf = probs.double().cumsum(-1)  # (B, V)
-    total = cdf[:, -1:]  # (B, 1), 1 up to rounding
-    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64) * total
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total strictly
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
+    if blocked is None:
+        blocked = probs.device.type != "cpu"
+    if not blocked or probs.shape[-1] <= block:
+        cdf = probs.double().cumsum(-1)  # (B, V)
+        total = cdf[:, -1:]  # (B, 1), 1 up to rounding
+        u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u < total strictly
+        return torch.searchsorted(cdf, u, right=True).squeeze(1)
+    B, V = probs.shape
+    nb = -(-V // block)
+    blocks = torch.nn.functional.pad(probs.float(), (0, nb * block - V)).view(B, nb, block)  # (B, nb, K)
+    block_cdf = blocks.sum(-1).double().cumsum(-1)  # (B, nb)
+    total = block_cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # (B, 1)
+    j = torch.searchsorted(block_cdf, target, right=True).clamp_max(nb - 1)  # (B, 1) block holding u
+    start = torch.where(j > 0, block_cdf.gather(1, (j - 1).clamp_min(0)), torch.zeros_like(target))
+    inner = blocks.gather(1, j[:, :, None].expand(B, 1, block)).squeeze(1).cumsum(-1)  # (B, K) float32
+    last = inner[:, -1:]
+    rest = torch.minimum((target - start).float(), torch.nextafter(last, torch.zeros_like(last)))
+    return (j.squeeze(1) * block + torch.searchsorted(inner, rest, right=True).squeeze(1)).clamp_max(V - 1)
 
 
 def _eos_ids(model, eos_token_id) -> list[int]:
@@ -92,7 +114,7 @@ def _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw):
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, num_samples=1,
            generator: torch.Generator | None = None, eos_token_id=None, pad_token_id=None,
-           share_prefix: bool = True) -> SampleBatch:
+           share_prefix: bool = True, check_every: int | None = None) -> SampleBatch:
     """Sample responses for a left-padded batch of prompts with the KV cache.
 
     cfg: anything with temperature, top_p, top_k, max_new_tokens (GenerateConfig, PPOConfig).
@@ -101,7 +123,10 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     from the unfiltered logits / temperature (what a training forward pass can reproduce), while
     sampling applies top-k / top-p. The model's train/eval mode is left as the caller set it.
     share_prefix: tokens that every prompt starts with (a chat template's system prompt) are run
-    once for the batch (pipeline/packing.py, "Shared prefix").
+    once for the batch (pipeline/packing.py, "Shared prefix"). check_every: finished rows leave
+    the batch every this many tokens (default 1 on CPU, 8 on GPUs: see below); the samples do not
+    depend on it except through the random stream (each row draws one uniform per token it
+    spends in the batch).
     """
     from transformers import DynamicCache
 
@@ -132,10 +157,16 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
     lengths = torch.full((B,), R, dtype=torch.long, device=device)
     ended = torch.zeros(B, dtype=torch.bool, device=device)
-    active = torch.arange(B, device=device)  # rows still generating, as indices into the batch
-    width = 0
+    active = torch.arange(B, device=device)  # rows still in the batch, as indices into it
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # per batch row: ended, not yet dropped
+    if check_every is None:
+        # Dropping finished rows needs their count on the host: one device->host synchronisation,
+        # which on a GPU stalls the queue of kernels once per token. There finished rows stay in the
+        # batch (their tokens masked) and are dropped every few tokens; on CPU there is no queue
+        # to stall, and dropping at once keeps the random stream of a 1-process CPU run as it was.
+        check_every = 1 if device.type == "cpu" else 8
     for t in range(R):
-        # 2. choose the next token of every active row; record its log-prob
+        # 2. choose the next token of every row in the batch; record its log-prob
         logp = torch.log_softmax(logits / temperature, dim=-1)  # (A, V)
         if greedy:
             token = logits.argmax(-1)
@@ -143,28 +174,32 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
             filtering = bool(cfg.top_k) or cfg.top_p < 1.0
             probs = _filter_logits(logp, cfg.top_k, cfg.top_p).softmax(-1) if filtering else logp.exp()
             token = _sample_categorical(probs, generator)  # (A,)
+        token = token.masked_fill(done, pad)  # a row that ended keeps pad after its EOS
         response_ids[active, t] = token
-        logprobs[active, t] = logp.gather(1, token[:, None]).squeeze(1)
-        width = t + 1
-        # 3. rows that produced EOS are done; drop them from the batch and the cache
-        is_eos = torch.isin(token, eos)  # (A,)
-        if is_eos.any():
-            lengths[active[is_eos]] = t + 1
-            ended[active[is_eos]] = True
-            keep = (~is_eos).nonzero().squeeze(1)
-            if keep.numel() == 0:
-                break
-            active, token, mask, next_pos = active[keep], token[keep], mask[keep], next_pos[keep]
-            cache.batch_select_indices(keep)
+        logprobs[active, t] = logp.gather(1, token[:, None]).squeeze(1)  # masked below where done
+        # 3. rows that produced EOS are done; every check_every tokens they leave the batch and the
+        # cache (the only host synchronisation of the loop)
+        is_eos = torch.isin(token, eos) & ~done  # (A,)
+        lengths[active] = torch.where(is_eos, t + 1, lengths[active])
+        ended[active] |= is_eos
+        done = done | is_eos
         if t == R - 1:
             break
-        # 4. one decoding step for the rows still running
+        if (t + 1) % check_every == 0:
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            if keep.numel() < done.numel():
+                active, token, mask, next_pos, done = active[keep], token[keep], mask[keep], next_pos[keep], done[keep]
+                cache.batch_select_indices(keep)
+        # 4. one decoding step for the rows in the batch
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                     use_cache=True, **{cache_kw: cache})
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
 
+    width = int(lengths.max()) if B else 0  # the longest response: the loop ran at least that far
     response_ids, logprobs = response_ids[:, :width], logprobs[:, :width]
     response_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()  # (B, R)
     logprobs = logprobs * response_mask

@@ -21,10 +21,11 @@ DATA = Path(__file__).resolve().parents[1] / "store" / "data"
 PROMPTS = ["hello there, how are you today?", "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: what?\n\nAssistant:", "a"]
 
 
-def _sample(model, tokenizer, cfg, prompts=PROMPTS, n=8, seed=0):
+def _sample(model, tokenizer, cfg, prompts=PROMPTS, n=8, seed=0, check_every=None):
     ids, mask = encode_prompts(tokenizer, prompts)
     return sample(model, ids, mask, cfg, num_samples=n, generator=torch.Generator().manual_seed(seed),
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  check_every=check_every)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -80,9 +81,29 @@ def test_categorical_sampling_matches_the_distribution():
     assert first[1] == 0 and (tokens[1::2] == 3).all()  # zero-probability tokens never drawn
 
 
-def test_sample_shapes_and_eos_masking(tiny_model, tiny_tokenizer):
+def test_blocked_categorical_sampling_picks_the_float64_tokens():
+    # the GPU form (float64 over block totals, float32 inside a block) against the float64 cumsum,
+    # with the same uniforms: a vocabulary of 5000 with filtered (0) and tiny (1e-9) entries
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4000, 5000, generator=g) * 3
+    logits[:, ::7] = float("-inf")
+    probs = logits.softmax(-1)
+    probs[:, 1::11] = 1e-9
+    probs = probs / probs.sum(-1, keepdim=True)
+    exact = _sample_categorical(probs, torch.Generator().manual_seed(5), blocked=False)
+    blocked = _sample_categorical(probs, torch.Generator().manual_seed(5), blocked=True, block=256)
+    assert (exact == blocked).float().mean() == 1.0
+    assert (probs.gather(1, blocked[:, None]) > 0).all()
+    one_hot = torch.zeros(3, 3000)
+    one_hot[0, 0], one_hot[1, 2999], one_hot[2, 1500] = 1.0, 1.0, 1.0  # first, last, a block boundary
+    assert _sample_categorical(one_hot, None, blocked=True, block=500).tolist() == [0, 2999, 1500]
+
+
+@pytest.mark.parametrize("check_every", [None, 5])
+def test_sample_shapes_and_eos_masking(tiny_model, tiny_tokenizer, check_every):
+    # check_every 5: finished rows stay in the batch (masked) up to 4 tokens, as on a GPU
     cfg = GenerateConfig(temperature=1.0, max_new_tokens=48)
-    out = _sample(tiny_model, tiny_tokenizer, cfg, n=24)
+    out = _sample(tiny_model, tiny_tokenizer, cfg, n=24, check_every=check_every)
     B, R, P = 3 * 24, out.response_ids.shape[1], out.prompt_length
     assert out.response_ids.shape == out.response_mask.shape == out.logprobs.shape == (B, R)
     assert out.sequences.shape == out.attention_mask.shape == (B, P + R)
@@ -113,10 +134,14 @@ def test_eos_masking_when_pad_is_eos():
     assert "eos" in out.finish_reason
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (20, 0.9)])
-def test_logprobs_match_a_separate_forward_pass(tiny_model, tiny_tokenizer, top_k, top_p):
-    cfg = GenerateConfig(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=24)
-    out = _sample(tiny_model, tiny_tokenizer, cfg, n=4)
+@pytest.mark.parametrize("top_k,top_p,check_every", [(0, 1.0, None), (20, 0.9, None), (0, 1.0, 3)])
+def test_logprobs_match_a_separate_forward_pass(tiny_model, tiny_tokenizer, top_k, top_p, check_every):
+    # check_every 3: rows that ended stay in the batch a while; more samples so that some end
+    cfg = GenerateConfig(temperature=0.7 if check_every is None else 1.0, top_k=top_k, top_p=top_p,
+                         max_new_tokens=24 if check_every is None else 48)
+    out = _sample(tiny_model, tiny_tokenizer, cfg, n=4 if check_every is None else 16, check_every=check_every)
+    if check_every is not None:
+        assert "eos" in out.finish_reason and "length" in out.finish_reason
     with torch.no_grad():
         logits = causal_lm_logits(tiny_model, out.sequences, out.attention_mask)  # (B, P+R, V)
     P = out.prompt_length
@@ -138,6 +163,11 @@ def test_greedy_and_top_k_1_agree_and_repeat(tiny_model, tiny_tokenizer):
     top1 = _sample(tiny_model, tiny_tokenizer, GenerateConfig(temperature=1.0, top_k=1, max_new_tokens=12), n=3)
     assert torch.equal(greedy.response_ids, top1.response_ids)
     assert torch.equal(greedy.response_ids[0], greedy.response_ids[2])  # K samples of one prompt
+    for check_every in (4, 100):  # finished rows dropped every 4 tokens, or never: the same result
+        late = _sample(tiny_model, tiny_tokenizer, GenerateConfig(temperature=0.0, max_new_tokens=12), n=3,
+                       check_every=check_every)
+        assert torch.equal(late.sequences, greedy.sequences) and late.finish_reason == greedy.finish_reason
+        torch.testing.assert_close(late.logprobs, greedy.logprobs, atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------- K responses per prompt
