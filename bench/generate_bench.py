@@ -13,6 +13,10 @@ Duplicate re-sampling is off for the comparison (max_resample=0).
 
     python bench/generate_bench.py            # default model, 4 rounds of 8 prompts x K=4, 64 tokens
     python bench/generate_bench.py --quick    # 3 rounds of 4 prompts x K=4, 32 tokens
+    python bench/generate_bench.py --model FOLDER --device cuda --prompts-per-batch 16   # batch 64 on a GPU
+
+The ratios printed are those of the tokens/s the table shows (all rounds' tokens over all rounds'
+seconds), with the per-round ratios' range beside them.
 """
 
 from __future__ import annotations
@@ -127,27 +131,31 @@ def main() -> None:
     def total(name: str, i: int) -> float:
         return sum(run[name][i] for run in runs)
 
-    def median_ratio(name: str, i: int) -> float:
-        """Median over rounds of (ours tokens/s) / (name tokens/s): robust to a round hit by load."""
-        ratios = sorted((run["ours"][0] / run["ours"][i]) / (run[name][0] / run[name][i]) for run in runs)
-        return ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1 : len(ratios) // 2 + 1]) / 2
+    def round_ratios(name: str, i: int) -> list[float]:
+        """Per round: (ours tokens/s) / (name tokens/s); their range shows how much load moved them."""
+        return [(run["ours"][0] / run["ours"][i]) / (run[name][0] / run[name][i]) for run in runs]
 
     device = next(model.parameters()).device
     print(f"\nmodel={args.model} device={device} threads={args.threads} batch={n} prompts x K={args.k} "
           f"max_new_tokens={args.max_new_tokens} temperature={cfg.temperature} rounds={args.rounds}")
     print(f"{'method':<24}{'tokens':>7}{'wall s':>8}{'tok/s':>7}{'cpu s':>8}{'tok/cpu-s':>10}"
-          f"{'ours/this (wall)':>18}{'ours/this (cpu)':>17}")
-    rate = {}
+          f"{'ours/this (wall)':>18}{'ours/this (cpu)':>17}{'per-round range (wall)':>24}")
+    rate, cpu_rate = {}, {}
     for name in methods:
         tok, wall, cpu = total(name, 0), total(name, 1), total(name, 2)
-        rate[name] = tok / wall
-        print(f"{name:<24}{tok:>7.0f}{wall:>8.1f}{tok / wall:>7.1f}{cpu:>8.1f}{tok / cpu:>10.1f}"
-              f"{median_ratio(name, 1):>17.2f}x{median_ratio(name, 2):>16.2f}x")
-    print("(ratios: median over rounds of the per-round tokens/s ratio)")
+        rate[name], cpu_rate[name] = tok / wall, tok / cpu
+    for name in methods:
+        tok, wall, cpu = total(name, 0), total(name, 1), total(name, 2)
+        rr = round_ratios(name, 1)
+        print(f"{name:<24}{tok:>7.0f}{wall:>8.1f}{rate[name]:>7.1f}{cpu:>8.1f}{cpu_rate[name]:>10.1f}"
+              f"{rate['ours'] / rate[name]:>17.2f}x{cpu_rate['ours'] / cpu_rate[name]:>16.2f}x"
+              f"{min(rr):>17.2f}-{max(rr):.2f}x")
+    print("(ratios: the table's tokens/s over all rounds, ours over this; the range: the same ratio round by round)")
     hf, hf_lp = "hf generate", "hf generate + logprobs"
-    print(f"RESULT generate ours_tok_s={rate['ours']:.1f} hf_tok_s={rate[hf]:.1f} ratio={median_ratio(hf, 1):.2f} "
-          f"cpu_ratio={median_ratio(hf, 2):.2f} hf_logprobs_tok_s={rate[hf_lp]:.1f} "
-          f"ratio_logprobs={median_ratio(hf_lp, 1):.2f}")
+    print(f"RESULT generate ours_tok_s={rate['ours']:.1f} hf_tok_s={rate[hf]:.1f} ratio={rate['ours'] / rate[hf]:.2f} "
+          f"ratio_min={min(round_ratios(hf, 1)):.2f} ratio_max={max(round_ratios(hf, 1)):.2f} "
+          f"cpu_ratio={cpu_rate['ours'] / cpu_rate[hf]:.2f} hf_logprobs_tok_s={rate[hf_lp]:.1f} "
+          f"ratio_logprobs={rate['ours'] / rate[hf_lp]:.2f} rounds={args.rounds} batch={n * args.k} device={device.type}")
 
 
 if __name__ == "__main__":

@@ -1,25 +1,41 @@
 """Our PPO (pipeline/train_ppo.py) against TRL's PPOTrainer (trl==1.12.0, `trl.experimental.ppo`).
 
-    python bench/ppo_bench.py            # SmolLM2-135M, batch 16, 48 new tokens, 2 PPO epochs, 5 steps
-    python bench/ppo_bench.py --quick    # batch 8, 32 new tokens, 1 epoch, 3 steps (a few minutes)
-    python bench/ppo_bench.py --device cuda   # bf16 autocast on a GPU
+    python bench/ppo_bench.py            # SmolLM2-135M, batch 16, 48 new tokens, 2 PPO epochs, 5 steps, 3 reps
+    python bench/ppo_bench.py --quick    # batch 8, 32 new tokens, 1 epoch, 3 steps, 3 reps (about 10 minutes)
+    python bench/ppo_bench.py --device cuda --model FOLDER --json out.json   # bf16 on a GPU (bench/gpu_check.py)
 
-Both run one after the other, each in its own child process (so each peak-memory figure is its
-own), with the same: policy (the default SmolLM2-135M-Instruct, LoRA r16 on all linear layers),
-reward model (the same backbone and scalar head, saved once), critic (starting as that reward
-model; `--critic lora` (default): the same LoRA setting, TRL's value model wrapped with peft by
-hand since TRL's peft_config covers the policy only; `--critic full`: fully trained, TRL's default
-arrangement), prompts (the bundled pool, store/data/prompts.jsonl, with the same chat template), batch size,
+Each run is its own child process (so each peak-memory figure is its own), with the same: policy
+(the default SmolLM2-135M-Instruct or --model, LoRA r16 on all linear layers), reward model (the
+same backbone and scalar head, saved once), critic (starting as that reward model; `--critic lora`
+(default): the same LoRA setting, TRL's value model wrapped with peft by hand since TRL's
+peft_config covers the policy only; `--critic full`: fully trained, TRL's default arrangement),
+prompts (the bundled pool, store/data/prompts.jsonl, with the same chat template), batch size,
 minibatches, micro-batch size, response length, PPO epochs, temperature, fixed KL coefficient,
 missing-EOS penalty, precision and threads.
 Differences left as each library has them: TRL takes one learning rate for policy and critic and,
 with gradient accumulation over minibatches, steps its optimiser once per epoch; gradient
 checkpointing is turned off in TRL (its default is on) because ours does not checkpoint.
 
-Figures: episodes/s over the measured steps (the first step is a warm-up and is left out when
-there are 3 or more), seconds per step split into rollout (sampling, reference, critic, reward,
-advantages) and update (the PPO epochs), and peak memory (RSS on CPU; max allocated on CUDA).
-Requires `pip install trl==1.12.0` (the `bench` extra).
+Timing, the same span on both sides: a step runs from the end of the previous step (ours: its
+status.json update; TRL: `on_step_end`, the first step from `on_train_begin`) to its own end, so
+everything a step does (ours: merging LoRA for sampling, metrics; TRL: gc, empty_cache, data
+loading, logging) is inside it. The update is the PPO epochs (ours: the loop's own `time/update`;
+TRL: from the first policy-and-value forward to the step end); the rollout is the rest of the step.
+The first step is a warm-up and is left out when there are 3 or more.
+Repetitions: --reps runs of each side, the order alternating (ours first, then TRL first, ...), so
+load changes on a shared machine hit both alike; each figure is printed as the median over the
+repetitions with its range (min-max), and the ratio as the ratio of the medians with the range of
+the per-repetition ratios (each repetition's pair run back to back).
+
+Update FLOPs (the same count for both sides): 6 x parameters x tokens for forward and backward,
+plus the attention term 12 x layers x hidden x sequence length per token (PaLM, Chowdhery et al.
+2022, appendix B), for the policy (with its LM head) and the critic, over prompt + response tokens
+(the prompt pool's mean prompt length) x batch x PPO epochs. With LoRA the frozen weights get no
+weight gradients, so the hardware does about 2/3 of this; the figure is the usual model-FLOPs
+convention, not a count of the kernels run.
+
+Figures: episodes/s, seconds per step split into rollout and update, peak memory (RSS on CPU; max
+allocated on CUDA) and achieved update TFLOP/s. Requires `pip install trl==1.12.0` (the `bench` extra).
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "store" / "data" / "prompts.jsonl"  # the app's bundled pool (license: store/data/LICENSE.md)
 OUT = ROOT / "bench" / "out" / "ppo"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def settings(args) -> dict:
@@ -47,75 +65,124 @@ def settings(args) -> dict:
             s[key] = getattr(args, key)
     return {**s, "temperature": 0.7, "lr": 1e-5, "kl_coef": 0.05, "missing_eos_penalty": 1.0, "lora_r": 16,
             "lora_alpha": 32, "critic": args.critic, "device": args.device, "threads": args.threads,
-            "n_prompts": args.n_prompts, "seed": 0}
+            "n_prompts": args.n_prompts, "seed": 0, "model": args.model, "work": str(Path(args.work).resolve())}
 
 
 # --------------------------------------------------------------------------- shared inputs
 
 
 def prepare(s: dict) -> dict:
-    """The base model folder, a reward model folder (full backbone, seeded head) and a prompts file."""
+    """The base model folder, a reward model folder (full backbone, seeded head), a LoRA critic
+    starting as that reward model, and a prompts file; made once per model and device."""
     import torch
 
     from pipeline.config import ModelConfig
     from pipeline.models import default_model_dir, load_scalar_model, save_scalar_model
 
-    base = default_model_dir()
-    OUT.mkdir(parents=True, exist_ok=True)
-    rm_dir, critic_dir = OUT / "reward_model", OUT / "critic_lora"
+    base = default_model_dir() if s["model"] == "default" else Path(s["model"]).resolve()
+    out = Path(s["work"])
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "default" if s["model"] == "default" else base.name
+    # bf16 folders on a GPU (what the runs load), fp32 on CPU
+    rm_dir, critic_dir = out / f"reward_model-{tag}-{s['device']}", out / f"critic_lora-{tag}-{s['device']}"
     if not (rm_dir / "model_meta.json").is_file():
         torch.manual_seed(0)
-        rm, tok = load_scalar_model("default", kind="reward", cfg=ModelConfig(device="cpu", dtype="fp32", lora=False))
+        rm, tok = load_scalar_model(str(base), kind="reward",
+                                    cfg=ModelConfig(device=s["device"], dtype="auto", lora=False))
         save_scalar_model(rm, tok, rm_dir)
+        del rm
     if not (critic_dir / "model_meta.json").is_file():
         # a LoRA critic on the same backbone with the reward model's head: starts equal to the RM
         from safetensors.torch import load_file
 
-        lora_cfg = ModelConfig(device="cpu", dtype="fp32", lora=True, lora_r=s["lora_r"], lora_alpha=s["lora_alpha"])
-        critic, tok = load_scalar_model("default", kind="critic", cfg=lora_cfg)
-        critic.head.load_state_dict(load_file(str(rm_dir / "scalar_head.safetensors")))
+        lora_cfg = ModelConfig(device=s["device"], dtype="auto", lora=True, lora_r=s["lora_r"],
+                               lora_alpha=s["lora_alpha"])
+        critic, tok = load_scalar_model(str(base), kind="critic", cfg=lora_cfg)
+        critic.head.load_state_dict(load_file(str(rm_dir / "scalar_head.safetensors"), device=s["device"]))
         save_scalar_model(critic, tok, critic_dir)
+        del critic
     if not PROMPTS.is_file():
         raise SystemExit(f"{PROMPTS} is missing: the bench needs the bundled prompts file")
-    prompts = OUT / "prompts.jsonl"
+    prompts = out / "prompts.jsonl"
     lines = PROMPTS.read_text(encoding="utf-8").splitlines()[: s["n_prompts"]]
     prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {"base": str(base), "reward_model": str(rm_dir), "prompts": str(prompts),
             "critic_init": str(critic_dir if s["critic"] == "lora" else rm_dir)}
 
 
+def update_flops(base: str, prompts: str, s: dict) -> dict:
+    """Model FLOPs of one step's update (module docstring), from the model's config and the prompt
+    pool's mean prompt length; the same count is used for both sides."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.models import load_tokenizer
+    from pipeline.text import prompt_token_ids, read_prompts
+
+    config = AutoConfig.from_pretrained(base)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embed = model.get_input_embeddings().weight.numel()
+    params = sum(p.numel() for p in model.parameters())
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    body = params - embed - (0 if tied else model.get_output_embeddings().weight.numel())  # the decoder layers
+    lm_head = config.vocab_size * config.hidden_size
+    tokenizer = load_tokenizer(base)
+    lengths = [len(prompt_token_ids(tokenizer, r["prompt"], 512)) for r in read_prompts(prompts)]
+    seq = sum(lengths) / len(lengths) + s["max_new_tokens"]
+    attention = 12 * config.num_hidden_layers * config.hidden_size * seq  # per token, forward + backward
+    per_token = 6 * (body + lm_head) + attention + 6 * body + attention  # policy, then critic
+    tokens = s["batch_size"] * seq * s["ppo_epochs"]
+    return {"update_flops": per_token * tokens, "params_policy": body + lm_head + embed * (not tied),
+            "prompt_tokens_mean": seq - s["max_new_tokens"], "sequence_tokens_mean": seq}
+
+
 class Marks:
-    """Wall and process-CPU time at step start, update start and step end. CPU seconds (all threads
-    of the process) are what a step costs when the machine is shared; wall seconds what it takes."""
+    """Wall and process-CPU time at each step end (and the start); the update start when a hook
+    sees it. CPU seconds (all threads of the process) are what a step costs when the machine is
+    shared; wall seconds what it takes."""
 
-    def __init__(self):
-        self.rows: list[tuple[float, float, float, float]] = []  # rollout wall, update wall, rollout cpu, update cpu
-        self.start = self.mid = None
+    def __init__(self, device: str):
+        self.ends: list[tuple[float, float]] = []
+        self.update_starts: list[tuple[float, float] | None] = []
+        self.cuda = device == "cuda"
 
-    @staticmethod
-    def now() -> tuple[float, float]:
+    def now(self) -> tuple[float, float]:
+        if self.cuda:  # kernels still queued belong to the step that queued them
+            import torch
+
+            torch.cuda.synchronize()
         return time.perf_counter(), time.process_time()
 
-    def step_start(self) -> None:
-        self.start, self.mid = self.now(), None
+    def step_end(self) -> None:
+        self.ends.append(self.now())
+        self.update_starts.append(None)
 
     def update_start(self) -> None:
-        if self.start is not None and self.mid is None:
-            self.mid = self.now()
+        if self.ends and self.update_starts[-1] is None:
+            self.update_starts[-1] = self.now()
 
-    def step_end(self) -> None:
-        end = self.now()
-        (ws, cs), (wm, cm) = self.start, self.mid
-        self.rows.append((wm - ws, end[0] - wm, cm - cs, end[1] - cm))
-        self.start, self.mid = end, None
+    def steps(self) -> list[dict]:
+        """Per step: wall and cpu seconds of the whole step and of its update (when marked)."""
+        out = []
+        for i in range(1, len(self.ends)):
+            (w0, c0), (w1, c1), mid = self.ends[i - 1], self.ends[i], self.update_starts[i - 1]
+            row = {"wall": w1 - w0, "cpu": c1 - c0}
+            if mid is not None:
+                row["update_wall"], row["update_cpu"] = w1 - mid[0], c1 - mid[1]
+            out.append(row)
+        return out
 
-    def summary(self, batch_size: int) -> dict:
-        rows = measured(self.rows)
-        n = len(rows)
-        mean = [sum(r[i] for r in rows) / n for i in range(4)]
-        return {"eps": batch_size / (mean[0] + mean[1]), "eps_cpu": batch_size / (mean[2] + mean[3]),
-                "rollout_s": mean[0], "update_s": mean[1], "rollout_cpu_s": mean[2], "update_cpu_s": mean[3],
-                "steps_measured": n}
+
+def summary(steps: list[dict], batch_size: int) -> dict:
+    rows = measured(steps)
+    if not rows:
+        raise RuntimeError("no step was timed: the timing hooks saw no step end")
+    n = len(rows)
+    wall, cpu = sum(r["wall"] for r in rows) / n, sum(r["cpu"] for r in rows) / n
+    update, update_cpu = sum(r["update_wall"] for r in rows) / n, sum(r["update_cpu"] for r in rows) / n
+    return {"eps": batch_size / wall, "eps_cpu": batch_size / cpu, "step_s": wall, "rollout_s": wall - update,
+            "update_s": update, "rollout_cpu_s": cpu - update_cpu, "update_cpu_s": update_cpu, "steps_measured": n}
 
 
 def measured(steps: list) -> list:
@@ -138,7 +205,7 @@ def run_ours(s: dict, inputs: dict) -> dict:
     import pipeline.train_ppo as tp
     from pipeline.config import ModelConfig, PPOConfig
 
-    run_dir = OUT / "ours_run"
+    run_dir = Path(s["work"]) / "ours_run"
     if run_dir.exists():
         import shutil
 
@@ -150,33 +217,31 @@ def run_ours(s: dict, inputs: dict) -> dict:
                     forward_batch_size=s["batch_size"], sample_every=0, seed=s["seed"])
     model_cfg = ModelConfig(model=inputs["base"], lora=True, lora_r=s["lora_r"], lora_alpha=s["lora_alpha"],
                             device=s["device"], dtype="auto")
-    # step start = sampling; update start = the first policy forward of phase 7 (the rollout's
-    # forwards go through pipeline.rollout, not this module's name); step end = status.json update
-    marks = Marks()
-    sample, response_logits, write = tp.sample, tp.response_logits, tp.write_status
+    # a step ends when the loop writes status.json 'running' (also written once before the first step)
+    marks = Marks(s["device"])
+    write = tp.write_status
 
-    def timed_sample(*a, **k):
-        marks.step_start()
-        return sample(*a, **k)
-
-    def timed_logits(*a, **k):
-        marks.update_start()
-        return response_logits(*a, **k)
-
-    def timed_write(out, state, step, *a, **k):
-        if state == "running" and marks.start is not None:
+    def timed_write(out, state, *a, **k):
+        if state == "running":
             marks.step_end()
-        return write(out, state, step, *a, **k)
+        return write(out, state, *a, **k)
 
-    tp.sample, tp.response_logits, tp.write_status = timed_sample, timed_logits, timed_write
+    tp.write_status = timed_write
     tp.train(cfg, model_cfg, prompts=inputs["prompts"], reward=inputs["reward_model"], out_dir=run_dir,
              critic_init=inputs["critic_init"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    out = marks.summary(s["batch_size"])
+    steps = marks.steps()
+    if len(steps) != len(rows):
+        raise RuntimeError(f"timed {len(steps)} steps but metrics.jsonl has {len(rows)}")
+    for step, row in zip(steps, rows):  # the loop's own update time (phase 7), CPU time in proportion
+        step["update_wall"] = row["time/update"]
+        step["update_cpu"] = step["cpu"] * row["time/update"] / step["wall"]
+    out = summary(steps, s["batch_size"])
     out["reward"] = rows[-1]["objective/rlhf_reward"]
     out["kl"] = rows[-1]["objective/kl"]
-    steps = measured(rows)
-    out["phases"] = {k: sum(r[f"time/{k}"] for r in steps) / len(steps) for k in ("sample", "forwards", "score")}
+    out["response_tokens"] = rows[-1]["gen/length_mean"]
+    kept = measured(rows)
+    out["phases"] = {k: sum(r[f"time/{k}"] for r in kept) / len(kept) for k in ("sample", "forwards", "score")}
     return out
 
 
@@ -217,14 +282,13 @@ def run_trl(s: dict, inputs: dict) -> dict:
         model.config.pad_token_id = tokenizer.pad_token_id
         return model
 
-    lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     reward_model = scalar(low)
     if s["critic"] == "lora":  # TRL's peft_config covers the policy only: the value model is wrapped here
         from peft import get_peft_model
 
         value_model = get_peft_model(scalar(low), LoraConfig(
             r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0, task_type="SEQ_CLS",
-            target_modules=lora_targets, modules_to_save=["score"]))
+            target_modules=LORA_TARGETS, modules_to_save=["score"]))
         for p in value_model.parameters():  # fp32 trainable parameters over a low-precision base, as ours
             if p.requires_grad:
                 p.data = p.data.float()
@@ -232,7 +296,7 @@ def run_trl(s: dict, inputs: dict) -> dict:
         value_model = scalar(torch.float32)  # fully trained: fp32 master weights, as ours
     n_micro = s["batch_size"] // s["micro_batch_size"]
     args = TRLConfig(
-        output_dir=str(OUT / "trl_run"), per_device_train_batch_size=s["micro_batch_size"],
+        output_dir=str(Path(s["work"]) / "trl_run"), per_device_train_batch_size=s["micro_batch_size"],
         gradient_accumulation_steps=n_micro, num_mini_batches=s["batch_size"] // s["mini_batch_size"],
         total_episodes=s["steps"] * s["batch_size"], num_ppo_epochs=s["ppo_epochs"],
         local_rollout_forward_batch_size=s["batch_size"], response_length=s["max_new_tokens"],
@@ -242,14 +306,14 @@ def run_trl(s: dict, inputs: dict) -> dict:
         num_sample_generations=0, seed=s["seed"], disable_tqdm=True,
     )
     peft_config = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0, task_type="CAUSAL_LM",
-                             target_modules=lora_targets)
+                             target_modules=LORA_TARGETS)
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=None,
                          reward_model=reward_model, train_dataset=train_ds, value_model=value_model,
                          eval_dataset=eval_ds, peft_config=peft_config)
 
-    # Rollout/update split: the policy-and-value wrapper's forward runs only in the PPO epochs, so its
-    # first call in a step ends the rollout; on_step_end ends the step (and starts the next).
-    marks = Marks()
+    # the policy-and-value wrapper's forward runs only in the PPO epochs, so its first call in a
+    # step starts the update; on_step_end ends the step (on_train_begin starts the first)
+    marks = Marks(s["device"])
     history: list[dict] = []
     wrapper_forward = trl_ppo.PolicyAndValueWrapper.forward
 
@@ -261,7 +325,7 @@ def run_trl(s: dict, inputs: dict) -> dict:
 
     class Timer(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            marks.step_start()
+            marks.step_end()
 
         def on_step_end(self, *a, **k):
             marks.step_end()
@@ -271,7 +335,7 @@ def run_trl(s: dict, inputs: dict) -> dict:
 
     trainer.add_callback(Timer())
     trainer.train()
-    out = marks.summary(s["batch_size"])
+    out = summary(marks.steps()[: s["steps"]], s["batch_size"])
     last = next((entry for entry in reversed(history) if "objective/rlhf_reward" in entry), {})
     out["reward"] = float(last.get("objective/rlhf_reward", float("nan")))
     out["kl"] = float(last.get("objective/kl", float("nan")))
@@ -292,14 +356,42 @@ def child(which: str, s: dict, inputs: dict) -> None:
     print("CHILD_RESULT " + json.dumps(result), flush=True)
 
 
+def run_child(which: str, inputs: dict, argv: list[str]) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", which] + argv
+    pythonpath = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    env = {**os.environ, "PPO_BENCH_INPUTS": json.dumps(inputs), "PYTHONPATH": pythonpath,
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
+        raise SystemExit(f"the {which} run failed (exit {proc.returncode})")
+    print(f"{which}: done in {time.time() - t0:.0f}s", flush=True)
+    return json.loads(lines[-1][len("CHILD_RESULT "):])
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def fmt(values: list[float], digits: int = 3) -> str:
+    med, lo, hi = spread(values)
+    return f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]" if len(values) > 1 else f"{med:.{digits}f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small settings: a few minutes on 2 CPU cores")
+    parser.add_argument("--quick", action="store_true", help="small settings: about 10 minutes on 2 CPU cores")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", default="default",
+                        help="'default' (SmolLM2-135M-Instruct) or a Hugging Face model folder")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in both runs")
     parser.add_argument("--critic", choices=["lora", "full"], default="lora",
                         help="critic: LoRA (the same LoRA setting as the policy; TRL's value model wrapped with "
                              "peft) or fully trained (TRL's default arrangement)")
+    parser.add_argument("--reps", type=int, default=3, help="runs of each side, the order alternating")
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--batch-size", dest="batch_size", type=int, default=0)
     parser.add_argument("--mini-batch-size", dest="mini_batch_size", type=int, default=0)
@@ -308,6 +400,8 @@ def main() -> int:
     parser.add_argument("--ppo-epochs", dest="ppo_epochs", type=int, default=0)
     parser.add_argument("--n-prompts", dest="n_prompts", type=int, default=256)
     parser.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side only")
+    parser.add_argument("--work", default=str(OUT), help="folder for the shared inputs and the run folders")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -317,39 +411,56 @@ def main() -> int:
         return 0
 
     inputs = prepare(s)
+    flops = update_flops(inputs["base"], inputs["prompts"], s)
     print(f"settings: {json.dumps(s)}", flush=True)
-    results = {}
-    for which in ([args.only] if args.only else ["ours", "trl"]):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", which] + sys.argv[1:]
-        env = {**os.environ, "PPO_BENCH_INPUTS": json.dumps(inputs), "PYTHONPATH": str(ROOT),
-               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        t0 = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD_RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
-            raise SystemExit(f"the {which} run failed (exit {proc.returncode})")
-        results[which] = json.loads(lines[-1][len("CHILD_RESULT "):])
-        print(f"{which}: done in {time.time() - t0:.0f}s", flush=True)
+    sides = [args.only] if args.only else ["ours", "trl"]
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for rep in range(args.reps):
+        for which in (sides if rep % 2 == 0 else sides[::-1]):  # alternate who goes first
+            print(f"rep {rep + 1}/{args.reps}: ", end="", flush=True)
+            runs[which].append(run_child(which, inputs, sys.argv[1:]))
 
-    print(f"\n{'':6}{'episodes/s':>11}{'eps (cpu)':>10}{'rollout s':>10}{'update s':>9}{'rollout cpu':>12}"
-          f"{'update cpu':>11}{'peak MB':>9}{'reward':>8}{'KL':>8}")
-    for which, r in results.items():
-        print(f"{which:6}{r['eps']:11.3f}{r['eps_cpu']:10.3f}{r['rollout_s']:10.2f}{r['update_s']:9.2f}"
-              f"{r['rollout_cpu_s']:12.2f}{r['update_cpu_s']:11.2f}{r['peak_mb']:9.0f}{r['reward']:8.3f}{r['kl']:8.3f}")
-    if "phases" in results.get("ours", {}):
-        print("ours, rollout phases (s per step): " + ", ".join(f"{k} {v:.2f}" for k, v in results["ours"]["phases"].items()))
-    if len(results) == 2:
-        ours, trl = results["ours"], results["trl"]
+    def col(which: str, key: str) -> list[float]:
+        return [r[key] for r in runs[which]]
+
+    for which in sides:
+        for r in runs[which]:
+            r["update_tflops_s"] = flops["update_flops"] / r["update_s"] / 1e12
+    print(f"\n{args.reps} repetitions, order alternating; median [min-max]; update FLOPs per step "
+          f"{flops['update_flops'] / 1e12:.3f} TFLOP ({flops['sequence_tokens_mean']:.0f} tokens per episode)")
+    print(f"{'':6}{'episodes/s':>26}{'rollout s':>22}{'update s':>22}{'peak MB':>20}{'update TFLOP/s':>26}")
+    for which in sides:
+        print(f"{which:6}{fmt(col(which, 'eps')):>26}{fmt(col(which, 'rollout_s'), 2):>22}"
+              f"{fmt(col(which, 'update_s'), 2):>22}{fmt(col(which, 'peak_mb'), 0):>20}"
+              f"{fmt(col(which, 'update_tflops_s'), 4):>26}")
+    if "ours" in runs:
+        ph = runs["ours"][0]["phases"]
+        print("ours, rollout phases of the first repetition (s per step): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
+    result = {"settings": s, "flops": flops, "runs": runs}
+    if len(sides) == 2:
+        med = {w: {k: statistics.median(col(w, k)) for k in ("eps", "eps_cpu", "rollout_s", "update_s",
+                                                              "update_tflops_s")} for w in sides}
+        peak = {w: max(col(w, "peak_mb")) for w in sides}
+        ours, trl = med["ours"], med["trl"]
         ratio, ratio_cpu = ours["eps"] / trl["eps"], ours["eps_cpu"] / trl["eps_cpu"]
-        mem = ours["peak_mb"] / trl["peak_mb"]
-        print(f"\nours / TRL: episodes/s x{ratio:.2f} (wall), x{ratio_cpu:.2f} (CPU time); rollout "
-              f"x{trl['rollout_s'] / ours['rollout_s']:.2f} faster, update x{trl['update_s'] / ours['update_s']:.2f} "
-              f"faster; peak memory x{mem:.2f}")
-        print(f"RESULT ppo ours_eps={ours['eps']:.3f} trl_eps={trl['eps']:.3f} ratio={ratio:.2f} "
-              f"ratio_cpu={ratio_cpu:.2f} ours_rollout_s={ours['rollout_s']:.2f} trl_rollout_s={trl['rollout_s']:.2f} "
-              f"ours_update_s={ours['update_s']:.2f} trl_update_s={trl['update_s']:.2f} "
-              f"ours_peak_mb={ours['peak_mb']:.0f} trl_peak_mb={trl['peak_mb']:.0f} device={s['device']}")
+        per_rep = [a["eps"] / b["eps"] for a, b in zip(runs["ours"], runs["trl"])]
+        print(f"\nours / TRL: episodes/s x{ratio:.2f} (ratio of medians; per repetition {min(per_rep):.2f}-"
+              f"{max(per_rep):.2f}), x{ratio_cpu:.2f} (CPU time); rollout x{trl['rollout_s'] / ours['rollout_s']:.2f} "
+              f"faster, update x{trl['update_s'] / ours['update_s']:.2f} faster; peak memory x{peak['ours'] / peak['trl']:.2f}")
+        line = (f"RESULT ppo ours_eps={ours['eps']:.3f} ours_eps_min={min(col('ours', 'eps')):.3f} "
+                f"ours_eps_max={max(col('ours', 'eps')):.3f} trl_eps={trl['eps']:.3f} "
+                f"trl_eps_min={min(col('trl', 'eps')):.3f} trl_eps_max={max(col('trl', 'eps')):.3f} "
+                f"ratio={ratio:.2f} ratio_min={min(per_rep):.2f} ratio_max={max(per_rep):.2f} ratio_cpu={ratio_cpu:.2f} "
+                f"ours_rollout_s={ours['rollout_s']:.2f} trl_rollout_s={trl['rollout_s']:.2f} "
+                f"ours_update_s={ours['update_s']:.2f} trl_update_s={trl['update_s']:.2f} "
+                f"ours_peak_mb={peak['ours']:.0f} trl_peak_mb={peak['trl']:.0f} "
+                f"ours_update_tflops_s={ours['update_tflops_s']:.4f} trl_update_tflops_s={trl['update_tflops_s']:.4f} "
+                f"reps={args.reps} device={s['device']}")
+        print(line)
+        result.update(median=med, peak_mb=peak, ratio=ratio, ratio_per_rep=per_rep, result_line=line)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -6,8 +6,16 @@ pairs as tokenised by pipeline.reward_data: chat template, left truncation of th
 pairs per optimiser step by default: 8 pairs of 512 tokens in one pass need about 20 GB of
 activations on CPU), one epoch, learning rate and linear decay, LoRA settings, precision and
 threads. Each trainer runs in its own subprocess, one after the
-other, so peak RSS is each one's own. Held-out accuracy: both models score the same held-out
-pairs (split by prompt) at the EOS token of prompt+response.
+other, so peak RSS is each one's own; --rounds repeats them, the order rotating each round, and
+pairs/s is printed as the median over rounds with its range. Held-out accuracy: both models score
+the same held-out pairs (split by prompt) at the EOS token of prompt+response, printed only with
+its 95% interval (Wilson score; on 400 pairs it is about +-5 points, on the quick mode's 16 about
++-23, so the quick mode's accuracies say nothing beyond "the run trained").
+
+Two TRL baselines: RewardTrainer as configured by default (random batches), and with its best
+setting for speed, `train_sampling_strategy="group_by_length"` (transformers' LengthGroupedSampler
+over the pair's longer side; `group_by_length=True` before transformers 5), which removes most of
+the padding our length-grouped batches remove.
 
 TRL settings that are not its defaults, and why:
 - gradient_checkpointing=False (TRL's RewardConfig defaults to True): ours does not checkpoint,
@@ -21,13 +29,13 @@ Where ours gains: each pair's prompt runs once and both responses continue from 
 length-grouped batches (pairs of similar length share a batch, so dynamic padding pads little;
 TRL samples batches at random). The bench prints the tokens each one pushes through the model.
 
-    python bench/reward_bench.py            # 400 train / 100 held-out pairs, max length 512
-    python bench/reward_bench.py --quick    # 32 / 16 pairs
+    python bench/reward_bench.py            # 400 train / 400 held-out pairs, max length 512, 2 rounds
+    python bench/reward_bench.py --quick    # 32 / 16 pairs, 2 rounds
+    python bench/reward_bench.py --model FOLDER --device cuda --json out.json   # a GPU (bench/gpu_check.py)
     python bench/reward_bench.py --quick --model tiny --threads 1   # smoke test of the bench (seconds)
 
---quick took 17 minutes with --threads 1 on a 2-core machine busy with other work (load 6-10);
-CPU seconds are reported beside wall-clock seconds because on such a machine the wall clock
-follows the load more than the trainer.
+CPU seconds are reported beside wall-clock seconds because on a machine busy with other work the
+wall clock follows the load more than the trainer.
 """
 
 from __future__ import annotations
@@ -80,7 +88,7 @@ def worker_ours(spec: dict) -> dict:
             "length_baseline": report["eval/length_baseline_accuracy"]}
 
 
-def worker_trl(spec: dict) -> dict:
+def worker_trl(spec: dict, grouped: bool = False) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForSequenceClassification
@@ -108,8 +116,18 @@ def worker_trl(spec: dict) -> dict:
         targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(",")
         peft_config = LoraConfig(task_type="SEQ_CLS", r=spec["lora_r"], lora_alpha=2 * spec["lora_r"],
                                  lora_dropout=0.0, target_modules=targets)
-    ds = Dataset.from_dict({"chosen_ids": [it.chosen_ids for it in train_items],
-                            "rejected_ids": [it.rejected_ids for it in train_items]})
+    columns = {"chosen_ids": [it.chosen_ids for it in train_items],
+               "rejected_ids": [it.rejected_ids for it in train_items]}
+    grouping = {}
+    if grouped:  # transformers' LengthGroupedSampler, on the longer side of each pair
+        columns["length"] = [max(len(it.chosen_ids), len(it.rejected_ids)) for it in train_items]
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(TRLRewardConfig)}
+        grouping = ({"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in names
+                    else {"group_by_length": True})
+        grouping["remove_unused_columns"] = False  # keep 'length' for the sampler; the collator ignores it
+    ds = Dataset.from_dict(columns)
     args = TRLRewardConfig(
         output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=spec["batch_size"],
         gradient_accumulation_steps=spec["grad_accum"], num_train_epochs=1, learning_rate=spec["lr"],
@@ -117,7 +135,7 @@ def worker_trl(spec: dict) -> dict:
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_length=spec["max_length"],
         bf16=device.type == "cuda" and dtype == torch.bfloat16, fp16=False, use_cpu=device.type == "cpu",
         gradient_checkpointing=spec["trl_gradient_checkpointing"], save_strategy="no", report_to=[],
-        logging_steps=10, seed=spec["seed"], dataloader_num_workers=0, disable_tqdm=False,
+        logging_steps=10, seed=spec["seed"], dataloader_num_workers=0, disable_tqdm=True, **grouping,
     )
     trainer = RewardTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=peft_config)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -161,20 +179,36 @@ def padded_tokens(spec: dict) -> tuple[int, float]:
     return ours, random_total / 20
 
 
-def mean_result(results: list[dict]) -> dict:
-    """Pairs/s and seconds averaged over rounds; peak memory the largest; accuracy from the first
-    round (every round trains the same model from the same seed)."""
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion correct/n (Wilson 1927): honest at small n,
+    where the normal approximation runs outside [0, 1]."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def median_result(results: list[dict]) -> dict:
+    """Pairs/s and seconds: the median over rounds, with the pairs/s range; peak memory the
+    largest; accuracy from the first round (every round trains the same model from the same seed)."""
+    import statistics
+
     out = dict(results[0])
-    out["pairs_per_s"] = sum(r["pairs_per_s"] for r in results) / len(results)
-    out["seconds"] = sum(r["seconds"] for r in results) / len(results)
-    out["cpu_seconds"] = sum(r["cpu_seconds"] for r in results) / len(results)
-    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+    for key in ("pairs_per_s", "seconds", "cpu_seconds"):
+        out[key] = statistics.median(r[key] for r in results)
+    out["pairs_per_s_min"] = min(r["pairs_per_s"] for r in results)
+    out["pairs_per_s_max"] = max(r["pairs_per_s"] for r in results)
+    for key in ("peak_rss_mb", "peak_gpu_mb"):
+        if key in results[0]:
+            out[key] = max(r[key] for r in results)
     return out
 
 
 def run_worker(name: str, spec_path: Path) -> dict:
     """Run one trainer in a fresh interpreter; it prints one 'BENCH_JSON {...}' line."""
-    proc = subprocess.run([sys.executable, __file__, "--worker", name, "--spec", str(spec_path)],
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", name, "--spec", str(spec_path)],
                           stdout=subprocess.PIPE, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH_JSON "):
@@ -190,7 +224,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="32 train / 16 held-out pairs")
     parser.add_argument("--model", default="default", help="'default', a model folder, or 'tiny' (smoke test)")
     parser.add_argument("--train-pairs", type=int, default=400)
-    parser.add_argument("--eval-pairs", type=int, default=100)
+    parser.add_argument("--eval-pairs", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=4, help="pairs per forward pass (micro-batch)")
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimiser step")
     parser.add_argument("--max-length", type=int, default=512)
@@ -201,9 +235,10 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each trainer, alternating which goes first")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each trainer, the order rotating each round")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off by default here")
-    parser.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    parser.add_argument("--worker", choices=list(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -211,7 +246,7 @@ def main() -> None:
         spec = json.loads(Path(args.spec).read_text())
         torch.set_num_threads(spec["threads"])
         torch.manual_seed(spec["seed"])
-        result = (worker_ours if args.worker == "ours" else worker_trl)(spec)
+        result = SIDES[args.worker](spec)
         result["peak_rss_mb"] = peak_rss_mb()
         if torch.cuda.is_available():
             result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -224,7 +259,10 @@ def main() -> None:
         sys.exit(f"{DATA} is missing: the benchmark needs the HH dev pairs (tests/data/)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pairs, _ = read_pairs(DATA)
-    train, held = split_by_prompt(pairs, 0.2, seed=args.seed)
+    # a quarter of the prompts held out: about 500 of the 2000 HH dev pairs, so 400 fit
+    train, held = split_by_prompt(pairs, 0.25, seed=args.seed)
+    if len(held) < args.eval_pairs or len(train) < args.train_pairs:
+        sys.exit(f"{DATA} splits into {len(train)} train / {len(held)} held-out pairs: fewer than asked")
     train, held = train[: args.train_pairs], held[: args.eval_pairs]
     with tempfile.TemporaryDirectory(prefix="reward-bench-") as work:
         work = Path(work)
@@ -249,31 +287,54 @@ def main() -> None:
               f"device {args.device}, TRL gradient checkpointing {args.trl_gradient_checkpointing}, "
               f"{args.rounds} round(s)", flush=True)
         tokens_ours, tokens_random = padded_tokens(spec)
-        # Rounds alternate the order, so load changes on a shared machine hit both alike.
-        runs = {"ours": [], "trl": []}
+        # Rounds rotate the order, so load changes on a shared machine hit every trainer alike.
+        names = list(SIDES)
+        runs = {name: [] for name in names}
         for r in range(args.rounds):
-            for name in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
+            for name in names[r % len(names):] + names[: r % len(names)]:
                 runs[name].append(run_worker(name, work / "spec.json"))
-        ours, trl = (mean_result(runs[name]) for name in ("ours", "trl"))
+                print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]['pairs_per_s']:.3f} pairs/s", flush=True)
+        res = {name: median_result(runs[name]) for name in names}
+        ours, trl, grouped = res["ours"], res["trl"], res["trl_grouped"]
 
+    n_eval = len(held)
+    for r in res.values():
+        r["acc_lo"], r["acc_hi"] = wilson(round(r["accuracy"] * n_eval), n_eval)
     ratio = ours["pairs_per_s"] / trl["pairs_per_s"]
+    ratio_grouped = ours["pairs_per_s"] / grouped["pairs_per_s"]
     ratio_cpu = trl["cpu_seconds"] / ours["cpu_seconds"]  # pairs per CPU-second, same pairs
     print()
-    print(f"{'trainer':<10}{'pairs':>7}{'seconds':>10}{'pairs/s':>10}{'CPU s':>10}{'pairs/CPU s':>13}"
-          f"{'peak RSS MB':>13}{'accuracy':>10}")
-    for name, r in (("ours", ours), ("trl", trl)):
-        print(f"{name:<10}{r['pairs']:>7}{r['seconds']:>10.1f}{r['pairs_per_s']:>10.3f}{r['cpu_seconds']:>10.1f}"
-              f"{r['pairs'] / r['cpu_seconds']:>13.4f}{r['peak_rss_mb']:>13.0f}{r['accuracy']:>10.3f}")
-    print(f"ratio ours/trl pairs/s: {ratio:.2f}x wall clock, {ratio_cpu:.2f}x per CPU-second (target >= 1.5x); "
-          f"accuracy difference {100 * (ours['accuracy'] - trl['accuracy']):+.1f} points (target >= -1); "
-          f"longer-response baseline {ours['length_baseline']:.3f}")
+    print(f"{args.rounds} round(s), the order rotating; pairs/s: median [min-max]; accuracy on {n_eval} held-out "
+          "pairs with its 95% Wilson interval")
+    print(f"{'trainer':<13}{'pairs':>7}{'seconds':>10}{'pairs/s':>26}{'CPU s':>10}{'peak RSS MB':>13}"
+          f"{'peak GPU MB':>13}{'accuracy [95% CI]':>26}")
+    for name, r in res.items():
+        rate = f"{r['pairs_per_s']:.3f} [{r['pairs_per_s_min']:.3f}-{r['pairs_per_s_max']:.3f}]"
+        print(f"{name:<13}{r['pairs']:>7}{r['seconds']:>10.1f}{rate:>26}{r['cpu_seconds']:>10.1f}"
+              f"{r['peak_rss_mb']:>13.0f}{r.get('peak_gpu_mb', float('nan')):>13.0f}"
+              f"{r['accuracy']:>10.3f} [{r['acc_lo']:.3f}, {r['acc_hi']:.3f}]")
+    print(f"ratio ours/trl pairs/s: {ratio:.2f}x wall clock, {ratio_cpu:.2f}x per CPU-second; against TRL with "
+          f"group_by_length {ratio_grouped:.2f}x; longer-response baseline accuracy {ours['length_baseline']:.3f}")
     print("(on a machine shared with other work, wall-clock pairs/s follow the load; CPU seconds much less so)")
     print(f"tokens per epoch incl. padding: ours {tokens_ours} (prompt once, length-grouped), TRL about "
           f"{tokens_random:.0f} (whole sequences, random batches): {tokens_random / tokens_ours:.2f}x")
-    print(f"RESULT reward ours_pairs_s={ours['pairs_per_s']:.3f} trl_pairs_s={trl['pairs_per_s']:.3f} "
-          f"ratio={ratio:.2f} ratio_cpu={ratio_cpu:.2f} ours_acc={ours['accuracy']:.3f} trl_acc={trl['accuracy']:.3f} "
-          f"ours_peak_mb={ours['peak_rss_mb']:.0f} trl_peak_mb={trl['peak_rss_mb']:.0f} "
-          f"length_baseline={ours['length_baseline']:.3f}")
+    peak = "gpu" if "peak_gpu_mb" in ours else "rss"
+    line = (f"RESULT reward ours_pairs_s={ours['pairs_per_s']:.3f} ours_pairs_s_min={ours['pairs_per_s_min']:.3f} "
+            f"ours_pairs_s_max={ours['pairs_per_s_max']:.3f} trl_pairs_s={trl['pairs_per_s']:.3f} "
+            f"trl_pairs_s_min={trl['pairs_per_s_min']:.3f} trl_pairs_s_max={trl['pairs_per_s_max']:.3f} "
+            f"trl_grouped_pairs_s={grouped['pairs_per_s']:.3f} ratio={ratio:.2f} ratio_grouped={ratio_grouped:.2f} "
+            f"ratio_cpu={ratio_cpu:.2f} n_eval={n_eval} ours_acc={ours['accuracy']:.3f} "
+            f"ours_acc_lo={ours['acc_lo']:.3f} ours_acc_hi={ours['acc_hi']:.3f} trl_acc={trl['accuracy']:.3f} "
+            f"trl_acc_lo={trl['acc_lo']:.3f} trl_acc_hi={trl['acc_hi']:.3f} "
+            f"ours_peak_mb={ours[f'peak_{peak}_mb']:.0f} trl_peak_mb={trl[f'peak_{peak}_mb']:.0f} peak={peak} "
+            f"length_baseline={ours['length_baseline']:.3f} rounds={args.rounds}")
+    print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": res, "runs": runs, "ratio": ratio,
+                                               "ratio_grouped": ratio_grouped, "result_line": line}, indent=1))
+
+
+SIDES = {"ours": worker_ours, "trl": worker_trl, "trl_grouped": lambda spec: worker_trl(spec, grouped=True)}
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@
 Each bench runs as its own process, one after the other (a shared machine gives each bench all of
 it); its output goes to bench/out/run_all/<bench>.log, and its last line `RESULT name key=value
 ...` is collected. The table has one row per headline figure: the figure, what it is compared
-with, and the ratio (how many times better ours is; for scores, the difference), followed by the
-machine the table was measured on and every RESULT line as printed.
+with, and the ratio (how many times better ours is; for scores, the difference), and for each row
+the commit it was measured at (`git describe --always --dirty`: a `-dirty` suffix says the working
+tree differed from it), the date and the machine's load average (1 minute, at the bench's start and
+end). A figure measured over repetitions is printed as its median [min-max]; an accuracy with its
+95% interval. Below the table: the machine and every RESULT line as printed.
 
 --keep: benches left out by --only are taken from their last log in bench/out/run_all/ (its first
 line names the command that wrote it), so one table can collect benches run at different times or
@@ -46,6 +49,7 @@ class Row:
     comparison_key: str  # RESULT key of the comparison ('' = none)
     better: str = "higher"  # 'higher' / 'lower': the ratio is how many times better ours is; 'diff': ours - theirs
     ratio_key: str = ""  # the bench's own ratio (from unrounded figures), used when present
+    spread: str = ""  # suffix of the min/max keys ('_min', '_max' after each key) or 'interval' ('_lo', '_hi')
 
 
 ROWS = [
@@ -54,16 +58,21 @@ ROWS = [
     Row("store", "submit + next item p95 (ms)", "submit_next_p95_ms", "", "", "lower"),
     Row("store", "pairs exported/s (Parquet)", "parquet_pairs_per_s", "JSONL", "jsonl_pairs_per_s"),
     Row("generate", "sampling tokens/s (our KV-cache loop)", "ours_tok_s", "HF generate", "hf_tok_s",
-        ratio_key="ratio"),
+        ratio_key="ratio", spread="ratio"),
     Row("generate", "sampling tokens/s with log-probs", "ours_tok_s", "HF generate + log-probs",
         "hf_logprobs_tok_s", ratio_key="ratio_logprobs"),
     Row("reward", "reward-model training pairs/s", "ours_pairs_s", "TRL RewardTrainer", "trl_pairs_s",
-        ratio_key="ratio"),
-    Row("reward", "held-out pair accuracy", "ours_acc", "TRL RewardTrainer", "trl_acc", "diff"),
-    Row("ppo", "PPO episodes/s", "ours_eps", "TRL PPOTrainer", "trl_eps", ratio_key="ratio"),
+        ratio_key="ratio", spread="minmax"),
+    Row("reward", "reward-model training pairs/s", "ours_pairs_s", "TRL RewardTrainer, group_by_length",
+        "trl_grouped_pairs_s", ratio_key="ratio_grouped", spread="minmax"),
+    Row("reward", "held-out pair accuracy [95% CI]", "ours_acc", "TRL RewardTrainer", "trl_acc", "diff",
+        spread="interval"),
+    Row("ppo", "PPO episodes/s", "ours_eps", "TRL PPOTrainer", "trl_eps", ratio_key="ratio", spread="minmax"),
     Row("ppo", "PPO peak memory (MB)", "ours_peak_mb", "TRL PPOTrainer", "trl_peak_mb", "lower"),
-    Row("ui", "annotate round trip p95 (ms)", "p95_ms", "without prefetch", "no_prefetch_p95_ms", "lower",
-        ratio_key="ratio"),
+    Row("ui", "annotate round trip p95 (ms), stock gradio_client", "p95_ms", "without prefetch",
+        "no_prefetch_p95_ms", "lower"),
+    Row("ui", "annotate round trip p95 (ms), client poll woken (removes gradio_client's 0-50 ms result poll)",
+        "woken_p95_ms", "stock gradio_client", "p95_ms", "lower"),
     Row("ui", "rankings submitted/s", "submissions_per_s", "", ""),
     Row("gold_loop", "gold score after the last round, adaptive KL", "adaptive_gold", "start policy",
         "base_gold", "diff"),
@@ -128,14 +137,29 @@ def ratio_text(row: Row, ours: float | None, theirs: float | None, given: float 
     return f"{ours / theirs:.2f}x" if theirs else "n/a"
 
 
-def build_table(results: dict[str, dict], failures: dict[str, str] | None = None) -> list[str]:
+def _with_spread(text: str, values: dict, key: str, spread: str, fmt=None) -> str:
+    """'0.66' -> '0.66 [0.60-0.70]' when the RESULT line has key_min/key_max (or key_lo/key_hi)."""
+    lo_key, hi_key = (f"{key}_lo", f"{key}_hi") if spread == "interval" else (f"{key}_min", f"{key}_max")
+    lo, hi = _num(values.get(lo_key)), _num(values.get(hi_key))
+    if not spread or lo is None or hi is None:
+        return text
+    fmt = fmt or _fmt
+    return f"{text} [{fmt(lo)}-{fmt(hi)}]" if spread != "interval" else f"{text} [{fmt(lo)}, {fmt(hi)}]"
+
+
+def build_table(results: dict[str, dict], failures: dict[str, str] | None = None,
+                runs: dict[str, dict] | None = None) -> list[str]:
     """Markdown rows for the parsed RESULT values {name: {key: value}}; a bench in `failures`
-    ({name: why}) gets one row saying so. Keys a RESULT line lacks are left out."""
-    failures = failures or {}
-    lines = ["| bench | figure | ours | compared with | theirs | ratio |", "|---|---|---|---|---|---|"]
+    ({name: why}) gets one row saying so. Keys a RESULT line lacks are left out. runs: {name:
+    {'commit', 'date', 'load'}} for the last three columns."""
+    failures, runs = failures or {}, runs or {}
+    lines = ["| bench | figure | ours | compared with | theirs | ratio | commit | date | load |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r.bench for r in ROWS):
+        run = runs.get(name, {})
+        where = f"{run.get('commit', '?')} | {run.get('date', '?')} | {run.get('load', '?')}"
         if name in failures:
-            lines.append(f"| {name} | **failed**: {failures[name]} | | | | |")
+            lines.append(f"| {name} | **failed**: {failures[name]} | | | | | {where} |")
             continue
         if name not in results:
             continue
@@ -145,9 +169,14 @@ def build_table(results: dict[str, dict], failures: dict[str, str] | None = None
                 continue
             ours = _num(values.get(row.key))
             theirs = _num(values.get(row.comparison_key)) if row.comparison_key else None
-            lines.append(f"| {name} | {row.figure} | {_fmt(ours)} | {row.comparison or '-'} | "
-                         f"{_fmt(theirs) if row.comparison_key else '-'} | "
-                         f"{ratio_text(row, ours, theirs, _num(values.get(row.ratio_key))) if row.comparison_key else '-'} |")
+            ours_text = _with_spread(_fmt(ours), values, row.key, row.spread if row.spread != "ratio" else "")
+            theirs_text = (_with_spread(_fmt(theirs), values, row.comparison_key, row.spread)
+                           if row.comparison_key and row.spread in ("minmax", "interval") else _fmt(theirs))
+            ratio = ratio_text(row, ours, theirs, _num(values.get(row.ratio_key))) if row.comparison_key else "-"
+            if row.ratio_key and row.spread in ("minmax", "ratio") and ratio.endswith("x"):
+                ratio = _with_spread(ratio, values, row.ratio_key, "minmax", lambda x: f"{x:.2f}")
+            lines.append(f"| {name} | {row.figure} | {ours_text} | {row.comparison or '-'} | "
+                         f"{theirs_text if row.comparison_key else '-'} | {ratio} | {where} |")
     return lines
 
 
@@ -182,6 +211,32 @@ def machine_info() -> dict:
 
 COMMAND_PREFIX = "# command: "
 SECONDS_PREFIX = "# seconds: "
+RUN_PREFIX = "# run: "
+
+
+def git_commit() -> str:
+    """The commit the benches run at; '-dirty' when tracked files differ from it."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=10"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_meta(commit: str, load_start: float, load_end: float) -> dict:
+    return {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M"), "load": f"{load_start:.1f}-{load_end:.1f}"}
+
+
+def format_meta(meta: dict) -> str:
+    return " ".join(f"{k}={str(v).replace(' ', '_')}" for k, v in meta.items())
+
+
+def parse_meta(text: str) -> dict:
+    meta = dict(part.split("=", 1) for part in text.split() if "=" in part)
+    if "date" in meta:
+        meta["date"] = meta["date"].replace("_", " ")
+    return meta
 
 
 def bench_args(name: str, full: bool, extra: str = "") -> list[str]:
@@ -192,13 +247,14 @@ def bench_command(name: str, full: bool, extra: str = "") -> str:
     return shlex.join(["python", f"bench/{name}.py", *bench_args(name, full, extra)])
 
 
-def run_bench(name: str, full: bool, timeout: float, extra: str = "") -> tuple[int, str, float]:
-    """(exit code, output, seconds) of `python bench/NAME.py [--quick] [extra]`, logged to
-    bench/out/run_all with the command on the log's first line and the seconds it took on the second."""
+def run_bench(name: str, full: bool, timeout: float, extra: str = "", commit: str = "") -> tuple[int, str, float, dict]:
+    """(exit code, output, seconds, {commit, date, load}) of `python bench/NAME.py [--quick] [extra]`,
+    logged to bench/out/run_all with the command on the log's first line, the seconds it took on the
+    second and the commit, date and load on the third."""
     LOGS.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / "bench" / f"{name}.py"), *bench_args(name, full, extra)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    start = time.perf_counter()
+    start, load_start = time.perf_counter(), os.getloadavg()[0]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         rc, output = proc.returncode, proc.stdout + proc.stderr
@@ -206,13 +262,16 @@ def run_bench(name: str, full: bool, timeout: float, extra: str = "") -> tuple[i
         parts = [p.decode("utf-8", "replace") if isinstance(p, bytes) else (p or "") for p in (exc.stdout, exc.stderr)]
         rc, output = 124, "".join(parts) + f"\n(timed out after {timeout:.0f} s)"
     took = time.perf_counter() - start
-    header = f"{COMMAND_PREFIX}{bench_command(name, full, extra)}\n{SECONDS_PREFIX}{took:.0f} exit={rc}\n"
+    meta = run_meta(commit or git_commit(), load_start, os.getloadavg()[0])
+    header = (f"{COMMAND_PREFIX}{bench_command(name, full, extra)}\n{SECONDS_PREFIX}{took:.0f} exit={rc}\n"
+              f"{RUN_PREFIX}{format_meta(meta)}\n")
     (LOGS / f"{name}.log").write_text(header + output, encoding="utf-8")
-    return rc, output, took
+    return rc, output, took, meta
 
 
-def kept_log(name: str) -> tuple[str, int, str, float] | None:
-    """(command, exit code, output, seconds) of a bench's last log written by run_bench, or None."""
+def kept_log(name: str) -> tuple[str, int, str, float, dict] | None:
+    """(command, exit code, output, seconds, {commit, date, load}) of a bench's last log written by
+    run_bench, or None. A log without the run line (an older one) has an empty dict."""
     path = LOGS / f"{name}.log"
     if not path.is_file():
         return None
@@ -220,7 +279,11 @@ def kept_log(name: str) -> tuple[str, int, str, float] | None:
     if len(lines) < 2 or not lines[0].startswith(COMMAND_PREFIX) or not lines[1].startswith(SECONDS_PREFIX):
         return None
     seconds, exit_code = lines[1][len(SECONDS_PREFIX):].split()
-    return lines[0][len(COMMAND_PREFIX):], int(exit_code.removeprefix("exit=")), "\n".join(lines[2:]), float(seconds)
+    meta, body = {}, lines[2:]
+    if body and body[0].startswith(RUN_PREFIX):
+        meta, body = parse_meta(body[0][len(RUN_PREFIX):]), body[1:]
+    return (lines[0][len(COMMAND_PREFIX):], int(exit_code.removeprefix("exit=")), "\n".join(body), float(seconds),
+            meta)
 
 
 def write_markdown(path: Path, table: list[str], machine: dict, raw: list[str],
@@ -230,7 +293,10 @@ def write_markdown(path: Path, table: list[str], machine: dict, raw: list[str],
         "# Benchmarks", "",
         f"Collected with `python bench/run_all.py`, {time.strftime('%Y-%m-%d')}; each bench's command is "
         "listed below the table. Ratio: how many times better ours is (for scores: ours minus the "
-        "comparison). Each bench's docstring explains its set-up (`python bench/<name>.py --help`).", "",
+        "comparison). A figure measured over repetitions is its median [min-max] (the ratio: of the "
+        "medians, [the range of the per-repetition ratios]); an accuracy has its 95% interval. Commit, "
+        "date and load (1-minute load average at the bench's start and end) are each row's own. Each "
+        "bench's docstring explains its set-up (`python bench/<name>.py --help`).", "",
         *table, "",
         "## Machine", "",
         f"- CPU: {machine.get('cpu')}, {machine.get('cores')} cores; RAM {machine.get('ram_gb', '?')} GB; "
@@ -265,20 +331,22 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in [*names, *extra] if n not in BENCHES]
     if unknown:
         raise SystemExit(f"--only: unknown {unknown}; choose from {', '.join(BENCHES)}")
-    results, failures, raw, runs = {}, {}, [], {}
+    results, failures, raw, runs, metas = {}, {}, [], {}, {}
+    commit = git_commit()  # once: every bench of this invocation runs at it
     for name in BENCHES:
         if name in names:
-            print(f"running {name} ({'full' if args.full else 'quick'}) ...", flush=True)
-            rc, output, took = run_bench(name, args.full, args.timeout, extra.get(name, ""))
+            print(f"running {name} ({'full' if args.full else 'quick'}) at {commit} ...", flush=True)
+            rc, output, took, meta = run_bench(name, args.full, args.timeout, extra.get(name, ""), commit)
             command = bench_command(name, args.full, extra.get(name, ""))
         elif args.keep and (kept := kept_log(name)) is not None:
-            command, rc, output, took = kept
+            command, rc, output, took, meta = kept
             print(f"keeping the last {name} log ({command})", flush=True)
         else:
             continue
         runs[name] = (command, took)
-        line = last_result(output)
         result_name = BENCH_RESULT_NAMES[name]
+        metas[result_name] = meta
+        line = last_result(output)
         if rc != 0 or line is None:
             tail = " ".join(output.strip().splitlines()[-1:])[:160].replace("|", "/")
             failures[result_name] = f"exit code {rc}; see bench/out/run_all/{name}.log ({tail})"
@@ -288,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         results[result_name] = values
         raw.append(line)
         print(f"  {line}  ({took:.0f} s)")
-    path = write_markdown(Path(args.out), build_table(results, failures), machine_info(), raw, runs)
+    path = write_markdown(Path(args.out), build_table(results, failures, metas), machine_info(), raw, runs)
     print(f"wrote {path}")
     return 1 if failures else 0
 
