@@ -104,37 +104,68 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> t
 # --------------------------------------------------------------------------- log-probs and entropy
 
 
+# fp32 elements of one chunk of rows: 2^24 = 64 MiB, e.g. 111 positions of a 150k vocabulary
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _row_chunks(T: int, V: int, chunk_elements: int) -> int:
+    return max(1, chunk_elements // max(V, 1)) if T else 1
+
+
+def _chunked(fn, logits: torch.Tensor, *others: torch.Tensor, chunk_elements: int) -> torch.Tensor:
+    """fn(logits[b, rows], *others[b, rows]) -> (rows,), over each batch row b and chunks of
+    positions, stacked to (B, T). fn makes fp32 copies of its (rows, V) input; with gradients the
+    chunk is recomputed in the backward pass (torch.utils.checkpoint, non-reentrant), so autograd
+    keeps the (low-precision) logits only, never a whole (T, V) fp32 tensor."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, T, V = logits.shape
+    step = _row_chunks(T, V, chunk_elements)
+    recompute = torch.is_grad_enabled() and logits.requires_grad and T > step
+    out = []
+    for b in range(B):
+        parts = []
+        for start in range(0, T, step):
+            args = (logits[b, start:start + step], *(o[b, start:start + step] for o in others))
+            parts.append(checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
+        out.append(torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32))
+    return torch.stack(out)  # (B, T)
+
+
 def logprobs_from_logits(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, chunk_elements: int = CHUNK_ELEMENTS
 ) -> torch.Tensor:
     """log softmax(logits / temperature) gathered at `tokens`: (B, T, V), (B, T) -> (B, T).
 
-    No shift: logits[:, t] scores tokens[:, t]. Memory: log_softmax over the whole batch makes a
-    second (B, T, V) tensor (for a 49k vocabulary that dominates memory), so this computes
-    logit[token] - logsumexp(logits) one row at a time, as TRL's `selective_log_softmax` does.
+    No shift: logits[:, t] scores tokens[:, t]. Memory: log_softmax makes a second (B, T, V)
+    tensor, in fp32 (for a 49k-150k vocabulary that dominates memory), so this computes
+    logit[token] - logsumexp(logits), as TRL's `selective_log_softmax` does, on chunks of at most
+    chunk_elements fp32 values (callers pass all N response tokens of a batch as one row).
     The temperature must be the one used for sampling, or the PPO ratio is off from the start.
     """
-    out = []
-    for row_logits, row_tokens in zip(logits, tokens):  # (T, V), (T,)
+
+    def chunk(row_logits: torch.Tensor, row_tokens: torch.Tensor) -> torch.Tensor:  # (t, V), (t,) -> (t,)
         row = row_logits.float()
         if temperature != 1.0:
             row = row / temperature
-        picked = row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
-        out.append(picked - torch.logsumexp(row, dim=-1))  # (T,)
-    return torch.stack(out)  # (B, T)
+        picked = row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (t,)
+        return picked - torch.logsumexp(row, dim=-1)
+
+    return _chunked(chunk, logits, tokens, chunk_elements=chunk_elements)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Entropy of softmax(logits) at every position: (B, T, V) -> (B, T).
 
-    H = logsumexp(z) - sum softmax(z) * z (the form TRL uses), one row at a time to bound memory.
+    H = logsumexp(z) - sum softmax(z) * z (the form TRL uses), in chunks of rows to bound memory.
     """
-    out = []
-    for row_logits in logits:  # (T, V)
+
+    def chunk(row_logits: torch.Tensor) -> torch.Tensor:  # (t, V) -> (t,)
         row = row_logits.float()
-        probs = torch.softmax(row, dim=-1)  # (T, V)
-        out.append(torch.logsumexp(row, dim=-1) - (probs * row).sum(-1))  # (T,)
-    return torch.stack(out)  # (B, T)
+        probs = torch.softmax(row, dim=-1)  # (t, V)
+        return torch.logsumexp(row, dim=-1) - (probs * row).sum(-1)
+
+    return _chunked(chunk, logits, chunk_elements=chunk_elements)
 
 
 # --------------------------------------------------------------------------- KL and shaped rewards

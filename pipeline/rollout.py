@@ -107,9 +107,14 @@ def response_logprobs(logits: torch.Tensor, pr: PackedResponses, temperature: fl
 
 def critic_values(critic, pr: PackedResponses) -> torch.Tensor:
     """(b, R) values at the positions before each response token, 0 past EOS; the same as
-    ScalarModel.forward at those positions (the head on the last hidden state)."""
+    ScalarModel.forward at those positions (the head on the last hidden state). The head runs in
+    fp32 outside any autocast, as the reward head does (pipeline/scoring.py, reward_eval.py): under
+    bf16 autocast a Linear would compute in bf16, whose 8-bit mantissa rounds values of size 10 to
+    steps of 0.06, the size of the advantages being estimated."""
     hidden = hidden_states(critic.backbone, pr.packed)[pr.index]  # (N, H)
-    return pr.scatter(critic.head(hidden.float()).squeeze(-1))
+    with torch.autocast(hidden.device.type, enabled=False):
+        values = critic.head(hidden.float()).squeeze(-1)  # (N,)
+    return pr.scatter(values)
 
 
 @torch.no_grad()

@@ -82,7 +82,9 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
                 autocast=contextlib.nullcontext) -> tuple[ScoreFn, object | None]:
     """(score_fn, reward_model or None) for PPO's --reward.
 
-    score_fn(sequences, attention_mask, response_ids, response_mask) -> (B,) float scores.
+    score_fn(sequences, attention_mask, response_ids, response_mask, prompts=None) -> (B,) float scores;
+    prompts (the rollout's, text or messages) are needed by a reward model whose tokenizer is not
+    the policy's: it scores them re-encoded in its own format (`retokenise`).
     - 'script:count:<text>': occurrences of <text> in the decoded response (special tokens dropped);
     - 'script:length': response tokens, EOS excluded;
     - a folder saved by save_scalar_model(kind='reward'): its normalised score of prompt+response
@@ -94,7 +96,7 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
             if not arg:
                 raise ValueError(f"--reward {spec!r}: give the text to count, e.g. 'script:count: the'")
 
-            def count(sequences, attention_mask, response_ids, response_mask):
+            def count(sequences, attention_mask, response_ids, response_mask, prompts=None):
                 texts = decode_responses(tokenizer, response_ids, response_mask)
                 return torch.tensor([float(t.count(arg)) for t in texts], device=sequences.device)
 
@@ -102,7 +104,7 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
         if kind == "length":
             eos = tokenizer.eos_token_id
 
-            def length(sequences, attention_mask, response_ids, response_mask):
+            def length(sequences, attention_mask, response_ids, response_mask, prompts=None):
                 real = response_mask.bool() & (response_ids != eos)  # (B, R)
                 return real.sum(1).float()
 
@@ -116,13 +118,13 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
     same_vocab = rm_tokenizer.get_vocab() == tokenizer.get_vocab()
 
     @torch.no_grad()
-    def score(sequences, attention_mask, response_ids, response_mask):
-        if not same_vocab:  # a reward model from another family: re-tokenise the text
-            texts = [tokenizer.decode(s[m.bool()]) for s, m in zip(sequences, attention_mask)]
-            rm_tokenizer.padding_side = "left"
-            enc = rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            device = sequences.device
-            sequences, attention_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    def score(sequences, attention_mask, response_ids, response_mask, prompts=None):
+        if not same_vocab:  # a reward model of another family: its own encoding of prompt + response
+            if prompts is None:
+                raise ValueError(f"--reward {spec}: its tokenizer differs from the policy's, so it scores the "
+                                 "prompts and decoded responses re-encoded with its own chat template; pass prompts")
+            ids, mask = retokenise(tokenizer, rm_tokenizer, prompts, response_ids, response_mask)
+            sequences, attention_mask = ids.to(sequences.device), mask.to(sequences.device)
         out = []
         for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
             with autocast():
@@ -130,3 +132,24 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
         return torch.cat(out)  # (B,)
 
     return score, rm
+
+
+def retokenise(policy_tokenizer, rm_tokenizer, prompts: list, response_ids: torch.Tensor,
+               response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) (B, T), right-padded, in the reward model's tokenizer: each
+    prompt through the reward model's chat template and the response decoded from the policy's
+    tokens, then encoded as reward training encodes a pair (pipeline/text.py).
+
+    Decoding the whole rollout sequence instead would hand the reward model the policy's chat
+    markup (e.g. ChatML's '<|im_start|>assistant') as plain text, a layout it never saw in training.
+    The response's special tokens are dropped in decoding; the reward model's EOS closes a response
+    that ended with the policy's EOS, and a response cut at the length limit stays open."""
+    if len(prompts) != response_ids.shape[0]:
+        raise ValueError(f"retokenise: {len(prompts)} prompts for {response_ids.shape[0]} responses")
+    texts = decode_responses(policy_tokenizer, response_ids, response_mask)
+    ended = ((response_ids == policy_tokenizer.eos_token_id) & response_mask.bool()).any(1).tolist()
+    rows = []
+    for prompt, text, eos in zip(prompts, texts, ended):
+        response = encode_response(rm_tokenizer, text)  # ends with the reward model's EOS
+        rows.append(prompt_token_ids(rm_tokenizer, prompt) + (response if eos else response[:-1]))
+    return pad_rows(rows, rm_tokenizer.pad_token_id, left=False)

@@ -128,7 +128,8 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 t_forwards = time.perf_counter() - t_start - t_sample
 
                 # 4. score prompt+response: reward model (normalised) or scripted
-                raw_score = run.score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask)  # (B,)
+                raw_score = run.score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask,
+                                         prompts=batch_prompts)  # (B,)
                 # N processes: every rank gets the whole batch (rank 0's episodes first), so phases 5-6
                 # and the KL controller see the same numbers everywhere
                 ro, raw_score = gather_rollout(ro, raw_score, dist, tokenizer.pad_token_id)

@@ -191,3 +191,25 @@ def test_value_loss_hand_values():
     returns, mask = torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([[1, 1, 0]])
     loss, clipfrac = value_loss(values, old, returns, mask, cliprange_value=0.2)
     assert close(loss, 0.5 * (1.69 + 1.0) / 2) and close(clipfrac, 0.5)
+
+
+def test_logprobs_and_entropy_in_chunks_equal_the_one_piece_result_and_gradients():
+    # chunks of 3 and 7 positions (chunk_elements / V) against log_softmax over the whole tensor
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 20, 50, generator=g) * 4).to(torch.bfloat16).requires_grad_(True)
+    tokens = torch.randint(0, 50, (2, 20), generator=g)
+    whole = torch.log_softmax(logits.float() / 0.7, -1)
+    ref_lp = whole.gather(2, tokens[..., None]).squeeze(2)
+    z = logits.float()
+    ref_h = torch.logsumexp(z, -1) - (z.softmax(-1) * z).sum(-1)
+    ref_grad, = torch.autograd.grad(ref_lp.sum() + ref_h.sum(), logits)
+    for elements in (150, 350, 1 << 24):
+        lp = logprobs_from_logits(logits, tokens, 0.7, chunk_elements=elements)
+        h = entropy_from_logits(logits, chunk_elements=elements)
+        torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=0)
+        torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=0)
+        grad, = torch.autograd.grad(lp.sum() + h.sum(), logits)
+        torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-2, rtol=0)
+    with torch.no_grad():  # no gradients: the plain loop, the same numbers
+        torch.testing.assert_close(logprobs_from_logits(logits, tokens, 0.7, chunk_elements=150), ref_lp,
+                                   atol=2e-5, rtol=0)

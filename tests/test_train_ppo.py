@@ -159,6 +159,79 @@ def test_packed_rollout_forwards_equal_full_forward_and_sampling_logprobs(ppo_mo
     assert (old[m] - ref[m]).abs().max() > 1e-2  # and it is not the reference
 
 
+def test_critic_head_scores_in_fp32_under_bf16_autocast(ppo_model_cfg):
+    # as the reward head: the backbone under autocast, the head in fp32 on the fp32 hidden state
+    from pipeline.packing import hidden_states
+    from pipeline.rollout import critic_values, pack_responses
+
+    critic, tok = load_scalar_model(ppo_model_cfg.model, kind="critic", cfg=ppo_model_cfg)
+    with torch.no_grad():
+        critic.head.weight.normal_(0, 3.0)
+        critic.head.bias.fill_(7.3)
+    ids, am = encode_prompts(tok, PROMPTS)
+    response = torch.randint(3, 300, (len(PROMPTS), 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(len(PROMPTS), 5)
+    seq, seq_mask = torch.cat([ids, response], 1), torch.cat([am, mask.long()], 1)
+    pr = pack_responses(seq, seq_mask, response, mask, ids.shape[1], 1.0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        values = critic_values(critic, pr)
+        hidden = hidden_states(critic.backbone, pr.packed)[pr.index]
+        in_bf16 = critic.head(hidden.float()).squeeze(-1)  # what the head gave before: bf16
+    expected = pr.scatter(critic.head(hidden.float()).squeeze(-1))  # outside autocast: fp32
+    assert values.dtype == torch.float32 and in_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(values, expected, atol=1e-5, rtol=0)
+    assert (in_bf16.float() - expected[mask.bool()]).abs().max() > 1e-3  # bf16 would have rounded
+
+
+def other_family_tokenizer():
+    """A second tiny tokenizer: another vocabulary and another chat template (no ChatML)."""
+    from tests.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(vocab_size=290)
+    tok.chat_template = ("{% for m in messages %}{{ '### ' + m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '### assistant: ' }}{% endif %}")
+    return tok
+
+
+def test_reward_model_of_another_family_scores_its_own_encoding(tmp_path, ppo_model_cfg):
+    from pipeline.scoring import load_reward_model, retokenise, score_texts
+    from pipeline.text import encode_response, prompt_token_ids
+    from tests.tiny import build_tiny_model
+
+    policy, tok = load_policy(ppo_model_cfg)
+    rm_tok = other_family_tokenizer()
+    assert rm_tok.get_vocab() != tok.get_vocab()
+    build_tiny_model(rm_tok, seed=3).save_pretrained(tmp_path / "base")
+    rm_tok.save_pretrained(tmp_path / "base")
+    rm, _ = load_scalar_model(str(tmp_path / "base"), kind="reward", cfg=dataclasses.replace(ppo_model_cfg, lora=False))
+    rm_dir = save_scalar_model(rm, rm_tok, tmp_path / "rm")
+
+    ids, am = encode_prompts(tok, PROMPTS)
+    sb = sample(policy, ids, am, PPOConfig(max_new_tokens=24, temperature=1.0), num_samples=4,
+                generator=torch.Generator().manual_seed(1), eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    prompts = [PROMPTS[i] for i in sb.prompt_index.tolist()]
+    assert {"eos", "length"} == set(sb.finish_reason)
+    texts = [tok.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(sb.response_ids, sb.response_mask)]
+    rm_ids, rm_mask = retokenise(tok, rm_tok, prompts, sb.response_ids, sb.response_mask)
+    for i, (prompt, text, reason) in enumerate(zip(prompts, texts, sb.finish_reason)):
+        response = encode_response(rm_tok, text)
+        expected = prompt_token_ids(rm_tok, prompt) + (response if reason == "eos" else response[:-1])
+        assert rm_ids[i, : int(rm_mask[i].sum())].tolist() == expected
+        decoded = rm_tok.decode(expected)
+        assert decoded.startswith("### user: ") and "<|im_start|>" not in decoded and "assistant\n" not in decoded
+
+    score_fn, _ = make_reward(str(rm_dir), tok, ppo_model_cfg)
+    mask = sb.response_mask.float()
+    scores = score_fn(sb.sequences, sb.attention_mask, sb.response_ids, mask, prompts=prompts)
+    ended = [i for i, r in enumerate(sb.finish_reason) if r == "eos"]
+    by_text = score_texts(load_reward_model(str(rm_dir), ppo_model_cfg)[0], rm_tok, [prompts[i] for i in ended],
+                          [texts[i] for i in ended])
+    torch.testing.assert_close(scores[ended], torch.tensor(by_text), atol=1e-5, rtol=0)  # as evaluation scores
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        score_fn(sb.sequences, sb.attention_mask, sb.response_ids, mask)
+
+
 # --------------------------------------------------------------------------- the loop
 
 
