@@ -69,16 +69,102 @@ def throughput(lines: list[dict], key: str) -> float:
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):8.2f} ({min(values):.2f}-{max(values):.2f})"
 
+# --------------------------------------------------------------------------- memory per setting
+
+# Architectures: SmolLM2-135M is read from the default model's config.json; the other two are
+# SmolLM2-1.7B's and Llama-2-7B's published configs (huggingface.co/HuggingFaceTB/SmolLM2-1.7B,
+# meta-llama/Llama-2-7b-hf: hidden, intermediate, layers, heads, KV heads, vocabulary, tied).
+ARCHS = {
+    "SmolLM2-1.7B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=49152, tie_word_embeddings=True),
+    "Llama-2-7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
+}
+GB = 1e9
+
+
+def param_counts(c: dict, lora_r: int = 16) -> tuple[int, int]:
+    """(parameters, LoRA parameters) of a Llama-style decoder; LoRA on q,k,v,o,gate,up,down with
+    rank r (pipeline.config defaults): r * (in + out) per adapted matrix."""
+    h, i, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q, o; k, v; gate, up, down; two RMSNorms
+    params = L * layer + V * h * (1 if c["tie_word_embeddings"] else 2) + h
+    lora = L * lora_r * (2 * (h + h) + 2 * (h + kv) + 3 * (h + i))
+    return params, lora
+
+
+def activation_bytes(c: dict, checkpointing: bool) -> int:
+    """Bytes of activations kept for the backward pass per token (bf16). Per layer: the saved
+    inputs of its matmuls and norms, ~8h + 2kv + 4i elements (attention by SDPA/flash keeps no
+    T x T scores); with checkpointing only each layer's input (h) plus one layer recomputed."""
+    h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    per_layer = 2 * (8 * h + 2 * kv + 4 * i)
+    return 2 * h * L + per_layer if checkpointing else per_layer * L
+
+
+def memory_rows(archs: dict, tokens: int = 4096) -> list[dict]:
+    """GB per process for reward training and PPO (the four roles), LoRA and full fine-tuning.
+
+    Weights bf16 (2 B/param) when frozen; trained full weights as fp32 masters + fp32 gradients +
+    AdamW's two fp32 moments (16 B/param); LoRA: a bf16 base + the adapters at 16 B/param. PPO:
+    policy + reference (LoRA: the adapter disabled, no memory; full: a frozen fp32 copy, as
+    pipeline/policy.py deep-copies the fp32 master) + reward model (bf16, frozen) + critic (a
+    trained model of the same size). Activations for `tokens` tokens per micro-batch, plus the
+    (tokens, V) bf16 logits. FSDP over N: the weight and optimiser terms divided by N (ZeRO-3)."""
+    rows = []
+    for name, c in archs.items():
+        P, Pl = param_counts(c)
+        act = {gc: activation_bytes(c, gc) * tokens + 2 * tokens * c["vocab_size"] for gc in (False, True)}
+        states = {
+            ("reward", "lora"): 2 * P + 16 * Pl, ("reward", "full"): 16 * P,
+            ("ppo", "lora"): 3 * 2 * P + 2 * 16 * Pl,  # policy base, reward, critic base (+ adapters)
+            ("ppo", "full"): 16 * P + 4 * P + 2 * P + 16 * P,  # policy, reference, reward, critic
+        }
+        for (stage, mode), weights in states.items():
+            rows.append({"model": name, "params": P, "lora_params": Pl, "stage": stage, "mode": mode,
+                         "weights_gb": weights / GB, "act_gb": act[False] / GB, "act_gc_gb": act[True] / GB})
+    return rows
+
+
+def fits(weights_gb: float, act_gb: float, card_gb: float, shards: int = 1) -> bool:
+    """With 10% of the card left for the CUDA context, allocator slack and sampling's KV cache."""
+    return weights_gb / shards + act_gb <= 0.9 * card_gb
+
+
+def memory_table(tokens: int = 4096) -> str:
+    from pipeline.models import resolve_model_path
+
+    with open(Path(resolve_model_path("default")) / "config.json") as f:
+        archs = {"SmolLM2-135M": json.load(f), **ARCHS}
+    lines = [f"| model | params | LoRA params | stage | training | weights+optimiser GB | activations GB "
+             f"({tokens} tokens) | with checkpointing | 1 GPU: 24 / 80 / 141 GB | FSDP over 8: 24 / 80 / 141 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in memory_rows(archs, tokens):
+        one = " / ".join("yes" if fits(r["weights_gb"], r["act_gc_gb"], g) else "no" for g in (24, 80, 141))
+        eight = " / ".join("yes" if fits(r["weights_gb"], r["act_gc_gb"], g, 8) else "no" for g in (24, 80, 141))
+        lines.append(f"| {r['model']} | {r['params'] / 1e9:.3g}B | {r['lora_params'] / 1e6:.3g}M | {r['stage']} | "
+                     f"{r['mode']} | {r['weights_gb']:.1f} | {r['act_gb']:.1f} | {r['act_gc_gb']:.1f} | {one} | "
+                     f"{eight} |")
+    return "\n".join(lines)
+
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="model folder or 'default' ('' = a tiny random model)")
+    parser.add_argument("--memory-table", action="store_true",
+                        help="print the memory each setting needs (docs/scaling.md) and exit")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--procs", type=int, default=2, help="N, compared with 1")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each side (order alternates)")
     parser.add_argument("--reward-steps", type=int, default=12)
     parser.add_argument("--ppo-steps", type=int, default=6)
     args = parser.parse_args()
+    if args.memory_table:
+        print(memory_table())
+        return 0
 
     from tests.test_train_ppo import PROMPTS
     from tests.test_train_reward import marker_pairs

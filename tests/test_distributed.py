@@ -121,7 +121,6 @@ def test_distributed_reward_training_equals_one_process(tmp_path, tiny_model_cfg
     proc = launch(["train-reward", "--data", data, *to_cli_args(cfg), *model_args(tiny_model_cfg)], two)
     assert proc.returncode == 0, log_of(two)[-3000:]
     assert status_of(two)["state"] == "done"
-    assert json.loads((two / "config.json").read_text())["processes"] == 2
 
     lines_one, lines_two = metric_lines(one), metric_lines(two)
     assert [m["step"] for m in lines_two] == [m["step"] for m in lines_one]  # rank 0 alone writes
@@ -263,3 +262,48 @@ def test_distributed_generate_writes_the_one_process_chunks(tmp_path, tiny_model
     assert (tmp_path / "two" / "responses.jsonl").read_text() == (tmp_path / "one" / "responses.jsonl").read_text()
     status = status_of(tmp_path / "two")
     assert (status["state"], status["step"], status["chunks"]) == ("done", 10, 3)
+
+
+# --------------------------------------------------------------------------- PPO: 2 ranks = 1 rank
+
+
+def test_distributed_ppo_equals_one_process_and_its_checkpoint_resumes_on_one(tmp_path, tiny_model_dir):
+    """The same rollouts on 1 process (8 episodes) and on 2 (4 each): top-k 1 makes sampling
+    deterministic, so both runs see the same episodes. The update's statistics (policy and value
+    losses, gradient norms: sums over both ranks' micro-batches) and the rollout metrics (whole
+    gathered batch) equal the 1-process ones, and so do the weights after two updates. Rank 0
+    alone wrote the run directory (the same files as one process, each step logged once); the
+    2-process checkpoint resumes on 1 process."""
+    from safetensors.torch import load_file
+
+    from pipeline.train_ppo import main as ppo_main
+    from tests.test_train_ppo import PROMPTS
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2))
+    args = ["--policy", tiny_model_dir, "--reward", "script:count:e", "--prompts", prompts,
+            "--batch-size", 8, "--mini-batch-size", 8, "--micro-batch-size", 2, "--max-new-tokens", 8,
+            "--temperature", 1.0, "--top-k", 1, "--lr", 1e-2, "--critic-lr", 1e-2, "--device", "cpu",
+            "--lora-r", 4, "--sample-every", 1, "--seed", 5]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert ppo_main([*map(str, args), "--steps", "2", "--out", str(one)]) == 0
+    proc = launch(["ppo", *args, "--steps", 2], two)
+    assert proc.returncode == 0, log_of(two)[-3000:]
+
+    assert [m["step"] for m in metric_lines(two)] == [1, 2]
+    for m1, m2 in zip(metric_lines(one), metric_lines(two)):
+        for key in ("objective/score", "objective/kl", "gen/length_mean", "val/value_mean", "policy/loss",
+                    "val/loss", "policy/grad_norm", "val/grad_norm", "policy/ratio_first", "policy/approxkl"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-3, abs=1e-5), key
+    for name in ("policy/adapter_model.safetensors", "checkpoint/critic/adapter_model.safetensors",
+                 "checkpoint/critic/scalar_head.safetensors"):
+        w1, w2 = load_file(one / name), load_file(two / name)
+        assert w1.keys() == w2.keys()
+        for key in w1:
+            torch.testing.assert_close(w2[key], w1[key], atol=2e-5, rtol=1e-4)
+    files = lambda run: sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.name != "log.txt")  # noqa: E731
+    assert files(two) == files(one)
+    assert status_of(two)["state"] == "done"
+
+    assert ppo_main([*map(str, args), "--steps", "3", "--out", str(two), "--resume"]) == 0
+    assert [m["step"] for m in metric_lines(two)] == [1, 2, 3] and status_of(two)["state"] == "done"
