@@ -21,7 +21,11 @@ the stages use for everything that crosses ranks:
   together, so every cross-rank decision is taken on the same reduced numbers on every rank;
 - `stop_requested(flag)`: SIGTERM seen by any rank stops every rank at the same step;
 - only rank 0 writes the run directory: `setup` turns pipeline.rundir's writers off on the other
-  ranks, and the stages save checkpoints `if dist.is_main`.
+  ranks, and the stages save checkpoints `if dist.is_main`;
+- `sharded`: launched with configs/accelerate/fsdp.yaml (accelerate exports FSDP_* settings), a
+  fully trained model is sharded with PyTorch's FSDP2 instead of wrapped in DDP (`shard_model`);
+  every rank then runs the same forward passes and checkpoints gather whole weights
+  (`full_state_dict`, `full_optimizer_state`). train-reward only (docs/scaling.md).
 
 Sizes stay global: --batch-size (and PPO's --mini-batch-size) count pairs or episodes across all
 ranks, each rank taking its share, and each rank's loss is weighted so that DDP's average equals the
@@ -72,6 +76,92 @@ class CallThrough(nn.Module):
 
 
 @dataclass
+class FSDPSettings:
+    """What an `accelerate launch --config_file configs/accelerate/fsdp.yaml` asks for, as accelerate
+    exports it to each process (accelerate/utils/launch.py: ACCELERATE_USE_FSDP and FSDP_*)."""
+    reshard_after_forward: bool = True  # FULL_SHARD; False = SHARD_GRAD_OP
+    wrap_classes: tuple = ()  # decoder layer class names; () = the model's own _no_split_modules
+
+
+def fsdp_settings(env=None) -> FSDPSettings | None:
+    """FSDPSettings when the launcher asked for FSDP, else None; settings these stages do not
+    implement are refused here, before any model is loaded."""
+    env = os.environ if env is None else env
+    if str(env.get("ACCELERATE_USE_FSDP", "false")).lower() != "true":
+        return None
+    version = str(env.get("FSDP_VERSION", "1"))
+    if version != "2":
+        raise ValueError(f"FSDP_VERSION {version}: these stages shard with FSDP2 (torch's fully_shard, what "
+                         "accelerate runs for fsdp_version: 2); set fsdp_version: 2 (configs/accelerate/fsdp.yaml)")
+    strategy = str(env.get("FSDP_RESHARD_AFTER_FORWARD", env.get("FSDP_SHARDING_STRATEGY", "true"))).lower()
+    reshard = {"true": True, "full_shard": True, "1": True, "false": False, "shard_grad_op": False, "2": False}
+    if strategy not in reshard:
+        raise ValueError(f"FSDP sharding {strategy!r}: use FULL_SHARD (fsdp_reshard_after_forward: true) or "
+                         "SHARD_GRAD_OP (false)")
+    policy = str(env.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")).upper()
+    if policy not in ("TRANSFORMER_BASED_WRAP", "NO_WRAP", ""):
+        raise ValueError(f"FSDP auto-wrap policy {policy}: use TRANSFORMER_BASED_WRAP (one shard unit per decoder layer)")
+    state_dict = str(env.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")).upper()
+    if state_dict != "FULL_STATE_DICT":
+        raise ValueError(f"FSDP state dict {state_dict}: checkpoints here hold whole weights gathered on rank 0; "
+                         "use FULL_STATE_DICT")
+    if str(env.get("FSDP_OFFLOAD_PARAMS", "false")).lower() == "true":
+        raise ValueError("fsdp_offload_params: CPU offload is not supported by these stages")
+    classes = tuple(c.strip() for c in str(env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "")).split(",") if c.strip())
+    return FSDPSettings(reshard_after_forward=reshard[strategy], wrap_classes=classes)
+
+
+def shard_model(model: nn.Module, settings: FSDPSettings) -> list[nn.Module]:
+    """Shard a fully trained model in place with FSDP2 (torch.distributed.fsdp.fully_shard): one unit
+    per decoder layer (settings.wrap_classes, else the backbone's `_no_split_modules`, as accelerate's
+    TRANSFORMER_BASED_WRAP picks them), then every other module that holds parameters of its own
+    (embeddings, final norm, the scalar head) as a unit of its own. Each unit gathers its weights in
+    its own forward, so the stages' direct calls of the backbone or the head (packed forwards,
+    evaluation) work without going through one root. Returns the units."""
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeline.models import is_peft
+
+    backbone = getattr(model, "backbone", model)
+    if is_peft(backbone) or any(not p.requires_grad for p in model.parameters()):
+        raise ValueError("FSDP shards full fine-tuning here (--lora false): with LoRA the trained and "
+                         "communicated part is small; use configs/accelerate/ddp.yaml")
+    names = set(settings.wrap_classes or getattr(backbone, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"FSDP: no module of class {sorted(names)} in {type(backbone).__name__}; set "
+                         "fsdp_transformer_layer_cls_to_wrap to its decoder layer class")
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    rest = [m for m in model.modules()
+            if any(id(p) not in inside for p in m.parameters(recurse=False))]
+    for unit in layers + rest:
+        fully_shard(unit, reshard_after_forward=settings.reshard_after_forward)
+    return layers + rest
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The whole (unsharded) state dict of a sharded model, on CPU, on rank 0 ({} elsewhere); every
+    rank must call it (it gathers)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model: nn.Module, optimizer) -> dict:
+    """The optimiser's state for whole parameters (keyed by parameter name), on rank 0; collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
+    """Inverse of full_optimizer_state on every rank (each keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+@dataclass
 class Dist:
     """This process's place in the job; see the module docstring."""
     device: torch.device
@@ -79,6 +169,13 @@ class Dist:
     world: int = 1
     accelerator: Any = None
     wrapped: list = field(default_factory=list)
+    fsdp: FSDPSettings | None = None  # weights sharded across ranks (full fine-tuning only)
+
+    @property
+    def sharded(self) -> bool:
+        """Models trained here are FSDP-sharded: every rank must run the same forward passes (each
+        layer gathers its weights), and saving gathers the whole weights first."""
+        return self.fsdp is not None and self.world > 1
 
     @property
     def is_main(self) -> bool:
@@ -90,19 +187,24 @@ class Dist:
         """The model for training forwards: `wrapped(fn, *args)` = fn(model, *args), gradients
         averaged across ranks on the last backward of each step."""
         wrapped = CallThrough(model)
-        if self.accelerator is not None and self.world > 1:
+        if self.sharded:
+            # FSDP2 directly (the engine accelerate itself calls for fsdp_version 2): accelerate's
+            # own FSDP path exists for GPU process groups only, this one also runs on gloo (tests)
+            shard_model(model, self.fsdp)
+        elif self.accelerator is not None and self.world > 1:
             kind = str(self.accelerator.distributed_type)
-            if "FSDP" in kind or "DEEPSPEED" in kind:
-                raise ValueError(f"{kind}: these stages train with DistributedDataParallel (LoRA keeps each "
-                                 "device's copy small); use configs/accelerate/ddp.yaml and, for a larger "
-                                 "model, --gradient-checkpointing true (docs/scaling.md)")
+            if "DEEPSPEED" in kind:
+                raise ValueError(f"{kind}: DeepSpeed is not supported; use configs/accelerate/ddp.yaml, or "
+                                 "configs/accelerate/fsdp.yaml for full fine-tuning of a model that does not fit "
+                                 "(docs/scaling.md)")
             wrapped = self.accelerator.prepare_model(wrapped, device_placement=False)
         self.wrapped.append(wrapped)
         return wrapped
 
     def sync(self, wrapped: nn.Module, last: bool):
         """Context for one forward + backward: all-reduce the gradients only when `last`."""
-        if last or self.world == 1 or self.accelerator is None:
+        if last or self.world == 1 or self.accelerator is None or self.sharded:
+            # sharded: every backward reduce-scatters into the sharded gradients, which accumulate
             return contextlib.nullcontext()
         return self.accelerator.no_sync(wrapped)
 
@@ -209,11 +311,12 @@ def setup(device: str = "auto") -> Dist:
         # autocast (--dtype).
         accelerator = Accelerator(cpu=dev.type == "cpu", device_placement=False)
         dist = Dist(device=dev, rank=accelerator.process_index, world=accelerator.num_processes,
-                    accelerator=accelerator)
+                    accelerator=accelerator, fsdp=fsdp_settings())
     else:
         dist = Dist(device=dev)
     rundir.set_writer(dist.is_main)
     return dist
 
 
-__all__ = ["Dist", "CallThrough", "setup", "world_size", "rank", "local_rank"]
+__all__ = ["Dist", "CallThrough", "FSDPSettings", "fsdp_settings", "shard_model", "full_state_dict",
+           "full_optimizer_state", "load_full_optimizer_state", "setup", "world_size", "rank", "local_rank"]

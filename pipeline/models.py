@@ -427,14 +427,20 @@ def save_policy(policy: nn.Module, tokenizer, out_dir: str | os.PathLike) -> Pat
     return _atomic_folder(Path(out_dir), write)
 
 
-def save_scalar_model(model: ScalarModel, tokenizer, out_dir: str | os.PathLike) -> Path:
-    """Save a reward model or critic: adapter (or full backbone) + head + normalisation stats."""
+def save_scalar_model(model: ScalarModel, tokenizer, out_dir: str | os.PathLike, state_dict: dict | None = None) -> Path:
+    """Save a reward model or critic: adapter (or full backbone) + head + normalisation stats.
+    state_dict: the model's whole weights when its own are sharded (pipeline.distributed.full_state_dict)."""
     from safetensors.torch import save_file
 
+    def part(prefix: str) -> dict | None:
+        if state_dict is None:
+            return None
+        return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
     def write(tmp: Path) -> None:
-        model.backbone.save_pretrained(tmp)
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.head.state_dict().items()},
-                  str(tmp / HEAD_FILE))
+        model.backbone.save_pretrained(tmp, state_dict=part("backbone."))
+        head = part("head.") if state_dict is not None else model.head.state_dict()
+        save_file({k: v.detach().contiguous().cpu() for k, v in head.items()}, str(tmp / HEAD_FILE))
         tokenizer.save_pretrained(tmp)
         (tmp / META_FILE).write_text(json.dumps({
             "kind": model.kind, "base_model": model.base_model, "lora": model.lora,

@@ -66,6 +66,10 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     """Run PPO; returns the last step's metrics. See the module docstring for the phases."""
     dist = setup(model_cfg.device)
     check_config(cfg, dist.world)
+    if dist.sharded:
+        raise ValueError("ppo with FSDP is not supported yet: sampling, the reference and the prefix caches would "
+                         "run different numbers of forward passes per rank, each a collective under FSDP; use "
+                         "configs/accelerate/ddp.yaml with LoRA (docs/scaling.md)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / CHECKPOINT

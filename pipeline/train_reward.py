@@ -60,7 +60,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import Dist, setup
+from pipeline.distributed import Dist, full_optimizer_state, full_state_dict, load_full_optimizer_state, setup
 from pipeline.hashing import snapshot_sha256
 from pipeline.losses import center_loss, pairwise_loss
 from pipeline.models import (
@@ -197,6 +197,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     pad_id = tokenizer.pad_token_id
     # gradient checkpointing turns the KV cache off, so the prompt cannot be shared between responses
     share_prompt = cfg.share_prompt and not model_cfg.gradient_checkpointing
+    if dist.sharded:  # a prompt's keys and values reused by its responses fail FSDP2's backward
+        share_prompt = False  # (storage of a resharded weight), tests/test_distributed.py; same numbers
     lm_weight = lm_head_weight(model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None
     if not resume:
         write_json(out_dir / "config.json", {
@@ -218,17 +220,23 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     step = 0
     if resume:
         state = torch.load(out_dir / "trainer_state.pt", map_location=device, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        if dist.sharded:  # saved whole (keyed by parameter name): each rank takes its shard
+            load_full_optimizer_state(model, optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
         truncate_metrics(out_dir, step)  # steps logged after the last save are trained again
 
     def save(norm: dict | None = None) -> None:
+        weights, opt_state = None, None
+        if dist.sharded:  # every rank takes part in gathering the whole weights and optimiser state
+            weights, opt_state = full_state_dict(model), full_optimizer_state(model, optimizer)
         if not dist.is_main:  # every rank holds the same weights
             return
-        save_scalar_model(model, tokenizer, out_dir / "checkpoint")
+        save_scalar_model(model, tokenizer, out_dir / "checkpoint", state_dict=weights)
         tmp = out_dir / ".trainer_state.pt.tmp"
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+        torch.save({"optimizer": opt_state if dist.sharded else optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                     "total": total, "normalised": norm is not None}, tmp)
         os.replace(tmp, out_dir / "trainer_state.pt")
 
@@ -259,6 +267,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                           if chunk]
                 if not chunks:  # fewer pairs than processes: this rank joins the all-reduce with zeros
                     chunks = [(micro[0][:1], 0.0)]
+                if dist.sharded:  # every layer's forward gathers across ranks: run as many as the busiest
+                    chunks += [(micro[0][:1], 0.0)] * (max(dist.gather_objects(len(chunks))) - len(chunks))
                 for j, (chunk, weight) in enumerate(chunks):
                     b = len(chunk)
                     with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
@@ -282,6 +292,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                 sums = dist.reduce_sum(sums)  # the whole batch's sums, on every rank
                 clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+                if hasattr(grad_norm, "full_tensor"):  # sharded parameters: a DTensor
+                    grad_norm = grad_norm.full_tensor()
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -318,7 +330,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
 
     # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
     write_status(out_dir, "running", step, total, phase="evaluating")
-    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, dist)
+    # sharded: every rank scores every pair (the same forward passes on all ranks, as the gathers need)
+    shared = None if dist.sharded else dist
+    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, shared)
     calib = report.pop("calibration", [])
     if report:
         append_metrics(out_dir, step, report)
@@ -328,7 +342,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     if cfg.norm_samples > 0:
         write_status(out_dir, "running", step, total, phase="normalising")
         norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
-                                   policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=dist)
+                                   policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=shared)
         append_metrics(out_dir, step, {"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]})
         model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
 

@@ -8,6 +8,7 @@ and a half on 2 CPU cores (each launch pays ~10 s of imports).
 """
 
 import json
+import math
 import os
 import signal
 import socket
@@ -40,7 +41,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list, out: Path, n: int = 2, script: Path | None = None, wait: bool = True, timeout: float = 150):
+def launch(args: list, out: Path, n: int = 2, script: Path | None = None, wait: bool = True, timeout: float = 150,
+           extra_env: dict | None = None):
     """The job runner's command for n processes (`-m pipeline`, or a script standing in for it),
     output in out/log.txt, in its own process group."""
     out.mkdir(parents=True, exist_ok=True)
@@ -48,7 +50,7 @@ def launch(args: list, out: Path, n: int = 2, script: Path | None = None, wait: 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
            "--master_port", str(free_port()), *entry, *map(str, args), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(ROOT), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "20"}
+           "PYTHONPATH": str(ROOT), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "20", **(extra_env or {})}
     log = open(out / "log.txt", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     if not wait:
@@ -307,3 +309,78 @@ def test_distributed_ppo_equals_one_process_and_its_checkpoint_resumes_on_one(tm
 
     assert ppo_main([*map(str, args), "--steps", "3", "--out", str(two), "--resume"]) == 0
     assert [m["step"] for m in metric_lines(two)] == [1, 2, 3] and status_of(two)["state"] == "done"
+
+
+# --------------------------------------------------------------------------- FSDP (full fine-tuning)
+
+# what `accelerate launch --config_file configs/accelerate/fsdp.yaml` exports to each process
+FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
+            "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+            "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "FSDP_OFFLOAD_PARAMS": "false"}
+
+
+def test_fsdp_settings_from_the_launcher_environment():
+    from pipeline.distributed import FSDPSettings, fsdp_settings
+
+    assert fsdp_settings({}) is None
+    assert fsdp_settings(FSDP_ENV) == FSDPSettings(reshard_after_forward=True, wrap_classes=("LlamaDecoderLayer",))
+    assert fsdp_settings({**FSDP_ENV, "FSDP_RESHARD_AFTER_FORWARD": "false",
+                          "FSDP_TRANSFORMER_CLS_TO_WRAP": ""}) == FSDPSettings(False, ())
+    for bad, match in ((("FSDP_VERSION", "1"), "FSDP2"), (("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"), "FULL"),
+                       (("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP"), "TRANSFORMER"),
+                       (("FSDP_OFFLOAD_PARAMS", "true"), "offload")):
+        with pytest.raises(ValueError, match=match):
+            fsdp_settings({**FSDP_ENV, bad[0]: bad[1]})
+    config = (ROOT / "configs" / "accelerate" / "fsdp.yaml").read_text()  # the shipped file says the same
+    for line in ("distributed_type: FSDP", "fsdp_version: 2", "fsdp_reshard_after_forward: true",
+                 "fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer", "fsdp_state_dict_type: FULL_STATE_DICT"):
+        assert line in config
+
+
+def test_distributed_fsdp_reward_training_equals_one_process_and_resumes(tmp_path, tiny_model_cfg):
+    """Full fine-tuning with every weight sharded over 2 processes (FSDP2, one unit per decoder
+    layer): the losses, held-out accuracy and the gathered checkpoint are the 1-process run's; the
+    checkpoint (whole weights and optimiser state, saved by rank 0) resumes on 2 sharded processes."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from pipeline.train_reward import train_reward
+
+    full = dataclasses.replace(tiny_model_cfg, lora=False)
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(44))
+    cfg = RewardConfig(epochs=1, lr=1e-3, batch_size=8, grad_accum=1, norm_samples=0, eval_fraction=0.25,
+                       max_tokens=300, max_steps=3)
+    one = tmp_path / "one"
+    train_reward(str(data), str(one), cfg, full)
+    two = tmp_path / "two"
+    proc = launch(["train-reward", "--data", data, *to_cli_args(cfg), *model_args(full)], two, extra_env=FSDP_ENV)
+    assert proc.returncode == 0, log_of(two)[-3000:]
+    assert status_of(two)["state"] == "done"
+    lines_one, lines_two = metric_lines(one), metric_lines(two)
+    assert [m["step"] for m in lines_two] == [m["step"] for m in lines_one] == [1, 2, 3, 3]
+    for a, b in zip(lines_one, lines_two):
+        for key in ("train/loss", "train/accuracy", "train/grad_norm", "eval/accuracy", "eval/margin"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
+    w_one, w_two = load_file(str(one / "checkpoint" / "model.safetensors")), load_file(
+        str(two / "checkpoint" / "model.safetensors"))
+    assert w_one.keys() == w_two.keys() and len(w_one) > 10
+    for key in w_one:
+        torch.testing.assert_close(w_two[key], w_one[key], rtol=1e-4, atol=1e-5)
+    head_one = load_file(str(one / "checkpoint" / "scalar_head.safetensors"))
+    head_two = load_file(str(two / "checkpoint" / "scalar_head.safetensors"))
+    torch.testing.assert_close(head_two["weight"], head_one["weight"], rtol=1e-4, atol=1e-5)
+
+    # as a cancel at step 3 of 5 leaves the run directory: a checkpoint, no report, status 'cancelled'
+    (two / "eval_report.json").unlink()
+    (two / "status.json").write_text(json.dumps({**status_of(two), "state": "cancelled"}))
+    config = json.loads((two / "config.json").read_text())
+    config["reward"]["max_steps"] = 5  # the run's own settings win on --resume
+    (two / "config.json").write_text(json.dumps(config))
+    proc = launch(["train-reward", "--data", data, *to_cli_args(cfg), *model_args(full), "--resume"], two,
+                  extra_env=FSDP_ENV)
+    assert proc.returncode == 0, log_of(two)[-3000:]
+    assert [m["step"] for m in metric_lines(two) if "train/loss" in m] == [1, 2, 3, 4, 5]
+    assert all(math.isfinite(m["train/loss"]) for m in metric_lines(two) if "train/loss" in m)
+    assert status_of(two)["state"] == "done"
