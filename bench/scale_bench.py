@@ -46,19 +46,26 @@ def command(procs: int, port: int) -> list[str]:
             "--master_port", str(port), "-m", "pipeline"]
 
 
-def run_job(stage_args: list[str], procs: int, out: Path, port: int) -> tuple[float, list[dict]]:
+def run_job(stage_args: list[str], procs: int, out: Path, port: int) -> tuple[float, list[dict], float]:
+    """(job wall seconds, metrics lines, peak resident memory in GB of the largest process)."""
     # one thread per process on both sides (torchrun's default for its workers): the 1-process side
     # with every core's threads would measure OpenMP contention on a shared machine, not scaling
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    done = subprocess.run([*command(procs, port), *stage_args, "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(stage_args[:1])} on {procs} process(es) failed:\n{done.stdout[-3000:]}"
-                         f"\n{done.stderr[-3000:]}")
+    with open(out.parent / f"{out.name}.log", "w+") as log:
+        proc = subprocess.Popen([*command(procs, port), *stage_args, "--out", str(out)], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        # wait4's ru_maxrss covers the child and the descendants it waited for (getrusage(2)): the
+        # largest of the launcher and its workers, i.e. the peak of one process
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            log.seek(0)
+            raise SystemExit(f"{' '.join(stage_args[:1])} on {procs} process(es) failed:\n{log.read()[-3000:]}")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return wall, lines
+    return wall, lines, usage.ru_maxrss / 1e6  # kB on Linux
 
 
 def throughput(lines: list[dict], key: str) -> float:
@@ -194,22 +201,30 @@ def main() -> int:
             for procs in order:
                 port += 1
                 out = work / f"{stage}-{procs}-{rep}"
-                wall, lines = run_job(stage_args, procs, out, port)
-                row = results.setdefault((stage, procs), {"wall": [], "rate": []})
+                wall, lines, peak = run_job(stage_args, procs, out, port)
+                row = results.setdefault((stage, procs), {"wall": [], "rate": [], "peak": []})
                 row["wall"].append(wall)
                 row["rate"].append(throughput(lines, key))
-                print(f"  {stage} x{procs} rep {rep}: {wall:.1f} s, {row['rate'][-1]:.2f} {jobs[stage][2]}",
-                      flush=True)
+                row["peak"].append(peak)
+                print(f"  {stage} x{procs} rep {rep}: {wall:.1f} s, {row['rate'][-1]:.2f} {jobs[stage][2]}, "
+                      f"peak {peak:.2f} GB per process", flush=True)
 
     print(f"\nscale_bench  model={args.model or 'tiny (random, ~30k parameters)'}  device={args.device}  "
           f"commit={commit()}  reps={args.reps}")
-    print(f"{'stage':<13}{'procs':>6}  {'job wall s, median (range)':<30}{'steady throughput, median (range)':<36}")
+    print(f"{'stage':<13}{'procs':>6}  {'job wall s, median (range)':<30}{'steady throughput, median (range)':<40}"
+          "peak GB per process")
     for (stage, procs), row in sorted(results.items()):
-        print(f"{stage:<13}{procs:>6}  {summary(row['wall']):<30}{summary(row['rate'])} {jobs[stage][2]}")
+        rate = f"{summary(row['rate'])} {jobs[stage][2]}"
+        print(f"{stage:<13}{procs:>6}  {summary(row['wall']):<30}{rate:<40}{max(row['peak']):.2f}")
     for stage in jobs:
         one, many = results[(stage, 1)], results[(stage, args.procs)]
         print(f"{stage}: {args.procs} processes / 1: wall x{statistics.median(many['wall']) / statistics.median(one['wall']):.2f}, "
               f"throughput x{statistics.median(many['rate']) / statistics.median(one['rate']):.2f}")
+    ratios = " ".join(
+        f"{stage}_throughput_x{args.procs}={statistics.median(results[(stage, args.procs)]['rate']) / statistics.median(results[(stage, 1)]['rate']):.2f} "
+        f"{stage}_peak_gb_1={max(results[(stage, 1)]['peak']):.2f} "
+        f"{stage}_peak_gb_{args.procs}={max(results[(stage, args.procs)]['peak']):.2f}" for stage in jobs)
+    print(f"RESULT scale model={args.model or 'tiny'} device={args.device} procs={args.procs} {ratios}")
     return 0
 
 
