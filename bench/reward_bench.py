@@ -208,8 +208,11 @@ def median_result(results: list[dict]) -> dict:
 
 def run_worker(name: str, spec_path: Path) -> dict:
     """Run one trainer in a fresh interpreter; it prints one 'BENCH_JSON {...}' line."""
+    env = dict(os.environ)
+    if name != "ours":  # the TRL side needs datasets, which bench/gpu_check.py refuses to our side
+        env.pop("RLHF_BLOCK_IMPORTS", None)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", name, "--spec", str(spec_path)],
-                          stdout=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH_JSON "):
             return json.loads(line[len("BENCH_JSON "):])
@@ -238,6 +241,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each trainer, the order rotating each round")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off by default here")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    parser.add_argument("--only", default="", help="comma-separated trainers to run, of ours, trl, trl_grouped")
     parser.add_argument("--worker", choices=list(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -288,31 +292,27 @@ def main() -> None:
               f"{args.rounds} round(s)", flush=True)
         tokens_ours, tokens_random = padded_tokens(spec)
         # Rounds rotate the order, so load changes on a shared machine hit every trainer alike.
-        names = list(SIDES)
+        names = args.only.split(",") if args.only else list(SIDES)
         runs = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 runs[name].append(run_worker(name, work / "spec.json"))
                 print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]['pairs_per_s']:.3f} pairs/s", flush=True)
         res = {name: median_result(runs[name]) for name in names}
-        ours, trl, grouped = res["ours"], res["trl"], res["trl_grouped"]
 
     n_eval = len(held)
     for r in res.values():
         r["acc_lo"], r["acc_hi"] = wilson(round(r["accuracy"] * n_eval), n_eval)
+    if set(res) != set(SIDES):  # a partial run: the table, no ratios
+        report(res, args, n_eval)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"results": res, "runs": runs}, indent=1))
+        return
+    ours, trl, grouped = res["ours"], res["trl"], res["trl_grouped"]
+    report(res, args, n_eval)
     ratio = ours["pairs_per_s"] / trl["pairs_per_s"]
     ratio_grouped = ours["pairs_per_s"] / grouped["pairs_per_s"]
     ratio_cpu = trl["cpu_seconds"] / ours["cpu_seconds"]  # pairs per CPU-second, same pairs
-    print()
-    print(f"{args.rounds} round(s), the order rotating; pairs/s: median [min-max]; accuracy on {n_eval} held-out "
-          "pairs with its 95% Wilson interval")
-    print(f"{'trainer':<13}{'pairs':>7}{'seconds':>10}{'pairs/s':>26}{'CPU s':>10}{'peak RSS MB':>13}"
-          f"{'peak GPU MB':>13}{'accuracy [95% CI]':>26}")
-    for name, r in res.items():
-        rate = f"{r['pairs_per_s']:.3f} [{r['pairs_per_s_min']:.3f}-{r['pairs_per_s_max']:.3f}]"
-        print(f"{name:<13}{r['pairs']:>7}{r['seconds']:>10.1f}{rate:>26}{r['cpu_seconds']:>10.1f}"
-              f"{r['peak_rss_mb']:>13.0f}{r.get('peak_gpu_mb', float('nan')):>13.0f}"
-              f"{r['accuracy']:>10.3f} [{r['acc_lo']:.3f}, {r['acc_hi']:.3f}]")
     print(f"ratio ours/trl pairs/s: {ratio:.2f}x wall clock, {ratio_cpu:.2f}x per CPU-second; against TRL with "
           f"group_by_length {ratio_grouped:.2f}x; longer-response baseline accuracy {ours['length_baseline']:.3f}")
     print("(on a machine shared with other work, wall-clock pairs/s follow the load; CPU seconds much less so)")
@@ -332,6 +332,19 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"results": res, "runs": runs, "ratio": ratio,
                                                "ratio_grouped": ratio_grouped, "result_line": line}, indent=1))
+
+
+def report(res: dict, args, n_eval: int) -> None:
+    print()
+    print(f"{args.rounds} round(s), the order rotating; pairs/s: median [min-max]; accuracy on {n_eval} held-out "
+          "pairs with its 95% Wilson interval")
+    print(f"{'trainer':<13}{'pairs':>7}{'seconds':>10}{'pairs/s':>26}{'CPU s':>10}{'peak RSS MB':>13}"
+          f"{'peak GPU MB':>13}{'accuracy [95% CI]':>26}")
+    for name, r in res.items():
+        rate = f"{r['pairs_per_s']:.3f} [{r['pairs_per_s_min']:.3f}-{r['pairs_per_s_max']:.3f}]"
+        print(f"{name:<13}{r['pairs']:>7}{r['seconds']:>10.1f}{rate:>26}{r['cpu_seconds']:>10.1f}"
+              f"{r['peak_rss_mb']:>13.0f}{r.get('peak_gpu_mb', float('nan')):>13.0f}"
+              f"{r['accuracy']:>10.3f} [{r['acc_lo']:.3f}, {r['acc_hi']:.3f}]")
 
 
 SIDES = {"ours": worker_ours, "trl": worker_trl, "trl_grouped": lambda spec: worker_trl(spec, grouped=True)}

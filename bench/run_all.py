@@ -247,6 +247,17 @@ def bench_command(name: str, full: bool, extra: str = "") -> str:
     return shlex.join(["python", f"bench/{name}.py", *bench_args(name, full, extra)])
 
 
+def run_command(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of cmd run in the repository; exit 124 and what it printed when
+    it runs past timeout (bench/gpu_check.py runs its phases with it too)."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        parts = [p.decode("utf-8", "replace") if isinstance(p, bytes) else (p or "") for p in (exc.stdout, exc.stderr)]
+        return 124, "".join(parts) + f"\n(timed out after {timeout:.0f} s)"
+
+
 def run_bench(name: str, full: bool, timeout: float, extra: str = "", commit: str = "") -> tuple[int, str, float, dict]:
     """(exit code, output, seconds, {commit, date, load}) of `python bench/NAME.py [--quick] [extra]`,
     logged to bench/out/run_all with the command on the log's first line, the seconds it took on the
@@ -255,12 +266,7 @@ def run_bench(name: str, full: bool, timeout: float, extra: str = "", commit: st
     cmd = [sys.executable, str(ROOT / "bench" / f"{name}.py"), *bench_args(name, full, extra)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     start, load_start = time.perf_counter(), os.getloadavg()[0]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        parts = [p.decode("utf-8", "replace") if isinstance(p, bytes) else (p or "") for p in (exc.stdout, exc.stderr)]
-        rc, output = 124, "".join(parts) + f"\n(timed out after {timeout:.0f} s)"
+    rc, output = run_command(cmd, env, timeout)
     took = time.perf_counter() - start
     meta = run_meta(commit or git_commit(), load_start, os.getloadavg()[0])
     header = (f"{COMMAND_PREFIX}{bench_command(name, full, extra)}\n{SECONDS_PREFIX}{took:.0f} exit={rc}\n"
