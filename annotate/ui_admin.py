@@ -6,6 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from annotate import admin as a
+from annotate import admin_users as u
 from annotate import ui_train
 from annotate.bind import bind
 from annotate.context import AppContext
@@ -133,24 +134,24 @@ def data_tab(ctx: AppContext) -> dict:
                      [export_file, export_msg], **HIDDEN, api_name="export")
     unflag_btn.click(bind(a.unflag, ctx), [flag_id], [unflag_msg, flagged], **HIDDEN, api_name="unflag")
     flag_refresh.click(bind(a.flagged_table, ctx), None, [flagged], **HIDDEN, api_name="flagged")
-    add_btn.click(bind(a.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
-    reset_btn.click(bind(a.reset_password, ctx), [who_name, new_password], [manage_msg, users],
+    add_btn.click(bind(u.add_user, ctx), [name, role, password], [add_msg, users], **HIDDEN, api_name="add_user")
+    reset_btn.click(bind(u.reset_password, ctx), [who_name, new_password], [manage_msg, users],
                     **HIDDEN, api_name="reset_password")
-    role_btn.click(bind(a.change_role, ctx), [who_name, new_role], [manage_msg, users], **HIDDEN, api_name="set_role")
-    deactivate_btn.click(bind(a.deactivate, ctx), [who_name],
+    role_btn.click(bind(u.change_role, ctx), [who_name, new_role], [manage_msg, users], **HIDDEN, api_name="set_role")
+    deactivate_btn.click(bind(u.deactivate, ctx), [who_name],
                          [manage_msg, users], **HIDDEN, api_name="deactivate")
-    activate_btn.click(bind(a.activate, ctx), [who_name],
+    activate_btn.click(bind(u.activate, ctx), [who_name],
                        [manage_msg, users], **HIDDEN, api_name="activate")
-    unlock_btn.click(bind(a.unlock, ctx), [who_name], [manage_msg, users], **HIDDEN, api_name="unlock")
-    users_refresh.click(bind(a.users_table, ctx), None, [users], **HIDDEN, api_name="users")
+    unlock_btn.click(bind(u.unlock, ctx), [who_name], [manage_msg, users], **HIDDEN, api_name="unlock")
+    users_refresh.click(bind(u.users_table, ctx), None, [users], **HIDDEN, api_name="users")
     backup_btn.click(bind(a.backup, ctx), None, [backup_file, backup_msg], **HIDDEN, api_name="backup")
     save_btn.click(bind(a.save_guidelines, ctx), [guidelines], [save_msg], **HIDDEN, api_name="save_guidelines")
     return {
         "timer": timer,
-        "load": [(a.statistics, None, stats_outs), (a.users_table, None, [users]),
+        "load": [(a.statistics, None, stats_outs), (u.users_table, None, [users]),
                  (a.load_guidelines, None, [guidelines]), (a.job_poll, None, [job, timer]),
                  (a.policy_choices, None, [version]), (a.flagged_table, None, [flagged]),
-                 (a.annotator_names, None, [who])],
+                 (u.annotator_names, None, [who])],
     }
 
 

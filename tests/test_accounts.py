@@ -11,7 +11,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from annotate import accounts, admin, handlers
+from annotate import accounts, admin, admin_users, handlers
 from annotate.context import AppContext, Refused
 from store import Store
 from store.users import SCRYPT_N, hash_password, needs_rehash, verify_password
@@ -107,7 +107,7 @@ def test_deactivation_applies_to_the_next_request_and_keeps_the_rankings(ctx):
     state, *_ = handlers.load(ctx, None, req("ann"))
     state = handlers.submit(ctx, state, "1>2", False, "", "", req("ann"))[0]  # ann's account is now cached
     assert len(ctx.store.list_rankings()) == 1
-    msg, table = admin.deactivate(ctx, "ann", req("boss"))
+    msg, table = admin_users.deactivate(ctx, "ann", req("boss"))
     assert "deactivated" in msg and table.set_index("name").loc["ann", "active"] == "no"
     with pytest.raises(Refused, match="deactivated"):
         handlers.submit(ctx, state, "2>1", False, "", "", req("ann"))
@@ -115,7 +115,7 @@ def test_deactivation_applies_to_the_next_request_and_keeps_the_rankings(ctx):
         handlers.load(ctx, None, req("ann"))
     assert ctx.store.authenticate("ann", "ann-password") is None  # cannot sign in either
     assert len(ctx.store.list_rankings()) == 1  # its ranking stays
-    assert "can sign in again" in admin.activate(ctx, "ann", req("boss"))[0]
+    assert "can sign in again" in admin_users.activate(ctx, "ann", req("boss"))[0]
     state, *_ = handlers.load(ctx, None, req("ann"))
     assert state.current is not None
 
@@ -123,44 +123,44 @@ def test_deactivation_applies_to_the_next_request_and_keeps_the_rankings(ctx):
 def test_role_change_and_password_reset(ctx):
     handlers.open_page(ctx, None, req("bea"))  # cached as an annotator
     with pytest.raises(Refused):
-        admin.users_table(ctx, req("bea"))
-    msg, _ = admin.change_role(ctx, "bea", "admin", req("boss"))
+        admin_users.users_table(ctx, req("bea"))
+    msg, _ = admin_users.change_role(ctx, "bea", "admin", req("boss"))
     assert "now an admin" in msg
-    assert len(admin.users_table(ctx, req("bea"))) == 3  # at once
-    msg, _ = admin.reset_password(ctx, "bea", "", req("boss"))
+    assert len(admin_users.users_table(ctx, req("bea"))) == 3  # at once
+    msg, _ = admin_users.reset_password(ctx, "bea", "", req("boss"))
     generated = msg.split("One-time password: `")[1].split("`")[0]
     assert ctx.store.authenticate("bea", generated) is not None
     assert ctx.store.authenticate("bea", "bea-password") is None
-    admin.reset_password(ctx, "bea", "chosen-password", req("boss"))
+    admin_users.reset_password(ctx, "bea", "chosen-password", req("boss"))
     assert ctx.store.authenticate("bea", "chosen-password") is not None
     with pytest.raises(gr.Error, match="at least 8"):
-        admin.reset_password(ctx, "bea", "short", req("boss"))
+        admin_users.reset_password(ctx, "bea", "short", req("boss"))
     with pytest.raises(gr.Error, match="no annotator named 'nobody'"):
-        admin.change_role(ctx, "nobody", "admin", req("boss"))
+        admin_users.change_role(ctx, "nobody", "admin", req("boss"))
     with pytest.raises(gr.Error, match="Role must be one of"):
-        admin.change_role(ctx, "bea", "owner", req("boss"))
+        admin_users.change_role(ctx, "bea", "owner", req("boss"))
 
 
 def test_the_last_active_admin_cannot_be_demoted_or_deactivated(ctx):
-    for call in (lambda: admin.change_role(ctx, "boss", "annotator", req("boss")),
-                 lambda: admin.deactivate(ctx, "boss", req("boss"))):
+    for call in (lambda: admin_users.change_role(ctx, "boss", "annotator", req("boss")),
+                 lambda: admin_users.deactivate(ctx, "boss", req("boss"))):
         with pytest.raises(gr.Error, match="last active admin"):
             call()
     assert ctx.store.find_annotator("boss").is_admin and ctx.store.find_annotator("boss").active
-    admin.change_role(ctx, "bea", "admin", req("boss"))
-    admin.deactivate(ctx, "boss", req("bea"))  # now there is another admin
+    admin_users.change_role(ctx, "bea", "admin", req("boss"))
+    admin_users.deactivate(ctx, "boss", req("bea"))  # now there is another admin
     with pytest.raises(Refused):
-        admin.users_table(ctx, req("boss"))
+        admin_users.users_table(ctx, req("boss"))
 
 
 def test_annotators_are_refused_every_account_action_and_nothing_changes(ctx):
     from store.backup import store_checksums
 
     before = store_checksums(ctx.store)
-    calls = [lambda r: admin.reset_password(ctx, "boss", "taken-over!", r),
-             lambda r: admin.change_role(ctx, "ann", "admin", r),
-             lambda r: admin.deactivate(ctx, "boss", r), lambda r: admin.activate(ctx, "ann", r),
-             lambda r: admin.unlock(ctx, "ann", r), lambda r: admin.users_table(ctx, r),
+    calls = [lambda r: admin_users.reset_password(ctx, "boss", "taken-over!", r),
+             lambda r: admin_users.change_role(ctx, "ann", "admin", r),
+             lambda r: admin_users.deactivate(ctx, "boss", r), lambda r: admin_users.activate(ctx, "ann", r),
+             lambda r: admin_users.unlock(ctx, "ann", r), lambda r: admin_users.users_table(ctx, r),
              lambda r: admin.backup(ctx, r)]
     for call in calls:
         for who in ("ann", None, "nobody"):

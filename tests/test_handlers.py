@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-from annotate import admin, bootstrap, handlers, render
+from annotate import admin, admin_users, bootstrap, handlers, render
 from annotate.context import AppContext, Refused
 from annotate.handlers import parse_ranking
 from annotate.state import Showing
@@ -331,11 +331,11 @@ def test_requests_without_a_known_user_are_refused(ctx):
 def test_a_demoted_admin_is_refused_at_once(ctx):
     boss = ctx.store.find_annotator("boss")
     handlers.open_page(ctx, None, req("boss"))  # the account lookup is now cached
-    admin.users_table(ctx, req("boss"))
+    admin_users.users_table(ctx, req("boss"))
     ctx.store.set_role(ctx.store.find_annotator("bea").id, "admin")  # the last admin cannot be demoted
     ctx.store.set_role(boss.id, "annotator")
     with pytest.raises(Refused):
-        admin.users_table(ctx, req("boss"))
+        admin_users.users_table(ctx, req("boss"))
     assert not handlers.open_page(ctx, None, req("boss"))[1]["visible"]
 
 
@@ -347,7 +347,7 @@ def test_no_auth_mode_acts_as_the_local_admin(store, tmp_path):
     handlers.submit(ctx, state, "1>2", False, "", "", None)
     (r,) = store.list_rankings()
     assert store.get_annotator(r.annotator_id).name == "local"
-    assert len(admin.users_table(ctx, None)) == 1
+    assert len(admin_users.users_table(ctx, None)) == 1
 
 
 # --------------------------------------------------------------------------- role refusal
@@ -363,11 +363,11 @@ def _admin_calls(tmp_path):
         "policy_choices": lambda c, r: admin.policy_choices(c, r),
         "statistics": lambda c, r: admin.statistics(c, r),
         "export": lambda c, r: admin.export(c, "jsonl", False, True, None, "", 0.0, 0.0, r),
-        "users_table": lambda c, r: admin.users_table(c, r),
+        "users_table": lambda c, r: admin_users.users_table(c, r),
         "flagged_table": lambda c, r: admin.flagged_table(c, r),
         "unflag": lambda c, r: admin.unflag(c, 1, r),
-        "annotator_names": lambda c, r: admin.annotator_names(c, r),
-        "add_user": lambda c, r: admin.add_user(c, "mallory", "admin", "mallory-password", r),
+        "annotator_names": lambda c, r: admin_users.annotator_names(c, r),
+        "add_user": lambda c, r: admin_users.add_user(c, "mallory", "admin", "mallory-password", r),
         "save_guidelines": lambda c, r: admin.save_guidelines(c, "be evil", r),
         "load_guidelines": lambda c, r: admin.load_guidelines(c, r),
     }
@@ -475,12 +475,12 @@ def test_flagged_prompts_are_listed_and_unflagged_by_admins_only(ctx):
 
 
 def test_add_user_with_generated_password(ctx):
-    msg, table = admin.add_user(ctx, "newbie", "annotator", "", req("boss"))
+    msg, table = admin_users.add_user(ctx, "newbie", "annotator", "", req("boss"))
     password = msg.split("`")[1]
     assert ctx.store.authenticate("newbie", password).role == "annotator"
     assert "newbie" in list(table["name"])
     with pytest.raises(gr.Error, match="already exists"):
-        admin.add_user(ctx, "newbie", "annotator", "another-password", req("boss"))
+        admin_users.add_user(ctx, "newbie", "annotator", "another-password", req("boss"))
 
 
 def test_guidelines_roundtrip(ctx):

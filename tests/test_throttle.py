@@ -4,12 +4,11 @@ unlock them."""
 
 from __future__ import annotations
 
-import shutil
 
 import httpx
 import pytest
 
-from annotate import admin
+from annotate import admin_users
 from annotate.accounts import Throttle
 from annotate.context import AppContext, Refused
 from store import Store
@@ -84,7 +83,7 @@ def test_over_http_failures_lock_the_name_the_admin_sees_it_and_unlocks_it(ctx):
         assert locked["ann"].endswith(" s") and locked["boss"] == "–"
         # an annotator cannot unlock anyone
         with pytest.raises(Refused):
-            admin.unlock(ctx, "ann", req("ann"))
+            admin_users.unlock(ctx, "ann", req("ann"))
         msg, _ = boss.predict("ann", api_name="/unlock")
         assert "ann** is unlocked" in msg
         r = _login(url, "ann", "ann-password")
