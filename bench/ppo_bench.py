@@ -77,7 +77,8 @@ def prepare(s: dict) -> dict:
     import torch
 
     from pipeline.config import ModelConfig
-    from pipeline.models import default_model_dir, load_scalar_model, save_scalar_model
+    from pipeline.models import default_model_dir, load_scalar_model
+    from pipeline.saving import save_scalar_model
 
     base = default_model_dir() if s["model"] == "default" else Path(s["model"]).resolve()
     out = Path(s["work"])

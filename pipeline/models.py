@@ -1,5 +1,5 @@
-"""Models on disk and the scalar roles: the default model, devices, LoRA, reward model and critic,
-saving and reloading exactly (the policy and reference: pipeline/policy.py).
+"""Models on disk and the scalar roles: the default model, devices, LoRA, reward model and critic
+(the policy and reference: pipeline/policy.py; saving them: pipeline/saving.py).
 
 - reward / critic: `ScalarModel`, a backbone with a linear head giving one value per token. The
   reward is read at the last non-pad token; the critic uses every token. A critic may start from a
@@ -119,7 +119,7 @@ def _gguf_path() -> Path:
     return path
 
 
-def _make_tmp_dir(target: Path) -> Path:
+def make_tmp_dir(target: Path) -> Path:
     """A temporary sibling of target (same filesystem, so rename is atomic), with normal permissions."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-tmp-", dir=target.parent))
@@ -141,7 +141,7 @@ def default_model_dir(cache_dir: str | os.PathLike = "") -> Path:
     gguf = _gguf_path()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = _make_tmp_dir(target)
+    tmp = make_tmp_dir(target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # GGUF tensors are de-quantised to fp32 on load; the quantizer is then only metadata,
@@ -376,76 +376,3 @@ def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig
     if cfg.gradient_checkpointing:
         enable_checkpointing(model.backbone)
     return model.eval(), tokenizer
-
-
-# --------------------------------------------------------------------------- saving
-
-
-def recover_folder(out_dir: Path) -> None:
-    """Undo what a kill in the middle of `_atomic_folder` left: the old folder renamed aside but
-    the new one not yet in place is put back; half-written temporary folders are removed. One
-    writer per run directory, so whatever is there is stale."""
-    out_dir = Path(out_dir)
-    olds = sorted(out_dir.parent.glob(f".{out_dir.name}-old-*"))
-    if not out_dir.exists() and olds:
-        olds.pop().rename(out_dir)
-    for stale in [*olds, *out_dir.parent.glob(f".{out_dir.name}-tmp-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _atomic_folder(out_dir: Path, write) -> Path:
-    """Run write(tmp) then rename tmp over out_dir: readers see the old or the new, never half."""
-    out_dir = Path(out_dir)
-    recover_folder(out_dir)
-    tmp = _make_tmp_dir(out_dir)
-    try:
-        write(tmp)
-        old = None
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}-old-{os.getpid()}")
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
-def save_policy(policy: nn.Module, tokenizer, out_dir: str | os.PathLike) -> Path:
-    """Save a policy: the LoRA adapter only (plus base model recorded), or the full weights."""
-    meta = dict(getattr(policy, "rlhf_meta", None) or {})
-    if not meta:
-        raise ValueError("save_policy: the model was not loaded with load_policy (no base model recorded)")
-
-    def write(tmp: Path) -> None:
-        policy.save_pretrained(tmp)  # peft writes the adapter only
-        tokenizer.save_pretrained(tmp)
-        (tmp / META_FILE).write_text(json.dumps(
-            {**meta, "kind": "policy", "weights": "adapter" if meta["lora"] else "full"}, indent=2))
-
-    return _atomic_folder(Path(out_dir), write)
-
-
-def save_scalar_model(model: ScalarModel, tokenizer, out_dir: str | os.PathLike, state_dict: dict | None = None) -> Path:
-    """Save a reward model or critic: adapter (or full backbone) + head + normalisation stats.
-    state_dict: the model's whole weights when its own are sharded (pipeline.distributed.full_state_dict)."""
-    from safetensors.torch import save_file
-
-    def part(prefix: str) -> dict | None:
-        if state_dict is None:
-            return None
-        return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-
-    def write(tmp: Path) -> None:
-        model.backbone.save_pretrained(tmp, state_dict=part("backbone."))
-        head = part("head.") if state_dict is not None else model.head.state_dict()
-        save_file({k: v.detach().contiguous().cpu() for k, v in head.items()}, str(tmp / HEAD_FILE))
-        tokenizer.save_pretrained(tmp)
-        (tmp / META_FILE).write_text(json.dumps({
-            "kind": model.kind, "base_model": model.base_model, "lora": model.lora,
-            "weights": "adapter" if model.lora else "full",
-            "reward_mean": model.reward_mean, "reward_std": model.reward_std,
-        }, indent=2))
-
-    return _atomic_folder(Path(out_dir), write)

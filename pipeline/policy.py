@@ -1,7 +1,7 @@
 """The policy and its reference: loading a causal LM (+LoRA), and its logits.
 
 - policy: a causal LM, a LoRA adapter on it by default (peft), full fine-tuning as an option;
-  `load_policy` reloads a folder saved by `pipeline.models.save_policy` exactly.
+  `load_policy` reloads a folder saved by `pipeline.saving.save_policy` exactly.
 - reference: the frozen starting policy. With LoRA it is the same model with the adapter disabled
   (peft's `disable_adapter()` context: no second copy); with full fine-tuning a frozen deep copy.
 """

@@ -22,8 +22,9 @@ import torch
 from pipeline.config import ModelConfig, PPOConfig, to_dict
 from pipeline.kl import make_kl_controller
 from pipeline.models import (
-    autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta, save_policy, save_scalar_model,
+    autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta,
 )
+from pipeline.saving import save_policy, save_scalar_model
 from pipeline.policy import load_policy, make_reference
 from pipeline.rollout import read_ptx_texts
 from pipeline.rundir import truncate_metrics, write_json

@@ -48,7 +48,8 @@ from pipeline.distributed import setup
 from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
 )
-from pipeline.models import checkpointing, save_policy
+from pipeline.models import checkpointing
+from pipeline.saving import save_policy
 from pipeline.policy import causal_lm_logits
 from pipeline.ppo_state import CHECKPOINT, load_checkpoint, recover_checkpoint, save_checkpoint, set_up, trainable
 from pipeline.rollout import (

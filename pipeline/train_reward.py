@@ -64,8 +64,9 @@ from pipeline.distributed import Dist, full_optimizer_state, full_state_dict, lo
 from pipeline.hashing import snapshot_sha256
 from pipeline.losses import center_loss, pairwise_loss
 from pipeline.models import (
-    autocast, load_scalar_model, pick_dtype, recover_folder, resolve_model_path, save_scalar_model,
+    autocast, load_scalar_model, pick_dtype, resolve_model_path,
 )
+from pipeline.saving import recover_folder, save_scalar_model
 from pipeline.reward_data import (
     encode_pairs, length_grouped_batches, prompt_key, read_pairs, split_by_prompt,
 )

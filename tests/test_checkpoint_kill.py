@@ -78,7 +78,7 @@ def test_a_kill_during_checkpoint_writes_never_loses_the_last_good_checkpoint(ti
 
 
 def test_recover_folder_puts_back_the_last_good_folder_and_drops_half_written_ones(tmp_path):
-    from pipeline.models import recover_folder
+    from pipeline.saving import recover_folder
 
     # killed between the two renames: the good folder is aside, a new one half-written
     (tmp_path / ".checkpoint-old-123").mkdir()

@@ -14,13 +14,14 @@ from pipeline.rundir import read_status
 
 @pytest.fixture
 def compare_inputs(tiny_model_cfg, tmp_path):
-    from pipeline.models import load_scalar_model, save_scalar_model
+    from pipeline.models import load_scalar_model
+    from pipeline.saving import save_scalar_model
     from pipeline.policy import load_policy
 
     rm, tok = load_scalar_model(tiny_model_cfg.model, kind="reward", cfg=tiny_model_cfg)
     save_scalar_model(rm, tok, tmp_path / "rm")
     policy, tok = load_policy(tiny_model_cfg)  # a fresh LoRA adapter: B = 0, the base model's outputs
-    from pipeline.models import save_policy
+    from pipeline.saving import save_policy
 
     save_policy(policy, tok, tmp_path / "policy")
     prompts = tmp_path / "prompts.jsonl"

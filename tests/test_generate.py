@@ -230,7 +230,7 @@ def test_cli_writes_a_run_directory(tiny_model_dir, tmp_path):
 
 
 def test_cli_with_a_saved_adapter(tiny_model_cfg, tmp_path):
-    from pipeline.models import save_policy
+    from pipeline.saving import save_policy
 
     policy, tokenizer = load_policy(tiny_model_cfg)
     with torch.no_grad():  # a non-zero adapter, as after training
@@ -313,7 +313,8 @@ def test_cli_writes_chunk_files_as_prompts_finish(tiny_model_dir, tmp_path):
 
 
 def test_cli_select_uncertain_writes_only_the_kept_prompts(tiny_model_cfg, tmp_path):
-    from pipeline.models import load_scalar_model, save_scalar_model
+    from pipeline.models import load_scalar_model
+    from pipeline.saving import save_scalar_model
 
     rm, tok = load_scalar_model(tiny_model_cfg.model, kind="reward", cfg=tiny_model_cfg)
     save_scalar_model(rm, tok, tmp_path / "rm")

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.models import load_scalar_model, save_scalar_model
+from pipeline.models import load_scalar_model
+from pipeline.saving import save_scalar_model
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("RLHF_TEST_DEVICE", "cuda")

@@ -10,8 +10,9 @@ import torch
 
 from pipeline import models
 from pipeline.models import (
-    ScalarModel, load_scalar_model, pick_device, pick_dtype, resolve_model_path, save_policy, save_scalar_model,
+    ScalarModel, load_scalar_model, pick_device, pick_dtype, resolve_model_path,
 )
+from pipeline.saving import save_policy, save_scalar_model
 from pipeline.policy import causal_lm_logits, load_policy, make_reference
 
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig, PPOConfig
-from pipeline.models import load_scalar_model, save_scalar_model
+from pipeline.models import load_scalar_model
+from pipeline.saving import save_scalar_model
 from pipeline.policy import causal_lm_logits, load_policy, make_reference
 from pipeline.rollout import Rollout, kl_shaped_advantages, rollout_forwards
 from pipeline.sampling import sample

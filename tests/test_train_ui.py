@@ -426,7 +426,8 @@ def test_win_rate_counts_ties_as_half():
 def test_a_policy_compared_with_itself_ties_everywhere(tiny_model_dir, tiny_model_cfg, tmp_path):
     """The same weights and the same seed give the same responses, so every prompt is a tie."""
     from pipeline.compare import CompareConfig, PolicySpec, compare_policies
-    from pipeline.models import load_scalar_model, save_scalar_model
+    from pipeline.models import load_scalar_model
+    from pipeline.saving import save_scalar_model
 
     rm, tok = load_scalar_model(str(tiny_model_dir), kind="reward", cfg=tiny_model_cfg)
     save_scalar_model(rm, tok, tmp_path / "rm")
