@@ -16,7 +16,7 @@ from annotate.bootstrap import BUNDLED_PROMPTS
 from store import Store
 
 __all__ = ["TEST_DATA", "BUNDLED_PROMPTS", "SeededItem", "seed_items", "store", "store_path", "test_data",
-           "shared_data", "store_policy", "store_annotators", "StoreClock", "clock"]
+           "store_policy", "store_annotators", "StoreClock", "clock"]
 
 # Real HH-RLHF preference pairs carried by the repository (provenance, license, content warning:
 # tests/data/README.md).
@@ -105,7 +105,3 @@ def test_data() -> Path:
     return TEST_DATA
 
 
-@pytest.fixture
-def shared_data(test_data) -> Path:
-    """The old name of test_data, kept until its last user (tests/test_handlers.py) is switched."""
-    return test_data

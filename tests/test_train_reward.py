@@ -321,16 +321,12 @@ def test_separate_eval_file(tmp_path, tiny_model_cfg):
 
 
 @pytest.mark.slow
-def test_default_model_trains_on_hh_pairs(tmp_path, default_model_path):
+def test_default_model_trains_on_hh_pairs(tmp_path, default_model_path, test_data):
     """SmolLM2-135M on a few real HH pairs: chat template, pad == EOS, tied LM head, normalisation.
     (The 1,600 / 400 pair measurement is a documented command in pipeline/train_reward.py.)"""
-    from pathlib import Path
-
     from pipeline.config import ModelConfig
 
-    source = Path(__file__).resolve().parents[2] / "shared" / "data" / "hh_dev_pairs.jsonl"
-    if not source.is_file():
-        pytest.skip(f"{source} is missing (the shared HH dev pairs)")
+    source = test_data / "hh_dev_pairs.jsonl"
     rows = [json.loads(line) for line in source.read_text().splitlines()[:200]]
     short = [r for r in rows if len(r["prompt"]) < 200 and max(len(r["chosen"]), len(r["rejected"])) < 200][:6]
     data = write_jsonl(tmp_path / "hh.jsonl", short)
