@@ -81,7 +81,9 @@ def worker_ours(spec: dict) -> dict:
                        seed=spec["seed"])
     model_cfg = ModelConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"], lora=spec["lora"],
                             lora_r=spec["lora_r"], lora_alpha=2 * spec["lora_r"])
-    report = train_reward(spec["train"], str(Path(spec["workdir"]) / "ours"), cfg, model_cfg)
+    # a new run directory per round: train_reward refuses to overwrite a finished run
+    out = tempfile.mkdtemp(prefix="ours-", dir=spec["workdir"])
+    report = train_reward(spec["train"], out, cfg, model_cfg)
     return {"pairs_per_s": report["train/pairs_per_s"], "seconds": report["train/seconds"],
             "cpu_seconds": report["train/cpu_seconds"],
             "pairs": report["train/pairs"], "accuracy": report["eval/accuracy"],
