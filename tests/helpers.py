@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -35,3 +36,12 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition", poll_s: 
             return
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -8,7 +8,6 @@ first-batch generation job is writing chunks.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from store import Store
-from tests.helpers import req, wait_for
+from tests.helpers import alive, req, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "peft", "accelerate")
@@ -56,14 +55,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_the_app_process_never_imports_torch(tmp_path):

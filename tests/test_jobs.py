@@ -18,7 +18,7 @@ from pipeline.orchestrate.loop import (RoundFailed, finish_round, make_runner, r
                                        wait_round)
 from pipeline.orchestrate.simulate import simulate_annotations
 from store import Store
-from tests.helpers import tiny_settings, wait_for
+from tests.helpers import alive, tiny_settings, wait_for
 from tests.tiny import CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,14 +36,6 @@ def reward_job_args(tmp_path, model_dir, epochs: int) -> list[str]:
             fh.write(json.dumps({"prompt": f"Question {i}?", "chosen": "Yes, gladly.", "rejected": "No."}) + "\n")
     return ["--data", str(data), "--model", str(model_dir), "--device", "cpu", "--epochs", str(epochs),
             "--batch-size", "2", "--norm-samples", "0"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------- rounds
