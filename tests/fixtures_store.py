@@ -15,7 +15,7 @@ import store.db as store_db
 from annotate.bootstrap import BUNDLED_PROMPTS
 from store import Store
 
-__all__ = ["TEST_DATA", "BUNDLED_PROMPTS", "SeededItem", "seed_items", "store", "store_path", "test_data",
+__all__ = ["TEST_DATA", "BUNDLED_PROMPTS", "SeededItem", "seed_items", "open_copy", "store", "store_path", "test_data",
            "store_policy", "store_annotators", "StoreClock", "clock"]
 
 # Real HH-RLHF preference pairs carried by the repository (provenance, license, content warning:
@@ -105,3 +105,12 @@ def test_data() -> Path:
     return TEST_DATA
 
 
+def open_copy(db: Path, folder: Path) -> Store:
+    """An open store on a fresh copy of the closed store file `db` (fixtures that hash passwords
+    once per module hand each test its own copy)."""
+    import shutil
+
+    path = Path(folder) / "rlhf.duckdb"
+    path.parent.mkdir(parents=True)
+    shutil.copy(db, path)
+    return Store(path)

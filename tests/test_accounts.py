@@ -16,7 +16,7 @@ from annotate.context import AppContext, Refused
 from store import Store
 from store.users import SCRYPT_N, hash_password, needs_rehash, verify_password
 from tests.fixtures_browser import serve
-from tests.fixtures_store import seed_items
+from tests.fixtures_store import open_copy, seed_items
 from tests.helpers import req
 
 PASSWORDS = {"boss": "boss-password", "ann": "ann-password", "bea": "bea-password"}
@@ -36,10 +36,7 @@ def accounts_db(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def ctx(accounts_db, tmp_path):
-    path = tmp_path / "db" / "rlhf.duckdb"
-    path.parent.mkdir()
-    shutil.copy(accounts_db, path)
-    s = Store(path)
+    s = open_copy(accounts_db, tmp_path / "db")
     yield AppContext(store=s, auth=True, data_dir=tmp_path / "data")
     s.close()
 

@@ -4,7 +4,6 @@ refuses a database in use; the admin's Backup action and the command line."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from annotate import admin
 from annotate.context import AppContext
 from store import Store, StoreLockedError
 from store.backup import BackupError, backup, check_backup, restore, store_checksums, table_checksums
-from tests.fixtures_store import seed_items
+from tests.fixtures_store import open_copy, seed_items
 from tests.helpers import req
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,10 +40,7 @@ def filled_db(tmp_path_factory) -> Path:
 @pytest.fixture
 def filled(filled_db, tmp_path):
     """A copy of filled_db, open: (store, its annotators)."""
-    path = tmp_path / "live" / "rlhf.duckdb"
-    path.parent.mkdir()
-    shutil.copy(filled_db, path)
-    s = Store(path)
+    s = open_copy(filled_db, tmp_path / "live")
     yield s, s.list_annotators()
     s.close()
 

@@ -4,7 +4,6 @@ a stand-in request carrying the user name (what Gradio's login puts on gr.Reques
 from __future__ import annotations
 
 import json
-import shutil
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from annotate.context import AppContext, Refused
 from annotate.handlers import parse_ranking
 from annotate.state import Showing
 from store import Store
-from tests.fixtures_store import seed_items
+from tests.fixtures_store import open_copy, seed_items
 from tests.helpers import req
 
 
@@ -35,10 +34,7 @@ def accounts_db(tmp_path_factory) -> Path:
 @pytest.fixture
 def ctx(accounts_db, tmp_path):
     """A fresh copy of the accounts store per test: boss (admin), ann and bea (annotators)."""
-    path = tmp_path / "db" / "rlhf.duckdb"
-    path.parent.mkdir()
-    shutil.copy(accounts_db, path)
-    s = Store(path)
+    s = open_copy(accounts_db, tmp_path / "db")
     yield AppContext(store=s, auth=True, data_dir=tmp_path / "data")
     s.close()
 
