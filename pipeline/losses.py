@@ -298,6 +298,41 @@ def value_loss(
     return loss, clipfrac
 
 
+# --------------------------------------------------------------------------- preference optimisation (DPO, IPO)
+
+
+def dpo_loss(
+    logp_chosen: torch.Tensor, logp_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    """DPO loss (Rafailov et al. 2023, eq. 7): mean of -log sigmoid(beta * ((pc - rc) - (pr - rr))).
+
+    All inputs (B,): each response's log-prob summed over its tokens, under the policy (pc, pr) and
+    the reference (rc, rr). beta * (logp - ref) is the response's implicit reward, so this is the
+    Bradley-Terry loss on implicit rewards; TRL's loss_type="sigmoid" (trl/trainer/dpo_trainer.py,
+    `-F.logsigmoid(self.beta * delta_score)`).
+    """
+    logits = (logp_chosen - ref_chosen) - (logp_rejected - ref_rejected)  # (B,)
+    return -F.logsigmoid(beta * logits).mean()
+
+
+def ipo_loss(
+    logp_chosen: torch.Tensor, logp_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+    beta: float, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
+) -> torch.Tensor:
+    """IPO loss (Azar et al. 2023, eq. 17, beta = their tau): mean of (h - 1 / (2 beta))^2 with
+    h = (pc - rc) / nc - (pr - rr) / nr, the log-ratios averaged per response token.
+
+    Inputs as dpo_loss, plus the token counts nc, nr (B,) of each response. The per-token average is
+    TRL's (loss_type="ipo", confirmed with the IPO authors there): summed log-ratios would make the
+    squared loss grow with response length. IPO regresses the margin to 1 / (2 beta) instead of
+    pushing it to infinity, so it does not overfit deterministic preferences.
+    """
+    chosen = (logp_chosen - ref_chosen) / chosen_tokens.clamp_min(1)  # (B,) per-token log-ratio
+    rejected = (logp_rejected - ref_rejected) / rejected_tokens.clamp_min(1)  # (B,)
+    return ((chosen - rejected - 1.0 / (2.0 * beta)) ** 2).mean()
+
+
 __all__ = [
     "masked_mean",
     "masked_var",
@@ -313,4 +348,6 @@ __all__ = [
     "gae",
     "policy_loss",
     "value_loss",
+    "dpo_loss",
+    "ipo_loss",
 ]

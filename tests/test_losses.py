@@ -7,8 +7,10 @@ import torch
 
 from pipeline.losses import (
     center_loss,
+    dpo_loss,
     entropy_from_logits,
     gae,
+    ipo_loss,
     kl_per_token,
     lm_loss,
     logprobs_from_logits,
@@ -213,3 +215,38 @@ def test_logprobs_and_entropy_in_chunks_equal_the_one_piece_result_and_gradients
     with torch.no_grad():  # no gradients: the plain loop, the same numbers
         torch.testing.assert_close(logprobs_from_logits(logits, tokens, 0.7, chunk_elements=150), ref_lp,
                                    atol=2e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- DPO and IPO
+
+# Two pairs: summed log-probs of chosen / rejected under the policy (pc, pr) and the reference (rc, rr).
+PC, PR = torch.tensor([-3.0, -10.0]), torch.tensor([-5.0, -2.0])
+RC, RR = torch.tensor([-4.0, -6.0]), torch.tensor([-4.0, -4.0])
+
+
+def test_dpo_loss_hand_values():
+    # pair 1: (pc - rc) - (pr - rr) = 1 - (-1) = 2; beta 0.1 -> -log sigmoid(0.2) = log(1 + e^-0.2) = 0.598139
+    # pair 2: (-10 + 6) - (-2 + 4) = -6 -> -log sigmoid(-0.6) = log(1 + e^0.6) = 1.037488
+    assert close(dpo_loss(PC, PR, RC, RR, beta=0.1), (0.598139 + 1.037488) / 2)
+    # policy == reference: every margin is 0 and the loss is log 2, whatever beta
+    assert close(dpo_loss(RC, RR, RC, RR, beta=3.0), math.log(2))
+    # the gradient raises the chosen log-prob and lowers the rejected one
+    pc, pr = PC.clone().requires_grad_(), PR.clone().requires_grad_()
+    dpo_loss(pc, pr, RC, RR, beta=0.1).backward()
+    assert (pc.grad < 0).all() and (pr.grad > 0).all()
+    # d/dpc of -log sigmoid(0.1 x) / 2 = -0.1 * sigmoid(-0.1 x) / 2; pair 1: x = 2 -> -0.05 * 0.450166
+    assert close(pc.grad[0], -0.05 * 0.450166)
+
+
+def test_ipo_loss_hand_values_with_per_token_averages():
+    nc, nr = torch.tensor([2.0, 3.0]), torch.tensor([4.0, 1.0])
+    # pair 1: 1 / 2 - (-1) / 4 = 0.75; 1 / (2 * 0.1) = 5 -> (0.75 - 5)^2 = 18.0625
+    # pair 2: -4 / 3 - 2 / 1 = -3.333333 -> (-3.333333 - 5)^2 = 69.444444
+    assert close(ipo_loss(PC, PR, RC, RR, 0.1, nc, nr), (18.0625 + 69.444444) / 2, tol=1e-4)
+    # beta 0.5: target margin 1; pair 1 alone: (0.75 - 1)^2 = 0.0625
+    assert close(ipo_loss(PC[:1], PR[:1], RC[:1], RR[:1], 0.5, nc[:1], nr[:1]), 0.0625)
+    # at the target the loss and its gradient are 0: the margin is not pushed further (unlike DPO)
+    pc = torch.tensor([RC[0] + 2.0], requires_grad=True)  # per-token log-ratio 2 / 2 = 1 = 1 / (2 * 0.5)
+    loss = ipo_loss(pc, RR[:1], RC[:1], RR[:1], 0.5, nc[:1], nr[:1])
+    loss.backward()
+    assert close(loss, 0.0) and close(pc.grad, [0.0])
