@@ -6,7 +6,9 @@
   rejected rows in one forward pass (`pair_scores`).
 - `evaluate`: accuracy, mean margin, loss, calibration (accuracy by |r_c - r_r| bucket, beside
   the Bradley-Terry probability sigmoid(|r_c - r_r|) the model claims), and the "longer response
-  wins" baseline, so a user sees whether the model learned more than length.
+  wins" baseline, so a user sees whether the model learned more than length. Scoring shows a tqdm
+  bar (pairs scored; rank 0 only) and calls `on_progress(done, total)` after each batch, so a
+  trainer can put the phase in its status.json for the Train tab.
 - `normalisation_stats`: mean and std of the scores of responses sampled from the reference
   policy, stored with the checkpoint so PPO sees rewards of mean 0, std 1 at its start
   (Ziegler et al. 2019 normalise on samples of the initial policy; InstructGPT instead centres
@@ -20,11 +22,13 @@ import math
 import random
 
 import torch
+from tqdm.auto import tqdm
 
 from pipeline.losses import last_token_index, lm_loss, pairwise_loss
 from pipeline.models import autocast, position_ids_from_mask
 from pipeline.packing import cache_kwarg
 from pipeline.reward_data import EncodedPair, Pair, collate, collate_shared
+from pipeline.rundir import is_writer
 from pipeline.text import prompt_token_ids
 
 
@@ -110,17 +114,24 @@ def forward_pairs(model, items: list[EncodedPair], pad_id: int, device, share_pr
 
 @torch.no_grad()
 def score_pairs(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_size: int = 16,
-                share_prompt: bool = True):
-    """(r_chosen, r_rejected), each (P,) on CPU, in the order of `items` (batched by length)."""
+                share_prompt: bool = True, on_progress=None):
+    """(r_chosen, r_rejected), each (P,) on CPU, in the order of `items` (batched by length).
+    A tqdm bar counts the pairs scored; on_progress(done, total) is called after each batch."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(items)), key=lambda i: items[i].length)
     r_c, r_r = torch.zeros(len(items)), torch.zeros(len(items))
+    bar = tqdm(total=len(items), desc="scoring held-out pairs", unit="pair", dynamic_ncols=True,
+               disable=not is_writer())
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
         with autocast(device, dtype):
             c, r, _, _, _ = forward_pairs(model, [items[i] for i in idx], pad_id, device, share_prompt)
         r_c[idx], r_r[idx] = c.float().cpu(), r.float().cpu()
+        bar.update(len(idx))
+        if on_progress is not None:
+            on_progress(start + len(idx), len(items))
+    bar.close()
     model.train(was_training)
     return r_c, r_r
 
@@ -155,18 +166,20 @@ def length_baseline(items: list[EncodedPair]) -> float:
 
 
 def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_size: int = 16,
-             share_prompt: bool = True, dist=None) -> dict:
+             share_prompt: bool = True, dist=None, on_progress=None) -> dict:
     """Held-out metrics, flat keys under eval/, plus the calibration table. dist (pipeline/distributed.py):
-    each process scores its share of the pairs and every process gets all the scores."""
+    each process scores its share of the pairs and every process gets all the scores.
+    on_progress(done, total): pairs scored so far (by this process) after each batch."""
     if not items:
         return {}
     if dist is not None and dist.world > 1:
         idx = dist.shard(range(len(items)))
-        c, r = score_pairs(model, [items[i] for i in idx], pad_id, device, dtype, batch_size, share_prompt)
+        c, r = score_pairs(model, [items[i] for i in idx], pad_id, device, dtype, batch_size, share_prompt,
+                           on_progress)
         r_c = torch.tensor(dist.unshard(c.tolist(), len(items)))
         r_r = torch.tensor(dist.unshard(r.tolist(), len(items)))
     else:
-        r_c, r_r = score_pairs(model, items, pad_id, device, dtype, batch_size, share_prompt)
+        r_c, r_r = score_pairs(model, items, pad_id, device, dtype, batch_size, share_prompt, on_progress)
     diff = r_c - r_r  # (P,)
     return {
         "eval/pairs": len(items),
@@ -185,14 +198,15 @@ def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_
 
 @torch.no_grad()
 def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int, device, dtype,
-                        policy_path: str = "", batch_size: int = 16, dist=None) -> dict:
+                        policy_path: str = "", batch_size: int = 16, dist=None, on_progress=None) -> dict:
     """Sample one response for each of n prompts (drawn from the training pairs) from the reference
     policy, score prompt + response tokens exactly as PPO will (the sampled ids, EOS included when
     the policy stopped), and return the scores' mean and std.
 
     The reference policy is the base model (no adapter), or the policy folder `policy_path` when
     PPO will start from an earlier round's policy. dist (pipeline/distributed.py): each process
-    samples and scores its share of the prompts; the statistics are over all of them.
+    samples and scores its share of the prompts; the statistics are over all of them. A tqdm bar
+    counts the responses sampled; on_progress(done, total) is called along the way.
     """
     from pipeline.config import GenerateConfig
     from pipeline.generate import generate_responses
@@ -206,7 +220,18 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
         picked = dist.shard(picked)
     ref_cfg = type(model_cfg)(**{**vars(model_cfg), "model": model.base_model or model_cfg.model, "lora": False})
     policy, tokenizer = load_policy(ref_cfg, adapter_path=policy_path or None)
-    gens = generate_responses(policy, tokenizer, picked, 1, GenerateConfig(k=1, seed=seed, batch_size=batch_size))
+    bar = tqdm(total=len(picked), desc="reward normalisation samples", unit="resp", dynamic_ncols=True,
+               disable=not is_writer())
+
+    def progress(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+        if on_progress is not None:
+            on_progress(done, total)
+
+    gens = generate_responses(policy, tokenizer, picked, 1, GenerateConfig(k=1, seed=seed, batch_size=batch_size),
+                              on_progress=progress)
+    progress(len(picked), len(picked))
+    bar.close()
     del policy
     seqs = [prompt_token_ids(tokenizer, p) + g[0].token_ids for p, g in zip(picked, gens)]
 

@@ -300,3 +300,25 @@ def test_merge_joins_settings_of_runs_that_share_round_one(tmp_path):
     (tmp_path / "two" / "results.json").write_text(json.dumps(b))
     with pytest.raises(ValueError, match="another start policy"):
         merge([tmp_path / "one", tmp_path / "two"], tmp_path / "out2")
+
+
+# --------------------------------------------------------------------------- reward_eval's progress
+
+
+def test_every_pair_evaluation_shows_progress_and_reports_it(tiny_model_cfg, capsys):
+    """Scoring held-out pairs prints a tqdm bar and calls on_progress after each batch, ending at
+    the number of pairs; the scores are the same with or without the callback."""
+    from pipeline.models import load_scalar_model
+    from pipeline.reward_data import Pair, encode_pairs
+    from pipeline.reward_eval import evaluate
+
+    model, tokenizer = load_scalar_model(tiny_model_cfg.model, "reward", tiny_model_cfg)
+    pairs = [Pair(f"question {i}?", "a kind and full answer" * (i % 3 + 1), "no") for i in range(7)]
+    items, _ = encode_pairs(pairs, tokenizer, 64)
+    calls = []
+    report = evaluate(model, items, tokenizer.pad_token_id, "cpu", torch.float32, batch_size=3,
+                      on_progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(3, 7), (6, 7), (7, 7)]
+    assert "scoring held-out pairs" in capsys.readouterr().err
+    quiet = evaluate(model, items, tokenizer.pad_token_id, "cpu", torch.float32, batch_size=3)
+    assert quiet["eval/accuracy"] == report["eval/accuracy"] and quiet["eval/margin"] == report["eval/margin"]
