@@ -27,6 +27,8 @@ PLOTS = {
     "β (KL coefficient)": ["kl/beta"],
     "Losses": ["train/loss", "eval/loss", "policy/loss", "val/loss"],
     "Accuracy": ["train/accuracy", "eval/accuracy"],
+    "Response length (tokens)": ["gen/length_mean"],
+    "EOS rate": ["gen/eos_rate"],
 }
 
 

@@ -16,11 +16,16 @@ checks between phases, so a cancel never interrupts a write.
 In a job of N processes (pipeline/distributed.py) only rank 0 writes: `set_writer(False)` on the
 other ranks makes write_json, write_status, append_metrics and truncate_metrics do nothing.
 
-This module imports no torch: the app process reads run directories through it.
+Experiment tracking: a trainer's CLI calls `open_tracker(out, args.report_to)` once before it
+trains; append_metrics then also writes each line as TensorBoard scalars in RUN_DIR/tensorboard/,
+and truncate_metrics marks a resume there (pipeline/tracking.py).
+
+This module imports neither torch nor tensorboard: the app process reads run directories through it.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -30,9 +35,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from pipeline.tracking import EVENTS_DIR, REPORT_TO, TensorBoardWriter
+
 STATES = ("running", "done", "failed", "cancelled")
 
 _WRITER = True  # False on ranks other than 0 of a multi-process job
+_TRACKERS: dict[Path, TensorBoardWriter] = {}  # run directory -> its event writer (open_tracker)
 
 
 def set_writer(enabled: bool) -> None:
@@ -67,20 +75,53 @@ def write_status(out: Path, state: str, step: int, total: int, error: str | None
         "updated_at": time.time(), "error": error, **extra})
 
 
+def open_tracker(out: Path, report_to: str = "tensorboard") -> None:
+    """Track the run in `out`: from now on append_metrics also writes TensorBoard events there
+    ('none': only metrics.jsonl). Nothing is written (or imported) before the first metrics line,
+    so a trainer calls this before setting up its processes; ranks other than 0 never write."""
+    if report_to not in REPORT_TO:
+        raise ValueError(f"--report-to {report_to!r}: use one of {', '.join(REPORT_TO)}")
+    key = Path(out).resolve()
+    previous = _TRACKERS.pop(key, None)
+    if previous is not None:
+        previous.close()
+    if report_to == "tensorboard":
+        _TRACKERS[key] = TensorBoardWriter(key / EVENTS_DIR)
+
+
+def close_trackers() -> None:
+    """Close every event file (at exit; each step is flushed as it is written anyway)."""
+    while _TRACKERS:
+        _TRACKERS.popitem()[1].close()
+
+
+atexit.register(close_trackers)
+
+
 def append_metrics(out: Path, step: int, metrics: dict) -> None:
-    """One line per step; non-finite numbers are written as null (JSON has no NaN)."""
+    """One line per step; non-finite numbers are written as null (JSON has no NaN). With a
+    tracker open for `out`, the same values as TensorBoard scalars at the same step."""
     if not _WRITER:
         return
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
     with open(Path(out) / "metrics.jsonl", "a", encoding="utf-8") as fh:
         fh.write(json.dumps({"step": int(step), **clean}) + "\n")
+    tracker = _TRACKERS.get(Path(out).resolve())
+    if tracker is not None:
+        tracker.scalars(step, clean)
 
 
 def truncate_metrics(out: Path, step: int) -> None:
     """Keep the metric lines up to `step`: a run resumed from the checkpoint of `step` logs the
-    steps after it again. A line cut short by a kill is dropped."""
+    steps after it again. A line cut short by a kill is dropped. With a tracker open, its new event
+    file starts at step + 1, which hides the earlier files' events from there on (tracking.py)."""
     path = Path(out) / "metrics.jsonl"
-    if not _WRITER or not path.is_file():
+    if not _WRITER:
+        return
+    tracker = _TRACKERS.get(Path(out).resolve())
+    if tracker is not None:
+        tracker.begin(step + 1)
+    if not path.is_file():
         return
     keep = []
     for line in path.read_text(encoding="utf-8").splitlines():

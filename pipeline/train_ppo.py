@@ -26,10 +26,11 @@ minibatch, DDP averaging the gradients, and rank 0 writes the run directory.
 The four roles (docs/DESIGN.md): the policy (LoRA by default), the reference (the policy with
 its adapter disabled, or a frozen copy with full fine-tuning), the frozen reward model, and the
 critic (initialised from the reward model). A run writes only into RUN_DIR: config.json,
-metrics.jsonl (one JSON object per step), status.json, samples/step_N.jsonl, checkpoint/ (policy,
-critic, optimisers, KL controller) and, when done, policy/ (model_meta.json names the parent
-policy and the reward model; the owner process registers it). SIGTERM or Ctrl-C saves a checkpoint
-and marks the run cancelled; `--resume` continues from it.
+metrics.jsonl (one JSON object per step; the same as TensorBoard events in tensorboard/),
+status.json, samples/step_N.jsonl, checkpoint/ (policy, critic, optimisers, KL controller) and,
+when done, policy/ (model_meta.json names the parent policy and the reward model; the owner
+process registers it). SIGTERM or Ctrl-C saves a checkpoint and marks the run cancelled;
+`--resume` continues from it.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ from pipeline.rollout import (
     Rollout, attn_ratio, critic_values, gather_rollout, kl_shaped_advantages, merged_lora, pack_responses,
     prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
 )
-from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, write_status
+from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
+from pipeline.tracking import add_report_to
 from pipeline.sampling import sample
 from pipeline.text import encode_prompts
 
@@ -360,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line")
     parser.add_argument("--out", required=True, help="run directory (created)")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint")
+    add_report_to(parser)
     add_arguments(parser, PPOConfig)
     add_arguments(parser, ModelConfig)
     return parser
@@ -368,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg, model_cfg = from_args(PPOConfig, args), from_args(ModelConfig, args)
+    open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
     try:
         metrics = train(cfg, model_cfg, prompts=args.prompts, reward=args.reward, out_dir=args.out,
                         policy=args.policy, critic_init=args.critic_init, resume=args.resume)

@@ -16,6 +16,7 @@ Run directory (written only here; the app tails it and registers the model):
     status.json        {"state", "progress", "step", "total", ...}, rewritten as it goes
     metrics.jsonl      one line per optimiser step: {"step", "train/loss", "train/accuracy", ...},
                        then the eval/ line
+    tensorboard/       the same lines as TensorBoard events (--report-to tensorboard, the default)
     checkpoint/        save_scalar_model (adapter or weights, head, reward_mean/std)
     trainer_state.pt   optimiser, scheduler and step, for --resume
     eval_report.json   held-out accuracy, margin, calibration, length baseline, truncation counts
@@ -72,8 +73,9 @@ from pipeline.reward_data import (
 )
 from pipeline.reward_eval import evaluate, forward_pairs, normalisation_stats
 from pipeline.rundir import (
-    StopFlag, append_metrics, is_writer, read_status, truncate_metrics, write_json, write_status,
+    StopFlag, append_metrics, is_writer, open_tracker, read_status, truncate_metrics, write_json, write_status,
 )
+from pipeline.tracking import add_report_to
 
 # --------------------------------------------------------------------------- helpers
 
@@ -382,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="run directory (new, or the one to --resume)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out (optimiser and step)")
     parser.add_argument("--init-from", default="", help="start from a previous reward checkpoint folder")
+    add_report_to(parser)
     add_arguments(parser, RewardConfig)
     add_arguments(parser, ModelConfig)
     return parser
@@ -408,6 +411,7 @@ def print_summary(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg, model_cfg = from_args(RewardConfig, args), from_args(ModelConfig, args)
+    open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
     try:
         report = train_reward(args.data, args.out, cfg, model_cfg, resume=args.resume, init_from=args.init_from)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
