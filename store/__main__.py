@@ -10,7 +10,8 @@
     python -m store restore BACKUP                       check BACKUP, then put it in place of --db
     python -m store import-prompts FILE
     python -m store import-pairs FILE
-    python -m store export --format jsonl|parquet|datasets --out PATH [filters]
+    python -m store export --format jsonl|parquet|datasets --out PATH [--trl-format conversational|text]
+                           [--margin-column] [--license ID] [filters]
     python -m store stats
 
 The database defaults to $RLHF_LOOP_DB, else ./data/rlhf.duckdb. While the app runs it owns the
@@ -29,6 +30,7 @@ import sys
 from store.db import default_db_path
 from store.errors import DataError, InvalidRequest, NotFoundError, StoreLockedError
 from store.records import EXPORT_FORMATS, ROLES
+from store.export import TRL_FORMATS
 from store.users import MIN_PASSWORD_CHARS, generate_password
 
 
@@ -66,9 +68,23 @@ def _parser() -> argparse.ArgumentParser:
         imp.add_argument("file")
         imp.add_argument("--max-mb", type=float, default=None, help="refuse files larger than this (MiB)")
 
-    exp = sub.add_parser("export", help="export pairs in TRL's explicit format and record the snapshot")
-    exp.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl")
-    exp.add_argument("--out", required=True, help="output file (jsonl, parquet) or folder (datasets)")
+    exp = sub.add_parser(
+        "export", help="export pairs (TRL preference format), rankings and a dataset card; record the snapshot",
+        description="Export the preference pairs as a TRL preference dataset, the rankings behind them, a "
+                    "dataset card (README.md) and a manifest, and record the snapshot with its SHA-256.")
+    exp.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl", help="file format (default: jsonl)")
+    exp.add_argument("--out", required=True,
+                     help="a folder (pairs, rankings/, README.md, snapshot.json inside); or, for jsonl and "
+                          "parquet, the pairs file itself (NAME.jsonl / NAME.parquet, the rest beside it)")
+    exp.add_argument("--trl-format", choices=TRL_FORMATS, default="conversational",
+                     help="conversational (default): prompt as chat messages, chosen/rejected as one assistant "
+                          "message each (TRL applies the chat template); text: plain strings, chat prompts as "
+                          "HH-style transcripts")
+    exp.add_argument("--margin-column", action="store_true",
+                     help="also write the rank gap as a `margin` column. TRL's RewardTrainer reads a column of "
+                          "that name and trains with -log sigmoid(r_chosen - r_rejected - margin); DPOTrainer "
+                          "ignores it. Without this option the rank gap is only in `rank_gap`, which no trainer reads")
+    exp.add_argument("--license", default="unknown", help="the dataset card's license field (e.g. cc-by-4.0)")
     exp.add_argument("--round", type=int, action="append", dest="rounds", help="only this round (repeatable)")
     exp.add_argument("--annotator", action="append", dest="annotators", help="only this annotator (repeatable)")
     exp.add_argument("--min-agreement", type=float,
@@ -150,8 +166,10 @@ def _run(store, args) -> int:
             store, args.out, args.format, rounds=args.rounds, annotators=args.annotators,
             min_agreement=args.min_agreement, since=args.since, until=args.until,
             include_all_bad=args.include_all_bad, include_imported=not args.no_imported,
-            test_fraction=args.test_fraction, seed=args.seed, overwrite=args.overwrite)
-        print(f"snapshot {snap.id}: {snap.counts['pairs']} pairs -> {snap.path} (sha256 {snap.sha256[:16]}...)")
+            test_fraction=args.test_fraction, seed=args.seed, trl_format=args.trl_format,
+            margin_column=args.margin_column, license=args.license, overwrite=args.overwrite)
+        print(f"snapshot {snap.id}: {snap.counts['pairs']} pairs, {snap.counts['rankings']} rankings -> "
+              f"{snap.path} (sha256 {snap.sha256[:16]}...)")
         print(json.dumps(snap.counts))
     elif args.command == "stats":
         _print_stats(store)

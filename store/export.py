@@ -1,9 +1,19 @@
-"""Export preference pairs as a versioned snapshot, and read snapshots back without a Store.
+"""Export preference pairs and the rankings behind them as a versioned snapshot, with a dataset
+card; read snapshots back without a Store.
 
-`export_pairs` writes every pair that passes the filters in TRL's explicit preference format:
+`export_pairs` writes every pair that passes the filters as one of TRL's preference datasets:
 
-    prompt, chosen, rejected             the texts (HH-style prompts keep their transcript form)
-    margin                               rank-group distance (1 = adjacent), or the imported margin
+    prompt, chosen, rejected             trl_format 'conversational' (the default): the prompt
+                                         as chat messages [{role, content}] (store/chat.py), chosen
+                                         and rejected as one assistant message each, their text
+                                         exactly as stored; 'text': the stored texts (chat prompts
+                                         as HH-style transcripts)
+    rank_gap                             distance of the two responses' tie groups in the ranking
+                                         (1 = adjacent), or the margin an imported pair came with
+                                         (1 when none); a name no trainer reads
+    margin                               only with margin_column=True: rank_gap under the name TRL's
+                                         RewardTrainer reads, which makes its loss
+                                         -log sigmoid(r_c - r_r - margin); DPOTrainer ignores it
     annotator                            annotator name (None for imported pairs)
     prompt_id, chosen_id, rejected_id    store ids
     chosen_model_version, rejected_model_version   ids of the model versions that wrote them
@@ -14,15 +24,25 @@
 test_fraction > 0, whole prompts go to the test split (no prompt is in both), chosen by a hash of
 (seed, prompt id), so growing data keeps old prompts on the same side.
 
-Formats: 'jsonl' (one file), 'parquet' (one file), 'datasets' (a folder written by
-`DatasetDict.save_to_disk`, splits 'train' and, with a test split, 'test'). The file or folder is
-written under a temporary name and renamed, so a crash never leaves half an export. The manifest
-(counts, filters, SHA-256 of the data files) is recorded in the store (Store.record_snapshot) and
-written beside the data: `<file>.snapshot.json`, or `snapshot.json` inside the datasets folder.
-An export that matches no pair is refused (InvalidRequest): an empty snapshot cannot train anything.
+Beside the pairs, the rankings that pass the same filters (min_agreement and include_imported
+concern pairs only), one row each (RANKING_COLUMNS): the prompt (in the pairs' TRL format),
+the item's responses with their model versions, the full order best -> worst as tie groups of
+response ids, the display order the annotator saw, all_bad, annotator, duration, comment, round,
+created_at, and the split of its prompt. A ranking whose responses are all tied has no pair but
+is there. And a dataset card (store/card.py): counts, annotators, agreement, license, snapshot
+hash, model versions, and how to load it.
 
-`load_pairs_snapshot(path)` reads any of the three back as a list of dicts; training jobs use it
-and never open the DuckDB file.
+Where it goes (export_layout): `out` ending in .jsonl (format 'jsonl') or .parquet ('parquet')
+is the pairs file, with `<stem>.rankings.<ext>`, `<out>.README.md` (the card) and
+`<out>.snapshot.json` (the manifest) beside it. Any other `out` is a folder: `pairs.<ext>` (or,
+for 'datasets', the `DatasetDict.save_to_disk` files, splits 'train' and maybe 'test'),
+`rankings/`, `README.md` and `snapshot.json`. The snapshot is the pairs file or the folder:
+train-reward reads either, and its SHA-256 (pipeline/hashing.py) is recorded in the store
+(Store.record_snapshot). Data is written under temporary names and renamed, so a crash never
+leaves half an export. An export that matches no pair is refused (InvalidRequest).
+
+`load_pairs_snapshot(path)` reads any of them back as a list of dicts; training jobs use it and
+never open the DuckDB file.
 """
 
 from __future__ import annotations
@@ -31,18 +51,27 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 
 from pipeline.hashing import snapshot_sha256
+from store import card
+from store.chat import prompt_messages
 from store.db import registered, to_db_time
 from store.errors import DataError, InvalidRequest
 from store.records import EXPORT_FORMATS, Snapshot
 
-COLUMNS = ["prompt", "chosen", "rejected", "margin", "annotator", "prompt_id", "chosen_id",
+TRL_FORMATS = ("conversational", "text")
+COLUMNS = ["prompt", "chosen", "rejected", "rank_gap", "annotator", "prompt_id", "chosen_id",
            "rejected_id", "chosen_model_version", "rejected_model_version", "pair_id", "ranking_id",
            "all_bad", "agreement", "source", "round", "created_at", "split"]
+"""Columns of the pairs, in order (with margin_column=True, `margin` follows `rank_gap`)."""
+RANKING_COLUMNS = ["ranking_id", "item_id", "prompt_id", "prompt", "responses", "order", "display_order",
+                   "all_bad", "annotator", "duration_s", "comment", "round", "created_at", "split"]
+"""Columns of the rankings; `responses` is a list of {response_id, text, model_version}."""
+_SUFFIX = {"jsonl": ".jsonl", "parquet": ".parquet"}
 
 # Pair metadata with its agreement; texts are joined in only when writing.
 _SELECTED = """
@@ -60,31 +89,95 @@ _SELECTED = """
                          AND v.rejected_id = pr.rejected_id)
     SELECT * FROM scored
 """
+# Rankings with the same column names the filters use (round_id, annotator_id, created_at, all_bad).
+_SELECTED_RANKINGS = """
+    SELECT * FROM (
+        SELECT k.id AS ranking_id, k.item_id, k.prompt_id, k.annotator_id, k.order_groups, k.display_order,
+               k.all_bad, k.duration_s, k.comment, k.created_at, i.round_id
+        FROM rankings k JOIN items i ON i.id = k.item_id)
+"""
 
+_TIME = "strftime({}.created_at, '%Y-%m-%dT%H:%M:%S.%fZ') AS created_at"
 _WRITE = """
-    SELECT p.text AS prompt, c.text AS chosen, r.text AS rejected, s.margin, a.name AS annotator,
-           s.prompt_id, s.chosen_id, s.rejected_id, c.model_version_id AS chosen_model_version,
-           r.model_version_id AS rejected_model_version, s.pair_id, s.ranking_id, s.all_bad,
-           s.agreement, s.source, s.round_id AS round,
-           strftime(s.created_at, '%Y-%m-%dT%H:%M:%S.%fZ') AS created_at, s.split
+    SELECT {prompt} AS prompt, {chosen} AS chosen, {rejected} AS rejected, s.margin AS rank_gap, {margin}
+           a.name AS annotator, s.prompt_id, s.chosen_id, s.rejected_id,
+           c.model_version_id AS chosen_model_version, r.model_version_id AS rejected_model_version,
+           s.pair_id, s.ranking_id, s.all_bad, s.agreement, s.source, s.round_id AS round, {time}, s.split
     FROM _export s
     JOIN prompts p ON p.id = s.prompt_id
     JOIN responses c ON c.id = s.chosen_id
     JOIN responses r ON r.id = s.rejected_id
     LEFT JOIN annotators a ON a.id = s.annotator_id
+    LEFT JOIN _export_prompts m ON m.prompt_id = s.prompt_id
     {where}
     ORDER BY s.pair_id
 """
+_WRITE_RANKINGS = """
+    WITH resp AS (
+        SELECT item_id, list({{'response_id': id, 'text': text, 'model_version': model_version_id}}
+                            ORDER BY id) AS responses
+        FROM responses WHERE item_id IN (SELECT item_id FROM _export_rankings) GROUP BY item_id)
+    SELECT k.ranking_id, k.item_id, k.prompt_id, {prompt} AS prompt, resp.responses,
+           k.order_groups AS "order", k.display_order, k.all_bad, a.name AS annotator, k.duration_s,
+           k.comment, k.round_id AS round, {time}, k.split
+    FROM _export_rankings k
+    JOIN prompts p ON p.id = k.prompt_id
+    JOIN resp ON resp.item_id = k.item_id
+    LEFT JOIN annotators a ON a.id = k.annotator_id
+    LEFT JOIN _export_prompts m ON m.prompt_id = k.prompt_id
+    ORDER BY k.ranking_id
+"""
+
+
+def _reply(column: str, trl_format: str) -> str:
+    return f"[{{'role': 'assistant', 'content': {column}}}]" if trl_format == "conversational" else column
+
+
+def pairs_sql(trl_format: str, margin_column: bool, where: str = "") -> str:
+    """The query that writes the pairs (over the temporary tables export_pairs builds)."""
+    prompt = "m.prompt" if trl_format == "conversational" else "p.text"
+    return _WRITE.format(prompt=prompt, chosen=_reply("c.text", trl_format),
+                         rejected=_reply("r.text", trl_format), time=_TIME.format("s"),
+                         margin="s.margin AS margin," if margin_column else "", where=where)
+
+
+def rankings_sql(trl_format: str) -> str:
+    """The query that writes the rankings (over the temporary tables export_pairs builds)."""
+    prompt = "m.prompt" if trl_format == "conversational" else "p.text"
+    return _WRITE_RANKINGS.format(prompt=prompt, time=_TIME.format("k"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each part of one export goes."""
+
+    snapshot: Path  # what the store records and train-reward reads: the pairs file, or the folder
+    pairs: Path  # the pairs file (or the datasets folder)
+    rankings: Path
+    card: Path
+    manifest: Path
+    folder: bool  # True: everything is inside `snapshot`, written whole under a temporary name
+
+
+def export_layout(out, fmt: str) -> Layout:
+    """The paths of an export to `out` in `fmt` (see the module docstring)."""
+    out = Path(out)
+    if fmt in _SUFFIX and out.suffix.lower() == _SUFFIX[fmt]:
+        return Layout(out, out, out.with_name(f"{out.stem}.rankings{out.suffix}"),
+                      out.with_name(out.name + ".README.md"), out.with_name(out.name + ".snapshot.json"), False)
+    pairs = out if fmt == "datasets" else out / f"pairs{_SUFFIX[fmt]}"
+    rankings = out / "rankings" if fmt == "datasets" else out / "rankings" / f"rankings{_SUFFIX[fmt]}"
+    return Layout(out, pairs, rankings, out / "README.md", out / "snapshot.json", True)
 
 
 def _filters_sql(store, rounds, annotators, min_agreement, since, until, include_all_bad,
-                 include_imported) -> tuple[str, list, dict]:
-    """WHERE clause over _SELECTED's columns, its parameters, and the filters as recorded."""
-    cond, params, recorded = [], [], {}
+                 include_imported) -> tuple[list[tuple[str, list, bool]], dict]:
+    """The filters as (SQL condition, parameters, concerns pairs only) over the columns of
+    _SELECTED and _SELECTED_RANKINGS, and the filters as recorded."""
+    cond, recorded = [], {}
     if rounds is not None:
         rounds = [int(r) for r in ([rounds] if isinstance(rounds, int) else rounds)]
-        cond.append("list_contains(?, round_id)")
-        params.append(rounds)
+        cond.append(("list_contains(?, round_id)", [rounds], False))
         recorded["rounds"] = rounds
     if annotators is not None:
         names = [annotators] if isinstance(annotators, (str, int)) else list(annotators)
@@ -94,27 +187,31 @@ def _filters_sql(store, rounds, annotators, min_agreement, since, until, include
             if found is None:
                 raise InvalidRequest(f"no annotator named {a!r}")
             ids.append(found.id)
-        cond.append("list_contains(?, annotator_id)")
-        params.append(ids)
+        cond.append(("list_contains(?, annotator_id)", [ids], False))
         recorded["annotators"] = [store.get_annotator(i).name for i in ids]
     if min_agreement is not None:
         if not 0.0 <= float(min_agreement) <= 1.0:
             raise InvalidRequest(f"min_agreement must be between 0 and 1, not {min_agreement}")
-        cond.append("agreement >= ?")
-        params.append(float(min_agreement))
+        cond.append(("agreement >= ?", [float(min_agreement)], True))
         recorded["min_agreement"] = float(min_agreement)
     for name, value, op in (("since", since, ">="), ("until", until, "<")):
         if value is not None:
-            cond.append(f"created_at {op} ?")
-            params.append(to_db_time(value))
+            cond.append((f"created_at {op} ?", [to_db_time(value)], False))
             recorded[name] = to_db_time(value).isoformat() + "Z"
     if not include_all_bad:
-        cond.append("NOT all_bad")
+        cond.append(("NOT all_bad", [], False))
     if not include_imported:
-        cond.append("ranking_id IS NOT NULL")
+        cond.append(("ranking_id IS NOT NULL", [], True))
     recorded["include_all_bad"] = bool(include_all_bad)
     recorded["include_imported"] = bool(include_imported)
-    return (" WHERE " + " AND ".join(cond)) if cond else "", params, recorded
+    return cond, recorded
+
+
+def _where(cond: list[tuple[str, list, bool]], rankings: bool) -> tuple[str, list]:
+    kept = [(sql, params) for sql, params, pairs_only in cond if not (rankings and pairs_only)]
+    if not kept:
+        return "", []
+    return " WHERE " + " AND ".join(sql for sql, _ in kept), [p for _, params in kept for p in params]
 
 
 def _test_prompts(prompt_ids: list[int], test_fraction: float, seed: int) -> list[int]:
@@ -130,37 +227,53 @@ def _test_prompts(prompt_ids: list[int], test_fraction: float, seed: int) -> lis
 def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators=None,
                  min_agreement: float | None = None, since=None, until=None,
                  include_all_bad: bool = False, include_imported: bool = True,
-                 test_fraction: float = 0.0, seed: int = 0, overwrite: bool = False) -> Snapshot:
-    """Write the pairs that pass the filters to `out_path` and record the snapshot.
+                 test_fraction: float = 0.0, seed: int = 0, trl_format: str = "conversational",
+                 margin_column: bool = False, license: str = "unknown",  # noqa: A002 (the card's field)
+                 overwrite: bool = False) -> Snapshot:
+    """Write the pairs (and rankings, and card) that pass the filters and record the snapshot.
 
     rounds: round id(s) whose items to take; annotators: names or ids; min_agreement: in [0, 1];
-    since/until: pair creation time range [since, until) (datetime, date or ISO string, UTC);
-    include_all_bad: also pairs from "all bad" rankings; include_imported: also imported pairs.
+    since/until: creation time range [since, until) (datetime, date or ISO string, UTC);
+    include_all_bad: also "all bad" rankings and their pairs; include_imported: also imported
+    pairs; trl_format: 'conversational' or 'text'; margin_column: add TRL's `margin` column;
+    license: the card's license field (an SPDX-like id, e.g. 'cc-by-4.0').
     """
     if fmt not in EXPORT_FORMATS:
         raise InvalidRequest(f"format must be one of {EXPORT_FORMATS}, not {fmt!r}")
+    if trl_format not in TRL_FORMATS:
+        raise InvalidRequest(f"trl_format must be one of {TRL_FORMATS}, not {trl_format!r}")
     if not 0.0 <= float(test_fraction) < 1.0:
         raise InvalidRequest(f"test_fraction must be in [0, 1), not {test_fraction}")
-    out = Path(out_path)
-    if out.exists() and not overwrite:
-        raise InvalidRequest(f"{out} already exists (pass overwrite=True to replace it)")
-    where, params, recorded = _filters_sql(store, rounds, annotators, min_agreement, since, until,
-                                           include_all_bad, include_imported)
-    recorded.update(test_fraction=float(test_fraction), seed=int(seed))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    _remove(tmp)
+    if not isinstance(license, str) or not license.strip() or "\n" in license:
+        raise InvalidRequest(f"license must be a one-line name such as 'cc-by-4.0', not {license!r}")
+    layout = export_layout(out_path, fmt)
+    parts = [layout.snapshot] if layout.folder else [layout.pairs, layout.rankings, layout.card, layout.manifest]
+    existing = [str(p) for p in parts if p.exists()]
+    if existing and not overwrite:
+        raise InvalidRequest(f"{', '.join(existing)} already exists (pass overwrite=True to replace it)")
+    cond, recorded = _filters_sql(store, rounds, annotators, min_agreement, since, until,
+                                  include_all_bad, include_imported)
+    recorded.update(test_fraction=float(test_fraction), seed=int(seed), trl_format=trl_format,
+                    margin_column=bool(margin_column))
+    layout.snapshot.parent.mkdir(parents=True, exist_ok=True)
+    staging = _staging(layout)
+    for tmp in staging.values():
+        _remove(tmp)
 
     cur = store._cur()
-    # 1. select the pairs (ids and metadata only) into a temporary table, with their split
-    cur.execute("CREATE OR REPLACE TEMP TABLE _export_sel AS " + _SELECTED + where, params)
-    prompt_ids = [r[0] for r in cur.execute("SELECT DISTINCT prompt_id FROM _export_sel").fetchall()]
-    test = _test_prompts(prompt_ids, float(test_fraction), int(seed))
     try:
+        # 1. select the pairs and rankings (ids and metadata only) into temporary tables, with their split
+        where, params = _where(cond, rankings=False)
+        cur.execute("CREATE OR REPLACE TEMP TABLE _export_sel AS " + _SELECTED + where, params)
+        where, params = _where(cond, rankings=True)
+        cur.execute("CREATE OR REPLACE TEMP TABLE _export_rankings_sel AS " + _SELECTED_RANKINGS + where, params)
+        prompt_ids = [r[0] for r in cur.execute("SELECT DISTINCT prompt_id FROM _export_sel").fetchall()]
+        test = _test_prompts(prompt_ids, float(test_fraction), int(seed))
         with registered(cur, "_test_ids", pa.table({"prompt_id": pa.array(test, pa.int64())})):
-            cur.execute("CREATE OR REPLACE TEMP TABLE _export AS SELECT s.*, CASE WHEN t.prompt_id IS NULL "
-                        "THEN 'train' ELSE 'test' END AS split FROM _export_sel s "
-                        "LEFT JOIN _test_ids t ON t.prompt_id = s.prompt_id")
+            for table in ("_export", "_export_rankings"):
+                cur.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS SELECT s.*, CASE WHEN t.prompt_id IS NULL "
+                            f"THEN 'train' ELSE 'test' END AS split FROM {table}_sel s "
+                            "LEFT JOIN _test_ids t ON t.prompt_id = s.prompt_id")
         counts = dict(zip(
             ("pairs", "train", "test", "prompts", "annotators", "imported", "all_bad"),
             cur.execute("SELECT count(*), count(*) FILTER (WHERE split = 'train'), "
@@ -169,61 +282,133 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
                         "count(*) FILTER (WHERE all_bad) FROM _export").fetchall()[0]))
         if counts["pairs"] == 0:
             raise InvalidRequest(f"no pairs match these filters ({recorded}): nothing was exported")
-        # 2. write the texts (DuckDB streams COPY; the datasets format goes through Arrow)
-        if fmt == "datasets":
-            _write_datasets(cur, tmp, counts["test"] > 0)
-        else:
-            options = "FORMAT json" if fmt == "jsonl" else "FORMAT parquet, COMPRESSION zstd"
-            cur.execute(f"COPY ({_WRITE.format(where='')}) TO '{_sql_path(tmp)}' ({options})")
+        counts["rankings"] = cur.execute("SELECT count(*) FROM _export_rankings").fetchall()[0][0]
+        _prompts_table(cur, trl_format)
+        # 2. write the data under temporary names (DuckDB streams COPY; datasets go through Arrow)
+        _write_all(cur, layout, staging, fmt, trl_format, bool(margin_column), counts["test"] > 0)
+        facts = card.gather(store, cur)
     except BaseException:
-        _remove(tmp)
+        for tmp in staging.values():
+            _remove(tmp)
         raise
     finally:
-        cur.execute("DROP TABLE IF EXISTS _export")
-        cur.execute("DROP TABLE IF EXISTS _export_sel")
-    # 3. move into place, hash, record, and write the manifest beside the data
-    _remove(out)
-    os.replace(tmp, out)
-    digest = snapshot_sha256(out)
-    snap = store.record_snapshot(str(out), fmt, counts, recorded, digest)
-    manifest = {"snapshot_id": snap.id, "format": fmt, "counts": counts, "filters": recorded,
-                "sha256": digest, "columns": COLUMNS, "created_at": snap.created_at.isoformat()}
-    # the manifest too goes under a temporary name first: a crash never leaves half of one
-    manifest_path = _manifest_path(out, fmt)
-    tmp_manifest = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
-    tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp_manifest, manifest_path)
+        for table in ("_export", "_export_sel", "_export_rankings", "_export_rankings_sel", "_export_prompts"):
+            cur.execute(f"DROP TABLE IF EXISTS {table}")
+    # 3. move into place, hash, record; then the card and the manifest
+    for final, tmp in staging.items():
+        _remove(final)
+        os.replace(tmp, final)
+    digest = snapshot_sha256(layout.snapshot)
+    snap = store.record_snapshot(str(layout.snapshot), fmt, counts, recorded, digest)
+    columns = COLUMNS[:4] + ["margin"] + COLUMNS[4:] if margin_column else COLUMNS
+    manifest = {"snapshot_id": snap.id, "format": fmt, "trl_format": trl_format, "counts": counts,
+                "filters": recorded, "sha256": digest, "license": license.strip(), "columns": columns,
+                "ranking_columns": RANKING_COLUMNS, "files": _relative_files(layout),
+                "created_at": snap.created_at.isoformat()}
+    _write_text(layout.card, card.render(manifest, facts, fmt))
+    _write_text(layout.manifest, json.dumps(manifest, indent=2) + "\n")
     return snap
 
 
-def _write_datasets(cur, folder: Path, has_test: bool) -> None:
-    """Stream each split from DuckDB into an Arrow file, memory-map it as a `datasets.Dataset`,
-    and `save_to_disk`: the rows never sit in RAM all at once."""
-    import datasets  # imported here: it is slow to import and only this format needs it
-
-    staging = folder.with_name(folder.name + ".arrow")
-    staging.mkdir()
-    try:
-        parts = {}
-        for split in ("train", "test") if has_test else ("train",):
-            reader = cur.sql(_WRITE.format(where=f"WHERE s.split = '{split}'")).to_arrow_reader(50_000)
-            # plain string types: DuckDB may hand out string views, which `datasets` does not take
-            schema = pa.schema([pa.field(f.name, pa.string() if pa.types.is_string_view(f.type)
-                                         or pa.types.is_large_string(f.type) else f.type)
-                                for f in reader.schema])
-            path = staging / f"{split}.arrow"
-            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-                for batch in reader:
-                    writer.write_batch(batch if batch.schema == schema else batch.cast(schema))
-            parts[split] = datasets.Dataset.from_file(str(path))
-        datasets.DatasetDict(parts).save_to_disk(str(folder))
-        del parts
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def _staging(layout: Layout) -> dict[Path, Path]:
+    """{final path: temporary path} of the data: the whole folder, or the two files."""
+    finals = [layout.snapshot] if layout.folder else [layout.pairs, layout.rankings]
+    return {p: p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in finals}
 
 
-def _manifest_path(out: Path, fmt: str) -> Path:
-    return out / "snapshot.json" if fmt == "datasets" else out.with_name(out.name + ".snapshot.json")
+def _relative_files(layout: Layout) -> dict[str, str]:
+    base = layout.snapshot if layout.folder else layout.snapshot.parent
+    return {name: os.path.relpath(getattr(layout, name), base) for name in ("pairs", "rankings", "card", "manifest")}
+
+
+def _prompts_table(cur, trl_format: str) -> None:
+    """_export_prompts(prompt_id, prompt): every exported prompt as chat messages (conversational)."""
+    ids = "SELECT prompt_id FROM _export UNION SELECT prompt_id FROM _export_rankings"
+    rows = [] if trl_format != "conversational" else cur.execute(
+        f"SELECT id, text, messages FROM prompts WHERE id IN ({ids})").fetchall()
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    table = pa.table({
+        "prompt_id": pa.array([r[0] for r in rows], pa.int64()),
+        "prompt": pa.array([prompt_messages(r[1], None if r[2] is None else json.loads(r[2])) for r in rows],
+                           pa.list_(message)),
+    })
+    with registered(cur, "_prompts_in", table):
+        cur.execute("CREATE OR REPLACE TEMP TABLE _export_prompts AS SELECT * FROM _prompts_in")
+
+
+def _write_all(cur, layout: Layout, staging: dict[Path, Path], fmt: str, trl_format: str,
+               margin_column: bool, has_test: bool) -> None:
+    """Pairs and rankings into their temporary paths."""
+    if layout.folder:
+        root = staging[layout.snapshot]
+        pairs = root / layout.pairs.relative_to(layout.snapshot)
+        rankings = root / layout.rankings.relative_to(layout.snapshot)
+        if fmt != "datasets":
+            rankings.parent.mkdir(parents=True)
+    else:
+        pairs, rankings = staging[layout.pairs], staging[layout.rankings]
+    if fmt == "datasets":
+        import datasets  # imported here: it is slow to import and only this format needs it
+
+        splits = ("train", "test") if has_test else ("train",)
+        with _ArrowStaging(root.with_name(root.name + ".arrow")) as arrow:
+            parts = {split: arrow(cur, pairs_sql(trl_format, margin_column, f"WHERE s.split = '{split}'"))
+                     for split in splits}
+            datasets.DatasetDict(parts).save_to_disk(str(pairs))
+            arrow(cur, rankings_sql(trl_format)).save_to_disk(str(rankings))
+            del parts
+        return
+    options = "FORMAT json" if fmt == "jsonl" else "FORMAT parquet, COMPRESSION zstd"
+    cur.execute(f"COPY ({pairs_sql(trl_format, margin_column)}) TO '{_sql_path(pairs)}' ({options})")
+    cur.execute(f"COPY ({rankings_sql(trl_format)}) TO '{_sql_path(rankings)}' ({options})")
+
+
+class _ArrowStaging:
+    """A staging folder of Arrow files: `arrow(cur, sql)` streams a query from DuckDB into one and
+    memory-maps it as a `datasets.Dataset` (the rows never sit in RAM all at once). The folder is
+    removed on leaving."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.n = folder, 0
+
+    def __enter__(self):
+        _remove(self.folder)
+        self.folder.mkdir()
+        return self
+
+    def __exit__(self, *exc):
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __call__(self, cur, sql: str):
+        import datasets
+
+        reader = cur.sql(sql).to_arrow_reader(50_000)
+        schema = pa.schema([pa.field(f.name, _plain(f.type)) for f in reader.schema])
+        self.n += 1
+        path = self.folder / f"{self.n}.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for batch in reader:
+                writer.write_batch(batch if batch.schema == schema else batch.cast(schema))
+        return datasets.Dataset.from_file(str(path))
+
+
+def _plain(t: pa.DataType) -> pa.DataType:
+    """The type with plain strings at every depth: DuckDB may hand out string views (and large
+    strings), which `datasets` does not take."""
+    if pa.types.is_string_view(t) or pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
+        return pa.list_(_plain(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _plain(f.type)) for f in t])
+    return t
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Under a temporary name first: a crash never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _sql_path(path: Path) -> str:
@@ -238,12 +423,19 @@ def _remove(path: Path) -> None:
 
 
 def load_pairs_snapshot(path, split: str | None = None) -> list[dict]:
-    """Rows of an exported snapshot (JSONL file, Parquet file, or datasets folder) as dicts.
+    """Rows of an exported snapshot (JSONL or Parquet file, an export folder, or a datasets
+    folder) as dicts.
 
     split: 'train' or 'test' to keep one split, None for all rows. Pure: needs no Store. Raises
     DataError when the data lacks prompt/chosen/rejected.
     """
     path = Path(path)
+    saved = path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "dataset_info.json"))
+    if path.is_dir() and not saved:
+        inside = [path / f"pairs{s}" for s in _SUFFIX.values() if (path / f"pairs{s}").is_file()]
+        if not inside:
+            raise DataError(str(path), [(None, "a folder with neither pairs.jsonl, pairs.parquet nor a datasets export")])
+        path = inside[0]
     if path.is_dir():
         import datasets
 

@@ -1,4 +1,5 @@
-"""Export: TRL columns, round trip through every format, filters, split by prompt, snapshots."""
+"""Export: TRL conversational and text rows, rank_gap and the opt-in margin, the rankings beside the
+pairs, the dataset card, every format and layout, filters, split by prompt, snapshots."""
 
 import json
 from datetime import datetime, timedelta, timezone
@@ -6,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from store import InvalidRequest
-from store.export import COLUMNS, load_pairs_snapshot, snapshot_sha256
+from store.export import COLUMNS, RANKING_COLUMNS, load_pairs_snapshot, snapshot_sha256
 from store.io import export_pairs, import_pairs
 from tests.fixtures_store import seed_items
 
@@ -28,37 +29,149 @@ def ranked(store, store_annotators, tmp_path):
     return rnd, items
 
 
-def test_jsonl_rows_are_trl_explicit_with_ids(store, ranked, tmp_path):
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_conversational_rows_with_ids(store, ranked, tmp_path):
     rnd, items = ranked
     snap = export_pairs(store, tmp_path / "out.jsonl", "jsonl")
-    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]
-    assert list(rows[0]) == COLUMNS
+    rows = _jsonl(tmp_path / "out.jsonl")
+    assert list(rows[0]) == COLUMNS and "margin" not in rows[0]
     # 6 rankings x 3 pairs, minus the all-bad ranking's 3, plus 1 imported
     assert len(rows) == snap.counts["pairs"] == 6 * 3 - 3 + 1
     first = rows[0]
     r0 = store.get_response(first["chosen_id"])
-    assert first["chosen"] == r0.text and first["prompt"] == store.get_prompt(first["prompt_id"]).text
+    assert first["prompt"] == [{"role": "user", "content": store.get_prompt(first["prompt_id"]).text}]
+    assert first["chosen"] == [{"role": "assistant", "content": r0.text}]
     assert first["chosen_model_version"] == r0.model_version_id and first["annotator"] == "ann0"
-    assert first["margin"] == 1.0 and first["round"] == rnd.id and first["split"] == "train"
+    assert first["rank_gap"] == 1.0 and first["round"] == rnd.id and first["split"] == "train"
+    assert sorted({r["rank_gap"] for r in rows}) == [1.0, 2.0]  # K=3 without ties: gaps 1 and 2
     imported = [r for r in rows if r["ranking_id"] is None]
     assert [(r["prompt"], r["chosen"], r["rejected"], r["annotator"]) for r in imported] == [
-        ("Q?", "good", "bad", None)]
-    assert snap.counts["imported"] == 1 and snap.counts["annotators"] == 2
+        ([{"role": "user", "content": "Q?"}], [{"role": "assistant", "content": "good"}],
+         [{"role": "assistant", "content": "bad"}], None)]
+    assert snap.counts["imported"] == 1 and snap.counts["annotators"] == 2 and snap.counts["rankings"] == 5
 
 
-def test_round_trip_parquet_and_datasets(store, ranked, tmp_path):
+def test_chat_prompts_become_messages(store, store_annotators, store_policy, tmp_path):
+    """An HH transcript becomes alternating user/assistant messages; a prompt imported as chat
+    messages keeps them (system message included); replies are kept exactly (HH's leading space)."""
+    hh = tmp_path / "hh.jsonl"
+    hh.write_text(json.dumps({"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant: 4",
+                              "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant: 5"}) + "\n")
+    import_pairs(store, hh)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    (pid,) = store.add_prompts([{"messages": chat}])
+    responses = store.add_responses(pid, store_policy.id, ["Red.", "Blue, I think."])
+    store.save_ranking(store_annotators[0].id, pid, [r.id for r in responses])
+    rows = {r["prompt_id"]: r for r in load_pairs_snapshot(export_pairs(store, tmp_path / "c.jsonl", "jsonl").path)}
+    hh_row = next(r for r in rows.values() if r["ranking_id"] is None)
+    assert hh_row["prompt"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                                {"role": "user", "content": "2+2?"}]
+    assert hh_row["chosen"] == [{"role": "assistant", "content": " 4"}]
+    assert rows[pid]["prompt"] == chat and rows[pid]["rejected"] == [{"role": "assistant", "content": "Blue, I think."}]
+    text_rows = {r["prompt_id"]: r for r in load_pairs_snapshot(
+        export_pairs(store, tmp_path / "t.jsonl", "jsonl", trl_format="text").path)}
+    assert text_rows[pid]["prompt"] == store.get_prompt(pid).text and text_rows[pid]["chosen"] == "Red."
+    assert text_rows[hh_row["prompt_id"]]["prompt"] == "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant:"
+
+
+def test_margin_only_when_asked(store, ranked, tmp_path):
+    rows = load_pairs_snapshot(export_pairs(store, tmp_path / "m.parquet", "parquet", margin_column=True).path)
+    assert list(rows[0])[:5] == ["prompt", "chosen", "rejected", "rank_gap", "margin"]
+    assert all(r["margin"] == r["rank_gap"] for r in rows) and {r["margin"] for r in rows} == {1.0, 2.0}
+    manifest = json.loads((tmp_path / "m.parquet.snapshot.json").read_text())
+    assert manifest["columns"] == COLUMNS[:4] + ["margin"] + COLUMNS[4:]
+    assert store.get_snapshot(manifest["snapshot_id"]).filters["margin_column"] is True
+    with pytest.raises(InvalidRequest, match="trl_format"):
+        export_pairs(store, tmp_path / "x.jsonl", "jsonl", trl_format="chatml")
+
+
+def test_rankings_beside_the_pairs(store, ranked, store_annotators, tmp_path):
+    rnd, items = ranked
+    a, b = store_annotators
+    tied = seed_items(store, 1, 3, round_id=rnd.id, prefix="tied")[0]  # all three tied: no pair
+    store.save_ranking(b.id, tied.prompt_id, [tied.response_ids], duration_s=4.5, comment="all the same")
+    snap = export_pairs(store, tmp_path / "out", "jsonl", include_all_bad=True, test_fraction=0.4, seed=1)
+    rankings = _jsonl(tmp_path / "out" / "rankings" / "rankings.jsonl")
+    assert list(rankings[0]) == RANKING_COLUMNS
+    stored = {k.id: k for k in store.list_rankings()}
+    assert sorted(r["ranking_id"] for r in rankings) == sorted(stored) and snap.counts["rankings"] == 7
+    for row in rankings:
+        k = stored[row["ranking_id"]]
+        assert row["order"] == k.order and row["display_order"] == k.display_order
+        assert row["all_bad"] == k.all_bad and row["annotator"] == store.get_annotator(k.annotator_id).name
+        assert [r["response_id"] for r in row["responses"]] == sorted(x for g in k.order for x in g)
+        assert all(r["text"] == store.get_response(r["response_id"]).text
+                   and r["model_version"] == store.get_response(r["response_id"]).model_version_id
+                   for r in row["responses"])
+    last = rankings[-1]
+    assert last["order"] == [tied.response_ids] and last["duration_s"] == 4.5 and last["comment"] == "all the same"
+    assert [r["all_bad"] for r in rankings].count(True) == 1
+    pairs = load_pairs_snapshot(snap.path)  # the folder: train-reward reads the pairs file inside
+    split_of = {r["prompt_id"]: r["split"] for r in pairs}
+    assert all(split_of.get(r["prompt_id"], "train") == r["split"] for r in rankings)
+    assert {r["split"] for r in rankings} == {"train", "test"}
+    # the filters that concern rankings apply to them; agreement and imports concern pairs only
+    only_ann1 = export_pairs(store, tmp_path / "ann1", "parquet", annotators=["ann1"], min_agreement=1.0)
+    assert only_ann1.counts["rankings"] == 3 and only_ann1.counts["pairs"] == 3
+
+
+def test_jsonl_and_parquet_load_identical_rows_with_datasets(store, ranked, tmp_path):
+    """The same snapshot as JSONL, Parquet and a datasets folder: `datasets` loads identical rows."""
     import datasets
 
-    ref = load_pairs_snapshot(export_pairs(store, tmp_path / "a.jsonl", "jsonl").path)
-    pq_rows = load_pairs_snapshot(export_pairs(store, tmp_path / "a.parquet", "parquet").path)
-    snap = export_pairs(store, tmp_path / "ds", "datasets")
+    cache = str(tmp_path / "hf-cache")
+    for trl_format in ("conversational", "text"):
+        jsonl = export_pairs(store, tmp_path / f"{trl_format}.jsonl", "jsonl", trl_format=trl_format, test_fraction=0.3)
+        parquet = export_pairs(store, tmp_path / f"{trl_format}.parquet", "parquet", trl_format=trl_format,
+                               test_fraction=0.3)
+        from_json = datasets.load_dataset("json", data_files=jsonl.path, split="train", cache_dir=cache)
+        from_parquet = datasets.load_dataset("parquet", data_files=parquet.path, split="train", cache_dir=cache)
+        assert from_json.to_list() == from_parquet.to_list() == load_pairs_snapshot(jsonl.path)
+        assert from_json.column_names == from_parquet.column_names == COLUMNS
+        for name in ("rankings",):
+            j = datasets.load_dataset("json", data_files=str(tmp_path / f"{trl_format}.{name}.jsonl"),
+                                      split="train", cache_dir=cache)
+            p = datasets.load_dataset("parquet", data_files=str(tmp_path / f"{trl_format}.{name}.parquet"),
+                                      split="train", cache_dir=cache)
+            assert j.to_list() == p.to_list() and len(j) == jsonl.counts["rankings"]
+        print(f"{trl_format}: {len(from_json)} pairs and {jsonl.counts['rankings']} rankings, "
+              "identical rows from JSONL and Parquet")
+    snap = export_pairs(store, tmp_path / "ds", "datasets", test_fraction=0.3)  # conversational
     loaded = datasets.load_from_disk(str(tmp_path / "ds"))
-    assert list(loaded) == ["train"] and loaded["train"].column_names == COLUMNS
-    assert loaded["train"].to_list() == ref == pq_rows
-    assert load_pairs_snapshot(snap.path) == ref
+    assert list(loaded) == ["train", "test"] and loaded["train"].column_names == COLUMNS
+    by_id = lambda rows: sorted(rows, key=lambda r: r["pair_id"])  # noqa: E731 (the splits come one after the other)
+    assert by_id(load_pairs_snapshot(snap.path)) == by_id(load_pairs_snapshot(tmp_path / "conversational.jsonl"))
+    assert datasets.load_from_disk(str(tmp_path / "ds" / "rankings")).to_list() == _jsonl(
+        tmp_path / "conversational.rankings.jsonl")
     assert snapshot_sha256(snap.path) == snap.sha256
     manifest = json.loads((tmp_path / "ds" / "snapshot.json").read_text())
     assert manifest["snapshot_id"] == snap.id and manifest["sha256"] == snap.sha256
+
+
+@pytest.mark.parametrize("fmt, out", [("jsonl", "card"), ("parquet", "pairs.parquet"), ("datasets", "card-ds")])
+def test_dataset_card_and_its_load_snippet(store, ranked, tmp_path, monkeypatch, fmt, out):
+    snap = export_pairs(store, tmp_path / out, fmt, test_fraction=0.3, license="cc-by-4.0")
+    card_path = tmp_path / ("pairs.parquet.README.md" if out.endswith(".parquet") else f"{out}/README.md")
+    text = card_path.read_text(encoding="utf-8")
+    assert text.startswith("---\nlicense: \"cc-by-4.0\"\n") and snap.sha256 in text
+    ag = store.agreement()  # every ranking with 2+ annotators is in this export
+    assert f"pairwise agreement {ag.pairwise_agreement:.3f}" in text
+    assert f"Krippendorff's alpha (ordinal) {ag.krippendorff_alpha:.3f}" in text
+    assert "| ann0 | 3 | 9 |" in text and "| ann1 | 2 | 6 |" in text  # rankings, pairs (all-bad left out)
+    assert "| 1 | seed-policy | policy | tiny |" in text and "import:trl.jsonl:" in text
+    assert f"| pairs | {snap.counts['pairs']} |" in text and f"| rankings | {snap.counts['rankings']} |" in text
+    # the card's snippet loads the export, run from the card's folder
+    snippet = text.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(card_path.parent)
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    scope = {}
+    exec(snippet, scope)
+    assert len(scope["train"]) == snap.counts["train"] and len(scope["rankings"]) == snap.counts["rankings"]
 
 
 def test_split_by_prompt_is_disjoint_and_recorded(store, ranked, tmp_path):
@@ -106,14 +219,21 @@ def test_snapshots_are_recorded_and_outputs_protected(store, ranked, tmp_path):
     snap = export_pairs(store, out, "parquet", annotators=["ann0"])
     assert store.list_snapshots() == [snap]
     assert snap.filters["annotators"] == ["ann0"] and snap.format == "parquet"
-    assert (tmp_path / "o.parquet.snapshot.json").is_file()
+    assert sorted(p.name for p in tmp_path.glob("o.*")) == [
+        "o.parquet", "o.parquet.README.md", "o.parquet.snapshot.json", "o.rankings.parquet"]
     with pytest.raises(InvalidRequest, match="already exists"):
         export_pairs(store, out, "parquet")
     again = export_pairs(store, out, "parquet", annotators=["ann0"], overwrite=True)
     assert again.sha256 == snap.sha256 and again.id != snap.id  # same data, same hash
+    export_pairs(store, tmp_path / "folder", "jsonl")
+    with pytest.raises(InvalidRequest, match="already exists"):
+        export_pairs(store, tmp_path / "folder", "jsonl")
     with pytest.raises(InvalidRequest, match="format"):
         export_pairs(store, tmp_path / "x.csv", "csv")
+    with pytest.raises(InvalidRequest, match="license"):
+        export_pairs(store, tmp_path / "y.jsonl", "jsonl", license="two\nlines")
     assert not list(tmp_path.glob(".*tmp*"))  # no temporary leftovers
+    assert not (tmp_path / "y.jsonl").exists() and not (tmp_path / "y.rankings.jsonl").exists()
     # the reward model names its data
     rm = store.register_model_version("reward", snapshot_id=snap.id)
     assert store.get_model_version(rm.id).snapshot_id == snap.id

@@ -1,4 +1,5 @@
-"""Import (the real bundled prompts and tests/data pairs, every accepted layout, refused files store nothing)."""
+"""Import (the real bundled prompts and tests/data pairs, every accepted layout (TRL standard and
+conversational, HH-RLHF transcripts), refused files store nothing)."""
 
 import json
 
@@ -77,6 +78,22 @@ def test_pairs_in_trl_and_hh_transcript_layouts(store, tmp_path):
     assert store.get_response(pairs[1].chosen_id).text == " 4"
 
 
+def test_pairs_in_trl_conversational_layouts(store, tmp_path):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of Italy?"}]
+    path = _write_jsonl(tmp_path / "conv.jsonl", [
+        {"prompt": chat, "chosen": [{"role": "assistant", "content": "Rome."}],
+         "rejected": [{"role": "assistant", "content": "Milan."}], "rank_gap": 2},
+        {"chosen": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+         "rejected": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Go away."}]},
+    ])
+    assert import_pairs(store, path)["pairs"] == 2
+    explicit, implicit = store.list_pairs()
+    assert store.get_prompt(explicit.prompt_id).text == "\n\nSystem: Be brief.\n\nHuman: Capital of Italy?\n\nAssistant:"
+    assert store.get_response(explicit.chosen_id).text == "Rome." and explicit.margin == 2.0
+    assert store.get_prompt(implicit.prompt_id).text == "\n\nHuman: Hi\n\nAssistant:"
+    assert store.get_response(implicit.rejected_id).text == "Go away." and implicit.margin == 1.0
+
+
 BAD_PAIRS = [
     ('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "a"\n', 2, "not valid JSON"),
     ('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "a"}\n', 2, "missing 'rejected'"),
@@ -85,7 +102,18 @@ BAD_PAIRS = [
     ('{"prompt": "p", "chosen": "a", "rejected": "a"}\n', 1, "identical"),
     ('{"prompt": "p", "chosen": "a", "rejected": "b", "margin": "big"}\n', 1, "margin"),
     ('{"chosen": "\\n\\nHuman: x\\n\\nAssistant: a", "rejected": "\\n\\nHuman: y\\n\\nAssistant: b"}\n', 1, "differ"),
-    ('{"prompt": [{"role": "user", "content": "x"}], "chosen": "a", "rejected": "b"}\n', 1, "conversational"),
+    ('{"prompt": [{"role": "user", "content": "x"}], "chosen": "a", "rejected": "b"}\n', 1, "mix text and message lists"),
+    ('{"prompt": "p", "chosen": "a", "rejected": "b", "rank_gap": "big"}\n', 1, "'rank_gap' must be a number"),
+    ('{"prompt": [{"role": "user", "content": "x"}], "chosen": [{"role": "assistant", "content": "a"}], '
+     '"rejected": [{"role": "user", "content": "b"}]}\n', 1, "must be the assistant's"),
+    ('{"prompt": [{"role": "user", "content": "x"}], "chosen": [{"role": "assistant", "content": "a"}, '
+     '{"role": "assistant", "content": "c"}], "rejected": [{"role": "assistant", "content": "b"}]}\n', 1,
+     "one assistant message"),
+    ('{"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"}], '
+     '"rejected": [{"role": "user", "content": "y"}, {"role": "assistant", "content": "b"}]}\n', 1,
+     "differ before their last message"),
+    ('{"prompt": [{"role": "bot", "content": "x"}], "chosen": [{"role": "assistant", "content": "a"}], '
+     '"rejected": [{"role": "assistant", "content": "b"}]}\n', 1, "'prompt': messages[0].role"),
     ('[1, 2]\n', 1, "expected a JSON object"),
 ]
 

@@ -1,0 +1,67 @@
+"""Prompts as chat messages, for exports in TRL's conversational format and for importing it.
+
+The store keeps every prompt as one text (an HH-RLHF style transcript for chat prompts, see
+store.repo.messages_to_text) and, when it was imported as such, its chat messages.
+
+`prompt_messages(text, messages)`: the stored messages when there are any; else the transcript
+split into turns ("\\n\\nHuman:" -> user, "\\n\\nAssistant:" -> assistant, "\\n\\nSystem:" ->
+system, each turn's text without its surrounding whitespace, the empty last Assistant turn being
+the generation prompt); any other text is one user message, as it is. On Human/Assistant
+transcripts this is what the training side does to a text prompt (pipeline/text.to_messages), so
+a reward model reads the same tokens from either export format; System turns are split out as well,
+which makes it the inverse of messages_to_text.
+
+`pair_from_messages(prompt, chosen, rejected)`: a conversational preference row (explicit or
+implicit prompt) as (prompt messages, chosen text, rejected text), or the problem with it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from store.repo import check_messages
+
+_TURN = re.compile(r"\n\n(System|Human|Assistant):")
+_ROLES = {"System": "system", "Human": "user", "Assistant": "assistant"}
+
+
+def prompt_messages(text: str, messages: list[dict] | None = None) -> list[dict]:
+    """Chat messages [{role, content}] of a stored prompt (see the module docstring)."""
+    if messages:
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    body = text.lstrip(" ")
+    if not _TURN.match(body):
+        return [{"role": "user", "content": text}]
+    parts = _TURN.split(body)  # ['', 'Human', ' hi', 'Assistant', ' hello', ...]
+    turns = [{"role": _ROLES[name], "content": said.strip()} for name, said in zip(parts[1::2], parts[2::2])]
+    if turns[-1]["role"] == "assistant" and not turns[-1]["content"]:
+        turns.pop()
+    return turns or [{"role": "user", "content": text}]
+
+
+def pair_from_messages(prompt, chosen, rejected) -> tuple[list[dict], str, str] | str:
+    """(prompt messages, chosen reply, rejected reply) of a conversational preference row, or the
+    problem with it as text.
+
+    Explicit prompt: `prompt` a list of messages, `chosen` and `rejected` one assistant message
+    each. Implicit prompt (`prompt` None): `chosen` and `rejected` whole conversations that agree
+    up to their last message, which is the assistant's.
+    """
+    for name, value in (("chosen", chosen), ("rejected", rejected)):
+        problem = check_messages(value)
+        if problem:
+            return f"'{name}': {problem}"
+        if value[-1]["role"] != "assistant":
+            return f"'{name}': its last message must be the assistant's, not the {value[-1]['role']}'s"
+    if prompt is None:
+        prompt = chosen[:-1]
+        if not prompt or rejected[:-1] != prompt:
+            return "no 'prompt' and the 'chosen' and 'rejected' conversations differ before their last message"
+    else:
+        problem = check_messages(prompt)
+        if problem:
+            return f"'prompt': {problem}"
+        for name, value in (("chosen", chosen), ("rejected", rejected)):
+            if len(value) != 1:
+                return f"'{name}' must be one assistant message after the prompt, not {len(value)} messages"
+    return prompt, chosen[-1]["content"], rejected[-1]["content"]
