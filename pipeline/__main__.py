@@ -20,6 +20,7 @@ import time
 STAGES = {
     "generate": "pipeline.generate",
     "train-reward": "pipeline.train_reward",
+    "train-dpo": "pipeline.train_dpo",
     "ppo": "pipeline.train_ppo",
     "compare": "pipeline.compare",
     "simulate-annotators": "pipeline.orchestrate.simulate",

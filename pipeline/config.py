@@ -210,6 +210,43 @@ class LoopConfig:
     """Seed for prompt selection."""
 
 
+@dataclass
+class DPOConfig:
+    loss: str = "sigmoid"
+    """'sigmoid': DPO (Rafailov et al. 2023), -log sigmoid(beta * margin of log-ratios); 'ipo': IPO
+    (Azar et al. 2023), (margin of per-token log-ratios - 1 / (2 beta))^2, as TRL computes them."""
+    beta: float = 0.1
+    """KL strength: the implicit reward is beta * log(pi / pi_ref); IPO's tau. Larger stays closer to the reference."""
+    epochs: int = 1
+    """Passes over the training pairs."""
+    lr: float = 5e-5
+    """Learning rate (AdamW, linear decay to 0). For LoRA; full fine-tuning wants ~1e-6 (TRL's default)."""
+    batch_size: int = 8
+    """Pairs per forward pass (micro-batch); an optimiser step sees batch_size x grad_accum pairs."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimiser step."""
+    max_length: int = 512
+    """Longest prompt + response in tokens; longer ones are truncated from the left of the prompt."""
+    eval_fraction: float = 0.2
+    """Fraction of prompts held out for evaluation (split by prompt, never by pair)."""
+    eval_data: str = ""
+    """Pairs file to evaluate on instead of holding out eval_fraction of the prompts ('' = hold out)."""
+    seed: int = 0
+    """Seed for data order, the held-out split and the KL samples."""
+    max_steps: int = 0
+    """Stop after this many optimiser steps (0 = run all epochs); the LR schedule spans the steps run."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off); 1.0 as TRL's default."""
+    save_every: int = 0
+    """Checkpoint every N optimiser steps (0 = only at the end / on interrupt)."""
+    kl_prompts: int = 16
+    """Held-out prompts on which KL(policy || reference) is measured after training (0 = skip)."""
+    kl_samples: int = 2
+    """Responses sampled from the policy (temperature 1) per KL prompt."""
+    kl_max_new_tokens: int = 64
+    """Longest sampled response for the KL measurement, in tokens."""
+
+
 # --------------------------------------------------------------------------- CLI plumbing
 
 
@@ -280,6 +317,7 @@ __all__ = [
     "RewardConfig",
     "PPOConfig",
     "LoopConfig",
+    "DPOConfig",
     "add_arguments",
     "from_args",
     "to_dict",

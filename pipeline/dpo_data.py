@@ -1,0 +1,275 @@
+"""Preference pairs for DPO: the held-out split, the packed layout, the log-probs read from it, and
+the held-out measurements (implicit-reward accuracy and margins, KL to the reference).
+
+DPO needs, for every pair, log pi(chosen | prompt) and log pi(rejected | prompt) summed over the
+response tokens, under the policy (with gradients) and under the frozen reference. Both come from
+one forward pass each over a *packed* batch (`pack_pairs`):
+
+    row k:  [prompt 1][chosen 1][rejected 1][prompt 2][chosen 2][rejected 2] ... [pad]
+    mask:    a prompt token sees its own prompt, causally; a chosen token sees its prompt and the
+             chosen tokens before it; a rejected token its prompt and the rejected tokens before
+             it (never the chosen ones); nothing crosses a pair.
+    positions: prompt 0..p-1, chosen p.., rejected p.. (both continue the prompt)
+
+So each prompt runs once and both responses continue from it (the prefix sharing of Wang & Hegde
+2024, "Accelerating Direct Preference Optimization with Prefix Sharing"), and several pairs share a
+row, which leaves padding only at the end of a row: every other cell is a real token. Rows are
+filled first-fit decreasing at the width pipeline/packing.py's cost model picks. Tokens that every
+prompt of the batch starts with (a chat template's system prompt) are taken out and run once for
+the batch as a KV cache (pipeline/packing.py, "Shared prefix"); the reference keeps it, computed
+once per process. Only the cells that predict a response token go through the LM head.
+
+The values are those of each prompt + response run alone, up to float rounding
+(tests/test_train_dpo.py checks log-probs and gradients against whole sequences).
+
+KL to the reference (`heldout_kl`): responses sampled from the policy at temperature 1 for
+held-out prompts, each scored as the sum over its tokens of log pi - log ref, computed by packed
+forward passes (pipeline/rollout.py) of both models, so sampling-time rounding does not enter.
+Its mean is an unbiased estimate of KL(pi || ref) per response, in nats.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.losses import dpo_loss, ipo_loss, logprobs_from_logits
+from pipeline.models import is_peft
+from pipeline.packing import MIN_PREFIX, _first_fit, _mask_for, cache_kwarg, choose_width, prefix_kv
+from pipeline.reward_data import EncodedPair, Pair, prompt_key, read_pairs, split_by_prompt
+
+# --------------------------------------------------------------------------- held-out split
+
+
+def train_eval_pairs(pairs: list[Pair], data_report: dict, eval_data: str, eval_fraction: float,
+                     seed: int) -> tuple[list[Pair], list[Pair]]:
+    """(train, held-out) pairs, as train-reward chooses them: the pairs of eval_data when given (the
+    report counts its prompts also seen in training), else a snapshot's own 'test' split, else
+    eval_fraction of the prompts. data_report gains what was chosen."""
+    if eval_data:
+        eval_pairs, eval_report = read_pairs(eval_data)
+        train_keys = {prompt_key(p.prompt) for p in pairs}
+        eval_report["prompts_also_in_train"] = sum(prompt_key(p.prompt) in train_keys for p in eval_pairs)
+        data_report["eval_file"] = eval_report
+        return pairs, eval_pairs
+    if any(p.split == "test" for p in pairs):
+        data_report["split"] = "snapshot"
+        return [p for p in pairs if p.split != "test"], [p for p in pairs if p.split == "test"]
+    return split_by_prompt(pairs, eval_fraction, seed)
+
+
+# --------------------------------------------------------------------------- packing
+
+
+@dataclass
+class PackedPairs:
+    input_ids: torch.Tensor  # (n, W) the rows: prompt, chosen, rejected of each pair, pad at the end
+    position_ids: torch.Tensor  # (n, W)
+    mask: torch.Tensor  # (n, 1, W, L + W) bool: who each cell attends to (the prefix, then the rows)
+    prefix: torch.Tensor | None  # (L,) tokens every prompt starts with, run once ahead of the rows
+    index: torch.Tensor  # (N,) flat index into the n * W cells of the cell predicting each response token
+    tokens: torch.Tensor  # (N,) that response token
+    sequence: torch.Tensor  # (N,) its sequence: pair i's chosen is i, its rejected B + i
+    response_tokens: torch.Tensor  # (2B,) tokens per response, chosen then rejected (IPO's averages)
+    pairs: int  # B
+    real_tokens: int  # tokens a forward pass computes: the prefix once, the rows' real cells
+
+
+def pack_pairs(items: list[EncodedPair], attn_per_linear: float, pad_id: int, share_prefix: bool = True,
+               device=None) -> PackedPairs:
+    """The packed layout of B pairs (module docstring). share_prefix False keeps the system prompt
+    in the rows (gradient checkpointing drops the KV cache a shared prefix needs)."""
+    b = len(items)
+    if b == 0:
+        raise ValueError("pack_pairs: no pairs")
+    # a common prefix, leaving every prompt at least its last token in the rows (it predicts token 0)
+    L = len(os.path.commonprefix([it.prompt_ids for it in items])) if share_prefix and b > 1 else 0
+    L = min(L, min(it.prompt_len for it in items) - 1)
+    L = L if L >= MIN_PREFIX else 0
+    lengths = [it.prompt_len - L + len(it.chosen_response) + len(it.rejected_response) for it in items]
+    width = choose_width(lengths, attn_per_linear)
+    bins = _first_fit(lengths, width)
+    ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(bins), width), dtype=torch.long)
+    pair = torch.empty((len(bins), width), dtype=torch.long)  # which pair a cell belongs to
+    part = torch.zeros((len(bins), width), dtype=torch.long)  # 0 prompt (or pad), 1 chosen, 2 rejected
+    index, tokens, sequence = [], [], []
+    for k, members in enumerate(bins):
+        o = 0  # the next free cell of row k
+        for i in members:
+            it = items[i]
+            p, c, r = it.prompt_ids[L:], it.chosen_response, it.rejected_response
+            n = len(p) + len(c) + len(r)
+            ids[k, o:o + n] = torch.tensor(p + c + r)
+            pos[k, o:o + n] = torch.cat([torch.arange(L, it.prompt_len), torch.arange(it.prompt_len, it.prompt_len + len(c)),
+                                         torch.arange(it.prompt_len, it.prompt_len + len(r))])
+            pair[k, o:o + n] = i
+            part[k, o + len(p):o + len(p) + len(c)] = 1
+            part[k, o + len(p) + len(c):o + n] = 2
+            last_prompt = k * width + o + len(p) - 1
+            for start, response, seq in ((o + len(p), c, i), (o + len(p) + len(c), r, b + i)):
+                # token t is predicted by the cell before it: the last prompt token for t = 0
+                index += [last_prompt] + list(range(k * width + start, k * width + start + len(response) - 1))
+                tokens += response
+                sequence += [seq] * len(response)
+            o += n
+        pair[k, o:] = b + k  # padding: a segment of its own (each cell sees at least itself)
+        pos[k, o:] = torch.arange(width - o)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()  # (W, W)
+    same_pair = pair[:, :, None] == pair[:, None, :]  # (n, W, W)
+    visible = (part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])  # the prompt, or its own response
+    mask = (same_pair & causal & visible)[:, None]  # (n, 1, W, W)
+    if L:
+        mask = torch.cat([mask.new_ones(len(bins), 1, width, L), mask], dim=3)  # (n, 1, W, L + W)
+    counts = [len(it.chosen_response) for it in items] + [len(it.rejected_response) for it in items]
+    return PackedPairs(
+        input_ids=ids.to(device), position_ids=pos.to(device), mask=mask.to(device),
+        prefix=torch.tensor(items[0].prompt_ids[:L], device=device) if L else None,
+        index=torch.tensor(index, device=device), tokens=torch.tensor(tokens, device=device),
+        sequence=torch.tensor(sequence, device=device),
+        response_tokens=torch.tensor(counts, dtype=torch.float32, device=device), pairs=b,
+        real_tokens=L + sum(lengths))
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def sequence_logps(model, pp: PackedPairs, frozen: str | None = None) -> torch.Tensor:
+    """(2B,) log-prob of each response (chosen rows, then rejected), summed over its tokens, under a
+    causal LM (LoRA-wrapped or not) whose logits are lm_head(decoder output), as Llama-style models'
+    are. Gradients flow when grad is enabled. frozen: see packing.prefix_kv."""
+    from transformers import DynamicCache
+
+    base = model.get_base_model() if is_peft(model) else model
+    if getattr(base.config, "final_logit_softcapping", None) or getattr(base.config, "logit_scale", None):
+        raise ValueError(f"{type(base).__name__}: logits are post-processed after the LM head; "
+                         "train-dpo supports plain lm_head(hidden) models only")
+    decoder = base.get_decoder()
+    extra = {}
+    if pp.prefix is not None:
+        n = pp.input_ids.shape[0]
+        kv = prefix_kv(decoder, pp.prefix, frozen)
+        extra[cache_kwarg(decoder)] = DynamicCache(
+            ddp_cache_data=[(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv])
+    out = decoder(input_ids=pp.input_ids, position_ids=pp.position_ids, attention_mask=_mask_for(decoder, pp.mask),
+                  use_cache=False, **extra)
+    hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[pp.index]  # (N, H)
+    logits = base.get_output_embeddings()(hidden)  # (N, V)
+    logp = logprobs_from_logits(logits[None], pp.tokens[None])[0]  # (N,) fp32
+    return logp.new_zeros(2 * pp.pairs).index_add(0, pp.sequence, logp)  # (2B,)
+
+
+@torch.no_grad()
+def reference_logps(reference, pp: PackedPairs) -> torch.Tensor:
+    """(2B,) sequence_logps under the reference (pipeline.policy.Reference): the policy with its
+    adapter disabled, or the frozen copy made at the start of a full fine-tuning run."""
+    if reference.frozen is not None:
+        return sequence_logps(reference.frozen, pp, frozen="reference")
+    with reference.policy.disable_adapter():  # the base weights: never trained, so the prefix's KV is kept
+        return sequence_logps(reference.policy, pp, frozen="reference")
+
+
+# --------------------------------------------------------------------------- losses and measurements
+
+
+def preference_loss(cfg, logps: torch.Tensor, ref: torch.Tensor, response_tokens: torch.Tensor) -> torch.Tensor:
+    """cfg.loss ('sigmoid': DPO, 'ipo') with cfg.beta, from (2B,) policy and reference log-probs
+    (chosen rows first) and the (2B,) response token counts."""
+    b = logps.shape[0] // 2
+    if cfg.loss == "ipo":
+        return ipo_loss(logps[:b], logps[b:], ref[:b], ref[b:], cfg.beta, response_tokens[:b], response_tokens[b:])
+    return dpo_loss(logps[:b], logps[b:], ref[:b], ref[b:], cfg.beta)
+
+
+def pair_stats(logps: torch.Tensor, ref: torch.Tensor, beta: float) -> dict[str, float]:
+    """Sums over the B pairs of the implicit-reward figures TRL logs (rewards/accuracies, margins,
+    chosen, rejected; logps/chosen, rejected): the implicit reward is beta * (log pi - log ref)."""
+    b = logps.shape[0] // 2
+    rewards = beta * (logps.float() - ref.float())  # (2B,)
+    chosen, rejected = rewards[:b], rewards[b:]
+    return {"reward_accuracy": float((chosen > rejected).sum()), "margin": float((chosen - rejected).sum()),
+            "rewards_chosen": float(chosen.sum()), "rewards_rejected": float(rejected.sum()),
+            "logps_chosen": float(logps[:b].sum()), "logps_rejected": float(logps[b:].sum())}
+
+
+@torch.no_grad()
+def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, pad_id: int, attn_per_linear: float,
+                   share_prefix: bool, device, amp, dist) -> dict:
+    """Held-out metrics under eval/: the loss, implicit-reward accuracy, margin, mean rewards and
+    log-probs, over batches of 2 x batch_size pairs of similar length. dist (pipeline/distributed.py):
+    each process takes its share of the pairs; every process gets the totals."""
+    from tqdm.auto import tqdm
+
+    mine = dist.shard(sorted(range(len(items)), key=lambda i: items[i].length))
+    size = 2 * cfg.batch_size
+    sums: dict[str, float] = {"loss": 0.0, "pairs": 0}
+    for start in tqdm(range(0, len(mine), size), desc="eval pairs", unit="batch", dynamic_ncols=True,
+                      disable=not dist.is_main or not mine):
+        pp = pack_pairs([items[i] for i in mine[start:start + size]], attn_per_linear, pad_id, share_prefix, device)
+        with amp():
+            logps, ref = sequence_logps(model, pp), reference_logps(reference, pp)
+            sums["loss"] += float(preference_loss(cfg, logps, ref, pp.response_tokens)) * pp.pairs
+        sums["pairs"] += pp.pairs
+        for key, value in pair_stats(logps, ref, cfg.beta).items():
+            sums[key] = sums.get(key, 0.0) + value
+    sums = dist.reduce_sum(sums)
+    n = int(sums.pop("pairs"))
+    return {"eval/pairs": n, **{f"eval/{key}": value / n for key, value in sums.items()}} if n else {}
+
+
+@torch.no_grad()
+def heldout_kl(model, reference, tokenizer, prompts: list, cfg, device, amp, dist, batch_prompts: int = 8) -> dict:
+    """KL(pi || ref) per response on cfg.kl_prompts distinct held-out prompts (drawn with cfg.seed),
+    cfg.kl_samples responses each of at most cfg.kl_max_new_tokens (module docstring): kl/heldout,
+    its standard error kl/heldout_se, and what the samples were like."""
+    import random
+
+    from tqdm.auto import tqdm
+
+    from pipeline.config import GenerateConfig
+    from pipeline.rollout import attn_ratio, merged_lora, pack_responses, response_logits, response_logprobs
+    from pipeline.sampling import sample
+    from pipeline.text import encode_prompts
+
+    distinct = list({prompt_key(p): p for p in prompts}.values())
+    random.Random(cfg.seed).shuffle(distinct)
+    mine = dist.shard(distinct[:cfg.kl_prompts])
+    gen = GenerateConfig(temperature=1.0, max_new_tokens=cfg.kl_max_new_tokens)
+    sums = {"kl": 0.0, "kl_sq": 0.0, "samples": 0, "tokens": 0, "eos": 0}
+    was_training = model.training
+    model.eval()  # sampling needs the KV cache, which checkpointed layers in training mode drop
+    for start in tqdm(range(0, len(mine), batch_prompts), desc="KL samples", unit="batch", dynamic_ncols=True,
+                      disable=not dist.is_main or not mine):
+        ids, prompt_mask = encode_prompts(tokenizer, mine[start:start + batch_prompts], cfg.max_length, device)
+        generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + start + 7_919 * dist.rank)
+        with amp(), merged_lora(model):
+            sb = sample(model, ids, prompt_mask, gen, num_samples=cfg.kl_samples, generator=generator,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        mask = sb.response_mask.float()  # (b, R)
+        pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length, attn_ratio(model))
+        with amp():
+            logp = response_logprobs(response_logits(model, pr), pr, 1.0)  # (b, R)
+            ref = response_logprobs(response_logits(reference, pr, reference=True), pr, 1.0)
+        kl = ((logp - ref) * mask).sum(1)  # (b,) nats per response
+        sums["kl"] += float(kl.sum())
+        sums["kl_sq"] += float((kl ** 2).sum())
+        sums["samples"] += kl.numel()
+        sums["tokens"] += float(mask.sum())
+        sums["eos"] += sum(f == "eos" for f in sb.finish_reason)
+    model.train(was_training)
+    sums = dist.reduce_sum(sums)
+    n = int(sums["samples"])
+    if n == 0:
+        return {}
+    mean = sums["kl"] / n
+    var = max(sums["kl_sq"] / n - mean ** 2, 0.0) * n / max(n - 1, 1)
+    return {"kl/heldout": mean, "kl/heldout_se": math.sqrt(var / n), "kl/samples": n,
+            "kl/prompts": min(len(distinct), cfg.kl_prompts), "kl/response_tokens": sums["tokens"] / n,
+            "kl/eos_rate": sums["eos"] / n}
+
+
+__all__ = ["train_eval_pairs", "PackedPairs", "pack_pairs", "sequence_logps", "reference_logps", "preference_loss",
+           "pair_stats", "evaluate_pairs", "heldout_kl"]

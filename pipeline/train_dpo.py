@@ -1,0 +1,340 @@
+"""DPO (or IPO) on preference pairs: pairs file in, policy out, no reward model.
+
+    python -m pipeline train-dpo --data pairs.parquet --out runs/dpo-1 [--policy POLICY_DIR
+        --loss sigmoid|ipo --beta 0.1 --epochs 1 --lr 5e-5 --batch-size 8 --grad-accum 1 ...]
+
+Direct Preference Optimization (Rafailov et al. 2023) trains the policy on the same pairs a reward
+model would learn from: loss -log sigmoid(beta * ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) -
+log ref(y_r)))), or IPO's squared form (Azar et al. 2023) with --loss ipo (pipeline/losses.py).
+beta * log(pi / ref) is a response's implicit reward; its accuracy (chosen above rejected) and
+margins are logged as a reward model's would be.
+
+The policy starts from --policy (a folder saved by ppo or train-dpo: its LoRA adapter keeps
+training) or the base model (--model). The reference is the base model: the adapter disabled
+(LoRA, no second copy), or with full fine-tuning a frozen copy of the starting weights, as in PPO
+(docs/DESIGN.md, "The four PPO roles"), so KL is measured against the same model across rounds.
+
+Each prompt runs once and both responses continue from it, several pairs packed per row with no
+padding between them (pipeline/dpo_data.py); reference log-probs come from one no-grad pass over
+the same packed batch. Batches group pairs of similar length (pipeline/reward_data.py).
+
+Run directory (as train-reward's and ppo's; the app tails it and registers the policy):
+    config.json        configs, the data file and its sha256, the starting policy, command line
+    status.json        {"state", "progress", "step", "total", "phase", ...}
+    metrics.jsonl      one line per optimiser step: train/loss, train/reward_accuracy, train/margin,
+                       train/rewards_chosen, train/rewards_rejected, train/logps_chosen, ...; then
+                       the eval/ line (held-out pairs) and kl/heldout
+    checkpoint/        the policy as trained so far (save_policy), with trainer_state.pt beside it
+    trainer_state.pt   optimiser, scheduler and step, for --resume
+    policy/            the trained policy when done; model_meta.json names its parent, the data's
+                       sha256, "method": "dpo", the loss and beta
+    eval_report.json   held-out implicit-reward accuracy and margins, KL to the reference, timings
+
+KL to the reference on held-out prompts (kl/heldout, nats per response): kl_samples responses per
+held-out prompt sampled from the trained policy at temperature 1, each scored as the sum over its
+tokens of log pi - log ref (an unbiased estimate of KL(pi || ref)), with its standard error.
+
+Ctrl-C or SIGTERM (the job runner's cancel) finishes the current step, saves a checkpoint, and
+marks the run 'cancelled' (exit code 130); --resume continues it with its own settings.
+Under a launcher of N processes each rank takes its share of every batch (DDP); FSDP is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.config import DPOConfig, ModelConfig, add_arguments, from_args, to_dict
+from pipeline.distributed import setup
+from pipeline.dpo_data import (
+    evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps, sequence_logps,
+    train_eval_pairs,
+)
+from pipeline.hashing import snapshot_sha256
+from pipeline.models import autocast, checkpointing, pick_dtype
+from pipeline.policy import make_reference
+from pipeline.ppo_state import _load_policy_weights, load_starting_policy, trainable
+from pipeline.reward_data import encode_pairs, length_grouped_batches, read_pairs
+from pipeline.rollout import attn_ratio
+from pipeline.rundir import StopFlag, append_metrics, is_writer, read_status, truncate_metrics, write_json, write_status
+from pipeline.saving import recover_folder, save_policy
+
+LOSSES = ("sigmoid", "ipo")
+
+
+def check_config(cfg: DPOConfig) -> None:
+    problems = []
+    if cfg.loss not in LOSSES:
+        problems.append(f"--loss {cfg.loss!r}: use {' or '.join(LOSSES)}")
+    if not cfg.beta > 0:
+        problems.append(f"--beta must be > 0, got {cfg.beta}")
+    if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1:
+        problems.append("--batch-size, --grad-accum and --epochs must be at least 1")
+    if cfg.max_steps < 0 or cfg.kl_prompts < 0 or cfg.kl_samples < 1 or cfg.kl_max_new_tokens < 1:
+        problems.append("--max-steps and --kl-prompts must be >= 0, --kl-samples and --kl-max-new-tokens >= 1")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, policy: str = "", resume: bool = False,
+              on_step=None) -> dict:
+    """Train, evaluate and save; returns the report (also in eval_report.json), or {"state":
+    "cancelled", ...} when a signal stopped the run. on_step(step, metrics) runs after each step."""
+    out_dir = Path(out)
+    check_config(cfg)
+    dist = setup(model_cfg.device)
+    if dist.sharded:
+        raise ValueError("train-dpo with FSDP is not supported: the reference pass and the shared prefix would run "
+                         "different forward passes per rank; use configs/accelerate/ddp.yaml with LoRA")
+    # 0. Run directory: never write over another run's results without --resume (a folder with only
+    #    a log or a failed start is reused: job runners create it before launching us).
+    results = [n for n in ("checkpoint", "trainer_state.pt", "policy", "eval_report.json") if (out_dir / n).exists()]
+    if resume:
+        if not (out_dir / "trainer_state.pt").is_file():
+            raise FileNotFoundError(f"--resume: {out_dir} has no trainer_state.pt to continue from")
+        if read_status(out_dir).get("state") == "done":
+            raise ValueError(f"--resume: the run in {out_dir} already finished")
+        saved = json.loads((out_dir / "config.json").read_text())  # the run's own settings win
+        if saved["data_sha256"] != snapshot_sha256(data):
+            raise ValueError(f"--resume: {data} is not the data the run in {out_dir} started with ({saved['data']})")
+        cfg, policy = DPOConfig(**saved["dpo"]), saved["policy"]
+        model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
+    elif results:
+        raise FileExistsError(f"--out {out_dir} already holds a run ({', '.join(results)}): pass --resume to "
+                              "continue it, or choose a new folder")
+    elif dist.is_main:
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_status(out_dir, "running", 0, 0, phase="loading")
+    progress = {"step": 0, "total": 0}  # kept current by _train, for the failure status
+    try:
+        report = _train(data, out_dir, cfg, model_cfg, policy, resume, on_step, progress, dist)
+        dist.close()
+        return report
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            write_status(out_dir, "cancelled", **progress, error="interrupted twice: stopped without saving")
+        else:
+            write_status(out_dir, "failed", **progress, error=dist.describe_failure(exc))
+        raise
+
+
+def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: str, resume: bool, on_step,
+           progress: dict, dist) -> dict:
+    device = dist.device
+    dtype = pick_dtype(model_cfg.dtype, device)
+    if dtype == torch.float16:
+        raise ValueError("--dtype fp16: train-dpo has no loss scaling; use bf16 (or fp32)")
+    torch.manual_seed(cfg.seed)
+
+    # 1. Data: the pairs train-reward reads, held-out pairs as it chooses them.
+    pairs, data_report = read_pairs(data)
+    train_pairs, eval_pairs = train_eval_pairs(pairs, data_report, cfg.eval_data, cfg.eval_fraction, cfg.seed)
+    if not train_pairs:
+        raise ValueError(f"{data}: no training pairs left after holding out {cfg.eval_fraction:.0%} of prompts")
+
+    # 2. Policy and reference: the reference is made before any checkpoint is loaded (the start).
+    model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
+    reference = make_reference(model)
+    if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
+        recover_folder(out_dir / "checkpoint")
+        _load_policy_weights(model, out_dir / "checkpoint")
+    train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
+    eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
+    pad_id, ratio = tokenizer.pad_token_id, attn_ratio(model)
+    model.train(checkpointing(model))  # no dropout (TRL's disable_dropout), but checkpointing acts in train mode
+    share_prefix = not checkpointing(model)  # checkpointed layers drop the KV cache a shared prefix needs
+    amp = lambda: autocast(device, dtype)  # noqa: E731
+    if not resume:
+        write_json(out_dir / "config.json", {
+            "stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg), "data": str(data),
+            "data_sha256": snapshot_sha256(data), "policy": policy, "parent": parent,
+            "eval_data_sha256": snapshot_sha256(cfg.eval_data) if cfg.eval_data else "",
+            "base_model": model.rlhf_meta["base_model"], "argv": sys.argv, "data_report": data_report,
+            "processes": dist.world})
+
+    # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
+    steps_per_epoch = math.ceil(math.ceil(len(train_items) / cfg.batch_size) / cfg.grad_accum)
+    total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps > 0:
+        total = min(total, cfg.max_steps)
+    wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
+    params = trainable(model)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
+    step = 0
+    if resume:
+        state = torch.load(out_dir / "trainer_state.pt", map_location=device, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+        truncate_metrics(out_dir, step)  # steps logged after the last save are trained again
+
+    def save() -> None:
+        if not dist.is_main:  # every rank holds the same weights
+            return
+        save_policy(model, tokenizer, out_dir / "checkpoint")
+        tmp = out_dir / ".trainer_state.pt.tmp"
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                    "total": total}, tmp)
+        os.replace(tmp, out_dir / "trainer_state.pt")
+
+    # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
+    lengths = [it.length for it in train_items]
+    bar = tqdm(total=total, initial=step, desc="dpo", unit="step", dynamic_ncols=True, disable=not dist.is_main)
+    write_status(out_dir, "running", step, total, phase="training")
+    pairs_done, t_start, cpu_start, stopped = 0, time.perf_counter(), time.process_time(), None
+    with StopFlag() as stop:
+        for epoch in range(step // steps_per_epoch, cfg.epochs):
+            if step >= total or stopped:
+                break
+            batches = length_grouped_batches(lengths, cfg.batch_size, seed=cfg.seed * 1000 + epoch)
+            for k in range(step - epoch * steps_per_epoch, steps_per_epoch):  # skip steps done before --resume
+                if step >= total:
+                    break
+                micro = batches[k * cfg.grad_accum:(k + 1) * cfg.grad_accum]
+                sums = {"loss": 0.0, "pairs": 0, "tokens": 0}
+                t0 = time.perf_counter()
+                for j, idx in enumerate(micro):
+                    # each rank takes every N-th pair; a loss weighted by its share of the step's pairs
+                    # makes DDP's mean over ranks (undone by loss_scale) the step's mean over pairs
+                    mine = dist.shard(idx)
+                    weight = len(mine) / len(idx) / len(micro) * dist.loss_scale
+                    if not mine:  # fewer pairs than processes: join the all-reduce with a zero loss
+                        mine, weight = idx[:1], 0.0
+                    pp = pack_pairs([train_items[i] for i in mine], ratio, pad_id, share_prefix, device)
+                    with amp():
+                        ref = reference_logps(reference, pp)  # (2b,) no grad
+                    with dist.sync(wrapped, last=j == len(micro) - 1), amp():
+                        logps = wrapped(sequence_logps, pp)  # (2b,)
+                        loss = preference_loss(cfg, logps, ref, pp.response_tokens)
+                    (loss * weight).backward()
+                    if weight == 0.0:
+                        continue
+                    sums["loss"] += loss.item() * pp.pairs
+                    sums["pairs"] += pp.pairs
+                    sums["tokens"] += pp.real_tokens
+                    for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
+                        sums[key] = sums.get(key, 0.0) + value
+                sums = dist.reduce_sum(sums)  # the whole step's sums, on every rank
+                clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                n = int(sums["pairs"])
+                pairs_done += n
+                metrics = {"train/loss": sums["loss"] / n,
+                           **{f"train/{key}": sums[key] / n for key in sums if key not in ("loss", "pairs", "tokens")},
+                           "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": float(grad_norm),
+                           "train/epoch": epoch + (k + 1) / steps_per_epoch,
+                           "train/pairs_per_s": n / (time.perf_counter() - t0), "train/tokens": int(sums["tokens"])}
+                append_metrics(out_dir, step, metrics)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/reward_accuracy']:.2f}")
+                write_status(out_dir, "running", step, total, phase="training")
+                progress.update(step=step, total=total)
+                if on_step is not None:
+                    on_step(step, metrics)
+                if dist.stop_requested(stop.signal):  # any rank's signal stops every rank here
+                    stopped = stop.signal or "a signal to another rank"
+                    break
+                if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                    save()
+    bar.close()
+    train_seconds, train_cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
+
+    # 5. Interrupted: save what we have and leave.
+    if stopped:
+        save()
+        dist.barrier()  # the other ranks exit only once rank 0 has saved
+        write_status(out_dir, "cancelled", step, total, error=f"cancelled by {stopped}; --resume continues")
+        return {"state": "cancelled", "step": step, "total": total}
+
+    # 6. Held-out pairs (implicit-reward accuracy and margins), then KL to the reference on samples
+    #    of the trained policy for held-out prompts.
+    write_status(out_dir, "running", step, total, phase="evaluating")
+    report = evaluate_pairs(model, reference, eval_items, cfg, pad_id, ratio, share_prefix, device, amp, dist)
+    if cfg.kl_prompts > 0 and eval_pairs:
+        write_status(out_dir, "running", step, total, phase="measuring KL")
+        report.update(heldout_kl(model, reference, tokenizer, [p.prompt for p in eval_pairs], cfg, device, amp, dist))
+    if report:
+        append_metrics(out_dir, step, report)
+
+    # 7. Save the checkpoint, the policy with its lineage, and the report.
+    model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "dpo", "loss": cfg.loss, "beta": cfg.beta,
+                       "data": str(data), "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()),
+                       "steps": step}
+    save()
+    if dist.is_main:
+        save_policy(model, tokenizer, out_dir / "policy")
+    dist.barrier()
+    full = {
+        **report, "train/pairs": len(train_items), "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
+        "train/seconds": train_seconds, "train/cpu_seconds": train_cpu,
+        "train/pairs_per_s": pairs_done / max(train_seconds, 1e-9), "steps": step, "data": data_report,
+        "truncation": {"max_length": cfg.max_length,
+                       "prompt_truncated": trunc_train.prompt_truncated + trunc_eval.prompt_truncated,
+                       "response_truncated": trunc_train.response_truncated + trunc_eval.response_truncated,
+                       "sequences": 2 * (len(train_items) + len(eval_items))},
+        "policy": str(out_dir / "policy"),
+    }
+    write_json(out_dir / "eval_report.json", full)
+    write_status(out_dir, "done", step, total)
+    return full
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline train-dpo",
+                                     description="DPO (or IPO) on preference pairs: a new policy, no reward model.")
+    parser.add_argument("--data", required=True, help="pairs: .jsonl/.json/.parquet, a datasets folder, or HH-RLHF style")
+    parser.add_argument("--out", required=True, help="run directory (new, or the one to --resume)")
+    parser.add_argument("--policy", default="",
+                        help="starting policy: a folder saved by ppo or train-dpo (its adapter keeps training); "
+                             "'' = the base model (--model)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out (optimiser and step)")
+    add_arguments(parser, DPOConfig)
+    add_arguments(parser, ModelConfig)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg, model_cfg = from_args(DPOConfig, args), from_args(ModelConfig, args)
+    try:
+        report = train_dpo(args.data, args.out, cfg, model_cfg, policy=args.policy, resume=args.resume)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not is_writer():  # rank 0 of N processes speaks for the run
+        return 0
+    if report.get("state") == "cancelled":
+        print(f"cancelled at step {report['step']}/{report['total']}: checkpoint saved; --resume continues")
+        return 130
+    if "eval/reward_accuracy" in report:
+        print(f"held-out implicit-reward accuracy {report['eval/reward_accuracy']:.3f} on {report['eval/pairs']} "
+              f"pairs, margin {report['eval/margin']:.3f}")
+    if "kl/heldout" in report:
+        print(f"KL to the reference on held-out prompts: {report['kl/heldout']:.3f} +- {report['kl/heldout_se']:.3f} "
+              f"nats per response ({report['kl/samples']} samples)")
+    print(f"policy: {report['policy']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

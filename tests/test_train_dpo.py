@@ -1,0 +1,220 @@
+"""DPO trainer (pipeline/train_dpo.py, pipeline/dpo_data.py) on the tiny random model, CPU fp32.
+
+The learnable task is train-reward's: chosen responses contain a marker word, rejected ones never
+do. As in tests/test_train_ppo.py, LoRA also targets the tiny model's lm_head: its logits are
+bounded by a random head of hidden size 32, which otherwise moves slowly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import DPOConfig, ModelConfig
+from pipeline.dpo_data import pack_pairs, reference_logps, sequence_logps
+from pipeline.losses import logprobs_from_logits
+from pipeline.policy import causal_lm_logits, load_policy, make_reference
+from pipeline.reward_data import encode_pairs, read_pairs
+from pipeline.rollout import attn_ratio
+from pipeline.rundir import read_status
+from pipeline.train_dpo import main, train_dpo
+from tests.helpers import wait_for
+from tests.test_train_reward import marker_pairs, one_thread, write_jsonl  # noqa: F401 (an autouse fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = DPOConfig(epochs=2, lr=1e-2, batch_size=8, eval_fraction=0.25, kl_prompts=6, kl_samples=2, kl_max_new_tokens=8)
+
+
+@pytest.fixture
+def dpo_model_cfg(tiny_model_dir):
+    return ModelConfig(model=str(tiny_model_dir), device="cpu", dtype="fp32", lora=True, lora_r=4, lora_alpha=8,
+                       lora_targets="q_proj,v_proj,lm_head")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def whole_sequence_logps(model, items) -> torch.Tensor:
+    """(2B,) the same log-probs, each prompt + response run alone: chosen rows, then rejected."""
+    out = []
+    for responses in ([it.chosen_response for it in items], [it.rejected_response for it in items]):
+        for it, response in zip(items, responses):
+            ids = torch.tensor([it.prompt_ids + response])
+            logits = causal_lm_logits(model, ids, torch.ones_like(ids))[:, it.prompt_len - 1:-1]  # predicts the response
+            out.append(logprobs_from_logits(logits, torch.tensor([response]))[0].sum())
+    return torch.stack(out)
+
+
+# --------------------------------------------------------------------------- the packed layout
+
+
+def test_packed_pairs_give_whole_sequence_logps_and_gradients(tmp_path, dpo_model_cfg):
+    """Prompt once, several pairs per row, a shared system prompt: the same log-probs and gradients
+    as every prompt + response run alone, and fewer tokens."""
+    model, tok = load_policy(dpo_model_cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():  # move the adapter off zero, so policy and reference differ
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    rows = marker_pairs(7)
+    for row in rows[4:]:  # three pairs of one prompt, as a ranking of K responses gives
+        row["prompt"] = rows[4]["prompt"]
+    items = encode_pairs(read_pairs(write_jsonl(tmp_path / "p.jsonl", rows))[0], tok, 512)[0]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    model.zero_grad()
+    want = whole_sequence_logps(model, items)
+    (want * torch.linspace(-1, 1, len(want))).sum().backward()
+    want_grads = [p.grad.clone() for p in params]
+    whole_tokens = sum(len(it.chosen_ids) + len(it.rejected_ids) for it in items)
+    # attention cost 0: every pair in one row; the tiny model's own cost model: a pair per row
+    for share_prefix, attn_cost in ((True, 0.0), (False, attn_ratio(model))):
+        model.zero_grad()
+        pp = pack_pairs(items, attn_cost, tok.pad_token_id, share_prefix)
+        assert (pp.prefix is not None) == share_prefix and pp.input_ids.shape[0] == (1 if attn_cost == 0 else 7)
+        got = sequence_logps(model, pp)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+        (got * torch.linspace(-1, 1, len(got))).sum().backward()
+        assert all((p.grad - g).abs().max() <= 1e-5 * g.abs().max() for p, g in zip(params, want_grads))
+        assert pp.real_tokens < whole_tokens
+        assert pp.response_tokens.tolist() == [len(it.chosen_response) for it in items] + [
+            len(it.rejected_response) for it in items]
+    # a batch of one prompt: all of it but its last token (which predicts each response's first) is shared
+    same = pack_pairs(items[4:], attn_ratio(model), tok.pad_token_id)
+    assert len(same.prefix) == items[4].prompt_len - 1
+    with torch.no_grad():
+        assert torch.allclose(sequence_logps(model, same), whole_sequence_logps(model, items[4:]), rtol=1e-5, atol=1e-4)
+    # the reference is the base model: the adapter disabled
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(dpo_model_cfg.model).eval()
+    with torch.no_grad():
+        ref = reference_logps(make_reference(model), pp)
+        assert torch.allclose(ref, whole_sequence_logps(base, items), rtol=1e-5, atol=1e-4)
+        assert not torch.allclose(ref, got, atol=1e-2)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_learns_the_marker_word_and_the_reference_stays_the_start(tmp_path, dpo_model_cfg, tiny_model_dir):
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(160))
+    out = tmp_path / "run"
+    report = train_dpo(str(data), str(out), FAST, dpo_model_cfg)
+    rows = [r for r in metrics(out) if "train/loss" in r]
+    # at the start the policy is the reference: every implicit reward is 0 and the loss is log 2
+    assert rows[0]["train/reward_accuracy"] == 0.0 and rows[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert sum(r["train/reward_accuracy"] for r in rows[-5:]) / 5 > 0.9
+    assert rows[-1]["train/loss"] < 0.6 and rows[-1]["train/margin"] > 0
+    assert report["eval/reward_accuracy"] > 0.9 and report["eval/pairs"] == 40 and report["eval/margin"] > 0.3
+    assert report["kl/heldout"] > 0.1 and report["kl/samples"] == 12 and report["kl/heldout_se"] > 0
+    assert json.loads((out / "status.json").read_text())["state"] == "done"
+    last = metrics(out)[-1]
+    assert {"eval/reward_accuracy", "eval/rewards_chosen", "kl/heldout"} <= set(last)
+    assert json.loads((out / "eval_report.json").read_text())["steps"] == report["steps"] == 30
+
+    # the policy's lineage, as PPO writes it (pipeline/orchestrate/ingest.py registers either)
+    meta = json.loads((out / "policy" / "model_meta.json").read_text())
+    assert meta["parent"] == str(Path(tiny_model_dir).resolve()) and meta["method"] == "dpo"
+    assert (meta["loss"], meta["beta"], meta["kind"]) == ("sigmoid", 0.1, "policy")
+    assert meta["data_sha256"] == json.loads((out / "config.json").read_text())["data_sha256"]
+
+    # the reference of the trained policy is the starting model, bit for bit
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
+    trained, tok = load_policy(dpo_model_cfg, adapter_path=out / "policy")
+    ids = torch.tensor([tok("the quick brown fox Paris")["input_ids"]])
+    with torch.no_grad():
+        ref_logits = make_reference(trained)(ids, torch.ones_like(ids))
+        assert torch.equal(ref_logits, causal_lm_logits(start, ids, torch.ones_like(ids)))
+        assert not torch.allclose(causal_lm_logits(trained, ids, torch.ones_like(ids)), ref_logits, atol=1e-3)
+
+
+def test_ipo_with_full_fine_tuning_keeps_a_frozen_reference(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(48))
+    cfg = ModelConfig(model=str(tiny_model_dir), device="cpu", dtype="fp32", lora=False)
+    report = train_dpo(str(data), str(tmp_path / "run"), dataclasses.replace(FAST, loss="ipo", lr=1e-3, max_steps=4),
+                       cfg)
+    rows = [r for r in metrics(tmp_path / "run") if "train/loss" in r]
+    assert rows[0]["train/loss"] == pytest.approx((1 / (2 * 0.1)) ** 2)  # (0 - 1 / (2 beta))^2 at the start
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] and report["steps"] == 4
+    # the policy moved, the reference did not: implicit rewards beta * log(pi / ref) are no longer 0
+    assert report["eval/margin"] > 0 and report["eval/rewards_chosen"] != 0 and math.isfinite(report["kl/heldout"])
+    assert (tmp_path / "run" / "policy" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "run" / "policy" / "model_meta.json").read_text())["loss"] == "ipo"
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_path, dpo_model_cfg):
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(64))
+    cfg = dataclasses.replace(FAST, lr=3e-3, kl_prompts=0)
+    full = train_dpo(str(data), str(tmp_path / "full"), cfg, dpo_model_cfg)
+
+    def cancel_at_3(step, metrics):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # what the job runner's cancel sends
+
+    out = tmp_path / "cut"
+    result = train_dpo(str(data), str(out), cfg, dpo_model_cfg, on_step=cancel_at_3)
+    status = json.loads((out / "status.json").read_text())
+    assert result["state"] == "cancelled" and status["state"] == "cancelled" and status["step"] == 3
+    assert "SIGTERM" in status["error"] and not (out / "policy").exists()
+    assert (out / "checkpoint" / "model_meta.json").is_file() and (out / "trainer_state.pt").is_file()
+
+    resumed = train_dpo(str(data), str(out), cfg, dpo_model_cfg, resume=True)
+    steps = [r["step"] for r in metrics(out) if "train/loss" in r]
+    assert steps == list(range(1, full["steps"] + 1)) and resumed["steps"] == full["steps"]
+    assert resumed["eval/margin"] == pytest.approx(full["eval/margin"], rel=1e-4)
+    with pytest.raises(ValueError, match="already finished"):
+        train_dpo(str(data), str(out), cfg, dpo_model_cfg, resume=True)
+
+
+def test_cli_help_errors_and_refusals(tmp_path, tiny_model_dir, capsys):
+    done = subprocess.run([sys.executable, "-m", "pipeline", "train-dpo", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "--beta" in done.stdout and "--policy" in done.stdout and "--lora" in done.stdout
+    base = ["--model", str(tiny_model_dir), "--device", "cpu", "--kl-prompts", "0"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["--data", str(empty), "--out", str(tmp_path / "a"), *base]) == 2
+    assert "empty.jsonl: no pairs" in capsys.readouterr().err
+    assert json.loads((tmp_path / "a" / "status.json").read_text())["state"] == "failed"
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(24))
+    assert main(["--data", str(data), "--out", str(tmp_path / "b"), "--loss", "hinge", "--beta", "0", *base]) == 2
+    err = capsys.readouterr().err
+    assert "--loss 'hinge': use sigmoid or ipo" in err and "--beta must be > 0" in err
+    assert main(["--data", str(data), "--out", str(tmp_path / "c"), "--policy", str(tmp_path / "nothing"), *base]) != 0
+    # a failed start holds nothing of value: the folder is reused; a finished run is never overwritten
+    assert main(["--data", str(data), "--out", str(tmp_path / "a"), "--max-steps", "1", *base]) == 0
+    assert "held-out implicit-reward accuracy" in capsys.readouterr().out
+    assert main(["--data", str(data), "--out", str(tmp_path / "a"), *base]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_sigterm_to_the_cli_exits_130_with_a_checkpoint(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(400))
+    out = tmp_path / "job"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train-dpo", "--data", str(data), "--out", str(out),
+                             "--model", str(tiny_model_dir), "--device", "cpu", "--lora-r", "4", "--batch-size", "2",
+                             "--epochs", "50"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    wait_for(lambda: read_status(out).get("step", 0) >= 1, what="a finished step")  # as a job runner sees it
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, output[-2000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "cancelled" and "SIGTERM" in status["error"]
+    step = torch.load(out / "trainer_state.pt", weights_only=False)["step"]
+    assert 1 <= step < status["total"] and (out / "checkpoint" / "adapter_model.safetensors").is_file()
