@@ -8,6 +8,9 @@ response ids, best first (see store/pairs.py). Only items with two or more annot
   annotator tied are left out (a tie is neither agreement nor disagreement).
 - Kendall's tau-b between two annotators' orders of one item (ties corrected), averaged over
   (annotator pair, item). Undefined (skipped) when either annotator tied everything.
+- Per annotator (annotator_agreement): pairwise agreement with the others, and agreement with
+  the majority of the others; against a gold ranking (gold_agreement): the share of the gold's
+  strict preferences the ranking keeps, ties counting half.
 - Krippendorff's alpha, ordinal metric (Krippendorff 2011, "Computing Krippendorff's
   Alpha-Reliability", section on the ordinal metric): units are (item, response), each
   annotator's value is the response's mid-rank in their order (store.pairs.mid_ranks).
@@ -83,33 +86,49 @@ def kendall_tau_b(ranks_a: Mapping[int, float], ranks_b: Mapping[int, float]) ->
     return None if denom == 0 else (concordant - discordant) / denom
 
 
+def _strict(ranks: Mapping[int, float], i: int, j: int) -> int:
+    """+1 if response i is ranked above j, -1 if below, 0 if tied."""
+    d = ranks[j] - ranks[i]
+    return (d > 0) - (d < 0)
+
+
+def _item_stats(by_annotator: Mapping[int, Sequence]) -> tuple[int, int, list[float], list[list[float]]]:
+    """(agreeing comparisons, comparisons, Kendall taus, Krippendorff units) of one item's rankings
+    by two or more annotators."""
+    agree = comparisons = 0
+    taus: list[float] = []
+    ranks = {a: mid_ranks(order) for a, order in by_annotator.items()}
+    for a, b in itertools.combinations(sorted(ranks), 2):
+        ra, rb = ranks[a], ranks[b]
+        for i, j in itertools.combinations(sorted(set(ra) & set(rb)), 2):
+            sa, sb = _strict(ra, i, j), _strict(rb, i, j)
+            if sa and sb:
+                comparisons += 1
+                agree += sa == sb
+        tau = kendall_tau_b(ra, rb)
+        if tau is not None:
+            taus.append(tau)
+    values_by_response: dict[int, list[float]] = defaultdict(list)
+    for r in ranks.values():
+        for rid, value in r.items():
+            values_by_response[rid].append(value)
+    return agree, comparisons, taus, list(values_by_response.values())
+
+
 def agreement_summary(rankings: Mapping[int, Mapping[int, Sequence]]) -> dict:
     """{items, comparisons, pairwise_agreement, krippendorff_alpha, kendall_tau} for
     {item_id: {annotator_id: order}}."""
-    items = 0
-    agree = comparisons = 0
+    items = agree = comparisons = 0
     taus: list[float] = []
     units: list[list[float]] = []
     for by_annotator in rankings.values():
         if len(by_annotator) < 2:
             continue
         items += 1
-        ranks = {a: mid_ranks(order) for a, order in by_annotator.items()}
-        for a, b in itertools.combinations(sorted(ranks), 2):
-            ra, rb = ranks[a], ranks[b]
-            for i, j in itertools.combinations(sorted(set(ra) & set(rb)), 2):
-                da, db = ra[i] - ra[j], rb[i] - rb[j]
-                if da and db:
-                    comparisons += 1
-                    agree += (da > 0) == (db > 0)
-            tau = kendall_tau_b(ra, rb)
-            if tau is not None:
-                taus.append(tau)
-        values_by_response: dict[int, list[float]] = defaultdict(list)
-        for r in ranks.values():
-            for rid, value in r.items():
-                values_by_response[rid].append(value)
-        units.extend(values_by_response.values())
+        a, c, t, u = _item_stats(by_annotator)
+        agree, comparisons = agree + a, comparisons + c
+        taus.extend(t)
+        units.extend(u)
     return {
         "items": items,
         "comparisons": comparisons,
@@ -117,6 +136,67 @@ def agreement_summary(rankings: Mapping[int, Mapping[int, Sequence]]) -> dict:
         "krippendorff_alpha": krippendorff_alpha_ordinal(units) if units else None,
         "kendall_tau": sum(taus) / len(taus) if taus else None,
     }
+
+
+def item_agreement(by_annotator: Mapping[int, Sequence]) -> dict:
+    """{annotators, comparisons, pairwise_agreement, kendall_tau} of one item's rankings
+    {annotator_id: order} (None where fewer than two annotators or no comparison)."""
+    agree, comparisons, taus, _ = _item_stats(by_annotator) if len(by_annotator) >= 2 else (0, 0, [], [])
+    return {"annotators": len(by_annotator), "comparisons": comparisons,
+            "pairwise_agreement": agree / comparisons if comparisons else None,
+            "kendall_tau": sum(taus) / len(taus) if taus else None}
+
+
+def annotator_agreement(rankings: Mapping[int, Mapping[int, Sequence]]) -> dict[int, dict]:
+    """Per annotator, over the items they share with others: {items, pairwise: (agreeing, compared),
+    majority: (agreeing, compared)}.
+
+    pairwise: the annotator's strict preferences against each other annotator's on the same
+    response pair (ties left out, as in agreement_summary). majority: against the majority of the
+    *other* annotators of the item (leave-one-out, so the annotator does not vote on their own
+    yardstick); pairs the others split evenly, or the annotator tied, are left out. With two
+    annotators on an item the majority is the other one.
+    """
+    out: dict[int, dict] = defaultdict(lambda: {"items": 0, "pairwise": (0, 0), "majority": (0, 0)})
+    for by_annotator in rankings.values():
+        if len(by_annotator) < 2:
+            continue
+        ranks = {a: mid_ranks(order) for a, order in by_annotator.items()}
+        shared = sorted(set.intersection(*(set(r) for r in ranks.values())))
+        for a, ra in ranks.items():
+            pw_agree = pw_n = mj_agree = mj_n = 0
+            for i, j in itertools.combinations(shared, 2):
+                mine = _strict(ra, i, j)
+                if not mine:
+                    continue
+                others = [_strict(rb, i, j) for b, rb in ranks.items() if b != a]
+                pw_n += sum(1 for o in others if o)
+                pw_agree += sum(1 for o in others if o == mine)
+                vote = sum(others)
+                if vote:
+                    mj_n += 1
+                    mj_agree += (vote > 0) == (mine > 0)
+            row = out[a]
+            row["items"] += 1
+            row["pairwise"] = (row["pairwise"][0] + pw_agree, row["pairwise"][1] + pw_n)
+            row["majority"] = (row["majority"][0] + mj_agree, row["majority"][1] + mj_n)
+    return dict(out)
+
+
+def gold_agreement(order: Sequence, gold: Sequence) -> tuple[float, int]:
+    """(credit, pairs) of a ranking against a gold ranking of the same responses: over the response
+    pairs the gold orders strictly, 1 where the ranking prefers the same response, 1/2 where it ties
+    them, 0 where it prefers the other (a tie is half right, so tying everything cannot score
+    better than guessing)."""
+    mine, ref = mid_ranks(order), mid_ranks(gold)
+    credit, pairs = 0.0, 0
+    for i, j in itertools.combinations(sorted(set(mine) & set(ref)), 2):
+        want = _strict(ref, i, j)
+        if want:
+            pairs += 1
+            got = _strict(mine, i, j)
+            credit += 1.0 if got == want else 0.5 if got == 0 else 0.0
+    return credit, pairs
 
 
 def position_bias(rankings: Sequence[tuple[Sequence, Sequence[int]]]) -> dict:

@@ -187,6 +187,28 @@ MIGRATIONS: list[tuple[str, str]] = [
         ALTER TABLE annotators ADD COLUMN last_login_at TIMESTAMP;
         """,
     ),
+    (
+        # Running a team: a round's own overlap and queue priority (NULL = the store's default
+        # overlap; the newest round first), and gold items: a reference ranking per item, from an
+        # annotator's ranking an admin chose (ranking_id, annotator_id) or from an imported file.
+        "0003_round_queue_and_gold",
+        """
+        CREATE TABLE round_queue (
+            round_id BIGINT PRIMARY KEY,
+            overlap INTEGER,
+            priority INTEGER,
+            updated_at TIMESTAMP NOT NULL
+        );
+        CREATE TABLE gold (
+            item_id BIGINT PRIMARY KEY,
+            order_groups BIGINT[][] NOT NULL,
+            ranking_id BIGINT,
+            annotator_id BIGINT,
+            source VARCHAR NOT NULL,
+            created_at TIMESTAMP NOT NULL
+        );
+        """,
+    ),
 ]
 
 

@@ -1,20 +1,31 @@
-"""The annotation queue: which item an annotator gets next, leases, skips and flags.
+"""The annotation queue: which item an annotator gets next, leases, skips and flags, and the
+team's settings (overlap, round priority, gold rate).
 
 An *item* is one generation call's K >= 2 responses to one prompt (Store.add_responses); imported
 pairs are items too but are never queued. `next_item` hands an annotator an item that
 - is queued, and its prompt is not flagged,
-- this annotator has not ranked or skipped,
-- has fewer than `overlap` rankings plus live leases held by *other* annotators,
-preferring the annotator's own live lease (a reload shows the same item), then items with the
-fewest rankings plus live leases of others (the ones that need the most annotations), then the
-oldest. Taking an item
-writes a lease (item, annotator, expires_at) in the same transaction as the check, so concurrent
-annotators never get one item beyond the overlap; an expired lease no longer counts, so an
-abandoned item returns to the queue by itself.
+- this annotator has not ranked or skipped (an annotator never sees an item twice),
+- has fewer than its overlap in rankings plus live leases held by *other* annotators. An item's
+  overlap is its round's, if an admin set one (set_round_queue), else the store's
+  (set_queue_overlap; default 1); `next_item(overlap=n)` applies n to every item;
+preferring, in this order,
+1. the annotator's own live lease (a reload shows the same item);
+2. on a *gold turn*, a gold item they have not ranked (store/gold.py). Gold items are not in the
+   regular queue: every annotator can get each one, whatever the overlap, mixed in at the gold
+   rate (set_gold_rate): the annotator's n-th item is a gold turn when a draw fixed by
+   (annotator, n) falls below the rate, so nothing marks it for them;
+3. items of the rounds of the highest priority: an admin's number for the round, else 1 for the
+   newest round with items and 0 for the rest (the current round before leftovers);
+4. among those, the items with the fewest rankings plus live leases of others (the ones that
+   need the most annotations), then the oldest.
+Taking an item writes a lease (item, annotator, expires_at) in the same transaction as the check,
+so concurrent annotators never get one item beyond the overlap; an expired lease no longer counts,
+so an abandoned item returns to the queue by itself.
 
-The choice is made in memory (store/queue_index.py explains why) and the lease is written to the
-`leases` table in the same transaction; next_item and save_ranking calls made at the same moment
-by several annotators share one transaction (Store._write_batch).
+The choice is made in memory (store/queue_index.py explains why, store/queue_rules.py holds the
+rules) and the lease is written to the `leases` table in the same transaction; next_item and
+save_ranking calls made at the same moment by several annotators share one transaction
+(Store._write_batch).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from datetime import datetime, timedelta
 import pyarrow as pa
 
 from store.db import from_db_time, registered, to_db_time, utcnow
+from store.errors import InvalidRequest
 from store.queue_index import RECENT_KEEP, QueueIndex
 from store.records import Item, Progress, Prompt
 
@@ -34,8 +46,11 @@ WRITE_KIND = "queue"
 """Store._combined's name for the save_ranking and next_item requests written together."""
 OVERLAP_KEY = "queue_overlap"
 LEASE_SECONDS_KEY = "queue_lease_seconds"
+GOLD_RATE_KEY = "queue_gold_rate"
 DEFAULT_OVERLAP = 1
 DEFAULT_LEASE_SECONDS = 600
+MAX_OVERLAP = 100
+MAX_PRIORITY = 1000
 
 
 def local_midnight() -> datetime:
@@ -60,11 +75,40 @@ class QueueMixin:
     # -- settings with defaults
 
     def queue_overlap(self) -> int:
-        """How many annotators rank each item (setting 'queue_overlap', default 1)."""
+        """How many annotators rank each item of a round without its own overlap (setting
+        'queue_overlap', default 1)."""
         return int(self.get_setting(OVERLAP_KEY, DEFAULT_OVERLAP))
+
+    def set_queue_overlap(self, overlap: int) -> None:
+        self.set_setting(OVERLAP_KEY, _whole(overlap, "overlap", 1, MAX_OVERLAP))
 
     def lease_seconds(self) -> int:
         return int(self.get_setting(LEASE_SECONDS_KEY, DEFAULT_LEASE_SECONDS))
+
+    def gold_rate(self) -> float:
+        """The share of an annotator's items that are gold turns (setting 'queue_gold_rate', default 0)."""
+        return float(self.get_setting(GOLD_RATE_KEY, 0.0))
+
+    def set_gold_rate(self, rate: float) -> None:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            raise InvalidRequest(f"the gold rate must be a number from 0 to 1, not {rate!r}")
+        self.set_setting(GOLD_RATE_KEY, float(rate))
+
+    def set_round_queue(self, round_id: int, *, overlap: int | None = None, priority: int | None = None) -> None:
+        """A round's own overlap and priority (None: the store's overlap; priority 1 for the newest
+        round, 0 for the others). Items already ranked more often than a lowered overlap keep
+        their rankings."""
+        overlap = None if overlap is None else _whole(overlap, "overlap", 1, MAX_OVERLAP)
+        priority = None if priority is None else _whole(priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
+        with self._tx() as cur:
+            self._need(cur.execute("SELECT 1 FROM rounds WHERE id = ?", [round_id]).fetchone(),
+                       f"round with id {round_id}")
+            cur.execute("INSERT OR REPLACE INTO round_queue VALUES (?, ?, ?, ?)", [round_id, overlap, priority, utcnow()])
+            self._on_commit(lambda q: q.set_round(round_id, overlap, priority))
+
+    def round_queue(self) -> dict[int, tuple[int | None, int | None]]:
+        """{round: (overlap, priority)} of the rounds an admin set (None: the default)."""
+        return {r: (o, p) for r, o, p in self._rows("SELECT round_id, overlap, priority FROM round_queue ORDER BY round_id")}
 
     # -- the queue
 
@@ -82,7 +126,7 @@ class QueueMixin:
         return dataclasses.replace(item, lease_expires_at=from_db_time(expires))
 
     def _next_request(self, annotator_id: int, overlap, lease_seconds, exclude) -> tuple:
-        overlap = self.queue_overlap() if overlap is None else int(overlap)
+        overlap = None if overlap is None else int(overlap)
         lease_seconds = self.lease_seconds() if lease_seconds is None else float(lease_seconds)
         return annotator_id, overlap, lease_seconds, frozenset(int(i) for i in exclude)
 
@@ -116,9 +160,11 @@ class QueueMixin:
         q = self._shared.queue
         now = utcnow()
         self._collect_expired_leases(cur, q, now)
+        self._place_new_items(cur, q)
+        default, gold_rate = self.queue_overlap(), self.gold_rate()
         out, leases, renewed = [], {}, set()
         for annotator_id, overlap, lease_seconds, exclude in requests:
-            item_id = q.pick(annotator_id, overlap, now, exclude)
+            item_id = q.pick(annotator_id, overlap, default, now, exclude, gold_rate)
             if item_id is None:
                 out.append(None)
                 continue
@@ -160,11 +206,19 @@ class QueueMixin:
             q.drop_expired(now)  # at once, like the picks (Store._combined drops the index on failure)
             self._shared.lease_gc_at = now
 
+    @staticmethod
+    def _place_new_items(cur, q) -> None:
+        """Read the rounds of the items added since the index was built (QueueIndex.add_item)."""
+        if q.unplaced:
+            ids = sorted(q.unplaced)
+            q.place(dict.fromkeys(ids) | dict(cur.execute(
+                "SELECT id, round_id FROM items WHERE id IN (SELECT unnest(?))", [ids]).fetchall()))
+
     def _build_queue_index(self, cur) -> QueueIndex:
         """Read the queue's state (inside the caller's transaction) into a QueueIndex."""
         items = cur.execute(
-            "SELECT i.id, i.prompt_id, list(r.id ORDER BY r.id) FROM items i JOIN responses r "
-            "ON r.item_id = i.id WHERE i.queued GROUP BY i.id, i.prompt_id").fetchall()
+            "SELECT i.id, i.prompt_id, i.round_id, list(r.id ORDER BY r.id) FROM items i JOIN responses r "
+            "ON r.item_id = i.id WHERE i.queued GROUP BY i.id, i.prompt_id, i.round_id").fetchall()
         rankings = cur.execute(
             "SELECT k.item_id, k.annotator_id, count(*) FROM rankings k JOIN items i ON i.id = k.item_id "
             "WHERE i.queued GROUP BY ALL").fetchall()
@@ -177,7 +231,10 @@ class QueueMixin:
         ranking_times = cur.execute(
             "SELECT annotator_id, count(*), coalesce(list(created_at ORDER BY created_at) "
             "FILTER (WHERE created_at >= ?), []) FROM rankings GROUP BY annotator_id", [recent_since]).fetchall()
-        return QueueIndex.build(items, rankings, skips, flagged, leases, annotators, ranking_times, recent_since)
+        rounds = cur.execute("SELECT round_id, overlap, priority FROM round_queue").fetchall()
+        gold = [r[0] for r in cur.execute("SELECT item_id FROM gold").fetchall()]
+        return QueueIndex.build(items, rankings, skips, flagged, leases, annotators, ranking_times, recent_since,
+                                rounds, gold)
 
     def _queue_index(self) -> QueueIndex:
         """The queue index for the progress queries, which read it under its own lock rather than
@@ -195,9 +252,10 @@ class QueueMixin:
             pass
 
     def remaining_count(self, annotator_id: int, *, overlap: int | None = None) -> int:
-        """Items the queue could still hand this annotator now (their own lease included)."""
-        overlap = self.queue_overlap() if overlap is None else int(overlap)
-        return self._queue_index().remaining(annotator_id, overlap, utcnow())
+        """Items the queue could still hand this annotator now: regular items, their own leases
+        included (gold items, mixed in at a rate, count only once leased to them)."""
+        overlap = None if overlap is None else int(overlap)
+        return self._queue_index().remaining(annotator_id, overlap, self.queue_overlap(), utcnow())
 
     def progress(self, annotator_id: int, *, overlap: int | None = None) -> Progress:
         """Today's rankings (since local midnight of this machine), all rankings, items left.
@@ -268,19 +326,29 @@ class QueueMixin:
         return self._one("SELECT 1 FROM flags WHERE prompt_id = ? LIMIT 1", [prompt_id]) is not None
 
     def items_remaining(self, *, overlap: int | None = None) -> int:
-        """Queued items of unflagged prompts with fewer than `overlap` rankings (all annotators)."""
-        overlap = self.queue_overlap() if overlap is None else int(overlap)
-        return self._queue_index().open_items(overlap)
+        """Queued items of unflagged prompts (gold items aside) with fewer rankings than their
+        overlap (all annotators)."""
+        overlap = None if overlap is None else int(overlap)
+        return self._queue_index().open_items(overlap, self.queue_overlap())
 
     def _check_queue_index(self) -> tuple[dict, dict]:
         """(the live index's summary, a freshly built one's): tests assert they are equal."""
         since = local_midnight()
         with self._queue_locked() as q:
-            live = q.snapshot(since)
             cur = self._cur()
+            self._place_new_items(cur, q)  # as the next pick would
+            live = q.snapshot(since)
             cur.execute("BEGIN TRANSACTION")
             try:
                 fresh = self._build_queue_index(cur).snapshot(since)
             finally:
                 cur.execute("COMMIT")
         return live, fresh
+
+
+def _whole(value, what: str, lo: int, hi: int) -> int:
+    """A whole number from lo to hi, else InvalidRequest naming `what`."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer()
+            or not lo <= value <= hi):
+        raise InvalidRequest(f"the {what} must be a whole number from {lo} to {hi}, not {value!r}")
+    return int(value)

@@ -6,10 +6,11 @@ same slot. With 20 annotators submitting at once that lock becomes the bottlenec
 the only writer of its file (DuckDB allows one read-write process), so it can keep the few facts
 the queue needs in memory and update them when its own transactions commit:
 
-- queued items: prompt, response ids, number of rankings, who ranked them;
+- queued items: prompt, round, response ids, number of rankings, who ranked them;
 - per annotator: items ranked, items skipped, leases; flagged prompts; annotator ids;
 - per annotator: how many rankings they made, and when they made the recent ones (the progress
-  line's "today" and "total" without a query per submit).
+  line's "today" and "total" without a query per submit);
+- rounds' own overlap and priority, and the gold items (served apart, see store/queue.py).
 
 The database stays the source of truth: every fact here is also written there, in the transaction
 that changes it, and the index mirrors the rows exactly (the `leases` rows too, expired or not, so
@@ -28,25 +29,19 @@ import threading
 from collections import Counter, defaultdict
 from datetime import datetime, timedelta
 
+from store.queue_rules import QueueRules, RoundPool, locked
+
 RECENT_KEEP = timedelta(days=1)
 """How far before the earliest "today" asked about the index keeps ranking times (see
 ranking_counts): older ones only count towards the totals."""
 
 
-def _locked(method):
-    """Run the method holding the index's own lock (see the module docstring)."""
+class QueueIndex(QueueRules):
+    """The facts and their updates; the choice of items is QueueRules' (store/queue_rules.py)."""
 
-    def run(self, *args, **kwargs):
-        with self.lock:
-            return method(self, *args, **kwargs)
-
-    run.__name__, run.__doc__ = method.__name__, method.__doc__
-    return run
-
-
-class QueueIndex:
     def __init__(self):
         self.item_prompt: dict[int, int] = {}
+        self.item_round: dict[int, int | None] = {}
         self.item_responses: dict[int, tuple[int, ...]] = {}
         self.response_item: dict[int, int] = {}
         self.annotators: set[int] = set()
@@ -65,17 +60,22 @@ class QueueIndex:
         self.recent: dict[int, list[datetime]] = defaultdict(list)
         self.recent_since: datetime = datetime.min
         self.lock = threading.RLock()
-        # items of unflagged prompts by number of rankings; each bucket sorted by id (oldest first)
-        self.buckets: dict[int, list[int]] = defaultdict(list)
-        self.bucket_sets: dict[int, set[int]] = defaultdict(set)
+        # the regular queue by round (None: items of no round); gold items are kept apart
+        self.pools: dict[int | None, RoundPool] = defaultdict(RoundPool)
+        self.gold: set[int] = set()
+        self.newest_round: int | None = None  # the newest round with queued items
+        self.unplaced: set[int] = set()  # items added since the build whose round is not read yet
+        self.round_overlap: dict[int, int] = {}  # set by an admin (else the store's default)
+        self.round_priority: dict[int, int] = {}  # set by an admin (else NEWEST_ROUND_PRIORITY or 0)
 
     @classmethod
     def build(cls, items, rankings, skips, flagged, leases, annotators, ranking_times,
-              recent_since: datetime) -> "QueueIndex":
-        """From rows read in one transaction: items [(item, prompt, response ids)], rankings of
-        queued items [(item, annotator, count)], skips [(annotator, item)], flagged prompt ids,
-        every lease row [(item, annotator, expires)], annotator ids, and per annotator
-        [(annotator, number of rankings, sorted times of those made at or after recent_since)].
+              recent_since: datetime, rounds=(), gold=()) -> "QueueIndex":
+        """From rows read in one transaction: items [(item, prompt, round, response ids)], rankings
+        of queued items [(item, annotator, count)], skips [(annotator, item)], flagged prompt ids,
+        every lease row [(item, annotator, expires)], annotator ids, per annotator [(annotator,
+        number of rankings, sorted times of those made at or after recent_since)], rounds' queue
+        settings [(round, overlap or None, priority or None)] and gold item ids.
         Buckets are sorted once, not item by item."""
         q = cls()
         q.recent_since = recent_since
@@ -85,13 +85,11 @@ class QueueIndex:
                 q.recent[annotator_id] = sorted(times)
         q.flagged = set(flagged)
         q.annotators = set(annotators)
-        for item_id, prompt_id, response_ids in items:
-            q.item_prompt[item_id] = prompt_id
-            q.item_responses[item_id] = tuple(response_ids)
-            for rid in response_ids:
-                q.response_item[rid] = item_id
-            q.prompt_items[prompt_id].append(item_id)
-            q.n_done[item_id] = 0
+        for round_id, overlap, priority in rounds:
+            q.set_round(round_id, overlap, priority)
+        for item_id, prompt_id, round_id, response_ids in items:
+            q._add_item_facts(item_id, prompt_id, round_id, response_ids)
+        q.gold = {i for i in gold if i in q.item_prompt}
         for item_id, annotator_id, count in rankings:
             if item_id in q.item_prompt:
                 q.rankers[item_id][annotator_id] += count
@@ -101,29 +99,56 @@ class QueueIndex:
             q.skipped[annotator_id].add(item_id)
         for item_id, annotator_id, expires in leases:
             q.set_lease(item_id, annotator_id, expires)
+        by_pool: dict[int | None, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
         for item_id in sorted(q.item_prompt):
-            if q.item_prompt[item_id] not in q.flagged:
-                n = q.n_done[item_id]
-                q.buckets[n].append(item_id)
-                q.bucket_sets[n].add(item_id)
+            if q._in_pool(item_id):
+                by_pool[q.item_round[item_id]][q.n_done[item_id]].append(item_id)
+        for round_id, buckets in by_pool.items():
+            pool = q.pools[round_id]
+            for n, ids in buckets.items():
+                pool.lists[n], pool.sets[n] = ids, set(ids)
         return q
 
     # ------------------------------------------------------------------ updates
 
-    @_locked
-    def add_item(self, item_id: int, prompt_id: int, response_ids) -> None:
-        if item_id in self.item_prompt:
-            return
+    def _add_item_facts(self, item_id: int, prompt_id: int, round_id: int | None, response_ids) -> None:
         self.item_prompt[item_id] = prompt_id
         self.item_responses[item_id] = tuple(response_ids)
         for rid in response_ids:
             self.response_item[rid] = item_id
         self.prompt_items[prompt_id].append(item_id)
         self.n_done[item_id] = 0
-        if prompt_id not in self.flagged:
-            self._bucket_add(0, item_id)
+        self._add_item_round(item_id, round_id)
 
-    @_locked
+    def _add_item_round(self, item_id: int, round_id: int | None) -> None:
+        self.item_round[item_id] = round_id
+        if round_id is not None and (self.newest_round is None or round_id > self.newest_round):
+            self.newest_round = round_id
+
+    @locked
+    def add_item(self, item_id: int, prompt_id: int, response_ids) -> None:
+        """A new queued item (Store.add_responses_bulk). Its round is not known here: it waits in
+        the pool of items without a round, listed in `unplaced`, until `place` moves it (the
+        Store reads the rounds in its next pick's transaction)."""
+        if item_id in self.item_prompt:
+            return
+        self._add_item_facts(item_id, prompt_id, None, response_ids)
+        self.unplaced.add(item_id)
+        if self._in_pool(item_id):
+            self.pools[None].add(0, item_id)
+
+    @locked
+    def place(self, rounds: dict[int, int | None]) -> None:
+        """The rounds of items added without one: {item: round}."""
+        for item_id, round_id in rounds.items():
+            self.unplaced.discard(item_id)
+            if item_id not in self.item_prompt or round_id is None:
+                continue
+            self._pool_remove(item_id)
+            self._add_item_round(item_id, round_id)
+            self._pool_add(item_id)
+
+    @locked
     def add_ranking(self, item_id: int, annotator_id: int, created_at: datetime) -> None:
         """A ranking was stored (its lease row, if any, was deleted in the same transaction)."""
         self.ranking_total[annotator_id] += 1
@@ -136,7 +161,7 @@ class QueueIndex:
         self.ranked[annotator_id].add(item_id)
         self._move(item_id, self.n_done[item_id] + 1)
 
-    @_locked
+    @locked
     def remove_ranking(self, item_id: int, annotator_id: int, created_at: datetime) -> None:
         """A ranking made at `created_at` was deleted (undo, or replaced by a re-ranking)."""
         self.ranking_total[annotator_id] -= 1
@@ -155,52 +180,73 @@ class QueueIndex:
             self.ranked[annotator_id].discard(item_id)
         self._move(item_id, self.n_done[item_id] - 1)
 
-    @_locked
+    @locked
     def set_lease(self, item_id: int, annotator_id: int, expires: datetime) -> None:
         self.leases[item_id][annotator_id] = expires
         self.held[annotator_id].add(item_id)
 
-    @_locked
+    @locked
     def drop_lease(self, item_id: int, annotator_id: int) -> None:
         self.leases.get(item_id, {}).pop(annotator_id, None)
         if not self.leases.get(item_id):
             self.leases.pop(item_id, None)
         self.held.get(annotator_id, set()).discard(item_id)
 
-    @_locked
+    @locked
     def drop_leases_of(self, annotator_id: int) -> None:
         for item_id in list(self.held.get(annotator_id, ())):
             self.drop_lease(item_id, annotator_id)
 
-    @_locked
+    @locked
     def drop_expired(self, now: datetime) -> None:
         for item_id in list(self.leases):
             for annotator_id, expires in list(self.leases[item_id].items()):
                 if expires <= now:
                     self.drop_lease(item_id, annotator_id)
 
-    @_locked
+    @locked
     def skip(self, annotator_id: int, item_id: int) -> None:
         self.skipped[annotator_id].add(item_id)
         self.drop_lease(item_id, annotator_id)
 
-    @_locked
+    @locked
     def flag(self, prompt_id: int) -> None:
         if prompt_id in self.flagged:
             return
-        self.flagged.add(prompt_id)
         for item_id in self.prompt_items.get(prompt_id, ()):
-            self._bucket_remove(self.n_done[item_id], item_id)
+            self._pool_remove(item_id)
             for annotator_id in list(self.leases.get(item_id, {})):
                 self.drop_lease(item_id, annotator_id)
+        self.flagged.add(prompt_id)
 
-    @_locked
+    @locked
     def unflag(self, prompt_id: int) -> None:
         if prompt_id not in self.flagged:
             return
         self.flagged.discard(prompt_id)
         for item_id in self.prompt_items.get(prompt_id, ()):
-            self._bucket_add(self.n_done[item_id], item_id)
+            self._pool_add(item_id)
+
+    @locked
+    def set_gold(self, item_id: int, gold: bool) -> None:
+        """An item became a gold item (it leaves the regular queue) or stopped being one."""
+        if item_id not in self.item_prompt or (item_id in self.gold) == gold:
+            return
+        if gold:
+            self._pool_remove(item_id)
+            self.gold.add(item_id)
+        else:
+            self.gold.discard(item_id)
+            self._pool_add(item_id)
+
+    @locked
+    def set_round(self, round_id: int, overlap: int | None, priority: int | None) -> None:
+        """A round's own overlap and priority (None: the defaults)."""
+        for table, value in ((self.round_overlap, overlap), (self.round_priority, priority)):
+            if value is None:
+                table.pop(round_id, None)
+            else:
+                table[round_id] = int(value)
 
     # ------------------------------------------------------------------ queries
 
@@ -208,13 +254,13 @@ class QueueIndex:
         """Whether the leases table holds a row (live or expired) for this item and annotator."""
         return annotator_id in self.leases.get(item_id, ())
 
-    @_locked
+    @locked
     def holds_lease(self, annotator_id: int, item_id: int, now: datetime) -> bool:
         """Whether the annotator holds a live lease on the item."""
         expires = self.leases.get(item_id, {}).get(annotator_id)
         return expires is not None and expires > now
 
-    @_locked
+    @locked
     def ranking_counts(self, annotator_id: int, since: datetime) -> tuple[int, int] | None:
         """(rankings made at or after `since`, all rankings) of an annotator; None when `since` is
         earlier than the times the index keeps (the clock went back: ask the database). Times
@@ -234,89 +280,26 @@ class QueueIndex:
                 del self.recent[annotator_id]
         self.recent_since = cutoff
 
-    def _others_leasing(self, item_id: int, annotator_id: int, now: datetime) -> int:
-        return sum(1 for a, exp in self.leases.get(item_id, {}).items() if a != annotator_id and exp > now)
+    # ------------------------------------------------------------------ the regular queue
 
-    def _eligible(self, item_id: int, annotator_id: int, overlap: int, now: datetime, exclude) -> bool:
-        return (item_id in self.item_prompt
-                and item_id not in exclude
-                and self.item_prompt[item_id] not in self.flagged
-                and item_id not in self.ranked.get(annotator_id, ())
-                and item_id not in self.skipped.get(annotator_id, ())
-                and self.n_done[item_id] + self._others_leasing(item_id, annotator_id, now) < overlap)
+    def _in_pool(self, item_id: int) -> bool:
+        return self.item_prompt[item_id] not in self.flagged and item_id not in self.gold
 
-    def pick(self, annotator_id: int, overlap: int, now: datetime, exclude=()) -> int | None:
-        """The annotator's own live lease if any, else the eligible item with the fewest rankings
-        plus others' leases, oldest first (see store/queue.py for the rules)."""
-        exclude = set(exclude)
-        own = [i for i in self.held.get(annotator_id, ())
-               if self.leases[i][annotator_id] > now and self._eligible(i, annotator_id, overlap, now, exclude)]
-        if own:
-            return min(own, key=lambda i: (self.n_done[i], i))
-        # fewest (rankings + other annotators' live leases) first, then oldest: an item someone
-        # is already ranking needs one annotation fewer than it seems
-        best: tuple[int, int] | None = None
-        for n in sorted(b for b in self.buckets if b < overlap):
-            if best is not None and best[0] < n:
-                break
-            for item_id in self.buckets[n]:
-                if self._eligible(item_id, annotator_id, overlap, now, exclude):
-                    score = (n + self._others_leasing(item_id, annotator_id, now), item_id)
-                    best = score if best is None else min(best, score)
-                    if score[0] == n:
-                        break  # nothing later in this bucket can beat it
-        return None if best is None else best[1]
+    def _pool_add(self, item_id: int) -> None:
+        if self._in_pool(item_id):
+            self.pools[self.item_round[item_id]].add(self.n_done[item_id], item_id)
 
-    @_locked
-    def remaining(self, annotator_id: int, overlap: int, now: datetime) -> int:
-        """How many items pick() could still hand this annotator (their own leases included)."""
-        ranked = self.ranked.get(annotator_id, set())
-        skipped = self.skipped.get(annotator_id, set())
-        total = 0
-        for n, members in self.bucket_sets.items():
-            if n >= overlap:
-                continue
-            total += len(members) - len(members & ranked) - len((members & skipped) - ranked)
-        for item_id in self.leases:  # items other annotators' leases have filled up
-            n = self.n_done.get(item_id)
-            if (n is not None and n < overlap and item_id in self.bucket_sets.get(n, ())
-                    and item_id not in ranked and item_id not in skipped
-                    and n + self._others_leasing(item_id, annotator_id, now) >= overlap):
-                total -= 1
-        return total
-
-    @_locked
-    def open_items(self, overlap: int) -> int:
-        """Queued items of unflagged prompts with fewer than `overlap` rankings."""
-        return sum(len(m) for n, m in self.bucket_sets.items() if n < overlap)
-
-    # ------------------------------------------------------------------ buckets
+    def _pool_remove(self, item_id: int) -> None:
+        pool = self.pools.get(self.item_round[item_id])
+        if pool is not None:
+            pool.remove(self.n_done[item_id], item_id)
 
     def _move(self, item_id: int, new_n: int) -> None:
-        old_n = self.n_done[item_id]
+        self._pool_remove(item_id)
         self.n_done[item_id] = new_n
-        if self.item_prompt[item_id] in self.flagged:
-            return
-        self._bucket_remove(old_n, item_id)
-        self._bucket_add(new_n, item_id)
+        self._pool_add(item_id)
 
-    def _bucket_add(self, n: int, item_id: int) -> None:
-        if item_id in self.bucket_sets[n]:
-            return
-        bisect.insort(self.buckets[n], item_id)
-        self.bucket_sets[n].add(item_id)
-
-    def _bucket_remove(self, n: int, item_id: int) -> None:
-        if item_id not in self.bucket_sets.get(n, ()):
-            return
-        bucket = self.buckets[n]
-        del bucket[bisect.bisect_left(bucket, item_id)]
-        self.bucket_sets[n].discard(item_id)
-        if not bucket:
-            del self.buckets[n]
-            del self.bucket_sets[n]
-
-    @_locked
+    @locked
     def snapshot(self, since: datetime) -> dict:
         """A comparable summary (tests check an updated index equals a freshly built one); the
         ranking times are compared from `since` on (two indexes built at different times keep
@@ -327,11 +310,15 @@ class QueueIndex:
             "recent": {a: t[bisect.bisect_left(t, since):] for a, t in self.recent.items()
                        if t and t[-1] >= since},
             "items": dict(self.item_prompt),
+            "rounds": {i: r for i, r in self.item_round.items() if r is not None},
             "responses": dict(self.item_responses),
             "n_done": dict(self.n_done),
             "rankers": {i: dict(c) for i, c in self.rankers.items() if c},
             "skipped": {a: set(s) for a, s in self.skipped.items() if s},
             "flagged": set(self.flagged),
             "annotators": set(self.annotators),
-            "buckets": {n: list(b) for n, b in self.buckets.items() if b},
+            "pools": {r: {n: list(b) for n, b in p.lists.items() if b} for r, p in self.pools.items() if p.lists},
+            "gold": set(self.gold),
+            "round_settings": (dict(self.round_overlap), dict(self.round_priority)),
+            "newest_round": self.newest_round,
         }

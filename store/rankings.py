@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from store.db import from_db_time, registered, utcnow
 from store.errors import InvalidRequest, NotFoundError
+from store.gold import GoldMixin
 from store.pairs import normalize_order, ranking_to_pairs
 from store.queue import WRITE_KIND, display_order_for
 from store.records import Item, Pair, Ranking, RankingIn
@@ -96,8 +97,8 @@ def _ready(r: RankingIn, groups, item_id: int, item_prompt: int, item_resp) -> _
     return _Ready(r, groups, display, ranking_to_pairs(groups), item_id)
 
 
-class RankingsMixin:
-    """Ranking methods of Store."""
+class RankingsMixin(GoldMixin):
+    """Ranking methods of Store (and, from store/gold.py, the gold items': reference rankings)."""
 
     def save_ranking(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
                      display_order: list[int] | None = None, duration_s: float | None = None,

@@ -243,6 +243,61 @@ class Agreement:
 
 
 @dataclass(frozen=True)
+class GoldItem:
+    """An item with a reference ranking (store/gold.py)."""
+
+    item_id: int
+    order: list[list[int]]
+    """The reference: tie groups of response ids, best first."""
+    ranking_id: int | None
+    """The ranking an admin chose as the reference (None: given or imported)."""
+    annotator_id: int | None
+    """Who made that ranking (not scored on this item)."""
+    source: str
+    """'ranking:<id>', 'manual' or 'import:<file name>'."""
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ItemAgreement:
+    """How the annotators of one item agree (latest ranking of each)."""
+
+    item_id: int
+    prompt_id: int
+    round_id: int | None
+    annotators: int
+    comparisons: int
+    pairwise_agreement: float | None
+    kendall_tau: float | None
+    rankings: list[tuple[int, int]]
+    """(ranking id, annotator id) of the rankings compared."""
+    gold: bool
+
+
+@dataclass(frozen=True)
+class AnnotatorAgreement:
+    """One annotator against the others, the majority and the gold items."""
+
+    annotator_id: int
+    name: str
+    rankings: int
+    shared_items: int
+    """Items they ranked that others ranked too."""
+    pairwise_agreement: float | None
+    """Share of their strict preferences other annotators of the item share."""
+    majority_agreement: float | None
+    """Share of their strict preferences the majority of the item's other annotators shares."""
+    gold_items: int
+    """Gold items they ranked (not counting those whose reference is their own ranking)."""
+    gold_accuracy: float | None
+    """Share of the gold's strict preferences their rankings keep (ties count half)."""
+    first_shown_best_rate: float | None
+    """Position bias: how often the response shown first was in their top group ..."""
+    expected_first_rate: float | None
+    """... against the same rate if position did not matter."""
+
+
+@dataclass(frozen=True)
 class PositionBias:
     """How often the response shown first was ranked best (in the top tie group)."""
 

@@ -1,11 +1,13 @@
 """Statistics for the admin tab and `python -m store stats`: counts, per-annotator work,
-inter-annotator agreement and position bias. The formulas are in store/agreement.py (pure)."""
+inter-annotator agreement and position bias, and a team's quality: agreement per item and per
+annotator (with the others, their majority, the gold items). The formulas are in
+store/agreement.py (pure); each method is a query or two, cheap enough to refresh live."""
 
 from __future__ import annotations
 
-from store.agreement import agreement_summary, position_bias
+from store.agreement import agreement_summary, annotator_agreement, gold_agreement, item_agreement, position_bias
 from store.queue import local_midnight
-from store.records import Agreement, AnnotatorStats, PositionBias
+from store.records import Agreement, AnnotatorAgreement, AnnotatorStats, ItemAgreement, PositionBias
 
 
 class StatsMixin:
@@ -48,17 +50,22 @@ class StatsMixin:
     def overlapping_rankings(self, *, round_id: int | None = None) -> dict[int, dict[int, list[list[int]]]]:
         """{item_id: {annotator_id: order}} for items ranked by >= 2 annotators (each annotator's
         latest ranking of the item)."""
-        sql = ("SELECT k.item_id, k.annotator_id, k.order_groups FROM rankings k "
+        out: dict[int, dict[int, list[list[int]]]] = {}
+        for _, item_id, annotator_id, order in self._overlap_rows(round_id):
+            out.setdefault(item_id, {})[annotator_id] = order
+        return out
+
+    def _overlap_rows(self, round_id: int | None = None) -> list[tuple[int, int, int, list[list[int]]]]:
+        """(ranking id, item, annotator, order) of the rankings of items ranked by >= 2 annotators,
+        oldest first (so a dict keeps each annotator's latest)."""
+        sql = ("SELECT k.id, k.item_id, k.annotator_id, k.order_groups FROM rankings k "
                "WHERE k.item_id IN (SELECT item_id FROM rankings GROUP BY item_id "
                "                    HAVING count(DISTINCT annotator_id) >= 2)")
         params = []
         if round_id is not None:
             sql += " AND k.item_id IN (SELECT id FROM items WHERE round_id = ?)"
             params.append(round_id)
-        out: dict[int, dict[int, list[list[int]]]] = {}
-        for item_id, annotator_id, order in self._rows(sql + " ORDER BY k.id", params):
-            out.setdefault(item_id, {})[annotator_id] = [list(g) for g in order]
-        return out
+        return [(r, i, a, [list(g) for g in o]) for r, i, a, o in self._rows(sql + " ORDER BY k.id", params)]
 
     def agreement(self, *, round_id: int | None = None) -> Agreement:
         """Pairwise agreement, Krippendorff's alpha (ordinal) and mean Kendall tau-b on items that
@@ -69,3 +76,76 @@ class StatsMixin:
         """How often the response shown first was ranked best, against the no-bias rate."""
         rows = self._rows("SELECT order_groups, display_order FROM rankings")
         return PositionBias(**position_bias([(o, d) for o, d in rows]))
+
+    # -- a team's quality: per item, per annotator, against gold
+
+    def item_agreement(self, *, round_id: int | None = None, limit: int | None = None) -> list[ItemAgreement]:
+        """Per item ranked by >= 2 annotators: how they agree, least agreement first (the items an
+        admin should look at); gold items are marked."""
+        latest: dict[int, dict[int, tuple[int, list]]] = {}
+        for ranking_id, item_id, annotator_id, order in self._overlap_rows(round_id):
+            latest.setdefault(item_id, {})[annotator_id] = (ranking_id, order)
+        if not latest:
+            return []
+        info = {i: (p, r) for i, p, r in self._rows(
+            "SELECT id, prompt_id, round_id FROM items WHERE id IN (SELECT unnest(?))", [list(latest)])}
+        gold = {r[0] for r in self._rows("SELECT item_id FROM gold")}
+        out = []
+        for item_id, by in latest.items():
+            a = item_agreement({ann: order for ann, (_, order) in by.items()})
+            out.append(ItemAgreement(item_id=item_id, prompt_id=info[item_id][0], round_id=info[item_id][1],
+                                     annotators=a["annotators"], comparisons=a["comparisons"],
+                                     pairwise_agreement=a["pairwise_agreement"], kendall_tau=a["kendall_tau"],
+                                     rankings=sorted((rid, ann) for ann, (rid, _) in by.items()),
+                                     gold=item_id in gold))
+        out.sort(key=lambda x: (x.pairwise_agreement is None, x.pairwise_agreement or 0.0, -x.item_id))
+        return out if limit is None else out[:limit]
+
+    def annotator_agreement(self) -> list[AnnotatorAgreement]:
+        """Every annotator with rankings: agreement with the others and with their majority,
+        accuracy on gold items, and position bias (store/agreement.py has the definitions)."""
+        per = annotator_agreement(self.overlapping_rankings())
+        gold = self._gold_scores()
+        rows = self._rows(
+            "SELECT a.id, a.name, count(k.id), "
+            "avg(list_contains(k.order_groups[1], k.display_order[1])::INTEGER), "
+            "avg(len(k.order_groups[1]) / len(k.display_order)) "
+            "FROM annotators a JOIN rankings k ON k.annotator_id = a.id GROUP BY a.id, a.name ORDER BY a.id")
+        out = []
+        for annotator_id, name, n, first_best, expected in rows:
+            mine = per.get(annotator_id, {"items": 0, "pairwise": (0, 0), "majority": (0, 0)})
+            credit, pairs, n_gold = gold.get(annotator_id, (0.0, 0, 0))
+            out.append(AnnotatorAgreement(
+                annotator_id=annotator_id, name=name, rankings=n, shared_items=mine["items"],
+                pairwise_agreement=_share(*mine["pairwise"]), majority_agreement=_share(*mine["majority"]),
+                gold_items=n_gold, gold_accuracy=_share(credit, pairs),
+                first_shown_best_rate=first_best, expected_first_rate=expected))
+        return out
+
+    def annotator_quality(self) -> dict[int, dict]:
+        """{annotator_id: {gold_accuracy, majority_agreement, n_gold, n_ranked}} for every
+        annotator with rankings (None where not measured yet): what exports and reward training
+        can weight or filter annotators by."""
+        return {a.annotator_id: {"gold_accuracy": a.gold_accuracy, "majority_agreement": a.majority_agreement,
+                                 "n_gold": a.gold_items, "n_ranked": a.rankings}
+                for a in self.annotator_agreement()}
+
+    def _gold_scores(self) -> dict[int, tuple[float, int, int]]:
+        """{annotator: (credit, gold pairs, gold items)} over each annotator's latest ranking of
+        each gold item, except the items whose reference is their own ranking."""
+        latest: dict[tuple[int, int], tuple] = {}
+        for annotator_id, item_id, order, ref in self._rows(
+                "SELECT k.annotator_id, k.item_id, k.order_groups, g.order_groups FROM rankings k "
+                "JOIN gold g ON g.item_id = k.item_id "
+                "WHERE g.annotator_id IS NULL OR g.annotator_id <> k.annotator_id ORDER BY k.id"):
+            latest[(annotator_id, item_id)] = (order, ref)
+        out: dict[int, tuple[float, int, int]] = {}
+        for (annotator_id, _), (order, ref) in latest.items():
+            credit, pairs = gold_agreement(order, ref)
+            c, p, n = out.get(annotator_id, (0.0, 0, 0))
+            out[annotator_id] = (c + credit, p + pairs, n + 1)
+        return out
+
+
+def _share(part: float, whole: int) -> float | None:
+    return part / whole if whole else None

@@ -1,8 +1,17 @@
-"""Agreement and position bias against hand-computed numbers, through the pure functions and the Store."""
+"""Agreement (overall, per item, per annotator, against gold) and position bias against
+hand-computed numbers, through the pure functions and the Store."""
 
 import pytest
 
-from store.agreement import agreement_summary, kendall_tau_b, krippendorff_alpha_ordinal, position_bias
+from store.agreement import (
+    agreement_summary,
+    annotator_agreement,
+    gold_agreement,
+    item_agreement,
+    kendall_tau_b,
+    krippendorff_alpha_ordinal,
+    position_bias,
+)
 from tests.fixtures_store import seed_items
 
 
@@ -73,3 +82,59 @@ def test_store_statistics(store, store_annotators):
     assert pb.rankings == 3 and pb.first_shown_best_rate is not None
     counts = store.counts(overlap=2)
     assert (counts["rankings"], counts["pairs"], counts["items"], counts["items_remaining"]) == (3, 9, 2, 1)
+
+
+def test_per_annotator_agreement_with_the_others_and_their_majority_by_hand():
+    """One item, responses 1, 2, 3. A and B: 1 > 2 > 3; C: 3 > 2 > 1; D: 1 = 2 > 3.
+    A, pair (1,2): B agrees, C disagrees, D tied (not compared); (1,3) and (2,3): B, D agree, C not.
+    Pairwise A = (1 + 2 + 2) / (2 + 3 + 3) = 5/8. Majority of the others (leave-one-out): (1,2)
+    splits B against C (left out); (1,3), (2,3) go A's way: 2/2.
+    C: every strict preference against everyone: pairwise 0/8, majority 0/3.
+    D: (1,2) tied by D itself (left out); (1,3), (2,3): A, B agree, C not: pairwise 4/6, majority 2/2."""
+    out = annotator_agreement({7: {"A": [[1], [2], [3]], "B": [[1], [2], [3]], "C": [[3], [2], [1]],
+                                   "D": [[1, 2], [3]]}})
+    assert out["A"] == out["B"] == {"items": 1, "pairwise": (5, 8), "majority": (2, 2)}
+    assert out["C"] == {"items": 1, "pairwise": (0, 8), "majority": (0, 3)}
+    assert out["D"] == {"items": 1, "pairwise": (4, 6), "majority": (2, 2)}
+    assert annotator_agreement({8: {"A": [[1], [2]]}}) == {}  # nobody to agree with
+
+
+def test_item_agreement_and_gold_agreement_by_hand():
+    one = item_agreement({1: [[1], [2], [3]], 2: [[2], [1], [3]]})
+    assert one == {"annotators": 2, "comparisons": 3, "pairwise_agreement": pytest.approx(2 / 3),
+                   "kendall_tau": pytest.approx(1 / 3)}
+    assert item_agreement({1: [[1], [2]]})["pairwise_agreement"] is None
+    # gold 1 > 2 > 3 against 2 > 1 = 3: (1,2) reversed 0, (1,3) tied 1/2, (2,3) kept 1
+    assert gold_agreement([[2], [1, 3]], [[1], [2], [3]]) == (1.5, 3)
+    # a gold tie (1 = 2) is no question: only (1,3) tied 1/2 and (2,3) kept 1 count
+    assert gold_agreement([[2], [1, 3]], [[1, 2], [3]]) == (1.5, 2)
+    assert gold_agreement([[1, 2, 3]], [[3], [2], [1]]) == (1.5, 3)  # tying everything scores half
+
+
+def test_store_agreement_per_item_and_annotator_and_quality(store, store_annotators):
+    it1, it2 = seed_items(store, 2, 3)
+    a, b = store_annotators
+    x1, x2, x3 = it1.response_ids
+    y1, y2, y3 = it2.response_ids
+    ra = store.save_ranking(a.id, it1.prompt_id, [x1, x2, x3], display_order=[x1, x2, x3])
+    rb = store.save_ranking(b.id, it1.prompt_id, [x2, x1, x3], display_order=[x1, x2, x3])
+    store.set_gold_from_ranking(ra.id)  # a made the reference of it1: only b is scored on it
+    store.set_gold(it2.item_id, [[y1], [y2], [y3]])
+    store.save_ranking(a.id, it2.prompt_id, [[y1], [y2, y3]], display_order=[y1, y2, y3])
+    (item,) = store.item_agreement()
+    assert (item.item_id, item.annotators, item.gold, item.rankings) == (
+        it1.item_id, 2, True, sorted([(ra.id, a.id), (rb.id, b.id)]))
+    assert item.pairwise_agreement == pytest.approx(2 / 3) and item.kendall_tau == pytest.approx(1 / 3)
+    per = {x.name: x for x in store.annotator_agreement()}
+    assert (per["ann0"].rankings, per["ann0"].shared_items, per["ann0"].gold_items) == (2, 1, 1)
+    assert per["ann0"].gold_accuracy == pytest.approx(2.5 / 3)  # (1,2) 1, (1,3) 1, (2,3) tied 1/2
+    assert per["ann1"].gold_accuracy == pytest.approx(2 / 3)  # 2 > 1 > 3 against 1 > 2 > 3
+    assert per["ann0"].majority_agreement == per["ann1"].majority_agreement == pytest.approx(2 / 3)
+    # position bias: a ranked the first-shown response best both times, b never; no bias = 1/3
+    assert (per["ann0"].first_shown_best_rate, per["ann1"].first_shown_best_rate) == (1.0, 0.0)
+    assert per["ann0"].expected_first_rate == pytest.approx(1 / 3)
+    assert store.annotator_quality() == {
+        a.id: {"gold_accuracy": pytest.approx(2.5 / 3), "majority_agreement": pytest.approx(2 / 3),
+               "n_gold": 1, "n_ranked": 2},
+        b.id: {"gold_accuracy": pytest.approx(2 / 3), "majority_agreement": pytest.approx(2 / 3),
+               "n_gold": 1, "n_ranked": 1}}

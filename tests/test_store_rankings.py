@@ -1,10 +1,13 @@
-"""save_ranking: pairs in one transaction, idempotency, replacement, all-bad, undo, bulk."""
+"""save_ranking: pairs in one transaction, idempotency, replacement, all-bad, undo, bulk; gold
+reference rankings (set, from a ranking, imported)."""
 
+import json
+import re
 from math import comb
 
 import pytest
 
-from store import InvalidRequest, NotFoundError, RankingIn, Store
+from store import DataError, InvalidRequest, NotFoundError, RankingIn, Store
 from tests.fixtures_store import seed_items
 
 
@@ -202,3 +205,60 @@ def test_concurrent_submissions_written_together_follow_the_same_rules(tmp_path)
     assert outcomes[0] == outcomes[1] == outcomes[2]
     rows, pairs = outcomes[0]
     assert len(rows) == 11 and len(pairs) == 11 * 3 - 1  # the all-bad order has a tie: 2 pairs
+
+
+# --------------------------------------------------------------------------- gold reference rankings
+
+
+def test_set_gold_checks_the_order_against_its_item(store, store_policy):
+    it1, it2 = seed_items(store, 2, 3)
+    gold = store.set_gold(it1.item_id, [it1.response_ids[1], it1.response_ids[0], it1.response_ids[2]])
+    assert gold.order == [[it1.response_ids[1]], [it1.response_ids[0]], [it1.response_ids[2]]]
+    assert (gold.source, gold.ranking_id, gold.annotator_id) == ("manual", None, None)
+    with pytest.raises(InvalidRequest, match=re.escape(f"exactly its responses {it2.response_ids}")):
+        store.set_gold(it2.item_id, it2.response_ids[:2])
+    with pytest.raises(InvalidRequest, match="more than once"):
+        store.set_gold(it2.item_id, [it2.response_ids[0]] * 3)
+    with pytest.raises(NotFoundError, match="item with id 999"):
+        store.set_gold(999, [1, 2])
+    (loose,) = store.add_responses_bulk(store_policy.id, [(it1.prompt_id, ["x", "y"])], queued=False)
+    with pytest.raises(InvalidRequest, match="not in the annotation queue"):
+        store.set_gold(loose, store.response_ids_by_item([loose])[loose])
+    with pytest.raises(NotFoundError, match="no ranking"):
+        store.set_gold_from_ranking(12345)
+    assert [g.item_id for g in store.gold_items()] == [it1.item_id]
+
+
+def test_import_gold_by_item_id_or_by_prompt_and_texts(store, tmp_path):
+    it1, it2 = seed_items(store, 2, 3)
+    r2 = store.item_responses(it2.item_id)
+    good = tmp_path / "gold.jsonl"
+    good.write_text(json.dumps({"item": it1.item_id, "ranking": [[it1.response_ids[2]], it1.response_ids[:2]]}) + "\n"
+                    + json.dumps({"prompt": store.get_prompt(it2.prompt_id).text,
+                                  "ranking": [r2[1].text, r2[0].text, r2[2].text]}) + "\n")
+    assert store.import_gold(good) == {"rows": 2, "items": [it1.item_id, it2.item_id]}
+    got = {g.item_id: g for g in store.gold_items()}
+    assert got[it1.item_id].order == [[it1.response_ids[2]], it1.response_ids[:2]]
+    assert got[it2.item_id].order == [[r2[1].id], [r2[0].id], [r2[2].id]]
+    assert got[it2.item_id].source == "import:gold.jsonl"
+
+
+def test_a_bad_gold_file_is_refused_whole_with_every_problem(store, tmp_path):
+    it1, it2 = seed_items(store, 2, 3)
+    bad = tmp_path / "bad_gold.jsonl"
+    rows = [{"item": it1.item_id, "ranking": it1.response_ids},  # fine on its own
+            {"item": it2.item_id, "ranking": it2.response_ids[:2]},  # a response missing
+            {"prompt": "no such prompt", "ranking": ["a", "b"]},
+            {"prompt": store.get_prompt(it2.prompt_id).text, "ranking": ["not one of its replies", "x", "y"]},
+            {"ranking": [1, 2]},
+            {"item": it1.item_id, "ranking": "1>2>3"}]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as err:
+        store.import_gold(bad)
+    problems = dict(err.value.errors)
+    assert sorted(problems) == [2, 3, 4, 5, 6]
+    assert "must order exactly its responses" in problems[2]
+    assert "no queued item of a prompt with the text 'no such prompt'" in problems[3]
+    assert f"item {it2.item_id} has no response with the text 'not one of its replies'" in problems[4]
+    assert "needs 'item'" in problems[5] and "must be a list" in problems[6]
+    assert store.gold_items() == []  # nothing stored
