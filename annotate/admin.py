@@ -29,6 +29,7 @@ from pipeline.orchestrate.steps import prompt_pool, submit_generate
 from store import backup as store_backup
 from store import io as store_io
 from store.errors import DataError, StoreError
+from store.export import TRL_FORMATS, export_layout
 from store.versions import GUIDELINES_KEY
 
 
@@ -180,10 +181,13 @@ def _fmt(x) -> str:
 
 def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: bool,
            annotators: list[str] | None, since: str, min_agreement: float, test_fraction: float,
-           request: gr.Request):
-    """Export the pairs as a snapshot (recorded in the store, with its manifest) and hand back a
-    file to download: the JSONL or Parquet file, or the `datasets` folder zipped.
-    Returns (file path, summary markdown)."""
+           request: gr.Request, trl_format: str = "conversational", margin_column: bool = False,
+           license: str = "unknown"):  # noqa: A002 (the dataset card's field)
+    """Export the pairs as a snapshot (a folder: pairs, rankings, dataset card and manifest,
+    recorded in the store) and hand back its files to download: the pairs, rankings, README.md
+    and snapshot.json for jsonl and parquet, the folder zipped for datasets.
+    `request` comes before the newer options so that callers passing it 9th keep working.
+    Returns (file paths, summary markdown)."""
     admin(ctx, request)
     min_agreement = _number(min_agreement, "Minimum agreement", 0.0, 1.0)
     test_fraction = _number(test_fraction, "Test fraction", 0.0, 0.99)
@@ -198,25 +202,36 @@ def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: b
             since_date = dt.date.fromisoformat(since.strip())
         except ValueError:
             raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.") from None
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    suffix = {"jsonl": ".jsonl", "parquet": ".parquet", "datasets": ""}.get(fmt)
-    if suffix is None:
+    if fmt not in ("jsonl", "parquet", "datasets"):
         raise gr.Error(f"Unknown format {fmt!r}: choose jsonl, parquet or datasets.")
-    out = ctx.export_dir / f"pairs-{stamp}{suffix}"
+    if trl_format not in TRL_FORMATS:
+        raise gr.Error(f"Unknown TRL format {trl_format!r}: choose {' or '.join(TRL_FORMATS)}.")
+    if not isinstance(margin_column, bool):
+        raise gr.Error(f"'Margin column' must be checked or not, not {margin_column!r}.")
+    license = form_text(license, "License").strip() or "unknown"
+    if "\n" in license or len(license) > 100:
+        raise gr.Error("License must be one short line, such as cc-by-4.0.")
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     try:
         snap = store_io.export_pairs(
-            ctx.store, out, fmt, annotators=list(annotators) if annotators else None, since=since_date,
-            min_agreement=min_agreement or None,
+            ctx.store, ctx.export_dir / f"export-{stamp}", fmt, annotators=list(annotators) if annotators else None,
+            since=since_date, min_agreement=min_agreement or None,
             include_all_bad=bool(include_all_bad), include_imported=bool(include_imported),
-            test_fraction=test_fraction)
+            test_fraction=test_fraction, trl_format=trl_format, margin_column=margin_column, license=license)
     except StoreError as exc:
         raise gr.Error(f"Export failed: {exc}") from None
-    download = _downloadable(Path(snap.path))
+    folder = Path(snap.path)
+    if fmt == "datasets":
+        downloads = [_downloadable(folder)]
+    else:
+        layout = export_layout(folder, fmt)
+        downloads = [_downloadable(p) for p in (layout.pairs, layout.rankings, layout.card, layout.manifest)]
     c = snap.counts
-    summary = (f"**Snapshot #{snap.id}** · {fmt} · {c.get('pairs', 0)} pairs ({c.get('train', 0)} train, "
-               f"{c.get('test', 0)} test) from {c.get('prompts', 0)} prompts · saved as `{Path(snap.path).name}` · "
-               f"sha256 `{snap.sha256[:12]}`")
-    return str(download), summary
+    summary = (f"**Snapshot #{snap.id}** · {fmt}, TRL {trl_format}{' with a margin column' if margin_column else ''} · "
+               f"{c.get('pairs', 0)} pairs ({c.get('train', 0)} train, {c.get('test', 0)} test) from "
+               f"{c.get('prompts', 0)} prompts, {c.get('rankings', 0)} rankings · saved as `{folder.name}` "
+               f"(with its dataset card README.md) · sha256 `{snap.sha256[:12]}`")
+    return [str(p) for p in downloads], summary
 
 
 def _number(value, label: str, lo: float, hi: float) -> float:

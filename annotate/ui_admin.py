@@ -60,11 +60,15 @@ def data_tab(ctx: AppContext) -> dict:
                                 interactive=ctx.jobs is not None)
             job = gr.HTML(elem_id="rl-job", js_on_load=None)
         with gr.Tab("Export"):
-            gr.Markdown("Export the preference pairs as a **snapshot** (recorded, with its hash) and "
-                        "download it. The split is by prompt, so no prompt is in both train and test.")
+            gr.Markdown("Export the preference pairs as a **snapshot** (recorded, with its hash), with the "
+                        "rankings behind them and a dataset card (README.md), and download it. The split is "
+                        "by prompt, so no prompt is in both train and test.")
             with gr.Row():
                 fmt = gr.Radio(["jsonl", "parquet", "datasets"], value="jsonl", label="Format",
                                info="datasets = a Hugging Face `datasets` folder, zipped", elem_id="rl-export-fmt")
+                trl_format = gr.Radio(["conversational", "text"], value="conversational", label="TRL format",
+                                      info="conversational: prompt as chat messages (TRL applies the chat "
+                                           "template); text: plain strings", elem_id="rl-export-trl-format")
                 test_fraction = gr.Slider(0.0, 0.5, value=0.1, step=0.05, label="Test fraction")
             with gr.Row():
                 who = gr.Dropdown([], multiselect=True, label="Only these annotators (empty = all)")
@@ -74,9 +78,12 @@ def data_tab(ctx: AppContext) -> dict:
             with gr.Row():
                 all_bad = gr.Checkbox(label="Include 'all bad' rankings", value=False)
                 imported = gr.Checkbox(label="Include imported pairs", value=True)
+                margin = gr.Checkbox(label="Add a `margin` column (the rank gap)", value=False,
+                                     info="TRL's RewardTrainer reads it: loss -log σ(r_chosen − r_rejected − margin)")
+                license_id = gr.Textbox(value="unknown", label="License (dataset card)", placeholder="cc-by-4.0")
             export_btn = gr.Button("Export", variant="primary", elem_id="rl-export")
             export_msg = gr.Markdown(elem_id="rl-export-msg")
-            export_file = gr.File(label="Download", interactive=False, elem_id="rl-export-file")
+            export_file = gr.File(label="Download", interactive=False, file_count="multiple", elem_id="rl-export-file")
         with gr.Tab("Flagged"):
             gr.Markdown("Prompts annotators **flagged** (broken, harmful, unanswerable) are out of the "
                         "queue for everyone. Look at them here; unflag one to put its items back.")
@@ -130,7 +137,8 @@ def data_tab(ctx: AppContext) -> dict:
     gen_btn.click(bind(a.generate, ctx), [n_prompts, k, max_new, temperature, top_p, version], [job, timer],
                   **HIDDEN, api_name="generate")
     timer.tick(bind(a.job_poll, ctx), None, [job, timer], api_visibility="private", show_progress="hidden")
-    export_btn.click(bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction],
+    export_btn.click(bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction,
+                                           trl_format, margin, license_id],
                      [export_file, export_msg], **HIDDEN, api_name="export")
     unflag_btn.click(bind(a.unflag, ctx), [flag_id], [unflag_msg, flagged], **HIDDEN, api_name="unflag")
     flag_refresh.click(bind(a.flagged_table, ctx), None, [flagged], **HIDDEN, api_name="flagged")
