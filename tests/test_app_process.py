@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,7 @@ def test_a_kill_9_of_the_app_during_generation_leaves_store_and_run_consistent(t
                  what="the generate job's second chunk")
         wait_for(lambda: any(runs.glob("*-generate/chunks/00002.jsonl")), timeout=60,
                  what="the generate job's third chunk")
+        time.sleep(2.0)  # four of the runner's 0.5 s polls: the app has ingested a chunk or more
     finally:
         app.send_signal(signal.SIGKILL)
         app.wait()
