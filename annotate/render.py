@@ -7,9 +7,10 @@ it, and nothing untrusted ever lands in an attribute, a URL or a script. What we
 a fixed vocabulary (turn bubbles, code fences as <pre>), so a `<script>` or an
 `<img src=x onerror=...>` in a response shows up as the literal text it is.
 
-The cards carry `data-pos` (1-based display position) and the item carries `data-token` and
-`data-k`; annotate/static/annotate.js reads those to rank by click or key and to reset itself when
-a new item arrives. No other data crosses into the page.
+The cards carry `data-pos` (1-based display position) and `data-key` (the key that ranks it: 1-9,
+then letters, POSITION_KEYS), and the item carries `data-token` and `data-k`;
+annotate/static/annotate.js reads those to rank by click or key and to reset itself when a new item
+arrives. No other data crosses into the page.
 """
 
 from __future__ import annotations
@@ -27,6 +28,25 @@ _FENCE = re.compile(r"```[^\n`]*\n?(.*?)(?:```|\Z)", re.DOTALL)
 _BOLD = re.compile(r"\*\*([^*\n]+?)\*\*")
 _CODE = re.compile(r"`([^`\n]+)`")
 _ROLE_LABEL = {"human": "Human", "user": "Human", "assistant": "Assistant", "system": "System"}
+
+POSITION_KEYS = "123456789bdeghijklmnopqrvwxyz"
+"""The key of each display position: 1-9, then the letters the other shortcuts leave free (A, C, F,
+S, T and U are actions), so up to 29 responses can be ranked from the keyboard; the card shows its
+key. Beyond that, cards are ranked by clicking."""
+
+
+def position_key(pos: int) -> str:
+    """The key that ranks display position `pos` (1-based); '' past POSITION_KEYS."""
+    return POSITION_KEYS[pos - 1] if 1 <= pos <= len(POSITION_KEYS) else ""
+
+
+def keys_hint(k: int) -> str:
+    """How to rank k responses, in words for the page: "1–4", or "1–9, then B, D, E"."""
+    if k <= 9:
+        return f"1–{k}"
+    letters = [key.upper() for key in POSITION_KEYS[9:k]]
+    shown = ", ".join(letters[:3]) + (" …" if len(letters) > 3 else "")
+    return f"1–9, then {shown}"
 
 
 def esc(text: object) -> str:
@@ -133,9 +153,11 @@ def render_item(prompt: str | Sequence[dict], responses: Sequence, token: str, m
     cards = []
     for pos, resp in enumerate(responses, start=1):
         text = getattr(resp, "text", resp)
+        key = position_key(pos)
+        kbd = f"<kbd>{key.upper()}</kbd>" if key else ""
         cards.append(
-            f'<article class="rl-card" data-pos="{pos}" tabindex="-1">'
-            f'<header class="rl-card-head"><kbd>{pos}</kbd><span class="rl-card-title">Response {pos}</span>'
+            f'<article class="rl-card" data-pos="{pos}" data-key="{key}" tabindex="-1">'
+            f'<header class="rl-card-head">{kbd}<span class="rl-card-title">Response {pos}</span>'
             f'<span class="rl-badge" aria-live="polite"></span></header>'
             f'<div class="rl-text">{format_text(str(text))}</div>'
             f'<div class="rl-card-foot">{_response_meta(resp)}</div></article>'
@@ -144,7 +166,7 @@ def render_item(prompt: str | Sequence[dict], responses: Sequence, token: str, m
         f'<div class="rl-item" data-token="{esc(token)}" data-k="{k}">'
         f'{render_prompt(prompt)}'
         f'<div class="rl-section-label rl-resp-label">Responses'
-        f'<span class="rl-muted"> · click or press 1–{k} from best to worst{esc(meta)}</span></div>'
+        f'<span class="rl-muted"> · click or press {keys_hint(k)} from best to worst{esc(meta)}</span></div>'
         f'<div class="rl-grid rl-k{k}">{"".join(cards)}</div></div>'
     )
 
@@ -195,8 +217,8 @@ def render_header(username: str, role: str, auth: bool) -> str:
 
 
 SHORTCUTS = [
-    ("1–9", "rank next best (click a card works too)"),
-    ("Shift + 1–9", "tie with the previous rank (or T, then the number)"),
+    ("1–9", "rank next best (click a card works too); past 9 responses, the letter on the card"),
+    ("Shift + key", "tie with the previous rank (or T, then the key)"),
     ("Backspace", "take back the last pick"),
     ("Esc", "clear the ranking"),
     ("A", "all responses are bad"),

@@ -1,5 +1,6 @@
-"""Layout and wiring of the admin tabs: Data (import, generate, statistics, export, flagged prompts,
-users, guidelines), Train and Models. Logic lives in annotate/admin.py."""
+"""Layout and wiring of the admin tabs: Data (statistics, team, import, generate, export, flagged
+prompts, users, guidelines), Train and Models. Logic lives in annotate/admin.py (Team:
+annotate/ui_team.py and annotate/team.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import gradio as gr
 
 from annotate import admin as a
 from annotate import admin_users as u
-from annotate import ui_train
+from annotate import ui_team, ui_train
 from annotate.bind import bind
 from annotate.context import AppContext
 
@@ -34,6 +35,8 @@ def data_tab(ctx: AppContext) -> dict:
                 agreement = gr.Dataframe(label="Agreement on items ranked by 2+ annotators",
                                          interactive=False, scale=1)
                 bias = gr.Dataframe(label="Position bias", interactive=False, scale=1)
+        with gr.Tab("Team", elem_id="rl-tab-team"):
+            team = ui_team.team_tab(ctx)
         with gr.Tab("Import"):
             gr.Markdown("Upload **prompts** (`prompt` or chat `messages` column) or **preference pairs** "
                         "(`prompt`/`chosen`/`rejected`, or HH-RLHF transcripts) as JSONL, CSV or Parquet. "
@@ -159,7 +162,7 @@ def data_tab(ctx: AppContext) -> dict:
         "load": [(a.statistics, None, stats_outs), (u.users_table, None, [users]),
                  (a.load_guidelines, None, [guidelines]), (a.job_poll, None, [job, timer]),
                  (a.policy_choices, None, [version]), (a.flagged_table, None, [flagged]),
-                 (u.annotator_names, None, [who])],
+                 (u.annotator_names, None, [who]), *team["load"]],
     }
 
 

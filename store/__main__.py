@@ -12,7 +12,10 @@
     python -m store import-pairs FILE
     python -m store export --format jsonl|parquet|datasets --out PATH [--trl-format conversational|text]
                            [--margin-column] [--license ID] [filters]
-    python -m store stats
+    python -m store stats                                counts, agreement (per annotator too), gold accuracy
+    python -m store queue [--overlap N] [--gold-rate X] [--round R [--round-overlap N|default]
+                          [--priority P|default]]        show or set how items are handed out
+    python -m store gold list | import FILE | mark RANKING_ID | remove ITEM_ID
 
 The database defaults to $RLHF_LOOP_DB, else ./data/rlhf.duckdb. While the app runs it owns the
 file, and these commands stop with a message saying so (use the app's admin tab instead: Data >
@@ -98,6 +101,18 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
     sub.add_parser("stats", help="counts, per-annotator work, agreement, position bias")
+
+    q = sub.add_parser("queue", help="show or set the overlap, a round's overlap and priority, the gold rate")
+    q.add_argument("--overlap", type=int, help="how many annotators rank each item (rounds without their own)")
+    q.add_argument("--gold-rate", type=float, help="share of each annotator's items that are gold items (0-1)")
+    q.add_argument("--round", type=int, help="the round --round-overlap and --priority set")
+    q.add_argument("--round-overlap", help="the round's own overlap, or 'default' (the store's)")
+    q.add_argument("--priority", help="the round's priority (higher first), or 'default' (newest round first)")
+    gold = sub.add_parser("gold", help="gold items: reference rankings").add_subparsers(dest="action", required=True)
+    gold.add_parser("list", help="the gold items and their references")
+    gold.add_parser("import", help='import gold rankings (JSONL: {"item"|"prompt", "ranking"})').add_argument("file")
+    gold.add_parser("mark", help="make a ranking the reference of its item").add_argument("ranking_id", type=int)
+    gold.add_parser("remove", help="an item is no longer gold").add_argument("item_id", type=int)
     return p
 
 
@@ -173,6 +188,10 @@ def _run(store, args) -> int:
         print(json.dumps(snap.counts))
     elif args.command == "stats":
         _print_stats(store)
+    elif args.command == "queue":
+        _queue(store, args)
+    elif args.command == "gold":
+        _gold(store, args)
     return 0
 
 
@@ -222,6 +241,53 @@ def _restore(args) -> int:
     return 0
 
 
+def _queue(store, args) -> None:
+    """Set what was given, then print the queue's settings and the rounds'."""
+    if args.overlap is not None:
+        store.set_queue_overlap(args.overlap)
+    if args.gold_rate is not None:
+        store.set_gold_rate(args.gold_rate)
+    if args.round_overlap is not None or args.priority is not None:
+        if args.round is None:
+            raise InvalidRequest("--round-overlap and --priority need --round")
+        overlap, priority = store.round_queue().get(args.round, (None, None))
+        store.set_round_queue(args.round, overlap=_number_or_default(args.round_overlap, overlap, "--round-overlap"),
+                              priority=_number_or_default(args.priority, priority, "--priority"))
+    print(f"overlap {store.queue_overlap()} (rounds without their own), gold rate {store.gold_rate():g}")
+    settings = store.round_queue()
+    for r in store.list_rounds():
+        overlap, priority = settings.get(r.id, (None, None))
+        print(f"round {r.id:<4} {r.status:<11} overlap {'default' if overlap is None else overlap:<8} "
+              f"priority {'default' if priority is None else priority}")
+
+
+def _number_or_default(text: str | None, current, flag: str):
+    """The round setting a flag gives: unchanged if absent, None for 'default', else a whole number."""
+    if text is None:
+        return current
+    if text.strip().lower() == "default":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidRequest(f"{flag} takes a whole number or 'default', not {text!r}") from None
+
+
+def _gold(store, args) -> None:
+    if args.action == "import":
+        result = store.import_gold(args.file)
+        print(f"imported {result['rows']} gold items from {args.file}")
+    elif args.action == "mark":
+        g = store.set_gold_from_ranking(args.ranking_id)
+        print(f"item {g.item_id} is gold, with ranking {args.ranking_id} as its reference")
+    elif args.action == "remove":
+        store.remove_gold(args.item_id)
+        print(f"item {args.item_id} is no longer gold")
+    for g in store.gold_items():
+        order = " > ".join(" = ".join(map(str, group)) for group in g.order)
+        print(f"item {g.item_id:<6} {order:<40} {g.source}")
+
+
 def _print_stats(store) -> None:
     for key, value in store.counts().items():
         print(f"{key:<18} {value}")
@@ -236,6 +302,11 @@ def _print_stats(store) -> None:
     pb = store.position_bias()
     print(f"position bias over {pb.rankings} rankings: first-shown ranked best {fmt(pb.first_shown_best_rate)} "
           f"(no bias: {fmt(pb.expected_rate)})")
+    print("\nannotator              agrees: others  majority  gold (items)  first shown best (no bias)")
+    for a in store.annotator_agreement():
+        print(f"{a.name:<22} {fmt(a.pairwise_agreement):>14} {fmt(a.majority_agreement):>9} "
+              f"{fmt(a.gold_accuracy):>6} ({a.gold_items:>3})  {fmt(a.first_shown_best_rate):>16} "
+              f"({fmt(a.expected_first_rate)})")
 
 
 if __name__ == "__main__":

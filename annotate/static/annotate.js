@@ -1,9 +1,11 @@
 // Ranking by click and keyboard, entirely in the page: no server round trip per pick.
 //
-// The item HTML (annotate/render.py) carries data-token (one showing of one item) and data-k.
-// Picks are kept here as tie groups of 1-based display positions, best first, e.g. [[2],[1,3],[4]],
-// and sent with Submit as "2>1=3>4" (the Submit event's `js` hook calls rlhf.encode). A new token
-// in the page (next item, undo) resets the ranking. Shortcuts are ignored while typing in a field.
+// The item HTML (annotate/render.py) carries data-token (one showing of one item) and data-k; each
+// card its display position (data-pos) and the key that ranks it (data-key: 1-9, then letters the
+// other shortcuts leave free, shown on the card). Picks are kept here as tie groups of 1-based
+// display positions, best first, e.g. [[2],[1,3],[4]], and sent with Submit as "2>1=3>4" (the
+// Submit event's `js` hook calls rlhf.encode). A new token in the page (next item, undo) resets the
+// ranking. Shortcuts are ignored while typing in a field.
 (() => {
   if (window.rlhf) return;
   const R = (window.rlhf = { token: null, el: null, groups: [], tieNext: false });
@@ -15,6 +17,16 @@
     return it ? parseInt(it.dataset.k || "0", 10) : 0;
   };
   const ranked = () => R.groups.flat();
+  // The key shown on the card at a position, and the position a key ranks (0: none).
+  const keyOf = (pos) => {
+    const card = document.querySelector(`#rl-item .rl-card[data-pos="${pos}"]`);
+    return card ? (card.dataset.key || String(pos)).toUpperCase() : String(pos);
+  };
+  const posOf = (key) => {
+    const card = key && document.querySelector(`#rl-item .rl-card[data-key="${key}"]`);
+    return card ? parseInt(card.dataset.pos, 10) : 0;
+  };
+  const keysHint = (n) => (n <= 9 ? `1–${n}` : `1–9, then ${[10, 11, 12].filter((p) => p <= n).map(keyOf).join(", ")}${n > 12 ? " …" : ""}`);
   const click = (sel) => {
     const el = document.querySelector(sel);
     if (el && !el.disabled) el.click();
@@ -91,11 +103,11 @@
     }
     const left = n - ranked().length;
     const chips = R.groups
-      .map((g) => g.map((p) => `<span class="rl-chip">${p}</span>`).join('<span class="rl-eq">=</span>'))
+      .map((g) => g.map((p) => `<span class="rl-chip">${keyOf(p)}</span>`).join('<span class="rl-eq">=</span>'))
       .join('<span class="rl-gt">›</span>');
     const empty = Array.from({ length: left }, () => '<span class="rl-chip rl-chip-empty"></span>').join("");
     let hint;
-    if (!R.groups.length) hint = `Press 1–${n} (or click) from best to worst`;
+    if (!R.groups.length) hint = `Press ${keysHint(n)} (or click) from best to worst`;
     else if (left === 0) hint = "Ready: press Enter to submit";
     else if (left === 1) hint = "The last one goes last: press Enter to submit";
     else hint = `${left} left to rank`;
@@ -126,10 +138,12 @@
       return;
     }
     if (e.ctrlKey || e.metaKey || e.altKey) return;
-    const digit = /^(?:Digit|Numpad)([1-9])$/.exec(e.code || "");
-    if (digit) {
+    // Keys by their place on the keyboard (e.code), so Shift (a tie) and the layout do not matter.
+    const code = /^(?:Digit|Numpad|Key)([1-9A-Z])$/.exec(e.code || "");
+    const pos = code ? posOf(code[1].toLowerCase()) : 0;
+    if (pos) {
       e.preventDefault();
-      pick(parseInt(digit[1], 10), e.shiftKey || R.tieNext);
+      pick(pos, e.shiftKey || R.tieNext);
       return;
     }
     const key = e.key.length === 1 ? e.key.toLowerCase() : e.key;
