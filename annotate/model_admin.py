@@ -1,5 +1,6 @@
 """Models-tab handlers: every model version with its lineage, metrics and samples; the active
-policy; comparing two policies on held-out prompts; the gold-loop experiment's plots.
+policy; comparing two policies on held-out prompts; downloading a version as a Hugging Face
+folder; the gold-loop experiment's plots.
 
 Plain functions `(ctx, inputs..., request) -> updates`, wired by annotate/ui_train.py and called
 directly by tests. Each starts with `admin(ctx, request)` (annotate/context.py).
@@ -7,7 +8,9 @@ directly by tests. Each starts with `admin(ctx, request)` (annotate/context.py).
 Lineage comes from the store's model versions: a policy names its parent policy, the reward model
 PPO used and its run; a reward model names the snapshot (export) it was trained on, its run, and
 the reward model it was warm-started from. A comparison is a `compare` job (pipeline/compare.py):
-both policies sample, a reward model judges, and the result lands on policy A's version.
+both policies sample, a reward model judges, and the result lands on policy A's version. A
+download is an `export-model` job (pipeline/export_model.py: merging weights needs torch, which
+the app process never loads); when it is done its zip is offered as a file.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import pandas as pd
 from annotate import monitor, render
 from annotate.context import AppContext, admin
 from annotate.train import settings_of
-from pipeline.orchestrate.steps import held_out_prompts, submit_compare
+from pipeline.orchestrate.steps import held_out_prompts, submit_compare, submit_export
+from pipeline.rundir import read_status
 
 SIDE_BY_SIDE = 8
 """Prompts shown side by side after a comparison."""
@@ -236,6 +240,61 @@ def compare_poll(ctx: AppContext, request: gr.Request):
     return bar, text, table, gr.update(active=False)
 
 
+# ------------------------------------------------------------------------- downloading a version
+
+
+def export_model(ctx: AppContext, name: str | None, request: gr.Request):
+    """Queue an `export-model` job for the picked version: a policy with its LoRA merged, or a
+    reward model as a sequence classifier, each with a model card. Returns (bar, file, timer)."""
+    admin(ctx, request)
+    if ctx.jobs is None:
+        raise gr.Error("This app runs without a job runner, so it cannot export models.")
+    mv = _version(ctx, name)
+    try:
+        submit_export(ctx.store, ctx.jobs, mv)
+    except ValueError as exc:
+        raise gr.Error(f"Cannot export: {exc}.") from None
+    bar, file, _ = export_poll(ctx, request)
+    return bar, file, gr.update(active=True)
+
+
+def export_poll(ctx: AppContext, request: gr.Request):
+    """(progress bar, zip to download or None, timer) of the newest export."""
+    admin(ctx, request)
+    runs = ctx.store.list_runs(kind="export-model", limit=1)
+    if not runs:
+        return render.render_job("Download", 0, 0, "idle", "Pick a version, then Download."), None, \
+            gr.update(active=False)
+    run = runs[0]
+    bar = monitor.job_bar(run, run.config.get("label"))
+    if run.status != "done":
+        return bar, None, gr.update(active=run.status in ("queued", "running"))
+    archive = read_status(Path(run.run_dir)).get("archive")
+    path = Path(run.run_dir) / archive if archive else None
+    if path is None or not path.is_file():
+        raise gr.Error(f"Run #{run.id} finished but its archive is missing from {run.run_dir}.")
+    return bar, str(served_copy(path, "rlhf-loop-exports")), gr.update(active=False)
+
+
+def served_copy(path: Path, cache_name: str) -> Path:
+    """The file as Gradio serves it: a copy under the temp folder (no results folder itself is
+    exposed), one per file version (its path and mtime name it), so repeated visits add nothing.
+    A hard link where the filesystem allows (an exported model is large), written under a
+    temporary name: a reader never sees half a file."""
+    key = hashlib.sha1(f"{path.resolve()}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / cache_name / key
+    copy = folder / path.name
+    if not copy.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{os.getpid()}-{threading.get_ident()}.tmp"
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copy2(path, tmp)
+        os.replace(tmp, copy)
+    return copy
+
+
 # ------------------------------------------------------------------------- gold-loop plots
 
 
@@ -255,19 +314,8 @@ def gold_plots(ctx: AppContext, request: gr.Request):
         return gr.update(value=[], visible=False), (
             f"No gold-loop results for this store yet (looked in `{folder.name}/` beside the database). "
             "`python bench/gold_loop.py --quick --publish <that folder>` runs the experiment on tiny models.")
-    # one copy per file version (its path and mtime name it), so repeated visits add nothing
-    cache = Path(tempfile.gettempdir()) / "rlhf-loop-gold"
-    cache.mkdir(exist_ok=True)
-    images = []
-    for png in pngs:
-        try:
-            key = hashlib.sha1(f"{png.resolve()}:{png.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-            copy = cache / f"{key}-{png.name}"
-            if not copy.is_file():  # copied under a temporary name: a reader never sees half a file
-                tmp = cache / f".{key}-{os.getpid()}-{threading.get_ident()}.tmp"
-                shutil.copy2(png, tmp)
-                os.replace(tmp, copy)
-        except OSError as exc:
-            raise gr.Error(f"Cannot read {png}: {exc}") from None
-        images.append((str(copy), png.stem))
+    try:
+        images = [(str(served_copy(png, "rlhf-loop-gold")), png.stem) for png in pngs]
+    except OSError as exc:
+        raise gr.Error(f"Cannot read the gold-loop plots: {exc}") from None
     return gr.update(value=images, visible=True), f"Gold-loop plots of this store ({len(images)})."

@@ -120,7 +120,13 @@ def models_tab(ctx: AppContext) -> dict:
     with gr.Row():
         pick = gr.Dropdown([], label="Model version", elem_id="rl-model-pick", scale=3)
         make_active = gr.Button("Make this the active policy", elem_id="rl-make-active", scale=1, size="md")
+        download = gr.Button("Download (Hugging Face folder)", elem_id="rl-download", scale=1, size="md")
     model_msg = gr.Markdown()
+    with gr.Row(equal_height=False):
+        export_bar = gr.HTML(elem_id="rl-export-job", js_on_load=None)
+        export_file = gr.File(label="Exported model (zip: weights, tokenizer, model card)", interactive=False,
+                              elem_id="rl-export-file")
+    export_timer = gr.Timer(1.0, active=False)
     with gr.Row(equal_height=False):
         lineage = gr.Markdown(elem_id="rl-lineage")
         meta = gr.JSON(label="Metrics and metadata", open=False)
@@ -150,9 +156,12 @@ def models_tab(ctx: AppContext) -> dict:
     refresh.click(bind(m.open_tab, ctx), None, opened, api_name="models", **HIDDEN)
     pick.input(bind(m.version_details, ctx), [pick], [lineage, meta, samples, caption], **QUIET)
     make_active.click(bind(m.set_active, ctx), [pick], [model_msg, table], api_name="set_active_policy", **HIDDEN)
+    export_outs = [export_bar, export_file, export_timer]
+    download.click(bind(m.export_model, ctx), [pick], export_outs, api_name="export_model", **HIDDEN)
+    export_timer.tick(bind(m.export_poll, ctx), None, export_outs, **QUIET)
     compare_outs = [compare_bar, compare_md, compare_df, compare_timer]
     compare_btn.click(bind(m.compare, ctx), [a, b, reward, n], [compare_bar, compare_timer],
                       api_name="compare_policies", **HIDDEN)
     compare_timer.tick(bind(m.compare_poll, ctx), None, compare_outs, **QUIET)
     return {"load": [(m.open_tab, None, opened), (m.compare_poll, None, compare_outs),
-                     (m.gold_plots, None, [gallery, gold_note])]}
+                     (m.export_poll, None, export_outs), (m.gold_plots, None, [gallery, gold_note])]}

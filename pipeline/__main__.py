@@ -23,6 +23,7 @@ STAGES = {
     "train-dpo": "pipeline.train_dpo",
     "ppo": "pipeline.train_ppo",
     "compare": "pipeline.compare",
+    "export-model": "pipeline.export_model",
     "simulate-annotators": "pipeline.orchestrate.simulate",
     "loop": "pipeline.orchestrate.loop",
 }

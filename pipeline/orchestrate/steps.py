@@ -1,4 +1,4 @@
-"""The jobs the owner can start, each built in one place: generate, train-reward, ppo, compare.
+"""The jobs the owner can start, each built in one place: generate, train-reward, ppo, compare, export-model.
 
 Each `submit_*` reads what it needs from the store (prompts, model versions), writes the job's
 input files (a prompts file, a Parquet snapshot of the pairs), builds the command line from the
@@ -234,3 +234,21 @@ def submit_compare(store, runner, a, b, reward, prompts: list, settings: LoopSet
     return runner.submit("compare", args + model, config={"label": f"{a.name} vs {b.name}"}, inputs={
         "a_version_id": a.id, "b_version_id": b.id, "a_name": a.name, "b_name": b.name,
         "reward_version_id": reward.id, "reward_name": reward.name, "prompts": len(prompts)})
+
+
+def submit_export(store, runner, version):
+    """`version` as a standalone Hugging Face folder, zipped in the run directory (the Models tab's
+    Download; pipeline/export_model.py). Its lineage is read from the store now and handed to the
+    job in a file: a job never opens the database."""
+    from pipeline.export_model import version_lineage
+
+    if version.kind not in ("policy", "reward"):
+        raise ValueError(f"{version.name} is a {version.kind}: export a policy or a reward model")
+    if not version.path:
+        raise ValueError(f"{version.name} is the base model used as is: nothing trained to export")
+    path = inputs_dir(runner) / f"export-{_stamp()}-lineage.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(version_lineage(store, version), indent=2), encoding="utf-8")
+    return runner.submit("export-model", [version.path, "--lineage", str(path), "--run-dir"],
+                         config={"label": f"export {version.name}"},
+                         inputs={"version_id": version.id, "version_name": version.name})

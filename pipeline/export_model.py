@@ -1,0 +1,387 @@
+"""Shareable checkpoints: `python -m pipeline export-model SOURCE --out DIR [--db PATH]`.
+
+Writes a standalone Hugging Face folder that plain `transformers` loads, no project code needed:
+
+- a policy: the LoRA adapter merged into the base weights (peft's `merge_and_unload`; a fully
+  fine-tuned policy as it is), saved as an AutoModelForCausalLM folder (config.json, safetensors,
+  generation_config.json) with its tokenizer and chat template;
+- a reward model: an AutoModelForSequenceClassification folder (num_labels=1): the merged backbone
+  under the architecture's `...ForSequenceClassification` class, our scalar head as its `score`
+  layer, with the reward normalisation folded into it (weight / std), so its logit is our
+  normalised score minus a constant. Those classes' `score` layer has no bias, so the constant
+  (head bias - mean) / std is written to config.json as `score_offset`: logit + score_offset is
+  our score exactly (float rounding aside). A Bradley-Terry reward has no fixed zero, so
+  differences and rankings need no offset. It reads the last non-pad token (by pad_token_id): when
+  the tokenizer pads with its EOS token, which ends every scored response here, the folder's
+  tokenizer pads with another special token instead; it pads on the right, where positions count
+  as ours do;
+- README.md: a model card with the lineage (base model, parent, reward model, the data snapshot
+  and its SHA-256, the run's PPO/DPO/reward configuration, evaluation figures) and how to load it;
+  rlhf_export.json: the same facts as data (without this machine's paths).
+
+SOURCE is a checkpoint folder (a run's policy/ or checkpoint/) or a model version's name or id in
+the store (--db, default: the app's database; the CLI opens it only then, and only when no app
+owns it). The lineage comes from the run directory beside the folder, and from the store when a
+version is named (or from --lineage, a JSON file of `version_lineage`: the app's Download action
+writes it, as a job never opens the database). With --run-dir, OUT is a job's run directory: the
+folder goes to OUT/model, a zip of it to OUT/<name>.zip, and progress to OUT/status.json.
+
+torch, transformers and peft are imported inside the export functions only: the app imports
+`version_lineage` from this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+from pipeline.rundir import read_jsonl, write_status
+
+META_FILE = "model_meta.json"  # pipeline.models.META_FILE (that module imports torch)
+DTYPES = ("fp32", "bf16", "fp16")
+DEFAULT_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what base model "default" is (pipeline/models.py)
+
+
+# --------------------------------------------------------------------------- lineage
+
+
+def version_lineage(store, mv) -> dict:
+    """What the store knows of a model version: names, the data snapshot and its hash, the run,
+    evaluation figures and comparisons. Plain JSON (a job gets it as a file)."""
+    names = {v.id: v.name for v in store.list_model_versions()}
+    reward = store.get_model_version(mv.reward_version_id) if mv.reward_version_id is not None else None
+    snapshot_id = mv.snapshot_id if mv.kind == "reward" else (reward.snapshot_id if reward else None)
+    snap = store.get_snapshot(snapshot_id) if snapshot_id is not None else None
+    run = store.get_run(mv.run_id) if mv.run_id is not None else None
+    meta = mv.meta or {}
+    return {
+        "name": mv.name, "kind": mv.kind, "created_at": mv.created_at.isoformat(), "base_model": mv.base_model,
+        "path": mv.path, "parent": names.get(mv.parent_id), "reward_model": reward.name if reward else None,
+        "snapshot": None if snap is None else {
+            "id": snap.id, "file": Path(snap.path).name, "format": snap.format, "counts": snap.counts,
+            "sha256": snap.sha256, "created_at": snap.created_at.isoformat()},
+        "run": None if run is None else {"id": run.id, "kind": run.kind, "status": run.status},
+        "eval": meta.get("eval") or {}, "final": meta.get("final") or {},
+        "comparisons": {k.split("/", 1)[1]: v for k, v in meta.items() if k.startswith("compare/")},
+    }
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _portable(value):
+    """Configs without this machine's paths: an absolute path is shown by its last part."""
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_portable(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return Path(value).name
+    return value
+
+
+def folder_lineage(folder: Path, meta: dict) -> dict:
+    """What the checkpoint's own run directory says: its configuration, evaluation figures, the
+    reward model's data hash (a policy's reward model folder sits in its own run directory)."""
+    run_dir = Path(meta["run"]) if meta.get("run") else (folder.parent if folder.name == "checkpoint" else None)
+    config = _read_json(run_dir / "config.json") if run_dir else {}
+    metrics = run_dir / "metrics.jsonl" if run_dir else None
+    last = read_jsonl(metrics)[-1] if metrics is not None and metrics.is_file() and metrics.stat().st_size else {}
+    report = _read_json(run_dir / "eval_report.json") if run_dir else {}
+    reward_dir = Path(meta.get("reward_model") or "")
+    reward_config = _read_json(reward_dir.parent / "config.json") if reward_dir.is_absolute() else {}
+    return {
+        "stage": config.get("stage") or ("train-reward" if "reward" in config else None),
+        "config": _portable({k: v for k, v in config.items() if isinstance(v, dict) and k != "data_report"}),
+        "data_sha256": config.get("data_sha256") or reward_config.get("data_sha256"),
+        "steps": meta.get("steps") or report.get("steps"),
+        "eval": {k: v for k, v in report.items() if k.startswith("eval/") and isinstance(v, (int, float))},
+        "final": {k: v for k, v in last.items() if isinstance(v, (int, float)) and k != "step"},
+        "reward_model": reward_dir.parent.name if reward_dir.is_absolute() else meta.get("reward_model"),
+    }
+
+
+def _from_store(source: str, db: str | None) -> tuple[dict, object]:
+    """(lineage, version) of the version named (or numbered) `source` in the store at `db`."""
+    from store import Store, StoreError, default_db_path  # only here: training modules never need it
+
+    path = Path(db) if db else default_db_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"{source}: not a folder, and no store at {path} to find a model version in (--db)")
+    try:
+        store = Store(path)
+    except StoreError as exc:
+        raise ValueError(f"{exc}. Export from the app's Models tab (Download), or pass the version's folder") from None
+    try:
+        mv = store.find_model_version(source)
+        if mv is None and source.isdigit():
+            mv = next((v for v in store.list_model_versions() if v.id == int(source)), None)
+        if mv is None:
+            names = ", ".join(v.name for v in store.list_model_versions()) or "none yet"
+            raise ValueError(f"{source}: not a folder, and no model version of that name or id in {path} "
+                             f"(versions: {names})")
+        return version_lineage(store, mv), mv
+    finally:
+        store.close()
+
+
+# --------------------------------------------------------------------------- exporting
+
+
+def export_policy(folder: Path | None, base_model: str, out: Path, dtype: str) -> dict:
+    """The policy in `folder` (or the base model as is) as an AutoModelForCausalLM folder."""
+    from pipeline.config import ModelConfig
+    from pipeline.models import is_peft, pick_dtype
+    from pipeline.policy import load_policy
+
+    cfg = ModelConfig(model=base_model or "default", device="cpu", dtype="fp32", lora=False)
+    model, tokenizer = load_policy(cfg, adapter_path=folder) if folder is not None else load_policy(cfg)
+    merged = is_peft(model)
+    if merged:
+        model = model.merge_and_unload()  # W + (alpha / r) B A, one plain weight per layer
+    model.generation_config.eos_token_id = tokenizer.eos_token_id  # where our sampling stops
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.to(pick_dtype(dtype, model.device)).save_pretrained(out)
+    tokenizer.save_pretrained(out)  # with its chat template
+    return {"merged_lora": merged, "architecture": type(model).__name__}
+
+
+def _distinct_pad(tokenizer) -> str | None:
+    """Make the tokenizer pad with a special token other than EOS (sequence classifiers pool at the
+    last non-pad token, and our scored texts end with EOS). Returns the token added, if any."""
+    if tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return None
+    template = tokenizer.chat_template or ""
+    for token_id, token in sorted(tokenizer.added_tokens_decoder.items()):
+        if token.special and token_id not in (tokenizer.eos_token_id, tokenizer.bos_token_id) \
+                and token.content not in template:
+            tokenizer.pad_token = token.content
+            return None
+    tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    return "<|pad|>"
+
+
+def export_reward(folder: Path, out: Path, dtype: str) -> dict:
+    """The reward model in `folder` as an AutoModelForSequenceClassification folder (module docstring)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from pipeline.config import ModelConfig
+    from pipeline.models import load_scalar_model, pick_dtype
+
+    rm, tokenizer = load_scalar_model(str(folder), "reward", ModelConfig(device="cpu", dtype="fp32"))
+    backbone = rm.backbone.merge_and_unload() if rm.lora else rm.backbone
+    added = _distinct_pad(tokenizer)
+    tokenizer.padding_side = "right"  # positions then count from 0 as ours do; HF uses 0..T-1 per row
+    offset = float((rm.head.bias.detach()[0] - rm.reward_mean) / rm.reward_std)
+    config = backbone.config.__class__.from_dict(backbone.config.to_dict())
+    config.architectures = None
+    config.num_labels, config.id2label, config.label2id = 1, {0: "reward"}, {"reward": 0}
+    config.pad_token_id, config.score_offset = tokenizer.pad_token_id, offset
+    model = AutoModelForSequenceClassification.from_config(config)
+    getattr(model, model.base_model_prefix).load_state_dict(backbone.state_dict())  # strict: every weight
+    with torch.no_grad():
+        model.score.weight.copy_(rm.head.weight / rm.reward_std)  # (1, H): normalisation folded in
+    if added:
+        model.resize_token_embeddings(len(tokenizer))
+    model.to(pick_dtype(dtype, model.device)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return {"architecture": type(model).__name__, "score_offset": offset, "merged_lora": bool(rm.lora),
+            "pad_token": tokenizer.pad_token, "reward_mean": rm.reward_mean, "reward_std": rm.reward_std}
+
+
+def zip_folder(folder: Path, target: Path, top: str) -> Path:
+    """`folder` as a zip whose entries sit under `top/`, written whole or not at all (weights are
+    stored as they are: safetensors barely compress)."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    with zipfile.ZipFile(tmp, "w") as zf:
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            kind = zipfile.ZIP_STORED if path.suffix == ".safetensors" else zipfile.ZIP_DEFLATED
+            zf.write(path, f"{top}/{path.relative_to(folder)}", compress_type=kind)
+    os.replace(tmp, target)
+    return target
+
+
+# --------------------------------------------------------------------------- the model card
+
+
+def model_card(lineage: dict, found: dict, info: dict) -> str:
+    """README.md of the exported folder: lineage, configuration, evaluation, how to load it."""
+    kind, name = lineage.get("kind"), lineage.get("name")
+    base = lineage.get("base_model") or found.get("base_model") or "default"
+    base_id = DEFAULT_BASE if base == "default" else Path(base).name
+    stage = found.get("stage") or ("train-reward" if kind == "reward" else "ppo")
+    trained = "a policy (causal LM)" if kind == "policy" else "a reward model (one score per text)"
+    head = ["---", "library_name: transformers", f"pipeline_tag: {'text-generation' if kind == 'policy' else 'text-classification'}",
+            f"tags: [rlhf, rlhf-loop, {'reward-model' if kind == 'reward' else stage}]"]
+    if base == "default":
+        head.append(f"base_model: {DEFAULT_BASE}")
+    lines = head + ["---", "", f"# {name}", "",
+                    f"{name} is {trained} exported by rlhf-loop from base model `{base_id}`"
+                    + (" (the package's GGUF Q4_1 file, de-quantised)" if base == "default" else "") + "."]
+    if info.get("merged_lora"):
+        lines[-1] += " Its LoRA adapter is merged into the weights (peft `merge_and_unload`)."
+    snap = lineage.get("snapshot") or {}
+    rows = [("Base model", f"`{base_id}`"), ("Trained from", lineage.get("parent")),
+            ("Training stage", f"{stage}" + (f", {found['steps']} steps" if found.get("steps") else "")),
+            ("Reward model", lineage.get("reward_model") or found.get("reward_model")),
+            ("Preference data", f"snapshot #{snap['id']} `{snap['file']}` ({snap['counts'].get('pairs', '?')} pairs)"
+             if snap else None),
+            ("Data SHA-256", f"`{snap.get('sha256') or found.get('data_sha256')}`"
+             if snap.get("sha256") or found.get("data_sha256") else None),
+            ("Run", f"#{lineage['run']['id']} {lineage['run']['kind']}" if lineage.get("run") else None),
+            ("Created", lineage.get("created_at"))]
+    lines += ["", "## Lineage", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows if v]
+    if found.get("config"):
+        lines += ["", "## Training configuration", "", "```json", json.dumps(found["config"], indent=2), "```"]
+    figures = {**found.get("eval", {}), **(lineage.get("eval") or {})} if kind == "reward" else \
+        {**found.get("final", {}), **(lineage.get("final") or {})}
+    keep = ("eval/", "objective/", "gen/", "kl/", "dpo/", "rewards/")
+    shown = [(k, v) for k, v in sorted(figures.items()) if k.startswith(keep) and isinstance(v, (int, float))]
+    shown += [(f"win rate vs {other}", f"{c['win_rate']:.3f} ± {c['stderr']:.3f} on {c['prompts']} held-out "
+               f"prompts, judged by {c.get('reward')}") for other, c in (lineage.get("comparisons") or {}).items()]
+    if shown:
+        lines += ["", "## Evaluation", "", "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in shown]
+    if kind == "reward":
+        lines += ["", "## Scores", "", f"rlhf-loop normalises the reward model's raw score to mean 0 and std 1 on "
+                  f"samples of the reference policy (raw mean {info['reward_mean']:.6g}, std {info['reward_std']:.6g}); "
+                  "the normalisation is folded into the `score` layer. That layer has no bias, so "
+                  f"`logits[:, 0] + config.score_offset` (score_offset = {info['score_offset']:.6g}) is rlhf-loop's "
+                  "score of the text; without the offset the scores differ from it by that constant, which changes "
+                  "no comparison. Score a batch padded on the right (the tokenizer does), the text laid out as below; "
+                  f"the tokenizer pads with `{info['pad_token']}`."]
+    lines += ["", "## Use", "", "```python", *_usage(kind, info), "```", ""]
+    return "\n".join(lines)
+
+
+def _usage(kind: str, info: dict) -> list[str]:
+    if kind == "policy":
+        return ["from transformers import AutoModelForCausalLM, AutoTokenizer",
+                'tok = AutoTokenizer.from_pretrained("PATH")', 'model = AutoModelForCausalLM.from_pretrained("PATH")',
+                'ids = tok.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,',
+                '                              return_tensors="pt", return_dict=True)',
+                "out = model.generate(**ids, max_new_tokens=64, do_sample=True)",
+                "print(tok.decode(out[0, ids['input_ids'].shape[1]:], skip_special_tokens=True))"]
+    return ["from transformers import AutoModelForSequenceClassification, AutoTokenizer",
+            'tok = AutoTokenizer.from_pretrained("PATH")  # pads on the right',
+            'model = AutoModelForSequenceClassification.from_pretrained("PATH")',
+            "# the layout the reward model was trained on: the prompt through the chat template with the",
+            "# assistant turn opened, then the response (stripped) and the EOS token",
+            'prompt = tok.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True, tokenize=False)',
+            'batch = tok([prompt + "Hello! How can I help?" + tok.eos_token], add_special_tokens=False,',
+            '            padding=True, return_tensors="pt")',
+            "score = model(**batch).logits[:, 0] + model.config.score_offset  # rlhf-loop's normalised reward"]
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def resolve(source: str, db: str | None, lineage_file: str = "") -> tuple[Path | None, dict, dict]:
+    """(checkpoint folder, its model_meta.json, lineage) of SOURCE; the folder is None for a
+    version that is the base model used as is."""
+    lineage = json.loads(Path(lineage_file).read_text(encoding="utf-8")) if lineage_file else {}
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        lineage, mv = _from_store(source, db)
+        if mv.path is None:
+            return None, {"kind": "policy", "base_model": mv.base_model}, lineage
+        folder = Path(mv.path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{mv.name}: its folder {folder} is gone")
+    meta = _read_json(folder / META_FILE)
+    kind = meta.get("kind")
+    if kind not in ("policy", "reward"):
+        raise ValueError(f"{source}: " + (f"a {kind} checkpoint: export its policy or reward model instead" if kind
+                                          else f"no {META_FILE} (not a policy or reward model saved by rlhf-loop)"))
+    return folder, meta, {"kind": kind, "name": f"{folder.parent.name}-{kind}", **lineage}
+
+
+def export(source: str, out: str | os.PathLike, *, db: str | None = None, lineage_file: str = "",
+           dtype: str = "fp32", run_dir: bool = False) -> Path:
+    """Export SOURCE (module docstring); returns the folder written (or, with run_dir, the zip)."""
+    from tqdm.auto import tqdm
+
+    from pipeline.models import make_tmp_dir
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    out = Path(out)
+    target = out / "model" if run_dir else out
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"--out {target} already exists and is not empty: choose a new folder")
+    folder, meta, lineage = resolve(source, db, lineage_file)
+    found = {**folder_lineage(folder, meta), "base_model": meta.get("base_model")} if folder else {}
+    phases = ["load, merge and save", "model card"] + (["zip"] if run_dir else [])
+    with tqdm(total=len(phases), desc="export-model", unit="phase", dynamic_ncols=True) as bar:
+
+        def phase(i: int) -> None:  # the bar, and a job's status.json
+            bar.update(i - bar.n)
+            if run_dir:
+                write_status(out, "running", i, len(phases), phase=phases[i])
+
+        phase(0)
+        tmp = make_tmp_dir(target)  # the folder is written whole, then renamed into place
+        try:
+            if meta["kind"] == "policy":
+                info = export_policy(folder, meta.get("base_model") or "default", tmp, dtype)
+            else:
+                info = export_reward(folder, tmp, dtype)
+            phase(1)
+            (tmp / "README.md").write_text(model_card(lineage, found, info), encoding="utf-8")
+            record = {"lineage": {k: v for k, v in lineage.items() if k != "path"}, "run": found, "export": info}
+            (tmp / "rlhf_export.json").write_text(json.dumps(_portable(record), indent=2, default=str),
+                                                  encoding="utf-8")
+            if target.exists():
+                target.rmdir()  # empty (checked above)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not run_dir:
+            bar.update(len(phases) - bar.n)
+            return target
+        phase(2)
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", lineage["name"]).strip("-.") or "model"
+        archive = zip_folder(target, out / f"{name}.zip", name)
+        bar.update(len(phases) - bar.n)
+    write_status(out, "done", len(phases), len(phases), archive=archive.name)
+    return archive
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline export-model",
+                                     description="Export a policy or reward model as a standalone Hugging Face folder.")
+    parser.add_argument("source", metavar="VERSION_OR_FOLDER",
+                        help="a checkpoint folder (a run's policy/ or checkpoint/), or a model version's name or id")
+    parser.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    parser.add_argument("--db", default=None, help="the store to find VERSION in (default: the app's database)")
+    parser.add_argument("--lineage", default="", help="lineage JSON of the version (the app writes it for its jobs)")
+    parser.add_argument("--dtype", default="fp32", choices=DTYPES, help="dtype of the saved weights")
+    parser.add_argument("--run-dir", action="store_true",
+                        help="--out is a job's run directory: write OUT/model, OUT/<name>.zip and OUT/status.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        written = export(args.source, args.out, db=args.db, lineage_file=args.lineage, dtype=args.dtype,
+                         run_dir=args.run_dir)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if args.run_dir:
+            write_status(Path(args.out), "failed", 0, 0, error=str(exc))
+        return 2
+    print(f"exported: {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
