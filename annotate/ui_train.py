@@ -79,7 +79,7 @@ def train_tab(ctx: AppContext) -> dict:
     bar = gr.HTML(elem_id="rl-train-job", js_on_load=None)
     plots = []
     titles = list(monitor.PLOTS)
-    for row in (titles[:3], titles[3:]):
+    for row in (titles[:3], titles[3:6], titles[6:]):
         with gr.Row():
             for title in row:
                 plots.append(gr.LinePlot(x="step", y="value", color="metric", title=title, height=240,
