@@ -38,8 +38,8 @@ is the pairs file, with `<stem>.rankings.<ext>`, `<out>.README.md` (the card) an
 for 'datasets', the `DatasetDict.save_to_disk` files, splits 'train' and maybe 'test'),
 `rankings/`, `README.md` and `snapshot.json`. The snapshot is the pairs file or the folder:
 train-reward reads either, and its SHA-256 (pipeline/hashing.py) is recorded in the store
-(Store.record_snapshot). Data is written under temporary names and renamed, so a crash never
-leaves half an export. An export that matches no pair is refused (InvalidRequest).
+(Store.record_snapshot). Data is written (store/export_write.py) under temporary names and
+renamed, so a crash never leaves half an export. An export that matches no pair is refused (InvalidRequest).
 
 `load_pairs_snapshot(path)` reads any of them back as a list of dicts; training jobs use it and
 never open the DuckDB file.
@@ -50,7 +50,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,9 +57,9 @@ import pyarrow as pa
 
 from pipeline.hashing import snapshot_sha256
 from store import card
-from store.chat import prompt_messages
 from store.db import registered, to_db_time
 from store.errors import DataError, InvalidRequest
+from store.export_write import prompts_table, remove, write_data, write_text
 from store.records import EXPORT_FORMATS, Snapshot
 
 TRL_FORMATS = ("conversational", "text")
@@ -96,56 +95,6 @@ _SELECTED_RANKINGS = """
                k.all_bad, k.duration_s, k.comment, k.created_at, i.round_id
         FROM rankings k JOIN items i ON i.id = k.item_id)
 """
-
-_TIME = "strftime({}.created_at, '%Y-%m-%dT%H:%M:%S.%fZ') AS created_at"
-_WRITE = """
-    SELECT {prompt} AS prompt, {chosen} AS chosen, {rejected} AS rejected, s.margin AS rank_gap, {margin}
-           a.name AS annotator, s.prompt_id, s.chosen_id, s.rejected_id,
-           c.model_version_id AS chosen_model_version, r.model_version_id AS rejected_model_version,
-           s.pair_id, s.ranking_id, s.all_bad, s.agreement, s.source, s.round_id AS round, {time}, s.split
-    FROM _export s
-    JOIN prompts p ON p.id = s.prompt_id
-    JOIN responses c ON c.id = s.chosen_id
-    JOIN responses r ON r.id = s.rejected_id
-    LEFT JOIN annotators a ON a.id = s.annotator_id
-    LEFT JOIN _export_prompts m ON m.prompt_id = s.prompt_id
-    {where}
-    ORDER BY s.pair_id
-"""
-_WRITE_RANKINGS = """
-    WITH resp AS (
-        SELECT item_id, list({{'response_id': id, 'text': text, 'model_version': model_version_id}}
-                            ORDER BY id) AS responses
-        FROM responses WHERE item_id IN (SELECT item_id FROM _export_rankings) GROUP BY item_id)
-    SELECT k.ranking_id, k.item_id, k.prompt_id, {prompt} AS prompt, resp.responses,
-           k.order_groups AS "order", k.display_order, k.all_bad, a.name AS annotator, k.duration_s,
-           k.comment, k.round_id AS round, {time}, k.split
-    FROM _export_rankings k
-    JOIN prompts p ON p.id = k.prompt_id
-    JOIN resp ON resp.item_id = k.item_id
-    LEFT JOIN annotators a ON a.id = k.annotator_id
-    LEFT JOIN _export_prompts m ON m.prompt_id = k.prompt_id
-    ORDER BY k.ranking_id
-"""
-
-
-def _reply(column: str, trl_format: str) -> str:
-    return f"[{{'role': 'assistant', 'content': {column}}}]" if trl_format == "conversational" else column
-
-
-def pairs_sql(trl_format: str, margin_column: bool, where: str = "") -> str:
-    """The query that writes the pairs (over the temporary tables export_pairs builds)."""
-    prompt = "m.prompt" if trl_format == "conversational" else "p.text"
-    return _WRITE.format(prompt=prompt, chosen=_reply("c.text", trl_format),
-                         rejected=_reply("r.text", trl_format), time=_TIME.format("s"),
-                         margin="s.margin AS margin," if margin_column else "", where=where)
-
-
-def rankings_sql(trl_format: str) -> str:
-    """The query that writes the rankings (over the temporary tables export_pairs builds)."""
-    prompt = "m.prompt" if trl_format == "conversational" else "p.text"
-    return _WRITE_RANKINGS.format(prompt=prompt, time=_TIME.format("k"))
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -258,7 +207,7 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     layout.snapshot.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging(layout)
     for tmp in staging.values():
-        _remove(tmp)
+        remove(tmp)
 
     cur = store._cur()
     try:
@@ -283,20 +232,20 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
         if counts["pairs"] == 0:
             raise InvalidRequest(f"no pairs match these filters ({recorded}): nothing was exported")
         counts["rankings"] = cur.execute("SELECT count(*) FROM _export_rankings").fetchall()[0][0]
-        _prompts_table(cur, trl_format)
+        prompts_table(cur, trl_format)
         # 2. write the data under temporary names (DuckDB streams COPY; datasets go through Arrow)
         _write_all(cur, layout, staging, fmt, trl_format, bool(margin_column), counts["test"] > 0)
         facts = card.gather(store, cur)
     except BaseException:
         for tmp in staging.values():
-            _remove(tmp)
+            remove(tmp)
         raise
     finally:
         for table in ("_export", "_export_sel", "_export_rankings", "_export_rankings_sel", "_export_prompts"):
             cur.execute(f"DROP TABLE IF EXISTS {table}")
     # 3. move into place, hash, record; then the card and the manifest
     for final, tmp in staging.items():
-        _remove(final)
+        remove(final)
         os.replace(tmp, final)
     digest = snapshot_sha256(layout.snapshot)
     snap = store.record_snapshot(str(layout.snapshot), fmt, counts, recorded, digest)
@@ -305,8 +254,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
                 "filters": recorded, "sha256": digest, "license": license.strip(), "columns": columns,
                 "ranking_columns": RANKING_COLUMNS, "files": _relative_files(layout),
                 "created_at": snap.created_at.isoformat()}
-    _write_text(layout.card, card.render(manifest, facts, fmt))
-    _write_text(layout.manifest, json.dumps(manifest, indent=2) + "\n")
+    write_text(layout.card, card.render(manifest, facts, fmt))
+    write_text(layout.manifest, json.dumps(manifest, indent=2) + "\n")
     return snap
 
 
@@ -321,21 +270,6 @@ def _relative_files(layout: Layout) -> dict[str, str]:
     return {name: os.path.relpath(getattr(layout, name), base) for name in ("pairs", "rankings", "card", "manifest")}
 
 
-def _prompts_table(cur, trl_format: str) -> None:
-    """_export_prompts(prompt_id, prompt): every exported prompt as chat messages (conversational)."""
-    ids = "SELECT prompt_id FROM _export UNION SELECT prompt_id FROM _export_rankings"
-    rows = [] if trl_format != "conversational" else cur.execute(
-        f"SELECT id, text, messages FROM prompts WHERE id IN ({ids})").fetchall()
-    message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    table = pa.table({
-        "prompt_id": pa.array([r[0] for r in rows], pa.int64()),
-        "prompt": pa.array([prompt_messages(r[1], None if r[2] is None else json.loads(r[2])) for r in rows],
-                           pa.list_(message)),
-    })
-    with registered(cur, "_prompts_in", table):
-        cur.execute("CREATE OR REPLACE TEMP TABLE _export_prompts AS SELECT * FROM _prompts_in")
-
-
 def _write_all(cur, layout: Layout, staging: dict[Path, Path], fmt: str, trl_format: str,
                margin_column: bool, has_test: bool) -> None:
     """Pairs and rankings into their temporary paths."""
@@ -347,79 +281,7 @@ def _write_all(cur, layout: Layout, staging: dict[Path, Path], fmt: str, trl_for
             rankings.parent.mkdir(parents=True)
     else:
         pairs, rankings = staging[layout.pairs], staging[layout.rankings]
-    if fmt == "datasets":
-        import datasets  # imported here: it is slow to import and only this format needs it
-
-        splits = ("train", "test") if has_test else ("train",)
-        with _ArrowStaging(root.with_name(root.name + ".arrow")) as arrow:
-            parts = {split: arrow(cur, pairs_sql(trl_format, margin_column, f"WHERE s.split = '{split}'"))
-                     for split in splits}
-            datasets.DatasetDict(parts).save_to_disk(str(pairs))
-            arrow(cur, rankings_sql(trl_format)).save_to_disk(str(rankings))
-            del parts
-        return
-    options = "FORMAT json" if fmt == "jsonl" else "FORMAT parquet, COMPRESSION zstd"
-    cur.execute(f"COPY ({pairs_sql(trl_format, margin_column)}) TO '{_sql_path(pairs)}' ({options})")
-    cur.execute(f"COPY ({rankings_sql(trl_format)}) TO '{_sql_path(rankings)}' ({options})")
-
-
-class _ArrowStaging:
-    """A staging folder of Arrow files: `arrow(cur, sql)` streams a query from DuckDB into one and
-    memory-maps it as a `datasets.Dataset` (the rows never sit in RAM all at once). The folder is
-    removed on leaving."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.n = folder, 0
-
-    def __enter__(self):
-        _remove(self.folder)
-        self.folder.mkdir()
-        return self
-
-    def __exit__(self, *exc):
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-    def __call__(self, cur, sql: str):
-        import datasets
-
-        reader = cur.sql(sql).to_arrow_reader(50_000)
-        schema = pa.schema([pa.field(f.name, _plain(f.type)) for f in reader.schema])
-        self.n += 1
-        path = self.folder / f"{self.n}.arrow"
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for batch in reader:
-                writer.write_batch(batch if batch.schema == schema else batch.cast(schema))
-        return datasets.Dataset.from_file(str(path))
-
-
-def _plain(t: pa.DataType) -> pa.DataType:
-    """The type with plain strings at every depth: DuckDB may hand out string views (and large
-    strings), which `datasets` does not take."""
-    if pa.types.is_string_view(t) or pa.types.is_large_string(t):
-        return pa.string()
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
-        return pa.list_(_plain(t.value_type))
-    if pa.types.is_struct(t):
-        return pa.struct([pa.field(f.name, _plain(f.type)) for f in t])
-    return t
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Under a temporary name first: a crash never leaves half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _sql_path(path: Path) -> str:
-    return str(path).replace("'", "''")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
+    write_data(cur, pairs, rankings, fmt, trl_format, margin_column, has_test)
 
 
 def load_pairs_snapshot(path, split: str | None = None) -> list[dict]:

@@ -1,0 +1,163 @@
+"""Writing an export's rows (store/export.py selects them into temporary tables first): the SQL
+that joins the texts in, in TRL's conversational or text format, and the writers for JSONL,
+Parquet (DuckDB's COPY) and `datasets` folders (through Arrow files).
+
+    _export           the selected pairs, with their split
+    _export_rankings  the selected rankings, with their split
+    _export_prompts   (prompt_id, prompt) every exported prompt as chat messages (conversational)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+
+from store.chat import prompt_messages
+from store.db import registered
+
+_TIME = "strftime({}.created_at, '%Y-%m-%dT%H:%M:%S.%fZ') AS created_at"
+_WRITE = """
+    SELECT {prompt} AS prompt, {chosen} AS chosen, {rejected} AS rejected, s.margin AS rank_gap, {margin}
+           a.name AS annotator, s.prompt_id, s.chosen_id, s.rejected_id,
+           c.model_version_id AS chosen_model_version, r.model_version_id AS rejected_model_version,
+           s.pair_id, s.ranking_id, s.all_bad, s.agreement, s.source, s.round_id AS round, {time}, s.split
+    FROM _export s
+    JOIN prompts p ON p.id = s.prompt_id
+    JOIN responses c ON c.id = s.chosen_id
+    JOIN responses r ON r.id = s.rejected_id
+    LEFT JOIN annotators a ON a.id = s.annotator_id
+    LEFT JOIN _export_prompts m ON m.prompt_id = s.prompt_id
+    {where}
+    ORDER BY s.pair_id
+"""
+_WRITE_RANKINGS = """
+    WITH resp AS (
+        SELECT item_id, list({{'response_id': id, 'text': text, 'model_version': model_version_id}}
+                            ORDER BY id) AS responses
+        FROM responses WHERE item_id IN (SELECT item_id FROM _export_rankings) GROUP BY item_id)
+    SELECT k.ranking_id, k.item_id, k.prompt_id, {prompt} AS prompt, resp.responses,
+           k.order_groups AS "order", k.display_order, k.all_bad, a.name AS annotator, k.duration_s,
+           k.comment, k.round_id AS round, {time}, k.split
+    FROM _export_rankings k
+    JOIN prompts p ON p.id = k.prompt_id
+    JOIN resp ON resp.item_id = k.item_id
+    LEFT JOIN annotators a ON a.id = k.annotator_id
+    LEFT JOIN _export_prompts m ON m.prompt_id = k.prompt_id
+    ORDER BY k.ranking_id
+"""
+
+
+def _reply(column: str, trl_format: str) -> str:
+    return f"[{{'role': 'assistant', 'content': {column}}}]" if trl_format == "conversational" else column
+
+
+def pairs_sql(trl_format: str, margin_column: bool, where: str = "") -> str:
+    """The query that writes the pairs (over the temporary tables export_pairs builds)."""
+    prompt = "m.prompt" if trl_format == "conversational" else "p.text"
+    return _WRITE.format(prompt=prompt, chosen=_reply("c.text", trl_format),
+                         rejected=_reply("r.text", trl_format), time=_TIME.format("s"),
+                         margin="s.margin AS margin," if margin_column else "", where=where)
+
+
+def rankings_sql(trl_format: str) -> str:
+    """The query that writes the rankings (over the temporary tables export_pairs builds)."""
+    prompt = "m.prompt" if trl_format == "conversational" else "p.text"
+    return _WRITE_RANKINGS.format(prompt=prompt, time=_TIME.format("k"))
+
+
+def prompts_table(cur, trl_format: str) -> None:
+    """_export_prompts(prompt_id, prompt): every exported prompt as chat messages (conversational)."""
+    ids = "SELECT prompt_id FROM _export UNION SELECT prompt_id FROM _export_rankings"
+    rows = [] if trl_format != "conversational" else cur.execute(
+        f"SELECT id, text, messages FROM prompts WHERE id IN ({ids})").fetchall()
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    table = pa.table({
+        "prompt_id": pa.array([r[0] for r in rows], pa.int64()),
+        "prompt": pa.array([prompt_messages(r[1], None if r[2] is None else json.loads(r[2])) for r in rows],
+                           pa.list_(message)),
+    })
+    with registered(cur, "_prompts_in", table):
+        cur.execute("CREATE OR REPLACE TEMP TABLE _export_prompts AS SELECT * FROM _prompts_in")
+
+
+def write_data(cur, pairs: Path, rankings: Path, fmt: str, trl_format: str, margin_column: bool,
+               has_test: bool) -> None:
+    """The pairs and the rankings (tables _export, _export_rankings, _export_prompts) to these
+    paths: DuckDB streams COPY for jsonl and parquet; `datasets` folders go through Arrow files."""
+    if fmt == "datasets":
+        import datasets  # imported here: it is slow to import and only this format needs it
+
+        splits = ("train", "test") if has_test else ("train",)
+        with _ArrowStaging(pairs.with_name(pairs.name + ".arrow")) as arrow:
+            parts = {split: arrow(cur, pairs_sql(trl_format, margin_column, f"WHERE s.split = '{split}'"))
+                     for split in splits}
+            datasets.DatasetDict(parts).save_to_disk(str(pairs))
+            arrow(cur, rankings_sql(trl_format)).save_to_disk(str(rankings))
+            del parts
+        return
+    options = "FORMAT json" if fmt == "jsonl" else "FORMAT parquet, COMPRESSION zstd"
+    cur.execute(f"COPY ({pairs_sql(trl_format, margin_column)}) TO '{_sql_path(pairs)}' ({options})")
+    cur.execute(f"COPY ({rankings_sql(trl_format)}) TO '{_sql_path(rankings)}' ({options})")
+
+
+class _ArrowStaging:
+    """A staging folder of Arrow files: `arrow(cur, sql)` streams a query from DuckDB into one and
+    memory-maps it as a `datasets.Dataset` (the rows never sit in RAM all at once). The folder is
+    removed on leaving."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.n = folder, 0
+
+    def __enter__(self):
+        remove(self.folder)
+        self.folder.mkdir()
+        return self
+
+    def __exit__(self, *exc):
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __call__(self, cur, sql: str):
+        import datasets
+
+        reader = cur.sql(sql).to_arrow_reader(50_000)
+        schema = pa.schema([pa.field(f.name, _plain(f.type)) for f in reader.schema])
+        self.n += 1
+        path = self.folder / f"{self.n}.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for batch in reader:
+                writer.write_batch(batch if batch.schema == schema else batch.cast(schema))
+        return datasets.Dataset.from_file(str(path))
+
+
+def _plain(t: pa.DataType) -> pa.DataType:
+    """The type with plain strings at every depth: DuckDB may hand out string views (and large
+    strings), which `datasets` does not take."""
+    if pa.types.is_string_view(t) or pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
+        return pa.list_(_plain(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _plain(f.type)) for f in t])
+    return t
+
+
+def write_text(path: Path, text: str) -> None:
+    """Under a temporary name first: a crash never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _sql_path(path: Path) -> str:
+    return str(path).replace("'", "''")
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
