@@ -85,7 +85,9 @@ def load_snippet(manifest: dict, fmt: str) -> str:
             f"pairs = load_dataset({builder}, data_files={json.dumps(files['pairs'])}, split=\"train\")\n"
             "train = pairs.filter(lambda row: row[\"split\"] == \"train\")  # the column `split` holds the split\n"
             "test = pairs.filter(lambda row: row[\"split\"] == \"test\")\n"
-            f"rankings = load_dataset({builder}, data_files={json.dumps(files['rankings'])}, split=\"train\")\n")
+            f"rankings = load_dataset({builder}, data_files={json.dumps(files['rankings'])}, split=\"train\")\n"
+            + ("# or, by this card's configs: load_dataset(\".\", \"pairs\"), load_dataset(\".\", \"rankings\")\n"
+               if files["card"] == "README.md" else ""))
 
 
 def _front_matter(manifest: dict, fmt: str) -> str:
