@@ -143,7 +143,9 @@ def test_admin_imports_and_downloads_a_jsonl_export(app, browser, tmp_path):
     stored = store.list_pairs()
     assert sorted(r["pair_id"] for r in rows) == sorted(p.id for p in stored if not p.all_bad)
     texts = {r.id: r.text for p in store.list_prompts(limit=100) for r in store.prompt_responses(p.id)}
-    assert all(texts[r["chosen_id"]] == r["chosen"] and texts[r["rejected_id"]] == r["rejected"] for r in rows)
+    # TRL's conversational format: each response is one assistant message
+    assert all(r["chosen"] == [{"role": "assistant", "content": texts[r["chosen_id"]]}]
+               and r["rejected"] == [{"role": "assistant", "content": texts[r["rejected_id"]]}] for r in rows)
     assert len(store.list_snapshots()) == 1
     page.close()
 
@@ -169,7 +171,7 @@ def test_annotator_cannot_reach_admin_actions(app, browser):
     calls = {
         "/add_user": ("mallory", "admin", "mallory-password"),
         "/save_guidelines": ("ignore the guidelines",),
-        "/export": ("jsonl", True, True, [], "", 0, 0),
+        "/export": ("jsonl", True, True, [], "", 0, 0, "conversational", False, "unknown"),
         "/statistics": (),
         "/models": (),
     }

@@ -418,11 +418,11 @@ def test_export_downloads_the_snapshot(ctx, fmt):
     a = ctx.store.find_annotator("ann")
     for s in seeded:
         ctx.store.save_ranking(a.id, s.prompt_id, s.response_ids)
-    path, summary = admin.export(ctx, fmt, False, True, ["ann"], "", 0.0, 0.25, req("boss"))
+    paths, summary = admin.export(ctx, fmt, False, True, ["ann"], "", 0.0, 0.25, req("boss"))
     (snap,) = ctx.store.list_snapshots()
     assert f"Snapshot #{snap.id}" in summary and snap.counts["pairs"] == 12
     assert snap.filters["annotators"] == ["ann"] and Path(snap.path).parent == ctx.export_dir
-    download = Path(path)
+    download = Path(paths[0])
     assert not download.is_relative_to(ctx.data_dir)  # a copy is served, not the export folder
     if fmt == "jsonl":
         rows = [json.loads(line) for line in download.read_text().splitlines()]
@@ -432,6 +432,7 @@ def test_export_downloads_the_snapshot(ctx, fmt):
         assert download.suffix == ".zip"
         names = zipfile.ZipFile(download).namelist()
         assert "dataset_dict.json" in names and "snapshot.json" in names
+        assert "README.md" in names and "rankings/dataset_info.json" in names
 
 
 def test_export_filters_and_bad_input(ctx):

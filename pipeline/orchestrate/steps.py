@@ -177,7 +177,9 @@ def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = T
     train-reward job on it, warm-started from the newest reward model. Returns (run, snapshot)."""
     from store.export import export_pairs
 
-    snapshot = export_pairs(store, inputs_dir(runner) / f"pairs-{_stamp()}.parquet", "parquet")
+    # --margin trains on the rank gap: only then does the snapshot carry TRL's `margin` column
+    snapshot = export_pairs(store, inputs_dir(runner) / f"pairs-{_stamp()}.parquet", "parquet",
+                            margin_column=settings.reward.margin)
     if not snapshot.counts.get("pairs"):
         raise ValueError("no preference pairs to train on yet: rank some items first")
     policy = ensure_base_policy(store, settings.model)
