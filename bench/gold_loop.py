@@ -5,12 +5,13 @@ judge stands in for people. It is the `embedding` judge of pipeline/orchestrate/
 all-MiniLM-L6-v2 model: cos(response, "helpful, friendly, detailed ...") - cos(response, "rude,
 evasive, unhelpful ...") + 0.5 cos(response, prompt). The pipeline never trains on it: simulated
 annotators rank each prompt's K responses by gold score with Bradley-Terry noise (through the
-store, like people in the app), a proxy reward model is trained on those rankings, and PPO
-optimises the proxy. The question is what happens to the gold score.
+store, like people in the app), a proxy reward model is trained on those rankings, and the policy
+is optimised against the proxy (or, with DPO, on the pairs). The question is what happens to the
+gold score.
 
-    python bench/gold_loop.py              # SmolLM2-135M, 2 rounds, three KL settings (CPU: see docs/results/gold_loop.md)
-    python bench/gold_loop.py --parallel   # the settings side by side (one job each at a time)
-    python bench/gold_loop.py --quick      # tiny random models, the same steps end to end (a minute or two)
+    python bench/gold_loop.py              # SmolLM2-135M, every part (CPU: see docs/results/gold_loop.md)
+    python bench/gold_loop.py --parallel   # the parts side by side (each its own job queue)
+    python bench/gold_loop.py --quick      # tiny random models, every part end to end (a few minutes)
     python bench/gold_loop.py --reuse-round1 OLD_RESULTS_DIR ...   # round 1 as an earlier run left it
 
 Phases
@@ -18,18 +19,23 @@ Phases
      of the bundled prompt pool (store/data/prompts.jsonl) is imported through the store (store.io.import_prompts)
   1. round 1, shared by all settings: generate K responses per prompt with the base policy (a job),
      simulated annotators rank them, reward model 1 is trained (a job); the base policy is evaluated
-  2. per setting (adaptive KL, fixed beta, beta = 0): the store is copied, PPO round 1 runs against
-     reward model 1, then rounds 2..R run through the real loop (pipeline/orchestrate/loop.py: generate with the
-     new policy, rank, retrain the reward model warm-started on all pairs so far, PPO)
-  3. each new policy version is evaluated on the held-out prompts as soon as it exists
-     (bench/gold_eval.py), and the gold judge scores PPO's per-step sample tables (gold along the
-     PPO steps); results.json is rewritten after each evaluation, so a stopped run keeps them
-  4. report.md, gold_vs_sqrt_kl.png, proxy_vs_gold.png, results.json in the results directory
-     (bench/gold_report.py); a full run also publishes report and plots to docs/results/
+  2. the parts, each from round 1's pairs (--variants, --bon, --curve-sizes, --hh-sizes choose them):
+     - PPO settings (adaptive KL, fixed beta, beta = 0): the store is copied, PPO round 1 runs
+       against reward model 1, then rounds 2..R run through the real loop (pipeline/orchestrate/loop.py:
+       generate with the new policy, rank, retrain the reward model warm-started on all pairs so far, PPO)
+     - dpo and control (bench/gold_arms.py): DPO on reward model 1's pairs; PPO at the adaptive
+       setting's KL budget against a reward model trained on those pairs with shuffled labels
+     - best-of-n with reward model 1 from the start policy (bench/gold_bon.py)
+     - the proxy's learning curve on simulated pairs and on the HH dev pairs (bench/gold_curve.py)
+  3. each new policy is evaluated on the held-out prompts as soon as it exists (bench/gold_eval.py),
+     and the gold judge scores PPO's per-step sample tables; results.json is rewritten after each
+     part, so a stopped run keeps what it has; every part's wall and CPU time is recorded
+  4. report.md, its plots and results.json in the results directory (bench/gold_report.py); a
+     full run also publishes report and plots to docs/results/
 
-Sharing round 1 (its responses, rankings and reward model) between the settings saves three
-generations and two reward trainings, and makes the settings differ only in their KL control.
-The last line is `RESULT gold_loop ...`.
+Sharing round 1 (its responses, rankings and reward model) makes every method start from the same
+pairs and the same policy. The last lines are `RESULT gold ...` (the verdict) and
+`RESULT gold_loop ...` (bench/run_all.py's row).
 """
 
 from __future__ import annotations
@@ -38,7 +44,6 @@ import argparse
 import dataclasses
 import json
 import shlex
-import shutil
 import sys
 import threading
 import time
@@ -51,25 +56,15 @@ sys.path.insert(0, str(ROOT))
 from pipeline.config import GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig  # noqa: E402
 from pipeline.orchestrate.loop import LoopSettings  # noqa: E402
 
+from bench.gold_bon import DEFAULT_NS  # noqa: E402
+from bench.gold_curve import CurveConfig  # noqa: E402
 from bench.gold_eval import EvalConfig  # noqa: E402
-from bench.gold_steps import (RecordingJudge, copy_store, gold_agreement, ppo_step_trace,  # noqa: E402
-                              split_prompts)
+from bench.gold_rounds import VARIANTS, reuse_shared_round, run_variant, shared_round  # noqa: E402
+from bench.gold_steps import Context, RecordingJudge, split_prompts  # noqa: E402
 
 PROMPTS = ROOT / "store" / "data" / "prompts.jsonl"  # the app's bundled pool (license: store/data/LICENSE.md)
 OUT_ROOT = ROOT / "bench" / "out" / "gold_loop"
 PUBLISH = ROOT / "docs" / "results"
-
-# The three settings differ only in the KL control of PPO (pipeline/kl.py).
-# The Ziegler et al. horizon (10,000 episodes) assumes runs of many thousand episodes; ours see a
-# hundred, so the horizon is one rollout: beta may move by up to 20% a step toward the target.
-# Run in this order: the two ends of the comparison first.
-VARIANTS = {
-    "adaptive": {"kl_control": "adaptive", "init_kl_coef": 0.1, "kl_target": 2.0, "kl_horizon": 8},
-    "beta0": {"kl_control": "fixed", "init_kl_coef": 0.0},
-    "fixed": {"kl_control": "fixed", "init_kl_coef": 0.1},
-}
-LABELS = {"adaptive": "adaptive KL (target 2 nats)", "fixed": "fixed beta = 0.1", "beta0": "beta = 0"}
-
 
 @dataclass
 class Experiment:
@@ -80,14 +75,20 @@ class Experiment:
     noise: float = 0.05
     """Bradley-Terry temperature of the simulated annotators (in gold-score units)."""
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    bon: list[int] = field(default_factory=lambda: list(DEFAULT_NS))
+    """Best-of-n sizes ([] = no best-of-n)."""
+    dpo: dict = field(default_factory=dict)
+    """train-dpo's options (key = option name), e.g. {"loss": "sigmoid", "beta": 0.1}."""
+    curve: CurveConfig = field(default_factory=CurveConfig)
     threads: int = 2
     seed: int = 0
 
 
 def full_experiment(threads: int = 2) -> Experiment:
-    """SmolLM2-135M on CPU in fp32, sized for about 50 minutes on 2 idle cores with --parallel
-    --threads 1 (round 1 ~20 min; then per setting 2 x 24 PPO steps of 8 episodes, ~30 min side by
-    side): enough PPO for beta = 0 to over-optimise the proxy."""
+    """SmolLM2-135M on CPU in fp32. The PPO settings are sized for about 50 minutes on 2 idle cores
+    with --parallel --threads 1 (round 1 ~20 min; then per setting 2 x 24 PPO steps of 8 episodes,
+    ~30 min side by side): enough PPO for beta = 0 to over-optimise the proxy. The other parts'
+    CPU time is in docs/results/gold_loop.md."""
     tokens = 24
     return Experiment(
         loop=LoopSettings(
@@ -100,27 +101,34 @@ def full_experiment(threads: int = 2) -> Experiment:
                           missing_eos_penalty=0.0, sample_every=1, max_prompt_tokens=96, forward_batch_size=8),
             ppo_prompts=256),
         eval=EvalConfig(samples=4, max_new_tokens=tokens, temperature=0.7, batch_size=16),
-        eval_prompts=24, threads=threads)
+        eval_prompts=24, threads=threads,
+        dpo={"loss": "sigmoid", "beta": 0.1, "epochs": 2, "lr": 5e-4, "batch_size": 8, "max_length": 128},
+        curve=CurveConfig(
+            sizes=[100, 300, 1000, 3000], heldout_pairs=600,
+            reward=RewardConfig(epochs=2, lr=3e-4, batch_size=8, max_length=128),
+            # HH: the reference run's recipe (pipeline/train_reward.py's docstring)
+            hh_sizes=[100, 300, 1000, 1500], hh_heldout_pairs=400,
+            hh_reward=RewardConfig(epochs=1, lr=1e-4, batch_size=8, max_length=512)))
 
 
 def quick_experiment(model_dir: str, threads: int = 2) -> Experiment:
-    """Tiny random models: every step of the full run, in a minute or two (the slow test runs it)."""
+    """Tiny random models: every step of the full run, in a few minutes (the slow test runs it)."""
     tokens = 8
+    tiny_reward = RewardConfig(batch_size=4, max_length=64, norm_samples=0, lr=1e-3)
     return Experiment(
         loop=LoopSettings(
             loop=LoopConfig(rounds=2, prompts_per_round=6, rankings_per_round=0, seed=0),
             model=ModelConfig(model=model_dir, device="cpu", dtype="fp32", lora_r=4, lora_alpha=8),
             generate=GenerateConfig(k=3, max_new_tokens=tokens, temperature=1.0, batch_size=18),
-            reward=RewardConfig(batch_size=4, max_length=64, norm_samples=0, eval_fraction=0.25, lr=1e-3),
+            reward=dataclasses.replace(tiny_reward, eval_fraction=0.25),
             ppo=PPOConfig(steps=2, batch_size=4, mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
                           lr=1e-3, max_new_tokens=tokens, missing_eos_penalty=0.0, sample_every=1),
             ppo_prompts=8),
         eval=EvalConfig(samples=2, max_new_tokens=tokens, temperature=1.0, batch_size=8),
-        eval_prompts=4, threads=threads)
-
-
-def with_variant(settings: LoopSettings, variant: str) -> LoopSettings:
-    return dataclasses.replace(settings, ppo=dataclasses.replace(settings.ppo, **VARIANTS[variant]))
+        eval_prompts=4, threads=threads,
+        dpo={"loss": "sigmoid", "beta": 0.1, "epochs": 1, "lr": 1e-3, "batch_size": 4, "max_length": 64},
+        curve=CurveConfig(sizes=[6, 18], heldout_pairs=12, reward=tiny_reward,
+                          hh_sizes=[8, 24], hh_heldout_pairs=16, hh_reward=tiny_reward))
 
 
 # --------------------------------------------------------------------------- the experiment
@@ -131,7 +139,7 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
     """Phases 0-3 of the module docstring; returns (and writes) results.json's content.
 
     reuse_round1: a results directory of an earlier run with the same settings whose phases 0-1
-    (round 1 and the start policy's evaluation) are taken as they are. parallel: the settings run
+    (round 1 and the start policy's evaluation) are taken as they are. parallel: the parts run
     side by side, each with its own store and job queue (one process per job on a shared machine
     gets a fairer share of the CPU; the results are the same as one after the other).
     """
@@ -139,13 +147,16 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
 
     import torch
 
+    from bench.gold_arms import dpo_unavailable
+    from bench.gold_bon import run_bon
+    from bench.gold_curve import run_hh_curve, run_simulated_curve
     from pipeline.orchestrate.judge import make_judge
 
     torch.set_num_threads(exp.threads)
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval").mkdir(exist_ok=True)
-    results: dict = {"settings": _describe(exp), "variants": {}, "timings": {}}
+    results: dict = {"settings": _describe(exp), "variants": {}, "timings": {}, "parts": {}, "skipped": {}}
     lock = threading.Lock()
 
     def save():
@@ -157,168 +168,44 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
     heldout, pool = split_prompts(prompts_file, exp.eval_prompts, exp.seed, out / "prompts")
     judge = RecordingJudge(make_judge("embedding"))
     ctx = Context(exp, out, heldout, judge, results, lock, log)
-    if reuse_round1 is not None:
-        reward1, rnd1 = reuse_shared_round(ctx, Path(reuse_round1))
-    else:
-        reward1, rnd1 = shared_round(ctx, pool)
+    with ctx.part("round1"):
+        if reuse_round1 is not None:
+            reward1, rnd1, base_path = reuse_shared_round(ctx, Path(reuse_round1))
+        else:
+            reward1, rnd1, base_path = shared_round(ctx, pool)
     save()
+    if "dpo" in exp.variants and (why := dpo_unavailable()):
+        log(f"DPO skipped: {why}")
+        results["skipped"]["dpo"] = why
+    variants = [v for v in exp.variants if v not in results["skipped"]]
 
-    # 2-3. each setting from the same start: PPO round 1 on reward model 1, then rounds 2..R
-    def one(name):
-        run_variant(ctx, name, rnd1, reward1, save)
+    # 2-3. the parts, each from round 1 (a failing part stops the run: its error is the run's)
+    def timed(name, fn):
+        def task():
+            with ctx.part(name):
+                fn()
+            save()
+        return task
 
+    def put(key, fn):
+        return lambda: results.__setitem__(key, fn())
+
+    tasks = [timed("bon", lambda: run_bon(ctx, base_path, reward1.path, exp.bon))] if exp.bon else []
+    tasks += [timed(name, lambda name=name: run_variant(ctx, name, rnd1, reward1, save)) for name in variants]
+    if exp.curve.sizes:
+        tasks.append(timed("curve", put("curve_simulated", lambda: run_simulated_curve(ctx, pool, exp.curve))))
+    if exp.curve.hh_sizes:
+        tasks.append(timed("hh_curve", put("curve_hh", lambda: run_hh_curve(ctx, exp.curve))))
     if parallel:
-        with ThreadPoolExecutor(len(exp.variants)) as pool_:
-            list(pool_.map(one, exp.variants))  # re-raises the first failure
-        results["variants"] = {n: results["variants"][n] for n in exp.variants}
+        with ThreadPoolExecutor(len(tasks)) as pool_:
+            for future in [pool_.submit(task) for task in tasks]:
+                future.result()  # re-raises the first failure
+        results["variants"] = {n: results["variants"][n] for n in variants}
     else:
-        for name in exp.variants:
-            one(name)
+        for task in tasks:
+            task()
     save()
     return results
-
-
-EVAL_LOCK = threading.Lock()
-
-
-@dataclass
-class Context:
-    exp: Experiment
-    out: Path
-    heldout: list
-    judge: RecordingJudge
-    results: dict
-    lock: object
-    log: object
-
-    def env(self) -> dict:
-        n = str(self.exp.threads)
-        return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
-
-    def evaluate(self, version_path, rewards: dict, tag: str) -> dict:
-        from bench.gold_eval import evaluate_policy
-
-        t = time.perf_counter()
-        with EVAL_LOCK:  # one at a time: loading models from several threads at once is not safe
-            metrics, rows = evaluate_policy(version_path, self.exp.loop.model, self.heldout, self.judge, rewards,
-                                            self.exp.eval)
-        with open(self.out / "eval" / f"{tag}.jsonl", "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in rows)
-        self.log(f"eval {tag}: " + ", ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items()))
-        with self.lock:
-            self.results["timings"][f"eval_{tag}_s"] = time.perf_counter() - t
-        return metrics
-
-
-def shared_round(ctx: Context, pool: Path):
-    """Phase 1: import the pool, round 1 with the base policy, reward model 1, the base's evaluation."""
-    from pipeline.orchestrate.loop import make_runner, start_round, train_round_reward
-    from pipeline.orchestrate.simulate import simulate_annotations
-    from store import Store
-    from store.io import import_prompts
-
-    exp, out, results, settings = ctx.exp, ctx.out, ctx.results, ctx.exp.loop
-    shared_db = out / "shared" / "rlhf.duckdb"
-    store = Store(shared_db)
-    runner = make_runner(store, out / "shared" / "runs", poll_s=0.5, env=ctx.env())
-    try:
-        results["import"] = import_prompts(store, pool)
-        t = time.perf_counter()
-        rnd1 = start_round(store, runner, settings, 0)
-        simulate_annotations(store, ctx.judge, noise=exp.noise, seed=exp.seed)
-        results["annotators"] = {"round1": gold_agreement(store, ctx.judge)}
-        # round step 4 only: each setting runs its own PPO (step 5) against this reward model, so
-        # it is recorded on round 1 now, for the settings' store copies (and a later --reuse-round1)
-        reward1 = train_round_reward(store, runner, rnd1, settings)
-        store.update_round(rnd1.id, reward_version_id=reward1.id, snapshot_id=reward1.snapshot_id)
-        results["reward_models"] = {"rm1": {"path": reward1.path, **reward1.meta.get("eval", {})}}
-        results["timings"]["round1_shared_s"] = time.perf_counter() - t
-        base = store.get_model_version(rnd1.policy_version_id)
-        rnd1 = store.get_round(rnd1.id)
-    finally:
-        runner.shutdown()
-    copy_store(store, shared_db, out / "shared" / "after_round1.duckdb")
-    results["base"] = ctx.evaluate(base.path, {"rm1": reward1.path}, "base")
-    return reward1, rnd1
-
-
-def reuse_shared_round(ctx: Context, src: Path):
-    """Phase 1 taken from an earlier run's results directory: its store copy, reward model 1 and
-    the start policy's evaluation."""
-    from store import Store
-
-    previous = json.loads((src / "results.json").read_text(encoding="utf-8"))
-    if "base" not in previous:
-        raise ValueError(f"{src}: round 1 did not finish there (no base evaluation in results.json)")
-    for key in ("import", "annotators", "reward_models", "base"):
-        ctx.results[key] = previous[key]
-    ctx.results["timings"].update({k: v for k, v in previous["timings"].items()
-                                   if k in ("round1_shared_s", "eval_base_s")})
-    ctx.results["reused_round1"] = {"from": src.name, "seconds_there": previous["timings"].get("total_s"),
-                                    # the command that ran round 1 (further back when src reused it too)
-                                    "command": previous.get("reused_round1", {}).get("command") or previous.get("command")}
-    (ctx.out / "shared").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(src / "shared" / "after_round1.duckdb", ctx.out / "shared" / "after_round1.duckdb")
-    shutil.copy2(src / "eval" / "base.jsonl", ctx.out / "eval" / "base.jsonl")
-    store = Store(ctx.out / "shared" / "after_round1.duckdb")
-    try:
-        rnd1 = store.list_rounds()[0]
-        reward1 = store.get_model_version(rnd1.reward_version_id)
-        base = store.get_model_version(rnd1.policy_version_id)
-    finally:
-        store.close()
-    if previous["settings"].get("eval") != dataclasses.asdict(ctx.exp.eval):
-        # another evaluation (e.g. more samples per prompt): the start policy is measured again the
-        # same way as the settings' policies, so that every row of the table is comparable
-        ctx.results["base"] = ctx.evaluate(base.path, {"rm1": reward1.path}, "base")
-    return reward1, rnd1
-
-
-def run_variant(ctx: Context, name: str, rnd1, reward1, save=lambda: None) -> dict:
-    """One setting: a copy of the store after round 1, PPO round 1, rounds 2..R; each new policy
-    is evaluated as soon as it exists, and the partial results saved (a stopped run keeps them)."""
-    from pipeline.orchestrate.loop import finish_round, make_runner, start_round, train_round_policy
-    from pipeline.orchestrate.simulate import simulate_annotations
-    from store import Store
-
-    exp, out = ctx.exp, ctx.out
-    t = time.perf_counter()
-    s = with_variant(exp.loop, name)
-    db = out / name / "rlhf.duckdb"
-    db.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(out / "shared" / "after_round1.duckdb", db)
-    entry = {"label": LABELS[name], "ppo": VARIANTS[name], "rounds": [], "steps": []}
-    with ctx.lock:
-        ctx.results["variants"][name] = entry
-    store = Store(db)
-    runner = make_runner(store, out / name / "runs", poll_s=0.5, env=ctx.env())
-
-    def record(n: int, rnd) -> None:
-        policy, reward = store.get_model_version(rnd.new_policy_version_id), store.get_model_version(rnd.reward_version_id)
-        metrics = ctx.evaluate(policy.path, {"rm1": reward1.path, "own": reward.path}, f"{name}_round{n}")
-        steps = ppo_step_trace(Path(store.get_run(policy.run_id).run_dir), ctx.judge, n)
-        with ctx.lock:
-            entry["rounds"].append({"round": n, "policy": policy.path, "reward": reward.path,
-                                    "reward_eval": reward.meta.get("eval", {}), **metrics})
-            entry["steps"] += steps
-            ctx.results["timings"][f"{name}_s"] = time.perf_counter() - t
-        ctx.log(f"{name}: round {n} done")
-        save()
-
-    try:
-        record(1, train_round_policy(store, runner, rnd1, reward1, s))  # round 1's steps 5-6
-        for n in range(1, exp.loop.loop.rounds):
-            rnd = start_round(store, runner, s, n)
-            simulate_annotations(store, ctx.judge, noise=exp.noise, seed=exp.seed + n)
-            record(n + 1, finish_round(store, runner, rnd, s))
-        agreement = gold_agreement(store, ctx.judge)
-        with ctx.lock:
-            entry["annotators"] = agreement
-    finally:
-        runner.shutdown()
-        store.close()
-    save()
-    return entry
 
 
 def _describe(exp: Experiment) -> dict:
@@ -328,36 +215,83 @@ def _describe(exp: Experiment) -> dict:
             "generate_temperature": s.generate.temperature, "reward": dataclasses.asdict(s.reward),
             "ppo": dataclasses.asdict(s.ppo), "ppo_prompts": s.ppo_prompts, "lora_r": s.model.lora_r,
             "eval_prompts": exp.eval_prompts, "eval": dataclasses.asdict(exp.eval), "noise": exp.noise,
-            "variants": {v: VARIANTS[v] for v in exp.variants}, "threads": exp.threads,
+            "variants": {v: VARIANTS[v] for v in exp.variants}, "threads": exp.threads, "bon": exp.bon,
+            "dpo": exp.dpo, "curve": dataclasses.asdict(exp.curve),
             "judge": "embedding (all-MiniLM-L6-v2, pipeline/orchestrate/judge.py defaults)"}
 
 
 # --------------------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bench.gold_report import publish, result_line, write_report
+def _sizes(text: str) -> list[int]:
+    """'100,300' -> [100, 300]; 'none' -> []."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes as 100,300,1000 (or none)") from None
+    if any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be at least 1")
+    return sizes
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny random models, a minute or two")
-    parser.add_argument("--out", default="", help="results directory (default: bench/out/gold_loop/<time>)")
-    parser.add_argument("--prompts", default=str(PROMPTS), help="prompt pool (JSONL with 'prompt')")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
-    parser.add_argument("--rounds", type=int, default=0, help="override the number of rounds")
-    parser.add_argument("--ppo-steps", type=int, default=0, help="override PPO steps per round")
-    parser.add_argument("--prompts-per-round", type=int, default=0, help="override new prompts per round")
-    parser.add_argument("--eval-samples", type=int, default=0, help="override responses per held-out prompt")
-    parser.add_argument("--reward-steps", type=int, default=-1,
-                        help="override the reward model's optimiser steps per round (0 = every pair, each epoch)")
-    parser.add_argument("--reward-epochs", type=int, default=0, help="override the reward model's epochs per round")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads here and in every job")
-    parser.add_argument("--parallel", action="store_true", help="run the settings side by side")
-    parser.add_argument("--reuse-round1", default="",
-                        help="take round 1 and the start policy's evaluation from this earlier results directory")
-    parser.add_argument("--publish", default=None,
-                        help="also copy report and plots here (default: docs/results for a full run, none for --quick)")
-    args = parser.parse_args(argv)
+    add = parser.add_argument
+    add("--quick", action="store_true", help="tiny random models, a few minutes")
+    add("--out", default="", help="results directory (default: bench/out/gold_loop/<time>)")
+    add("--prompts", default=str(PROMPTS), help="prompt pool (JSONL with 'prompt')")
+    add("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    add("--bon", type=_sizes, default=None, help="best-of-n sizes, e.g. 1,2,4,8,16 (none: skip)")
+    add("--curve-sizes", type=_sizes, default=None,
+        help="simulated pairs per learning-curve point, e.g. 100,300,1000,3000 (none: skip)")
+    add("--hh-sizes", type=_sizes, default=None, help="HH dev pairs per learning-curve point (none: skip)")
+    for name, kind in (("rounds", int), ("ppo-steps", int), ("prompts-per-round", int), ("eval-samples", int),
+                       ("reward-epochs", int), ("dpo-epochs", int), ("dpo-beta", float), ("dpo-lr", float)):
+        add(f"--{name}", type=kind, default=0, help=f"override the {name.replace('-', ' ')}")
+    add("--dpo-loss", default="", choices=["", "sigmoid", "ipo"], help="override the DPO loss")
+    add("--reward-steps", type=int, default=-1,
+        help="override the reward model's optimiser steps per round (0 = every pair, each epoch)")
+    add("--threads", type=int, default=2, help="torch threads here and in every job")
+    add("--parallel", action="store_true", help="run the parts side by side")
+    add("--reuse-round1", default="", help="take round 1 and the start policy's evaluation from this earlier results directory")
+    add("--publish", default=None,
+        help="also copy report and plots here (default: docs/results for a full run, none for --quick)")
+    return parser
+
+
+def apply_overrides(exp: Experiment, args) -> Experiment:
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    exp.variants = args.variants.split(",")
+    overrides = [(args.rounds, exp.loop.loop, "rounds"), (args.ppo_steps, exp.loop.ppo, "steps"),
+                 (args.prompts_per_round, exp.loop.loop, "prompts_per_round"), (args.eval_samples, exp.eval, "samples"),
+                 (args.reward_epochs, exp.loop.reward, "epochs")]
+    for value, target, attr in overrides:
+        if value:
+            setattr(target, attr, value)
+    if args.reward_steps >= 0:
+        exp.loop.reward.max_steps = args.reward_steps
+    for key, value in (("epochs", args.dpo_epochs), ("beta", args.dpo_beta), ("lr", args.dpo_lr), ("loss", args.dpo_loss)):
+        if value:
+            exp.dpo[key] = value
+    if args.bon is not None:
+        exp.bon = args.bon
+    if args.curve_sizes is not None:
+        exp.curve.sizes = args.curve_sizes
+    if args.hh_sizes is not None:
+        exp.curve.hh_sizes = args.hh_sizes
+    return exp
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.gold_report import publish, result_line, write_report
+    from bench.gold_verdict import gold_result_line
+
+    args = build_parser().parse_args(argv)
     out = Path(args.out) if args.out else OUT_ROOT / time.strftime("%Y%m%d-%H%M%S")
     if not Path(args.prompts).is_file():
         raise SystemExit(f"{args.prompts}: no such file (the default is the bundled pool, store/data/prompts.jsonl)")
@@ -367,22 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         exp = quick_experiment(str(save_tiny_model_dir(out / "tiny_model")), args.threads)
     else:
         exp = full_experiment(args.threads)
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
-    exp.variants = args.variants.split(",")
-    if args.rounds:
-        exp.loop.loop.rounds = args.rounds
-    if args.ppo_steps:
-        exp.loop.ppo.steps = args.ppo_steps
-    if args.prompts_per_round:
-        exp.loop.loop.prompts_per_round = args.prompts_per_round
-    if args.eval_samples:
-        exp.eval.samples = args.eval_samples
-    if args.reward_steps >= 0:
-        exp.loop.reward.max_steps = args.reward_steps
-    if args.reward_epochs:
-        exp.loop.reward.epochs = args.reward_epochs
+    exp = apply_overrides(exp, args)
     started = time.time()
     results = run_experiment(exp, out, Path(args.prompts), reuse_round1=Path(args.reuse_round1) if args.reuse_round1
                              else None, parallel=args.parallel)
@@ -397,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     if target:
         for path in publish(out, Path(target)):
             print(f"published: {path}")
-    print(result_line(results))
+    print(gold_result_line(results, out))
+    print(result_line(results))  # last: bench/run_all.py reads the last RESULT line
     return 0
 
 

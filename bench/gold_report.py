@@ -1,13 +1,10 @@
-"""The gold-loop experiment's report: plots (matplotlib, Agg) and a markdown page from results.json.
+"""The gold-loop experiment's report: a markdown page and its plots, from results.json and the eval tables.
 
     python bench/gold_report.py RESULTS_DIR    # rebuild report.md and the plots of a finished run
 
-Plots (Gao et al. 2022 draw gold and proxy against d = sqrt(KL), the distance from the start):
-- gold_vs_sqrt_kl.png: held-out gold score against sqrt(KL to the reference), one line per setting
-  through the start policy and each round; thin lines: the PPO steps (gold of each step's sample
-  table, smoothed, against the rollout's KL).
-- proxy_vs_gold.png: along the PPO steps of all rounds, the proxy (reward-model) score, the gold
-  score and the KL, per setting; markers: held-out evaluations at the end of each round.
+Every number on the page is computed here from the run's files (bench/gold_verdict.py for the
+conclusions, bench/gold_sections.py for the parts beside PPO, bench/gold_plots.py for the plots);
+its last line is `RESULT gold ...`.
 """
 
 from __future__ import annotations
@@ -18,94 +15,15 @@ import shutil
 import sys
 from pathlib import Path
 
-COLORS = {"adaptive": "tab:blue", "fixed": "tab:green", "beta0": "tab:red"}
-PLOTS = ("gold_vs_sqrt_kl.png", "proxy_vs_gold.png")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
+from bench.gold_plots import plot_gold_vs_sqrt_kl, plot_learning_curve, plot_proxy_vs_gold, sqrt_kl  # noqa: E402
+from bench.gold_sections import (conclusion_section, curve_section, drift_section, methods_section,  # noqa: E402
+                                 parts_section)
+from bench.gold_verdict import gold_result_line, load_eval, paired_se, verdict  # noqa: E402
 
-def smooth(values: list[float], window: int = 4) -> list[float]:
-    """Trailing moving average (the sample tables hold only a few responses per step)."""
-    out = []
-    for i in range(len(values)):
-        chunk = values[max(0, i - window + 1): i + 1]
-        out.append(sum(chunk) / len(chunk))
-    return out
-
-
-def sqrt_kl(kl: float) -> float:
-    """sqrt of a KL estimate; the k1 estimate of a tiny KL can dip below 0 by sampling noise."""
-    return math.sqrt(max(kl, 0.0))
-
-
-def plot_gold_vs_sqrt_kl(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    base = results["base"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, v in results["variants"].items():
-        color = COLORS.get(name)
-        xs = [0.0] + [sqrt_kl(r["eval/kl"]) for r in v["rounds"]]
-        ys = [base["eval/gold"]] + [r["eval/gold"] for r in v["rounds"]]
-        ax.plot(xs, ys, "o-", color=color, label=v["label"], lw=2)
-        for r, x, y in zip(v["rounds"], xs[1:], ys[1:]):
-            ax.annotate(f"r{r['round']}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-        steps = [s for s in v["steps"] if "gold" in s]
-        if steps:
-            ax.plot([sqrt_kl(s["kl"]) for s in steps], smooth([s["gold"] for s in steps]), "-", color=color,
-                    alpha=0.3, lw=1)
-    ax.axhline(base["eval/gold"], color="grey", lw=0.8, ls="--", label="start policy")
-    ax.set_xlabel("sqrt(KL to the reference)  [sqrt(nats per response)]")
-    ax.set_ylabel("gold score (embedding judge)")
-    ax.set_title("Gold score against distance from the start policy\n"
-                 "thick: held-out evaluation after each round; thin: PPO steps (sample tables, smoothed)",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_proxy_vs_gold(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
-    rounds_at = []
-    for name, v in results["variants"].items():
-        color, steps = COLORS.get(name), v["steps"]
-        x = list(range(1, len(steps) + 1))
-        axes[0].plot(x, [s["proxy"] for s in steps], color=color, label=v["label"])
-        gold = [(i, s["gold"]) for i, s in zip(x, steps) if "gold" in s]
-        if gold:
-            axes[1].plot([i for i, _ in gold], smooth([g for _, g in gold]), color=color)
-        axes[2].plot(x, [s["kl"] for s in steps], color=color)
-        # held-out evaluations at the end of each round
-        ends = [max(i for i, s in zip(x, steps) if s["round"] == r["round"]) for r in v["rounds"]]
-        axes[0].plot(ends, [r["eval/proxy:own"] for r in v["rounds"]], "o", color=color, mfc="white")
-        axes[1].plot(ends, [r["eval/gold"] for r in v["rounds"]], "o", color=color, mfc="white")
-        axes[2].plot(ends, [r["eval/kl"] for r in v["rounds"]], "o", color=color, mfc="white")
-        rounds_at = ends
-    for ax in axes:
-        for end in rounds_at[:-1]:
-            ax.axvline(end + 0.5, color="grey", lw=0.8, ls=":")
-        ax.grid(alpha=0.3)
-    axes[1].axhline(results["base"]["eval/gold"], color="grey", lw=0.8, ls="--")
-    axes[0].set_ylabel("proxy score\n(reward model of the round)")
-    axes[1].set_ylabel("gold score\n(smoothed)")
-    axes[2].set_ylabel("KL to reference\n(nats per response)")
-    axes[2].set_xlabel("PPO step (all rounds; dotted: new round, new reward model)")
-    axes[0].set_title("Proxy and gold along PPO (lines: rollouts; circles: held-out evaluation)", fontsize=9)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+PLOTS = ("gold_vs_sqrt_kl.png", "proxy_vs_gold.png", "learning_curve.png")
+__all__ = ["paired_se", "publish", "result_line", "write_report", "merge"]
 
 
 # --------------------------------------------------------------------------- markdown
@@ -113,35 +31,6 @@ def plot_proxy_vs_gold(results: dict, path: Path) -> Path:
 
 def _f(x, digits=3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def load_eval(out_dir: Path, tag: str) -> list[dict]:
-    """The per-response rows of one evaluation (eval/TAG.jsonl), [] when it is not there."""
-    path = Path(out_dir) / "eval" / f"{tag}.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def paired_se(base_rows: list[dict], rows: list[dict]) -> float | None:
-    """Standard error of the mean gold change against the start policy, paired by prompt.
-
-    Every policy answers the same held-out prompts, so the prompt-to-prompt spread cancels: the
-    change is the mean over prompts of (mean gold of the policy's responses - the start's), and
-    its noise is the spread of those per-prompt differences / sqrt(prompts).
-    """
-    def per_prompt(table):
-        groups: dict[str, list[float]] = {}
-        for row in table:
-            groups.setdefault(row["prompt"], []).append(row["gold"])
-        return {p: sum(g) / len(g) for p, g in groups.items()}
-
-    a, b = per_prompt(base_rows), per_prompt(rows)
-    diffs = [b[p] - a[p] for p in a if p in b]
-    if len(diffs) < 2:
-        return None
-    mean = sum(diffs) / len(diffs)
-    return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
 
 
 def gold_errors(results: dict, out_dir: Path) -> dict[str, float | None]:
@@ -234,11 +123,13 @@ def samples_section(out_dir: Path, results: dict, n_prompts: int = 2) -> list[st
 
 
 def write_report(results: dict, out_dir: Path) -> Path:
-    """report.md + both plots in out_dir; returns the report's path."""
+    """report.md + its plots in out_dir; returns the report's path."""
     out_dir = Path(out_dir)
     errors = gold_errors(results, out_dir)
     plot_gold_vs_sqrt_kl(results, out_dir / PLOTS[0])
     plot_proxy_vs_gold(results, out_dir / PLOTS[1])
+    curve_plot = plot_learning_curve(results, out_dir / PLOTS[2])
+    v = verdict(results, out_dir)
     s, t = results["settings"], results.get("timings", {})
     agree = results.get("annotators", {}).get("round1", {})
     rm1 = results.get("reward_models", {}).get("rm1", {})
@@ -296,15 +187,22 @@ def write_report(results: dict, out_dir: Path) -> Path:
         "",
         *observations(results, errors),
         "",
+        *methods_section(results, v),
+        *drift_section(results, v["drift"]),
+        *curve_section(results, v["good_enough"], curve_plot),
+        *conclusion_section(results, v),
         "## Samples",
         *samples_section(out_dir, results),
         "",
-        "## Timings",
+        *parts_section(results),
+        "## Timings of the evaluations and settings",
         "",
         "| phase | seconds |",
         "|---|---|",
         *[f"| {k.removesuffix('_s')} | {v:.0f} |" for k, v in t.items() if k != "total_s"],
         *([f"| total (this process) | {t['total_s']:.0f} |"] if "total_s" in t else []),
+        "",
+        gold_result_line(results, out_dir),
         "",
     ]
     path = out_dir / "report.md"
@@ -316,7 +214,7 @@ def publish(out_dir: Path, target: Path) -> list[Path]:
     """Copy the report (as gold_loop.md) and the plots to a well-known folder (docs/results)."""
     target.mkdir(parents=True, exist_ok=True)
     copied = [Path(shutil.copy2(out_dir / "report.md", target / "gold_loop.md"))]
-    copied += [Path(shutil.copy2(out_dir / name, target / name)) for name in PLOTS]
+    copied += [Path(shutil.copy2(out_dir / name, target / name)) for name in PLOTS if (out_dir / name).is_file()]
     return copied
 
 
