@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pipeline.config import RewardConfig
 
-from bench.gold_steps import gold_agreement, run_job, write_rows
+from bench.gold_steps import run_job, write_rows
 from bench.reward_bench import wilson
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,8 +96,17 @@ def train_points(store, runner, ctx, subsets: dict[int, list[dict]], heldout: Pa
     return points
 
 
+def judge_agreement(rows: list[dict], judge) -> dict:
+    """How often the gold judge scores a pair's chosen response above its rejected one (ties left out)."""
+    prompts = [_text(r["prompt"]) for r in rows]
+    chosen = judge.score(prompts, [_text(r["chosen"]) for r in rows])
+    rejected = judge.score(prompts, [_text(r["rejected"]) for r in rows])
+    decided = [(a, b) for a, b in zip(chosen, rejected) if a != b]
+    return {"pairs": len(decided), "agreement": sum(a > b for a, b in decided) / len(decided) if decided else float("nan")}
+
+
 def _text(message) -> str:
-    """A response's text, exported as text or as conversational messages."""
+    """A prompt's or response's text, exported as text or as conversational messages (the last one's)."""
     return message if isinstance(message, str) else message[-1]["content"]
 
 
@@ -133,7 +142,7 @@ def run_simulated_curve(ctx, pool: Path, cfg: CurveConfig) -> dict:
         rows = [r for r in exported if _text(r["chosen"]).strip() and _text(r["rejected"]).strip()]
         heldout, subsets = split_for_curve(rows, lambda r: r["prompt_id"], cfg.heldout_pairs, cfg.sizes, exp.seed)
         held_file = write_rows(folder / "heldout.jsonl", heldout)
-        ceiling = gold_agreement(store, ctx.judge, {r["prompt_id"] for r in heldout})
+        ceiling = judge_agreement(heldout, ctx.judge)
         points = train_points(store, runner, ctx, subsets, held_file, cfg.reward, folder, lambda r: r["prompt_id"])
     finally:
         runner.shutdown()

@@ -61,14 +61,11 @@ class RecordingJudge:
         return out
 
 
-def gold_agreement(store, judge: RecordingJudge, prompt_ids: set[int] | None = None) -> dict:
-    """Share of stored pairs (of these prompts; None = all) whose chosen response has the higher
-    gold score (1.0 = no noise). Responses the judge has not scored in this process (a reused
-    round 1) are scored now."""
+def gold_agreement(store, judge: RecordingJudge) -> dict:
+    """Share of stored pairs whose chosen response has the higher gold score (1.0 = no noise).
+    Responses the judge has not scored in this process (a reused round 1) are scored now."""
     rows = []
     for pair in store.list_pairs():
-        if prompt_ids is not None and pair.prompt_id not in prompt_ids:
-            continue
         prompt = store.get_prompt(pair.prompt_id).text
         rows.append((prompt, store.get_response(pair.chosen_id).text, store.get_response(pair.rejected_id).text))
     missing = list({(p, t) for p, a, b in rows for t in (a, b)} - judge.scores.keys())

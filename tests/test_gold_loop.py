@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from bench.gold_eval import distinct_n
 from bench.gold_steps import split_prompts
+from bench.gold_verdict import gold_result_line
 from bench.run_all import build_table, last_result, parse_result_line
 
 # --------------------------------------------------------------------------- distinct-n
@@ -121,11 +123,13 @@ def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, 
     from store import Store
 
     out = tmp_path / "gold"
-    # no --prompts: the default is the bundled pool, which a clone of the repository has
-    assert main(["--quick", "--variants", "adaptive,beta0", "--out", str(out)]) == 0
+    # no --prompts: the default is the bundled pool, which a clone of the repository has; the
+    # parts side by side (the same results as one after the other, in less wall time)
+    assert main(["--quick", "--variants", "adaptive,beta0,control,dpo", "--parallel", "--threads", "1",
+                 "--out", str(out)]) == 0
 
     results = json.loads((out / "results.json").read_text())
-    assert set(results["variants"]) == {"adaptive", "beta0"} and results["mode"] == "quick"
+    assert set(results["variants"]) == {"adaptive", "beta0", "control", "dpo"} and results["mode"] == "quick"
     assert results["import"]["added"] == 2205 - 4  # the bundled pool, less the 4 held-out prompts
     judge = make_judge("embedding")  # a second judge, to recompute what the run reports
 
@@ -133,7 +137,7 @@ def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, 
     # the gold judge's scores of the stored responses (scored again here)
     evaluated = {"base": results["base"]}
     evaluated.update({f"{name}_round{r['round']}": r for name, v in results["variants"].items() for r in v["rounds"]})
-    assert len(evaluated) == 5
+    assert len(evaluated) == 7  # the start, 2 x 2 PPO rounds, the control's and DPO's round 1
     for tag, metrics in evaluated.items():
         rows = [json.loads(line) for line in (out / "eval" / f"{tag}.jsonl").read_text().splitlines()]
         assert metrics["eval/responses"] == len(rows) == 8, tag
@@ -149,7 +153,8 @@ def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, 
     # their agreement with the gold judge is what the pairs in the stores say
     assert (_agreement(out / "shared" / "after_round1.duckdb", judge)
             == (18, pytest.approx(results["annotators"]["round1"]["agreement"])))
-    for name, v in results["variants"].items():
+    for name in ("adaptive", "beta0"):
+        v = results["variants"][name]
         assert _agreement(out / name / "rlhf.duckdb", judge) == (36, pytest.approx(v["annotators"]["agreement"]))
         # reward model 1 is trained and held out on round 1's pairs, reward model 2 on all 36
         # (held out by prompt: round(0.25 x 6) = 2 of 6 prompts, round(0.25 x 12) = 3 of 12)
@@ -157,12 +162,14 @@ def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, 
         assert (first["train/pairs"], first["eval/pairs"]) == (12, 6)
         assert (second["train/pairs"], second["eval/pairs"]) == (27, 9)
 
-    # the KL control: beta = 0 throughout for beta0; the adaptive controller starts each round at
-    # 0.1 and moves by Ziegler et al.'s rule after each 4-episode rollout (target 2, horizon 8)
-    for v_name, start in (("beta0", 0.0), ("adaptive", 0.1)):
+    # the KL control: beta = 0 throughout for beta0; the adaptive controller (the control's too)
+    # starts each round at 0.1 and moves by Ziegler et al.'s rule after each 4-episode rollout
+    # (target 2, horizon 8)
+    for v_name, start in (("beta0", 0.0), ("adaptive", 0.1), ("control", 0.1)):
         steps = results["variants"][v_name]["steps"]
-        assert [(s["round"], s["step"]) for s in steps] == [(1, 1), (1, 2), (2, 1), (2, 2)]
-        for first, second in (steps[0:2], steps[2:4]):
+        rounds = 1 if v_name == "control" else 2
+        assert [(s["round"], s["step"]) for s in steps] == [(1, 1), (1, 2), (2, 1), (2, 2)][:2 * rounds]
+        for first, second in (steps[0:2], steps[2:4])[:rounds]:
             error = min(max(first["kl"] / 2.0 - 1.0, -0.2), 0.2)
             assert first["beta"] == pytest.approx(start)
             assert second["beta"] == pytest.approx(start * (1 + error * 4 / 8))
@@ -200,11 +207,77 @@ def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, 
         finally:
             store.close()
 
+    _check_new_parts(out, results, judge)
     report = (out / "report.md").read_text()
     assert "wall time" in report and "| beta = 0 | 2 |" in report
-    for name in ("gold_vs_sqrt_kl.png", "proxy_vs_gold.png"):
+    assert report.strip().splitlines()[-1] == gold_result_line(results, out)
+    for name in ("gold_vs_sqrt_kl.png", "proxy_vs_gold.png", "learning_curve.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("RESULT gold_loop mode=quick ")
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-2].startswith("RESULT gold best=") and printed[-1].startswith("RESULT gold_loop mode=quick ")
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _check_new_parts(out: Path, results: dict, judge) -> None:
+    """Best-of-n, the control, DPO and the learning curves of the quick run, recomputed from its files."""
+    from bench.gold_bon import bon_kl
+    from store.export import load_pairs_snapshot
+
+    # best-of-n: 16 samples per held-out prompt once; best-of-n picks the proxy's favourite among
+    # each prompt's first n; the table's means are those of the picked responses
+    samples = _rows(out / "eval" / "bon_samples.jsonl")
+    assert len(samples) == 4 * 16
+    for row in results["bon"]["rows"]:
+        n, picked = row["n"], _rows(out / "eval" / f"bon_n{row['n']}.jsonl")
+        for pick in picked:
+            first_n = [r for r in samples if r["prompt"] == pick["prompt"]][:n]
+            assert pick == max(first_n, key=lambda r: r["proxy:rm1"])
+        assert len(picked) == 4 and row["kl"] == pytest.approx(bon_kl(n))
+        assert row["eval/gold"] == pytest.approx(sum(p["gold"] for p in picked) / 4)
+        assert row["oracle/gold"] >= row["eval/gold"] - 1e-9  # the judge's own pick is never worse
+    assert [r["n"] for r in results["bon"]["rows"]] == [1, 2, 4, 8, 16]
+
+    # the control: reward model 1's pairs with a seeded share swapped, its own reward model, PPO on it
+    control, rm1 = results["variants"]["control"], results["reward_models"]["rm1"]["path"]
+    shuffled = _rows(out / "control" / "shuffled_pairs.jsonl")
+    snapshot = json.loads((Path(rm1).parent / "config.json").read_text())["data"]
+    original = load_pairs_snapshot(snapshot)
+    swapped = sum(a["chosen"] != b["chosen"] for a, b in zip(original, shuffled))
+    assert len(shuffled) == len(original) == control["shuffled"]["pairs"] == 18
+    assert swapped == control["shuffled"]["swapped"] and 0 < swapped < 18
+    assert all(sorted(json.dumps(a[k]) for k in ("chosen", "rejected")) == sorted(json.dumps(b[k]) for k in ("chosen", "rejected"))
+               for a, b in zip(original, shuffled))
+    assert control["rounds"][0]["reward"] == control["shuffled"]["reward"] != rm1
+
+    # DPO: one train-dpo job on the very file reward model 1 trained on; its policy was evaluated
+    (dpo_run,) = (out / "dpo" / "runs").glob("*-train-dpo")
+    assert (json.loads((dpo_run / "config.json").read_text())["data_sha256"]
+            == json.loads((Path(rm1).parent / "config.json").read_text())["data_sha256"])
+    assert results["variants"]["dpo"]["rounds"][0]["policy"] == str(dpo_run / "policy")
+    assert any(t.abs().max() > 0 for k, t in _lora_weights(str(dpo_run / "policy")).items() if "lora_B" in k)
+
+    # the learning curves: nested subsets, held-out prompts never trained on, each point the
+    # accuracy of its own job; the gold judge's agreement with the held-out labels is the ceiling
+    for key, folder, sizes in (("curve_simulated", "curve", [6, 18]), ("curve_hh", "hh_curve", [8, 24])):
+        curve, held = results[key], _rows(out / folder / "heldout.jsonl")
+        assert [p["pairs"] for p in curve["points"]] == sizes and len(held) == curve["heldout_pairs"] >= 12
+        small, large = (_rows(out / folder / f"train_{n}.jsonl") for n in sizes)
+        assert large[:len(small)] == small and len(large) == sizes[1]
+        assert not {json.dumps(r["prompt"]) for r in large} & {json.dumps(r["prompt"]) for r in held}
+        assert len({p["length_baseline"] for p in curve["points"]}) == 1  # one held-out set
+        for point in curve["points"]:
+            assert point["eval/pairs"] == len(held) and point["acc_lo"] <= point["eval/accuracy"] <= point["acc_hi"]
+    text = [(r["prompt"][-1]["content"], r["chosen"][-1]["content"], r["rejected"][-1]["content"])
+            for r in _rows(out / "curve" / "heldout.jsonl")]
+    chosen = judge.score([t[0] for t in text], [t[1] for t in text])
+    rejected = judge.score([t[0] for t in text], [t[2] for t in text])
+    decided = [(a, b) for a, b in zip(chosen, rejected) if a != b]
+    assert results["curve_simulated"]["ceiling"]["agreement"] == pytest.approx(
+        sum(a > b for a, b in decided) / len(decided))
+    assert set(results["parts"]) == {"round1", "bon", "adaptive", "beta0", "control", "dpo", "curve", "hh_curve"}
 
 
 # --------------------------------------------------------------------------- the report
@@ -300,6 +373,116 @@ def test_merge_joins_settings_of_runs_that_share_round_one(tmp_path):
     (tmp_path / "two" / "results.json").write_text(json.dumps(b))
     with pytest.raises(ValueError, match="another start policy"):
         merge([tmp_path / "one", tmp_path / "two"], tmp_path / "out2")
+
+
+# --------------------------------------------------------------------------- best-of-n, control, verdict
+
+
+def test_best_of_n_keeps_the_proxys_favourite_among_each_prompts_first_n():
+    from bench.gold_bon import best_of_n, bon_kl, bon_table
+
+    rows = [{"prompt": p, "proxy:rm1": proxy, "gold": gold, "tokens": 3, "response": f"{p} {i}"}
+            for p, scored in (("a", [(0.1, 1.0), (0.9, 0.0), (0.9, 5.0), (2.0, 2.0)]),
+                              ("b", [(0.5, 0.3), (0.2, 0.9), (0.1, 0.1), (0.3, 0.2)]))
+            for i, (proxy, gold) in enumerate(scored)]
+    assert [r["response"] for r in best_of_n(rows, 1)] == ["a 0", "b 0"]
+    assert [r["response"] for r in best_of_n(rows, 3)] == ["a 1", "b 0"]  # a tie goes to the first
+    assert [r["response"] for r in best_of_n(rows, 4)] == ["a 3", "b 0"]
+    table = bon_table(rows, [1, 2, 4])
+    assert [t["eval/gold"] for t in table] == pytest.approx([0.65, 0.15, 1.15])
+    assert [t["oracle/gold"] for t in table] == pytest.approx([0.65, 0.95, 2.95])
+    assert [bon_kl(n) for n in (1, 2, 16)] == pytest.approx([0.0, math.log(2) - 0.5, math.log(16) - 15 / 16])
+    with pytest.raises(ValueError, match="only 4 responses"):
+        best_of_n(rows, 8)
+
+
+def test_shuffled_labels_swap_a_seeded_half_of_the_pairs():
+    from bench.gold_arms import shuffle_labels
+
+    rows = [{"prompt": f"p{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(1000)]
+    shuffled, swapped = shuffle_labels(rows, seed=3)
+    assert shuffle_labels(rows, seed=3) == (shuffled, swapped) and shuffle_labels(rows, seed=4)[0] != shuffled
+    assert swapped == sum(r["chosen"].startswith("bad") for r in shuffled)
+    assert 430 < swapped < 570  # Binomial(1000, 1/2): mean 500, s.d. 16
+    assert all({a["chosen"], a["rejected"]} == {b["chosen"], b["rejected"]} for a, b in zip(rows, shuffled))
+    assert rows[0] == {"prompt": "p0", "chosen": "good 0", "rejected": "bad 0"}  # the input is left alone
+
+
+def _eval_tables(folder: Path, tables: dict[str, list[float]]) -> None:
+    (folder / "eval").mkdir(parents=True, exist_ok=True)
+    for tag, golds in tables.items():
+        (folder / "eval" / f"{tag}.jsonl").write_text(
+            "".join(json.dumps({"prompt": f"p{i}", "gold": g, "response": "r"}) + "\n" for i, g in enumerate(golds)))
+
+
+def _drift_results(beta0_kl: float) -> dict:
+    results = _results()
+    results["variants"]["beta0"]["rounds"] = results["variants"]["beta0"]["rounds"][:1]
+    results["variants"]["beta0"]["rounds"][0]["eval/kl"] = beta0_kl
+    results["variants"]["control"] = _variant("control", [_metrics(0.29, 1.0, 0.0, 0.95)])
+    results["variants"]["control"]["rounds"] = results["variants"]["control"]["rounds"][:1]
+    return results
+
+
+def test_beta0_is_called_reward_hacking_only_beyond_the_drift_control_at_the_same_kl(tmp_path):
+    from bench.gold_verdict import at_kl, drift_check
+
+    # linear in sqrt(KL): halfway between d = 0 and d = 2 is KL 1
+    assert at_kl([(0.0, {"p": 0.0}), (4.0, {"p": -0.2})], 1.0) == {"p": pytest.approx(-0.1)}
+    assert at_kl([(0.0, {"p": 0.0}), (4.0, {"p": -0.2})], 9.0) is None
+    base = [0.3, 0.3, 0.3, 0.3]
+    control = [0.29, 0.28, 0.30, 0.29]  # -0.01 on average at KL 1
+    # beta = 0 at KL 4 loses 0.20 +- 0.01: at KL 1 (d = 1 of 2) that is -0.10, far below the control
+    _eval_tables(tmp_path / "a", {"base": base, "control_round1": control, "beta0_round1": [0.10, 0.11, 0.09, 0.10]})
+    hacked = drift_check(_drift_results(4.0), tmp_path / "a")
+    assert hacked["control_kl"] == 1.0 and hacked["control_delta"] == pytest.approx(-0.01)
+    assert hacked["beta0_at_control_kl"] == pytest.approx(-0.1) and hacked["verdict"] == "hacking"
+    # beta = 0 losing 0.02 at KL 4 is -0.01 at KL 1: no worse than drift without signal
+    _eval_tables(tmp_path / "b", {"base": base, "control_round1": control, "beta0_round1": [0.28, 0.27, 0.29, 0.28]})
+    assert drift_check(_drift_results(4.0), tmp_path / "b")["verdict"] == "drift"
+    # beta = 0 never went as far as the control
+    assert drift_check(_drift_results(0.5), tmp_path / "a")["verdict"] == "undecided"
+
+
+def test_good_enough_data_size_is_measured_or_extrapolated_from_the_curve():
+    from bench.gold_verdict import good_enough
+
+    def curve(accs, ceiling=0.9):
+        return {"ceiling": {"agreement": ceiling}, "points": [
+            {"pairs": n, "eval/accuracy": a, "acc_lo": a - 0.05} for n, a in zip((100, 300, 1000), accs)]}
+
+    assert good_enough(curve([0.55, 0.72, 0.8])) == {"pairs": 300, "measured": True, "threshold": pytest.approx(0.7)}
+    # 0.5 + 0.05 per e-fold: 0.7 is reached at 100 e^4 ~ 5,460 -> 5,500
+    far = good_enough(curve([0.5, 0.5 + 0.05 * math.log(3), 0.5 + 0.05 * math.log(10)]))
+    assert far["measured"] is False and far["pairs"] == 5500
+    assert good_enough(curve([0.6, 0.55, 0.5]))["pairs"] is None
+    assert good_enough(curve([0.6, 0.7, 0.8], ceiling=0.5))["pairs"] is None
+
+
+def test_curve_split_keeps_prompts_whole_and_subsets_nested():
+    from bench.gold_curve import split_for_curve
+
+    rows = [{"prompt": f"p{i // 3}", "n": i} for i in range(30)]  # 10 prompts x 3 pairs
+    heldout, subsets = split_for_curve(rows, lambda r: r["prompt"], 5, [4, 12], seed=0)
+    assert len(heldout) == 6 and len({r["prompt"] for r in heldout}) == 2  # whole prompts until >= 5
+    assert subsets[12][:4] == subsets[4] and not {r["prompt"] for r in subsets[12]} & {r["prompt"] for r in heldout}
+    with pytest.raises(ValueError, match="needs 30 training pairs"):
+        split_for_curve(rows, lambda r: r["prompt"], 5, [30], seed=0)
+
+
+def test_result_gold_line_names_the_best_method_and_the_control(tmp_path):
+    from bench.gold_verdict import gold_result_line
+
+    results = _drift_results(4.0)
+    _eval_tables(tmp_path, {"base": [0.3, 0.3, 0.3, 0.3], "control_round1": [0.29, 0.28, 0.30, 0.29],
+                            "beta0_round1": [0.10, 0.11, 0.09, 0.10], "adaptive_round1": [0.33, 0.31, 0.32, 0.32],
+                            "adaptive_round2": [0.36, 0.33, 0.34, 0.35]})
+    line = gold_result_line(results, tmp_path)
+    # adaptive round 2: +0.04 (results.json) / 0.00645 (paired s.e. of the tables) = 6.20 s.e. at
+    # KL 2 beats round 1 (+0.02 / 0.00408 = 4.90 s.e.)
+    assert line.startswith("RESULT gold best=adaptive_round2 best_gain_se=6.20 best_gain=0.0400 best_kl=2.00 goal=met ")
+    assert "adaptive_gain_se=4.90" in line
+    assert "control_gold_delta=-0.0100 control_se=0.0041 control_kl=1.00 hacking=yes" in line
 
 
 # --------------------------------------------------------------------------- reward_eval's progress
