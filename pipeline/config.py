@@ -116,6 +116,10 @@ class RewardConfig:
     norm_policy: str = ""
     """Policy folder whose samples set the reward mean/std ('' = the base model, i.e. the reference
     of a PPO run that starts from the base)."""
+    use_weights: bool = True
+    """Weight each pair by the data's `weight` column (an export with quality_weights: its
+    annotator's quality) in the Bradley-Terry loss, sum(w * loss) / sum(w) per batch; False =
+    every pair counts once. Data without the column trains exactly as unweighted."""
 
 
 @dataclass
@@ -208,6 +212,12 @@ class LoopConfig:
     """Rankings to wait for before training (0 = train on demand)."""
     seed: int = 0
     """Seed for prompt selection."""
+    min_quality: float = 0.0
+    """Leave out the pairs of annotators whose measured quality (gold accuracy, else agreement with
+    the majority) is below this, in each round's reward-model snapshot (0 = keep everyone)."""
+    quality_weights: bool = False
+    """Weight each pair of the round's snapshot by its annotator's quality (2q - 1, see
+    store/export.py); the reward model trains on the weights (RewardConfig.use_weights)."""
 
 
 @dataclass

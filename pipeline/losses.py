@@ -333,6 +333,30 @@ def ipo_loss(
     return ((chosen - rejected - 1.0 / (2.0 * beta)) ** 2).mean()
 
 
+def weighted_pairwise_loss(
+    r_chosen: torch.Tensor, r_rejected: torch.Tensor, weight: torch.Tensor | None,
+    margin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bradley-Terry loss with a weight per pair: mean of w * -log sigmoid(r_c - r_r - margin).
+
+    r_chosen, r_rejected, weight, margin: (B,); weights > 0, normalised by the caller to mean 1
+    over the training pairs (pipeline/train_reward.py), so the loss keeps the plain loss's scale
+    and a batch of down-weighted pairs moves the model less than a batch of trusted ones (a
+    per-batch sum(w * l) / sum(w) would give every batch the same pull). weight None is
+    pairwise_loss itself, so unweighted data trains exactly as before. A weight is how far the
+    pair's label is trusted, e.g. its annotator's quality (store/export.py quality_weights):
+    per-annotator reliability weights, the simplest form of learning from crowds (Raykar et al.
+    2010, "Learning From Crowds", JMLR, estimate such reliabilities jointly with the model; here
+    they come from gold items and agreement).
+    """
+    if weight is None:
+        return pairwise_loss(r_chosen, r_rejected, margin)
+    diff = r_chosen - r_rejected  # (B,)
+    if margin is not None:
+        diff = diff - margin
+    return -(weight.to(diff.dtype) * F.logsigmoid(diff)).mean()
+
+
 __all__ = [
     "masked_mean",
     "masked_var",
@@ -350,4 +374,5 @@ __all__ = [
     "value_loss",
     "dpo_loss",
     "ipo_loss",
+    "weighted_pairwise_loss",
 ]

@@ -1,12 +1,16 @@
 """Preference pairs for reward training: read, check, split, tokenise, batch.
 
-Formats read (one pair per row, fields prompt / chosen / rejected, optional margin and split):
+Formats read (one pair per row, fields prompt / chosen / rejected, optional margin, weight and
+split):
 - JSON Lines (.jsonl, or .json holding JSON lines or one list), Parquet (.parquet), a `datasets`
   folder (`save_to_disk`; every split of a DatasetDict, by name), or a folder of .parquet/.jsonl;
 - HH-RLHF style rows without a prompt: chosen/rejected are whole transcripts, split at the last
   "\\n\\nAssistant:" (the prompt is the shared prefix up to and including it);
 - TRL's conversational form: prompt a list of {role, content} messages, chosen/rejected a list
   ending with the assistant's message (or whole conversations with an implicit shared prompt).
+
+`weight` (an export's quality_weights column, store/export.py): how much the pair counts in the
+Bradley-Terry loss, a positive finite number; 1.0 when the column is absent or the value is null.
 
 A snapshot exported with a test split (store/export.py: column `split`, or a DatasetDict with a
 'test' split) keeps that split: its 'test' pairs are the held-out set.
@@ -26,6 +30,7 @@ than max_length: the prompt loses tokens from its left until it fits beside the 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +55,7 @@ class Pair:
     margin: float = 0.0
     row: int = 0  # 0-based row in the source file, for error messages and reports
     split: str = "train"  # a snapshot's own split ('train' / 'test'), when it has one
+    weight: float = 1.0  # the pair's weight in the Bradley-Terry loss (an export's `weight` column)
 
 
 @dataclass
@@ -60,6 +66,7 @@ class EncodedPair:
     chosen_response_tokens: int  # untruncated response lengths, for the length baseline
     rejected_response_tokens: int
     margin: float = 0.0
+    weight: float = 1.0
 
     @property
     def chosen_ids(self) -> list[int]:
@@ -169,7 +176,17 @@ def _row_to_pair(row, where: str, index: int) -> Pair:
     if split not in ("train", "test"):
         raise PairsError(f"{where}, field 'split': expected 'train' or 'test', got {split!r}")
     return Pair(prompt, _response_text(chosen, where, "chosen"), _response_text(rejected, where, "rejected"),
-                float(margin), index, split)
+                float(margin), index, split, _weight(row.get("weight"), where))
+
+
+def _weight(value, where: str) -> float:
+    """A pair's weight: a positive finite number (None = 1.0). Zero or negative weights are refused:
+    leave such pairs out of the export instead (min_quality)."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PairsError(f"{where}, field 'weight': expected a positive finite number, got {value!r}")
+    return float(value)
 
 
 def read_pairs(path: str | Path) -> tuple[list[Pair], dict]:
@@ -192,6 +209,9 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], dict]:
         raise PairsError(f"{path}: all {len(rows)} pairs have chosen == rejected; nothing to learn from")
     report = {"rows": len(rows), "pairs": len(pairs), "dropped_identical": len(identical),
               "dropped_identical_rows": identical[:20]}
+    weights = [p.weight for p in pairs]
+    if any(w != 1.0 for w in weights):
+        report["weights"] = {"min": min(weights), "max": max(weights), "mean": sum(weights) / len(weights)}
     return pairs, report
 
 
@@ -258,7 +278,7 @@ def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[En
             prompt_cache[key] = prompt_token_ids(tokenizer, pair.prompt)
         c, r = encode_response(tokenizer, pair.chosen), encode_response(tokenizer, pair.rejected)
         p, c_fit, r_fit = _fit(prompt_cache[key], c, r, max_length, report, pair.row)
-        out.append(EncodedPair(p, c_fit, r_fit, len(c), len(r), pair.margin))
+        out.append(EncodedPair(p, c_fit, r_fit, len(c), len(r), pair.margin, pair.weight))
     return out, report
 
 

@@ -6,10 +6,13 @@
 The model is `load_scalar_model(kind="reward")` on the policy's base model (SmolLM2-135M-Instruct
 by default), LoRA or full fine-tuning. Loss: Bradley-Terry -log sigmoid(r_c - r_r [- margin])
 (Ouyang et al. 2022, eq. 1), optional reward centering (TRL) and LM loss on the chosen response
-(Askell et al. 2021). Each pair's prompt runs once and its chosen and rejected responses continue
-from its KV cache together in one forward pass (--share-prompt false: whole sequences, chosen and
-rejected rows in one pass); batches group pairs of similar length and are padded only to their
-own longest row; long batches are split into chunks of at most --max-tokens.
+(Askell et al. 2021). With a `weight` column (an export's quality_weights, from its annotators'
+quality) each pair's Bradley-Terry term counts by its weight over the training pairs' mean
+weight (--use-weights false ignores the column; data without one trains on the plain loss).
+Each pair's prompt runs once and its chosen and rejected responses continue from its KV cache
+together in one forward pass (--share-prompt false: whole sequences, chosen and rejected rows in
+one pass); batches group pairs of similar length and are padded only to their own longest row;
+long batches are split into chunks of at most --max-tokens.
 
 Run directory (written only here; the app tails it and registers the model):
     config.json        configs, input file and its sha256, command line
@@ -63,7 +66,7 @@ from tqdm.auto import tqdm
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
 from pipeline.distributed import Dist, full_optimizer_state, full_state_dict, load_full_optimizer_state, setup
 from pipeline.hashing import snapshot_sha256
-from pipeline.losses import center_loss, pairwise_loss
+from pipeline.losses import center_loss, weighted_pairwise_loss
 from pipeline.models import (
     autocast, load_scalar_model, pick_dtype, resolve_model_path,
 )
@@ -245,6 +248,11 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
     lengths = [it.length for it in train_items]
+    # Pair weights over their mean: mean(w * loss) / mean(w), so unweighted data (None) trains on
+    # exactly the plain loss and every batch keeps its pairs' share of the whole data's weight.
+    mean_w = sum(it.weight for it in train_items) / len(train_items)
+    weights = [it.weight / mean_w for it in train_items]
+    weights = weights if cfg.use_weights and any(w != 1.0 for w in weights) else None
     model.train()
     bar = tqdm(total=total, initial=step, desc="reward model", unit="step", dynamic_ncols=True,
                disable=not dist.is_main)
@@ -279,7 +287,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
                             r_c, r_r, lm, margin, tokens = wrapped(  # (b,), (b,), scalar, (b,)
                                 forward_pairs, [train_items[i] for i in chunk], pad_id, device, share_prompt,
                                 lm_weight)
-                            loss = pairwise_loss(r_c, r_r, margin if cfg.margin else None)
+                            w = (None if weights is None  # (b,)
+                                 else torch.tensor([weights[i] for i in chunk], device=device))
+                            loss = weighted_pairwise_loss(r_c, r_r, w, margin if cfg.margin else None)
                             if cfg.center_coef > 0:
                                 loss = loss + cfg.center_coef * center_loss(r_c, r_r)
                             if lm is not None:
@@ -354,7 +364,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     dist.barrier()
     full = {
         **report, "calibration": calib, "normalisation": norm,
-        "train/pairs": len(train_items), "train/prompts": len({str(p.prompt) for p in train_pairs}),
+        "train/pairs": len(train_items), "train/weighted": weights is not None,
+        "train/prompts": len({str(p.prompt) for p in train_pairs}),
         "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
         "train/seconds": train_seconds, "train/cpu_seconds": train_cpu,
         "train/pairs_per_s": pairs_done / max(train_seconds, 1e-9),

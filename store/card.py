@@ -5,8 +5,9 @@ then markdown) that says what the snapshot holds and how to load it.
 builds them): annotators with their pairs, rankings and median seconds, inter-annotator agreement
 on the exported rankings (store/agreement.py), the model versions that wrote the responses, and
 where the prompts came from. `render(manifest, facts, fmt)` writes the card: counts,
-annotators, agreement, license, snapshot id and SHA-256, model versions, filters, columns, and a
-snippet that loads the files with `datasets` (paths relative to the card's folder).
+annotators, agreement, annotator quality (when the export excluded or weighted annotators by
+it), license, snapshot id and SHA-256, model versions, filters, columns, and a snippet that loads
+the files with `datasets` (paths relative to the card's folder).
 """
 
 from __future__ import annotations
@@ -102,6 +103,27 @@ def _front_matter(manifest: dict, fmt: str) -> str:
     return "\n".join(lines + ["---", ""])
 
 
+def _quality_section(manifest: dict) -> list[str]:
+    """Each annotator's quality, what measured it, weight and whether it was left out (exports with
+    min_quality or quality_weights only)."""
+    rows = manifest.get("annotator_quality")
+    if rows is None:
+        return []
+    f = manifest["filters"]
+    how = []
+    if "min_quality" in f:
+        how.append(f"annotators measured below quality {f['min_quality']:g} are left out")
+    if f.get("quality_weights"):
+        how.append(f"each pair's `weight` is its annotator's weight, 2q - 1 clipped to "
+                   f"[{manifest['min_weight']:g}, 1] (1 for annotators not measured yet and for imported pairs)")
+    return ["\n## Annotator quality\n",
+            "Quality q: accuracy on gold items, else agreement with the majority of the other annotators; "
+            + "; ".join(how) + ".\n",
+            _table(["annotator", "quality", "measured by", "gold items", "weight", "left out"],
+                   [[q["annotator"], _num(q["quality"]), q["measured_by"] or "not measured", q["n_gold"],
+                     _num(q["weight"]), "yes" if q["excluded"] else "no"] for q in rows])]
+
+
 def render(manifest: dict, facts: dict, fmt: str) -> str:
     """The card's text."""
     c, ag = manifest["counts"], facts["agreement"]
@@ -130,6 +152,7 @@ def render(manifest: dict, facts: dict, fmt: str) -> str:
         f"compared response pairs): pairwise agreement {_num(ag['pairwise_agreement'])}, Krippendorff's "
         f"alpha (ordinal) {_num(ag['krippendorff_alpha'])}, mean Kendall tau-b {_num(ag['kendall_tau'])}. "
         f"Mean of the pairs' `agreement` column (ranked pairs): {_num(facts['mean_pair_agreement'])}.\n",
+        *_quality_section(manifest),
         "## Model versions that wrote the responses\n",
         _table(["id", "name", "kind", "base model", "parent id", "responses"],
                [[v["id"], v["name"], v["kind"], v["base_model"] or "–", v["parent_id"] or "–", v["responses"]]
@@ -153,6 +176,8 @@ def render(manifest: dict, facts: dict, fmt: str) -> str:
            "-log sigmoid(r_chosen - r_rejected - margin). " if margin else
            "There is no `margin` column, so RewardTrainer uses the plain Bradley-Terry loss "
            "(export with a margin column to use the rank gap as TRL's margin). ")
+        + ("`weight` is the pair's annotator's quality weight: `python -m pipeline train-reward` weighs "
+           "each pair's loss by it; TRL's trainers ignore it. " if "weight" in manifest["columns"] else "")
         + "`split` is `train` or `test`, by prompt (no prompt is in both). In the rankings, `order` "
           "lists tie groups of response ids best first and `display_order` the order they were shown.\n",
         "## Load it\n",

@@ -14,6 +14,8 @@ card; read snapshots back without a Store.
     margin                               only with margin_column=True: rank_gap under the name TRL's
                                          RewardTrainer reads, which makes its loss
                                          -log sigmoid(r_c - r_r - margin); DPOTrainer ignores it
+    weight                               only with quality_weights=True: the pair's annotator's
+                                         weight (below); train-reward weighs its loss by it
     annotator                            annotator name (None for imported pairs)
     prompt_id, chosen_id, rejected_id    store ids
     chosen_model_version, rejected_model_version   ids of the model versions that wrote them
@@ -41,6 +43,16 @@ train-reward reads either, and its SHA-256 (pipeline/hashing.py) is recorded in 
 (Store.record_snapshot). Data is written (store/export_write.py) under temporary names and
 renamed, so a crash never leaves half an export. An export that matches no pair is refused (InvalidRequest).
 
+Annotator quality (Store.annotator_quality): an annotator's quality q is their accuracy on gold
+items when they have ranked any, else their agreement with the majority of the others on shared
+items; annotators with neither are not measured. min_quality leaves out the pairs and rankings of
+annotators measured below it (the unmeasured are kept); quality_weights adds `weight` =
+quality_weight(q) = 2q - 1 clipped to [MIN_WEIGHT, 1]: an annotator right with probability q
+gives labels whose mean (+1 right, -1 wrong) is 2q - 1 times the truth, so their pairs carry that
+share of the signal beside the same noise, and someone ranking at random (q = 1/2) weighs
+MIN_WEIGHT. Unmeasured annotators and imported pairs weigh 1. Both are recorded in the filters,
+and the card lists each annotator's quality, its source and weight.
+
 `load_pairs_snapshot(path)` reads any of them back as a list of dicts; training jobs use it and
 never open the DuckDB file.
 """
@@ -66,11 +78,14 @@ TRL_FORMATS = ("conversational", "text")
 COLUMNS = ["prompt", "chosen", "rejected", "rank_gap", "annotator", "prompt_id", "chosen_id",
            "rejected_id", "chosen_model_version", "rejected_model_version", "pair_id", "ranking_id",
            "all_bad", "agreement", "source", "round", "created_at", "split"]
-"""Columns of the pairs, in order (with margin_column=True, `margin` follows `rank_gap`)."""
+"""Columns of the pairs, in order (`margin` with margin_column=True, then `weight` with
+quality_weights=True, follow `rank_gap`)."""
 RANKING_COLUMNS = ["ranking_id", "item_id", "prompt_id", "prompt", "responses", "order", "display_order",
                    "all_bad", "annotator", "duration_s", "comment", "round", "created_at", "split"]
 """Columns of the rankings; `responses` is a list of {response_id, text, model_version}."""
 _SUFFIX = {"jsonl": ".jsonl", "parquet": ".parquet"}
+MIN_WEIGHT = 0.05
+"""The weight of an annotator measured at or below chance (a weight must stay positive)."""
 
 # Pair metadata with its agreement; texts are joined in only when writing.
 _SELECTED = """
@@ -156,6 +171,31 @@ def _filters_sql(store, rounds, annotators, min_agreement, since, until, include
     return cond, recorded
 
 
+def quality_weight(quality: float | None) -> float:
+    """An annotator's pair weight from their quality q (see the module docstring): 2q - 1 clipped
+    to [MIN_WEIGHT, 1]; 1 when not measured."""
+    if quality is None:
+        return 1.0
+    return min(1.0, max(MIN_WEIGHT, 2.0 * float(quality) - 1.0))
+
+
+def annotator_quality_table(store, min_quality: float | None = None) -> list[dict]:
+    """Every annotator with rankings: {annotator_id, annotator, quality, measured_by ('gold',
+    'majority' or None), n_gold, weight, excluded (measured below min_quality)}."""
+    if min_quality is not None and not 0.0 <= float(min_quality) <= 1.0:
+        raise InvalidRequest(f"min_quality must be between 0 and 1, not {min_quality}")
+    rows = []
+    for annotator_id, q in sorted(store.annotator_quality().items()):
+        measured_by = "gold" if q["gold_accuracy"] is not None else (
+            "majority" if q["majority_agreement"] is not None else None)
+        quality = q["gold_accuracy"] if measured_by == "gold" else q["majority_agreement"]
+        rows.append({"annotator_id": annotator_id, "annotator": store.get_annotator(annotator_id).name,
+                     "quality": quality, "measured_by": measured_by, "n_gold": q["n_gold"],
+                     "weight": quality_weight(quality),
+                     "excluded": min_quality is not None and quality is not None and quality < float(min_quality)})
+    return rows
+
+
 def _where(cond: list[tuple[str, list, bool]], rankings: bool) -> tuple[str, list]:
     kept = [(sql, params) for sql, params, pairs_only in cond if not (rankings and pairs_only)]
     if not kept:
@@ -178,6 +218,7 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
                  include_all_bad: bool = False, include_imported: bool = True,
                  test_fraction: float = 0.0, seed: int = 0, trl_format: str = "conversational",
                  margin_column: bool = False, license: str = "unknown",  # noqa: A002 (the card's field)
+                 min_quality: float | None = None, quality_weights: bool = False,
                  overwrite: bool = False) -> Snapshot:
     """Write the pairs (and rankings, and card) that pass the filters and record the snapshot.
 
@@ -185,7 +226,9 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     since/until: creation time range [since, until) (datetime, date or ISO string, UTC);
     include_all_bad: also "all bad" rankings and their pairs; include_imported: also imported
     pairs; trl_format: 'conversational' or 'text'; margin_column: add TRL's `margin` column;
-    license: the card's license field (an SPDX-like id, e.g. 'cc-by-4.0').
+    license: the card's license field (an SPDX-like id, e.g. 'cc-by-4.0'); min_quality: in [0, 1],
+    leave out annotators measured below it; quality_weights: add the `weight` column (annotator
+    quality, see the module docstring).
     """
     if fmt not in EXPORT_FORMATS:
         raise InvalidRequest(f"format must be one of {EXPORT_FORMATS}, not {fmt!r}")
@@ -202,8 +245,17 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
         raise InvalidRequest(f"{', '.join(existing)} already exists (pass overwrite=True to replace it)")
     cond, recorded = _filters_sql(store, rounds, annotators, min_agreement, since, until,
                                   include_all_bad, include_imported)
+    quality = None
+    if min_quality is not None or quality_weights:
+        quality = annotator_quality_table(store, min_quality)
+        if min_quality is not None:
+            excluded = [q["annotator_id"] for q in quality if q["excluded"]]
+            if excluded:
+                cond.append(("(annotator_id IS NULL OR NOT list_contains(?, annotator_id))", [excluded], False))
+            recorded.update(min_quality=float(min_quality),
+                            excluded_annotators=[q["annotator"] for q in quality if q["excluded"]])
     recorded.update(test_fraction=float(test_fraction), seed=int(seed), trl_format=trl_format,
-                    margin_column=bool(margin_column))
+                    margin_column=bool(margin_column), quality_weights=bool(quality_weights))
     layout.snapshot.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging(layout)
     for tmp in staging.values():
@@ -223,6 +275,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
                 cur.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS SELECT s.*, CASE WHEN t.prompt_id IS NULL "
                             f"THEN 'train' ELSE 'test' END AS split FROM {table}_sel s "
                             "LEFT JOIN _test_ids t ON t.prompt_id = s.prompt_id")
+        if quality_weights:  # each pair its annotator's weight; imported pairs and the unmeasured 1
+            _add_weights(cur, quality)
         counts = dict(zip(
             ("pairs", "train", "test", "prompts", "annotators", "imported", "all_bad"),
             cur.execute("SELECT count(*), count(*) FILTER (WHERE split = 'train'), "
@@ -234,7 +288,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
         counts["rankings"] = cur.execute("SELECT count(*) FROM _export_rankings").fetchall()[0][0]
         prompts_table(cur, trl_format)
         # 2. write the data under temporary names (DuckDB streams COPY; datasets go through Arrow)
-        _write_all(cur, layout, staging, fmt, trl_format, bool(margin_column), counts["test"] > 0)
+        _write_all(cur, layout, staging, fmt, trl_format, bool(margin_column), bool(quality_weights),
+                   counts["test"] > 0)
         facts = card.gather(store, cur)
     except BaseException:
         for tmp in staging.values():
@@ -249,14 +304,26 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
         os.replace(tmp, final)
     digest = snapshot_sha256(layout.snapshot)
     snap = store.record_snapshot(str(layout.snapshot), fmt, counts, recorded, digest)
-    columns = COLUMNS[:4] + ["margin"] + COLUMNS[4:] if margin_column else COLUMNS
+    columns = COLUMNS[:4] + ["margin"] * bool(margin_column) + ["weight"] * bool(quality_weights) + COLUMNS[4:]
     manifest = {"snapshot_id": snap.id, "format": fmt, "trl_format": trl_format, "counts": counts,
                 "filters": recorded, "sha256": digest, "license": license.strip(), "columns": columns,
                 "ranking_columns": RANKING_COLUMNS, "files": _relative_files(layout),
                 "created_at": snap.created_at.isoformat()}
+    if quality is not None:
+        manifest["annotator_quality"] = [{k: v for k, v in q.items() if k != "annotator_id"} for q in quality]
+        manifest["min_weight"] = MIN_WEIGHT
     write_text(layout.card, card.render(manifest, facts, fmt))
     write_text(layout.manifest, json.dumps(manifest, indent=2) + "\n")
     return snap
+
+
+def _add_weights(cur, quality: list[dict]) -> None:
+    """A `weight` column on _export: the pair's annotator's weight, 1 where none applies."""
+    table = pa.table({"annotator_id": pa.array([q["annotator_id"] for q in quality], pa.int64()),
+                      "weight": pa.array([q["weight"] for q in quality], pa.float64())})
+    cur.execute("ALTER TABLE _export ADD COLUMN weight DOUBLE DEFAULT 1.0")
+    with registered(cur, "_weights", table):
+        cur.execute("UPDATE _export SET weight = w.weight FROM _weights w WHERE w.annotator_id = _export.annotator_id")
 
 
 def _staging(layout: Layout) -> dict[Path, Path]:
@@ -271,7 +338,7 @@ def _relative_files(layout: Layout) -> dict[str, str]:
 
 
 def _write_all(cur, layout: Layout, staging: dict[Path, Path], fmt: str, trl_format: str,
-               margin_column: bool, has_test: bool) -> None:
+               margin_column: bool, weight_column: bool, has_test: bool) -> None:
     """Pairs and rankings into their temporary paths."""
     if layout.folder:
         root = staging[layout.snapshot]
@@ -281,7 +348,7 @@ def _write_all(cur, layout: Layout, staging: dict[Path, Path], fmt: str, trl_for
             rankings.parent.mkdir(parents=True)
     else:
         pairs, rankings = staging[layout.pairs], staging[layout.rankings]
-    write_data(cur, pairs, rankings, fmt, trl_format, margin_column, has_test)
+    write_data(cur, pairs, rankings, fmt, trl_format, margin_column, weight_column, has_test)
 
 
 def load_pairs_snapshot(path, split: str | None = None) -> list[dict]:

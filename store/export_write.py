@@ -2,7 +2,7 @@
 that joins the texts in, in TRL's conversational or text format, and the writers for JSONL,
 Parquet (DuckDB's COPY) and `datasets` folders (through Arrow files).
 
-    _export           the selected pairs, with their split
+    _export           the selected pairs, with their split (and `weight`, with quality_weights)
     _export_rankings  the selected rankings, with their split
     _export_prompts   (prompt_id, prompt) every exported prompt as chat messages (conversational)
 """
@@ -21,7 +21,7 @@ from store.db import registered
 
 _TIME = "strftime({}.created_at, '%Y-%m-%dT%H:%M:%S.%fZ') AS created_at"
 _WRITE = """
-    SELECT {prompt} AS prompt, {chosen} AS chosen, {rejected} AS rejected, s.margin AS rank_gap, {margin}
+    SELECT {prompt} AS prompt, {chosen} AS chosen, {rejected} AS rejected, s.margin AS rank_gap, {margin} {weight}
            a.name AS annotator, s.prompt_id, s.chosen_id, s.rejected_id,
            c.model_version_id AS chosen_model_version, r.model_version_id AS rejected_model_version,
            s.pair_id, s.ranking_id, s.all_bad, s.agreement, s.source, s.round_id AS round, {time}, s.split
@@ -55,12 +55,13 @@ def _reply(column: str, trl_format: str) -> str:
     return f"[{{'role': 'assistant', 'content': {column}}}]" if trl_format == "conversational" else column
 
 
-def pairs_sql(trl_format: str, margin_column: bool, where: str = "") -> str:
+def pairs_sql(trl_format: str, margin_column: bool, where: str = "", weight_column: bool = False) -> str:
     """The query that writes the pairs (over the temporary tables export_pairs builds)."""
     prompt = "m.prompt" if trl_format == "conversational" else "p.text"
     return _WRITE.format(prompt=prompt, chosen=_reply("c.text", trl_format),
                          rejected=_reply("r.text", trl_format), time=_TIME.format("s"),
-                         margin="s.margin AS margin," if margin_column else "", where=where)
+                         margin="s.margin AS margin," if margin_column else "",
+                         weight="s.weight AS weight," if weight_column else "", where=where)
 
 
 def rankings_sql(trl_format: str) -> str:
@@ -85,7 +86,7 @@ def prompts_table(cur, trl_format: str) -> None:
 
 
 def write_data(cur, pairs: Path, rankings: Path, fmt: str, trl_format: str, margin_column: bool,
-               has_test: bool) -> None:
+               weight_column: bool, has_test: bool) -> None:
     """The pairs and the rankings (tables _export, _export_rankings, _export_prompts) to these
     paths: DuckDB streams COPY for jsonl and parquet; `datasets` folders go through Arrow files."""
     if fmt == "datasets":
@@ -93,14 +94,15 @@ def write_data(cur, pairs: Path, rankings: Path, fmt: str, trl_format: str, marg
 
         splits = ("train", "test") if has_test else ("train",)
         with _ArrowStaging(pairs.with_name(pairs.name + ".arrow")) as arrow:
-            parts = {split: arrow(cur, pairs_sql(trl_format, margin_column, f"WHERE s.split = '{split}'"))
+            parts = {split: arrow(cur, pairs_sql(trl_format, margin_column, f"WHERE s.split = '{split}'",
+                                                 weight_column))
                      for split in splits}
             datasets.DatasetDict(parts).save_to_disk(str(pairs))
             arrow(cur, rankings_sql(trl_format)).save_to_disk(str(rankings))
             del parts
         return
     options = "FORMAT json" if fmt == "jsonl" else "FORMAT parquet, COMPRESSION zstd"
-    cur.execute(f"COPY ({pairs_sql(trl_format, margin_column)}) TO '{_sql_path(pairs)}' ({options})")
+    cur.execute(f"COPY ({pairs_sql(trl_format, margin_column, '', weight_column)}) TO '{_sql_path(pairs)}' ({options})")
     cur.execute(f"COPY ({rankings_sql(trl_format)}) TO '{_sql_path(rankings)}' ({options})")
 
 

@@ -250,3 +250,21 @@ def test_ipo_loss_hand_values_with_per_token_averages():
     loss = ipo_loss(pc, RR[:1], RC[:1], RR[:1], 0.5, nc[:1], nr[:1])
     loss.backward()
     assert close(loss, 0.0) and close(pc.grad, [0.0])
+
+
+def test_weighted_pairwise_loss_hand_values():
+    from pipeline.losses import weighted_pairwise_loss
+
+    r_c, r_r = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    # weights (1.5, 0.5), mean 1: (1.5 * 0.126928 + 0.5 * 0.693147) / 2 = (0.190392 + 0.346574) / 2
+    assert close(weighted_pairwise_loss(r_c, r_r, torch.tensor([1.5, 0.5])), 0.268483)
+    # with margin 1 on the first pair: (1.5 * 0.313262 + 0.5 * 0.693147) / 2 = 0.408233
+    assert close(weighted_pairwise_loss(r_c, r_r, torch.tensor([1.5, 0.5]), torch.tensor([1.0, 0.0])), 0.408233)
+    # no weights is pairwise_loss itself, bit for bit; weights of 1 give the same number
+    assert torch.equal(weighted_pairwise_loss(r_c, r_r, None), pairwise_loss(r_c, r_r))
+    assert close(weighted_pairwise_loss(r_c, r_r, torch.ones(2)), pairwise_loss(r_c, r_r))
+    # the gradient of a pair scales with its weight: d/dr_c of -w log sigmoid(d) / B = -w sigmoid(-d) / B
+    rc = r_c.clone().requires_grad_()
+    weighted_pairwise_loss(rc, r_r, torch.tensor([1.5, 0.5])).backward()
+    # pair 1: -1.5 * sigmoid(-2) / 2 = -0.75 * 0.119203 = -0.089402; pair 2: -0.5 * 0.5 / 2 = -0.125
+    assert close(rc.grad, [-0.089402, -0.125])

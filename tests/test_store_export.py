@@ -251,3 +251,54 @@ def test_snapshots_are_recorded_and_outputs_protected(store, ranked, tmp_path):
     # the reward model names its data
     rm = store.register_model_version("reward", snapshot_id=snap.id)
     assert store.get_model_version(rm.id).snapshot_id == snap.id
+
+
+def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators, tmp_path):
+    """ann0 ranks gold item 1 as its reference, ann1 reverses it: gold accuracy 1 and 0."""
+    _, items = ranked
+    store.set_gold(items[1].item_id, [[r] for r in items[1].response_ids])
+    # no quality option: no weight column, nothing recorded
+    plain = export_pairs(store, tmp_path / "plain.jsonl", "jsonl")
+    assert "weight" not in _jsonl(tmp_path / "plain.jsonl")[0] and "min_quality" not in plain.filters
+
+    kept = export_pairs(store, tmp_path / "kept.jsonl", "jsonl", min_quality=0.5)
+    rows = _jsonl(tmp_path / "kept.jsonl")
+    assert {r["annotator"] for r in rows} == {"ann0", None} and len(rows) == 9 + 1  # ann0's 3 items + imported
+    assert {r["annotator"] for r in _jsonl(tmp_path / "kept.rankings.jsonl")} == {"ann0"}
+    assert kept.filters["min_quality"] == 0.5 and kept.filters["excluded_annotators"] == ["ann1"]
+    everyone = export_pairs(store, tmp_path / "everyone.jsonl", "jsonl", min_quality=0.0)
+    assert everyone.counts["pairs"] == 16 and everyone.filters["excluded_annotators"] == []
+
+    out = tmp_path / "weighted"
+    snap = export_pairs(store, out, "jsonl", quality_weights=True)
+    by_annotator = {(r["annotator"], r["weight"]) for r in _jsonl(out / "pairs.jsonl")}
+    assert by_annotator == {("ann0", 1.0), ("ann1", 0.05), (None, 1.0)}  # 2q - 1 clipped; imported 1
+    assert snap.filters["quality_weights"] is True and "min_quality" not in snap.filters
+    manifest = json.loads((out / "snapshot.json").read_text())
+    assert manifest["columns"][:5] == ["prompt", "chosen", "rejected", "rank_gap", "weight"]
+    assert [(q["annotator"], q["quality"], q["measured_by"], q["weight"], q["excluded"])
+            for q in manifest["annotator_quality"]] == [("ann0", 1.0, "gold", 1.0, False),
+                                                        ("ann1", 0.0, "gold", 0.05, False)]
+    card = (out / "README.md").read_text()
+    assert "## Annotator quality" in card and "| ann1 | 0.000 | gold | 1 | 0.050 | no |" in card
+    assert "`weight` is the pair's annotator's quality weight" in card
+    both = export_pairs(store, tmp_path / "both.parquet", "parquet", margin_column=True, quality_weights=True,
+                        min_quality=0.5)
+    assert {r["weight"] for r in load_pairs_snapshot(both.path)} == {1.0}
+    assert json.loads((tmp_path / "both.parquet.snapshot.json").read_text())["columns"][3:6] == [
+        "rank_gap", "margin", "weight"]
+    with pytest.raises(InvalidRequest, match="min_quality"):
+        export_pairs(store, tmp_path / "bad.jsonl", "jsonl", min_quality=1.5)
+
+
+def test_annotator_quality_falls_back_to_majority_agreement(store, ranked, tmp_path):
+    from store.export import annotator_quality_table, quality_weight
+
+    # no gold: ann0 and ann1 agree on item 0 and disagree on item 1, so each agrees with the
+    # (other's) majority on 3 of 6 pairs: chance, weight at the floor
+    table = annotator_quality_table(store, min_quality=0.6)
+    assert [(q["annotator"], q["quality"], q["measured_by"], q["weight"], q["excluded"]) for q in table] == [
+        ("ann0", 0.5, "majority", 0.05, True), ("ann1", 0.5, "majority", 0.05, True)]
+    assert (quality_weight(None), quality_weight(0.8), quality_weight(0.2)) == (1.0, pytest.approx(0.6), 0.05)
+    snap = export_pairs(store, tmp_path / "x.jsonl", "jsonl", min_quality=0.6)
+    assert snap.counts["pairs"] == 1 and snap.filters["excluded_annotators"] == ["ann0", "ann1"]  # imported

@@ -395,3 +395,47 @@ def test_gradient_checkpointing_changes_memory_not_numbers(tmp_path, tiny_model_
     assert [m["train/loss"] for m in lines[1] if "train/loss" in m] == pytest.approx(
         [m["train/loss"] for m in lines[0] if "train/loss" in m], rel=1e-5)
     assert recomputed["eval/accuracy"] == plain["eval/accuracy"]
+
+
+# --------------------------------------------------------------------------- pair weights
+
+
+def test_weight_column_is_read_and_checked(tmp_path, tiny_tokenizer):
+    rows = marker_pairs(4)
+    rows[0]["weight"], rows[1]["weight"], rows[2]["weight"] = 0.05, 2, None  # None: 1.0, as a missing one
+    pairs, report = read_pairs(write_jsonl(tmp_path / "w.jsonl", rows))
+    assert [p.weight for p in pairs] == [0.05, 2.0, 1.0, 1.0]
+    assert report["weights"] == {"min": 0.05, "max": 2.0, "mean": pytest.approx(4.05 / 4)}
+    assert "weights" not in read_pairs(write_jsonl(tmp_path / "plain.jsonl", marker_pairs(2)))[1]
+    items, _ = encode_pairs(pairs, tiny_tokenizer, 512)
+    assert [it.weight for it in items] == [0.05, 2.0, 1.0, 1.0]
+    for bad in (0, -1.0, "high", True, float("nan"), float("inf")):
+        rows = marker_pairs(2)
+        rows[1]["weight"] = bad
+        path = tmp_path / "bad.jsonl"
+        path.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
+        with pytest.raises(PairsError, match=r"bad.jsonl, row 1, field 'weight': expected a positive finite number"):
+            read_pairs(path)
+
+
+def test_weights_train_as_their_share_of_the_mean(tmp_path, tiny_model_cfg):
+    """Weights count relative to their mean: equal weights train exactly as none; mixed weights
+    change the run unless --use-weights false."""
+    rows = marker_pairs(32)
+    cfg = dataclasses.replace(FAST, epochs=1, max_steps=3)
+
+    def run(name, weights, **kw):
+        data = write_jsonl(tmp_path / f"{name}.jsonl", [dict(r, weight=w) for r, w in zip(rows, weights)])
+        report = train_reward(str(data), str(tmp_path / name), dataclasses.replace(cfg, **kw), tiny_model_cfg)
+        losses = [json.loads(x)["train/loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                  if "train/loss" in x]
+        return report, losses
+
+    plain, plain_losses = run("plain", [None] * 32)
+    equal, equal_losses = run("equal", [3.0] * 32)
+    assert not plain["train/weighted"] and not equal["train/weighted"] and equal_losses == plain_losses
+    mixed = [0.1 if i % 2 else 1.9 for i in range(32)]
+    weighted, weighted_losses = run("mixed", mixed)
+    ignored, ignored_losses = run("ignored", mixed, use_weights=False)
+    assert weighted["train/weighted"] and weighted_losses != plain_losses
+    assert not ignored["train/weighted"] and ignored_losses == plain_losses
