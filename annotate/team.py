@@ -28,16 +28,24 @@ def _fmt(x) -> str:
 
 
 def _whole_or_none(value, label: str):
-    """A form's whole number, None when left blank; gr.Error naming the field otherwise."""
+    """A form's whole number (64-bit), None when left blank; gr.Error naming the field otherwise."""
     if value is None or value == "":
         return None
     try:
         x = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         x = float("nan")
-    if isinstance(value, bool) or not x.is_integer():
+    if isinstance(value, bool) or not x.is_integer() or not -(2**63) < x < 2**63:
         raise gr.Error(f"{label} must be a whole number, not {value!r}.")
     return int(x)
+
+
+def _id_or_none(value, label: str):
+    """A form's id (a whole number from 1), None when left blank."""
+    x = _whole_or_none(value, label)
+    if x is not None and x < 1:
+        raise gr.Error(f"{label} must be an id from the tables (1 or more), not {value!r}.")
+    return x
 
 
 # ------------------------------------------------------------------------- queue settings
@@ -71,12 +79,20 @@ def save_queue(ctx: AppContext, overlap, gold_rate, request: gr.Request) -> str:
     """Set the store's overlap and the gold rate."""
     admin(ctx, request)
     n = _whole_or_none(overlap, "Overlap")
+    rate = None
+    if gold_rate is not None and gold_rate != "":
+        try:
+            rate = float(gold_rate)
+        except (TypeError, ValueError, OverflowError):
+            rate = float("nan")
+        if isinstance(gold_rate, bool) or not 0.0 <= rate <= 1.0:
+            raise gr.Error(f"Not saved: the gold rate must be a number from 0 to 1, not {gold_rate!r}.")
     try:
         if n is not None:
             ctx.store.set_queue_overlap(n)
-        if gold_rate is not None and gold_rate != "":
-            ctx.store.set_gold_rate(float(gold_rate))
-    except (StoreError, TypeError, ValueError) as exc:
+        if rate is not None:
+            ctx.store.set_gold_rate(rate)
+    except StoreError as exc:
         raise gr.Error(f"Not saved: {exc}") from None
     rate = ctx.store.gold_rate()
     return (f"Saved: each item is ranked by **{ctx.store.queue_overlap()}** annotator(s) unless its round says "
@@ -87,7 +103,7 @@ def save_queue(ctx: AppContext, overlap, gold_rate, request: gr.Request) -> str:
 def save_round(ctx: AppContext, round_id, overlap, priority, request: gr.Request):
     """Set a round's own overlap and priority (blank = the defaults). Returns (message, rounds table)."""
     admin(ctx, request)
-    rid = _whole_or_none(round_id, "Round")
+    rid = _id_or_none(round_id, "Round")
     if rid is None:
         raise gr.Error("Choose a round first.")
     n, p = _whole_or_none(overlap, "Overlap"), _whole_or_none(priority, "Priority")
@@ -158,7 +174,7 @@ def _clip(text: str, n: int = 120) -> str:
 def mark_gold(ctx: AppContext, ranking_id, request: gr.Request):
     """Make a ranking the reference of its item. Returns (message, *team_tables)."""
     admin(ctx, request)
-    rid = _whole_or_none(ranking_id, "Ranking id")
+    rid = _id_or_none(ranking_id, "Ranking id")
     if rid is None:
         raise gr.Error("Enter the id of a ranking (see the items table) to use as the reference.")
     try:
@@ -173,7 +189,7 @@ def mark_gold(ctx: AppContext, ranking_id, request: gr.Request):
 def unmark_gold(ctx: AppContext, item_id, request: gr.Request):
     """The item is no longer gold (back in the regular queue). Returns (message, *team_tables)."""
     admin(ctx, request)
-    iid = _whole_or_none(item_id, "Item id")
+    iid = _id_or_none(item_id, "Item id")
     if iid is None:
         raise gr.Error("Enter the id of a gold item.")
     try:

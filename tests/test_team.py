@@ -1,9 +1,12 @@
-"""Running a team without a browser: the Data > Team handlers (annotate/team.py) and
-`python -m store queue` / `gold`, against a real store; annotators are refused every team action."""
+"""Running a team without a browser, against a real store: the queue's rules (overlap per round and
+by default, reached and never passed, never an item twice, the newest round first or an admin's
+priority, gold items mixed in at their rate), the Data > Team handlers (annotate/team.py), and
+`python -m store queue` / `gold`; annotators are refused every team action."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import gradio as gr
@@ -12,19 +15,24 @@ import pytest
 from annotate import team
 from annotate.context import AppContext, Refused
 from store import Store
+from store.errors import InvalidRequest, NotFoundError
 from store.__main__ import main
 from tests.fixtures_store import open_copy, seed_items
 from tests.helpers import req
 
 
+ANNOTATORS = ("ann", "bea", "cy", "dan")
+
+
 @pytest.fixture(scope="module")
 def accounts_db(tmp_path_factory) -> Path:
-    """A closed store file holding boss (admin), ann and bea (scrypt hashes them once, not per test)."""
+    """A closed store file holding boss (admin) and four annotators (scrypt hashes them once, not
+    per test)."""
     path = tmp_path_factory.mktemp("team_accounts") / "rlhf.duckdb"
     with Store(path) as s:
         s.add_annotator("boss", "boss-password", role="admin")
-        s.add_annotator("ann", "ann-password")
-        s.add_annotator("bea", "bea-password")
+        for name in ANNOTATORS:
+            s.add_annotator(name, f"{name}-password")
     return path
 
 
@@ -35,8 +43,148 @@ def ctx(accounts_db, tmp_path):
     s.close()
 
 
+@pytest.fixture
+def crew(ctx):
+    """(store, [the four annotators])."""
+    return ctx.store, [ctx.store.find_annotator(n) for n in ANNOTATORS]
+
+
 def ids(store, *names):
     return [store.find_annotator(n).id for n in names]
+
+
+# --------------------------------------------------------------------------- the queue's rules for a team
+
+
+def rank_all(store, annotator_id, *, limit=1000) -> list[int]:
+    """Let the annotator rank what the queue hands them (first response best); their item ids in order."""
+    got = []
+    while len(got) < limit and (item := store.next_item(annotator_id)) is not None:
+        store.save_ranking(annotator_id, item.prompt.id, item.display_order)
+        got.append(item.item_id)
+    return got
+
+
+def test_store_overlap_and_a_rounds_own_overlap_are_reached_and_not_passed(crew):
+    store, (a, b, c, d) = crew
+    plain = [x.item_id for x in seed_items(store, 3, 2)]
+    rnd = store.create_round(status="annotating")
+    in_round = [x.item_id for x in seed_items(store, 2, 2, round_id=rnd.id, prefix="round")]
+    store.set_queue_overlap(2)
+    store.set_round_queue(rnd.id, overlap=3)
+    assert store.queue_overlap() == 2 and store.round_queue() == {rnd.id: (3, None)}
+    for ann in (a, b, c, d):
+        rank_all(store, ann.id)
+    per_item = Counter(r.item_id for r in store.list_rankings())
+    assert {i: per_item[i] for i in plain} == dict.fromkeys(plain, 2)
+    assert {i: per_item[i] for i in in_round} == dict.fromkeys(in_round, 3)
+    assert len({(r.item_id, r.annotator_id) for r in store.list_rankings()}) == len(store.list_rankings())  # never twice
+    assert store.items_remaining() == 0 and store.remaining_count(d.id) == 0
+    # raising the store's overlap opens the plain items again, for annotators who have not ranked them
+    store.set_queue_overlap(3)
+    assert store.items_remaining() == 3
+    assert store.remaining_count(d.id) == sum(1 for i in plain if d.id not in
+                                             {r.annotator_id for r in store.list_rankings(item_id=i)})
+    assert store._check_queue_index()[0] == store._check_queue_index()[1]
+
+
+def test_overlap_and_priority_settings_refuse_bad_values(crew):
+    store, _ = crew
+    rnd = store.create_round()
+    for bad in (0, -1, 2.5, "2", True, 101):
+        with pytest.raises(InvalidRequest, match="overlap must be a whole number from 1 to 100"):
+            store.set_queue_overlap(bad)
+        with pytest.raises(InvalidRequest, match="overlap"):
+            store.set_round_queue(rnd.id, overlap=bad)
+    with pytest.raises(InvalidRequest, match="priority"):
+        store.set_round_queue(rnd.id, priority=5000)
+    with pytest.raises(NotFoundError, match="round with id 99"):
+        store.set_round_queue(99, overlap=2)
+    for bad in (-0.1, 1.5, float("nan"), "0.2"):
+        with pytest.raises(InvalidRequest, match="gold rate"):
+            store.set_gold_rate(bad)
+    assert store.queue_overlap() == 1 and store.round_queue() == {} and store.gold_rate() == 0.0
+
+
+def test_the_newest_rounds_items_come_first_unless_an_admin_orders_otherwise(crew):
+    store, (a, b, c, _) = crew
+    store.set_queue_overlap(2)
+    leftovers = [x.item_id for x in seed_items(store, 3, 2, prefix="old")]
+    store.save_ranking(c.id, *_first_order(store, leftovers[0]))  # the index exists before the rounds' items
+    r1 = store.create_round(status="annotating")
+    first = [x.item_id for x in seed_items(store, 2, 2, round_id=r1.id, prefix="r1")]
+    r2 = store.create_round(status="annotating")
+    second = [x.item_id for x in seed_items(store, 2, 2, round_id=r2.id, prefix="r2")]
+    # the newest round first, then the rest by need (leftover 0 has a ranking already) and age
+    assert rank_all(store, a.id) == second + leftovers[1:] + first + leftovers[:1]
+    # an admin puts round 1 first, and the leftovers (no round) before round 2
+    store.set_round_queue(r1.id, priority=5)
+    store.set_round_queue(r2.id, priority=-1)
+    assert rank_all(store, b.id) == first + leftovers[1:] + second  # leftover 0 has its 2 rankings
+    assert store.round_queue() == {r1.id: (None, 5), r2.id: (None, -1)}
+    assert store._check_queue_index()[0] == store._check_queue_index()[1]
+
+
+def _first_order(store, item_id):
+    """(prompt id, order) of a ranking of the item: its responses in id order."""
+    item = store.get_item(item_id)
+    return item.prompt.id, [r.id for r in item.responses]
+
+
+def test_gold_items_are_mixed_in_at_the_rate_for_everyone_whatever_the_overlap(crew):
+    store, anns = crew
+    regular = [x.item_id for x in seed_items(store, 40, 2)]
+    gold = [x.item_id for x in seed_items(store, 12, 2, prefix="gold")]
+    for item_id in gold:
+        store.set_gold(item_id, [[r] for r in sorted(store.response_ids_by_item([item_id])[item_id])])
+    assert store.items_remaining() == 40  # gold items are not in the regular queue
+    store.set_queue_overlap(1)
+    store.set_gold_rate(0.25)
+    leased = store.next_item(anns[0].id)
+    assert store.next_item(anns[0].id).item_id == leased.item_id  # a reload: the same item, gold or not
+    got = {a.id: [] for a in anns}
+    for _ in range(10):  # four annotators take turns, ten items each
+        for a in anns:
+            item = store.next_item(a.id)
+            store.save_ranking(a.id, item.prompt.id, item.display_order)
+            got[a.id].append(item.item_id)
+    n_gold = [sum(i in gold for i in items) for items in got.values()]
+    assert 4 <= sum(n_gold) <= 16  # 40 draws at rate 0.25: 10 expected; the draws are fixed, not random
+    assert all(len(set(items)) == 10 for items in got.values())  # never twice
+    per_item = Counter(r.item_id for r in store.list_rankings())
+    assert all(per_item[i] == 1 for i in regular if i in per_item)  # overlap 1 for the regular items
+    # a gold item is served to each annotator: at rate 1 everyone gets every gold item they lack
+    store.set_gold_rate(1.0)
+    for a in anns:
+        want = [i for i in gold if i not in got[a.id]]
+        assert sorted(rank_all(store, a.id, limit=len(want))) == sorted(want)
+    assert all(per_item_gold == len(anns) for per_item_gold in
+               Counter(r.item_id for r in store.list_rankings() if r.item_id in gold).values())
+    # rate 0: no gold; the regular queue goes on where it was
+    store.set_gold_rate(0.0)
+    item = store.next_item(anns[0].id)
+    assert item.item_id in regular and store.gold_rate() == 0.0
+    assert store._check_queue_index()[0] == store._check_queue_index()[1]
+
+
+def test_a_gold_reference_from_a_ranking_and_back_to_the_regular_queue(crew):
+    store, (a, b, *_) = crew
+    it1, it2 = seed_items(store, 2, 3)
+    ranking = store.save_ranking(a.id, it1.prompt_id, [[it1.response_ids[2]], it1.response_ids[:2]])
+    gold = store.set_gold_from_ranking(ranking.id)
+    assert (gold.item_id, gold.order, gold.ranking_id, gold.annotator_id) == (
+        it1.item_id, ranking.order, ranking.id, a.id)
+    store.set_gold_rate(1.0)
+    assert store.next_item(a.id).item_id == it2.item_id  # a made the reference: not theirs to rank
+    assert store.next_item(b.id).item_id == it1.item_id  # b gets the gold item first
+    store.remove_gold(it1.item_id)
+    assert store.gold_items() == [] and store.items_remaining() == 1  # it1 is ranked once (overlap 1)
+    with pytest.raises(NotFoundError, match="gold item"):
+        store.remove_gold(it1.item_id)
+    assert store._check_queue_index()[0] == store._check_queue_index()[1]
+
+
+# --------------------------------------------------------------------------- Data > Team
 
 
 def test_admin_sets_the_overlap_the_gold_rate_and_a_rounds_queue(ctx):
@@ -163,3 +311,20 @@ def test_cards_past_nine_are_ranked_by_the_letters_they_show():
         assert f'data-pos="{pos}" data-key="{key}"' in html and f"<kbd>{key.upper()}</kbd>" in html
     assert "press 1–9, then B, D, E from best to worst" in html
     assert render.keys_hint(4) == "1–4" and render.position_key(30) == ""
+
+
+@pytest.mark.parametrize("bad", [[1], {"a": 1}, "two", 2**70, -(2**70), 1.5, True, float("inf"), float("nan")])
+def test_team_forms_refuse_odd_input_with_a_clear_error_and_change_nothing(ctx, bad):
+    store, boss = ctx.store, req("boss")
+    rnd = store.create_round()
+    before = (store.queue_overlap(), store.gold_rate(), store.round_queue(), store.gold_items())
+    calls = [(team.save_queue, (bad, None)), (team.save_queue, (None, bad)), (team.save_round, (bad, 2, None)),
+             (team.save_round, (rnd.id, bad, None)), (team.save_round, (rnd.id, None, bad)),
+             (team.mark_gold, (bad,)), (team.unmark_gold, (bad,))]
+    for fn, args in calls:
+        with pytest.raises(gr.Error) as err:
+            fn(ctx, *args, boss)
+        assert str(err.value).strip() and "Traceback" not in str(err.value)
+    msg, problems, *_ = team.import_gold(ctx, bad, boss)  # not a file: refused, with the reason
+    assert "was not imported" in msg and "no such file" in problems.iloc[0]["problem"]
+    assert (store.queue_overlap(), store.gold_rate(), store.round_queue(), store.gold_items()) == before
