@@ -47,6 +47,7 @@ import shlex
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,8 +88,8 @@ class Experiment:
 def full_experiment(threads: int = 2) -> Experiment:
     """SmolLM2-135M on CPU in fp32. The PPO settings are sized for about 50 minutes on 2 idle cores
     with --parallel --threads 1 (round 1 ~20 min; then per setting 2 x 24 PPO steps of 8 episodes,
-    ~30 min side by side): enough PPO for beta = 0 to over-optimise the proxy. The other parts'
-    CPU time is in docs/results/gold_loop.md."""
+    ~30 min side by side): enough PPO for beta = 0 to over-optimise the proxy. The learning curves
+    are the longest parts (a reward model per size); the report gives each part's wall and CPU time."""
     tokens = 24
     return Experiment(
         loop=LoopSettings(
@@ -105,10 +106,11 @@ def full_experiment(threads: int = 2) -> Experiment:
         dpo={"loss": "sigmoid", "beta": 0.1, "epochs": 2, "lr": 5e-4, "batch_size": 8, "max_length": 128},
         curve=CurveConfig(
             sizes=[100, 300, 1000, 3000], heldout_pairs=600,
-            reward=RewardConfig(epochs=2, lr=3e-4, batch_size=8, max_length=128),
-            # HH: the reference run's recipe (pipeline/train_reward.py's docstring)
-            hh_sizes=[100, 300, 1000, 1500], hh_heldout_pairs=400,
-            hh_reward=RewardConfig(epochs=1, lr=1e-4, batch_size=8, max_length=512)))
+            reward=RewardConfig(epochs=1, lr=3e-4, batch_size=8, max_length=128),
+            # HH: the reference run's recipe (pipeline/train_reward.py's docstring); at most 2,048
+            # tokens a forward pass (the same gradients in chunks), so it fits beside the other parts
+            hh_sizes=[100, 300, 1000], hh_heldout_pairs=400,
+            hh_reward=RewardConfig(epochs=1, lr=1e-4, batch_size=8, max_length=512, max_tokens=2048)))
 
 
 def quick_experiment(model_dir: str, threads: int = 2) -> Experiment:
@@ -179,11 +181,17 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
         results["skipped"]["dpo"] = why
     variants = [v for v in exp.variants if v not in results["skipped"]]
 
-    # 2-3. the parts, each from round 1 (a failing part stops the run: its error is the run's)
+    # 2-3. the parts, each from round 1; a part that fails is recorded (results["failed"]) and
+    #      the others go on: a long run keeps every part that worked, and the report says which did not
     def timed(name, fn):
         def task():
-            with ctx.part(name):
-                fn()
+            try:
+                with ctx.part(name):
+                    fn()
+            except Exception as exc:  # noqa: BLE001 - any failure of one part
+                log(f"{name} failed:\n{traceback.format_exc()}")
+                with lock:
+                    results.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
             save()
         return task
 
@@ -199,8 +207,8 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
     if parallel:
         with ThreadPoolExecutor(len(tasks)) as pool_:
             for future in [pool_.submit(task) for task in tasks]:
-                future.result()  # re-raises the first failure
-        results["variants"] = {n: results["variants"][n] for n in variants}
+                future.result()
+        results["variants"] = {n: results["variants"][n] for n in variants if n in results["variants"]}
     else:
         for task in tasks:
             task()
@@ -243,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--quick", action="store_true", help="tiny random models, a few minutes")
     add("--out", default="", help="results directory (default: bench/out/gold_loop/<time>)")
     add("--prompts", default=str(PROMPTS), help="prompt pool (JSONL with 'prompt')")
-    add("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    add("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)} (none: only the other parts)")
     add("--bon", type=_sizes, default=None, help="best-of-n sizes, e.g. 1,2,4,8,16 (none: skip)")
     add("--curve-sizes", type=_sizes, default=None,
         help="simulated pairs per learning-curve point, e.g. 100,300,1000,3000 (none: skip)")
@@ -263,10 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def apply_overrides(exp: Experiment, args) -> Experiment:
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    exp.variants = [] if args.variants == "none" else args.variants.split(",")
+    unknown = [v for v in exp.variants if v not in VARIANTS]
     if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
-    exp.variants = args.variants.split(",")
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)} (or none)")
     overrides = [(args.rounds, exp.loop.loop, "rounds"), (args.ppo_steps, exp.loop.ppo, "steps"),
                  (args.prompts_per_round, exp.loop.loop, "prompts_per_round"), (args.eval_samples, exp.eval, "samples"),
                  (args.reward_epochs, exp.loop.reward, "epochs")]
@@ -318,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"published: {path}")
     print(gold_result_line(results, out))
     print(result_line(results))  # last: bench/run_all.py reads the last RESULT line
-    return 0
+    for name, why in results.get("failed", {}).items():
+        print(f"failed: {name}: {why}", file=sys.stderr)
+    return 1 if results.get("failed") else 0
 
 
 if __name__ == "__main__":

@@ -165,6 +165,8 @@ def parts_section(results: dict) -> list[str]:
                 if results.get("parallel") else ", part by part."), "",
              "| part | wall (min) | CPU (min) |", "|---|---|---|"]
     lines += [f"| {name} | {p['wall_s'] / 60:.1f} | {p['cpu_s'] / 60:.1f} |" for name, p in parts.items()]
-    if results.get("skipped"):
-        lines += [""] + [f"Skipped: {name}: {why}." for name, why in results["skipped"].items()]
+    if results.get("skipped") or results.get("failed"):
+        lines.append("")
+    lines += [f"Skipped: {name}: {why}." for name, why in results.get("skipped", {}).items()]
+    lines += [f"**Failed**: {name}: {why} (the run's log has the traceback)." for name, why in results.get("failed", {}).items()]
     return lines + [""]

@@ -313,7 +313,9 @@ def _results():
 def test_report_table_checks_and_plots_from_results(tmp_path):
     from bench.gold_report import result_line, write_report
 
-    report = write_report(_results(), tmp_path).read_text()
+    results = {**_results(), "parts": {"round1": {"wall_s": 90.0, "cpu_s": 150.0}}, "failed": {"dpo": "RuntimeError: x"}}
+    report = write_report(results, tmp_path).read_text()
+    assert "| round1 | 1.5 | 2.5 |" in report and "**Failed**: dpo: RuntimeError: x" in report
     assert "| adaptive KL | 2 | 0.340 | +0.040 | 0.60 | 0.60 | 2.00 | 1.41 |" in report
     assert "- [x] gold rises under KL control" in report
     assert "- [x] beta = 0 drifts further (higher KL)" in report
