@@ -53,7 +53,7 @@ def data_tab(ctx: AppContext) -> dict:
                         "Runs in the background; annotators see items as soon as each chunk is stored.")
             with gr.Row():
                 n_prompts = gr.Number(value=d.get("n_prompts", 32), precision=0, minimum=1, label="Prompts")
-                k = gr.Slider(2, 8, value=d.get("k", 4), step=1, label="K responses per prompt")
+                k = gr.Slider(2, 16, value=d.get("k", 4), step=1, label="K responses per prompt")
                 max_new = gr.Number(value=d.get("max_new_tokens", 64), precision=0, minimum=1,
                                     label="Max new tokens")
                 temperature = gr.Slider(0.0, 2.0, value=d.get("temperature", 0.7), step=0.05, label="Temperature")
