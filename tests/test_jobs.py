@@ -194,3 +194,19 @@ def test_the_queue_survives_a_kill_9_of_its_owner(store_path, tiny_model_dir, tm
     assert reward.run_id == second.id
     runner.shutdown()
     store.close()
+
+
+def test_a_run_picked_up_before_its_folder_is_recorded_gets_the_same_folder(tmp_path):
+    """The worker can take a queued run between its creation and the recording of its folder."""
+    store = Store(tmp_path / "s.duckdb")
+    runner = JobRunner(store, tmp_path / "runs")
+    runner.shutdown()  # no worker: the test plays both sides
+    try:
+        bare = store.create_run("generate", config={"args": []}, inputs={})  # as submit leaves it a moment
+        assert bare.run_dir is None
+        first = runner._with_run_dir(bare)
+        again = runner._with_run_dir(store.get_run(bare.id))
+        assert first.run_dir == again.run_dir == str(tmp_path / "runs" / f"{bare.id:05d}-generate")
+        assert Path(first.run_dir).is_dir()
+    finally:
+        store.close()

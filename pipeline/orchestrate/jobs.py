@@ -107,12 +107,19 @@ class JobRunner:
         launch_command(**launch)  # a bad setting is refused now, not when the job comes up
         run = self.store.create_run(kind, config={"args": list(args), "launch": launch, **(config or {})},
                                     inputs=inputs or {})
-        run_dir = self.runs_root / f"{run.id:05d}-{kind}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        run = self.store.update_run(run.id, run_dir=str(run_dir))
+        run = self._with_run_dir(run)
         with self._wake:
             self._wake.notify_all()
         return run
+
+    def _with_run_dir(self, run):
+        """The run with its folder made and recorded. The folder's name follows from the run alone,
+        so the worker, which can pick up a run between its creation and this call, records the same."""
+        if run.run_dir:
+            return run
+        run_dir = self.runs_root / f"{run.id:05d}-{run.kind}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return self.store.update_run(run.id, run_dir=str(run_dir))
 
     def cancel(self, run_id: int) -> None:
         """Stop a run: a queued one never starts; a running one gets SIGTERM (it saves a
@@ -217,6 +224,7 @@ class JobRunner:
         if run.id in self._cancel:
             self._finish(run.id, "cancelled", "cancelled before it started")
             return
+        run = self._with_run_dir(run)
         run_dir = Path(run.run_dir)
         # 1. start the subprocess in its own process group (so cancel reaches its children too)
         launcher = self.launcher or launch_command(**run.config.get("launch", {}))
