@@ -1,4 +1,5 @@
-"""Train-tab handlers: train a reward model, run PPO, run a loop round, and watch any job.
+"""Train-tab handlers: train a reward model, run PPO, run a loop round (policy step PPO or DPO),
+and watch any job.
 
 Plain functions `(ctx, inputs..., request) -> updates` that annotate/ui_train.py wires to
 components; tests call them directly. Each starts with `admin(ctx, request)`, so an annotator
@@ -9,6 +10,10 @@ base model, device, LoRA rank ...) and hand over to the orchestration side, whic
 too: pipeline/orchestrate/steps.py builds and queues each job, pipeline/orchestrate/loop.py is the
 round state machine (a round advances by itself as its jobs end, and survives a restart). The job
 monitor (annotate/monitor.py) follows one run: progress, plots, log tail, and Cancel.
+
+"Run a full round" on a round with fewer rankings than its threshold does not train: it returns
+the confirmation ("Round N has R of M items ranked (threshold T): finish anyway?") for the tab to
+show; Confirm sends the same form again with `confirmed`.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import gradio as gr
 from annotate import monitor
 from annotate.context import AppContext, admin
 from pipeline.orchestrate import loop
-from pipeline.orchestrate.steps import LoopSettings, ensure_base_policy, latest_reward, submit_ppo, submit_reward
+from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, ensure_base_policy, latest_reward, submit_ppo,
+                                        submit_reward)
 
 NO_JOBS = ("This app runs without a job runner, so training cannot start here. Train from the "
            "command line instead (`python -m pipeline train-reward --help`, `python -m pipeline ppo "
            "--help`, `python -m pipeline loop --help`) while the app is stopped.")
 KL_CONTROLS = ("adaptive", "x1.5", "fixed")
+DPO_LOSSES = ("sigmoid", "ipo")
 
 
 def settings_of(ctx: AppContext) -> LoopSettings:
@@ -92,6 +99,20 @@ def ppo_settings(settings: LoopSettings, lora, processes, n_prompts, steps, kl_c
     return settings
 
 
+def dpo_settings(settings: LoopSettings, policy_step, loss, beta, epochs, lr) -> LoopSettings:
+    """The policy-step choice and the DPO form's values on top of the app's settings."""
+    if policy_step not in POLICY_STEPS:
+        raise gr.Error(f"Policy step: choose PPO or DPO (got {policy_step!r}).")
+    if loss not in DPO_LOSSES:
+        raise gr.Error(f"DPO loss: choose one of {', '.join(DPO_LOSSES)} (got {loss!r}).")
+    settings.policy_step = policy_step
+    settings.dpo.loss = loss
+    settings.dpo.beta = _number(beta, "DPO β", minimum=1e-12)
+    settings.dpo.epochs = _number(epochs, "DPO epochs", minimum=1, integer=True)
+    settings.dpo.lr = _number(lr, "DPO learning rate", minimum=1e-12)
+    return settings
+
+
 def round_settings(settings: LoopSettings, prompts_per_round, k, strategy) -> LoopSettings:
     if strategy not in ("random", "uncertain"):
         raise gr.Error(f"Prompt selection: choose random or uncertain (got {strategy!r}).")
@@ -148,29 +169,44 @@ def run_ppo(ctx: AppContext, lora: bool, processes, reward_name: str | None, n_p
 
 
 def run_full_round(ctx: AppContext, lora: bool, processes, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control,
-                   beta, kl_target, ppo_lr, critic_lr, prompts_per_round, k, strategy, request: gr.Request):
-    """Train on the round being annotated (snapshot -> reward model -> PPO -> new active policy)
-    and then start the next one; with no open round, start the first. The round advances as its
-    jobs end (pipeline/orchestrate/loop.py); a failed step leaves it open, saying why, for another
-    try. Returns (message, run choice, timer)."""
+                   beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr,
+                   prompts_per_round, k, strategy, confirmed: bool, request: gr.Request):
+    """Train on the round being annotated (snapshot -> reward model -> PPO, or snapshot -> DPO ->
+    new active policy) and then start the next one; with no open round, start the first. The
+    round advances as its jobs end (pipeline/orchestrate/loop.py); a failed step leaves it open,
+    saying why, for another try. An under-ranked round trains only when `confirmed`; before,
+    nothing starts and the confirmation shows. Returns (message, run choice, timer, confirmation
+    row, confirmation text)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
     settings = reward_settings(settings_of(ctx), lora, processes, epochs, rm_lr, rm_batch)
     settings = ppo_settings(settings, lora, processes, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
                             critic_lr)
+    settings = dpo_settings(settings, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr)
     settings = round_settings(settings, prompts_per_round, k, strategy)
     _no_round_in_flight(ctx)
     rnd = loop.current_round(ctx.store)
     try:
         if rnd is not None:
-            loop.finish_round(ctx.store, jobs, rnd, settings, next_round=True, wait=False)
+            loop.finish_round(ctx.store, jobs, rnd, settings, next_round=True, wait=False, anyway=bool(confirmed))
         else:
             rnd = loop.start_round(ctx.store, jobs, settings, wait=False)
+    except loop.UnderRanked as exc:
+        return gr.update(), gr.update(), gr.update(), gr.update(visible=True), f"**{exc}**"
     except loop.RoundFailed as exc:
         raise gr.Error(str(exc)) from None
-    what = (f"Training on round {rnd.id} (reward model, then PPO), then starting the next round."
+    how = "DPO on its pairs, no reward model" if settings.policy_step == "dpo" else "reward model, then PPO"
+    what = (f"Training on round {rnd.id} ({how}), then starting the next round."
             if rnd.status != "generating" else f"Started round {rnd.id}: generating responses with the active policy.")
-    return _queued(ctx, what)
+    return *_queued(ctx, what), gr.update(visible=False), ""
+
+
+def keep_round_open(ctx: AppContext, request: gr.Request):
+    """Cancel on the confirmation: nothing trains. Returns (message, confirmation row)."""
+    admin(ctx, request)
+    rnd = loop.current_round(ctx.store)
+    where = f"Round {rnd.id} stays open" if rnd is not None else "Nothing started"
+    return f"{where}: rank more of its items, or run the round again and confirm.", gr.update(visible=False)
 
 
 def start_next_round(ctx: AppContext, prompts_per_round, k, strategy, request: gr.Request):

@@ -58,13 +58,30 @@ def train_tab(ctx: AppContext) -> dict:
             activate = gr.Checkbox(value=True, label="Make the new policy active when done")
             ppo_btn = gr.Button("Run PPO", variant="primary", elem_id="rl-run-ppo", interactive=enabled)
         with gr.Column(variant="panel"):
-            gr.Markdown("#### Loop round\nFinish the round being annotated (snapshot → reward model → PPO → "
-                        "new active policy), then generate the next one.")
+            gr.Markdown("#### DPO\nThe round's policy step when it is DPO (Rafailov et al. 2023): the round's "
+                        "policy learns the pairs directly, and the round trains no reward model.")
+            dpo_loss = gr.Radio(list(t.DPO_LOSSES), value=s.dpo.loss, label="Loss", elem_id="rl-dpo-loss",
+                                info="sigmoid: DPO · ipo: IPO (Azar et al. 2023)")
+            dpo_beta = gr.Number(value=s.dpo.beta, label="DPO β", info="larger stays closer to the reference")
+            with gr.Row():
+                dpo_epochs = gr.Number(value=s.dpo.epochs, precision=0, minimum=1, label="DPO epochs")
+                dpo_lr = gr.Number(value=s.dpo.lr, label="DPO learning rate")
+        with gr.Column(variant="panel"):
+            gr.Markdown("#### Loop round\nFinish the round being annotated (snapshot → reward model → PPO, or "
+                        "snapshot → DPO → new active policy), then generate the next one. With fewer than "
+                        f"{s.loop.rankings_per_round} rankings (or fewer than its items) it asks first.")
+            policy_step = gr.Radio([("PPO", "ppo"), ("DPO", "dpo")], value=s.policy_step, label="Policy step",
+                                   elem_id="rl-policy-step")
             per_round = gr.Number(value=s.loop.prompts_per_round, precision=0, minimum=1, label="Prompts per round")
             k = gr.Slider(2, 8, value=s.generate.k, step=1, label="K responses per prompt")
             strategy = gr.Radio(["random", "uncertain"], value=s.loop.strategy, label="Prompt selection",
                                 info="uncertain: the prompts the reward model separates least")
             round_btn = gr.Button("Run a full round", variant="primary", elem_id="rl-run-round", interactive=enabled)
+            # Gradio has no modal: the confirmation is a row shown by the handler's update
+            with gr.Row(visible=False, elem_id="rl-round-confirm") as confirm_row:
+                confirm_md = gr.Markdown(elem_id="rl-round-confirm-text")
+                confirm_btn = gr.Button("Confirm", variant="stop", size="sm", elem_id="rl-round-confirm-yes")
+                keep_btn = gr.Button("Cancel", size="sm", elem_id="rl-round-confirm-no")
             next_btn = gr.Button("Start the next round (no training)", elem_id="rl-next-round", interactive=enabled)
             round_md = gr.Markdown(elem_id="rl-round")
     msg = gr.Markdown(elem_id="rl-train-msg")
@@ -99,10 +116,14 @@ def train_tab(ctx: AppContext) -> dict:
     ppo_btn.click(bind(t.run_ppo, ctx), [lora, processes, reward, n_prompts, steps, kl_control, beta, kl_target,
                                         ppo_lr, critic_lr, activate], started, api_name="run_ppo",
                   **HIDDEN).success(**poll)
-    round_btn.click(bind(t.run_full_round, ctx), [lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps,
-                                                  kl_control, beta, kl_target, ppo_lr, critic_lr, per_round, k,
-                                                  strategy],
-                    started, api_name="run_round", **HIDDEN).success(**poll)
+    round_in = [lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
+                critic_lr, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr, per_round, k, strategy]
+    round_out = [*started, confirm_row, confirm_md]
+    round_btn.click(bind(t.run_full_round, ctx), [*round_in, gr.State(False)], round_out, api_name="run_round",
+                    **HIDDEN).success(**poll)
+    confirm_btn.click(bind(t.run_full_round, ctx), [*round_in, gr.State(True)], round_out,
+                      api_name="run_round_confirmed", **HIDDEN).success(**poll)
+    keep_btn.click(bind(t.keep_round_open, ctx), None, [msg, confirm_row], **QUIET)
     next_btn.click(bind(t.start_next_round, ctx), [per_round, k, strategy], started, api_name="next_round",
                    **HIDDEN).success(**poll)
     cancel.click(bind(t.cancel, ctx), [run_pick], [msg], api_name="cancel_run", **HIDDEN).success(**poll)

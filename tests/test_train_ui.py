@@ -34,7 +34,8 @@ PPO_FORM = dict(lora=True, processes=1, n_prompts=8, steps=2, kl_control="adapti
                 critic_lr=1e-5, activate=True)
 ROUND_FORM = dict(prompts_per_round=6, k=3, strategy="random")
 FULL_ROUND_FORM = dict(lora=True, processes=1, epochs=1, rm_lr=1e-3, rm_batch=4, n_prompts=8, steps=2, kl_control="adaptive",
-                       beta=0.05, kl_target=6.0, ppo_lr=1e-5, critic_lr=1e-5, **ROUND_FORM)
+                       beta=0.05, kl_target=6.0, ppo_lr=1e-5, critic_lr=1e-5, policy_step="ppo", dpo_loss="sigmoid",
+                       dpo_beta=0.1, dpo_epochs=1, dpo_lr=5e-5, **ROUND_FORM, confirmed=False)
 
 
 def make_ctx(store, tmp_path, model_dir, jobs=True) -> AppContext:
@@ -177,7 +178,8 @@ def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
     store.register_model_version("reward", "reward-v1", path=str(tmp_path), base_model="tiny")
     calls = [
         (train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": "reward-v1", **PPO_FORM}),
-        (train.run_full_round, FULL_ROUND_FORM), (train.start_next_round, ROUND_FORM),
+        (train.run_full_round, FULL_ROUND_FORM), (train.run_full_round, {**FULL_ROUND_FORM, "confirmed": True}),
+        (train.keep_round_open, {}), (train.start_next_round, ROUND_FORM),
         (train.cancel, {"choice": monitor.LATEST}), (train.poll, {"choice": monitor.LATEST, "reward_value": None}),
         (model_admin.models_table, {}), (model_admin.open_tab, {}), (model_admin.version_choices, {}),
         (model_admin.version_details, {"name": "seed-policy"}), (model_admin.set_active, {"name": "other-policy"}),

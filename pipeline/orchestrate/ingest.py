@@ -3,6 +3,7 @@
     Partial(store, run).poll()        while a job runs: its results so far (generated responses
                                       arrive in chunk files: each chunk becomes items at once)
     finish(store, run, run_dir, p)    after it succeeded: the rest of its results, in the store
+                                      (a reward model, a policy from ppo or train-dpo, a comparison)
 
 Each chunk, and each finisher, writes the store in one transaction, so a job that crashes or is
 killed (even with SIGKILL) leaves the store with whole chunks only and no half-registered model.
@@ -89,20 +90,40 @@ def finish_train_reward(store, run, run_dir: Path, partial: Partial) -> dict:
     return {"model_version_id": version.id}
 
 
-def finish_ppo(store, run, run_dir: Path, partial: Partial) -> dict:
-    """The new policy; active at once when the run was submitted with `activate`."""
+def _register_policy(store, run, run_dir: Path, meta: dict, **lineage) -> dict:
+    """The run's policy/ folder as a new policy version whose parent is the policy the run started
+    from; active at once when the run was submitted with `activate`."""
     policy_dir = run_dir / "policy"
-    meta = _read_json(policy_dir / "model_meta.json")
-    metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    last = metrics[-1] if metrics else {}
+    if not (policy_dir / "model_meta.json").is_file():
+        raise ValueError(f"the {run.kind} run ended without a policy in {policy_dir}")
     version = store.register_model_version(
         "policy", parent_id=run.inputs.get("policy_version_id"), path=str(policy_dir),
-        base_model=meta.get("base_model"), run_id=run.id,
-        reward_version_id=run.inputs.get("reward_version_id"),
-        meta={"final": {k: v for k, v in last.items() if isinstance(v, (int, float))}})
+        base_model=_read_json(policy_dir / "model_meta.json").get("base_model"), run_id=run.id, meta=meta, **lineage)
     if run.inputs.get("activate"):
         store.set_active_policy(version.id)
     return {"model_version_id": version.id}
+
+
+def _numbers(row: dict) -> dict:
+    return {k: v for k, v in row.items() if isinstance(v, (int, float))}
+
+
+def finish_ppo(store, run, run_dir: Path, partial: Partial) -> dict:
+    """The new policy, trained against the reward model the run names."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    return _register_policy(store, run, run_dir, {"method": "ppo", "final": _numbers(metrics[-1] if metrics else {})},
+                            reward_version_id=run.inputs.get("reward_version_id"))
+
+
+def finish_train_dpo(store, run, run_dir: Path, partial: Partial) -> dict:
+    """The new policy, trained by DPO on a snapshot: its lineage is the starting policy (parent) and
+    the snapshot (no reward model); its meta names the loss and beta and the held-out figures."""
+    trained = _read_json(run_dir / "policy" / "model_meta.json")
+    report = _read_json(run_dir / "eval_report.json")
+    return _register_policy(store, run, run_dir, {
+        "method": "dpo", "loss": trained.get("loss"), "beta": trained.get("beta"),
+        "data_sha256": trained.get("data_sha256"), "final": _numbers(report)},
+        snapshot_id=run.inputs.get("snapshot_id"))
 
 
 def finish_compare(store, run, run_dir: Path, partial: Partial) -> dict:
@@ -119,4 +140,4 @@ def finish_compare(store, run, run_dir: Path, partial: Partial) -> dict:
 
 
 FINISHERS = {"generate": finish_generate, "train-reward": finish_train_reward, "ppo": finish_ppo,
-             "compare": finish_compare}
+             "train-dpo": finish_train_dpo, "compare": finish_compare}

@@ -3,7 +3,21 @@
     generating ──► annotating ──► training ──────────────► done
     (a generate     (people, or a   (a train-reward job,      (the new policy is active; with
      job with the    simulated       then a ppo job against    `next_round`, round n+1 starts
-     active policy)  annotator)      the new reward model)     generating at once)
+     active policy)  annotator)      the new reward model;     generating at once)
+                                     or one train-dpo job)
+
+The policy step (LoopSettings.policy_step) is PPO or DPO. Both train on the same data: a snapshot
+of every pair so far (steps.pairs_snapshot). With PPO a reward model learns the snapshot and PPO
+optimises against it; with DPO the policy learns the snapshot directly and the round trains no
+reward model: that is DPO's point (Rafailov et al. 2023), and it saves the reward job's minutes.
+The round then records the snapshot and no reward model. What still needs a reward model
+(Compare in the Models tab, 'uncertain' prompt selection) uses the newest one trained (by an
+earlier PPO round or "Train reward model"); with none, 'uncertain' selection is random.
+
+A round is finished (trained on) once it has enough rankings: `rankings_per_round`, or every item
+ranked as often as the round's overlap asks if that is fewer (`coverage`). `finish_round` refuses
+an under-ranked round with `UnderRanked`, which says how many items are ranked, unless told to go
+on anyway; the Train tab asks the admin first, and the CLI waits for people to reach it.
 
 Every step is a job (steps.py builds it, jobs.py runs it). A job carries its round and step in
 its inputs; when it ends, `on_job_end` moves the round on and submits the next step, so a round
@@ -16,24 +30,67 @@ One failure rule: a step that fails, is cancelled or is interrupted puts its rou
 items and rankings, and the same action (train again, or start the next round) retries it.
 
     python -m pipeline loop --rounds 2 --judge embedding     # headless, simulated annotators
+    python -m pipeline loop --policy-step dpo --dpo-beta 0.1 --judge embedding
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, add_arguments, from_args
+from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig,
+                             add_arguments, from_args)
 from pipeline.orchestrate.jobs import JobRunner
-from pipeline.orchestrate.steps import (LoopSettings, ensure_base_policy, select_prompts, submit_generate,
-                                        submit_ppo, submit_reward)
+from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, check_policy_step, ensure_base_policy,
+                                        select_prompts, submit_dpo, submit_generate, submit_ppo, submit_reward)
 
 IN_FLIGHT = ("generating", "training")
 
 
 class RoundFailed(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How far a round's annotation has come, against the rankings it needs before training."""
+
+    round_id: int
+    items: int
+    rankings: int
+    overlap: int
+    """Rankings each item is to get (the round's own overlap, else the store's)."""
+    threshold: int
+    """Rankings needed: rankings_per_round, at most items x overlap (all a round can get)."""
+
+    @property
+    def enough(self) -> bool:
+        return self.rankings >= self.threshold
+
+    def describe(self) -> str:
+        if self.overlap == 1:
+            return (f"Round {self.round_id} has {self.rankings} of {self.items} items ranked "
+                    f"(threshold {self.threshold})")
+        return (f"Round {self.round_id} has {self.rankings} rankings of its {self.items} items at overlap "
+                f"{self.overlap} (threshold {self.threshold})")
+
+
+class UnderRanked(RoundFailed):
+    """`finish_round` on a round with fewer rankings than its threshold, without `anyway`."""
+
+    def __init__(self, coverage: Coverage):
+        super().__init__(f"{coverage.describe()}: finish anyway?")
+        self.coverage = coverage
+
+
+def coverage(store, rnd, settings: LoopSettings) -> Coverage:
+    """The round's rankings against its threshold (rankings_per_round; 0 = none needed)."""
+    counts = store.round_counts(rnd.id)
+    overlap = store.round_queue().get(rnd.id, (None, None))[0] or store.queue_overlap()
+    threshold = min(max(settings.loop.rankings_per_round, 0), counts["items"] * overlap)
+    return Coverage(rnd.id, counts["items"], counts["rankings"], overlap, threshold)
 
 
 def make_runner(store, runs_root, **kwargs) -> JobRunner:
@@ -72,12 +129,24 @@ def start_round(store, runner, settings: LoopSettings, round_no: int | None = No
     return wait_round(store, rnd) if wait else rnd
 
 
-def finish_round(store, runner, rnd, settings: LoopSettings, *, next_round: bool = False, wait: bool = True):
+def finish_round(store, runner, rnd, settings: LoopSettings, *, next_round: bool = False, wait: bool = True,
+                 anyway: bool = False):
     """Train on the round: a snapshot of every pair so far -> reward model -> PPO from the round's
-    policy -> the new active policy; with `next_round`, then start the next round."""
+    policy, or DPO on the snapshot from the round's policy -> the new active policy; with
+    `next_round`, then start the next round. A round with fewer rankings than its threshold
+    (`coverage`) raises UnderRanked, untouched, unless `anyway`."""
+    step = check_policy_step(settings.policy_step)
+    have = coverage(store, rnd, settings)
+    if rnd.status == "annotating" and not have.enough and not anyway:
+        raise UnderRanked(have)
     rnd = _begin(store, rnd, "training", settings, {"policy": True, "next_round": next_round})
-    _submit(store, rnd, "reward", lambda: submit_reward(store, runner, settings, round_id=rnd.id,
-                                                        round_step="reward"))
+    if step == "dpo":
+        policy = store.get_model_version(rnd.policy_version_id)
+        _submit(store, rnd, "policy", lambda: submit_dpo(store, runner, settings, policy, round_id=rnd.id,
+                                                         round_step="policy"))
+    else:
+        _submit(store, rnd, "reward", lambda: submit_reward(store, runner, settings, round_id=rnd.id,
+                                                            round_step="reward"))
     return wait_round(store, rnd) if wait else rnd
 
 
@@ -109,7 +178,7 @@ def close_round(store, rnd):
         reward = store.get_model_version(active.reward_version_id) if active.reward_version_id else None
         return store.update_round(rnd.id, status="done", new_policy_version_id=active.id,
                                   reward_version_id=reward.id if reward else None,
-                                  snapshot_id=reward.snapshot_id if reward else None,
+                                  snapshot_id=active.snapshot_id or (reward.snapshot_id if reward else None),
                                   meta={"closed": "without training in the round; trained by separate runs"})
     return store.update_round(rnd.id, status="done", meta={"closed": "without training, no new policy"})
 
@@ -165,9 +234,10 @@ def on_job_end(runner, run) -> None:
             fail(store, round_id, "policy", str(exc))
     elif step == "reward":
         store.update_round(round_id, status="annotating")
-    elif step == "policy":
-        reward = store.get_model_version(run.inputs["reward_version_id"])
-        store.update_round(round_id, status="done", reward_version_id=reward.id, snapshot_id=reward.snapshot_id,
+    elif step == "policy":  # PPO names its reward model (and through it the snapshot); DPO its snapshot
+        reward_id = run.inputs.get("reward_version_id")
+        snapshot_id = run.inputs.get("snapshot_id") or store.get_model_version(reward_id).snapshot_id
+        store.update_round(round_id, status="done", reward_version_id=reward_id, snapshot_id=snapshot_id,
                            new_policy_version_id=run.outputs["model_version_id"])
         if plan.get("next_round"):
             try:
@@ -208,7 +278,7 @@ def wait_round(store, rnd, timeout: float | None = None, poll_s: float = 0.2):
 
 def run_loop(store, runner, settings: LoopSettings, judge=None, noise: float = 0.0, log=print) -> list:
     """R rounds headless. Rankings come from `judge` (simulated annotator) or, without one, from
-    people: the loop waits until `rankings_per_round` rankings of the round have arrived."""
+    people: the loop waits until the round has the rankings it needs (`coverage`)."""
     from pipeline.orchestrate.simulate import simulate_annotations
 
     done = []
@@ -218,10 +288,11 @@ def run_loop(store, runner, settings: LoopSettings, judge=None, noise: float = 0
         if judge is not None:
             simulate_annotations(store, judge, noise=noise, seed=settings.loop.seed + n)
         else:
-            while store.round_counts(rnd.id).get("rankings", 0) < settings.loop.rankings_per_round:
+            while not coverage(store, rnd, settings).enough:
                 time.sleep(5)
         log(f"round {rnd.id}: training")
-        done.append(finish_round(store, runner, rnd, settings))
+        # a simulated annotator has ranked all the queue gave it (one ranking per item, whatever the overlap)
+        done.append(finish_round(store, runner, rnd, settings, anyway=judge is not None))
         log(f"round {rnd.id}: done, new policy {done[-1].new_policy_version_id}")
         rnd = start_round(store, runner, settings, n + 1)
     return done
@@ -238,18 +309,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--judge", default="", help="simulated annotator's judge (see simulate-annotators); "
                                                     "'' = wait for people to rank in the app")
     parser.add_argument("--noise", type=float, default=0.0, help="simulated annotator's Bradley-Terry noise")
+    parser.add_argument("--policy-step", choices=POLICY_STEPS, default="ppo",
+                        help="how a round trains its policy: ppo (a reward model on the round's snapshot, then PPO "
+                             "against it) or dpo (DPO on the snapshot, no reward model; options --dpo-*)")
     parser.add_argument("--ppo-prompts", type=int, default=256, help="pool prompts PPO trains on per round")
     parser.add_argument("--processes", type=int, default=1,
                         help="data-parallel processes per job, e.g. one per GPU (torchrun; default: %(default)s)")
     parser.add_argument("--accelerate-config", default="",
                         help="launch jobs with `accelerate launch --config_file` this file (FSDP, DeepSpeed)")
     for cls, prefix in ((LoopConfig, ""), (ModelConfig, ""), (GenerateConfig, "gen_"), (RewardConfig, "rm_"),
-                        (PPOConfig, "ppo_")):
+                        (PPOConfig, "ppo_"), (DPOConfig, "dpo_")):
         add_arguments(parser, cls, prefix)
     args = parser.parse_args(argv)
     settings = LoopSettings(loop=from_args(LoopConfig, args), model=from_args(ModelConfig, args),
                             generate=from_args(GenerateConfig, args, "gen_"),
                             reward=from_args(RewardConfig, args, "rm_"), ppo=from_args(PPOConfig, args, "ppo_"),
+                            dpo=from_args(DPOConfig, args, "dpo_"), policy_step=args.policy_step,
                             ppo_prompts=args.ppo_prompts, processes=args.processes,
                             accelerate_config=args.accelerate_config)
     store = Store(args.db)

@@ -1,4 +1,5 @@
-"""The jobs the owner can start, each built in one place: generate, train-reward, ppo, compare, export-model.
+"""The jobs the owner can start, each built in one place: generate, train-reward, ppo, train-dpo, compare,
+export-model.
 
 Each `submit_*` reads what it needs from the store (prompts, model versions), writes the job's
 input files (a prompts file, a Parquet snapshot of the pairs), builds the command line from the
@@ -16,8 +17,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import (GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, to_cli_args,
+from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, to_cli_args,
                              to_dict)
+
+POLICY_STEPS = ("ppo", "dpo")
+"""A round's policy step: PPO against a reward model trained on the round's snapshot, or DPO on
+the snapshot itself (no reward model)."""
 
 
 @dataclass
@@ -29,6 +34,10 @@ class LoopSettings:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    policy_step: str = "ppo"
+    """How a round trains its policy: 'ppo' (reward model on the round's snapshot, then PPO against
+    it) or 'dpo' (DPO on the same snapshot; the round trains no reward model)."""
     ppo_prompts: int = 256
     """Prompts from the pool that PPO trains on each round."""
     processes: int = 1
@@ -37,10 +46,14 @@ class LoopSettings:
     """An `accelerate` config file (FSDP, DeepSpeed) the jobs launch with; '' = torchrun for
     several processes."""
 
+    def __post_init__(self):
+        check_policy_step(self.policy_step)
+
     def to_dict(self) -> dict:
         return {"loop": to_dict(self.loop), "model": to_dict(self.model), "generate": to_dict(self.generate),
-                "reward": to_dict(self.reward), "ppo": to_dict(self.ppo), "ppo_prompts": self.ppo_prompts,
-                "processes": self.processes, "accelerate_config": self.accelerate_config}
+                "reward": to_dict(self.reward), "ppo": to_dict(self.ppo), "dpo": to_dict(self.dpo),
+                "policy_step": self.policy_step, "ppo_prompts": self.ppo_prompts, "processes": self.processes,
+                "accelerate_config": self.accelerate_config}
 
     @property
     def launch(self) -> dict:
@@ -49,16 +62,24 @@ class LoopSettings:
 
     @classmethod
     def from_dict(cls, data: dict) -> "LoopSettings":
-        """The inverse of to_dict; fields a newer version added keep their defaults."""
+        """The inverse of to_dict; fields a newer version added keep their defaults (a round stored
+        before DPO existed reads as policy step 'ppo')."""
         parts = {"loop": LoopConfig, "model": ModelConfig, "generate": GenerateConfig, "reward": RewardConfig,
-                 "ppo": PPOConfig}
+                 "ppo": PPOConfig, "dpo": DPOConfig}
         made = {}
         for name, cls_ in parts.items():
             known = {f.name for f in dataclasses.fields(cls_)}
             made[name] = cls_(**{k: v for k, v in (data.get(name) or {}).items() if k in known})
-        return cls(**made, ppo_prompts=int(data.get("ppo_prompts", cls.ppo_prompts)),
+        return cls(**made, policy_step=str(data.get("policy_step", cls.policy_step)),
+                   ppo_prompts=int(data.get("ppo_prompts", cls.ppo_prompts)),
                    processes=int(data.get("processes", cls.processes)),
                    accelerate_config=str(data.get("accelerate_config", cls.accelerate_config)))
+
+
+def check_policy_step(step: str) -> str:
+    if step not in POLICY_STEPS:
+        raise ValueError(f"policy step must be {' or '.join(repr(s) for s in POLICY_STEPS)}, not {step!r}")
+    return step
 
 
 # ---------------------------------------------------------------------- model versions
@@ -153,17 +174,22 @@ def held_out_prompts(store, n: int) -> list:
 def submit_generate(store, runner, prompts: list, gen_cfg: GenerateConfig, model_cfg: ModelConfig,
                     version=None, *, round_id: int | None = None, round_step: str | None = None,
                     select_uncertain: int = 0, label: str = "generate", launch: dict | None = None):
-    """K responses per prompt with `version` (default: the active policy) -> items, chunk by chunk."""
+    """K responses per prompt with `version` (default: the active policy) -> items, chunk by chunk.
+    With `select_uncertain` = N, the job keeps the N of `prompts` the newest reward model separates
+    least; with no reward model yet (a first round, or rounds whose policy step is DPO) it keeps
+    the first N (`select_prompts` drew them at random)."""
     if gen_cfg.k < 2:
         raise ValueError(f"K={gen_cfg.k}: ranking needs at least 2 responses per prompt")
     if not prompts:
         raise ValueError("no prompts to generate for")
     version = version or ensure_base_policy(store, model_cfg)
+    reward = latest_reward(store) if select_uncertain else None
+    if select_uncertain and reward is None:
+        prompts = prompts[:select_uncertain]
     path = write_prompts(prompts, inputs_dir(runner) / f"{label}-{_stamp()}-prompts.jsonl")
     args = ["--prompts", str(path), *model_args(model_cfg, version.base_model), *to_cli_args(gen_cfg)]
     if version.path:
         args += ["--adapter", version.path]
-    reward = latest_reward(store) if select_uncertain else None
     if reward is not None:
         args += ["--select-uncertain", str(select_uncertain), "--reward", reward.path]
     return runner.submit("generate", args, config={"label": label, "generate": to_dict(gen_cfg)}, inputs={
@@ -171,10 +197,9 @@ def submit_generate(store, runner, prompts: list, gen_cfg: GenerateConfig, model
         **(launch or {}))
 
 
-def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = True, round_id: int | None = None,
-                  round_step: str | None = None):
-    """A Parquet snapshot of every pair so far (recorded in the store, with its hash) -> a
-    train-reward job on it, warm-started from the newest reward model. Returns (run, snapshot)."""
+def pairs_snapshot(store, runner, settings: LoopSettings):
+    """A Parquet snapshot of every pair so far, recorded in the store with its hash: what a round
+    trains on, the reward model (train-reward) or the policy itself (train-dpo)."""
     from store.export import export_pairs
 
     # --margin trains on the rank gap: only then does the snapshot carry TRL's `margin` column
@@ -182,6 +207,14 @@ def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = T
                             margin_column=settings.reward.margin)
     if not snapshot.counts.get("pairs"):
         raise ValueError("no preference pairs to train on yet: rank some items first")
+    return snapshot
+
+
+def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = True, round_id: int | None = None,
+                  round_step: str | None = None):
+    """A snapshot of every pair so far (`pairs_snapshot`) -> a train-reward job on it,
+    warm-started from the newest reward model. Returns (run, snapshot)."""
+    snapshot = pairs_snapshot(store, runner, settings)
     policy = ensure_base_policy(store, settings.model)
     previous = latest_reward(store) if warm_start else None
     args = ["--data", snapshot.path, *to_cli_args(settings.reward), *model_args(settings.model, policy.base_model)]
@@ -214,6 +247,23 @@ def submit_ppo(store, runner, settings: LoopSettings, reward, policy=None, *, ac
                          inputs={"policy_version_id": policy.id, "reward_version_id": reward.id,
                                  "prompts": len(prompts), "activate": activate, "round_id": round_id,
                                  "round_step": round_step}, **settings.launch)
+
+
+def submit_dpo(store, runner, settings: LoopSettings, policy=None, *, activate: bool = True,
+               round_id: int | None = None, round_step: str | None = None):
+    """DPO (or IPO, settings.dpo.loss) from `policy` (default: the active one) on a snapshot of every
+    pair so far (`pairs_snapshot`, the data a reward model would train on), with no reward model.
+    The new policy records its parent and the snapshot (ingest.py); with `activate` it becomes the
+    active one as soon as it is registered. Returns (run, snapshot)."""
+    policy = policy or ensure_base_policy(store, settings.model)
+    snapshot = pairs_snapshot(store, runner, settings)
+    args = ["--data", snapshot.path, *to_cli_args(settings.dpo), *model_args(settings.model, policy.base_model)]
+    if policy.path:
+        args += ["--policy", policy.path]
+    run = runner.submit("train-dpo", args, config={"dpo": to_dict(settings.dpo), "model": to_dict(settings.model)},
+                        inputs={"policy_version_id": policy.id, "snapshot_id": snapshot.id, "activate": activate,
+                                "round_id": round_id, "round_step": round_step}, **settings.launch)
+    return run, snapshot
 
 
 def submit_compare(store, runner, a, b, reward, prompts: list, settings: LoopSettings):
