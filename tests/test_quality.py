@@ -1,0 +1,110 @@
+"""Training on the annotators you trust: four simulated annotators of known noise rank through a
+real store, one of them at random; gold items measure each one; reward models trained on (a) all
+pairs, (b) pairs weighted by annotator quality and (c) all but the annotators below a quality
+threshold are compared on held-out pairs of unseen prompts, labelled by the truth.
+
+The task is the marker task of tests/test_train_reward.py (the better response contains the word
+"Paris"); the annotators rank with the judge `rule:contains:Paris` and a Bradley-Terry noise of
+their own (pipeline/orchestrate/judge.simulated_ranking: 0 is exact, a huge one ranks at random).
+The random annotator is the fastest (two items a turn to the others' one), as annotators who
+click without reading are: about 2 in 5 of the ranked items are theirs, so a fifth of all pairs
+are wrong.
+
+Held-out accuracy (200 pairs) measured by hand over ten seeds (tiny model, 60 steps of 16 pairs
+each; a all pairs, b weighted, c excluded):
+
+    seed    0     1     2     3     4     5     6     7     8     9
+    a     .885  .925  .910  .970  .910  .855  .910  .920  .960  .930
+    b     .940  .980  .975  .995  .965  .930  .950  .970  .995  .955
+    c     .935  .990  .985  .995  .985  .980  .985  .970  .975  .955
+
+b - a is .025 to .075 (mean .048), c - a .015 to .125 (mean .058): the test asserts a gap of .02
+on seed 0 (.055 and .050 there).
+"""
+
+import dataclasses
+import json
+
+from pipeline.config import RewardConfig
+from pipeline.orchestrate.judge import make_judge
+from pipeline.orchestrate.simulate import simulate_annotations
+from pipeline.reward_data import read_pairs
+from pipeline.train_reward import train_reward
+from store.io import export_pairs
+from tests.test_train_reward import marker_pairs, one_thread, write_jsonl  # noqa: F401 (one_thread: autouse)
+
+# name -> (Bradley-Terry noise, items per turn); right on a pair with probability sigmoid(1 / noise)
+# as the judge's scores differ by 1: 1.0, 0.98, 0.88 and 0.5 (at random)
+TEAM = {"exact": (0.0, 1), "careful": (0.25, 1), "hasty": (0.5, 1), "random": (1e9, 2)}
+ITEMS, GOLD, GOLD_RATE = 240, 24, 0.3
+MIN_QUALITY = 0.7
+CFG = RewardConfig(epochs=20, max_steps=60, lr=3e-3, batch_size=16, norm_samples=0)
+EXPORTS = {"a_all": {}, "b_weighted": {"quality_weights": True}, "c_excluded": {"min_quality": MIN_QUALITY}}
+GAP = 0.02
+
+
+def seed_team(store, seed: int) -> dict[str, int]:
+    """ITEMS prompts, each an item of two responses, one with the marker; the first GOLD items made
+    gold with the true order; the team ranks in turns until the queue is empty. Returns
+    {annotator: rankings}."""
+    policy = store.register_model_version("policy", "sim-policy", base_model="tiny")
+    rows = marker_pairs(ITEMS, seed=seed)
+    prompt_ids = store.add_prompts([r["prompt"] for r in rows], source="test")
+    item_ids = store.add_responses_bulk(policy.id, [(pid, [r["chosen"], r["rejected"]])
+                                                    for pid, r in zip(prompt_ids, rows)])
+    for item_id in item_ids[:GOLD]:
+        chosen, rejected = (r.id for r in store.item_responses(item_id))  # in the order given
+        store.set_gold(item_id, [[chosen], [rejected]])
+    store.set_gold_rate(GOLD_RATE)
+    judge = make_judge("rule:contains:Paris")
+    done = {name: 0 for name in TEAM}
+    for turn in range(10 * ITEMS):
+        ranked = 0
+        for k, (name, (noise, pace)) in enumerate(TEAM.items()):  # a fresh seed per call: one stream each
+            n = simulate_annotations(store, judge, name, noise, limit=pace, seed=seed * 100_000 + turn * 10 + k)
+            done[name] += n
+            ranked += n
+        if not ranked:
+            return done
+    raise AssertionError(f"the queue never emptied: {done}")
+
+
+def held_out(tmp_path, seed: int):
+    """Pairs of prompts the team never saw, labelled by the truth (the marker)."""
+    rows = [dict(r, prompt="Held out " + r["prompt"]) for r in marker_pairs(200, seed=10_000 + seed)]
+    return write_jsonl(tmp_path / "held_out.jsonl", rows)
+
+
+def measure(store, tmp_path, model_cfg, seed: int) -> dict:
+    """Export (a), (b), (c) and train a reward model on each, same seed and steps; held-out
+    accuracy, pairs, and the snapshots' manifests."""
+    rankings = seed_team(store, seed)
+    cfg = dataclasses.replace(CFG, seed=seed, eval_data=str(held_out(tmp_path, seed)))
+    out = {"rankings": rankings}
+    for name, options in EXPORTS.items():
+        snap = export_pairs(store, tmp_path / f"{name}.parquet", "parquet", **options)
+        report = train_reward(snap.path, str(tmp_path / f"run-{name}"), cfg, model_cfg)
+        manifest = json.loads((tmp_path / f"{name}.parquet.snapshot.json").read_text())
+        out[name] = {"accuracy": report["eval/accuracy"], "pairs": snap.counts["pairs"], "snapshot": snap,
+                     "manifest": manifest, "weighted": report["train/weighted"], "steps": report["steps"]}
+    return out
+
+
+def test_quality_weighting_and_exclusion_beat_training_on_everyone(store, tmp_path, tiny_model_cfg):
+    result = measure(store, tmp_path, tiny_model_cfg, seed=0)
+    a, b, c = (result[name] for name in EXPORTS)
+    assert result["rankings"]["random"] > 1.5 * result["rankings"]["exact"]  # the fastest of the team
+    # gold items measured everyone; only the random annotator is below the threshold
+    quality = {q["annotator"]: q for q in b["manifest"]["annotator_quality"]}
+    assert all(q["measured_by"] == "gold" and q["n_gold"] >= 5 for q in quality.values()), quality
+    assert sorted(quality, key=lambda n: quality[n]["quality"])[0] == "random"
+    assert quality["random"]["quality"] < MIN_QUALITY <= min(q["quality"] for n, q in quality.items() if n != "random")
+    assert quality["random"]["weight"] < 0.3 and quality["exact"]["weight"] == 1.0
+    # (b) trained on the weights its file carries; (c) left out the random annotator's pairs
+    weights = {p.weight for p in read_pairs(b["snapshot"].path)[0]}
+    assert b["weighted"] and not a["weighted"] and min(weights) == quality["random"]["weight"]
+    assert c["snapshot"].filters["excluded_annotators"] == ["random"] and c["pairs"] < a["pairs"] == b["pairs"]
+    assert a["steps"] == b["steps"] == c["steps"] == CFG.max_steps
+    accuracy = {name: result[name]["accuracy"] for name in EXPORTS}
+    assert accuracy["b_weighted"] >= accuracy["a_all"] + GAP, accuracy
+    assert accuracy["c_excluded"] >= accuracy["a_all"] + GAP, accuracy
