@@ -21,7 +21,8 @@ the same packed batch. Batches group pairs of similar length (pipeline/reward_da
 Run directory (as train-reward's and ppo's; the app tails it and registers the policy):
     config.json        configs, the data file and its sha256, the starting policy, command line
     status.json        {"state", "progress", "step", "total", "phase", ...}
-    metrics.jsonl      one line per optimiser step: train/loss, train/reward_accuracy, train/margin,
+    metrics.jsonl      one line per optimiser step (also TensorBoard events in tensorboard/, --report-to):
+                       train/loss, train/reward_accuracy, train/margin,
                        train/rewards_chosen, train/rewards_rejected, train/logps_chosen, ...; then
                        the eval/ line (held-out pairs) and kl/heldout
     checkpoint/        the policy as trained so far (save_policy), with trainer_state.pt beside it
@@ -64,7 +65,10 @@ from pipeline.policy import make_reference
 from pipeline.ppo_state import _load_policy_weights, load_starting_policy, trainable
 from pipeline.reward_data import encode_pairs, length_grouped_batches, read_pairs
 from pipeline.rollout import attn_ratio
-from pipeline.rundir import StopFlag, append_metrics, is_writer, read_status, truncate_metrics, write_json, write_status
+from pipeline.rundir import (
+    StopFlag, append_metrics, is_writer, open_tracker, read_status, truncate_metrics, write_json, write_status,
+)
+from pipeline.tracking import add_report_to
 from pipeline.saving import recover_folder, save_policy
 
 LOSSES = ("sigmoid", "ipo")
@@ -308,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="starting policy: a folder saved by ppo or train-dpo (its adapter keeps training); "
                              "'' = the base model (--model)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out (optimiser and step)")
+    add_report_to(parser)
     add_arguments(parser, DPOConfig)
     add_arguments(parser, ModelConfig)
     return parser
@@ -316,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg, model_cfg = from_args(DPOConfig, args), from_args(ModelConfig, args)
+    open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
     try:
         report = train_dpo(args.data, args.out, cfg, model_cfg, policy=args.policy, resume=args.resume)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:

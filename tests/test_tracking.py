@@ -103,6 +103,20 @@ def test_train_reward_cli_writes_the_same_scalars(tmp_path, tiny_model_dir):
     assert [s for s, _ in events["train/loss"]] == [1, 2, 3] and [s for s, _ in events["eval/accuracy"]] == [3]
 
 
+def test_train_dpo_cli_writes_the_same_scalars(tmp_path, tiny_model_dir):
+    from pipeline.train_dpo import main
+
+    rows = [{"prompt": f"Question {i}: {PROMPTS[i % 4]}", "chosen": "Paris is nice " * (1 + i % 3),
+             "rejected": "no idea"} for i in range(16)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "dpo"
+    assert main(["--data", str(data), "--out", str(out), "--model", str(tiny_model_dir), "--device", "cpu",
+                 "--batch-size", "4", "--max-steps", "2", "--lr", "1e-3"]) == 0
+    events = assert_events_match_metrics(out)
+    assert [s for s, _ in events["train/loss"]] == [1, 2]
+
+
 def test_ppo_cli_writes_the_same_scalars_and_a_resume_continues_them(tmp_path, tiny_model_dir):
     from pipeline.train_ppo import main
 
