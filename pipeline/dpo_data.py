@@ -38,7 +38,7 @@ import torch
 
 from pipeline.losses import dpo_loss, ipo_loss, logprobs_from_logits
 from pipeline.models import is_peft
-from pipeline.packing import MIN_PREFIX, _first_fit, _mask_for, cache_kwarg, choose_width, prefix_kv
+from pipeline.packing import MIN_PREFIX, attention_mask_for, cache_kwarg, choose_width, first_fit, prefix_kv
 from pipeline.reward_data import EncodedPair, Pair, prompt_key, read_pairs, split_by_prompt
 
 # --------------------------------------------------------------------------- held-out split
@@ -91,7 +91,7 @@ def pack_pairs(items: list[EncodedPair], attn_per_linear: float, pad_id: int, sh
     L = L if L >= MIN_PREFIX else 0
     lengths = [it.prompt_len - L + len(it.chosen_response) + len(it.rejected_response) for it in items]
     width = choose_width(lengths, attn_per_linear)
-    bins = _first_fit(lengths, width)
+    bins = first_fit(lengths, width)
     ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
     pos = torch.zeros((len(bins), width), dtype=torch.long)
     pair = torch.empty((len(bins), width), dtype=torch.long)  # which pair a cell belongs to
@@ -154,7 +154,7 @@ def sequence_logps(model, pp: PackedPairs, frozen: str | None = None) -> torch.T
         kv = prefix_kv(decoder, pp.prefix, frozen)
         extra[cache_kwarg(decoder)] = DynamicCache(
             ddp_cache_data=[(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv])
-    out = decoder(input_ids=pp.input_ids, position_ids=pp.position_ids, attention_mask=_mask_for(decoder, pp.mask),
+    out = decoder(input_ids=pp.input_ids, position_ids=pp.position_ids, attention_mask=attention_mask_for(decoder, pp.mask),
                   use_cache=False, **extra)
     hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[pp.index]  # (N, H)
     logits = base.get_output_embeddings()(hidden)  # (N, V)

@@ -58,7 +58,7 @@ def choose_width(lengths: list[int], attn_per_linear: float) -> int:
     candidates = {longest} | {max(longest, -(-total // n)) for n in range(1, len(lengths) + 1)}
     best = None
     for width in sorted(candidates):
-        cost = len(_first_fit(lengths, width)) * width * (1 + width * attn_per_linear)
+        cost = len(first_fit(lengths, width)) * width * (1 + width * attn_per_linear)
         if best is None or cost < best[0]:
             best = (cost, width)
     return best[1]
@@ -75,7 +75,7 @@ def attn_cost_ratio(config) -> float:
     return 4 * heads * head_dim / linear
 
 
-def _first_fit(lengths: list[int], width: int) -> list[list[int]]:
+def first_fit(lengths: list[int], width: int) -> list[list[int]]:
     """Bins (lists of sequence indices) of total length <= width, longest sequences placed first."""
     bins: list[list[int]] = []
     room: list[int] = []
@@ -126,7 +126,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, attn_per_linear:
     L = L if L >= min_prefix else 0
     rest = [n - L for n in lengths]  # tokens of each sequence that go into the rows
     width = choose_width(rest, attn_per_linear)
-    bins = _first_fit(rest, width)
+    bins = first_fit(rest, width)
     ids = torch.full((len(bins), width), pad_token_id, dtype=input_ids.dtype, device=device)
     pos = torch.empty((len(bins), width), dtype=torch.long, device=device)
     segment = torch.empty((len(bins), width), dtype=torch.long, device=device)  # who may attend to whom
@@ -178,13 +178,13 @@ def hidden_states(backbone, packed: Packed, frozen: str | None = None) -> torch.
         kv = prefix_kv(backbone, packed.prefix, frozen)
         cache = DynamicCache(ddp_cache_data=[(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv])
         out = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                       attention_mask=_mask_for(backbone, packed.mask), use_cache=False,
+                       attention_mask=attention_mask_for(backbone, packed.mask), use_cache=False,
                        **{cache_kwarg(backbone): cache})
     hidden = out.last_hidden_state  # (n, W, H)
     return hidden.reshape(-1, hidden.shape[-1])
 
 
-def _mask_for(backbone, mask: torch.Tensor) -> torch.Tensor:
+def attention_mask_for(backbone, mask: torch.Tensor) -> torch.Tensor:
     """The (n, 1, W, L + W) bool mask as the model's attention takes a ready 4D mask: as it is for
     sdpa (True = attend); eager attention adds its mask to the scores, so there it is 0 / -inf."""
     implementation = getattr(backbone.config, "_attn_implementation", None) or "sdpa"

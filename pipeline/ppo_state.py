@@ -178,7 +178,7 @@ def load_checkpoint(ckpt: Path, policy, policy_opt, critic_opt, policy_sched, cr
     state_path = ckpt / STATE_FILE
     if not state_path.is_file():
         raise ValueError(f"{ckpt}: no {STATE_FILE} (an incomplete checkpoint)")
-    _load_policy_weights(policy, ckpt / "policy")
+    load_policy_weights(policy, ckpt / "policy")
     state = torch.load(state_path, map_location=device, weights_only=False)
     policy_opt.load_state_dict(state["policy_optim"])
     critic_opt.load_state_dict(state["critic_optim"])
@@ -188,7 +188,7 @@ def load_checkpoint(ckpt: Path, policy, policy_opt, critic_opt, policy_sched, cr
     return int(state["step"])
 
 
-def _load_policy_weights(policy, folder: Path) -> None:
+def load_policy_weights(policy, folder: Path) -> None:
     """Copy saved policy weights into the already-built policy (whose reference is the start)."""
     if is_peft(policy):
         from peft import load_peft_weights, set_peft_model_state_dict

@@ -62,7 +62,7 @@ from pipeline.dpo_data import (
 from pipeline.hashing import snapshot_sha256
 from pipeline.models import autocast, checkpointing, pick_dtype
 from pipeline.policy import make_reference
-from pipeline.ppo_state import _load_policy_weights, load_starting_policy, trainable
+from pipeline.ppo_state import load_policy_weights, load_starting_policy, trainable
 from pipeline.reward_data import encode_pairs, length_grouped_batches, read_pairs
 from pipeline.rollout import attn_ratio
 from pipeline.rundir import (
@@ -153,7 +153,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     reference = make_reference(model)
     if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
         recover_folder(out_dir / "checkpoint")
-        _load_policy_weights(model, out_dir / "checkpoint")
+        load_policy_weights(model, out_dir / "checkpoint")
     train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
     eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
     pad_id, ratio = tokenizer.pad_token_id, attn_ratio(model)

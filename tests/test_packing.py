@@ -7,7 +7,7 @@ import torch
 
 from pipeline.config import PPOConfig
 from pipeline.models import load_scalar_model
-from pipeline.packing import _FROZEN_PREFIXES, _first_fit, choose_width, common_prefix, gather_cells, pack
+from pipeline.packing import _FROZEN_PREFIXES, choose_width, common_prefix, first_fit, gather_cells, pack
 from pipeline.policy import causal_lm_logits, load_policy, make_reference, packed_lm_logits
 from pipeline.rollout import critic_values, merged_lora, pack_responses
 from pipeline.sampling import sample
@@ -29,7 +29,7 @@ def test_pack_layout_by_hand():
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 0]]  # the pad is a segment of its own
     with pytest.raises(ValueError, match="padding"):
         gather_cells(p, torch.tensor([0]), torch.tensor([0]))
-    assert _first_fit([5, 3, 1], 5) == [[0], [1, 2]]  # first fit decreasing: 3 and 1 share a row
+    assert first_fit([5, 3, 1], 5) == [[0], [1, 2]]  # first fit decreasing: 3 and 1 share a row
     assert choose_width([4, 4, 3], 0.0) == 11 and choose_width([4, 4, 3], 1.0) == 4  # 11 cells vs 3 x 4
 
 
