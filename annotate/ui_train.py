@@ -77,11 +77,12 @@ def train_tab(ctx: AppContext) -> dict:
             strategy = gr.Radio(["random", "uncertain"], value=s.loop.strategy, label="Prompt selection",
                                 info="uncertain: the prompts the reward model separates least")
             round_btn = gr.Button("Run a full round", variant="primary", elem_id="rl-run-round", interactive=enabled)
-            # Gradio has no modal: the confirmation is a row shown by the handler's update
-            with gr.Row(visible=False, elem_id="rl-round-confirm") as confirm_row:
+            # Gradio has no modal: the confirmation is a hidden group the handler's update shows
+            with gr.Column(visible=False, variant="panel", elem_id="rl-round-confirm") as confirm_row:
                 confirm_md = gr.Markdown(elem_id="rl-round-confirm-text")
-                confirm_btn = gr.Button("Confirm", variant="stop", size="sm", elem_id="rl-round-confirm-yes")
-                keep_btn = gr.Button("Cancel", size="sm", elem_id="rl-round-confirm-no")
+                with gr.Row():
+                    confirm_btn = gr.Button("Confirm", variant="primary", size="sm", elem_id="rl-round-confirm-yes")
+                    keep_btn = gr.Button("Cancel", size="sm", elem_id="rl-round-confirm-no")
             next_btn = gr.Button("Start the next round (no training)", elem_id="rl-next-round", interactive=enabled)
             round_md = gr.Markdown(elem_id="rl-round")
     msg = gr.Markdown(elem_id="rl-train-msg")

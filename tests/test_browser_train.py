@@ -2,7 +2,7 @@
 
 An admin clicks "Train reward model": a snapshot of the seeded pairs is exported, a train-reward
 subprocess job runs, the progress bar moves and reaches done, and the new reward model shows up in
-the Models tab.
+the Models tab. "Run a full round" on an under-ranked round asks first; Confirm proceeds.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from store import Store
 from store.io import import_pairs
 from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
 from tests.helpers import tiny_settings
+from tests.test_loop_dpo import open_round
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -60,7 +61,7 @@ def test_admin_trains_a_reward_model_and_sees_it_in_the_models_tab(app, browser)
     page.get_by_role("tab", name="Train").click()
     # 30 training pairs, 2 per step, 40 epochs: 600 short steps, several seconds even on a fast
     # machine, so the 1 s timer sees the bar part-way
-    page.get_by_label("Epochs").fill("40")
+    page.get_by_label("Epochs", exact=True).fill("40")  # the reward form's, not "DPO epochs"
     page.click("#rl-train-reward")
     page.wait_for_selector("#rl-train-msg :text('Queued run #')", timeout=20_000)
 
@@ -94,4 +95,25 @@ def test_admin_trains_a_reward_model_and_sees_it_in_the_models_tab(app, browser)
     table = page.inner_text("#rl-models")
     assert f"#{reward.snapshot_id} ({store.get_snapshot(reward.snapshot_id).counts['pairs']} pairs)" in table
     assert f"#{run.id} train-reward" in table
+    page.close()
+
+
+def test_finishing_an_under_ranked_round_asks_first(app, browser, tiny_model_dir):
+    """Run a full round on a round with none of its items ranked: a confirmation naming R of M and
+    the threshold appears and nothing starts; Confirm starts the round's policy step (DPO here)."""
+    url, store = app
+    rnd, _ = open_round(store, tiny_model_dir)
+    page = login(browser, url, "boss", "boss-password")
+    page.get_by_role("tab", name="Train").click()
+    page.locator("#rl-policy-step").get_by_text("DPO").click()
+    page.click("#rl-run-round")
+    asked = f"Round {rnd.id} has 0 of 6 items ranked (threshold 6): finish anyway?"
+    page.wait_for_selector(f"#rl-round-confirm-text :text('{asked}')", timeout=20_000)
+    assert store.list_runs(kind="train-dpo") == [] and store.get_round(rnd.id).status == "annotating"
+
+    page.click("#rl-round-confirm-yes")
+    page.wait_for_selector(f"#rl-train-msg :text('Training on round {rnd.id} (DPO on its pairs')", timeout=20_000)
+    page.wait_for_selector("#rl-round-confirm", state="hidden", timeout=10_000)
+    (run,) = store.list_runs(kind="train-dpo")
+    assert run.inputs["round_id"] == rnd.id and store.get_round(rnd.id).status == "training"
     page.close()
