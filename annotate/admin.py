@@ -182,14 +182,21 @@ def _fmt(x) -> str:
 def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: bool,
            annotators: list[str] | None, since: str, min_agreement: float, test_fraction: float,
            request: gr.Request, trl_format: str = "conversational", margin_column: bool = False,
-           license: str = "unknown"):  # noqa: A002 (the dataset card's field)
+           license: str = "unknown", min_quality: float = 0.0,  # noqa: A002 (the dataset card's field)
+           quality_weights: bool = False):
     """Export the pairs as a snapshot (a folder: pairs, rankings, dataset card and manifest,
     recorded in the store) and hand back its files to download: the pairs, rankings, README.md
-    and snapshot.json for jsonl and parquet, the folder zipped for datasets.
+    and snapshot.json for jsonl and parquet, the folder zipped for datasets. min_quality > 0
+    leaves out annotators measured below it; quality_weights adds the `weight` column
+    (store/export.py: annotator quality).
     `request` comes before the newer options so that callers passing it 9th keep working.
     Returns (file paths, summary markdown)."""
     admin(ctx, request)
     min_agreement = _number(min_agreement, "Minimum agreement", 0.0, 1.0)
+    min_quality = _number(min_quality, "Minimum annotator quality", 0.0, 1.0)
+    if not isinstance(quality_weights, bool):
+        raise gr.Error(f"'Weight pairs by annotator quality' must be checked or not, "
+                       f"not {quality_weights!r}.")
     test_fraction = _number(test_fraction, "Test fraction", 0.0, 0.99)
     if annotators is not None and (not isinstance(annotators, (list, tuple))
                                    or not all(isinstance(a, str) for a in annotators)):
@@ -217,7 +224,8 @@ def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: b
             ctx.store, ctx.export_dir / f"export-{stamp}", fmt, annotators=list(annotators) if annotators else None,
             since=since_date, min_agreement=min_agreement or None,
             include_all_bad=bool(include_all_bad), include_imported=bool(include_imported),
-            test_fraction=test_fraction, trl_format=trl_format, margin_column=margin_column, license=license)
+            test_fraction=test_fraction, trl_format=trl_format, margin_column=margin_column, license=license,
+            min_quality=min_quality or None, quality_weights=quality_weights)
     except StoreError as exc:
         raise gr.Error(f"Export failed: {exc}") from None
     folder = Path(snap.path)
@@ -231,6 +239,12 @@ def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: b
                f"{c.get('pairs', 0)} pairs ({c.get('train', 0)} train, {c.get('test', 0)} test) from "
                f"{c.get('prompts', 0)} prompts, {c.get('rankings', 0)} rankings · saved as `{folder.name}` "
                f"(with its dataset card README.md) · sha256 `{snap.sha256[:12]}`")
+    if "min_quality" in snap.filters:
+        left_out = snap.filters["excluded_annotators"]
+        summary += (f" · left out below quality {min_quality:g}: {render.esc(', '.join(left_out))}" if left_out
+                    else f" · no annotator measured below quality {min_quality:g}")
+    if quality_weights:
+        summary += " · pairs weighted by annotator quality (column `weight`; see the card)"
     return [str(p) for p in downloads], summary
 
 

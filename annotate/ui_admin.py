@@ -84,6 +84,14 @@ def data_tab(ctx: AppContext) -> dict:
                 margin = gr.Checkbox(label="Add a `margin` column (the rank gap)", value=False,
                                      info="TRL's RewardTrainer reads it: loss -log σ(r_chosen − r_rejected − margin)")
                 license_id = gr.Textbox(value="unknown", label="License (dataset card)", placeholder="cc-by-4.0")
+            with gr.Row():
+                min_quality = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Minimum annotator quality",
+                                        info="leave out annotators whose gold accuracy (else agreement with the "
+                                             "majority) is below this; 0 keeps everyone",
+                                        elem_id="rl-export-min-quality")
+                quality_weights = gr.Checkbox(label="Weight pairs by annotator quality", value=False,
+                                              info="a `weight` column (2q − 1, at least 0.05) that reward training "
+                                                   "weighs each pair's loss by", elem_id="rl-export-quality-weights")
             export_btn = gr.Button("Export", variant="primary", elem_id="rl-export")
             export_msg = gr.Markdown(elem_id="rl-export-msg")
             export_file = gr.File(label="Download", interactive=False, file_count="multiple", elem_id="rl-export-file")
@@ -141,7 +149,7 @@ def data_tab(ctx: AppContext) -> dict:
                   **HIDDEN, api_name="generate")
     timer.tick(bind(a.job_poll, ctx), None, [job, timer], api_visibility="private", show_progress="hidden")
     export_btn.click(bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction,
-                                           trl_format, margin, license_id],
+                                           trl_format, margin, license_id, min_quality, quality_weights],
                      [export_file, export_msg], **HIDDEN, api_name="export")
     unflag_btn.click(bind(a.unflag, ctx), [flag_id], [unflag_msg, flagged], **HIDDEN, api_name="unflag")
     flag_refresh.click(bind(a.flagged_table, ctx), None, [flagged], **HIDDEN, api_name="flagged")

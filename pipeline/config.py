@@ -214,10 +214,11 @@ class LoopConfig:
     """Seed for prompt selection."""
     min_quality: float = 0.0
     """Leave out the pairs of annotators whose measured quality (gold accuracy, else agreement with
-    the majority) is below this, in each round's reward-model snapshot (0 = keep everyone)."""
+    the majority) is below this from each round's pairs snapshot (0 = keep everyone)."""
     quality_weights: bool = False
     """Weight each pair of the round's snapshot by its annotator's quality (2q - 1, see
-    store/export.py); the reward model trains on the weights (RewardConfig.use_weights)."""
+    store/export.py): the reward model trains on the weights (RewardConfig.use_weights); a DPO
+    policy step does not read them."""
 
 
 @dataclass

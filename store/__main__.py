@@ -11,7 +11,7 @@
     python -m store import-prompts FILE
     python -m store import-pairs FILE
     python -m store export --format jsonl|parquet|datasets --out PATH [--trl-format conversational|text]
-                           [--margin-column] [--license ID] [filters]
+                           [--margin-column] [--license ID] [--min-quality Q] [--quality-weights] [filters]
     python -m store stats                                counts, agreement (per annotator too), gold accuracy
     python -m store queue [--overlap N] [--gold-rate X] [--round R [--round-overlap N|default]
                           [--priority P|default]]        show or set how items are handed out
@@ -33,7 +33,7 @@ import sys
 from store.db import default_db_path
 from store.errors import DataError, InvalidRequest, NotFoundError, StoreLockedError
 from store.records import EXPORT_FORMATS, ROLES
-from store.export import TRL_FORMATS
+from store.export import MIN_WEIGHT, TRL_FORMATS
 from store.users import MIN_PASSWORD_CHARS, generate_password
 
 
@@ -96,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--until", help="pairs created before this UTC date/time (ISO)")
     exp.add_argument("--include-all-bad", action="store_true", help="also pairs from 'all bad' rankings")
     exp.add_argument("--no-imported", action="store_true", help="leave out imported pairs")
+    exp.add_argument("--min-quality", type=float,
+                     help="leave out annotators whose quality (gold accuracy, else agreement with the majority; "
+                          "see `stats`) is below this (0-1); annotators not measured yet are kept")
+    exp.add_argument("--quality-weights", action="store_true",
+                     help=f"add a `weight` column: each pair's annotator's quality q as 2q - 1, clipped to "
+                          f"[{MIN_WEIGHT}, 1] (1 when not measured, and for imported pairs); train-reward weighs "
+                          "each pair's loss by it")
     exp.add_argument("--test-fraction", type=float, default=0.0, help="share of prompts held out as 'test'")
     exp.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     exp.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -182,10 +189,14 @@ def _run(store, args) -> int:
             min_agreement=args.min_agreement, since=args.since, until=args.until,
             include_all_bad=args.include_all_bad, include_imported=not args.no_imported,
             test_fraction=args.test_fraction, seed=args.seed, trl_format=args.trl_format,
-            margin_column=args.margin_column, license=args.license, overwrite=args.overwrite)
+            margin_column=args.margin_column, license=args.license, min_quality=args.min_quality,
+            quality_weights=args.quality_weights, overwrite=args.overwrite)
         print(f"snapshot {snap.id}: {snap.counts['pairs']} pairs, {snap.counts['rankings']} rankings -> "
               f"{snap.path} (sha256 {snap.sha256[:16]}...)")
         print(json.dumps(snap.counts))
+        if snap.filters.get("excluded_annotators"):
+            print(f"left out (quality below {snap.filters['min_quality']:g}): "
+                  + ", ".join(snap.filters["excluded_annotators"]))
     elif args.command == "stats":
         _print_stats(store)
     elif args.command == "queue":

@@ -25,12 +25,22 @@ on seed 0 (.055 and .050 there).
 import dataclasses
 import json
 
-from pipeline.config import RewardConfig
+import gradio as gr
+import pytest
+
+from annotate import admin
+from annotate.context import AppContext
+from pipeline.config import LoopConfig, RewardConfig
+from pipeline.orchestrate.jobs import JobRunner
 from pipeline.orchestrate.judge import make_judge
 from pipeline.orchestrate.simulate import simulate_annotations
+from pipeline.orchestrate.steps import LoopSettings, pairs_snapshot
 from pipeline.reward_data import read_pairs
 from pipeline.train_reward import train_reward
+from store import Store
 from store.io import export_pairs
+from tests.fixtures_store import open_copy, seed_items
+from tests.helpers import req
 from tests.test_train_reward import marker_pairs, one_thread, write_jsonl  # noqa: F401 (one_thread: autouse)
 
 # name -> (Bradley-Terry noise, items per turn); right on a pair with probability sigmoid(1 / noise)
@@ -108,3 +118,62 @@ def test_quality_weighting_and_exclusion_beat_training_on_everyone(store, tmp_pa
     accuracy = {name: result[name]["accuracy"] for name in EXPORTS}
     assert accuracy["b_weighted"] >= accuracy["a_all"] + GAP, accuracy
     assert accuracy["c_excluded"] >= accuracy["a_all"] + GAP, accuracy
+
+
+@pytest.fixture(scope="module")
+def good_and_bad(tmp_path_factory):
+    """A closed store file: boss (admin); three items of two responses, the first gold; 'good'
+    ranks them all right, '<b>bad</b>' (a name with markup) all wrong: gold accuracy 1 and 0.
+    (Accounts are hashed once per module; each test opens a copy.)"""
+    path = tmp_path_factory.mktemp("quality") / "rlhf.duckdb"
+    with Store(path) as s:
+        s.add_annotator("boss", "boss-password", role="admin")
+        good, bad = s.ensure_annotator("good"), s.ensure_annotator("<b>bad</b>")
+        items = seed_items(s, 3, 2)
+        s.set_gold(items[0].item_id, [[r] for r in items[0].response_ids])  # the first response is best
+        for it in items:
+            s.save_ranking(good.id, it.prompt_id, it.response_ids)
+            s.save_ranking(bad.id, it.prompt_id, list(reversed(it.response_ids)))
+    return path
+
+
+@pytest.fixture
+def team_store(good_and_bad, tmp_path):
+    s = open_copy(good_and_bad, tmp_path / "db")
+    yield s
+    s.close()
+
+
+def test_data_tab_export_leaves_out_and_weights(team_store, tmp_path):
+    """Data > Export's two controls: a minimum quality and the weight column."""
+    store = team_store
+    ctx = AppContext(store=store, auth=True, data_dir=tmp_path / "data")
+    paths, summary = admin.export(ctx, "jsonl", False, True, None, "", 0.0, 0.0, req("boss"), "conversational",
+                                  False, "unknown", 0.5, True)
+    assert "left out below quality 0.5: &lt;b&gt;bad&lt;/b&gt;" in summary and "weighted by annotator quality" in summary
+    rows = [json.loads(line) for line in open(paths[0], encoding="utf-8")]
+    assert {(r["annotator"], r["weight"]) for r in rows} == {("good", 1.0)}
+    (snap,) = store.list_snapshots()
+    assert snap.filters["min_quality"] == 0.5 and snap.filters["quality_weights"] is True
+    _, summary = admin.export(ctx, "jsonl", False, True, None, "", 0.0, 0.0, req("boss"), min_quality=0.0)
+    assert "left out" not in summary and "weighted" not in summary  # 0 keeps everyone: no filter at all
+    assert "min_quality" not in store.list_snapshots()[-1].filters
+    for bad_value in (1.5, "yes"):
+        with pytest.raises(gr.Error, match="Minimum annotator quality"):
+            admin.export(ctx, "jsonl", False, True, None, "", 0.0, 0.0, req("boss"), min_quality=bad_value)
+    with pytest.raises(gr.Error, match="Weight pairs by annotator quality"):
+        admin.export(ctx, "jsonl", False, True, None, "", 0.0, 0.0, req("boss"), quality_weights="yes")
+
+
+def test_a_rounds_snapshot_takes_the_loops_quality_options(team_store, tmp_path):
+    """python -m pipeline loop --min-quality / --quality-weights: the snapshot a round trains on."""
+    store = team_store
+    runner = JobRunner(store, tmp_path / "runs")
+    try:
+        plain = pairs_snapshot(store, runner, LoopSettings())
+        trusted = pairs_snapshot(store, runner, LoopSettings(loop=LoopConfig(min_quality=0.5, quality_weights=True)))
+    finally:
+        runner.shutdown()
+    assert "min_quality" not in plain.filters and plain.filters["quality_weights"] is False
+    assert trusted.filters["excluded_annotators"] == ["<b>bad</b>"] and trusted.filters["quality_weights"]
+    assert {p.weight for p in read_pairs(trusted.path)[0]} == {1.0} and trusted.counts["pairs"] == 3

@@ -302,3 +302,18 @@ def test_annotator_quality_falls_back_to_majority_agreement(store, ranked, tmp_p
     assert (quality_weight(None), quality_weight(0.8), quality_weight(0.2)) == (1.0, pytest.approx(0.6), 0.05)
     snap = export_pairs(store, tmp_path / "x.jsonl", "jsonl", min_quality=0.6)
     assert snap.counts["pairs"] == 1 and snap.filters["excluded_annotators"] == ["ann0", "ann1"]  # imported
+
+
+def test_cli_quality_options(store, store_path, ranked, tmp_path, monkeypatch, capsys):
+    from store.__main__ import main
+
+    _, items = ranked
+    store.set_gold(items[1].item_id, [[r] for r in items[1].response_ids])  # ann1 reversed it: quality 0
+    store.close()
+    monkeypatch.setenv("RLHF_LOOP_DB", str(store_path))
+    out = tmp_path / "cli.jsonl"
+    assert main(["export", "--out", str(out), "--min-quality", "0.5", "--quality-weights"]) == 0
+    assert "left out (quality below 0.5): ann1" in capsys.readouterr().out
+    assert {(r["annotator"], r["weight"]) for r in _jsonl(out)} == {("ann0", 1.0), (None, 1.0)}
+    assert main(["export", "--out", str(tmp_path / "bad.jsonl"), "--min-quality", "2"]) == 1
+    assert "min_quality must be between 0 and 1" in capsys.readouterr().err

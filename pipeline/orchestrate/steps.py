@@ -202,9 +202,11 @@ def pairs_snapshot(store, runner, settings: LoopSettings):
     trains on, the reward model (train-reward) or the policy itself (train-dpo)."""
     from store.export import export_pairs
 
-    # --margin trains on the rank gap: only then does the snapshot carry TRL's `margin` column
+    # --margin trains on the rank gap: only then does the snapshot carry TRL's `margin` column; the
+    # loop's quality options leave out or weigh annotators by their quality (store/export.py)
     snapshot = export_pairs(store, inputs_dir(runner) / f"pairs-{_stamp()}.parquet", "parquet",
-                            margin_column=settings.reward.margin)
+                            margin_column=settings.reward.margin, min_quality=settings.loop.min_quality or None,
+                            quality_weights=settings.loop.quality_weights)
     if not snapshot.counts.get("pairs"):
         raise ValueError("no preference pairs to train on yet: rank some items first")
     return snapshot
