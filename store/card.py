@@ -116,12 +116,13 @@ def _quality_section(manifest: dict) -> list[str]:
     if f.get("quality_weights"):
         how.append(f"each pair's `weight` is its annotator's weight, 2q - 1 clipped to "
                    f"[{manifest['min_weight']:g}, 1] (1 for annotators not measured yet and for imported pairs)")
-    return ["\n## Annotator quality\n",
+    return ["## Annotator quality\n",
             "Quality q: accuracy on gold items, else agreement with the majority of the other annotators; "
             + "; ".join(how) + ".\n",
-            _table(["annotator", "quality", "measured by", "gold items", "weight", "left out"],
+            _table(["annotator", "quality", "measured by", "gold items", "weight" if f.get("quality_weights") else
+                    "weight (not applied)", "left out"],
                    [[q["annotator"], _num(q["quality"]), q["measured_by"] or "not measured", q["n_gold"],
-                     _num(q["weight"]), "yes" if q["excluded"] else "no"] for q in rows])]
+                     _num(q["weight"]), "yes" if q["excluded"] else "no"] for q in rows]) + "\n"]
 
 
 def render(manifest: dict, facts: dict, fmt: str) -> str:

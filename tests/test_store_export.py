@@ -262,6 +262,8 @@ def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators,
     assert "weight" not in _jsonl(tmp_path / "plain.jsonl")[0] and "min_quality" not in plain.filters
 
     kept = export_pairs(store, tmp_path / "kept.jsonl", "jsonl", min_quality=0.5)
+    card = (tmp_path / "kept.jsonl.README.md").read_text()
+    assert "weight (not applied)" in card and "| ann1 | 0.000 | gold | 1 | 0.050 | yes |" in card
     rows = _jsonl(tmp_path / "kept.jsonl")
     assert {r["annotator"] for r in rows} == {"ann0", None} and len(rows) == 9 + 1  # ann0's 3 items + imported
     assert {r["annotator"] for r in _jsonl(tmp_path / "kept.rankings.jsonl")} == {"ann0"}
