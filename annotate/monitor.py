@@ -23,10 +23,10 @@ LATEST = "latest"
 # Plots of the job monitor: title -> metric keys (flat, namespaced, as the training scripts write them).
 PLOTS = {
     "Reward / score": ["objective/score", "objective/rlhf_reward", "train/margin", "eval/margin"],
-    "KL to the reference (nats)": ["objective/kl"],
+    "KL to the reference (nats)": ["objective/kl", "kl/heldout"],
     "β (KL coefficient)": ["kl/beta"],
     "Losses": ["train/loss", "eval/loss", "policy/loss", "val/loss"],
-    "Accuracy": ["train/accuracy", "eval/accuracy"],
+    "Accuracy": ["train/accuracy", "eval/accuracy", "train/reward_accuracy", "eval/reward_accuracy"],  # RM; DPO
     "Response length (tokens)": ["gen/length_mean"],
     "EOS rate": ["gen/eos_rate"],
 }
