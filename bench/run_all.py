@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ["store_bench", "generate_bench", "reward_bench", "ppo_bench", "ui_bench", "gold_loop"]
+BENCHES = ["store_bench", "generate_bench", "reward_bench", "ppo_bench", "dpo_bench", "ui_bench", "gold_loop"]
 LOGS = ROOT / "bench" / "out" / "run_all"
 TABLE = ROOT / "docs" / "results" / "benchmarks.md"
 
@@ -69,6 +69,9 @@ ROWS = [
         spread="interval"),
     Row("ppo", "PPO episodes/s", "ours_eps", "TRL PPOTrainer", "trl_eps", ratio_key="ratio", spread="minmax"),
     Row("ppo", "PPO peak memory (MB)", "ours_peak_mb", "TRL PPOTrainer", "trl_peak_mb", "lower"),
+    Row("dpo", "DPO training pairs/s", "ours_pairs_s", "TRL DPOTrainer", "trl_pairs_s", ratio_key="ratio",
+        spread="minmax"),
+    Row("dpo", "DPO peak memory (MB)", "ours_peak_mb", "TRL DPOTrainer", "trl_peak_mb", "lower"),
     Row("ui", "annotate round trip p95 (ms), stock gradio_client", "p95_ms", "without prefetch",
         "no_prefetch_p95_ms", "lower"),
     Row("ui", "annotate round trip p95 (ms), client poll woken (removes gradio_client's 0-50 ms result poll)",
@@ -81,7 +84,7 @@ ROWS = [
     Row("gold_loop", "KL to the start (nats), beta = 0", "beta0_kl", "adaptive KL", "adaptive_kl", "lower"),
 ]
 BENCH_RESULT_NAMES = {"store_bench": "store", "generate_bench": "generate", "reward_bench": "reward",
-                      "ppo_bench": "ppo", "ui_bench": "ui", "gold_loop": "gold_loop"}
+                      "ppo_bench": "ppo", "dpo_bench": "dpo", "ui_bench": "ui", "gold_loop": "gold_loop"}
 
 
 # --------------------------------------------------------------------------- RESULT lines
