@@ -196,14 +196,17 @@ class RunsMixin:
         return [_round(r) for r in self._rows(f"SELECT {_ROUND_COLS} FROM rounds ORDER BY id")]
 
     def round_counts(self, round_id: int) -> dict:
-        """{prompts, items, rankings, pairs} generated for / collected in a round."""
+        """{prompts, items, rankings, ranked_items, pairs} generated for / collected in a round
+        (ranked_items: items with at least one ranking)."""
         row = self._one(
             "SELECT (SELECT count(DISTINCT prompt_id) FROM items WHERE round_id = $r), "
             "(SELECT count(*) FROM items WHERE round_id = $r), "
             "(SELECT count(*) FROM rankings k JOIN items i ON i.id = k.item_id WHERE i.round_id = $r), "
+            "(SELECT count(DISTINCT k.item_id) FROM rankings k JOIN items i ON i.id = k.item_id "
+            "WHERE i.round_id = $r), "
             "(SELECT count(*) FROM pairs p JOIN items i ON i.id = p.item_id WHERE i.round_id = $r)",
             {"r": round_id})
-        return dict(zip(("prompts", "items", "rankings", "pairs"), row))
+        return dict(zip(("prompts", "items", "rankings", "ranked_items", "pairs"), row))
 
 
 def _keep(new, old):

@@ -80,7 +80,7 @@ def test_an_under_ranked_round_is_refused_untouched_and_the_threshold_follows_ov
 
     store.set_round_queue(rnd.id, overlap=2)  # two rankings per item: up to 8
     have = loop.coverage(store, rnd, settings)
-    assert have.threshold == 8 and "1 rankings of its 4 items at overlap 2 (threshold 8)" in have.describe()
+    assert have.threshold == 8 and "1 of 4 items ranked, 1 rankings at overlap 2 (threshold 8 rankings)" in have.describe()
     settings.loop.rankings_per_round = 1  # asked for fewer than the round can get
     assert loop.coverage(store, rnd, settings).enough
     settings.loop.rankings_per_round = 0  # none needed

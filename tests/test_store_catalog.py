@@ -88,7 +88,7 @@ def test_responses_items_and_pool(store, store_policy):
     assert store.get_prompt(p1).round == rnd.id and store.get_prompt(p2).round is None
     assert [p.id for p in store.prompts_without_responses()] == [p2, p3]
     assert [p.id for p in store.prompts_without_responses(limit=1)] == [p2]
-    assert store.round_counts(rnd.id) == {"prompts": 1, "items": 1, "rankings": 0, "pairs": 0}
+    assert store.round_counts(rnd.id) == {"prompts": 1, "items": 1, "rankings": 0, "ranked_items": 0, "pairs": 0}
     with pytest.raises(NotFoundError, match="prompt"):
         store.add_responses(999, store_policy.id, ["a", "b"])
     with pytest.raises(InvalidRequest, match="empty"):

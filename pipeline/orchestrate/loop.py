@@ -60,6 +60,8 @@ class Coverage:
     round_id: int
     items: int
     rankings: int
+    ranked_items: int
+    """Items with at least one ranking."""
     overlap: int
     """Rankings each item is to get (the round's own overlap, else the store's)."""
     threshold: int
@@ -73,8 +75,8 @@ class Coverage:
         if self.overlap == 1:
             return (f"Round {self.round_id} has {self.rankings} of {self.items} items ranked "
                     f"(threshold {self.threshold})")
-        return (f"Round {self.round_id} has {self.rankings} rankings of its {self.items} items at overlap "
-                f"{self.overlap} (threshold {self.threshold})")
+        return (f"Round {self.round_id} has {self.ranked_items} of {self.items} items ranked, {self.rankings} "
+                f"rankings at overlap {self.overlap} (threshold {self.threshold} rankings)")
 
 
 class UnderRanked(RoundFailed):
@@ -90,7 +92,7 @@ def coverage(store, rnd, settings: LoopSettings) -> Coverage:
     counts = store.round_counts(rnd.id)
     overlap = store.round_queue().get(rnd.id, (None, None))[0] or store.queue_overlap()
     threshold = min(max(settings.loop.rankings_per_round, 0), counts["items"] * overlap)
-    return Coverage(rnd.id, counts["items"], counts["rankings"], overlap, threshold)
+    return Coverage(rnd.id, counts["items"], counts["rankings"], counts["ranked_items"], overlap, threshold)
 
 
 def make_runner(store, runs_root, **kwargs) -> JobRunner:
