@@ -256,6 +256,10 @@ class DPOConfig:
     """Responses sampled from the policy (temperature 1) per KL prompt."""
     kl_max_new_tokens: int = 64
     """Longest sampled response for the KL measurement, in tokens."""
+    use_weights: bool = True
+    """Weight each pair by the data's `weight` column (an export with quality_weights: its
+    annotator's quality) in the DPO / IPO loss, mean(w * loss) with w over the training pairs' mean
+    weight; False = every pair counts once. Data without the column trains exactly as unweighted."""
 
 
 # --------------------------------------------------------------------------- CLI plumbing

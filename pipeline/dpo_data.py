@@ -76,15 +76,19 @@ class PackedPairs:
     response_tokens: torch.Tensor  # (2B,) tokens per response, chosen then rejected (IPO's averages)
     pairs: int  # B
     real_tokens: int  # tokens a forward pass computes: the prefix once, the rows' real cells
+    weight: torch.Tensor | None = None  # (B,) each pair's weight in the loss; None = all count once
 
 
 def pack_pairs(items: list[EncodedPair], attn_per_linear: float, pad_id: int, share_prefix: bool = True,
-               device=None) -> PackedPairs:
+               device=None, weights: list[float] | None = None) -> PackedPairs:
     """The packed layout of B pairs (module docstring). share_prefix False keeps the system prompt
-    in the rows (gradient checkpointing drops the KV cache a shared prefix needs)."""
+    in the rows (gradient checkpointing drops the KV cache a shared prefix needs). weights: one per
+    item, as the loss should count it (normalised by the caller), or None."""
     b = len(items)
     if b == 0:
         raise ValueError("pack_pairs: no pairs")
+    if weights is not None and len(weights) != b:
+        raise ValueError(f"pack_pairs: {len(weights)} weights for {b} pairs")
     # a common prefix, leaving every prompt at least its last token in the rows (it predicts token 0)
     L = len(os.path.commonprefix([it.prompt_ids for it in items])) if share_prefix and b > 1 else 0
     L = min(L, min(it.prompt_len for it in items) - 1)
@@ -131,7 +135,8 @@ def pack_pairs(items: list[EncodedPair], attn_per_linear: float, pad_id: int, sh
         index=torch.tensor(index, device=device), tokens=torch.tensor(tokens, device=device),
         sequence=torch.tensor(sequence, device=device),
         response_tokens=torch.tensor(counts, dtype=torch.float32, device=device), pairs=b,
-        real_tokens=L + sum(lengths))
+        real_tokens=L + sum(lengths),
+        weight=None if weights is None else torch.tensor(weights, dtype=torch.float32, device=device))
 
 
 # --------------------------------------------------------------------------- log-probs
@@ -175,13 +180,15 @@ def reference_logps(reference, pp: PackedPairs) -> torch.Tensor:
 # --------------------------------------------------------------------------- losses and measurements
 
 
-def preference_loss(cfg, logps: torch.Tensor, ref: torch.Tensor, response_tokens: torch.Tensor) -> torch.Tensor:
+def preference_loss(cfg, logps: torch.Tensor, ref: torch.Tensor, response_tokens: torch.Tensor,
+                    weight: torch.Tensor | None = None) -> torch.Tensor:
     """cfg.loss ('sigmoid': DPO, 'ipo') with cfg.beta, from (2B,) policy and reference log-probs
-    (chosen rows first) and the (2B,) response token counts."""
+    (chosen rows first), the (2B,) response token counts and the (B,) pair weights (or None)."""
     b = logps.shape[0] // 2
     if cfg.loss == "ipo":
-        return ipo_loss(logps[:b], logps[b:], ref[:b], ref[b:], cfg.beta, response_tokens[:b], response_tokens[b:])
-    return dpo_loss(logps[:b], logps[b:], ref[:b], ref[b:], cfg.beta)
+        return ipo_loss(logps[:b], logps[b:], ref[:b], ref[b:], cfg.beta, response_tokens[:b], response_tokens[b:],
+                        weight)
+    return dpo_loss(logps[:b], logps[b:], ref[:b], ref[b:], cfg.beta, weight)
 
 
 def pair_stats(logps: torch.Tensor, ref: torch.Tensor, beta: float) -> dict[str, float]:
@@ -199,8 +206,9 @@ def pair_stats(logps: torch.Tensor, ref: torch.Tensor, beta: float) -> dict[str,
 def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, pad_id: int, attn_per_linear: float,
                    share_prefix: bool, device, amp, dist) -> dict:
     """Held-out metrics under eval/: the loss, implicit-reward accuracy, margin, mean rewards and
-    log-probs, over batches of 2 x batch_size pairs of similar length. dist (pipeline/distributed.py):
-    each process takes its share of the pairs; every process gets the totals."""
+    log-probs, over batches of 2 x batch_size pairs of similar length; every pair counts once,
+    whatever its weight. dist (pipeline/distributed.py): each process takes its share of the pairs;
+    every process gets the totals."""
     from tqdm.auto import tqdm
 
     mine = dist.shard(sorted(range(len(items)), key=lambda i: items[i].length))

@@ -303,22 +303,25 @@ def value_loss(
 
 def dpo_loss(
     logp_chosen: torch.Tensor, logp_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-    beta: float,
+    beta: float, weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DPO loss (Rafailov et al. 2023, eq. 7): mean of -log sigmoid(beta * ((pc - rc) - (pr - rr))).
 
     All inputs (B,): each response's log-prob summed over its tokens, under the policy (pc, pr) and
     the reference (rc, rr). beta * (logp - ref) is the response's implicit reward, so this is the
     Bradley-Terry loss on implicit rewards; TRL's loss_type="sigmoid" (trl/trainer/dpo_trainer.py,
-    `-F.logsigmoid(self.beta * delta_score)`).
+    `-F.logsigmoid(self.beta * delta_score)`). weight (B,): each pair's term counts w times, mean of
+    w * loss, with the weights normalised by the caller to mean 1 over the training pairs, as
+    weighted_pairwise_loss's are; None is the plain mean, bit for bit.
     """
     logits = (logp_chosen - ref_chosen) - (logp_rejected - ref_rejected)  # (B,)
-    return -F.logsigmoid(beta * logits).mean()
+    losses = -F.logsigmoid(beta * logits)  # (B,)
+    return losses.mean() if weight is None else (weight.to(losses.dtype) * losses).mean()
 
 
 def ipo_loss(
     logp_chosen: torch.Tensor, logp_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-    beta: float, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
+    beta: float, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """IPO loss (Azar et al. 2023, eq. 17, beta = their tau): mean of (h - 1 / (2 beta))^2 with
     h = (pc - rc) / nc - (pr - rr) / nr, the log-ratios averaged per response token.
@@ -326,11 +329,12 @@ def ipo_loss(
     Inputs as dpo_loss, plus the token counts nc, nr (B,) of each response. The per-token average is
     TRL's (loss_type="ipo", confirmed with the IPO authors there): summed log-ratios would make the
     squared loss grow with response length. IPO regresses the margin to 1 / (2 beta) instead of
-    pushing it to infinity, so it does not overfit deterministic preferences.
+    pushing it to infinity, so it does not overfit deterministic preferences. weight (B,): as dpo_loss's.
     """
     chosen = (logp_chosen - ref_chosen) / chosen_tokens.clamp_min(1)  # (B,) per-token log-ratio
     rejected = (logp_rejected - ref_rejected) / rejected_tokens.clamp_min(1)  # (B,)
-    return ((chosen - rejected - 1.0 / (2.0 * beta)) ** 2).mean()
+    losses = (chosen - rejected - 1.0 / (2.0 * beta)) ** 2  # (B,)
+    return losses.mean() if weight is None else (weight.to(losses.dtype) * losses).mean()
 
 
 def weighted_pairwise_loss(

@@ -7,7 +7,10 @@ Direct Preference Optimization (Rafailov et al. 2023) trains the policy on the s
 model would learn from: loss -log sigmoid(beta * ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) -
 log ref(y_r)))), or IPO's squared form (Azar et al. 2023) with --loss ipo (pipeline/losses.py).
 beta * log(pi / ref) is a response's implicit reward; its accuracy (chosen above rejected) and
-margins are logged as a reward model's would be.
+margins are logged as a reward model's would be. With a `weight` column (an export's
+quality_weights, from its annotators' quality) each pair's term counts by its weight over the
+training pairs' mean weight, as in train-reward (--use-weights false ignores the column; data
+without one, or with equal weights, trains on the plain loss).
 
 The policy starts from --policy (a folder saved by ppo or train-dpo: its LoRA adapter keeps
 training) or the base model (--model). The reference is the base model: the adapter disabled
@@ -19,7 +22,8 @@ padding between them (pipeline/dpo_data.py); reference log-probs come from one n
 the same packed batch. Batches group pairs of similar length (pipeline/reward_data.py).
 
 Run directory (as train-reward's and ppo's; the app tails it and registers the policy):
-    config.json        configs, the data file and its sha256, the starting policy, command line
+    config.json        configs, the data file and its sha256, the starting policy, command line,
+                       whether the pairs' weights were used ("weighted")
     status.json        {"state", "progress", "step", "total", "phase", ...}
     metrics.jsonl      one line per optimiser step (also TensorBoard events in tensorboard/, --report-to):
                        train/loss, train/reward_accuracy, train/margin,
@@ -29,7 +33,8 @@ Run directory (as train-reward's and ppo's; the app tails it and registers the p
     trainer_state.pt   optimiser, scheduler and step, for --resume
     policy/            the trained policy when done; model_meta.json names its parent, the data's
                        sha256, "method": "dpo", the loss and beta
-    eval_report.json   held-out implicit-reward accuracy and margins, KL to the reference, timings
+    eval_report.json   held-out implicit-reward accuracy and margins (every held-out pair counts once),
+                       KL to the reference, timings, train/weighted
 
 KL to the reference on held-out prompts (kl/heldout, nats per response): kl_samples responses per
 held-out prompt sampled from the trained policy at temperature 1, each scored as the sum over its
@@ -160,13 +165,19 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     model.train(checkpointing(model))  # no dropout (TRL's disable_dropout), but checkpointing acts in train mode
     share_prefix = not checkpointing(model)  # checkpointed layers drop the KV cache a shared prefix needs
     amp = lambda: autocast(device, dtype)  # noqa: E731
+    # Pair weights over the training pairs' mean, as train-reward's: mean(w * loss) keeps the plain
+    # loss's scale and each batch its pairs' share of the data's weight; no column, or one weight
+    # for every pair, is None: the plain loss, bit for bit.
+    mean_w = sum(it.weight for it in train_items) / len(train_items)
+    weighted = cfg.use_weights and len({it.weight for it in train_items}) > 1
+    weights = [it.weight / mean_w for it in train_items] if weighted else None
     if not resume:
         write_json(out_dir / "config.json", {
             "stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg), "data": str(data),
             "data_sha256": snapshot_sha256(data), "policy": policy, "parent": parent,
             "eval_data_sha256": snapshot_sha256(cfg.eval_data) if cfg.eval_data else "",
             "base_model": model.rlhf_meta["base_model"], "argv": sys.argv, "data_report": data_report,
-            "processes": dist.world})
+            "processes": dist.world, "weighted": weighted})
 
     # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
     steps_per_epoch = math.ceil(math.ceil(len(train_items) / cfg.batch_size) / cfg.grad_accum)
@@ -217,12 +228,13 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
                     weight = len(mine) / len(idx) / len(micro) * dist.loss_scale
                     if not mine:  # fewer pairs than processes: join the all-reduce with a zero loss
                         mine, weight = idx[:1], 0.0
-                    pp = pack_pairs([train_items[i] for i in mine], ratio, pad_id, share_prefix, device)
+                    pp = pack_pairs([train_items[i] for i in mine], ratio, pad_id, share_prefix, device,
+                                    weights=None if weights is None else [weights[i] for i in mine])
                     with amp():
                         ref = reference_logps(reference, pp)  # (2b,) no grad
                     with dist.sync(wrapped, last=j == len(micro) - 1), amp():
                         logps = wrapped(sequence_logps, pp)  # (2b,)
-                        loss = preference_loss(cfg, logps, ref, pp.response_tokens)
+                        loss = preference_loss(cfg, logps, ref, pp.response_tokens, pp.weight)
                     (loss * weight).backward()
                     if weight == 0.0:
                         continue
@@ -286,7 +298,8 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
         save_policy(model, tokenizer, out_dir / "policy")
     dist.barrier()
     full = {
-        **report, "train/pairs": len(train_items), "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
+        **report, "train/pairs": len(train_items), "train/weighted": weighted,
+        "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
         "train/seconds": train_seconds, "train/cpu_seconds": train_cpu,
         "train/pairs_per_s": pairs_done / max(train_seconds, 1e-9), "steps": step, "data": data_report,
         "truncation": {"max_length": cfg.max_length,

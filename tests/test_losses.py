@@ -268,3 +268,26 @@ def test_weighted_pairwise_loss_hand_values():
     weighted_pairwise_loss(rc, r_r, torch.tensor([1.5, 0.5])).backward()
     # pair 1: -1.5 * sigmoid(-2) / 2 = -0.75 * 0.119203 = -0.089402; pair 2: -0.5 * 0.5 / 2 = -0.125
     assert close(rc.grad, [-0.089402, -0.125])
+
+
+def test_dpo_and_ipo_weights_hand_values():
+    w = torch.tensor([1.5, 0.5])  # mean 1, as the trainer normalises them
+    # DPO: (1.5 * 0.598139 + 0.5 * 1.037488) / 2 = (0.897209 + 0.518744) / 2 = 0.707976
+    assert close(dpo_loss(PC, PR, RC, RR, 0.1, weight=w), 0.707976)
+    # IPO, beta 0.1 (pair losses 18.0625 and 69.444444): (1.5 * 18.0625 + 0.5 * 69.444444) / 2 = 30.907986
+    nc, nr = torch.tensor([2.0, 3.0]), torch.tensor([4.0, 1.0])
+    assert close(ipo_loss(PC, PR, RC, RR, 0.1, nc, nr, weight=w), 30.907986, tol=1e-4)
+    # no weights is today's mean, bit for bit; weights of 1 give the same number
+    assert torch.equal(dpo_loss(PC, PR, RC, RR, 0.1, weight=None), dpo_loss(PC, PR, RC, RR, 0.1))
+    assert close(dpo_loss(PC, PR, RC, RR, 0.1, weight=torch.ones(2)), dpo_loss(PC, PR, RC, RR, 0.1))
+    assert close(ipo_loss(PC, PR, RC, RR, 0.1, nc, nr, torch.ones(2)), ipo_loss(PC, PR, RC, RR, 0.1, nc, nr))
+    # a pair's gradient scales with its weight: d/dpc of -w log sigmoid(0.1 x) / 2 = -0.05 w sigmoid(-0.1 x)
+    pc = PC.clone().requires_grad_()
+    dpo_loss(pc, PR, RC, RR, 0.1, weight=w).backward()
+    # pair 1: x = 2: -0.05 * 1.5 * 0.450166 = -0.033762; pair 2: x = -6: -0.05 * 0.5 * 0.645656 = -0.016141
+    assert close(pc.grad, [-0.033762, -0.016141])
+    # IPO: d/dpc of w (h - 5)^2 / 2 with h's d/dpc = 1 / nc; pair 1: 1.5 * 2 * (0.75 - 5) / 2 / 2 = -3.1875
+    # pair 2: 0.5 * 2 * (-3.333333 - 5) / 3 / 2 = -1.388889
+    pc = PC.clone().requires_grad_()
+    ipo_loss(pc, PR, RC, RR, 0.1, nc, nr, weight=w).backward()
+    assert close(pc.grad, [-3.1875, -1.388889], tol=1e-4)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pipeline.config import DPOConfig, ModelConfig
-from pipeline.dpo_data import pack_pairs, reference_logps, sequence_logps
+from pipeline.dpo_data import pack_pairs, preference_loss, reference_logps, sequence_logps
 from pipeline.losses import logprobs_from_logits
 from pipeline.policy import causal_lm_logits, load_policy, make_reference
 from pipeline.reward_data import encode_pairs, read_pairs
@@ -103,6 +103,36 @@ def test_packed_pairs_give_whole_sequence_logps_and_gradients(tmp_path, dpo_mode
         ref = reference_logps(make_reference(model), pp)
         assert torch.allclose(ref, whole_sequence_logps(base, items), rtol=1e-5, atol=1e-4)
         assert not torch.allclose(ref, got, atol=1e-2)
+
+
+def test_packed_pair_weights_weigh_each_pairs_loss(tmp_path, dpo_model_cfg):
+    """A batch's weights follow its pairs through the packing: the loss is mean(w * loss_i) of each
+    pair's DPO (or IPO) loss computed from whole sequences."""
+    model, tok = load_policy(dpo_model_cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    items = encode_pairs(read_pairs(write_jsonl(tmp_path / "p.jsonl", marker_pairs(5)))[0], tok, 512)[0]
+    weights = [0.2, 1.8, 0.5, 1.5, 1.0]
+    pp = pack_pairs(items, 0.0, tok.pad_token_id, weights=weights)  # one row: the pairs out of file order
+    with torch.no_grad():
+        logps, ref = sequence_logps(model, pp), reference_logps(make_reference(model), pp)
+        ratio = whole_sequence_logps(model, items) - ref  # (10,) log pi - log ref of each response
+    margin = ratio[:5] - ratio[5:]  # (5,) each pair's margin
+    dpo = torch.nn.functional.softplus(-0.1 * margin)  # -log sigmoid(beta x), pair by pair
+    n_c = torch.tensor([len(it.chosen_response) for it in items])
+    n_r = torch.tensor([len(it.rejected_response) for it in items])
+    ipo = (ratio[:5] / n_c - ratio[5:] / n_r - 1 / (2 * 0.1)) ** 2
+    w = torch.tensor(weights)
+    for loss, per_pair in (("sigmoid", dpo), ("ipo", ipo)):
+        cfg = dataclasses.replace(FAST, loss=loss)
+        got = preference_loss(cfg, logps, ref, pp.response_tokens, pp.weight)
+        assert torch.allclose(got, (w * per_pair).mean(), rtol=1e-4)
+        assert not torch.allclose(got, per_pair.mean(), rtol=1e-2)  # the weights do change it
+    with pytest.raises(ValueError, match="3 weights for 5 pairs"):
+        pack_pairs(items, 0.0, tok.pad_token_id, weights=[1.0] * 3)
 
 
 # --------------------------------------------------------------------------- end to end
@@ -218,3 +248,46 @@ def test_sigterm_to_the_cli_exits_130_with_a_checkpoint(tmp_path, tiny_model_dir
     assert status["state"] == "cancelled" and "SIGTERM" in status["error"]
     step = torch.load(out / "trainer_state.pt", weights_only=False)["step"]
     assert 1 <= step < status["total"] and (out / "checkpoint" / "adapter_model.safetensors").is_file()
+
+
+def test_pair_weights_count_as_their_share_of_the_mean(tmp_path, dpo_model_cfg):
+    """No weight column, all-ones or all-equal weights train exactly as before; mixed weights change
+    the run unless --use-weights false; config.json and the report say which."""
+    rows = marker_pairs(32)
+    cfg = dataclasses.replace(FAST, epochs=1, max_steps=3, kl_prompts=0)
+
+    def run(name, weights, **kw):
+        data = write_jsonl(tmp_path / f"{name}.jsonl", [dict(r, weight=w) for r, w in zip(rows, weights)])
+        report = train_dpo(str(data), str(tmp_path / name), dataclasses.replace(cfg, **kw), dpo_model_cfg)
+        assert json.loads((tmp_path / name / "config.json").read_text())["weighted"] == report["train/weighted"]
+        return report, [r["train/loss"] for r in metrics(tmp_path / name) if "train/loss" in r]
+
+    plain, plain_losses = run("plain", [None] * 32)
+    assert not plain["train/weighted"] and len(plain_losses) == 3
+    for name, weights in (("ones", [1.0] * 32), ("equal", [0.3] * 32)):
+        report, losses = run(name, weights)
+        assert not report["train/weighted"] and losses == plain_losses
+    mixed = [0.1 if i % 3 else 2.0 for i in range(32)]
+    weighted, weighted_losses = run("mixed", mixed)
+    assert weighted["train/weighted"] and weighted_losses != plain_losses
+    ignored, ignored_losses = run("ignored", mixed, use_weights=False)
+    assert not ignored["train/weighted"] and ignored_losses == plain_losses
+
+
+def test_down_weighted_label_noise_is_learned_through(tmp_path, dpo_model_cfg):
+    """Half the pairs are label-flipped noise: unweighted, the marker's signal cancels out; with the
+    noisy pairs down-weighted (as an annotator of low quality is), the policy learns the marker."""
+    clean = [dict(r, weight=1.0) for r in marker_pairs(48)]
+    noise = [dict(r, chosen=r["rejected"], rejected=r["chosen"], weight=0.05) for r in marker_pairs(48, seed=1)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", clean + noise)
+    held_out = write_jsonl(tmp_path / "eval.jsonl", marker_pairs(24, seed=2))
+    cfg = dataclasses.replace(FAST, epochs=3, kl_prompts=0, eval_data=str(held_out))
+    weighted = train_dpo(str(data), str(tmp_path / "weighted"), cfg, dpo_model_cfg)
+    plain = train_dpo(str(data), str(tmp_path / "plain"), dataclasses.replace(cfg, use_weights=False), dpo_model_cfg)
+    assert weighted["train/weighted"] and not plain["train/weighted"]
+    print(f"held-out accuracy {weighted['eval/reward_accuracy']:.3f} weighted, {plain['eval/reward_accuracy']:.3f} "
+          f"plain; margin {weighted['eval/margin']:.3f}, {plain['eval/margin']:.3f}")
+    # measured: accuracy 0.79 against 0.38, margin 0.75 against -0.04 (24 clean held-out pairs)
+    assert weighted["eval/reward_accuracy"] > 0.7 and weighted["eval/margin"] > 0.3
+    assert weighted["eval/reward_accuracy"] > plain["eval/reward_accuracy"] + 0.2
+    assert weighted["eval/margin"] > plain["eval/margin"] + 0.3
