@@ -118,8 +118,9 @@ class RewardConfig:
     of a PPO run that starts from the base)."""
     use_weights: bool = True
     """Weight each pair by the data's `weight` column (an export with quality_weights: its
-    annotator's quality) in the Bradley-Terry loss, sum(w * loss) / sum(w) per batch; False =
-    every pair counts once. Data without the column trains exactly as unweighted."""
+    annotator's quality) in the Bradley-Terry loss, mean(w * loss) with w over the training pairs'
+    mean weight (so a batch of down-weighted pairs moves the model less); False = every pair counts
+    once. Data without the column, or with one weight for all, trains exactly as unweighted."""
 
 
 @dataclass
@@ -217,8 +218,8 @@ class LoopConfig:
     the majority) is below this from each round's pairs snapshot (0 = keep everyone)."""
     quality_weights: bool = False
     """Weight each pair of the round's snapshot by its annotator's quality (2q - 1, see
-    store/export.py): the reward model trains on the weights (RewardConfig.use_weights); a DPO
-    policy step does not read them."""
+    store/export.py): the reward model and a DPO policy step train on the weights
+    (RewardConfig.use_weights, DPOConfig.use_weights)."""
 
 
 @dataclass

@@ -252,7 +252,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # exactly the plain loss and every batch keeps its pairs' share of the whole data's weight.
     mean_w = sum(it.weight for it in train_items) / len(train_items)
     weights = [it.weight / mean_w for it in train_items]
-    weights = weights if cfg.use_weights and any(w != 1.0 for w in weights) else None
+    equal = len({it.weight for it in train_items}) == 1  # (judged on the raw weights: no rounding)
+    weights = weights if cfg.use_weights and not equal else None
     model.train()
     bar = tqdm(total=total, initial=step, desc="reward model", unit="step", dynamic_ncols=True,
                disable=not dist.is_main)
