@@ -346,7 +346,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     write_status(out_dir, "running", step, total, phase="evaluating")
     # sharded: every rank scores every pair (the same forward passes on all ranks, as the gathers need)
     shared = None if dist.sharded else dist
-    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, shared)
+    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, shared,
+                      on_progress=lambda done, n: write_status(out_dir, "running", step, total,
+                                                               phase=f"evaluating: {done}/{n} held-out pairs"))
     calib = report.pop("calibration", [])
     if report:
         append_metrics(out_dir, step, report)
@@ -356,7 +358,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     if cfg.norm_samples > 0:
         write_status(out_dir, "running", step, total, phase="normalising")
         norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
-                                   policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=shared)
+                                   policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=shared,
+                                   on_progress=lambda done, n: write_status(out_dir, "running", step, total,
+                                                                            phase=f"normalising: {done}/{n} samples"))
         append_metrics(out_dir, step, {"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]})
         model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
 
