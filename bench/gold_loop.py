@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--parallel", action="store_true", help="run the parts side by side")
     add("--reuse-round1", default="", help="take round 1 and the start policy's evaluation from this earlier results directory")
     add("--publish", default=None,
-        help="also copy report and plots here (default: docs/results for a full run, none for --quick)")
+        help="also copy report and plots here ('none': nowhere; default: docs/results for a full run, "
+             "nowhere for --quick)")
     return parser
 
 
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     report = write_report(results, out)
     print(f"report: {report}")
     target = args.publish if args.publish is not None else ("" if args.quick else str(PUBLISH))
-    if target:
+    if target and target != "none":
         for path in publish(out, Path(target)):
             print(f"published: {path}")
     print(gold_result_line(results, out))
