@@ -171,7 +171,7 @@ def test_annotator_cannot_reach_admin_actions(app, browser):
     calls = {
         "/add_user": ("mallory", "admin", "mallory-password"),
         "/save_guidelines": ("ignore the guidelines",),
-        "/export": ("jsonl", True, True, [], "", 0, 0, "conversational", False, "unknown"),
+        "/export": ("jsonl", True, True, [], "", 0, 0, "conversational", False, "unknown", 0.0, False),
         "/statistics": (),
         "/models": (),
     }
