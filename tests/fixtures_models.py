@@ -48,3 +48,17 @@ def default_model_path():
     from pipeline.models import default_model_dir
 
     return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine a second thread
+    competing with other processes makes their runs 10x slower (OpenMP spin-waits). Modules of
+    tiny-model runs use it for every test: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+

@@ -25,7 +25,9 @@ from pipeline.__main__ import main as cli
 from pipeline.config import ModelConfig, PPOConfig, RewardConfig
 from pipeline.orchestrate import loop
 from tests.helpers import req
-from tests.test_train_reward import marker_pairs, one_thread, write_jsonl  # noqa: F401  (one_thread: autouse)
+from tests.test_train_reward import marker_pairs, write_jsonl
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixtures_models.py
 
 PROMPTS = ["How can I shop?", "What is the capital of France?", "Tell me about bread.", "Guitar tips?"]
 RESPONSES = ["Compare stores and use coupons.", "Paris is the capital of France.", "Mix flour, water and salt.",

@@ -41,7 +41,9 @@ from store import Store
 from store.io import export_pairs
 from tests.fixtures_store import open_copy, seed_items
 from tests.helpers import req
-from tests.test_train_reward import marker_pairs, one_thread, write_jsonl  # noqa: F401 (one_thread: autouse)
+from tests.test_train_reward import marker_pairs, write_jsonl
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixtures_models.py
 
 # name -> (Bradley-Terry noise, items per turn); right on a pair with probability sigmoid(1 / noise)
 # as the judge's scores differ by 1: 1.0, 0.98, 0.88 and 0.5 (at random)

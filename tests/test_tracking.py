@@ -13,7 +13,8 @@ import pytest
 
 from pipeline.rundir import append_metrics, open_tracker, read_jsonl, set_writer, truncate_metrics
 from pipeline.tracking import EVENTS_DIR
-from tests.test_train_reward import one_thread  # noqa: F401  (autouse: tiny models run on one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixtures_models.py
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["How can I shop?", "What is the capital of France?", "Tell me about bread.", "Guitar tips?"]

@@ -28,7 +28,9 @@ from pipeline.rollout import attn_ratio
 from pipeline.rundir import read_status
 from pipeline.train_dpo import main, train_dpo
 from tests.helpers import wait_for
-from tests.test_train_reward import marker_pairs, one_thread, write_jsonl  # noqa: F401 (an autouse fixture)
+from tests.test_train_reward import marker_pairs, write_jsonl
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixtures_models.py
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = DPOConfig(epochs=2, lr=1e-2, batch_size=8, eval_fraction=0.25, kl_prompts=6, kl_samples=2, kl_max_new_tokens=8)

@@ -20,6 +20,8 @@ from pipeline.reward_data import (
 from pipeline.reward_eval import forward_pairs
 from pipeline.train_reward import main, train_reward
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixtures_models.py
+
 WORDS = ("the quick brown fox jumps over lazy dog bread flour water salt guitar chords "
          "practise daily coupons stores onions relish chili").split()
 
@@ -41,16 +43,6 @@ def marker_pairs(n: int, seed: int = 0, marker: str = "Paris") -> list[dict]:
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine a second thread
-    competing with other processes makes these runs 10x slower (OpenMP spin-waits)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 FAST = RewardConfig(epochs=2, lr=1e-2, batch_size=8, norm_samples=0, eval_fraction=0.25)
