@@ -191,6 +191,11 @@ def preference_loss(cfg, logps: torch.Tensor, ref: torch.Tensor, response_tokens
     return dpo_loss(logps[:b], logps[b:], ref[:b], ref[b:], cfg.beta, weight)
 
 
+PAIR_STATS = ("reward_accuracy", "margin", "rewards_chosen", "rewards_rejected", "logps_chosen", "logps_rejected")
+"""pair_stats' keys: sums start with all of them, so every rank all-reduces the same keys (a rank
+with no pairs in a step or in the held-out set contributes zeros)."""
+
+
 def pair_stats(logps: torch.Tensor, ref: torch.Tensor, beta: float) -> dict[str, float]:
     """Sums over the B pairs of the implicit-reward figures TRL logs (rewards/accuracies, margins,
     chosen, rejected; logps/chosen, rejected): the implicit reward is beta * (log pi - log ref)."""
@@ -213,7 +218,7 @@ def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, pad_id: int,
 
     mine = dist.shard(sorted(range(len(items)), key=lambda i: items[i].length))
     size = 2 * cfg.batch_size
-    sums: dict[str, float] = {"loss": 0.0, "pairs": 0}
+    sums: dict[str, float] = {"loss": 0.0, "pairs": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
     for start in tqdm(range(0, len(mine), size), desc="eval pairs", unit="batch", dynamic_ncols=True,
                       disable=not dist.is_main or not mine):
         pp = pack_pairs([items[i] for i in mine[start:start + size]], attn_per_linear, pad_id, share_prefix, device)
@@ -222,7 +227,7 @@ def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, pad_id: int,
             sums["loss"] += float(preference_loss(cfg, logps, ref, pp.response_tokens)) * pp.pairs
         sums["pairs"] += pp.pairs
         for key, value in pair_stats(logps, ref, cfg.beta).items():
-            sums[key] = sums.get(key, 0.0) + value
+            sums[key] += value
     sums = dist.reduce_sum(sums)
     n = int(sums.pop("pairs"))
     return {"eval/pairs": n, **{f"eval/{key}": value / n for key, value in sums.items()}} if n else {}

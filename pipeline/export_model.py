@@ -56,7 +56,8 @@ def version_lineage(store, mv) -> dict:
     evaluation figures and comparisons. Plain JSON (a job gets it as a file)."""
     names = {v.id: v.name for v in store.list_model_versions()}
     reward = store.get_model_version(mv.reward_version_id) if mv.reward_version_id is not None else None
-    snapshot_id = mv.snapshot_id if mv.kind == "reward" else (reward.snapshot_id if reward else None)
+    # a reward model and a DPO policy name their data; a PPO policy's is its reward model's
+    snapshot_id = mv.snapshot_id or (reward.snapshot_id if reward else None)
     snap = store.get_snapshot(snapshot_id) if snapshot_id is not None else None
     run = store.get_run(mv.run_id) if mv.run_id is not None else None
     meta = mv.meta or {}

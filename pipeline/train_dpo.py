@@ -61,7 +61,7 @@ from tqdm.auto import tqdm
 from pipeline.config import DPOConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.distributed import setup
 from pipeline.dpo_data import (
-    evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps, sequence_logps,
+    PAIR_STATS, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps, sequence_logps,
     train_eval_pairs,
 )
 from pipeline.hashing import snapshot_sha256
@@ -219,7 +219,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
                 if step >= total:
                     break
                 micro = batches[k * cfg.grad_accum:(k + 1) * cfg.grad_accum]
-                sums = {"loss": 0.0, "pairs": 0, "tokens": 0}
+                sums = {"loss": 0.0, "pairs": 0, "tokens": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
                 t0 = time.perf_counter()
                 for j, idx in enumerate(micro):
                     # each rank takes every N-th pair; a loss weighted by its share of the step's pairs
@@ -242,7 +242,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
                     sums["pairs"] += pp.pairs
                     sums["tokens"] += pp.real_tokens
                     for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
-                        sums[key] = sums.get(key, 0.0) + value
+                        sums[key] += value
                 sums = dist.reduce_sum(sums)  # the whole step's sums, on every rank
                 clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)

@@ -119,9 +119,10 @@ class QueueRules:
         return None
 
     def _turn(self, annotator_id: int, now: datetime) -> int:
-        """The annotator's place in their own sequence of items: rankings made plus items held."""
+        """The annotator's place in their own sequence of items: rankings made, items skipped and
+        items held (a skip moves the turn on: skipping a gold item does not serve another gold item)."""
         held = sum(1 for i in self.held.get(annotator_id, ()) if self.leases[i][annotator_id] > now)
-        return self.ranking_total.get(annotator_id, 0) + held
+        return self.ranking_total.get(annotator_id, 0) + len(self.skipped.get(annotator_id, ())) + held
 
     def _best_in(self, round_id, annotator_id: int, need: int, now: datetime, exclude) -> tuple[int, int] | None:
         """(rankings + other annotators' live leases, item id) of the round's best eligible item:

@@ -131,6 +131,23 @@ def _first_order(store, item_id):
     return item.prompt.id, [r.id for r in item.responses]
 
 
+def test_skipping_a_gold_item_moves_the_turn_on(crew):
+    """A skip counts as a turn: skipping gold items does not walk through the gold set."""
+    store, anns = crew
+    seed_items(store, 30, 2)
+    gold = [x.item_id for x in seed_items(store, 20, 2, prefix="gold")]
+    for item_id in gold:
+        store.set_gold(item_id, [[r] for r in sorted(store.response_ids_by_item([item_id])[item_id])])
+    store.set_gold_rate(0.25)
+    a = anns[0].id
+    served = []
+    for _ in range(12):  # skip everything: the turns go on as if each item had been ranked
+        item = store.next_item(a)
+        served.append(item.item_id in gold)
+        store.skip_item(a, item.item_id)
+    assert 0 < sum(served) < 10, served  # at rate 0.25 not (nearly) every skip is answered with gold
+
+
 def test_gold_items_are_mixed_in_at_the_rate_for_everyone_whatever_the_overlap(crew):
     store, anns = crew
     regular = [x.item_id for x in seed_items(store, 40, 2)]
