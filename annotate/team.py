@@ -100,6 +100,14 @@ def save_queue(ctx: AppContext, overlap, gold_rate, request: gr.Request) -> str:
             + (" (when there are gold items they have not ranked)." if rate else "."))
 
 
+def round_form(ctx: AppContext, round_id, request: gr.Request):
+    """(overlap, priority) the picked round has now (None = the default), so that saving one field
+    keeps the other."""
+    admin(ctx, request)
+    rid = _id_or_none(round_id, "Round")
+    return ctx.store.round_queue().get(rid, (None, None)) if rid is not None else (None, None)
+
+
 def save_round(ctx: AppContext, round_id, overlap, priority, request: gr.Request):
     """Set a round's own overlap and priority (blank = the defaults). Returns (message, rounds table)."""
     admin(ctx, request)

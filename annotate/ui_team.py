@@ -58,6 +58,7 @@ def team_tab(ctx: AppContext) -> dict:
     tables = [summary, people, items, gold]
     form = [overlap, gold_rate, round_id, rounds]
     save_btn.click(bind(t.save_queue, ctx), [overlap, gold_rate], [queue_msg], **HIDDEN, api_name="save_queue")
+    round_id.change(bind(t.round_form, ctx), [round_id], [round_overlap, priority], api_visibility="private")
     round_btn.click(bind(t.save_round, ctx), [round_id, round_overlap, priority], [queue_msg, rounds],
                     **HIDDEN, api_name="save_round")
     mark_btn.click(bind(t.mark_gold, ctx), [ranking_id], [gold_msg, *tables], **HIDDEN, api_name="mark_gold")

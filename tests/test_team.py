@@ -218,6 +218,10 @@ def test_admin_sets_the_overlap_the_gold_rate_and_a_rounds_queue(ctx):
     msg, rounds = team.save_round(ctx, rnd.id, 3, -2, boss)
     assert store.round_queue() == {rnd.id: (3, -2)} and msg == f"Round {rnd.id}: overlap 3 and priority -2."
     assert rounds.iloc[0][["overlap", "priority"]].tolist() == ["3", "-2"]
+    # picking the round fills its form: changing the priority alone keeps its overlap
+    assert team.round_form(ctx, rnd.id, boss) == (3, -2) and team.round_form(ctx, None, boss) == (None, None)
+    team.save_round(ctx, rnd.id, *team.round_form(ctx, rnd.id, boss)[:1], 5, boss)
+    assert store.round_queue() == {rnd.id: (3, 5)}
     msg, _ = team.save_round(ctx, rnd.id, None, None, boss)  # blank: back to the defaults
     assert store.round_queue() == {rnd.id: (None, None)} and "the store's overlap" in msg
     # bad input names the problem and changes nothing
