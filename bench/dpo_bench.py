@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.reward_bench import DATA, median_result, model_path, peak_rss_mb  # noqa: E402
+from bench.reward_bench import DATA, median_result, model_path, report_worker  # noqa: E402
 from pipeline.config import DPOConfig, ModelConfig  # noqa: E402
 from pipeline.reward_data import encode_pairs, read_pairs, split_by_prompt  # noqa: E402
 
@@ -188,14 +188,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker:  # inside a subprocess: run one trainer and report
-        spec = json.loads(Path(args.spec).read_text())
-        torch.set_num_threads(spec["threads"])
-        torch.manual_seed(spec["seed"])
-        result = SIDES[args.worker](spec)
-        result["peak_rss_mb"] = peak_rss_mb()
-        if torch.cuda.is_available():
-            result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        print("BENCH_JSON " + json.dumps(result), flush=True)
+        report_worker(SIDES[args.worker], Path(args.spec))
         return
 
     model = args.model or ("tiny" if args.quick else "default")

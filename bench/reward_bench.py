@@ -208,6 +208,19 @@ def median_result(results: list[dict]) -> dict:
     return out
 
 
+def report_worker(side, spec_path: Path) -> None:
+    """Inside a worker subprocess: run one trainer `side(spec)` on the spec file's settings (threads,
+    seed) and print its result, with the process's peak memory, as one 'BENCH_JSON {...}' line."""
+    spec = json.loads(spec_path.read_text())
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(spec["seed"])
+    result = side(spec)
+    result["peak_rss_mb"] = peak_rss_mb()
+    if torch.cuda.is_available():
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    print("BENCH_JSON " + json.dumps(result), flush=True)
+
+
 def run_worker(name: str, spec_path: Path) -> dict:
     """Run one trainer in a fresh interpreter; it prints one 'BENCH_JSON {...}' line."""
     env = dict(os.environ)
@@ -249,14 +262,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker:  # inside a subprocess: run one trainer and report
-        spec = json.loads(Path(args.spec).read_text())
-        torch.set_num_threads(spec["threads"])
-        torch.manual_seed(spec["seed"])
-        result = SIDES[args.worker](spec)
-        result["peak_rss_mb"] = peak_rss_mb()
-        if torch.cuda.is_available():
-            result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        print("BENCH_JSON " + json.dumps(result), flush=True)
+        report_worker(SIDES[args.worker], Path(args.spec))
         return
 
     if args.quick:  # at 512 tokens almost nothing is truncated (at 256, half the pairs would be)
