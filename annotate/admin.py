@@ -33,6 +33,12 @@ from store.export import TRL_FORMATS, export_layout
 from store.versions import GUIDELINES_KEY
 
 
+def problems_table(exc: DataError) -> pd.DataFrame:
+    """A refused file's problems, one row each ('file' for the file as a whole)."""
+    return pd.DataFrame({"row": ["file" if r is None else str(r) for r, _ in exc.errors],
+                         "problem": [p for _, p in exc.errors]})
+
+
 def _path(file) -> Path | None:
     """A gr.File value (a path string, or an object with .name / .path) as a Path."""
     if file is None:
@@ -67,8 +73,7 @@ def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
         else:
             raise gr.Error(f"Unknown import kind {kind!r}: choose prompts or pairs.")
     except DataError as exc:
-        rows = pd.DataFrame({"row": ["file" if r is None else str(r) for r, _ in exc.errors],
-                             "problem": [p for _, p in exc.errors]})
+        rows = problems_table(exc)
         more = f" (and {exc.more} more)" if exc.more else ""
         return (f"**✗ {name} was not imported**: {len(exc.errors)} problem"
                 f'{"s" if len(exc.errors) != 1 else ""}{more}. Nothing from this file was stored; fix '

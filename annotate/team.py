@@ -13,7 +13,7 @@ import gradio as gr
 import pandas as pd
 
 from annotate import render
-from annotate.admin import _path
+from annotate.admin import _path, problems_table
 from annotate.context import AppContext, admin
 from store.errors import DataError, StoreError
 
@@ -219,8 +219,7 @@ def import_gold(ctx: AppContext, file, request: gr.Request):
     try:
         result = ctx.store.import_gold(path)
     except DataError as exc:
-        rows = pd.DataFrame({"row": ["file" if r is None else str(r) for r, _ in exc.errors],
-                             "problem": [p for _, p in exc.errors]})
+        rows = problems_table(exc)
         return (f"**✗ {name} was not imported**: nothing from it was stored; fix the rows below.", rows,
                 *team_tables(ctx, request))
     except StoreError as exc:
