@@ -144,7 +144,8 @@ def render(manifest: dict, facts: dict, fmt: str) -> str:
         f"- files: {fmt}, TRL format {manifest['trl_format']}\n",
         "## Counts\n",
         _table(["what", "count"], [[k, c[k]] for k in ("pairs", "train", "test", "prompts", "rankings",
-                                                       "annotators", "imported", "all_bad") if k in c]),
+                                                       "annotators", "imported", "all_bad", "left_out_empty")
+                                        if k in c]),
         "\n## Annotators\n",
         _table(["annotator", "rankings", "pairs", "median seconds per ranking"],
                [[a["name"], a["rankings"], a["pairs"], _num(a["median_s"], 1)] for a in facts["annotators"]]),

@@ -23,11 +23,21 @@ card; read snapshots back without a Store.
 
 `agreement` is the share of the item's rankings that put `chosen` strictly above `rejected`
 (1.0 when one annotator ranked it, and for imported pairs). `split` is 'train' or 'test': with
-test_fraction > 0, whole prompts go to the test split (no prompt is in both), chosen by a hash of
-(seed, prompt id), so growing data keeps old prompts on the same side.
+test_fraction > 0, whole prompts go to the test split (no prompt is in both). A prompt is held out
+when the hash of (seed, prompt id), read as a number in [0, 1), is below test_fraction: its side
+depends on nothing else, so as data grows a held-out prompt stays held out and a training prompt
+stays in training (the loop relies on this: each round's reward model is scored on the same
+prompts as the last one's, and none of them was ever trained on). About test_fraction of the
+prompts are held out, not exactly: a handful of prompts may have none held out. Should every
+prompt fall below the line (one or two prompts), nothing is held out: there would be nothing to
+train on.
 
-Beside the pairs, the rankings that pass the same filters (min_agreement and include_imported
-concern pairs only), one row each (RANKING_COLUMNS): the prompt (in the pairs' TRL format),
+include_empty=False leaves out the pairs with a blank side (an empty or whitespace-only response:
+a tiny policy can write one, and train-reward refuses such pairs) and counts them in
+counts['left_out_empty']; the store keeps them, and the rankings file keeps their rankings.
+
+Beside the pairs, the rankings that pass the same filters (min_agreement, include_imported and
+include_empty concern pairs only), one row each (RANKING_COLUMNS): the prompt (in the pairs' TRL format),
 the item's responses with their model versions, the full order best -> worst as tie groups of
 response ids, the display order the annotator saw, all_bad, annotator, duration, comment, round,
 created_at, and the split of its prompt. A ranking whose responses are all tied has no pair but
@@ -84,6 +94,9 @@ RANKING_COLUMNS = ["ranking_id", "item_id", "prompt_id", "prompt", "responses", 
                    "all_bad", "annotator", "duration_s", "comment", "round", "created_at", "split"]
 """Columns of the rankings; `responses` is a list of {response_id, text, model_version}."""
 _SUFFIX = {"jsonl": ".jsonl", "parquet": ".parquet"}
+BLANK = r"[\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]*"
+"""A response text that is all whitespace, as a regular expression (RE2, DuckDB's): exactly the
+texts whose Python str.strip() is empty, the test train-reward applies."""
 MIN_WEIGHT = 0.05
 """The weight of an annotator measured at or below chance (a weight must stay positive)."""
 
@@ -204,13 +217,18 @@ def _where(cond: list[tuple[str, list, bool]], rankings: bool) -> tuple[str, lis
 
 
 def _test_prompts(prompt_ids: list[int], test_fraction: float, seed: int) -> list[int]:
-    """round(test_fraction * n) prompts (at least 1 when the fraction is > 0 and n >= 2), the
-    ones with the smallest sha256(seed:prompt_id): a fixed pseudo-random order per seed."""
-    if test_fraction <= 0 or len(prompt_ids) < 2:
+    """The prompts whose hash of (seed, prompt id), as a number in [0, 1), is below test_fraction
+    (module docstring): each prompt's side is its own, whatever other prompts there are. None
+    when that would be every prompt."""
+    if test_fraction <= 0:
         return []
-    n_test = min(len(prompt_ids) - 1, max(1, round(test_fraction * len(prompt_ids))))
-    key = lambda pid: hashlib.sha256(f"{seed}:{pid}".encode()).hexdigest()  # noqa: E731
-    return sorted(prompt_ids, key=key)[:n_test]
+    test = [pid for pid in prompt_ids if held_out_hash(pid, seed) < test_fraction]
+    return test if len(test) < len(prompt_ids) else []
+
+
+def held_out_hash(prompt_id: int, seed: int) -> float:
+    """sha256(seed:prompt_id) as a number in [0, 1): uniform, and fixed for a prompt and seed."""
+    return int(hashlib.sha256(f"{seed}:{prompt_id}".encode()).hexdigest()[:15], 16) / 16 ** 15
 
 
 def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators=None,
@@ -219,7 +237,7 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
                  test_fraction: float = 0.0, seed: int = 0, trl_format: str = "conversational",
                  margin_column: bool = False, license: str = "unknown",  # noqa: A002 (the card's field)
                  min_quality: float | None = None, quality_weights: bool = False,
-                 overwrite: bool = False) -> Snapshot:
+                 include_empty: bool = True, overwrite: bool = False) -> Snapshot:
     """Write the pairs (and rankings, and card) that pass the filters and record the snapshot.
 
     rounds: round id(s) whose items to take; annotators: names or ids; min_agreement: in [0, 1];
@@ -228,7 +246,7 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     pairs; trl_format: 'conversational' or 'text'; margin_column: add TRL's `margin` column;
     license: the card's license field (an SPDX-like id, e.g. 'cc-by-4.0'); min_quality: in [0, 1],
     leave out annotators measured below it; quality_weights: add the `weight` column (annotator
-    quality, see the module docstring).
+    quality, see the module docstring); include_empty: False leaves out pairs with a blank side.
     """
     if fmt not in EXPORT_FORMATS:
         raise InvalidRequest(f"format must be one of {EXPORT_FORMATS}, not {fmt!r}")
@@ -256,6 +274,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
                             excluded_annotators=[q["annotator"] for q in quality if q["excluded"]])
     recorded.update(test_fraction=float(test_fraction), seed=int(seed), trl_format=trl_format,
                     margin_column=bool(margin_column), quality_weights=bool(quality_weights))
+    if not include_empty:
+        recorded["include_empty"] = False
     layout.snapshot.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging(layout)
     for tmp in staging.values():
@@ -268,6 +288,7 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
         cur.execute("CREATE OR REPLACE TEMP TABLE _export_sel AS " + _SELECTED + where, params)
         where, params = _where(cond, rankings=True)
         cur.execute("CREATE OR REPLACE TEMP TABLE _export_rankings_sel AS " + _SELECTED_RANKINGS + where, params)
+        left_out_empty = 0 if include_empty else _drop_blank_pairs(cur)
         prompt_ids = [r[0] for r in cur.execute("SELECT DISTINCT prompt_id FROM _export_sel").fetchall()]
         test = _test_prompts(prompt_ids, float(test_fraction), int(seed))
         with registered(cur, "_test_ids", pa.table({"prompt_id": pa.array(test, pa.int64())})):
@@ -286,6 +307,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
         if counts["pairs"] == 0:
             raise InvalidRequest(f"no pairs match these filters ({recorded}): nothing was exported")
         counts["rankings"] = cur.execute("SELECT count(*) FROM _export_rankings").fetchall()[0][0]
+        if not include_empty:
+            counts["left_out_empty"] = left_out_empty
         prompts_table(cur, trl_format)
         # 2. write the data under temporary names (DuckDB streams COPY; datasets go through Arrow)
         _write_all(cur, layout, staging, fmt, trl_format, bool(margin_column), bool(quality_weights),
@@ -315,6 +338,16 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     write_text(layout.card, card.render(manifest, facts, fmt))
     write_text(layout.manifest, json.dumps(manifest, indent=2) + "\n")
     return snap
+
+
+def _drop_blank_pairs(cur) -> int:
+    """Delete from _export_sel the pairs whose chosen or rejected text is blank; how many."""
+    blank = "SELECT id FROM responses WHERE regexp_full_match(text, ?)"
+    where = f" WHERE chosen_id IN ({blank}) OR rejected_id IN ({blank})"
+    n = cur.execute("SELECT count(*) FROM _export_sel" + where, [BLANK, BLANK]).fetchall()[0][0]
+    if n:
+        cur.execute("DELETE FROM _export_sel" + where, [BLANK, BLANK])
+    return n
 
 
 def _add_weights(cur, quality: list[dict]) -> None:

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from store import InvalidRequest
-from store.export import COLUMNS, RANKING_COLUMNS, load_pairs_snapshot, snapshot_sha256
+from store.export import COLUMNS, RANKING_COLUMNS, held_out_hash, load_pairs_snapshot, snapshot_sha256
 from store.io import export_pairs, import_pairs
 from tests.fixtures_store import seed_items
 
@@ -138,9 +138,9 @@ def test_jsonl_and_parquet_load_identical_rows_with_datasets(store, ranked, tmp_
 
     cache = str(tmp_path / "hf-cache")
     for trl_format in ("conversational", "text"):
-        jsonl = export_pairs(store, tmp_path / f"{trl_format}.jsonl", "jsonl", trl_format=trl_format, test_fraction=0.3)
+        jsonl = export_pairs(store, tmp_path / f"{trl_format}.jsonl", "jsonl", trl_format=trl_format, test_fraction=0.5)
         parquet = export_pairs(store, tmp_path / f"{trl_format}.parquet", "parquet", trl_format=trl_format,
-                               test_fraction=0.3)
+                               test_fraction=0.5)
         from_json = datasets.load_dataset("json", data_files=jsonl.path, split="train", cache_dir=cache)
         from_parquet = datasets.load_dataset("parquet", data_files=parquet.path, split="train", cache_dir=cache)
         assert from_json.to_list() == from_parquet.to_list() == load_pairs_snapshot(jsonl.path)
@@ -153,7 +153,7 @@ def test_jsonl_and_parquet_load_identical_rows_with_datasets(store, ranked, tmp_
             assert j.to_list() == p.to_list() and len(j) == jsonl.counts["rankings"]
         print(f"{trl_format}: {len(from_json)} pairs and {jsonl.counts['rankings']} rankings, "
               "identical rows from JSONL and Parquet")
-    snap = export_pairs(store, tmp_path / "ds", "datasets", test_fraction=0.3)  # conversational
+    snap = export_pairs(store, tmp_path / "ds", "datasets", test_fraction=0.5)  # conversational
     loaded = datasets.load_from_disk(str(tmp_path / "ds"))
     assert list(loaded) == ["train", "test"] and loaded["train"].column_names == COLUMNS
     by_id = lambda rows: sorted(rows, key=lambda r: r["pair_id"])  # noqa: E731 (the splits come one after the other)
@@ -195,7 +195,9 @@ def test_split_by_prompt_is_disjoint_and_recorded(store, ranked, tmp_path):
     dd = datasets.load_from_disk(str(tmp_path / "ds"))
     train, test = dd["train"], dd["test"]
     assert set(train["prompt_id"]).isdisjoint(test["prompt_id"])
-    assert len(set(test["prompt_id"])) == 2  # round(0.4 * 4 distinct prompts) = 2 (all-bad item left out)
+    # the prompts whose hash of (seed, prompt id) is below 0.4 (the all-bad item is left out)
+    assert set(test["prompt_id"]) == {p for p in set(train["prompt_id"]) | set(test["prompt_id"])
+                                      if held_out_hash(p, 3) < 0.4} and len(set(test["prompt_id"])) == 2
     assert snap.counts["train"] == len(train) and snap.counts["test"] == len(test)
     assert store.get_snapshot(snap.id).filters["test_fraction"] == 0.4
     again = export_pairs(store, tmp_path / "again.jsonl", "jsonl", test_fraction=0.4, seed=3)

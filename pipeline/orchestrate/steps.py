@@ -197,33 +197,53 @@ def submit_generate(store, runner, prompts: list, gen_cfg: GenerateConfig, model
         **(launch or {}))
 
 
-def pairs_snapshot(store, runner, settings: LoopSettings):
+def pairs_snapshot(store, runner, settings: LoopSettings, trainer: str = "reward"):
     """A Parquet snapshot of every pair so far, recorded in the store with its hash: what a round
-    trains on, the reward model (train-reward) or the policy itself (train-dpo)."""
+    trains on, the reward model (train-reward, `trainer` 'reward') or the policy itself (train-dpo,
+    'dpo').
+
+    Its held-out split is the trainer's eval_fraction of the prompts, chosen by a hash of each
+    prompt (store/export.py), not by the trainer: a prompt held out once stays held out in every
+    later round, so round-over-round held-out accuracy is measured on the same prompts and no
+    round trains on a prompt an earlier one was scored on. With the trainer's own eval_data the
+    snapshot holds nothing out. Pairs with an empty (blank) response are left out and counted
+    (counts['left_out_empty']): train-reward refuses them, and the store keeps them."""
     from store.export import export_pairs
 
+    held_out = settings.dpo if trainer == "dpo" else settings.reward
     # --margin trains on the rank gap: only then does the snapshot carry TRL's `margin` column; the
     # loop's quality options leave out or weigh annotators by their quality (store/export.py)
     snapshot = export_pairs(store, inputs_dir(runner) / f"pairs-{_stamp()}.parquet", "parquet",
                             margin_column=settings.reward.margin, min_quality=settings.loop.min_quality or None,
-                            quality_weights=settings.loop.quality_weights)
+                            quality_weights=settings.loop.quality_weights, include_empty=False,
+                            test_fraction=0.0 if held_out.eval_data else held_out.eval_fraction, seed=held_out.seed)
     if not snapshot.counts.get("pairs"):
         raise ValueError("no preference pairs to train on yet: rank some items first")
     return snapshot
+
+
+def snapshot_split(trainer_cfg, snapshot):
+    """The trainer's config for a snapshot from `pairs_snapshot`: its eval_fraction 0, so that a
+    snapshot with no prompt held out yet (a first small round) trains on all of it rather than
+    the trainer drawing a split of its own, which would move prompts between rounds."""
+    if "test_fraction" in snapshot.filters and snapshot.filters["test_fraction"] > 0:
+        return dataclasses.replace(trainer_cfg, eval_fraction=0.0)
+    return trainer_cfg
 
 
 def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = True, round_id: int | None = None,
                   round_step: str | None = None):
     """A snapshot of every pair so far (`pairs_snapshot`) -> a train-reward job on it,
     warm-started from the newest reward model. Returns (run, snapshot)."""
-    snapshot = pairs_snapshot(store, runner, settings)
+    snapshot = pairs_snapshot(store, runner, settings, "reward")
+    reward_cfg = snapshot_split(settings.reward, snapshot)
     policy = ensure_base_policy(store, settings.model)
     previous = latest_reward(store) if warm_start else None
-    args = ["--data", snapshot.path, *to_cli_args(settings.reward), *model_args(settings.model, policy.base_model)]
+    args = ["--data", snapshot.path, *to_cli_args(reward_cfg), *model_args(settings.model, policy.base_model)]
     if previous is not None:
         args += ["--init-from", previous.path]
     run = runner.submit("train-reward", args,
-                        config={"reward": to_dict(settings.reward), "model": to_dict(settings.model)},
+                        config={"reward": to_dict(reward_cfg), "model": to_dict(settings.model)},
                         inputs={"snapshot_id": snapshot.id, "parent_version_id": previous.id if previous else None,
                                 "round_id": round_id, "round_step": round_step}, **settings.launch)
     return run, snapshot
@@ -258,11 +278,12 @@ def submit_dpo(store, runner, settings: LoopSettings, policy=None, *, activate: 
     The new policy records its parent and the snapshot (ingest.py); with `activate` it becomes the
     active one as soon as it is registered. Returns (run, snapshot)."""
     policy = policy or ensure_base_policy(store, settings.model)
-    snapshot = pairs_snapshot(store, runner, settings)
-    args = ["--data", snapshot.path, *to_cli_args(settings.dpo), *model_args(settings.model, policy.base_model)]
+    snapshot = pairs_snapshot(store, runner, settings, "dpo")
+    dpo_cfg = snapshot_split(settings.dpo, snapshot)
+    args = ["--data", snapshot.path, *to_cli_args(dpo_cfg), *model_args(settings.model, policy.base_model)]
     if policy.path:
         args += ["--policy", policy.path]
-    run = runner.submit("train-dpo", args, config={"dpo": to_dict(settings.dpo), "model": to_dict(settings.model)},
+    run = runner.submit("train-dpo", args, config={"dpo": to_dict(dpo_cfg), "model": to_dict(settings.model)},
                         inputs={"policy_version_id": policy.id, "snapshot_id": snapshot.id, "activate": activate,
                                 "round_id": round_id, "round_step": round_step}, **settings.launch)
     return run, snapshot

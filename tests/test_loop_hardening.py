@@ -1,0 +1,105 @@
+"""The loop's data, hardened: a held-out split that stays put as rounds add data, pairs with a
+blank response left out of a round's snapshot (and counted), annotator quality only from enough
+comparisons, and a round's threshold counted on its own rankable items.
+
+Real store, real snapshots; one tiny-model train-reward run (a few seconds)."""
+
+import dataclasses
+
+import pytest
+
+from pipeline.config import LoopConfig, RewardConfig
+from pipeline.orchestrate.jobs import JobRunner
+from pipeline.orchestrate.steps import LoopSettings, pairs_snapshot, snapshot_split
+from pipeline.reward_data import read_pairs
+from pipeline.train_reward import train_reward
+from store.export import held_out_hash, load_pairs_snapshot
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixtures_models.py
+
+SETTINGS = LoopSettings(reward=RewardConfig(eval_fraction=0.25, seed=0))
+
+
+def rank_round(store, annotator_id: int, n_prompts: int, answers: list[str]) -> list[int]:
+    """A round of n_prompts items, each answered by `answers` (in that order), ranked in that order
+    by the annotator. Returns the prompt ids."""
+    policy = store.find_model_version("policy-0") or store.register_model_version("policy", "policy-0",
+                                                                                  base_model="tiny")
+    rnd = store.create_round(policy_version_id=policy.id, status="annotating")
+    first = len(store.list_prompts())
+    prompt_ids = store.add_prompts([f"Question {first + i}: what should I cook tonight?" for i in range(n_prompts)],
+                                   source="test")
+    item_ids = store.add_responses_bulk(policy.id, [(pid, list(answers)) for pid in prompt_ids], round_id=rnd.id)
+    for pid, item_id in zip(prompt_ids, item_ids):
+        store.save_ranking(annotator_id, pid, [r.id for r in store.item_responses(item_id)])
+    return prompt_ids
+
+
+def sides(snapshot) -> tuple[set[int], set[int]]:
+    rows = load_pairs_snapshot(snapshot.path)
+    return ({r["prompt_id"] for r in rows if r["split"] == "train"},
+            {r["prompt_id"] for r in rows if r["split"] == "test"})
+
+
+@pytest.fixture
+def runner(store, tmp_path):
+    runner = JobRunner(store, tmp_path / "runs")
+    yield runner
+    runner.shutdown()
+
+
+# --------------------------------------------------------------------------- 1. a held-out split that stays
+
+
+def test_a_prompt_held_out_once_stays_held_out_as_rounds_add_data(store, runner):
+    ann = store.ensure_annotator("ann")
+    answers = ["Pasta with tomatoes and basil.", "Soup.", "Nothing."]
+    rank_round(store, ann.id, 12, answers)
+    first = pairs_snapshot(store, runner, SETTINGS)
+    train1, test1 = sides(first)
+    assert test1 and train1 and not train1 & test1 and first.counts["test"] > 0
+    assert first.filters["test_fraction"] == 0.25 and first.filters["seed"] == 0
+
+    for _ in range(3):  # three more rounds: the earlier prompts keep their side
+        rank_round(store, ann.id, 12, answers)
+    later = pairs_snapshot(store, runner, SETTINGS)
+    train2, test2 = sides(later)
+    assert test1 <= test2 and train1 <= train2 and not train2 & test2
+    assert len(test2) > len(test1)  # new prompts are held out too, about a quarter of them
+    assert test2 == {p for p in train2 | test2 if held_out_hash(p, 0) < 0.25}  # each prompt by its own hash
+    assert 0.1 < len(test2) / len(train2 | test2) < 0.4, (len(test2), len(train2))
+
+    # the trainer takes the snapshot's split as it is: eval_fraction 0, so it never draws its own
+    # (which, on a snapshot with no prompt held out yet, would move prompts between rounds)
+    assert snapshot_split(SETTINGS.reward, later).eval_fraction == 0.0
+    with_file = dataclasses.replace(SETTINGS, reward=dataclasses.replace(SETTINGS.reward, eval_data="held.jsonl"))
+    own_file = pairs_snapshot(store, runner, with_file)
+    assert own_file.counts["test"] == 0 and snapshot_split(with_file.reward, own_file) == with_file.reward
+    dpo = pairs_snapshot(store, runner, SETTINGS, "dpo")  # the DPO step holds out by its own fraction
+    assert dpo.filters["test_fraction"] == SETTINGS.dpo.eval_fraction
+
+
+# --------------------------------------------------------------------------- 4. blank responses
+
+
+def test_a_rounds_snapshot_leaves_out_blank_responses_and_the_reward_step_trains(store, runner, tmp_path,
+                                                                              tiny_model_cfg):
+    """A tiny policy can write an empty (or whitespace-only) response; the store keeps it and its
+    pairs, the round's snapshot leaves those pairs out and counts them, and train-reward, which
+    refuses a blank response, trains on the snapshot."""
+    ann = store.ensure_annotator("ann")
+    rank_round(store, ann.id, 8, ["A warm lentil soup with bread.", "", "Toast."])
+    rank_round(store, ann.id, 4, ["Rice and beans.", "Eggs.", " \n\t"])
+    pairs_before = store.counts()["pairs"]
+    snap = pairs_snapshot(store, runner, SETTINGS)
+    # 8 items lose 2 of their 3 pairs (the empty response is in both), 4 items 2 of theirs
+    assert snap.counts["left_out_empty"] == 8 * 2 + 4 * 2 and snap.counts["pairs"] == 8 + 4
+    assert snap.filters["include_empty"] is False
+    assert store.counts()["pairs"] == pairs_before == 12 * 3  # nothing stored is lost
+    pairs, _ = read_pairs(snap.path)  # refused a blank response before: the round's reward step failed
+    assert all(p.chosen.strip() and p.rejected.strip() for p in pairs)
+
+    cfg = snapshot_split(dataclasses.replace(SETTINGS.reward, batch_size=4, max_steps=2, max_length=64,
+                                             norm_samples=0), snap)
+    report = train_reward(snap.path, str(tmp_path / "rm"), cfg, tiny_model_cfg)
+    assert report["steps"] == 2 and report["eval/prompts"] == len(sides(snap)[1])
