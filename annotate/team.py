@@ -16,6 +16,7 @@ from annotate import render
 from annotate.admin import _path, problems_table
 from annotate.context import AppContext, admin
 from store.errors import DataError, StoreError
+from store.export import MIN_COMPARISONS, annotator_quality_table
 
 LIVE_SECONDS = 5.0
 """How often the open Team tab re-reads the agreement tables (a few queries each time)."""
@@ -136,14 +137,16 @@ def team_tables(ctx: AppContext, request: gr.Request):
     summary = (f"**{ag.items}** item{'s' if ag.items != 1 else ''} ranked by 2+ annotators · pairwise agreement "
                f"**{_fmt(ag.pairwise_agreement)}** · Krippendorff's α **{_fmt(ag.krippendorff_alpha)}** · "
                f"Kendall's τ **{_fmt(ag.kendall_tau)}** · {len(ctx.store.gold_items())} gold items")
+    quality = {q["annotator_id"]: q for q in annotator_quality_table(ctx.store)}
     people = pd.DataFrame([{
         "annotator": a.name, "rankings": a.rankings, "shared items": a.shared_items,
         "agrees with others": _fmt(a.pairwise_agreement), "agrees with majority": _fmt(a.majority_agreement),
         "gold items": a.gold_items, "gold accuracy": _fmt(a.gold_accuracy),
+        "quality (exports)": _quality(quality.get(a.annotator_id)),
         "first shown ranked best": _fmt(a.first_shown_best_rate), "without position bias": _fmt(a.expected_first_rate),
     } for a in ctx.store.annotator_agreement()], columns=[
         "annotator", "rankings", "shared items", "agrees with others", "agrees with majority", "gold items",
-        "gold accuracy", "first shown ranked best", "without position bias"])
+        "gold accuracy", "quality (exports)", "first shown ranked best", "without position bias"])
     items = ctx.store.item_agreement(limit=ITEMS_SHOWN)
     prompts = {i.item_id: ctx.store.get_prompt(i.prompt_id).text for i in items}
     per_item = pd.DataFrame([{
@@ -154,6 +157,16 @@ def team_tables(ctx: AppContext, request: gr.Request):
     } for i in items], columns=["item", "round", "prompt", "annotators", "agreement", "Kendall τ", "gold",
                                 "rankings (id: annotator)"])
     return summary, people, per_item, gold_table(ctx, names)
+
+
+def _quality(q: dict | None) -> str:
+    """The quality an export's min_quality and quality weights use (store/export.py), and what
+    it rests on; "not enough data" below MIN_COMPARISONS response pairs."""
+    if q is None or (q["measured_by"] is None and not q["comparisons"]):
+        return "–"
+    if q["measured_by"] is None:
+        return f"not enough data ({q['comparisons']} of {MIN_COMPARISONS} comparisons)"
+    return f"{q['quality']:.3f} ({q['measured_by']}, {q['comparisons']} comparisons)"
 
 
 def gold_table(ctx: AppContext, names: dict[int, str]) -> pd.DataFrame:

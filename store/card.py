@@ -116,13 +116,20 @@ def _quality_section(manifest: dict) -> list[str]:
     if f.get("quality_weights"):
         how.append(f"each pair's `weight` is its annotator's weight, 2q - 1 clipped to "
                    f"[{manifest['min_weight']:g}, 1] (1 for annotators not measured yet and for imported pairs)")
+    least = manifest.get("min_comparisons", 0)
     return ["## Annotator quality\n",
-            "Quality q: accuracy on gold items, else agreement with the majority of the other annotators; "
+            "Quality q: accuracy on gold items, else agreement with the majority of the other annotators, "
+            f"each from {least} response pairs up (fewer: not enough data, kept with weight 1); "
             + "; ".join(how) + ".\n",
-            _table(["annotator", "quality", "measured by", "gold items", "weight" if f.get("quality_weights") else
-                    "weight (not applied)", "left out"],
-                   [[q["annotator"], _num(q["quality"]), q["measured_by"] or "not measured", q["n_gold"],
+            _table(["annotator", "quality", "measured by", "gold items", "comparisons",
+                    "weight" if f.get("quality_weights") else "weight (not applied)", "left out"],
+                   [[q["annotator"], _num(q["quality"]), _measured_by(q), q["n_gold"], q.get("comparisons", ""),
                      _num(q["weight"]), "yes" if q["excluded"] else "no"] for q in rows]) + "\n"]
+
+
+def _measured_by(q: dict) -> str:
+    """'gold', 'majority', 'not enough data' (a few comparisons) or 'not measured' (none)."""
+    return q["measured_by"] or ("not enough data" if q.get("comparisons") else "not measured")
 
 
 def render(manifest: dict, facts: dict, fmt: str) -> str:

@@ -54,8 +54,11 @@ train-reward reads either, and its SHA-256 (pipeline/hashing.py) is recorded in 
 renamed, so a crash never leaves half an export. An export that matches no pair is refused (InvalidRequest).
 
 Annotator quality (Store.annotator_quality): an annotator's quality q is their accuracy on gold
-items when they have ranked any, else their agreement with the majority of the others on shared
-items; annotators with neither are not measured. min_quality leaves out the pairs and rankings of
+items when it rests on at least MIN_COMPARISONS response pairs, else their agreement with the
+majority of the others on shared items when that does; annotators with neither are not measured
+yet. Below MIN_COMPARISONS a share says little (one gold item of two responses, right or wrong,
+is 1.0 or 0.0), so an annotator with only a few comparisons is "not enough data": reported with
+their count, neither left out nor weighted. min_quality leaves out the pairs and rankings of
 annotators measured below it (the unmeasured are kept); quality_weights adds `weight` =
 quality_weight(q) = 2q - 1 clipped to [MIN_WEIGHT, 1]: an annotator right with probability q
 gives labels whose mean (+1 right, -1 wrong) is 2q - 1 times the truth, so their pairs carry that
@@ -94,6 +97,9 @@ RANKING_COLUMNS = ["ranking_id", "item_id", "prompt_id", "prompt", "responses", 
                    "all_bad", "annotator", "duration_s", "comment", "round", "created_at", "split"]
 """Columns of the rankings; `responses` is a list of {response_id, text, model_version}."""
 _SUFFIX = {"jsonl": ".jsonl", "parquet": ".parquet"}
+MIN_COMPARISONS = 10
+"""Response pairs a quality must rest on before min_quality or quality_weights act on it: at 10,
+an annotator right 80% of the time shows a share within about 0.13 (one standard error)."""
 BLANK = r"[\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]*"
 """A response text that is all whitespace, as a regular expression (RE2, DuckDB's): exactly the
 texts whose Python str.strip() is empty, the test train-reward applies."""
@@ -194,17 +200,25 @@ def quality_weight(quality: float | None) -> float:
 
 def annotator_quality_table(store, min_quality: float | None = None) -> list[dict]:
     """Every annotator with rankings: {annotator_id, annotator, quality, measured_by ('gold',
-    'majority' or None), n_gold, weight, excluded (measured below min_quality)}."""
+    'majority' or None), n_gold, comparisons, weight, excluded (measured below min_quality)}.
+
+    Gold measures first, the majority second, each only from MIN_COMPARISONS response pairs up;
+    with fewer, quality and measured_by are None (kept, weight 1) and `comparisons` says how few
+    there were (the gold's when they ranked any gold item, else the majority's)."""
     if min_quality is not None and not 0.0 <= float(min_quality) <= 1.0:
         raise InvalidRequest(f"min_quality must be between 0 and 1, not {min_quality}")
     rows = []
     for annotator_id, q in sorted(store.annotator_quality().items()):
-        measured_by = "gold" if q["gold_accuracy"] is not None else (
-            "majority" if q["majority_agreement"] is not None else None)
-        quality = q["gold_accuracy"] if measured_by == "gold" else q["majority_agreement"]
+        if q["gold_comparisons"] >= MIN_COMPARISONS:
+            measured_by, quality, comparisons = "gold", q["gold_accuracy"], q["gold_comparisons"]
+        elif q["majority_comparisons"] >= MIN_COMPARISONS:
+            measured_by, quality, comparisons = "majority", q["majority_agreement"], q["majority_comparisons"]
+        else:
+            measured_by, quality = None, None
+            comparisons = q["gold_comparisons"] if q["n_gold"] else q["majority_comparisons"]
         rows.append({"annotator_id": annotator_id, "annotator": store.get_annotator(annotator_id).name,
                      "quality": quality, "measured_by": measured_by, "n_gold": q["n_gold"],
-                     "weight": quality_weight(quality),
+                     "comparisons": comparisons, "weight": quality_weight(quality),
                      "excluded": min_quality is not None and quality is not None and quality < float(min_quality)})
     return rows
 
@@ -335,6 +349,7 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     if quality is not None:
         manifest["annotator_quality"] = [{k: v for k, v in q.items() if k != "annotator_id"} for q in quality]
         manifest["min_weight"] = MIN_WEIGHT
+        manifest["min_comparisons"] = MIN_COMPARISONS
     write_text(layout.card, card.render(manifest, facts, fmt))
     write_text(layout.manifest, json.dumps(manifest, indent=2) + "\n")
     return snap

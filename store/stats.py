@@ -104,8 +104,10 @@ class StatsMixin:
     def annotator_agreement(self) -> list[AnnotatorAgreement]:
         """Every annotator with rankings: agreement with the others and with their majority,
         accuracy on gold items, and position bias (store/agreement.py has the definitions)."""
-        per = annotator_agreement(self.overlapping_rankings())
-        gold = self._gold_scores()
+        return self._annotator_rows(annotator_agreement(self.overlapping_rankings()), self._gold_scores())
+
+    def _annotator_rows(self, per: dict, gold: dict) -> list[AnnotatorAgreement]:
+        """annotator_agreement's rows from the per-annotator agreement and the gold scores."""
         rows = self._rows(
             "SELECT a.id, a.name, count(k.id), "
             "avg(list_contains(k.order_groups[1], k.display_order[1])::INTEGER), "
@@ -123,12 +125,18 @@ class StatsMixin:
         return out
 
     def annotator_quality(self) -> dict[int, dict]:
-        """{annotator_id: {gold_accuracy, majority_agreement, n_gold, n_ranked}} for every
-        annotator with rankings (None where not measured yet): what exports and reward training
-        can weight or filter annotators by."""
+        """{annotator_id: {gold_accuracy, majority_agreement, n_gold, n_ranked, gold_comparisons,
+        majority_comparisons}} for every annotator with rankings (None where not measured yet):
+        what exports and reward training can weight or filter annotators by. The comparisons are
+        the response pairs each share is over (gold's strict pairs; pairs the others' majority
+        decided), so a caller can tell a measure from a handful of answers (store/export.py
+        needs MIN_COMPARISONS)."""
+        per, gold = annotator_agreement(self.overlapping_rankings()), self._gold_scores()
         return {a.annotator_id: {"gold_accuracy": a.gold_accuracy, "majority_agreement": a.majority_agreement,
-                                 "n_gold": a.gold_items, "n_ranked": a.rankings}
-                for a in self.annotator_agreement()}
+                                 "n_gold": a.gold_items, "n_ranked": a.rankings,
+                                 "gold_comparisons": gold.get(a.annotator_id, (0.0, 0, 0))[1],
+                                 "majority_comparisons": per.get(a.annotator_id, {"majority": (0, 0)})["majority"][1]}
+                for a in self._annotator_rows(per, gold)}
 
     def _gold_scores(self) -> dict[int, tuple[float, int, int]]:
         """{annotator: (credit, gold pairs, gold items)} over each annotator's latest ranking of

@@ -103,3 +103,49 @@ def test_a_rounds_snapshot_leaves_out_blank_responses_and_the_reward_step_trains
                                              norm_samples=0), snap)
     report = train_reward(snap.path, str(tmp_path / "rm"), cfg, tiny_model_cfg)
     assert report["steps"] == 2 and report["eval/prompts"] == len(sides(snap)[1])
+
+
+# --------------------------------------------------------------------------- 2. quality from enough comparisons
+
+
+def test_quality_needs_enough_comparisons_before_it_excludes_or_weights(store, runner, tmp_path):
+    """One gold item of two responses is one comparison: right, quality 1.0; wrong, 0.0. Below
+    MIN_COMPARISONS neither counts: both annotators are kept at weight 1 and shown as 'not enough
+    data'; from MIN_COMPARISONS on, the one who gets gold wrong is left out and weighted down."""
+    from annotate.context import AppContext
+    from annotate.team import team_tables
+    from store.export import MIN_COMPARISONS, annotator_quality_table
+    from tests.fixtures_store import seed_items
+    from tests.helpers import req
+
+    store.add_annotator("boss", "boss-password", role="admin")
+    right, wrong = store.ensure_annotator("right"), store.ensure_annotator("wrong")
+
+    def rank_gold(n: int) -> None:
+        for it in seed_items(store, n, 2, prefix=f"gold {len(store.gold_items())}"):
+            store.set_gold(it.item_id, [[r] for r in it.response_ids])  # the first response is best
+            store.save_ranking(right.id, it.prompt_id, it.response_ids)
+            store.save_ranking(wrong.id, it.prompt_id, list(reversed(it.response_ids)))
+
+    rank_gold(1)
+    trusted = LoopSettings(loop=LoopConfig(min_quality=0.5, quality_weights=True))
+    snap = pairs_snapshot(store, runner, trusted)
+    assert snap.filters["excluded_annotators"] == [] and snap.counts["pairs"] == 2
+    assert {p.weight for p in read_pairs(snap.path)[0]} == {1.0}
+    table = {q["annotator"]: q for q in annotator_quality_table(store, 0.5)}
+    assert [(table[n]["quality"], table[n]["measured_by"], table[n]["comparisons"], table[n]["weight"],
+             table[n]["excluded"]) for n in ("right", "wrong")] == [(None, None, 1, 1.0, False)] * 2
+    card = (tmp_path / "runs" / "inputs" / (snap.path.rsplit("/", 1)[-1] + ".README.md")).read_text()
+    assert "| wrong | – | not enough data | 1 | 1 | 1.000 | no |" in card
+
+    ctx = AppContext(store=store, auth=True, data_dir=tmp_path / "data")
+    people = team_tables(ctx, req("boss"))[1].set_index("annotator")
+    assert people.loc["wrong", "gold accuracy"] == "0.000"  # the raw share is still shown ...
+    assert people.loc["wrong", "quality (exports)"] == f"not enough data (1 of {MIN_COMPARISONS} comparisons)"
+
+    rank_gold(MIN_COMPARISONS - 1)  # ... and counts from MIN_COMPARISONS comparisons on
+    snap = pairs_snapshot(store, runner, trusted)
+    assert snap.filters["excluded_annotators"] == ["wrong"] and snap.counts["pairs"] == MIN_COMPARISONS
+    people = team_tables(ctx, req("boss"))[1].set_index("annotator")
+    assert people.loc["wrong", "quality (exports)"] == f"0.000 (gold, {MIN_COMPARISONS} comparisons)"
+    assert people.loc["right", "quality (exports)"] == f"1.000 (gold, {MIN_COMPARISONS} comparisons)"

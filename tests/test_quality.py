@@ -124,14 +124,15 @@ def test_quality_weighting_and_exclusion_beat_training_on_everyone(store, tmp_pa
 
 @pytest.fixture(scope="module")
 def good_and_bad(tmp_path_factory):
-    """A closed store file: boss (admin); three items of two responses, the first gold; 'good'
-    ranks them all right, '<b>bad</b>' (a name with markup) all wrong: gold accuracy 1 and 0.
-    (Accounts are hashed once per module; each test opens a copy.)"""
+    """A closed store file: boss (admin); three items of five responses, the first gold (its 10
+    response pairs are store/export.py's MIN_COMPARISONS, the fewest a quality is used from);
+    'good' ranks them all right, '<b>bad</b>' (a name with markup) all wrong: gold accuracy 1
+    and 0. (Accounts are hashed once per module; each test opens a copy.)"""
     path = tmp_path_factory.mktemp("quality") / "rlhf.duckdb"
     with Store(path) as s:
         s.add_annotator("boss", "boss-password", role="admin")
         good, bad = s.ensure_annotator("good"), s.ensure_annotator("<b>bad</b>")
-        items = seed_items(s, 3, 2)
+        items = seed_items(s, 3, 5)
         s.set_gold(items[0].item_id, [[r] for r in items[0].response_ids])  # the first response is best
         for it in items:
             s.save_ranking(good.id, it.prompt_id, it.response_ids)
@@ -178,4 +179,4 @@ def test_a_rounds_snapshot_takes_the_loops_quality_options(team_store, tmp_path)
         runner.shutdown()
     assert "min_quality" not in plain.filters and plain.filters["quality_weights"] is False
     assert trusted.filters["excluded_annotators"] == ["<b>bad</b>"] and trusted.filters["quality_weights"]
-    assert {p.weight for p in read_pairs(trusted.path)[0]} == {1.0} and trusted.counts["pairs"] == 3
+    assert {p.weight for p in read_pairs(trusted.path)[0]} == {1.0} and trusted.counts["pairs"] == 3 * 10

@@ -135,6 +135,6 @@ def test_store_agreement_per_item_and_annotator_and_quality(store, store_annotat
     assert per["ann0"].expected_first_rate == pytest.approx(1 / 3)
     assert store.annotator_quality() == {
         a.id: {"gold_accuracy": pytest.approx(2.5 / 3), "majority_agreement": pytest.approx(2 / 3),
-               "n_gold": 1, "n_ranked": 2},
+               "n_gold": 1, "n_ranked": 2, "gold_comparisons": 3, "majority_comparisons": 3},
         b.id: {"gold_accuracy": pytest.approx(2 / 3), "majority_agreement": pytest.approx(2 / 3),
-               "n_gold": 1, "n_ranked": 1}}
+               "n_gold": 1, "n_ranked": 1, "gold_comparisons": 3, "majority_comparisons": 3}}

@@ -255,7 +255,14 @@ def test_snapshots_are_recorded_and_outputs_protected(store, ranked, tmp_path):
     assert store.get_model_version(rm.id).snapshot_id == snap.id
 
 
-def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators, tmp_path):
+@pytest.fixture
+def measured_from_one(monkeypatch):
+    """Quality measured from a single comparison: the tests of what min_quality and the weights do
+    with a measure, on the small `ranked` store (test_loop_hardening.py tests the minimum)."""
+    monkeypatch.setattr("store.export.MIN_COMPARISONS", 1)
+
+
+def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators, tmp_path, measured_from_one):
     """ann0 ranks gold item 1 as its reference, ann1 reverses it: gold accuracy 1 and 0."""
     _, items = ranked
     store.set_gold(items[1].item_id, [[r] for r in items[1].response_ids])
@@ -265,7 +272,7 @@ def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators,
 
     kept = export_pairs(store, tmp_path / "kept.jsonl", "jsonl", min_quality=0.5)
     card = (tmp_path / "kept.jsonl.README.md").read_text()
-    assert "weight (not applied)" in card and "| ann1 | 0.000 | gold | 1 | 0.050 | yes |" in card
+    assert "weight (not applied)" in card and "| ann1 | 0.000 | gold | 1 | 3 | 0.050 | yes |" in card
     rows = _jsonl(tmp_path / "kept.jsonl")
     assert {r["annotator"] for r in rows} == {"ann0", None} and len(rows) == 9 + 1  # ann0's 3 items + imported
     assert {r["annotator"] for r in _jsonl(tmp_path / "kept.rankings.jsonl")} == {"ann0"}
@@ -284,7 +291,7 @@ def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators,
             for q in manifest["annotator_quality"]] == [("ann0", 1.0, "gold", 1.0, False),
                                                         ("ann1", 0.0, "gold", 0.05, False)]
     card = (out / "README.md").read_text()
-    assert "## Annotator quality" in card and "| ann1 | 0.000 | gold | 1 | 0.050 | no |" in card
+    assert "## Annotator quality" in card and "| ann1 | 0.000 | gold | 1 | 3 | 0.050 | no |" in card
     assert "`weight` is the pair's annotator's quality weight" in card
     both = export_pairs(store, tmp_path / "both.parquet", "parquet", margin_column=True, quality_weights=True,
                         min_quality=0.5)
@@ -295,7 +302,7 @@ def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators,
         export_pairs(store, tmp_path / "bad.jsonl", "jsonl", min_quality=1.5)
 
 
-def test_annotator_quality_falls_back_to_majority_agreement(store, ranked, tmp_path):
+def test_annotator_quality_falls_back_to_majority_agreement(store, ranked, tmp_path, measured_from_one):
     from store.export import annotator_quality_table, quality_weight
 
     # no gold: ann0 and ann1 agree on item 0 and disagree on item 1, so each agrees with the
@@ -308,7 +315,7 @@ def test_annotator_quality_falls_back_to_majority_agreement(store, ranked, tmp_p
     assert snap.counts["pairs"] == 1 and snap.filters["excluded_annotators"] == ["ann0", "ann1"]  # imported
 
 
-def test_cli_quality_options(store, store_path, ranked, tmp_path, monkeypatch, capsys):
+def test_cli_quality_options(store, store_path, ranked, tmp_path, monkeypatch, capsys, measured_from_one):
     from store.__main__ import main
 
     _, items = ranked
