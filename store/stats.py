@@ -29,6 +29,30 @@ class StatsMixin:
         out["items_remaining"] = self.items_remaining(overlap=overlap)
         return out
 
+    def round_rankable(self, round_id: int, overlap: int) -> dict:
+        """A round's own rankable items, what the loop's threshold counts (pipeline/orchestrate/loop.py
+        `coverage`): the round's queued items, less gold items (ranked by everyone, outside the
+        overlap) and items of flagged prompts (out of the queue). {items, rankings (each item's
+        distinct annotators, at most `overlap` counted), ranked_items (with at least one),
+        reachable (the rankings they can get at most from the active accounts that have neither
+        ranked nor skipped them: what the round can still reach without new annotators)}."""
+        row = self._one(
+            "WITH it AS (SELECT id FROM items WHERE round_id = $r AND queued "
+            "            AND id NOT IN (SELECT item_id FROM gold) "
+            "            AND prompt_id NOT IN (SELECT prompt_id FROM flags)), "
+            "rk AS (SELECT item_id, count(DISTINCT annotator_id) AS n FROM rankings "
+            "       WHERE item_id IN (SELECT id FROM it) GROUP BY item_id), "
+            "seen AS (SELECT d.item_id, count(*) AS n FROM (SELECT item_id, annotator_id FROM rankings "
+            "                                               UNION SELECT item_id, annotator_id FROM skips) d "
+            "         JOIN annotators a ON a.id = d.annotator_id AND a.active "
+            "         WHERE d.item_id IN (SELECT id FROM it) GROUP BY d.item_id), "
+            "active AS (SELECT count(*) AS n FROM annotators WHERE active) "
+            "SELECT count(*), coalesce(sum(least(coalesce(rk.n, 0), $o)), 0), count(rk.n), "
+            "coalesce(sum(least(coalesce(rk.n, 0) + active.n - coalesce(seen.n, 0), $o)), 0) "
+            "FROM it CROSS JOIN active LEFT JOIN rk ON rk.item_id = it.id LEFT JOIN seen ON seen.item_id = it.id",
+            {"r": round_id, "o": int(overlap)})
+        return dict(zip(("items", "rankings", "ranked_items", "reachable"), (int(x) for x in row)))
+
     def annotator_stats(self) -> list[AnnotatorStats]:
         """Per annotator: rankings (all, today), pairs, skips, all-bad rankings, median seconds."""
         rows = self._rows(

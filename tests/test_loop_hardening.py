@@ -149,3 +149,48 @@ def test_quality_needs_enough_comparisons_before_it_excludes_or_weights(store, r
     people = team_tables(ctx, req("boss"))[1].set_index("annotator")
     assert people.loc["wrong", "quality (exports)"] == f"0.000 (gold, {MIN_COMPARISONS} comparisons)"
     assert people.loc["right", "quality (exports)"] == f"1.000 (gold, {MIN_COMPARISONS} comparisons)"
+
+
+# --------------------------------------------------------------------------- 3. the threshold counts rankable items
+
+
+def test_the_threshold_counts_the_rounds_rankable_items_and_a_stuck_loop_says_so(store):
+    from pipeline.orchestrate import loop
+    from tests.fixtures_store import seed_items
+
+    rnd = store.create_round(status="annotating")
+    items = seed_items(store, 6, 2, round_id=rnd.id)
+    regular, gold, flagged = items[:3], items[3:5], items[5]
+    for it in gold:  # everyone ranks a gold item, whatever the overlap: not the round's own rankings
+        store.set_gold(it.item_id, [[r] for r in it.response_ids])
+    ann = store.ensure_annotator("ann")
+    for it in gold + [flagged, regular[0]]:
+        store.save_ranking(ann.id, it.prompt_id, it.response_ids)
+    store.flag_prompt(flagged.prompt_id, ann.id, "broken")  # ranked, then flagged: out of the queue
+    for it in regular[1:]:
+        store.skip_item(ann.id, it.item_id)
+
+    settings = LoopSettings(loop=LoopConfig(rankings_per_round=64))
+    have = loop.coverage(store, rnd, settings)
+    # before: 6 items, 4 rankings (gold and flagged counted), a threshold of 6 only 4 items could reach
+    assert (have.items, have.rankings, have.ranked_items, have.threshold) == (3, 1, 1, 3)
+    assert have.reachable == 1 and have.stuck  # ann ranks an item once, and skipped the other two
+    said = []
+    with pytest.raises(loop.RoundFailed, match=r"Round \d+ has 1 of 3 items ranked \(threshold 3\), and its items "
+                                               r"can get at most 1 rankings from the active accounts"):
+        loop.wait_for_rankings(store, rnd, settings, said.append, poll_s=0.01)
+
+    bea = store.ensure_annotator("bea")  # a second account can rank the other two: waiting can end
+    have = loop.coverage(store, rnd, settings)
+    assert have.reachable == 3 and not have.stuck and not have.enough
+    store.skip_item(bea.id, regular[1].item_id)  # a skip is final: skipped by both, stuck again
+    assert loop.coverage(store, rnd, settings).stuck
+    cy = store.ensure_annotator("cy")
+    for it in regular[1:]:
+        store.save_ranking(cy.id, it.prompt_id, it.response_ids)
+    assert loop.wait_for_rankings(store, rnd, settings, said.append, poll_s=0.01).enough
+
+    # two rankings an item: 6 needed, 3 made; bea can still rank items 0 and 2, cy item 0: 5 at most
+    store.set_round_queue(rnd.id, overlap=2)
+    have = loop.coverage(store, rnd, settings)
+    assert (have.rankings, have.threshold, have.reachable) == (3, 6, 5) and have.stuck

@@ -15,9 +15,13 @@ The round then records the snapshot and no reward model. What still needs a rewa
 earlier PPO round or "Train reward model"); with none, 'uncertain' selection is random.
 
 A round is finished (trained on) once it has enough rankings: `rankings_per_round`, or every item
-ranked as often as the round's overlap asks if that is fewer (`coverage`). `finish_round` refuses
-an under-ranked round with `UnderRanked`, which says how many items are ranked, unless told to go
-on anyway; the Train tab asks the admin first, and the CLI waits for people to reach it.
+ranked as often as the round's overlap asks if that is fewer (`coverage`). Only the round's own
+rankable items count (Store.round_rankable): gold items (everyone ranks them, outside the overlap)
+and items of flagged prompts (out of the queue) count neither as items nor as rankings, so the
+threshold is one that people ranking the queue can reach. `finish_round` refuses an under-ranked
+round with `UnderRanked`, which says how many items are ranked, unless told to go on anyway; the
+Train tab asks the admin first, and the CLI waits for people to reach it, or stops and says so
+when the active accounts cannot reach it (each ranks an item once, skips are final).
 
 Every step is a job (steps.py builds it, jobs.py runs it). A job carries its round and step in
 its inputs; when it ends, `on_job_end` moves the round on and submits the next step, so a round
@@ -66,10 +70,18 @@ class Coverage:
     """Rankings each item is to get (the round's own overlap, else the store's)."""
     threshold: int
     """Rankings needed: rankings_per_round, at most items x overlap (all a round can get)."""
+    reachable: int
+    """The most rankings the round can get from the active accounts (each ranks an item once;
+    a skip is final): below the threshold, waiting for people cannot finish the round."""
 
     @property
     def enough(self) -> bool:
         return self.rankings >= self.threshold
+
+    @property
+    def stuck(self) -> bool:
+        """Not enough, and the active accounts cannot make it enough."""
+        return not self.enough and self.reachable < self.threshold
 
     def describe(self) -> str:
         if self.overlap == 1:
@@ -88,11 +100,13 @@ class UnderRanked(RoundFailed):
 
 
 def coverage(store, rnd, settings: LoopSettings) -> Coverage:
-    """The round's rankings against its threshold (rankings_per_round; 0 = none needed)."""
-    counts = store.round_counts(rnd.id)
+    """The round's rankings of its rankable items against its threshold (rankings_per_round;
+    0 = none needed)."""
     overlap = store.round_queue().get(rnd.id, (None, None))[0] or store.queue_overlap()
+    counts = store.round_rankable(rnd.id, overlap)
     threshold = min(max(settings.loop.rankings_per_round, 0), counts["items"] * overlap)
-    return Coverage(rnd.id, counts["items"], counts["rankings"], counts["ranked_items"], overlap, threshold)
+    return Coverage(rnd.id, counts["items"], counts["rankings"], counts["ranked_items"], overlap, threshold,
+                    counts["reachable"])
 
 
 def make_runner(store, runs_root, **kwargs) -> JobRunner:
@@ -290,14 +304,33 @@ def run_loop(store, runner, settings: LoopSettings, judge=None, noise: float = 0
         if judge is not None:
             simulate_annotations(store, judge, noise=noise, seed=settings.loop.seed + n)
         else:
-            while not coverage(store, rnd, settings).enough:
-                time.sleep(5)
+            wait_for_rankings(store, rnd, settings, log)
         log(f"round {rnd.id}: training")
         # a simulated annotator has ranked all the queue gave it (one ranking per item, whatever the overlap)
         done.append(finish_round(store, runner, rnd, settings, anyway=judge is not None))
         log(f"round {rnd.id}: done, new policy {done[-1].new_policy_version_id}")
         rnd = start_round(store, runner, settings, n + 1)
     return done
+
+
+def wait_for_rankings(store, rnd, settings: LoopSettings, log=print, poll_s: float = 5.0) -> Coverage:
+    """Block until people have ranked enough of the round (`coverage`); RoundFailed, saying why and
+    what to do, as soon as the active accounts cannot get there (waiting would never end). The
+    round stays open: add annotators, or lower --rankings-per-round, and run the loop again."""
+    said = None
+    while True:
+        have = coverage(store, rnd, settings)
+        if have.enough:
+            return have
+        if have.stuck:
+            raise RoundFailed(
+                f"{have.describe()}, and its items can get at most {have.reachable} rankings from the active "
+                f"accounts (each ranks an item once, skips are final): add annotators, lower "
+                f"--rankings-per-round, or finish the round anyway in the app's Train tab")
+        if have.rankings != said:
+            log(f"{have.describe()}: waiting for people to rank in the app")
+            said = have.rankings
+        time.sleep(poll_s)
 
 
 def main(argv: list[str] | None = None) -> int:
