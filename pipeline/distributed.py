@@ -25,7 +25,8 @@ the stages use for everything that crosses ranks:
 - `sharded`: launched with configs/accelerate/fsdp.yaml (accelerate exports FSDP_* settings), a
   fully trained model is sharded with PyTorch's FSDP2 instead of wrapped in DDP (`shard_model`);
   every rank then runs the same forward passes and checkpoints gather whole weights
-  (`full_state_dict`, `full_optimizer_state`). train-reward only (docs/scaling.md).
+  (`full_state_dict`, `full_optimizer_state`): train-reward, ppo and train-dpo with full fine-tuning
+  (docs/scaling.md).
 
 Sizes stay global: --batch-size (and PPO's --mini-batch-size) count pairs or episodes across all
 ranks, each rank taking its share, and each rank's loss is weighted so that DDP's average equals the
@@ -111,19 +112,23 @@ def fsdp_settings(env=None) -> FSDPSettings | None:
     return FSDPSettings(reshard_after_forward=reshard[strategy], wrap_classes=classes)
 
 
-def shard_model(model: nn.Module, settings: FSDPSettings) -> list[nn.Module]:
-    """Shard a fully trained model in place with FSDP2 (torch.distributed.fsdp.fully_shard): one unit
-    per decoder layer (settings.wrap_classes, else the backbone's `_no_split_modules`, as accelerate's
+def shard_model(model: nn.Module, settings: FSDPSettings, trained: bool = True) -> list[nn.Module]:
+    """Shard a model in place with FSDP2 (torch.distributed.fsdp.fully_shard): one unit per decoder
+    layer (settings.wrap_classes, else the backbone's `_no_split_modules`, as accelerate's
     TRANSFORMER_BASED_WRAP picks them), then every other module that holds parameters of its own
-    (embeddings, final norm, the scalar head) as a unit of its own. Each unit gathers its weights in
-    its own forward, so the stages' direct calls of the backbone or the head (packed forwards,
-    evaluation) work without going through one root. Returns the units."""
+    (embeddings, final norm, LM or scalar head) as a unit of its own. Each unit gathers its weights in
+    its own forward, so the stages' direct calls of the backbone, the decoder or the head (packed
+    forwards, evaluation) work without going through one root. Modules that share a parameter (an
+    LM head tied to the input embeddings) form one unit, which gathers the shared weight once.
+
+    trained: the model is fully fine-tuned (LoRA is refused: use DDP); False for a frozen model
+    (PPO's and DPO's reference), sharded only to hold 1/N of its weights per process. Returns the units."""
     from torch.distributed.fsdp import fully_shard
 
     from pipeline.models import is_peft
 
     backbone = getattr(model, "backbone", model)
-    if is_peft(backbone) or any(not p.requires_grad for p in model.parameters()):
+    if trained and (is_peft(backbone) or any(not p.requires_grad for p in model.parameters())):
         raise ValueError("FSDP shards full fine-tuning here (--lora false): with LoRA the trained and "
                          "communicated part is small; use configs/accelerate/ddp.yaml")
     names = set(settings.wrap_classes or getattr(backbone, "_no_split_modules", None) or ())
@@ -132,11 +137,25 @@ def shard_model(model: nn.Module, settings: FSDPSettings) -> list[nn.Module]:
         raise ValueError(f"FSDP: no module of class {sorted(names)} in {type(backbone).__name__}; set "
                          "fsdp_transformer_layer_cls_to_wrap to its decoder layer class")
     inside = {id(p) for layer in layers for p in layer.parameters()}
-    rest = [m for m in model.modules()
-            if any(id(p) not in inside for p in m.parameters(recurse=False))]
-    for unit in layers + rest:
-        fully_shard(unit, reshard_after_forward=settings.reshard_after_forward)
-    return layers + rest
+    groups: dict[int, list[nn.Module]] = {}  # first parameter's id -> the modules holding it
+    for m in model.modules():
+        own = [id(p) for p in m.parameters(recurse=False) if id(p) not in inside]
+        if own:
+            key = next((k for k in own if k in groups), own[0])
+            groups.setdefault(key, []).append(m)
+            for k in own:
+                groups.setdefault(k, groups[key])
+    rest = list({id(g): g for g in groups.values()}.values())
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=settings.reshard_after_forward)
+    for group in rest:
+        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=settings.reshard_after_forward)
+    if any(len(group) > 1 for group in rest):
+        # a unit of several modules cannot be FSDP's root (the first unit to run forward becomes one):
+        # the whole model becomes the root, set up now, so every unit also runs when called directly
+        fully_shard(model, reshard_after_forward=settings.reshard_after_forward)
+        model._get_fsdp_state()._lazy_init()
+    return layers + [m for group in rest for m in group]
 
 
 def full_state_dict(model: nn.Module) -> dict:
@@ -159,6 +178,33 @@ def load_full_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
+    """An optimiser state saved by either kind of run, into this run's optimiser: the whole state
+    keyed by parameter name (a sharded run's `full_optimizer_state`) or by position (`optimizer.
+    state_dict()` of a one-process or DDP run). A name-keyed state loads into a sharded optimiser
+    (each rank takes its shard) and into a plain one alike, so a run sharded on N processes resumes
+    on one; a position-keyed one is renamed for a sharded optimiser (the positions are those of the
+    trained parameters in `model.named_parameters()` order, as the stages build their optimisers)."""
+    by_name = any(isinstance(k, str) for k in state.get("state", {})) or any(
+        isinstance(i, str) for group in state.get("param_groups", []) for i in group["params"])
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+    if not by_name and not sharded:
+        optimizer.load_state_dict(state)
+        return
+    if not by_name:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        state = {"state": {names[i]: v for i, v in state["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    load_full_optimizer_state(model, optimizer, state)
+
+
+def clip_grad_norm(params: list, max_norm: float) -> float:
+    """torch's clip_grad_norm_ as a float: over sharded parameters the norm is a DTensor whose whole
+    value needs one all-reduce (every rank must call it)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 @dataclass
@@ -201,6 +247,19 @@ class Dist:
         self.wrapped.append(wrapped)
         return wrapped
 
+    def shard_frozen(self, model: nn.Module) -> nn.Module:
+        """A frozen model as large as a trained one (the reference copy of a fully trained policy):
+        sharded like the trained models when they are, so each process holds 1/N of it; its forwards
+        are then collectives, which every rank must run alike. Unchanged otherwise."""
+        if self.sharded:
+            shard_model(model, self.fsdp, trained=False)
+        return model
+
+    def optimizer_state(self, model: nn.Module, optimizer) -> dict:
+        """The optimiser state to save: whole and keyed by parameter name when sharded (a collective:
+        every rank calls it, rank 0 gets it), the optimiser's own state_dict otherwise."""
+        return full_optimizer_state(model, optimizer) if self.sharded else optimizer.state_dict()
+
     def sync(self, wrapped: nn.Module, last: bool):
         """Context for one forward + backward: all-reduce the gradients only when `last`."""
         if last or self.world == 1 or self.accelerator is None or self.sharded:
@@ -235,6 +294,12 @@ class Dist:
         for r, items in enumerate(parts):
             out[r::self.world] = items
         return out
+
+    def passes(self, n: int) -> int:
+        """How many forward passes of a loop this rank runs when it has n to do: n, or under FSDP the
+        busiest rank's count (every pass of a sharded model is a collective; a rank with fewer runs
+        passes whose results it drops)."""
+        return max(self.gather_objects(n)) if self.sharded else n
 
     def reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
         """Each key summed over ranks (float64), the same dict on every rank."""
@@ -319,4 +384,5 @@ def setup(device: str = "auto") -> Dist:
 
 
 __all__ = ["Dist", "CallThrough", "FSDPSettings", "fsdp_settings", "shard_model", "full_state_dict",
-           "full_optimizer_state", "load_full_optimizer_state", "setup", "world_size", "rank", "local_rank"]
+           "full_optimizer_state", "load_full_optimizer_state", "load_optimizer_state", "clip_grad_norm", "setup",
+           "world_size", "rank", "local_rank"]

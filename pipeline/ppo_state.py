@@ -1,9 +1,22 @@
 """The PPO run's state: built in phase 0 (`set_up`), saved in RUN_DIR/checkpoint, restored by --resume.
 
-`set_up` loads the four roles (policy, reference, reward, critic), builds optimisers, schedules and
-the KL controller, and restores a checkpoint when resuming. A checkpoint is written as a new folder
-that replaces the old one in two renames, so a kill mid-save leaves the previous one (the rest of
-the run directory: pipeline/rundir.py).
+`set_up` loads the four roles (policy, reference, reward, critic), wraps the trained ones for N
+processes, builds optimisers, schedules and the KL controller, and restores a checkpoint when
+resuming. A checkpoint is written as a new folder that replaces the old one in two renames, so a
+kill mid-save leaves the previous one (the rest of the run directory: pipeline/rundir.py).
+
+Under FSDP (configs/accelerate/fsdp.yaml, full fine-tuning; docs/scaling.md) the roles are placed so:
+- policy and critic: trained, so sharded (FSDP2, one unit per decoder layer): their weights,
+  gradients and AdamW states (16P bytes each) are what does not fit one device;
+- reference: the frozen fp32 copy of the starting policy (4P) is as large as the policy's weights,
+  so it is sharded too (1/N per process; its forwards then run on every rank alike, as the policy's);
+- reward model: kept whole on every process. It is frozen and held in the run's dtype (2P in bf16,
+  an eighth of a trained role), and scoring stays local to each process: its chunked passes and
+  the shared-prefix cache of pipeline/scoring.py need no agreement between ranks.
+Each model is sharded right after it is loaded, so at most the policy and its reference copy are
+whole on a device at once (8P bytes at load time). Checkpoints hold whole weights and the whole
+optimiser state keyed by parameter name, gathered on rank 0: they resume on any number of processes,
+sharded or not.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from typing import Callable
 import torch
 
 from pipeline.config import ModelConfig, PPOConfig, to_dict
+from pipeline.distributed import Dist, full_state_dict, load_optimizer_state
 from pipeline.kl import make_kl_controller
 from pipeline.models import (
     autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta,
@@ -51,6 +65,8 @@ class RunParts:
     reference: torch.nn.Module
     score_fn: Callable
     critic: torch.nn.Module
+    policy_w: torch.nn.Module  # the policy and critic for training forwards (Dist.wrap)
+    critic_w: torch.nn.Module
     opts: tuple
     scheds: tuple
     kl: object
@@ -61,10 +77,12 @@ class RunParts:
 
 
 def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out: Path, policy: str,
-           critic_init: str, resuming: bool) -> RunParts:
-    """Phase 0: load the four roles, build optimisers and schedules, restore a checkpoint when
-    resuming (metrics after its step are dropped), and write config.json."""
+           critic_init: str, resuming: bool, dist: Dist) -> RunParts:
+    """Phase 0: load the four roles, wrap (or shard) the trained ones, build optimisers and schedules,
+    restore a checkpoint when resuming (metrics after its step are dropped), and write config.json."""
     ckpt = out / CHECKPOINT
+    if resuming and not (ckpt / STATE_FILE).is_file():
+        raise ValueError(f"{ckpt}: no {STATE_FILE} (an incomplete checkpoint)")
     device = pick_device(model_cfg.device)
     dtype = pick_dtype(model_cfg.dtype, device)
     if dtype == torch.float16:
@@ -74,10 +92,22 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     rows = read_prompts(prompts)
     policy_model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
     reference = make_reference(policy_model)  # before any resume: the *starting* policy
+    if resuming:  # whole weights, loaded before sharding
+        saved_base = read_meta(ckpt / "policy").get("base_model")
+        if saved_base != policy_model.rlhf_meta["base_model"]:
+            raise ValueError(f"{ckpt}: the checkpoint trains {saved_base}, but --policy starts from "
+                             f"{policy_model.rlhf_meta['base_model']}; resume with the run's --policy")
+        load_policy_weights(policy_model, ckpt / "policy")
+    if reference.frozen is not None:  # full fine-tuning: a copy as large as the policy (module docstring)
+        dist.shard_frozen(reference.frozen)
+    # training forwards go through the wrapped models (gradients averaged across ranks); made before
+    # the optimisers, as FSDP replaces the parameters by their shards
+    policy_w = dist.wrap(policy_model)
     score_fn, rm = make_reward(reward, tokenizer, model_cfg, cfg.forward_batch_size, amp)
     critic_src = str(ckpt / "critic") if resuming else (
         critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
     critic, _ = load_scalar_model(critic_src, kind="critic", cfg=_master_cfg(model_cfg, critic_src, device, dtype))
+    critic_w = dist.wrap(critic)
     policy_opt = _adamw(trainable(policy_model), cfg.lr)
     critic_opt = _adamw(trainable(critic), cfg.critic_lr)
     # linear decay to 0 over the run (TRL's default schedule); stepped once per PPO iteration
@@ -87,21 +117,18 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
     start = 0
     if resuming:
-        saved_base = read_meta(ckpt / "policy").get("base_model")
-        if saved_base != policy_model.rlhf_meta["base_model"]:
-            raise ValueError(f"{ckpt}: the checkpoint trains {saved_base}, but --policy starts from "
-                             f"{policy_model.rlhf_meta['base_model']}; resume with the run's --policy")
-        start = load_checkpoint(ckpt, policy_model, policy_opt, critic_opt, policy_sched, critic_sched, kl_ctl, device)
+        start = load_checkpoint(ckpt, (policy_model, critic), (policy_opt, critic_opt), (policy_sched, critic_sched),
+                                kl_ctl)
     truncate_metrics(out, start)
     ptx_texts = read_ptx_texts(cfg.ptx_data) if cfg.ptx_coef > 0 else []
     write_json(out / "config.json", {
         "stage": "ppo", "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
         "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
-        "ppo": to_dict(cfg), "model": to_dict(model_cfg)})
+        "ppo": to_dict(cfg), "model": to_dict(model_cfg), "processes": dist.world, "fsdp": dist.sharded})
     return RunParts(
         device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer, parent=parent, reference=reference,
-        score_fn=score_fn, critic=critic, opts=(policy_opt, critic_opt), scheds=(policy_sched, critic_sched),
-        kl=kl_ctl, start=start, rows=rows, ptx_texts=ptx_texts,
+        score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w, opts=(policy_opt, critic_opt),
+        scheds=(policy_sched, critic_sched), kl=kl_ctl, start=start, rows=rows, ptx_texts=ptx_texts,
         sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
 
 
@@ -145,25 +172,56 @@ def trainable(model) -> list[torch.nn.Parameter]:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(ckpt: Path, state: dict) -> None:
+def save_checkpoint(ckpt: Path, state: dict, dist: Dist) -> None:
     """checkpoint/: policy (adapter or full), critic, optimisers, schedulers, KL controller, step.
-    Written beside the old one and swapped in, so a kill mid-save leaves the previous checkpoint."""
+    Written beside the old one and swapped in, so a kill mid-save leaves the previous checkpoint.
+    Every rank calls it (sharded weights and optimiser states are gathered first); rank 0 writes."""
+    policy, critic, (policy_opt, critic_opt) = state["policy"], state["critic"], state["opts"]
+    critic_weights = full_state_dict(critic) if dist.sharded else None
+    optims = dist.optimizer_state(policy, policy_opt), dist.optimizer_state(critic, critic_opt)
     tmp = ckpt.with_name(ckpt.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_policy(state["policy"], state["tokenizer"], tmp / "policy")
-    save_scalar_model(state["critic"], state["tokenizer"], tmp / "critic")
-    torch.save({"step": state["step"], "policy_optim": state["opts"][0].state_dict(),
-                "critic_optim": state["opts"][1].state_dict(), "policy_sched": state["scheds"][0].state_dict(),
-                "critic_sched": state["scheds"][1].state_dict(), "kl": state["kl"].state_dict()},
-               tmp / STATE_FILE)
+    if dist.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    save_whole_policy(policy, state["tokenizer"], tmp / "policy", dist)
+    if not dist.is_main:  # every rank holds the same weights (or its shard of them)
+        return
+    save_scalar_model(critic, state["tokenizer"], tmp / "critic", state_dict=critic_weights)
+    torch.save({"step": state["step"], "policy_optim": optims[0], "critic_optim": optims[1],
+                "policy_sched": state["scheds"][0].state_dict(), "critic_sched": state["scheds"][1].state_dict(),
+                "kl": state["kl"].state_dict()}, tmp / STATE_FILE)
     old = ckpt.with_name(ckpt.name + ".old")
     if ckpt.exists():
         os.replace(ckpt, old)
     os.replace(tmp, ckpt)
     if old.exists():
         shutil.rmtree(old)
+
+
+class _GatheredPolicy:
+    """A sharded policy as save_policy sees it: the same metadata, and save_pretrained writing the
+    whole weights gathered on rank 0 (the model's own state_dict holds only this rank's shards).
+    A weight tied to another (the LM head to the embeddings) is written once, under its first name,
+    as save_pretrained does for a model's own tied tensors (the gathered copies share no storage)."""
+
+    def __init__(self, model, weights: dict):
+        first = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(param), name)
+        tied = {name for name, param in model.named_parameters(remove_duplicate=False) if first[id(param)] != name}
+        self.model, self.rlhf_meta = model, model.rlhf_meta
+        self.weights = {k: v for k, v in weights.items() if k not in tied}
+
+    def save_pretrained(self, folder) -> None:
+        self.model.save_pretrained(folder, state_dict=self.weights)
+
+
+def save_whole_policy(policy, tokenizer, folder: Path, dist: Dist) -> None:
+    """save_policy on rank 0, with whole weights: every rank calls it (a sharded policy is gathered)."""
+    weights = full_state_dict(policy) if dist.sharded else None
+    if dist.is_main:
+        save_policy(_GatheredPolicy(policy, weights) if dist.sharded else policy, tokenizer, folder)
 
 
 def recover_checkpoint(ckpt: Path) -> None:
@@ -173,17 +231,17 @@ def recover_checkpoint(ckpt: Path) -> None:
         os.replace(old, ckpt)
 
 
-def load_checkpoint(ckpt: Path, policy, policy_opt, critic_opt, policy_sched, critic_sched, kl_ctl, device) -> int:
-    """Restore the policy weights, optimisers, schedules and KL controller; returns the step."""
-    state_path = ckpt / STATE_FILE
-    if not state_path.is_file():
-        raise ValueError(f"{ckpt}: no {STATE_FILE} (an incomplete checkpoint)")
-    load_policy_weights(policy, ckpt / "policy")
-    state = torch.load(state_path, map_location=device, weights_only=False)
-    policy_opt.load_state_dict(state["policy_optim"])
-    critic_opt.load_state_dict(state["critic_optim"])
-    policy_sched.load_state_dict(state["policy_sched"])
-    critic_sched.load_state_dict(state["critic_sched"])
+def load_checkpoint(ckpt: Path, models: tuple, opts: tuple, scheds: tuple, kl_ctl) -> int:
+    """Restore the optimisers of (policy, critic) (saved by a sharded run or not: each loads into a
+    sharded or plain one), schedules and KL controller; returns the step. The weights are loaded
+    before (load_policy_weights, the critic from checkpoint/critic). The file is memory-mapped on
+    the CPU (the processes of one machine share its pages, so N of them do not each hold the whole
+    optimiser state), and loading moves each state to its parameter's device (sharded: its shard)."""
+    state = torch.load(ckpt / STATE_FILE, map_location="cpu", mmap=True, weights_only=False)
+    for model, opt, key in zip(models, opts, ("policy_optim", "critic_optim")):
+        load_optimizer_state(model, opt, state[key])
+    for sched, key in zip(scheds, ("policy_sched", "critic_sched")):
+        sched.load_state_dict(state[key])
     kl_ctl.load_state_dict(state["kl"])
     return int(state["step"])
 
@@ -210,5 +268,5 @@ def load_policy_weights(policy, folder: Path) -> None:
             load_sharded_checkpoint(policy, str(folder))
 
 
-__all__ = ["RunParts", "set_up", "load_starting_policy", "trainable", "save_checkpoint", "recover_checkpoint",
-           "load_checkpoint", "CHECKPOINT"]
+__all__ = ["RunParts", "set_up", "load_starting_policy", "trainable", "save_checkpoint", "save_whole_policy",
+           "recover_checkpoint", "load_checkpoint", "CHECKPOINT"]

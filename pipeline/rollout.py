@@ -120,9 +120,14 @@ def critic_values(critic, pr: PackedResponses) -> torch.Tensor:
 @torch.no_grad()
 def rollout_forwards(policy, reference, critic, sequences, attention_mask, response_ids, mask,
                      prompt_length: int, temperature: float, chunk: int, need_old: bool,
-                     autocast) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                     autocast, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reference log-probs, pi_old log-probs (only when need_old) and critic values, all (B, R),
-    0 past each EOS. Runs in chunks of `chunk` episodes, each packed without padding."""
+    0 past each EOS. Runs in chunks of `chunk` episodes, each packed without padding.
+
+    share_prefix False: no prefix pass (FSDP: whether a chunk has a common prefix, and whether a
+    frozen model kept its keys and values, differs between processes, and every forward of a
+    sharded model must run on all of them; with B / N episodes per process each runs the same
+    number of chunks)."""
     B, R = response_ids.shape
     ref = torch.zeros(B, R, device=sequences.device)
     old = torch.zeros(B, R, device=sequences.device) if need_old else None
@@ -130,7 +135,7 @@ def rollout_forwards(policy, reference, critic, sequences, attention_mask, respo
     ratio = attn_ratio(policy)
     for rows in torch.arange(B, device=sequences.device).split(chunk):
         pr = pack_responses(sequences[rows], attention_mask[rows], response_ids[rows], mask[rows], prompt_length,
-                            ratio)
+                            ratio, share_prefix)
         with autocast():
             ref[rows] = response_logprobs(response_logits(reference, pr, reference=True), pr, temperature)
             if need_old:

@@ -81,6 +81,13 @@ def _sample_categorical(probs: torch.Tensor, generator: torch.Generator | None,
     return (j.squeeze(1) * block + torch.searchsorted(inner, rest, right=True).squeeze(1)).clamp_max(V - 1)
 
 
+def _all_done(mine: bool, device) -> bool:
+    """True on every process when every process's rows are done (one all-reduce)."""
+    flag = torch.tensor([0.0 if mine else 1.0], device=device)
+    torch.distributed.all_reduce(flag)
+    return float(flag) == 0.0
+
+
 def _eos_ids(model, eos_token_id) -> list[int]:
     eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
     if eos is None:
@@ -114,7 +121,7 @@ def _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw):
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, num_samples=1,
            generator: torch.Generator | None = None, eos_token_id=None, pad_token_id=None,
-           share_prefix: bool = True, check_every: int | None = None) -> SampleBatch:
+           share_prefix: bool = True, check_every: int | None = None, synced: bool = False) -> SampleBatch:
     """Sample responses for a left-padded batch of prompts with the KV cache.
 
     cfg: anything with temperature, top_p, top_k, max_new_tokens (GenerateConfig, PPOConfig).
@@ -127,6 +134,11 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     the batch every this many tokens (default 1 on CPU, 8 on GPUs: see below); the samples do not
     depend on it except through the random stream (each row draws one uniform per token it
     spends in the batch).
+    synced: the model is sharded across the processes of a group (FSDP), so each of its forward
+    passes is a collective that every process must run: the loop then steps until every process's
+    rows are done (one all-reduce of "mine are done" at each check, as transformers' generate does
+    with synced_gpus=True), a process whose rows all ended keeps stepping them (their tokens masked
+    to pad), and no shared prefix runs (whether there is one depends on each process's prompts).
     """
     from transformers import DynamicCache
 
@@ -144,7 +156,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     # then copy its cache rows for its samples
     cache, cache_kw = DynamicCache(), cache_kwarg(model)
     ids, mask, offset = input_ids, attention_mask, 0
-    if share_prefix:
+    if share_prefix and not synced:
         ids, mask, offset = _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw)
     out = model(input_ids=ids, attention_mask=mask, position_ids=offset + position_ids_from_mask(mask[:, offset:]),
                 use_cache=True, logits_to_keep=1, **{cache_kw: cache})
@@ -187,9 +199,9 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
             break
         if (t + 1) % check_every == 0:
             keep = (~done).nonzero().squeeze(1)
-            if keep.numel() == 0:
+            if (_all_done(keep.numel() == 0, device) if synced else keep.numel() == 0):
                 break
-            if keep.numel() < done.numel():
+            if 0 < keep.numel() < done.numel():  # (synced: a process whose rows all ended keeps them)
                 active, token, mask, next_pos, done = active[keep], token[keep], mask[keep], next_pos[keep], done[keep]
                 cache.batch_select_indices(keep)
         # 4. one decoding step for the rows in the batch

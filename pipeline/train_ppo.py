@@ -23,6 +23,14 @@ forwards for its B/N prompts; the rollouts are gathered so every rank computes t
 KL and controller update on the whole batch; each rank then trains on its share of every
 minibatch, DDP averaging the gradients, and rank 0 writes the run directory.
 
+With FSDP (configs/accelerate/fsdp.yaml, --lora false) the policy, its reference copy and the critic
+are sharded (pipeline/ppo_state.py says which role is where, and why), and every forward pass of a
+sharded model is a collective: each rank must run the same passes, in the same order. So sampling
+steps until every rank's responses are done (`sample(synced=True)`, as transformers' synced_gpus),
+each rank's B/N episodes run in the same number of chunks and micro-batches, no pass depends on a
+rank's own data (no shared-prefix pass: whether a batch has one differs between ranks), and
+checkpoints gather the whole weights on rank 0. The reward model stays whole on every rank.
+
 The four roles (docs/DESIGN.md): the policy (LoRA by default), the reference (the policy with
 its adapter disabled, or a frozen copy with full fine-tuning), the frozen reward model, and the
 critic (initialised from the reward model). A run writes only into RUN_DIR: config.json,
@@ -36,7 +44,6 @@ process registers it). SIGTERM or Ctrl-C saves a checkpoint and marks the run ca
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from collections import defaultdict
@@ -45,14 +52,13 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args
-from pipeline.distributed import setup
+from pipeline.distributed import clip_grad_norm, setup
 from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
 )
 from pipeline.models import checkpointing
-from pipeline.saving import save_policy
 from pipeline.policy import causal_lm_logits
-from pipeline.ppo_state import CHECKPOINT, load_checkpoint, recover_checkpoint, save_checkpoint, set_up, trainable
+from pipeline.ppo_state import CHECKPOINT, recover_checkpoint, save_checkpoint, save_whole_policy, set_up, trainable
 from pipeline.rollout import (
     Rollout, attn_ratio, critic_values, gather_rollout, kl_shaped_advantages, merged_lora, pack_responses,
     prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
@@ -69,10 +75,9 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     """Run PPO; returns the last step's metrics. See the module docstring for the phases."""
     dist = setup(model_cfg.device)
     check_config(cfg, dist.world)
-    if dist.sharded:
-        raise ValueError("ppo with FSDP is not supported yet: sampling, the reference and the prefix caches would "
-                         "run different numbers of forward passes per rank, each a collective under FSDP; use "
-                         "configs/accelerate/ddp.yaml with LoRA (docs/scaling.md)")
+    if dist.sharded and model_cfg.lora:
+        raise ValueError("ppo with FSDP shards full fine-tuning (--lora false); with LoRA the trained and "
+                         "communicated part is small: use configs/accelerate/ddp.yaml (docs/scaling.md)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / CHECKPOINT
@@ -84,17 +89,17 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     state: dict = {}
     try:
         with StopFlag() as stop:
-            # 0. set-up: device, models (four roles), optimisers, KL controller, resume (pipeline/ppo_state.py)
+            # 0. set-up: device, models (four roles), optimisers, KL controller, resume (pipeline/ppo_state.py);
+            # training forwards go through policy_w and critic_w (gradients averaged across ranks), sampling
+            # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
             run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
-                         critic_init=critic_init, resuming=resume and ckpt.is_dir())
+                         critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
             policy_model, critic, tokenizer, reference = run.policy, run.critic, run.tokenizer, run.reference
+            policy_w, critic_w = run.policy_w, run.critic_w
             (policy_opt, critic_opt), (policy_sched, critic_sched), kl_ctl = run.opts, run.scheds, run.kl
             device, autocast, rows = run.device, run.autocast, run.rows
             state.update(policy=policy_model, critic=critic, tokenizer=tokenizer, opts=run.opts, scheds=run.scheds,
                          kl=kl_ctl, step=run.start)
-            # training forwards go through these (gradients averaged across ranks); sampling and the
-            # no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
-            policy_w, critic_w = dist.wrap(policy_model), dist.wrap(critic)
             write_status(out, "running", run.start, cfg.steps)
 
             from tqdm import tqdm
@@ -102,6 +107,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             bar = tqdm(total=cfg.steps, initial=run.start, desc="ppo", unit="step", dynamic_ncols=True,
                        disable=not dist.is_main)
             local = slice(dist.rank * cfg.batch_size // dist.world, (dist.rank + 1) * cfg.batch_size // dist.world)
+            share_prefix = not dist.sharded  # a prefix pass would run on some ranks only
             metrics: dict = {}
             for step in range(run.start, cfg.steps):
                 t_start = time.perf_counter()
@@ -115,7 +121,8 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step + 7_919 * dist.rank)
                 with torch.no_grad(), autocast(), merged_lora(policy_model):
                     sb = sample(policy_model, input_ids, prompt_mask, cfg, generator=generator,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                synced=dist.sharded)
                 mask = sb.response_mask.float()  # (B, R)
                 t_sample = time.perf_counter() - t_start
                 dist.check_stop(stop)
@@ -125,7 +132,8 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 critic.eval()
                 ref_logp, old_logp, values = rollout_forwards(
                     policy_model, reference, critic, sb.sequences, sb.attention_mask, sb.response_ids, mask,
-                    sb.prompt_length, temperature, cfg.forward_batch_size, not run.sample_logprobs, autocast)
+                    sb.prompt_length, temperature, cfg.forward_batch_size, not run.sample_logprobs, autocast,
+                    share_prefix)
                 ro = Rollout(prompts=batch_prompts, sequences=sb.sequences, attention_mask=sb.attention_mask,
                              response_ids=sb.response_ids, mask=mask, prompt_length=sb.prompt_length,
                              logprobs=(sb.logprobs if run.sample_logprobs else old_logp) * mask,
@@ -156,6 +164,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 packing_ratio = attn_ratio(policy_model)
                 n_minibatches = 0
                 # gradient checkpointing acts in training mode only, and drops KV caches: no shared prefix
+                # (nor under FSDP, whose backward fails on a prefix's keys and values reused by a batch)
                 recompute = checkpointing(policy_model) or checkpointing(critic)
                 policy_model.train(recompute)
                 critic.train(recompute)
@@ -175,7 +184,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                                 # the micro-batch's episodes packed without padding, as in the rollout
                                 pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro],
                                                     ro.response_ids[micro], mask[micro], ro.prompt_length,
-                                                    packing_ratio, share_prefix=not recompute)
+                                                    packing_ratio, share_prefix=share_prefix and not recompute)
                                 m = mask[micro]  # (b, R)
                                 with autocast():
                                     logits = policy_w(response_logits, pr)  # (N, V) at the N real response tokens
@@ -211,10 +220,9 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                                 ptx_loss = lm_loss(policy_w(causal_lm_logits, p_ids, p_am), p_ids, p_am)
                             (cfg.ptx_coef * share * dist.loss_scale * ptx_loss).backward()
                             stats["ptx/loss"] += float(share * ptx_loss.detach())
-                        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-                        clip = torch.nn.utils.clip_grad_norm_  # policy and critic clipped separately
-                        stats["policy/grad_norm"] += float(clip(trainable(policy_model), max_norm))
-                        stats["val/grad_norm"] += float(clip(trainable(critic), max_norm))
+                        # policy and critic clipped separately (sharded: each norm is one all-reduce)
+                        stats["policy/grad_norm"] += clip_grad_norm(trainable(policy_model), cfg.max_grad_norm)
+                        stats["val/grad_norm"] += clip_grad_norm(trainable(critic), cfg.max_grad_norm)
                         policy_opt.step()
                         critic_opt.step()
                         policy_opt.zero_grad(set_to_none=True)
@@ -245,8 +253,8 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 if dist.is_main and cfg.sample_every > 0 and ((step + 1) % cfg.sample_every == 0
                                                              or step + 1 == cfg.steps):
                     write_samples(out / "samples" / f"step_{step + 1}.jsonl", tokenizer, ro, raw_score, adv.kl_seq)
-                if dist.is_main and cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                    save_checkpoint(ckpt, state)
+                if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                    save_checkpoint(ckpt, state, dist)  # every rank (a sharded model is gathered), rank 0 writes
                 del sb, ro, adv, advantages, returns
             bar.close()
 
@@ -254,17 +262,16 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             policy_model.rlhf_meta = {**policy_model.rlhf_meta, "parent": run.parent,
                                       "reward_model": _reward_name(reward), "run": str(out.resolve()),
                                       "steps": cfg.steps}
-            if dist.is_main:  # every rank holds the same weights
-                save_checkpoint(ckpt, state)
-                save_policy(policy_model, tokenizer, out / "policy")
+            save_checkpoint(ckpt, state, dist)  # rank 0 writes; every rank holds the weights or a shard
+            save_whole_policy(policy_model, tokenizer, out / "policy", dist)
             dist.barrier()  # the other ranks exit only once rank 0 has saved
             write_status(out, "done", cfg.steps, cfg.steps)
             dist.close()
             return metrics
     except Cancelled as exc:
         # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint
-        if "policy" in state and dist.is_main:
-            save_checkpoint(ckpt, state)
+        if "policy" in state:
+            save_checkpoint(ckpt, state, dist)
         dist.barrier()
         write_status(out, "cancelled", state.get("step", 0), cfg.steps, error=str(exc))
         print(f"cancelled at step {state.get('step', 0)} (rank {dist.rank} of {dist.world})", flush=True)

@@ -159,6 +159,28 @@ def wait_for_step(out: Path, step: int, proc, timeout: float = 90) -> None:
     raise AssertionError(f"no step {step} within {timeout} s:\n{log_of(out)[-3000:]}")
 
 
+def cancel_after(args: list, out: Path, step: int = 2, extra_env: dict | None = None) -> int:
+    """Launch a long PPO run and SIGTERM its process group (the job runner's cancel) once it logged
+    `step`: both ranks stop after the same step, rank 0 wrote one checkpoint and status 'cancelled'.
+    Returns the checkpoint's step."""
+    proc = launch(args, out, wait=False, extra_env=extra_env)
+    try:
+        wait_for_step(out, step, proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        stop_group(proc)
+    log = log_of(out)
+    assert proc.returncode != 0, log[-3000:]
+    status = status_of(out)
+    assert status["state"] == "cancelled" and "SIGTERM" in status["error"], status
+    saved = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
+    assert status["step"] == saved and step <= saved and not (out / "policy").exists()
+    assert f"cancelled at step {saved} (rank 0 of 2)" in log and f"cancelled at step {saved} (rank 1 of 2)" in log
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    return saved
+
+
 def test_distributed_ppo_cancel_stops_every_rank_at_one_step_and_resume_finishes(tmp_path, tiny_model_dir):
     """SIGTERM to the whole process group (the job runner's cancel): both ranks stop after the same
     step, rank 0 writes one checkpoint and status 'cancelled'; --resume on 2 processes finishes the
@@ -174,20 +196,8 @@ def test_distributed_ppo_cancel_stops_every_rank_at_one_step_and_resume_finishes
     args = ["ppo", "--policy", tiny_model_dir, "--reward", "script:count:e", "--prompts", prompts,
             "--batch-size", 8, "--mini-batch-size", 4, "--micro-batch-size", 1, "--max-new-tokens", 8,
             "--device", "cpu", "--lora-r", 4, "--sample-every", 2, "--ptx-coef", 0.1, "--ptx-data", ptx]
-    proc = launch(args + ["--steps", 500], out, wait=False)
-    try:
-        wait_for_step(out, 2, proc)
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
-    finally:
-        stop_group(proc)
-    log = log_of(out)
-    assert proc.returncode != 0, log[-3000:]
-    status = status_of(out)
-    assert status["state"] == "cancelled" and "SIGTERM" in status["error"], status
-    step = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
-    assert status["step"] == step and 2 <= step < 500 and not (out / "policy").exists()
-    assert f"cancelled at step {step} (rank 0 of 2)" in log and f"cancelled at step {step} (rank 1 of 2)" in log
+    step = cancel_after(args + ["--steps", 500], out)
+    assert step < 500
     lines = metric_lines(out)
     assert [m["step"] for m in lines] == list(range(1, step + 1))
     assert all(m["policy/ratio_first"] == pytest.approx(1.0, abs=1e-3) for m in lines)
@@ -276,8 +286,6 @@ def test_distributed_ppo_equals_one_process_and_its_checkpoint_resumes_on_one(tm
     gathered batch) equal the 1-process ones, and so do the weights after two updates. Rank 0
     alone wrote the run directory (the same files as one process, each step logged once); the
     2-process checkpoint resumes on 1 process."""
-    from safetensors.torch import load_file
-
     from pipeline.train_ppo import main as ppo_main
     from tests.test_train_ppo import PROMPTS
 
@@ -292,26 +300,37 @@ def test_distributed_ppo_equals_one_process_and_its_checkpoint_resumes_on_one(tm
     proc = launch(["ppo", *args, "--steps", 2], two)
     assert proc.returncode == 0, log_of(two)[-3000:]
 
-    assert [m["step"] for m in metric_lines(two)] == [1, 2]
+    assert_same_ppo_runs(one, two, ("policy/adapter_model.safetensors", "checkpoint/critic/adapter_model.safetensors",
+                                    "checkpoint/critic/scalar_head.safetensors"))
+
+    assert ppo_main([*map(str, args), "--steps", "3", "--out", str(two), "--resume"]) == 0
+    assert [m["step"] for m in metric_lines(two)] == [1, 2, 3] and status_of(two)["state"] == "done"
+
+
+def assert_same_ppo_runs(one: Path, two: Path, weight_files: tuple) -> None:
+    """A 2-process PPO run (two) against the 1-process one: each step logged once, with the same
+    rollout and update figures (the update's: sums over both ranks' micro-batches), the same
+    saved weights, and the same files (rank 0 alone wrote the run directory)."""
+    from safetensors.torch import load_file
+
+    assert status_of(two)["state"] == "done"
+    assert [m["step"] for m in metric_lines(two)] == [m["step"] for m in metric_lines(one)]
     for m1, m2 in zip(metric_lines(one), metric_lines(two)):
-        for key in ("objective/score", "objective/kl", "gen/length_mean", "val/value_mean", "policy/loss",
-                    "val/loss", "policy/grad_norm", "val/grad_norm", "policy/ratio_first", "policy/approxkl"):
+        for key in ("objective/score", "objective/kl", "gen/length_mean", "gen/eos_rate", "val/value_mean",
+                    "policy/loss", "val/loss", "policy/grad_norm", "val/grad_norm", "policy/ratio_first",
+                    "policy/approxkl"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-3, abs=1e-5), key
-    for name in ("policy/adapter_model.safetensors", "checkpoint/critic/adapter_model.safetensors",
-                 "checkpoint/critic/scalar_head.safetensors"):
+    for name in weight_files:
         w1, w2 = load_file(one / name), load_file(two / name)
         assert w1.keys() == w2.keys()
         for key in w1:
             torch.testing.assert_close(w2[key], w1[key], atol=2e-5, rtol=1e-4)
+
     def files(run):  # event files are named by time and pid: one per run (rank 0 alone writes)
         return sorted("tensorboard/events.*" if p.name.startswith("events.out.tfevents.") else str(p.relative_to(run))
                       for p in run.rglob("*") if p.name != "log.txt")
 
     assert files(two) == files(one) and files(two).count("tensorboard/events.*") == 1
-    assert status_of(two)["state"] == "done"
-
-    assert ppo_main([*map(str, args), "--steps", "3", "--out", str(two), "--resume"]) == 0
-    assert [m["step"] for m in metric_lines(two)] == [1, 2, 3] and status_of(two)["state"] == "done"
 
 
 # --------------------------------------------------------------------------- FSDP (full fine-tuning)
