@@ -213,18 +213,24 @@ def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, pad_id: int,
     """Held-out metrics under eval/: the loss, implicit-reward accuracy, margin, mean rewards and
     log-probs, over batches of 2 x batch_size pairs of similar length; every pair counts once,
     whatever its weight. dist (pipeline/distributed.py): each process takes its share of the pairs;
-    every process gets the totals."""
+    every process gets the totals. Under FSDP a process with fewer batches runs extra ones whose
+    results it drops, so every process runs as many passes of the sharded models."""
     from tqdm.auto import tqdm
 
     mine = dist.shard(sorted(range(len(items)), key=lambda i: items[i].length))
     size = 2 * cfg.batch_size
     sums: dict[str, float] = {"loss": 0.0, "pairs": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
-    for start in tqdm(range(0, len(mine), size), desc="eval pairs", unit="batch", dynamic_ncols=True,
+    batches = [mine[start:start + size] for start in range(0, len(mine), size)]
+    spare = dist.passes(len(batches)) - len(batches)  # FSDP: as many passes as the busiest rank
+    for batch in tqdm(batches + [None] * spare, desc="eval pairs", unit="batch", dynamic_ncols=True,
                       disable=not dist.is_main or not mine):
-        pp = pack_pairs([items[i] for i in mine[start:start + size]], attn_per_linear, pad_id, share_prefix, device)
+        pp = pack_pairs([items[i] for i in batch or [0]], attn_per_linear, pad_id, share_prefix, device)
         with amp():
             logps, ref = sequence_logps(model, pp), reference_logps(reference, pp)
-            sums["loss"] += float(preference_loss(cfg, logps, ref, pp.response_tokens)) * pp.pairs
+            loss = float(preference_loss(cfg, logps, ref, pp.response_tokens))
+        if batch is None:  # a pass run only to match the other ranks' collectives
+            continue
+        sums["loss"] += loss * pp.pairs
         sums["pairs"] += pp.pairs
         for key, value in pair_stats(logps, ref, cfg.beta).items():
             sums[key] += value
@@ -254,18 +260,24 @@ def heldout_kl(model, reference, tokenizer, prompts: list, cfg, device, amp, dis
     sums = {"kl": 0.0, "kl_sq": 0.0, "samples": 0, "tokens": 0, "eos": 0}
     was_training = model.training
     model.eval()  # sampling needs the KV cache, which checkpointed layers in training mode drop
-    for start in tqdm(range(0, len(mine), batch_prompts), desc="KL samples", unit="batch", dynamic_ncols=True,
+    starts = list(range(0, len(mine), batch_prompts))
+    spare = dist.passes(len(starts)) - len(starts)  # FSDP: every rank samples as many batches, in step
+    for start in tqdm(starts + [None] * spare, desc="KL samples", unit="batch", dynamic_ncols=True,
                       disable=not dist.is_main or not mine):
-        ids, prompt_mask = encode_prompts(tokenizer, mine[start:start + batch_prompts], cfg.max_length, device)
-        generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + start + 7_919 * dist.rank)
+        batch = mine[start:start + batch_prompts] if start is not None else distinct[:1]
+        ids, prompt_mask = encode_prompts(tokenizer, batch, cfg.max_length, device)
+        generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + (start or 0) + 7_919 * dist.rank)
         with amp(), merged_lora(model):
             sb = sample(model, ids, prompt_mask, gen, num_samples=cfg.kl_samples, generator=generator,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced=dist.sharded)
         mask = sb.response_mask.float()  # (b, R)
-        pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length, attn_ratio(model))
+        pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length, attn_ratio(model),
+                            share_prefix=not dist.sharded)
         with amp():
             logp = response_logprobs(response_logits(model, pr), pr, 1.0)  # (b, R)
             ref = response_logprobs(response_logits(reference, pr, reference=True), pr, 1.0)
+        if start is None:  # samples drawn only to match the other ranks' collectives
+            continue
         kl = ((logp - ref) * mask).sum(1)  # (b,) nats per response
         sums["kl"] += float(kl.sum())
         sums["kl_sq"] += float((kl ** 2).sum())

@@ -42,7 +42,11 @@ tokens of log pi - log ref (an unbiased estimate of KL(pi || ref)), with its sta
 
 Ctrl-C or SIGTERM (the job runner's cancel) finishes the current step, saves a checkpoint, and
 marks the run 'cancelled' (exit code 130); --resume continues it with its own settings.
-Under a launcher of N processes each rank takes its share of every batch (DDP); FSDP is refused.
+Under a launcher of N processes each rank takes its share of every batch (DDP). With FSDP
+(configs/accelerate/fsdp.yaml, --lora false) the policy and its reference copy are sharded (as in
+PPO: pipeline/ppo_state.py), every rank runs the same forward passes (a rank with no pair in a
+micro-batch, or fewer held-out batches, runs one whose result it drops; no shared-prefix pass), and
+checkpoints gather the whole weights on rank 0.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.config import DPOConfig, ModelConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import setup
+from pipeline.distributed import clip_grad_norm, load_optimizer_state, setup
 from pipeline.dpo_data import (
     PAIR_STATS, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps, sequence_logps,
     train_eval_pairs,
@@ -67,14 +71,14 @@ from pipeline.dpo_data import (
 from pipeline.hashing import snapshot_sha256
 from pipeline.models import autocast, checkpointing, pick_dtype
 from pipeline.policy import make_reference
-from pipeline.ppo_state import load_policy_weights, load_starting_policy, trainable
+from pipeline.ppo_state import load_policy_weights, load_starting_policy, save_whole_policy, trainable
 from pipeline.reward_data import encode_pairs, length_grouped_batches, read_pairs
 from pipeline.rollout import attn_ratio
 from pipeline.rundir import (
     StopFlag, append_metrics, is_writer, open_tracker, read_status, truncate_metrics, write_json, write_status,
 )
 from pipeline.tracking import add_report_to
-from pipeline.saving import recover_folder, save_policy
+from pipeline.saving import recover_folder
 
 LOSSES = ("sigmoid", "ipo")
 
@@ -103,9 +107,9 @@ def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, polic
     out_dir = Path(out)
     check_config(cfg)
     dist = setup(model_cfg.device)
-    if dist.sharded:
-        raise ValueError("train-dpo with FSDP is not supported: the reference pass and the shared prefix would run "
-                         "different forward passes per rank; use configs/accelerate/ddp.yaml with LoRA")
+    if dist.sharded and model_cfg.lora and not resume:
+        raise ValueError("train-dpo with FSDP shards full fine-tuning (--lora false); with LoRA the trained and "
+                         "communicated part is small: use configs/accelerate/ddp.yaml (docs/scaling.md)")
     # 0. Run directory: never write over another run's results without --resume (a folder with only
     #    a log or a failed start is reused: job runners create it before launching us).
     results = [n for n in ("checkpoint", "trainer_state.pt", "policy", "eval_report.json") if (out_dir / n).exists()]
@@ -163,7 +167,9 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
     pad_id, ratio = tokenizer.pad_token_id, attn_ratio(model)
     model.train(checkpointing(model))  # no dropout (TRL's disable_dropout), but checkpointing acts in train mode
-    share_prefix = not checkpointing(model)  # checkpointed layers drop the KV cache a shared prefix needs
+    # checkpointed layers drop the KV cache a shared prefix needs; under FSDP a prefix pass would run on
+    # some ranks only, and a prefix's keys and values reused by a batch fail FSDP2's backward
+    share_prefix = not checkpointing(model) and not dist.sharded
     amp = lambda: autocast(device, dtype)  # noqa: E731
     # Pair weights over the training pairs' mean, as train-reward's: mean(w * loss) keeps the plain
     # loss's scale and each batch its pairs' share of the data's weight; no column, or one weight
@@ -184,25 +190,28 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps > 0:
         total = min(total, cfg.max_steps)
+    if reference.frozen is not None:  # full fine-tuning: a copy as large as the policy, sharded alike
+        dist.shard_frozen(reference.frozen)
     wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
     params = trainable(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
     step = 0
     if resume:
-        state = torch.load(out_dir / "trainer_state.pt", map_location=device, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        # memory-mapped: the processes of one machine share its pages (pipeline/ppo_state.py, load_checkpoint)
+        state = torch.load(out_dir / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
+        load_optimizer_state(model, optimizer, state["optimizer"])  # saved sharded or not, either way
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
         truncate_metrics(out_dir, step)  # steps logged after the last save are trained again
 
-    def save() -> None:
-        if not dist.is_main:  # every rank holds the same weights
+    def save() -> None:  # every rank calls it (sharded weights are gathered), rank 0 writes
+        save_whole_policy(model, tokenizer, out_dir / "checkpoint", dist)
+        opt_state = dist.optimizer_state(model, optimizer)
+        if not dist.is_main:
             return
-        save_policy(model, tokenizer, out_dir / "checkpoint")
         tmp = out_dir / ".trainer_state.pt.tmp"
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "total": total}, tmp)
+        torch.save({"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "total": total}, tmp)
         os.replace(tmp, out_dir / "trainer_state.pt")
 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
@@ -244,8 +253,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
                     for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
                         sums[key] += value
                 sums = dist.reduce_sum(sums)  # the whole step's sums, on every rank
-                clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+                grad_norm = clip_grad_norm(params, cfg.max_grad_norm)  # sharded: one all-reduce
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -294,8 +302,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
                        "data": str(data), "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()),
                        "steps": step}
     save()
-    if dist.is_main:
-        save_policy(model, tokenizer, out_dir / "policy")
+    save_whole_policy(model, tokenizer, out_dir / "policy", dist)
     dist.barrier()
     full = {
         **report, "train/pairs": len(train_items), "train/weighted": weighted,
