@@ -119,7 +119,9 @@ def memory_rows(archs: dict, tokens: int = 4096) -> list[dict]:
     policy + reference (LoRA: the adapter disabled, no memory; full: a frozen fp32 copy, as
     pipeline/policy.py deep-copies the fp32 master) + reward model (bf16, frozen) + critic (a
     trained model of the same size). Activations for `tokens` tokens per micro-batch, plus the
-    (tokens, V) bf16 logits. FSDP over N: the weight and optimiser terms divided by N (ZeRO-3)."""
+    (tokens, V) bf16 logits. FSDP over N: the weight and optimiser terms divided by N (ZeRO-3),
+    except `whole_gb`, kept whole on every process: PPO's reward model under FSDP (frozen, not
+    sharded: pipeline/ppo_state.py)."""
     rows = []
     for name, c in archs.items():
         P, Pl = param_counts(c)
@@ -129,15 +131,18 @@ def memory_rows(archs: dict, tokens: int = 4096) -> list[dict]:
             ("ppo", "lora"): 3 * 2 * P + 2 * 16 * Pl,  # policy base, reward, critic base (+ adapters)
             ("ppo", "full"): 16 * P + 4 * P + 2 * P + 16 * P,  # policy, reference, reward, critic
         }
+        whole = {("ppo", "full"): 2 * P}  # the reward model, not sharded under FSDP
         for (stage, mode), weights in states.items():
             rows.append({"model": name, "params": P, "lora_params": Pl, "stage": stage, "mode": mode,
-                         "weights_gb": weights / GB, "act_gb": act[False] / GB, "act_gc_gb": act[True] / GB})
+                         "weights_gb": weights / GB, "whole_gb": whole.get((stage, mode), 0) / GB,
+                         "act_gb": act[False] / GB, "act_gc_gb": act[True] / GB})
     return rows
 
 
-def fits(weights_gb: float, act_gb: float, card_gb: float, shards: int = 1) -> bool:
-    """With 10% of the card left for the CUDA context, allocator slack and sampling's KV cache."""
-    return weights_gb / shards + act_gb <= 0.9 * card_gb
+def fits(weights_gb: float, act_gb: float, card_gb: float, shards: int = 1, whole_gb: float = 0.0) -> bool:
+    """With 10% of the card left for the CUDA context, allocator slack and sampling's KV cache;
+    `whole_gb` of the weights is not sharded (held by every process)."""
+    return (weights_gb - whole_gb) / shards + whole_gb + act_gb <= 0.9 * card_gb
 
 
 def memory_table(tokens: int = 4096) -> str:
@@ -150,7 +155,8 @@ def memory_table(tokens: int = 4096) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in memory_rows(archs, tokens):
         one = " / ".join("yes" if fits(r["weights_gb"], r["act_gc_gb"], g) else "no" for g in (24, 80, 141))
-        eight = " / ".join("yes" if fits(r["weights_gb"], r["act_gc_gb"], g, 8) else "no" for g in (24, 80, 141))
+        eight = " / ".join("yes" if fits(r["weights_gb"], r["act_gc_gb"], g, 8, r["whole_gb"]) else "no"
+                           for g in (24, 80, 141))
         lines.append(f"| {r['model']} | {r['params'] / 1e9:.3g}B | {r['lora_params'] / 1e6:.3g}M | {r['stage']} | "
                      f"{r['mode']} | {r['weights_gb']:.1f} | {r['act_gb']:.1f} | {r['act_gc_gb']:.1f} | {one} | "
                      f"{eight} |")
