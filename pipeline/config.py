@@ -135,10 +135,12 @@ class PPOConfig:
     """Episodes per forward/backward (gradient accumulation inside a minibatch)."""
     ppo_epochs: int = 2
     """Passes over each rollout."""
-    lr: float = 1e-5
-    """Policy learning rate."""
-    critic_lr: float = 1e-5
-    """Critic learning rate."""
+    lr: float = 3e-4
+    """Policy learning rate. For LoRA (the default); full fine-tuning wants ~1e-5 (`default_ppo_lr`).
+    At 1e-5 a LoRA round of 20 steps moved SmolLM2-135M by KL 0.006 nats: LoRA needs a far larger
+    lr than full fine-tuning (docs/results/round_defaults.md)."""
+    critic_lr: float = 1e-4
+    """Critic learning rate. For LoRA (the default); full fine-tuning wants ~1e-5 (`default_ppo_lr`)."""
     lr_decay: bool = True
     """Linear learning-rate decay to zero over `steps`."""
     max_new_tokens: int = 48
@@ -199,6 +201,34 @@ class PPOConfig:
     """Longest prompt in tokens (after the chat template); longer ones keep their last tokens."""
     ptx_max_length: int = 256
     """Longest PPO-ptx text in tokens."""
+
+
+PPO_FULL_FT_LR = 1e-5
+"""Policy and critic learning rate for full fine-tuning (TRL's PPO default is 3e-6 to 1e-5)."""
+
+
+def default_ppo_lr(lora: bool, *, critic: bool = False) -> float:
+    """The default PPO learning rate of the policy (or the critic) for LoRA or full fine-tuning.
+
+    A LoRA adapter starts at zero and trains a few million weights, so it needs a learning rate
+    one to two orders above full fine-tuning's (TRL and OpenRLHF LoRA examples use 1e-4..1e-3);
+    full fine-tuning at a LoRA rate breaks the model. The form shows it (annotate/ui_train.py) and
+    `resolve_ppo_lr` applies it where LoRA is switched off without an lr of its own."""
+    if not lora:
+        return PPO_FULL_FT_LR
+    field = "critic_lr" if critic else "lr"
+    return next(f.default for f in dataclasses.fields(PPOConfig) if f.name == field)
+
+
+def resolve_ppo_lr(ppo: "PPOConfig", model: "ModelConfig") -> "PPOConfig":
+    """`ppo` with full fine-tuning's learning rates where the model is not LoRA and an lr still holds
+    the LoRA default (read as: not chosen). Any other value is the user's and is kept. A PPO entry
+    point calls this once, after parsing, before the configuration is used."""
+    if model.lora:
+        return ppo
+    changes = {name: default_ppo_lr(False, critic=name == "critic_lr") for name in ("lr", "critic_lr")
+               if getattr(ppo, name) == default_ppo_lr(True, critic=name == "critic_lr")}
+    return dataclasses.replace(ppo, **changes)
 
 
 @dataclass
@@ -334,6 +364,8 @@ __all__ = [
     "PPOConfig",
     "LoopConfig",
     "DPOConfig",
+    "default_ppo_lr",
+    "resolve_ppo_lr",
     "add_arguments",
     "from_args",
     "to_dict",
