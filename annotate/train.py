@@ -25,7 +25,8 @@ import gradio as gr
 
 from annotate import monitor
 from annotate.context import AppContext, admin
-from pipeline.orchestrate import loop
+from pipeline.config import default_ppo_lr, resolve_ppo_lr
+from pipeline.orchestrate import estimate, loop
 from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, ensure_base_policy, latest_reward, submit_ppo,
                                         submit_reward)
 
@@ -43,7 +44,9 @@ def settings_of(ctx: AppContext) -> LoopSettings:
         settings, d = LoopSettings(), ctx.generate_defaults
         settings.generate.k = int(d.get("k", settings.generate.k))
         settings.generate.max_new_tokens = int(d.get("max_new_tokens", settings.generate.max_new_tokens))
-    return copy.deepcopy(settings)
+    settings = copy.deepcopy(settings)
+    settings.ppo = resolve_ppo_lr(settings.ppo, settings.model)  # LoRA off: full fine-tuning's LRs
+    return settings
 
 
 def _jobs(ctx: AppContext):
@@ -122,6 +125,63 @@ def round_settings(settings: LoopSettings, prompts_per_round, k, strategy) -> Lo
     return settings
 
 
+def full_round_settings(settings: LoopSettings, lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps,
+                        kl_control, beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss, dpo_beta, dpo_epochs,
+                        dpo_lr, prompts_per_round, k, strategy) -> LoopSettings:
+    """Every form of the tab on top of the app's settings: what "Run a full round" trains with."""
+    settings = reward_settings(settings, lora, processes, epochs, rm_lr, rm_batch)
+    settings = ppo_settings(settings, lora, processes, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
+                            critic_lr)
+    settings = dpo_settings(settings, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr)
+    return round_settings(settings, prompts_per_round, k, strategy)
+
+
+# ------------------------------------------------------------------------- defaults and the round's duration
+
+
+def measured_defaults_note() -> str:
+    """What the default round did when measured (pipeline/orchestrate/estimate.py MEASURED_ROUND,
+    from docs/results/round_defaults.md): shown next to the PPO settings."""
+    m = estimate.MEASURED_ROUND
+    return (f"Default round measured on SmolLM2-135M (one thread of a 2-core CPU, LoRA, policy LR {m['lr']:g}): KL "
+            f"{m['kl_final']:.1f} of target {m['kl_target']:g} nats in {m['steps']} steps of {m['batch']} episodes "
+            f"(β {m['beta_final']:.3g} at the end), about {m['minutes']:.0f} min for the PPO step. "
+            "LoRA needs a far larger learning rate than full fine-tuning: switching LoRA off sets the LRs "
+            f"to {default_ppo_lr(False):g}.")
+
+
+def lora_lrs(ctx: AppContext, lora: bool, lr, critic_lr, request: gr.Request):
+    """The LoRA checkbox changed: the PPO learning rates follow it (LoRA's defaults or full
+    fine-tuning's, pipeline/config.py default_ppo_lr) where they still hold the other mode's
+    default; a value the admin typed is kept. Returns (policy LR, critic LR) updates."""
+    admin(ctx, request)
+    out = []
+    for value, critic in ((lr, False), (critic_lr, True)):
+        other = default_ppo_lr(not lora, critic=critic)
+        try:
+            untouched = math.isclose(float(value), other)
+        except (TypeError, ValueError):
+            untouched = False
+        out.append(gr.update(value=default_ppo_lr(bool(lora), critic=critic)) if untouched else gr.update())
+    return tuple(out)
+
+
+def round_duration(ctx: AppContext, lora: bool, processes, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control,
+                   beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr,
+                   prompts_per_round, k, strategy, request: gr.Request) -> str:
+    """The expected duration of "Run a full round" with the tab's current settings (the same form
+    values as run_full_round) on this machine: pipeline/orchestrate/estimate.py, from this store's
+    finished runs, else the 2-core reference measurement."""
+    admin(ctx, request)
+    try:
+        settings = full_round_settings(settings_of(ctx), lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps,
+                                       kl_control, beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss,
+                                       dpo_beta, dpo_epochs, dpo_lr, prompts_per_round, k, strategy)
+    except gr.Error as exc:  # a field being typed: say what is wrong instead of a popup
+        return f"**Expected round duration:** fix the settings first ({exc.message})"
+    return estimate.round_estimate(ctx.store, settings).markdown()
+
+
 # ------------------------------------------------------------------------- starting jobs
 
 
@@ -179,11 +239,9 @@ def run_full_round(ctx: AppContext, lora: bool, processes, epochs, rm_lr, rm_bat
     row, confirmation text)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = reward_settings(settings_of(ctx), lora, processes, epochs, rm_lr, rm_batch)
-    settings = ppo_settings(settings, lora, processes, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
-                            critic_lr)
-    settings = dpo_settings(settings, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr)
-    settings = round_settings(settings, prompts_per_round, k, strategy)
+    settings = full_round_settings(settings_of(ctx), lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps,
+                                   kl_control, beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss, dpo_beta,
+                                   dpo_epochs, dpo_lr, prompts_per_round, k, strategy)
     _no_round_in_flight(ctx)
     rnd = loop.current_round(ctx.store)
     try:

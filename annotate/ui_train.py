@@ -55,6 +55,7 @@ def train_tab(ctx: AppContext) -> dict:
             with gr.Row():
                 ppo_lr = gr.Number(value=s.ppo.lr, label="Policy LR")
                 critic_lr = gr.Number(value=s.ppo.critic_lr, label="Critic LR")
+            gr.Markdown(t.measured_defaults_note(), elem_id="rl-ppo-defaults")
             activate = gr.Checkbox(value=True, label="Make the new policy active when done")
             ppo_btn = gr.Button("Run PPO", variant="primary", elem_id="rl-run-ppo", interactive=enabled)
         with gr.Column(variant="panel"):
@@ -76,6 +77,7 @@ def train_tab(ctx: AppContext) -> dict:
             k = gr.Slider(2, 8, value=s.generate.k, step=1, label="K responses per prompt")
             strategy = gr.Radio(["random", "uncertain"], value=s.loop.strategy, label="Prompt selection",
                                 info="uncertain: the prompts the reward model separates least")
+            round_eta = gr.Markdown(elem_id="rl-round-eta")
             round_btn = gr.Button("Run a full round", variant="primary", elem_id="rl-run-round", interactive=enabled)
             # Gradio has no modal: the confirmation is a hidden group the handler's update shows
             with gr.Column(visible=False, variant="panel", elem_id="rl-round-confirm") as confirm_row:
@@ -125,6 +127,11 @@ def train_tab(ctx: AppContext) -> dict:
     confirm_btn.click(bind(t.run_full_round, ctx), [*round_in, gr.State(True)], round_out,
                       api_name="run_round_confirmed", **HIDDEN).success(**poll)
     keep_btn.click(bind(t.keep_round_open, ctx), None, [msg, confirm_row], **QUIET)
+    # LoRA on/off swaps the PPO learning rates between the two modes' defaults; any setting of a
+    # round re-estimates its duration (and so does opening the tab: finished jobs change the figures)
+    lora.input(bind(t.lora_lrs, ctx), [lora, ppo_lr, critic_lr], [ppo_lr, critic_lr], **QUIET)
+    eta = dict(fn=bind(t.round_duration, ctx), inputs=round_in, outputs=[round_eta], **QUIET)
+    gr.on([c.change for c in round_in], **eta)
     next_btn.click(bind(t.start_next_round, ctx), [per_round, k, strategy], started, api_name="next_round",
                    **HIDDEN).success(**poll)
     cancel.click(bind(t.cancel, ctx), [run_pick], [msg], api_name="cancel_run", **HIDDEN).success(**poll)
@@ -132,7 +139,7 @@ def train_tab(ctx: AppContext) -> dict:
     run_pick.input(**poll)
     refresh.click(**poll)
     timer.tick(**poll)
-    return {"load": [(t.poll, poll_in, poll_out)]}
+    return {"load": [(t.poll, poll_in, poll_out), (t.round_duration, round_in, [round_eta])]}
 
 
 def models_tab(ctx: AppContext) -> dict:

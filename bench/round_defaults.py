@@ -111,8 +111,28 @@ def generation(work: Path, n_prompts: int, threads: int) -> dict:
         prompts = write_prompts(work / "generate_prompts.jsonl", n_prompts, skip=1000)
         out = work / f"generate-{time.strftime('%Y%m%d-%H%M%S')}"
         wall = job("generate", ["--prompts", str(prompts), "--out", str(out)], threads, work)
-        timing.write_text(json.dumps({"wall_s": wall, "responses": n_prompts * gen.k,
+        timing.write_text(json.dumps({"wall_s": wall, "responses": n_prompts * gen.k, "out": str(out),
                                       "max_new_tokens": gen.max_new_tokens}), encoding="utf-8")
+    return json.loads(timing.read_text(encoding="utf-8"))
+
+
+def round_reward(work: Path, gen: dict, threads: int) -> dict:
+    """A train-reward job at the app's defaults (RewardConfig) on pairs shaped like a round's: every
+    pair of K responses to each generated prompt (C(K, 2) a prompt), timed once per work folder:
+    seconds per pair, loading, evaluation and normalisation included. The order within a pair is
+    a stand-in (the longer response first): this times the job, it does not judge the responses."""
+    timing = work / "round_reward_timing.json"
+    if not timing.is_file():
+        by_prompt: dict[str, list[str]] = {}
+        for row in read_jsonl(Path(gen["out"]) / "responses.jsonl"):
+            by_prompt.setdefault(row["prompt"], []).append(row["text"])
+        pairs = [{"prompt": prompt, "chosen": max(a, b, key=len), "rejected": min(a, b, key=len)}
+                 for prompt, texts in by_prompt.items() for i, a in enumerate(texts) for b in texts[i + 1:]]
+        data = work / "round_pairs.jsonl"
+        data.write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
+        out = work / f"round-reward-{time.strftime('%Y%m%d-%H%M%S')}"
+        wall = job("train-reward", ["--data", str(data), "--out", str(out), "--report-to", "none"], threads, work)
+        timing.write_text(json.dumps({"wall_s": wall, "pairs": len(pairs)}), encoding="utf-8")
     return json.loads(timing.read_text(encoding="utf-8"))
 
 
@@ -147,6 +167,8 @@ def main() -> None:
     parser.add_argument("--work", default=str(OUT), help="work folder (the reward model is reused from it)")
     parser.add_argument("--budget-min", type=float, default=0,
                         help="cancel PPO after this many minutes and report the steps it ran (0 = run them all)")
+    parser.add_argument("--timings-only", action="store_true",
+                        help="time the reward model and generation jobs, and stop before PPO")
     for f in dataclasses.fields(PPOConfig):
         if f.type in ("int", "float", "str"):
             kind = {"int": int, "float": float, "str": str}[f.type]
@@ -164,6 +186,15 @@ def main() -> None:
     gen = generation(work, args.gen_prompts, args.threads) if args.gen_prompts else None
     if gen:
         print(f"generate: {gen['responses']} responses of <= {gen['max_new_tokens']} tokens in {gen['wall_s']:.0f} s")
+    round_rm = round_reward(work, gen, args.threads) if gen else None
+    if round_rm:
+        print(f"train-reward at the app's defaults: {round_rm['pairs']} round-shaped pairs in {round_rm['wall_s']:.0f} s")
+    if args.timings_only:
+        if gen and round_rm:
+            print(f"RESULT timings s_per_response={gen['wall_s'] / gen['responses']:.4g} "
+                  f"max_new_tokens={gen['max_new_tokens']} s_per_pair={round_rm['wall_s'] / round_rm['pairs']:.4g} "
+                  f"pairs={round_rm['pairs']} threads={args.threads} load={os.getloadavg()[1]:.3g}")
+        return
     rows, wall, cfg = ppo(work, rm["path"], overrides, lora, args.threads, args.budget_min * 60)
     if not rows:
         raise SystemExit("PPO ran no step within the budget: nothing to report")
@@ -184,7 +215,7 @@ def main() -> None:
               # per step of the whole job (loading and saving in it), as the Train tab's estimate counts
               "s_per_step": wall / len(rows), "ppo_wall_s": wall,
               "s_per_response": gen["wall_s"] / gen["responses"] if gen else None,
-              "s_per_pair": rm["wall_s"] / rm["pairs"], "threads": args.threads,
+              "s_per_pair": round_rm["wall_s"] / round_rm["pairs"] if round_rm else None, "threads": args.threads,
               "load": os.getloadavg()[1]}  # other work on the machine slows every figure: say how much
     (work / f"result-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(
         {**result, "rows": rows, "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine()},
