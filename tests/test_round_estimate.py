@@ -176,6 +176,7 @@ def test_full_fine_tuning_keeps_its_own_learning_rate():
     assert resolve_ppo_lr(PPOConfig(), ModelConfig(lora=True)) == PPOConfig()
 
 
-def test_a_bad_form_value_is_no_popup(ctx):
-    with pytest.raises(gr.Error):  # starting a round still refuses it
+def test_the_form_that_starts_a_round_still_refuses_a_bad_value():
+    """The estimate turns a bad field into a line of text; starting the round refuses it by name."""
+    with pytest.raises(gr.Error, match="Steps"):
         train.full_round_settings(LoopSettings(), **{**FORM, "steps": 0})
