@@ -6,7 +6,9 @@
   out; the 2-core reference before any run; a DPO round with no DPO run says it cannot tell;
 - the Train tab: the estimate handler (and its refusal of annotators, and a bad field), LoRA on/off
   swapping the PPO learning rates, the measured note matching docs/results/round_defaults.md;
-- the LoRA-aware learning-rate rule of pipeline/config.py.
+- the LoRA-aware learning-rate rule of pipeline/config.py;
+- in headless Chromium: opening the Train tab shows the estimate, a setting changes it, and
+  switching LoRA off sets the policy LR to full fine-tuning's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from annotate.context import AppContext, Refused
 from pipeline.config import ModelConfig, PPOConfig, default_ppo_lr, resolve_ppo_lr, to_dict
 from pipeline.orchestrate import estimate
 from pipeline.orchestrate.steps import LoopSettings
+from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
 from tests.helpers import req
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,3 +183,25 @@ def test_the_form_that_starts_a_round_still_refuses_a_bad_value():
     """The estimate turns a bad field into a line of text; starting the round refuses it by name."""
     with pytest.raises(gr.Error, match="Steps"):
         train.full_round_settings(LoopSettings(), **{**FORM, "steps": 0})
+
+
+# --------------------------------------------------------------------------- in the browser
+
+
+@pytest.mark.browser
+def test_the_train_tab_shows_the_estimate_and_swaps_the_lrs_in_the_browser(store, browser):
+    """Opening the Train tab fills the estimate; a setting changes it; LoRA off sets the LRs to 1e-5."""
+    store.add_annotator("boss", "boss-password", role="admin")
+    with serve(AppContext(store=store, auth=True)) as url:
+        page = login(browser, url, "boss", "boss-password")
+        page.get_by_role("tab", name="Train").click()
+        page.wait_for_selector("#rl-round-eta :text('Expected round duration: about 40 min')", timeout=20_000)
+        assert "KL 7.2 of target 6 nats in 20 steps" in page.locator("#rl-ppo-defaults").inner_text()
+        steps = page.get_by_label("Steps", exact=True)
+        steps.fill("2")
+        steps.press("Enter")
+        page.wait_for_selector("#rl-round-eta :text('PPO 2 steps 2 min')", timeout=20_000)
+        page.get_by_label("LoRA adapters", exact=False).uncheck()
+        policy_lr = page.get_by_label("Policy LR", exact=True)
+        page.wait_for_function("el => Number(el.value) === 1e-5", arg=policy_lr.element_handle(), timeout=20_000)
+        page.close()
