@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args
+from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, resolve_ppo_lr
 from pipeline.distributed import clip_grad_norm, setup
 from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
@@ -377,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg, model_cfg = from_args(PPOConfig, args), from_args(ModelConfig, args)
+    model_cfg = from_args(ModelConfig, args)
+    cfg = resolve_ppo_lr(from_args(PPOConfig, args), model_cfg)  # --lora false: full fine-tuning's lr
     open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
     try:
         metrics = train(cfg, model_cfg, prompts=args.prompts, reward=args.reward, out_dir=args.out,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import ModelConfig, PPOConfig
+from pipeline.config import ModelConfig, PPOConfig, default_ppo_lr
 from pipeline.models import load_scalar_model
 from pipeline.saving import save_scalar_model
 from pipeline.policy import causal_lm_logits, load_policy, make_reference
@@ -338,6 +338,7 @@ def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, pro
     assert main(argv) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["critic_init"] == str(rm_dir)  # the critic starts from the reward model
+    assert config["ppo"]["lr"] == default_ppo_lr(True)  # LoRA (the default) keeps the LoRA rate
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -351,6 +352,17 @@ def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, pro
     meta = json.loads((out / "policy" / "model_meta.json").read_text())
     assert meta["reward_model"] == str(Path(rm_dir).resolve())
     assert {"policy", "critic", "trainer_state.pt"} <= set(os.listdir(out / "checkpoint"))
+
+
+def test_cli_full_fine_tuning_takes_its_own_learning_rates_unless_given(tmp_path, prompts_file, tiny_model_dir):
+    common = ["--policy", str(tiny_model_dir), "--reward", "script:count:e", "--prompts", str(prompts_file),
+              "--steps", "1", "--batch-size", "4", "--mini-batch-size", "4", "--micro-batch-size", "4",
+              "--max-new-tokens", "4", "--device", "cpu", "--lora", "false", "--report-to", "none"]
+    assert main(common + ["--out", str(tmp_path / "default")]) == 0
+    ppo = json.loads((tmp_path / "default" / "config.json").read_text())["ppo"]
+    assert (ppo["lr"], ppo["critic_lr"]) == (default_ppo_lr(False), default_ppo_lr(False, critic=True))
+    assert main(common + ["--out", str(tmp_path / "given"), "--lr", "2e-5"]) == 0
+    assert json.loads((tmp_path / "given" / "config.json").read_text())["ppo"]["lr"] == 2e-5
 
 
 def test_cli_rejects_bad_input_with_clear_errors(tmp_path, prompts_file, tiny_model_dir, capsys):
