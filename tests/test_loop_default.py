@@ -6,16 +6,16 @@ then `python -m pipeline loop --rounds 2 --judge embedding` runs generation, sim
 subprocess job. Sizes are cut so that the whole run takes a few minutes on two CPU cores; the test
 prints the wall time and each round's metrics (run it with `-s` to see them).
 
-What the run must achieve, with the values one run measured (seed 0, CPU, 2 threads):
-- each reward model fits its training pairs: second-epoch mean batch accuracy 0.85 and 0.81
-  (asserted >= 0.7), second-epoch mean loss 0.41 and 0.40, down from 0.71 and 0.65 in the first
+What the run must achieve, with the values one run measured (seed 0, CPU, 2 threads, 182 s):
+- each reward model fits its training pairs: second-epoch mean batch accuracy 0.83 and 0.94
+  (asserted >= 0.7), second-epoch mean loss 0.32 and 0.31, down from 0.65 and 0.59 in the first
   (asserted below the first epoch's and below 0.6; chance is ln 2 = 0.69);
-- round 2's reward model (all 36 training pairs so far) ranks 10 of its 12 held-out pairs right
+- round 2's reward model (all 36 training pairs so far) ranks 9 of its 12 held-out pairs right
   (asserted >= 7 of 12, i.e. above chance), with a positive mean margin;
-- PPO starts from the reference (the first rollout's KL, k3 estimator, 4e-10, asserted < 1e-5),
+- PPO starts from the reference (the first rollout's KL, k3 estimator, 3e-10, asserted < 1e-5),
   round 2 starts from round 1's policy, which has moved off the reference (its first rollout's KL
-  0.011, asserted > 1e-5), and no step drifts far (KL by step 4e-10, 0.0010 in round 1 and 0.011,
-  0.0029 in round 2, asserted < 1 nat); the new policies' LoRA weights differ from their parents'.
+  0.0097, asserted > 1e-5), and no step drifts far (KL by step 3e-10, 0.0009 in round 1 and 0.0097,
+  0.0023 in round 2, asserted < 1 nat); the new policies' LoRA weights differ from their parents'.
 The k3 estimator ((r - 1) - log r, never negative) makes "KL > 0" a property of the policy, not of
 four sampled sequences: the k1 estimate of a policy this close to the reference is often negative.
 """
@@ -48,6 +48,9 @@ LOOP_ARGS = [
     "--ppo-prompts", "16", "--ppo-steps", "2", "--ppo-batch-size", "4", "--ppo-mini-batch-size", "2",
     "--ppo-micro-batch-size", "2", "--ppo-max-new-tokens", "24", "--ppo-sample-every", "1",
     "--ppo-kl-estimator", "k3",
+    # a small learning rate keeps two short PPO runs near the reference, which the KL bounds below
+    # check; the default (LoRA) rate's KL over a full round is measured by bench/round_defaults.py
+    "--ppo-lr", "1e-5", "--ppo-critic-lr", "1e-5",
 ]
 
 
@@ -145,7 +148,7 @@ def test_two_headless_rounds_on_the_default_model(tmp_path, default_model_path):
                 f"{_first(store, ppo_run, 'objective/score'):+.3f} -> {_last(store, ppo_run, 'objective/score'):+.3f}, "
                 f"KL by step {', '.join(f'{k:.3g}' for k in kls)}, beta {_last(store, ppo_run, 'kl/beta'):.3f}")
         # round 2's reward model (trained on 36 of the 48 pairs so far) ranks held-out pairs above
-        # chance: 4 of the 16 prompts held out, 3 pairs each
+        # chance: 4 of the 16 prompts held out (each by its own hash: store/export.py), 3 pairs each
         rm2 = store.get_model_version(rounds[1].reward_version_id).run_id
         held_pairs, held_acc = _last(store, rm2, "eval/pairs"), _last(store, rm2, "eval/accuracy")
         assert held_pairs == 12 and round(held_acc * held_pairs) >= 7, (held_pairs, held_acc)
