@@ -25,7 +25,7 @@ import gradio as gr
 
 from annotate import monitor
 from annotate.context import AppContext, admin
-from pipeline.config import default_ppo_lr, resolve_ppo_lr
+from pipeline.config import default_ppo_lr, with_ppo_lrs
 from pipeline.orchestrate import estimate, loop
 from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, ensure_base_policy, latest_reward, submit_ppo,
                                         submit_reward)
@@ -45,7 +45,7 @@ def settings_of(ctx: AppContext) -> LoopSettings:
         settings.generate.k = int(d.get("k", settings.generate.k))
         settings.generate.max_new_tokens = int(d.get("max_new_tokens", settings.generate.max_new_tokens))
     settings = copy.deepcopy(settings)
-    settings.ppo = resolve_ppo_lr(settings.ppo, settings.model)  # LoRA off: full fine-tuning's LRs
+    settings.ppo = with_ppo_lrs(settings.ppo, settings.model.lora)  # the form shows the rates a job gets
     return settings
 
 

@@ -135,12 +135,12 @@ class PPOConfig:
     """Episodes per forward/backward (gradient accumulation inside a minibatch)."""
     ppo_epochs: int = 2
     """Passes over each rollout."""
-    lr: float = 3e-4
-    """Policy learning rate. For LoRA (the default); full fine-tuning wants ~1e-5 (`default_ppo_lr`).
-    At 1e-5 a LoRA round of 20 steps moved SmolLM2-135M by KL 0.006 nats: LoRA needs a far larger
-    lr than full fine-tuning (docs/results/round_defaults.md)."""
-    critic_lr: float = 1e-4
-    """Critic learning rate. For LoRA (the default); full fine-tuning wants ~1e-5 (`default_ppo_lr`)."""
+    lr: float = 0.0
+    """Policy learning rate; 0 = the default for how the policy trains (`default_ppo_lr`): 3e-4 with
+    LoRA, 1e-5 full fine-tuning. At 1e-5 a LoRA round of 20 steps moved SmolLM2-135M by KL 0.006
+    nats: LoRA needs a far larger lr than full fine-tuning (docs/results/round_defaults.md)."""
+    critic_lr: float = 0.0
+    """Critic learning rate; 0 = the default for how the critic trains (1e-4 LoRA, 1e-5 full)."""
     lr_decay: bool = True
     """Linear learning-rate decay to zero over `steps`."""
     max_new_tokens: int = 48
@@ -203,6 +203,8 @@ class PPOConfig:
     """Longest PPO-ptx text in tokens."""
 
 
+PPO_LORA_LR, PPO_LORA_CRITIC_LR = 3e-4, 1e-4
+"""Policy and critic learning rates with LoRA (TRL's and OpenRLHF's LoRA examples: 1e-4..1e-3)."""
 PPO_FULL_FT_LR = 1e-5
 """Policy and critic learning rate for full fine-tuning (TRL's PPO default is 3e-6 to 1e-5)."""
 
@@ -211,24 +213,19 @@ def default_ppo_lr(lora: bool, *, critic: bool = False) -> float:
     """The default PPO learning rate of the policy (or the critic) for LoRA or full fine-tuning.
 
     A LoRA adapter starts at zero and trains a few million weights, so it needs a learning rate
-    one to two orders above full fine-tuning's (TRL and OpenRLHF LoRA examples use 1e-4..1e-3);
-    full fine-tuning at a LoRA rate breaks the model. The form shows it (annotate/ui_train.py) and
-    `resolve_ppo_lr` applies it where LoRA is switched off without an lr of its own."""
+    one to two orders above full fine-tuning's; full fine-tuning at a LoRA rate breaks the model."""
     if not lora:
         return PPO_FULL_FT_LR
-    field = "critic_lr" if critic else "lr"
-    return next(f.default for f in dataclasses.fields(PPOConfig) if f.name == field)
+    return PPO_LORA_CRITIC_LR if critic else PPO_LORA_LR
 
 
-def resolve_ppo_lr(ppo: "PPOConfig", model: "ModelConfig") -> "PPOConfig":
-    """`ppo` with full fine-tuning's learning rates where the model is not LoRA and an lr still holds
-    the LoRA default (read as: not chosen). Any other value is the user's and is kept. A PPO entry
-    point calls this once, after parsing, before the configuration is used."""
-    if model.lora:
-        return ppo
-    changes = {name: default_ppo_lr(False, critic=name == "critic_lr") for name in ("lr", "critic_lr")
-               if getattr(ppo, name) == default_ppo_lr(True, critic=name == "critic_lr")}
-    return dataclasses.replace(ppo, **changes)
+def with_ppo_lrs(ppo: "PPOConfig", policy_lora: bool, critic_lora: bool | None = None) -> "PPOConfig":
+    """`ppo` with each learning rate left at 0 (the default) set to `default_ppo_lr` for how that
+    model trains; a rate the user gave is kept. The critic's mode is its own (it starts from the
+    reward model, which may be LoRA or not); None = the policy's."""
+    critic_lora = policy_lora if critic_lora is None else critic_lora
+    return dataclasses.replace(ppo, lr=ppo.lr or default_ppo_lr(policy_lora),
+                               critic_lr=ppo.critic_lr or default_ppo_lr(critic_lora, critic=True))
 
 
 @dataclass
@@ -367,7 +364,7 @@ __all__ = [
     "LoopConfig",
     "DPOConfig",
     "default_ppo_lr",
-    "resolve_ppo_lr",
+    "with_ppo_lrs",
     "add_arguments",
     "from_args",
     "to_dict",

@@ -32,11 +32,11 @@ from typing import Callable
 
 import torch
 
-from pipeline.config import ModelConfig, PPOConfig, to_dict
+from pipeline.config import ModelConfig, PPOConfig, to_dict, with_ppo_lrs
 from pipeline.distributed import Dist, full_state_dict, load_optimizer_state
 from pipeline.kl import make_kl_controller
 from pipeline.models import (
-    autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta,
+    META_FILE, autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta,
 )
 from pipeline.saving import save_policy, save_scalar_model
 from pipeline.policy import load_policy, make_reference
@@ -106,8 +106,12 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     score_fn, rm = make_reward(reward, tokenizer, model_cfg, cfg.forward_batch_size, amp)
     critic_src = str(ckpt / "critic") if resuming else (
         critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
+    if dist.sharded and (Path(critic_src) / META_FILE).is_file() and read_meta(critic_src).get("lora"):
+        raise ValueError(f"under FSDP the critic is fully trained and sharded, but it would start from {critic_src}, "
+                         "a LoRA model: pass --critic-init with the base model or a fully trained reward model")
     critic, _ = load_scalar_model(critic_src, kind="critic", cfg=_master_cfg(model_cfg, critic_src, device, dtype))
     critic_w = dist.wrap(critic)
+    cfg = with_ppo_lrs(cfg, model_cfg.lora, is_peft(critic))  # 0 = each model's default rate
     policy_opt = _adamw(trainable(policy_model), cfg.lr)
     critic_opt = _adamw(trainable(critic), cfg.critic_lr)
     # linear decay to 0 over the run (TRL's default schedule); stepped once per PPO iteration

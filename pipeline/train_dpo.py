@@ -107,9 +107,6 @@ def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, polic
     out_dir = Path(out)
     check_config(cfg)
     dist = setup(model_cfg.device)
-    if dist.sharded and model_cfg.lora and not resume:
-        raise ValueError("train-dpo with FSDP shards full fine-tuning (--lora false); with LoRA the trained and "
-                         "communicated part is small: use configs/accelerate/ddp.yaml (docs/scaling.md)")
     # 0. Run directory: never write over another run's results without --resume (a folder with only
     #    a log or a failed start is reused: job runners create it before launching us).
     results = [n for n in ("checkpoint", "trainer_state.pt", "policy", "eval_report.json") if (out_dir / n).exists()]
@@ -128,6 +125,10 @@ def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, polic
                               "continue it, or choose a new folder")
     elif dist.is_main:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if dist.sharded and model_cfg.lora:  # after a resume's own settings replaced the command line's
+        resumed = " (the run being resumed trains LoRA)" if resume else ""
+        raise ValueError(f"train-dpo with FSDP shards full fine-tuning (--lora false){resumed}; with LoRA the "
+                         "trained and communicated part is small: use configs/accelerate/ddp.yaml (docs/scaling.md)")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_status(out_dir, "running", 0, 0, phase="loading")
     progress = {"step": 0, "total": 0}  # kept current by _train, for the failure status
@@ -161,7 +162,9 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
     reference = make_reference(model)
     if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
-        recover_folder(out_dir / "checkpoint")
+        if dist.is_main:  # one rank renames, the others wait (two renaming the same folder would race)
+            recover_folder(out_dir / "checkpoint")
+        dist.barrier()
         load_policy_weights(model, out_dir / "checkpoint")
     train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
     eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)

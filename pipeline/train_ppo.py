@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, resolve_ppo_lr
+from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args
 from pipeline.distributed import clip_grad_norm, setup
 from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
@@ -332,6 +332,8 @@ def check_config(cfg: PPOConfig, world: int = 1) -> None:
     if cfg.micro_batch_size < 1 or cfg.mini_batch_size % cfg.micro_batch_size:
         problems.append(f"--mini-batch-size {cfg.mini_batch_size} must be a multiple of "
                         f"--micro-batch-size {cfg.micro_batch_size}")
+    if cfg.lr < 0 or cfg.critic_lr < 0:
+        problems.append("--lr and --critic-lr must be >= 0 (0 = the default for LoRA or full fine-tuning)")
     if cfg.temperature <= 0:
         problems.append("--temperature must be > 0 (PPO needs sampled responses and their log-probs)")
     if cfg.max_new_tokens < 1 or cfg.forward_batch_size < 1:
@@ -377,8 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    model_cfg = from_args(ModelConfig, args)
-    cfg = resolve_ppo_lr(from_args(PPOConfig, args), model_cfg)  # --lora false: full fine-tuning's lr
+    cfg, model_cfg = from_args(PPOConfig, args), from_args(ModelConfig, args)
     open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
     try:
         metrics = train(cfg, model_cfg, prompts=args.prompts, reward=args.reward, out_dir=args.out,

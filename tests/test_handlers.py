@@ -418,7 +418,7 @@ def test_export_downloads_the_snapshot(ctx, fmt):
     a = ctx.store.find_annotator("ann")
     for s in seeded:
         ctx.store.save_ranking(a.id, s.prompt_id, s.response_ids)
-    paths, summary = admin.export(ctx, fmt, False, True, ["ann"], "", 0.0, 0.25, req("boss"))
+    paths, summary = admin.export(ctx, fmt, False, True, ["ann"], "", 0.0, 0.5, req("boss"))
     (snap,) = ctx.store.list_snapshots()
     assert f"Snapshot #{snap.id}" in summary and snap.counts["pairs"] == 12
     assert snap.filters["annotators"] == ["ann"] and Path(snap.path).parent == ctx.export_dir

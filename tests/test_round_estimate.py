@@ -21,7 +21,7 @@ import pytest
 
 from annotate import train
 from annotate.context import AppContext, Refused
-from pipeline.config import ModelConfig, PPOConfig, default_ppo_lr, resolve_ppo_lr, to_dict
+from pipeline.config import ModelConfig, PPOConfig, default_ppo_lr, to_dict, with_ppo_lrs
 from pipeline.orchestrate import estimate
 from pipeline.orchestrate.steps import LoopSettings
 from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
@@ -155,7 +155,7 @@ def test_the_measured_note_is_the_measurement_file():
     got = dict(re.findall(r"(\w+)=(\S+)", next(x for x in lines if x.startswith("RESULT defaults "))))
     timings = dict(re.findall(r"(\w+)=(\S+)", next(x for x in lines if x.startswith("RESULT timings "))))
     m = estimate.MEASURED_ROUND
-    assert got["lora"] == "true" and float(got["lr"]) == m["lr"] == PPOConfig().lr
+    assert got["lora"] == "true" and float(got["lr"]) == m["lr"] == default_ppo_lr(True)
     assert int(got["steps"]) == m["steps"] == PPOConfig().steps and int(got["batch"]) == m["batch"]
     assert float(got["kl_target"]) == m["kl_target"] == PPOConfig().kl_target
     assert float(got["kl_final"]) == pytest.approx(m["kl_final"], rel=1e-3)
@@ -172,11 +172,16 @@ def test_the_measured_note_is_the_measurement_file():
 
 def test_full_fine_tuning_keeps_its_own_learning_rate():
     assert default_ppo_lr(False) == default_ppo_lr(False, critic=True) == 1e-5
-    assert default_ppo_lr(True) == PPOConfig().lr > 10 * default_ppo_lr(False)
-    full = resolve_ppo_lr(PPOConfig(), ModelConfig(lora=False))
+    assert default_ppo_lr(True) > 10 * default_ppo_lr(False)
+    assert (PPOConfig().lr, PPOConfig().critic_lr) == (0.0, 0.0)  # 0 = the mode's default
+    full = with_ppo_lrs(PPOConfig(), policy_lora=False)
     assert (full.lr, full.critic_lr) == (1e-5, 1e-5)
-    assert resolve_ppo_lr(PPOConfig(lr=2e-4), ModelConfig(lora=False)).lr == 2e-4  # chosen: kept
-    assert resolve_ppo_lr(PPOConfig(), ModelConfig(lora=True)) == PPOConfig()
+    lora = with_ppo_lrs(PPOConfig(), policy_lora=True)
+    assert (lora.lr, lora.critic_lr) == (default_ppo_lr(True), default_ppo_lr(True, critic=True))
+    # a rate the user gave is kept, even one equal to the other mode's default
+    assert with_ppo_lrs(PPOConfig(lr=3e-4), policy_lora=False).lr == 3e-4
+    # the critic's own mode decides its rate (a LoRA reward model as critic under full fine-tuning)
+    assert with_ppo_lrs(PPOConfig(), policy_lora=False, critic_lora=True).critic_lr == default_ppo_lr(True, critic=True)
 
 
 def test_the_form_that_starts_a_round_still_refuses_a_bad_value():

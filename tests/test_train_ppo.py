@@ -361,8 +361,9 @@ def test_cli_full_fine_tuning_takes_its_own_learning_rates_unless_given(tmp_path
     assert main(common + ["--out", str(tmp_path / "default")]) == 0
     ppo = json.loads((tmp_path / "default" / "config.json").read_text())["ppo"]
     assert (ppo["lr"], ppo["critic_lr"]) == (default_ppo_lr(False), default_ppo_lr(False, critic=True))
-    assert main(common + ["--out", str(tmp_path / "given"), "--lr", "2e-5"]) == 0
-    assert json.loads((tmp_path / "given" / "config.json").read_text())["ppo"]["lr"] == 2e-5
+    # a rate given is kept, even the one LoRA would default to
+    assert main(common + ["--out", str(tmp_path / "given"), "--lr", str(default_ppo_lr(True))]) == 0
+    assert json.loads((tmp_path / "given" / "config.json").read_text())["ppo"]["lr"] == default_ppo_lr(True)
 
 
 def test_cli_rejects_bad_input_with_clear_errors(tmp_path, prompts_file, tiny_model_dir, capsys):

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig,
-                             add_arguments, from_args, resolve_ppo_lr)
+                             add_arguments, from_args)
 from pipeline.orchestrate.jobs import JobRunner
 from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, check_policy_step, ensure_base_policy,
                                         select_prompts, submit_dpo, submit_generate, submit_ppo, submit_reward)
@@ -356,10 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                         (PPOConfig, "ppo_"), (DPOConfig, "dpo_")):
         add_arguments(parser, cls, prefix)
     args = parser.parse_args(argv)
-    model = from_args(ModelConfig, args)
-    settings = LoopSettings(loop=from_args(LoopConfig, args), model=model,
+    settings = LoopSettings(loop=from_args(LoopConfig, args), model=from_args(ModelConfig, args),
                             generate=from_args(GenerateConfig, args, "gen_"), reward=from_args(RewardConfig, args, "rm_"),
-                            ppo=resolve_ppo_lr(from_args(PPOConfig, args, "ppo_"), model),
+                            ppo=from_args(PPOConfig, args, "ppo_"),
                             dpo=from_args(DPOConfig, args, "dpo_"), policy_step=args.policy_step,
                             ppo_prompts=args.ppo_prompts, processes=args.processes,
                             accelerate_config=args.accelerate_config)
