@@ -102,13 +102,20 @@ def log_tail(run, lines: int = 40) -> str:
     return tail_text(Path(run.run_dir) / "log.txt", lines)
 
 
-def round_status(ctx: AppContext) -> str:
-    """A line about the newest round: status, counts, and why its last step failed."""
+def round_status(ctx: AppContext, settings) -> str:
+    """A line about the newest round: status, counts, and why its last step failed. An open round
+    is counted as its threshold counts it (loop.coverage: its own rankable items, no gold or
+    flagged ones), so the line and "finish anyway?" say the same numbers."""
+    from pipeline.orchestrate.loop import coverage
+
     rounds = ctx.store.list_rounds()
     if not rounds:
         return "No rounds yet: **Run a full round** starts the first one."
     rnd = rounds[-1]
-    c = ctx.store.round_counts(rnd.id)
-    line = f"**Round {rnd.id}** · {rnd.status} · {c['items']} items, {c['rankings']} rankings"
+    if rnd.status == "annotating":
+        line = f"**Round {rnd.id}** · {rnd.status} · {coverage(ctx.store, rnd, settings).counts()}"
+    else:
+        c = ctx.store.round_counts(rnd.id)
+        line = f"**Round {rnd.id}** · {rnd.status} · {c['items']} items, {c['rankings']} rankings"
     error = rnd.meta.get("last_error")
     return line + (f" · ✗ {error.splitlines()[0][:300]} (retry with the same button)" if error else "")

@@ -317,7 +317,7 @@ def poll(ctx: AppContext, choice: str | None, reward_value: str | None, request:
     plots = [gr.update(value=df, visible=len(df) > 0) for df in frames.values()]
     in_flight = ctx.jobs is not None and ctx.jobs.busy()
     return (monitor.job_bar(run), *plots, monitor.latest_values(metrics), monitor.log_tail(run),
-            monitor.round_status(ctx), monitor.run_picker(ctx, choice), reward_picker(ctx, reward_value),
+            monitor.round_status(ctx, settings_of(ctx)), monitor.run_picker(ctx, choice), reward_picker(ctx, reward_value),
             gr.update(active=in_flight))
 
 

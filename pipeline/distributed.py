@@ -337,8 +337,11 @@ class Dist:
     # ---------------------------------------------------------------- the end
 
     def close(self) -> None:
-        """Leave the process group (after a last barrier): rank 0 may still be saving."""
+        """Leave the process group after a last barrier: rank 0 may still be saving, and a rank
+        that tears down its gloo connections while a peer still uses them can abort at exit
+        ("terminate called without an active exception")."""
         if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
     def describe_failure(self, exc: BaseException) -> str:

@@ -101,6 +101,8 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert losses["visible"] and "train/loss" in set(losses["value"]["metric"])
     assert "eval/accuracy" in set(latest["metric"]) and reward_pick["value"] == reward.name
     assert "Round 1" in round_md and not timer["active"]
+    # the open round is counted as its threshold counts it (the same words as "finish anyway?")
+    assert "6 of 6 items ranked (threshold" in round_md, round_md
 
     # 5. "Run PPO" from the active (base) policy against it; the new policy becomes active
     msg, *_ = train.run_ppo(ctx, reward_name=reward.name, **PPO_FORM, request=boss)

@@ -83,12 +83,15 @@ class Coverage:
         """Not enough, and the active accounts cannot make it enough."""
         return not self.enough and self.reachable < self.threshold
 
-    def describe(self) -> str:
+    def counts(self) -> str:
+        """'R of M items ranked (threshold T)', with the rankings at overlap > 1."""
         if self.overlap == 1:
-            return (f"Round {self.round_id} has {self.rankings} of {self.items} items ranked "
-                    f"(threshold {self.threshold})")
-        return (f"Round {self.round_id} has {self.ranked_items} of {self.items} items ranked, {self.rankings} "
-                f"rankings at overlap {self.overlap} (threshold {self.threshold} rankings)")
+            return f"{self.rankings} of {self.items} items ranked (threshold {self.threshold})"
+        return (f"{self.ranked_items} of {self.items} items ranked, {self.rankings} rankings at overlap "
+                f"{self.overlap} (threshold {self.threshold} rankings)")
+
+    def describe(self) -> str:
+        return f"Round {self.round_id} has {self.counts()}"
 
 
 class UnderRanked(RoundFailed):
