@@ -153,18 +153,20 @@ def seconds_per_unit(store, kind: str, model: str, lora: bool) -> tuple[float | 
     """(seconds per unit, source, runs): from the newest RECENT finished runs of `kind` on `model`
     (those with the same LoRA setting when there are any), else the reference figure for the
     default model, else none."""
-    timed = []
+    same, other = [], []  # (seconds, units) of runs with this LoRA setting, and with the other
     for run in store.list_runs(kind=kind, status="done"):  # newest first
-        if run.started_at is None or run.finished_at is None:
-            continue
+        if len(same) == RECENT:
+            break  # the Train tab asks on every change of the form: stop reading once there are enough
         run_model, run_lora = _run_model(run)
-        units = run_units(store, run) if run_model == model else None
+        timed = same if run_lora in (lora, None) else other
+        if run.started_at is None or run.finished_at is None or run_model != model or len(timed) == RECENT:
+            continue
+        units = run_units(store, run)
         if units:
-            timed.append((run_lora, (run.finished_at - run.started_at).total_seconds(), units))
-    same = [t for t in timed if t[0] in (lora, None)] or timed
-    if same:
-        same = same[:RECENT]
-        return sum(t[1] for t in same) / sum(t[2] for t in same), "store", len(same)
+            timed.append(((run.finished_at - run.started_at).total_seconds(), units))
+    chosen = same or other
+    if chosen:
+        return sum(t[0] for t in chosen) / sum(t[1] for t in chosen), "store", len(chosen)
     if model == REFERENCE_MODEL and REFERENCE.get(kind):
         return REFERENCE[kind], "reference", 0
     return None, "none", 0
