@@ -318,6 +318,13 @@ class ScalarModel(nn.Module):
         return (self.score(input_ids, attention_mask) - self.reward_mean) / self.reward_std
 
 
+@torch.no_grad()
+def fold_normalisation(head: nn.Linear, mean: float, std: float) -> None:
+    """head(h) becomes (head(h) - mean) / std: w / std and (b - mean) / std, in place."""
+    head.weight.div_(std)
+    head.bias.sub_(mean).div_(std)
+
+
 def _load_backbone(weights: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The transformer without its LM head (AutoModel)."""
     from transformers import AutoModel
@@ -335,8 +342,10 @@ def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig
     """(ScalarModel, tokenizer) from a base model (new head) or a saved reward/critic folder.
 
     A saved folder is reloaded exactly (adapter + head + normalisation). Loading a reward
-    checkpoint with kind='critic' initialises a critic from it (its head and adapter kept,
-    normalisation reset). cfg gives device/dtype, and LoRA settings for a new model.
+    checkpoint with kind='critic' initialises a critic from it: its adapter kept, and the reward
+    model's normalisation folded into the head (`fold_normalisation`), so the critic's first
+    values are the reward model's normalised scores, the scale of PPO's rewards. cfg gives
+    device/dtype, and LoRA settings for a new model.
     """
     from peft import PeftModel, get_peft_model
 
@@ -360,6 +369,8 @@ def load_scalar_model(path_or_model: str, kind: str = "reward", cfg: ModelConfig
         from safetensors.torch import load_file
 
         model.head.load_state_dict(load_file(str(folder / HEAD_FILE), device=str(device)))
+        if not same:  # a critic from a reward model predicts its normalised score, PPO's reward scale
+            fold_normalisation(model.head, meta["reward_mean"], meta["reward_std"])
         tokenizer = load_tokenizer(folder)
     else:
         base = _canonical_base(str(path_or_model))

@@ -29,7 +29,7 @@ from pipeline.models import autocast, position_ids_from_mask
 from pipeline.packing import cache_kwarg
 from pipeline.reward_data import EncodedPair, Pair, collate, collate_shared
 from pipeline.rundir import is_writer
-from pipeline.text import prompt_token_ids
+from pipeline.text import encode_response, prompt_token_ids
 
 
 def pair_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -200,8 +200,9 @@ def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_
 def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int, device, dtype,
                         policy_path: str = "", batch_size: int = 16, dist=None, on_progress=None) -> dict:
     """Sample one response for each of n prompts (drawn from the training pairs) from the reference
-    policy, score prompt + response tokens exactly as PPO will (the sampled ids, EOS included when
-    the policy stopped), and return the scores' mean and std.
+    policy, score prompt + response exactly as PPO will (the decoded response + EOS, whether the
+    policy stopped or was cut at the length limit: pipeline/scoring.py, retokenise), and return the
+    scores' mean and std.
 
     The reference policy is the base model (no adapter), or the policy folder `policy_path` when
     PPO will start from an earlier round's policy. dist (pipeline/distributed.py): each process
@@ -233,7 +234,8 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
     progress(len(picked), len(picked))
     bar.close()
     del policy
-    seqs = [prompt_token_ids(tokenizer, p) + g[0].token_ids for p, g in zip(picked, gens)]
+    # scored as PPO and score_texts score a response: prompt + decoded text + EOS, cut or not
+    seqs = [prompt_token_ids(tokenizer, p) + encode_response(tokenizer, g[0].text) for p, g in zip(picked, gens)]
 
     was_training = model.training
     model.eval()

@@ -7,7 +7,8 @@
                                                     a pair (pipeline/text.py: the prompt through the
                                                     chat template, then response + EOS)
     make_reward(spec, tokenizer, model_cfg)         PPO's score_fn: a reward model on the rollout's
-                                                    token ids, or a scripted reward for tests
+                                                    prompts and decoded responses, encoded as
+                                                    score_texts does; or a scripted reward for tests
 
 Every path ends in `packed_score`: the same positions and fp32 head as ScalarModel.score, the head
 read at the last real token. Scores are normalised with the model's stored mean/std unless the
@@ -83,12 +84,13 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
     """(score_fn, reward_model or None) for PPO's --reward.
 
     score_fn(sequences, attention_mask, response_ids, response_mask, prompts=None) -> (B,) float scores;
-    prompts (the rollout's, text or messages) are needed by a reward model whose tokenizer is not
-    the policy's: it scores them re-encoded in its own format (`retokenise`).
+    prompts (the rollout's, text or messages) are needed by a reward model: it scores each prompt
+    and decoded response as `score_texts` does (`retokenise`), whatever the policy's tokenizer.
     - 'script:count:<text>': occurrences of <text> in the decoded response (special tokens dropped);
     - 'script:length': response tokens, EOS excluded;
-    - a folder saved by save_scalar_model(kind='reward'): its normalised score of prompt+response
-      (packed_score). The reward model is frozen.
+    - a folder saved by save_scalar_model(kind='reward'): its normalised score of prompt + response
+      + EOS, the encoding it was trained on, for responses that ended and responses cut at the
+      length limit alike. The reward model is frozen.
     """
     if spec.startswith("script:"):
         kind, _, arg = spec[len("script:"):].partition(":")
@@ -115,20 +117,18 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
         raise ValueError(f"--reward {spec}: no such folder (expected a reward model saved by "
                          "train-reward, or 'script:count:<text>' / 'script:length')")
     rm, rm_tokenizer = load_reward_model(spec, model_cfg)
-    same_vocab = rm_tokenizer.get_vocab() == tokenizer.get_vocab()
 
     @torch.no_grad()
     def score(sequences, attention_mask, response_ids, response_mask, prompts=None):
-        if not same_vocab:  # a reward model of another family: its own encoding of prompt + response
-            if prompts is None:
-                raise ValueError(f"--reward {spec}: its tokenizer differs from the policy's, so it scores the "
-                                 "prompts and decoded responses re-encoded with its own chat template; pass prompts")
-            ids, mask = retokenise(tokenizer, rm_tokenizer, prompts, response_ids, response_mask)
-            sequences, attention_mask = ids.to(sequences.device), mask.to(sequences.device)
+        if prompts is None:
+            raise ValueError(f"--reward {spec}: a reward model scores the prompts and the decoded responses "
+                             "encoded as in reward training; pass prompts")
+        ids, mask = retokenise(tokenizer, rm_tokenizer, prompts, response_ids, response_mask)
+        ids, mask = ids.to(sequences.device), mask.to(sequences.device)
         out = []
-        for rows in torch.arange(sequences.shape[0], device=sequences.device).split(chunk):
+        for rows in torch.arange(ids.shape[0], device=ids.device).split(chunk):
             with autocast():
-                out.append(packed_score(rm, sequences[rows], attention_mask[rows]).float())
+                out.append(packed_score(rm, ids[rows], mask[rows]).float())
         return torch.cat(out)  # (B,)
 
     return score, rm
@@ -137,19 +137,21 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
 def retokenise(policy_tokenizer, rm_tokenizer, prompts: list, response_ids: torch.Tensor,
                response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) (B, T), right-padded, in the reward model's tokenizer: each
-    prompt through the reward model's chat template and the response decoded from the policy's
-    tokens, then encoded as reward training encodes a pair (pipeline/text.py).
+    prompt and decoded response encoded exactly as reward training encodes a pair and
+    `score_texts` scores one (pipeline/text.py: the prompt through the chat template, then the
+    response + EOS).
 
-    Decoding the whole rollout sequence instead would hand the reward model the policy's chat
-    markup (e.g. ChatML's '<|im_start|>assistant') as plain text, a layout it never saw in training.
-    The response's special tokens are dropped in decoding; the reward model's EOS closes a response
-    that ended with the policy's EOS, and a response cut at the length limit stays open."""
+    The reward model reads its score at the EOS it was trained with, so every response gets one,
+    also a response cut at the length limit: reward training appends EOS to cut responses too,
+    and a head read at a content token gives a number the reward model never learned (on the
+    gold experiment's cut responses the two scores ordered 45 of 96 pairs alike: chance). Being
+    cut is priced separately, by PPO's missing-EOS penalty. Decoding drops the response's special
+    tokens; decoding the whole rollout sequence instead would hand the reward model the policy's
+    chat markup (e.g. ChatML's '<|im_start|>assistant') as plain text. Scoring the same text as
+    `score_texts` costs one decode and encode per response, nothing next to a forward pass."""
     if len(prompts) != response_ids.shape[0]:
         raise ValueError(f"retokenise: {len(prompts)} prompts for {response_ids.shape[0]} responses")
     texts = decode_responses(policy_tokenizer, response_ids, response_mask)
-    ended = ((response_ids == policy_tokenizer.eos_token_id) & response_mask.bool()).any(1).tolist()
-    rows = []
-    for prompt, text, eos in zip(prompts, texts, ended):
-        response = encode_response(rm_tokenizer, text)  # ends with the reward model's EOS
-        rows.append(prompt_token_ids(rm_tokenizer, prompt) + (response if eos else response[:-1]))
+    rows = [prompt_token_ids(rm_tokenizer, prompt) + encode_response(rm_tokenizer, text)
+            for prompt, text in zip(prompts, texts)]
     return pad_rows(rows, rm_tokenizer.pad_token_id, left=False)

@@ -194,14 +194,19 @@ def other_family_tokenizer():
     return tok
 
 
-def test_reward_model_of_another_family_scores_its_own_encoding(tmp_path, ppo_model_cfg):
+@pytest.mark.parametrize("family", ["same", "other"])
+def test_ppo_reward_is_score_texts_of_the_decoded_response_ended_or_cut(tmp_path, ppo_model_cfg, family):
+    """PPO's reward of a rollout is exactly what evaluation, best-of-n and the reward model's
+    training see: the prompt and the decoded response + EOS (score_texts), for a response that
+    ended with EOS and for one cut at the length limit alike; a reward model of another family
+    gets its own chat template, never the policy's markup."""
     from pipeline.scoring import load_reward_model, retokenise, score_texts
     from pipeline.text import encode_response, prompt_token_ids
     from tests.tiny import build_tiny_model
 
     policy, tok = load_policy(ppo_model_cfg)
-    rm_tok = other_family_tokenizer()
-    assert rm_tok.get_vocab() != tok.get_vocab()
+    rm_tok = other_family_tokenizer() if family == "other" else tok
+    assert (rm_tok.get_vocab() != tok.get_vocab()) == (family == "other")
     build_tiny_model(rm_tok, seed=3).save_pretrained(tmp_path / "base")
     rm_tok.save_pretrained(tmp_path / "base")
     rm, _ = load_scalar_model(str(tmp_path / "base"), kind="reward", cfg=dataclasses.replace(ppo_model_cfg, lora=False))
@@ -215,21 +220,19 @@ def test_reward_model_of_another_family_scores_its_own_encoding(tmp_path, ppo_mo
     assert {"eos", "length"} == set(sb.finish_reason)
     texts = [tok.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(sb.response_ids, sb.response_mask)]
     rm_ids, rm_mask = retokenise(tok, rm_tok, prompts, sb.response_ids, sb.response_mask)
-    for i, (prompt, text, reason) in enumerate(zip(prompts, texts, sb.finish_reason)):
-        response = encode_response(rm_tok, text)
-        expected = prompt_token_ids(rm_tok, prompt) + (response if reason == "eos" else response[:-1])
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        expected = prompt_token_ids(rm_tok, prompt) + encode_response(rm_tok, text)  # EOS, cut or not
         assert rm_ids[i, : int(rm_mask[i].sum())].tolist() == expected
-        decoded = rm_tok.decode(expected)
-        assert decoded.startswith("### user: ") and "<|im_start|>" not in decoded and "assistant\n" not in decoded
+        if family == "other":
+            decoded = rm_tok.decode(expected)
+            assert decoded.startswith("### user: ") and "<|im_start|>" not in decoded and "assistant\n" not in decoded
 
     score_fn, _ = make_reward(str(rm_dir), tok, ppo_model_cfg)
     mask = sb.response_mask.float()
     scores = score_fn(sb.sequences, sb.attention_mask, sb.response_ids, mask, prompts=prompts)
-    ended = [i for i, r in enumerate(sb.finish_reason) if r == "eos"]
-    by_text = score_texts(load_reward_model(str(rm_dir), ppo_model_cfg)[0], rm_tok, [prompts[i] for i in ended],
-                          [texts[i] for i in ended])
-    torch.testing.assert_close(scores[ended], torch.tensor(by_text), atol=1e-5, rtol=0)  # as evaluation scores
-    with pytest.raises(ValueError, match="tokenizer differs"):
+    by_text = score_texts(load_reward_model(str(rm_dir), ppo_model_cfg)[0], rm_tok, prompts, texts)
+    torch.testing.assert_close(scores, torch.tensor(by_text), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="pass prompts"):
         score_fn(sb.sequences, sb.attention_mask, sb.response_ids, mask)
 
 
@@ -322,6 +325,11 @@ def test_full_fine_tuning_keeps_a_frozen_reference(tmp_path, tiny_model_dir, pro
           out_dir=tmp_path / "full", resume=True)
     resumed = read_metrics(tmp_path / "full")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed[-1]["objective/kl"] > 0.05
+    # the next round starts from that policy, and its reference is still the base model (as with
+    # LoRA, and as in DPO): KL is measured from the first step, not reset to 0
+    train(small_cfg(steps=1, lr=1e-9), cfg, prompts=str(prompts_file), reward="script:count:e",
+          out_dir=tmp_path / "round2", policy=str(tmp_path / "full" / "policy"))
+    assert read_metrics(tmp_path / "round2")[0]["objective/kl"] > 0.05
 
 
 def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, prompts_file, tiny_model_dir):
