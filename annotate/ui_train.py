@@ -40,7 +40,9 @@ def train_tab(ctx: AppContext) -> dict:
             warm = gr.Checkbox(value=True, label="Warm start from the newest reward model")
             rm_btn = gr.Button("Train reward model", variant="primary", elem_id="rl-train-reward", interactive=enabled)
         with gr.Column(variant="panel"):
-            gr.Markdown("#### PPO\nFrom the active policy, against a frozen reward model.")
+            gr.Markdown("#### PPO\nFrom the active policy, against a frozen reward model. The KL reference is "
+                        f"the base model `{s.model.model}` in every round, for PPO and DPO alike (LoRA: the "
+                        "adapter switched off; full fine-tuning: the base weights, frozen).", elem_id="rl-ppo-intro")
             names = t.reward_names(ctx.store)
             reward = gr.Dropdown(names, value=names[-1] if names else None, label="Reward model",
                                  elem_id="rl-ppo-reward")
@@ -63,7 +65,8 @@ def train_tab(ctx: AppContext) -> dict:
                         "policy learns the pairs directly, and the round trains no reward model.")
             dpo_loss = gr.Radio(list(t.DPO_LOSSES), value=s.dpo.loss, label="Loss", elem_id="rl-dpo-loss",
                                 info="sigmoid: DPO · ipo: IPO (Azar et al. 2023)")
-            dpo_beta = gr.Number(value=s.dpo.beta, label="DPO β", info="larger stays closer to the reference")
+            dpo_beta = gr.Number(value=s.dpo.beta, label="DPO β",
+                                 info="larger stays closer to the reference (the base model, as in PPO)")
             with gr.Row():
                 dpo_epochs = gr.Number(value=s.dpo.epochs, precision=0, minimum=1, label="DPO epochs")
                 dpo_lr = gr.Number(value=s.dpo.lr, label="DPO learning rate")

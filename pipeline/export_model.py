@@ -231,6 +231,8 @@ def model_card(lineage: dict, found: dict, info: dict) -> str:
         lines[-1] += " Its LoRA adapter is merged into the weights (peft `merge_and_unload`)."
     snap = lineage.get("snapshot") or {}
     rows = [("Base model", f"`{base_id}`"), ("Trained from", lineage.get("parent")),
+            ("KL reference", f"the base model `{base_id}` (every round, LoRA or full fine-tuning)"
+             if kind == "policy" else None),
             ("Training stage", f"{stage}" + (f", {found['steps']} steps" if found.get("steps") else "")),
             ("Reward model", lineage.get("reward_model") or found.get("reward_model")),
             ("Preference data", f"snapshot #{snap['id']} `{snap['file']}` ({snap['counts'].get('pairs', '?')} pairs)"

@@ -2,8 +2,11 @@
 
 - policy: a causal LM, a LoRA adapter on it by default (peft), full fine-tuning as an option;
   `load_policy` reloads a folder saved by `pipeline.saving.save_policy` exactly.
-- reference: the frozen starting policy. With LoRA it is the same model with the adapter disabled
-  (peft's `disable_adapter()` context: no second copy); with full fine-tuning a frozen deep copy.
+- reference: the frozen base model, one convention for PPO and DPO in every training mode, so KL
+  is measured against the same model in every round (as InstructGPT keeps the SFT model). With
+  LoRA it is the same model with the adapter disabled (peft's `disable_adapter()` context: no
+  second copy); with full fine-tuning frozen full weights: a copy of the policy when it starts
+  from the base, else the base model loaded (`make_reference(policy, base=...)`).
 """
 
 from __future__ import annotations
@@ -82,20 +85,21 @@ def packed_lm_logits(model, packed, cells: torch.Tensor, frozen: str | None = No
 
 
 class Reference(nn.Module):
-    """The frozen starting policy: `reference(input_ids, attention_mask, logits_to_keep=0) -> logits`.
+    """The frozen base model: `reference(input_ids, attention_mask, logits_to_keep=0) -> logits`.
 
     With LoRA this holds no weights of its own: it runs the policy with the adapter disabled. The
-    policy is kept outside the module tree so it is never counted, saved or moved twice.
+    policy is kept outside the module tree so it is never counted, saved or moved twice. With full
+    fine-tuning it holds frozen weights: `base` when given, else a copy of the policy made now.
     """
 
-    def __init__(self, policy: nn.Module):
+    def __init__(self, policy: nn.Module, base: nn.Module | None = None):
         super().__init__()
         if is_peft(policy):
             self.__dict__["policy"] = policy  # not registered as a submodule
             self.frozen = None
         else:
             self.__dict__["policy"] = None
-            self.frozen = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.frozen = (base if base is not None else copy.deepcopy(policy)).eval().requires_grad_(False)
 
     @torch.no_grad()
     def forward(self, input_ids, attention_mask, logits_to_keep: int = 0) -> torch.Tensor:
@@ -113,6 +117,8 @@ class Reference(nn.Module):
             return packed_lm_logits(self.policy, packed, cells, frozen="reference")
 
 
-def make_reference(policy: nn.Module) -> Reference:
-    """The reference for KL: adapter disabled (LoRA) or a frozen copy made now (full fine-tuning)."""
-    return Reference(policy)
+def make_reference(policy: nn.Module, base: nn.Module | None = None) -> Reference:
+    """The reference for KL: the adapter disabled (LoRA), or with full fine-tuning `base` (the base
+    model, loaded by the caller when the policy's weights are an earlier round's) or a frozen copy
+    of the policy made now (it is the base)."""
+    return Reference(policy, base)

@@ -91,7 +91,7 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     torch.manual_seed(cfg.seed)
     rows = read_prompts(prompts)
     policy_model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
-    reference = make_reference(policy_model)  # before any resume: the *starting* policy
+    reference = starting_reference(policy_model, policy, model_cfg, device, dtype)  # before any resume
     if resuming:  # whole weights, loaded before sharding
         saved_base = read_meta(ckpt / "policy").get("base_model")
         if saved_base != policy_model.rlhf_meta["base_model"]:
@@ -137,9 +137,9 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
 
 
 def load_starting_policy(policy: str, model_cfg: ModelConfig, device, dtype):
-    """(policy, tokenizer, parent): --policy is a folder saved by save_policy (its adapter keeps
-    training; the reference is then the base model, adapter disabled: KL stays measured against
-    the original model across rounds, as InstructGPT keeps the SFT model), or a base model."""
+    """(policy, tokenizer, parent): --policy is a folder saved by save_policy (its adapter or its
+    full weights keep training), or a base model. The reference is the base model either way
+    (`starting_reference`)."""
     if policy and (Path(policy) / "model_meta.json").is_file():
         meta = read_meta(policy)
         cfg = _master_cfg(model_cfg, policy, device, dtype, lora=bool(meta.get("lora")))
@@ -148,6 +148,18 @@ def load_starting_policy(policy: str, model_cfg: ModelConfig, device, dtype):
     cfg = dataclasses.replace(model_cfg, model=policy or model_cfg.model)
     model, tokenizer = load_policy(_master_cfg(cfg, "", device, dtype, lora=cfg.lora))
     return model, tokenizer, model.rlhf_meta["base_model"]
+
+
+def starting_reference(policy_model, policy: str, model_cfg: ModelConfig, device, dtype):
+    """The KL reference of PPO and DPO alike: the base model, in every training mode and round.
+    With LoRA the adapter is disabled; with full fine-tuning from the base, a frozen copy of the
+    starting weights; from an earlier round's fully trained --policy, the base model loaded (not
+    that round's weights: KL stays measured against one model across rounds, as with LoRA)."""
+    if is_peft(policy_model) or not (policy and (Path(policy) / META_FILE).is_file()):
+        return make_reference(policy_model)
+    base_cfg = dataclasses.replace(model_cfg, model=policy_model.rlhf_meta["base_model"], lora=False)
+    base, _ = load_policy(_master_cfg(base_cfg, "", device, dtype, lora=False))
+    return make_reference(policy_model, base=base)
 
 
 def _master_cfg(model_cfg: ModelConfig, folder: str, device, dtype, lora: bool | None = None) -> ModelConfig:

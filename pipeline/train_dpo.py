@@ -12,10 +12,11 @@ quality_weights, from its annotators' quality) each pair's term counts by its we
 training pairs' mean weight, as in train-reward (--use-weights false ignores the column; data
 without one, or with equal weights, trains on the plain loss).
 
-The policy starts from --policy (a folder saved by ppo or train-dpo: its LoRA adapter keeps
-training) or the base model (--model). The reference is the base model: the adapter disabled
-(LoRA, no second copy), or with full fine-tuning a frozen copy of the starting weights, as in PPO
-(docs/DESIGN.md, "The four PPO roles"), so KL is measured against the same model across rounds.
+The policy starts from --policy (a folder saved by ppo or train-dpo: its LoRA adapter or full
+weights keep training) or the base model (--model). The reference is the base model in every mode,
+as in PPO (pipeline/ppo_state.py, starting_reference; docs/DESIGN.md, "The four PPO roles"): the
+adapter disabled (LoRA, no second copy), or frozen full weights of the base, so KL is measured
+against the same model across rounds.
 
 Each prompt runs once and both responses continue from it, several pairs packed per row with no
 padding between them (pipeline/dpo_data.py); reference log-probs come from one no-grad pass over
@@ -70,8 +71,7 @@ from pipeline.dpo_data import (
 )
 from pipeline.hashing import snapshot_sha256
 from pipeline.models import autocast, checkpointing, pick_dtype
-from pipeline.policy import make_reference
-from pipeline.ppo_state import load_policy_weights, load_starting_policy, save_whole_policy, trainable
+from pipeline.ppo_state import load_policy_weights, load_starting_policy, save_whole_policy, starting_reference, trainable
 from pipeline.reward_data import encode_pairs, length_grouped_batches, read_pairs
 from pipeline.rollout import attn_ratio
 from pipeline.rundir import (
@@ -160,7 +160,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
 
     # 2. Policy and reference: the reference is made before any checkpoint is loaded (the start).
     model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
-    reference = make_reference(model)
+    reference = starting_reference(model, policy, model_cfg, device, dtype)  # the base model, as in PPO
     if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
         if dist.is_main:  # one rank renames, the others wait (two renaming the same folder would race)
             recover_folder(out_dir / "checkpoint")

@@ -130,6 +130,8 @@ def test_policy_export_is_the_merged_model(trained, exported):
     files = {p.name for p in (root / "policy-hf").iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "README.md"} <= files
     assert "adapter_config.json" not in files and "model_meta.json" not in files
+    card = (root / "policy-hf" / "README.md").read_text()
+    assert "| KL reference | the base model `" in card  # the convention PPO and DPO share, stated
 
 
 def register(store, root: Path, base_model: Path) -> tuple:

@@ -202,6 +202,7 @@ def test_the_train_tab_shows_the_estimate_and_swaps_the_lrs_in_the_browser(store
         page.get_by_role("tab", name="Train").click()
         page.wait_for_selector("#rl-round-eta :text('Expected round duration: about 40 min')", timeout=20_000)
         assert "KL 7.2 of target 6 nats in 20 steps" in page.locator("#rl-ppo-defaults").inner_text()
+        assert "The KL reference is the base model" in page.locator("#rl-ppo-intro").inner_text()
         steps = page.get_by_label("Steps", exact=True)
         steps.fill("2")
         steps.press("Enter")

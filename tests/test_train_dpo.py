@@ -186,6 +186,12 @@ def test_ipo_with_full_fine_tuning_keeps_a_frozen_reference(tmp_path, tiny_model
     assert report["eval/margin"] > 0 and report["eval/rewards_chosen"] != 0 and math.isfinite(report["kl/heldout"])
     assert (tmp_path / "run" / "policy" / "model.safetensors").is_file()
     assert json.loads((tmp_path / "run" / "policy" / "model_meta.json").read_text())["loss"] == "ipo"
+    # a second round from that fully trained policy keeps the base model as its reference (as PPO
+    # does): the policy starts away from it, so the first loss is no longer IPO's loss at pi = ref
+    train_dpo(str(data), str(tmp_path / "round2"), dataclasses.replace(FAST, loss="ipo", lr=1e-3, max_steps=1), cfg,
+              policy=str(tmp_path / "run" / "policy"))
+    first = [r for r in metrics(tmp_path / "round2") if "train/loss" in r][0]
+    assert first["train/loss"] != pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-3)
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_path, dpo_model_cfg):
