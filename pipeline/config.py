@@ -146,11 +146,9 @@ class PPOConfig:
     max_new_tokens: int = 48
     """Response length limit during rollout."""
     temperature: float = 0.7
-    """Rollout sampling temperature."""
-    top_p: float = 1.0
-    """Rollout nucleus sampling threshold."""
-    top_k: int = 0
-    """Rollout top-k (0 = off)."""
+    """Rollout sampling temperature. PPO samples the whole distribution of logits / temperature (no
+    top-p or top-k): its ratio, KL and entropy are computed on that distribution, and a truncated
+    sampler would make every rollout silently off-policy."""
     kl_estimator: str = "k1"
     """Per-token KL estimator: 'k1' (logp - logp_ref) or 'k3' ((r - 1) - log r)."""
     kl_control: str = "adaptive"

@@ -124,7 +124,8 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
            share_prefix: bool = True, check_every: int | None = None, synced: bool = False) -> SampleBatch:
     """Sample responses for a left-padded batch of prompts with the KV cache.
 
-    cfg: anything with temperature, top_p, top_k, max_new_tokens (GenerateConfig, PPOConfig).
+    cfg: anything with temperature and max_new_tokens, and optionally top_p and top_k
+    (GenerateConfig has them; PPOConfig has neither: PPO samples the whole distribution).
     temperature 0 = greedy (log-probs then from the raw logits). num_samples: samples per input
     row (an int, or one count per row); the prompt runs once and its cache is copied. Log-probs are
     from the unfiltered logits / temperature (what a training forward pass can reproduce), while
@@ -151,6 +152,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     B, P, R = prompt_index.shape[0], input_ids.shape[1], cfg.max_new_tokens
     greedy = cfg.temperature <= 0
     temperature = 1.0 if greedy else cfg.temperature
+    top_k, top_p = getattr(cfg, "top_k", 0), getattr(cfg, "top_p", 1.0)
 
     # 1. prefill: a prefix common to all prompts once, then each distinct prompt's other tokens once,
     # then copy its cache rows for its samples
@@ -183,8 +185,8 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
         if greedy:
             token = logits.argmax(-1)
         else:
-            filtering = bool(cfg.top_k) or cfg.top_p < 1.0
-            probs = _filter_logits(logp, cfg.top_k, cfg.top_p).softmax(-1) if filtering else logp.exp()
+            filtering = bool(top_k) or top_p < 1.0
+            probs = _filter_logits(logp, top_k, top_p).softmax(-1) if filtering else logp.exp()
             token = _sample_categorical(probs, generator)  # (A,)
         token = token.masked_fill(done, pad)  # a row that ended keeps pad after its EOS
         response_ids[active, t] = token

@@ -192,8 +192,9 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                                     pg_loss, pg = policy_loss(logp, ro.logprobs[micro], advantages[micro], m,
                                                               cfg.cliprange)
                                     loss = pg_loss
-                                    if cfg.entropy_coef > 0:
-                                        entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None])[0]), m)
+                                    if cfg.entropy_coef > 0:  # of the distribution sampled: logits / T
+                                        entropy = masked_mean(pr.scatter(
+                                            entropy_from_logits(logits[None] / temperature)[0]), m)
                                         loss = loss - cfg.entropy_coef * entropy
                                         stats["policy/entropy"] += float(w * entropy.detach())
                                     del logits
