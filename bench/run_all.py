@@ -22,6 +22,7 @@ in different modes; the table lists each bench's command.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -252,13 +253,72 @@ def bench_command(name: str, full: bool, extra: str = "") -> str:
 
 def run_command(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
     """(exit code, stdout + stderr) of cmd run in the repository; exit 124 and what it printed when
-    it runs past timeout (bench/gpu_check.py runs its phases with it too)."""
+    it runs past timeout (bench/gpu_check.py runs its phases with it too). The command runs in its
+    own session, so a timeout ends its whole process group: a bench's worker processes too, not
+    only the process started here."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            errors="replace", start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        return proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        parts = [p.decode("utf-8", "replace") if isinstance(p, bytes) else (p or "") for p in (exc.stdout, exc.stderr)]
-        return 124, "".join(parts) + f"\n(timed out after {timeout:.0f} s)"
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out + err
+    except subprocess.TimeoutExpired:
+        end_group(proc)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process outside the group still holds the pipes
+            out, err = "", ""
+        return 124, out + err + f"\n(timed out after {timeout:.0f} s; its process group was ended)"
+
+
+def write_json(path: str | Path, data) -> None:
+    """Write JSON whole or not at all (a temporary file renamed over it): a bench ended half-way
+    through a write leaves its previous results readable."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def traceback_tail(output: str, limit: int = 6000) -> str:
+    """What to report of a failed process's output: from its last traceback on (the whole chained
+    traceback, 'During handling...' included), else its last lines; at most limit characters, the
+    end kept."""
+    text = output.rstrip()
+    at = text.rfind("Traceback (most recent call last):")
+    while at > 0:  # a chained exception: keep the traceback it was raised from too
+        before = text.rfind("Traceback (most recent call last):", 0, at)
+        between = text[before:at] if before >= 0 else ""
+        if before < 0 or not ("During handling of the above exception" in between
+                              or "The above exception was the direct cause" in between):
+            break
+        at = before
+    tail = text[at:] if at >= 0 else "\n".join(text.splitlines()[-20:])
+    return tail if len(tail) <= limit else "...\n" + tail[-limit:]
+
+
+def end_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """SIGTERM to the process group proc leads (start_new_session), SIGKILL to what is left after
+    grace_s seconds."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and _group_alive(proc.pid):
+                proc.poll()  # reaps the leader, so only the rest of the group keeps it alive
+                time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def run_bench(name: str, full: bool, timeout: float, extra: str = "", commit: str = "") -> tuple[int, str, float, dict]:
