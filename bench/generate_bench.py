@@ -15,6 +15,7 @@ Duplicate re-sampling is off for the comparison (max_resample=0).
     python bench/generate_bench.py --quick    # 3 rounds of 4 prompts x K=4, 32 tokens
     python bench/generate_bench.py --model FOLDER --device cuda --prompts-per-batch 16   # batch 64 on a GPU
 
+--dtype sets the model's weights (bf16 on a GPU by default); --json is rewritten after every round.
 The ratios printed are those of the tokens/s the table shows (all rounds' tokens over all rounds'
 seconds), with the per-round ratios' range beside them.
 """
@@ -31,25 +32,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.run_all import write_json  # noqa: E402
 from pipeline.config import GenerateConfig, ModelConfig  # noqa: E402
 from pipeline.generate import generate_responses  # noqa: E402
 from pipeline.text import encode_prompts  # noqa: E402
-from pipeline.models import pick_device  # noqa: E402
+from pipeline.models import pick_device, pick_dtype  # noqa: E402
 from pipeline.policy import load_policy  # noqa: E402
 
 # the app's bundled prompt pool (license: store/data/LICENSE.md)
 DATA = Path(__file__).resolve().parents[1] / "store" / "data" / "prompts.jsonl"
 
 
-def load_model(name: str, device: str):
+def load_model(name: str, device: str, dtype: str = "auto"):
     if name == "tiny":
         from tests.tiny import build_tiny_model, build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer()
         tokenizer.padding_side = "left"
-        return build_tiny_model(tokenizer).to(pick_device(device)), tokenizer
+        device = pick_device(device)
+        return build_tiny_model(tokenizer).to(device, pick_dtype(dtype, device)), tokenizer
     # no adapter: generation from the base weights, as `python -m pipeline generate` does
-    return load_policy(ModelConfig(model=name, device=device, lora=False))
+    return load_policy(ModelConfig(model=name, device=device, dtype=dtype, lora=False))
 
 
 def response_lengths(tokens: torch.Tensor, eos: int) -> list[int]:
@@ -93,13 +96,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 = steadiest timings)")
+    ap.add_argument("--dtype", default="auto", help="the model's weights: auto (bf16 on a GPU that has it, else "
+                                                    "fp32), fp32 or bf16")
+    ap.add_argument("--json", default="", help="write the figures to this JSON file, after every round")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:  # an eighth of the work per round: a few minutes on a busy two-core machine
         args.rounds = 3
         args.prompts_per_batch, args.max_new_tokens = min(args.prompts_per_batch, 4), min(args.max_new_tokens, 32)
 
-    model, tokenizer = load_model(args.model, args.device)
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
     model.eval()
     cfg = GenerateConfig(k=args.k, max_new_tokens=args.max_new_tokens, batch_size=args.prompts_per_batch * args.k,
                          max_resample=0)
@@ -114,6 +120,7 @@ def main() -> None:
         methods[name](pool[-2:])
     # per round and method: (tokens, wall s, cpu s)
     runs: list[dict[str, tuple[int, float, float]]] = []
+    device = next(model.parameters()).device
     for r in range(args.rounds):
         prompts = pool[r * n : (r + 1) * n]
         names = list(methods)
@@ -127,35 +134,48 @@ def main() -> None:
             runs[-1][name] = (tokens, time.perf_counter() - t0, time.process_time() - c0)
             print(f"round {r + 1}/{args.rounds}  {name:<24} {tokens:5d} tokens  {runs[-1][name][1]:7.1f} s wall  "
                   f"{runs[-1][name][2]:7.1f} s cpu", flush=True)
+        if args.json:  # after every round: a bench stopped half-way keeps the rounds it finished
+            figures = summarise(runs, list(methods))
+            write_json(args.json, {
+                "figures": figures, "rounds_done": r + 1, "rounds": args.rounds, "complete": r + 1 == args.rounds,
+                "result_line": result_line(figures, args.rounds, n * args.k, device.type),
+                "runs": [{k: list(v) for k, v in run.items()} for run in runs]})
 
-    def total(name: str, i: int) -> float:
-        return sum(run[name][i] for run in runs)
-
-    def round_ratios(name: str, i: int) -> list[float]:
-        """Per round: (ours tokens/s) / (name tokens/s); their range shows how much load moved them."""
-        return [(run["ours"][0] / run["ours"][i]) / (run[name][0] / run[name][i]) for run in runs]
-
-    device = next(model.parameters()).device
-    print(f"\nmodel={args.model} device={device} threads={args.threads} batch={n} prompts x K={args.k} "
-          f"max_new_tokens={args.max_new_tokens} temperature={cfg.temperature} rounds={args.rounds}")
+    figures = summarise(runs, list(methods))
+    print(f"\nmodel={args.model} device={device} dtype={next(model.parameters()).dtype} threads={args.threads} "
+          f"batch={n} prompts x K={args.k} max_new_tokens={args.max_new_tokens} temperature={cfg.temperature} "
+          f"rounds={args.rounds}")
     print(f"{'method':<24}{'tokens':>7}{'wall s':>8}{'tok/s':>7}{'cpu s':>8}{'tok/cpu-s':>10}"
           f"{'ours/this (wall)':>18}{'ours/this (cpu)':>17}{'per-round range (wall)':>24}")
-    rate, cpu_rate = {}, {}
-    for name in methods:
-        tok, wall, cpu = total(name, 0), total(name, 1), total(name, 2)
-        rate[name], cpu_rate[name] = tok / wall, tok / cpu
-    for name in methods:
-        tok, wall, cpu = total(name, 0), total(name, 1), total(name, 2)
-        rr = round_ratios(name, 1)
-        print(f"{name:<24}{tok:>7.0f}{wall:>8.1f}{rate[name]:>7.1f}{cpu:>8.1f}{cpu_rate[name]:>10.1f}"
-              f"{rate['ours'] / rate[name]:>17.2f}x{cpu_rate['ours'] / cpu_rate[name]:>16.2f}x"
-              f"{min(rr):>17.2f}-{max(rr):.2f}x")
+    for name, row in figures["methods"].items():
+        print(f"{name:<24}{row['tokens']:>7.0f}{row['wall_s']:>8.1f}{row['tok_s']:>7.1f}{row['cpu_s']:>8.1f}"
+              f"{row['tok_cpu_s']:>10.1f}{row['ratio']:>17.2f}x{row['ratio_cpu']:>16.2f}x"
+              f"{row['ratio_min']:>17.2f}-{row['ratio_max']:.2f}x")
     print("(ratios: the table's tokens/s over all rounds, ours over this; the range: the same ratio round by round)")
-    hf, hf_lp = "hf generate", "hf generate + logprobs"
-    print(f"RESULT generate ours_tok_s={rate['ours']:.1f} hf_tok_s={rate[hf]:.1f} ratio={rate['ours'] / rate[hf]:.2f} "
-          f"ratio_min={min(round_ratios(hf, 1)):.2f} ratio_max={max(round_ratios(hf, 1)):.2f} "
-          f"cpu_ratio={cpu_rate['ours'] / cpu_rate[hf]:.2f} hf_logprobs_tok_s={rate[hf_lp]:.1f} "
-          f"ratio_logprobs={rate['ours'] / rate[hf_lp]:.2f} rounds={args.rounds} batch={n * args.k} device={device.type}")
+    print(result_line(figures, args.rounds, n * args.k, device.type))
+
+
+def summarise(runs: list[dict[str, tuple[int, float, float]]], methods: list[str]) -> dict:
+    """Per method over the rounds so far: tokens, wall and CPU seconds, tokens/s, and ours over it
+    (all rounds' tokens over all rounds' seconds; the range: the same ratio round by round)."""
+    rows = {}
+    for name in methods:
+        tok, wall, cpu = (sum(run[name][i] for run in runs) for i in range(3))
+        rows[name] = {"tokens": tok, "wall_s": wall, "cpu_s": cpu, "tok_s": tok / wall, "tok_cpu_s": tok / cpu}
+    for name, row in rows.items():
+        per_round = [(run["ours"][0] / run["ours"][1]) / (run[name][0] / run[name][1]) for run in runs]
+        row.update(ratio=rows["ours"]["tok_s"] / row["tok_s"], ratio_cpu=rows["ours"]["tok_cpu_s"] / row["tok_cpu_s"],
+                   ratio_min=min(per_round), ratio_max=max(per_round))
+    return {"methods": rows}
+
+
+def result_line(figures: dict, rounds: int, batch: int, device: str) -> str:
+    m = figures["methods"]
+    ours, hf, hf_lp = m["ours"], m["hf generate"], m["hf generate + logprobs"]
+    return (f"RESULT generate ours_tok_s={ours['tok_s']:.1f} hf_tok_s={hf['tok_s']:.1f} ratio={hf['ratio']:.2f} "
+            f"ratio_min={hf['ratio_min']:.2f} ratio_max={hf['ratio_max']:.2f} cpu_ratio={hf['ratio_cpu']:.2f} "
+            f"hf_logprobs_tok_s={hf_lp['tok_s']:.1f} ratio_logprobs={hf_lp['ratio']:.2f} rounds={rounds} "
+            f"batch={batch} device={device}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python bench/ppo_bench.py            # SmolLM2-135M, batch 16, 48 new tokens, 2 PPO epochs, 5 steps, 3 reps
     python bench/ppo_bench.py --quick    # batch 8, 32 new tokens, 1 epoch, 3 steps, 3 reps (about 10 minutes)
     python bench/ppo_bench.py --device cuda --model FOLDER --json out.json   # bf16 on a GPU (bench/gpu_check.py)
+    python bench/ppo_bench.py --dtype bf16 ...  # bf16 autocast on the CPU: both sides' dtype handling, no GPU
 
 Each run is its own child process (so each peak-memory figure is its own), with the same: policy
 (the default SmolLM2-135M-Instruct or --model, LoRA r16 on all linear layers), reward model (the
@@ -14,7 +15,9 @@ minibatches, micro-batch size, response length, PPO epochs, temperature, fixed K
 missing-EOS penalty, precision and threads.
 Differences left as each library has them: TRL takes one learning rate for policy and critic and,
 with gradient accumulation over minibatches, steps its optimiser once per epoch; gradient
-checkpointing is turned off in TRL (its default is on) because ours does not checkpoint.
+checkpointing is turned off in TRL (its default is on) because ours does not checkpoint; in bf16
+TRL's LoRA critic keeps its trainable `score` head in the backbone's dtype, as TRL needs (it scores
+the rollout outside autocast), where ours keeps its scalar heads in fp32.
 
 Timing, the same span on both sides: a step runs from the end of the previous step (ours: its
 status.json update; TRL: `on_step_end`, the first step from `on_train_begin`) to its own end, so
@@ -35,7 +38,9 @@ weight gradients, so the hardware does about 2/3 of this; the figure is the usua
 convention, not a count of the kernels run.
 
 Figures: episodes/s, seconds per step split into rollout and update, peak memory (RSS on CPU; max
-allocated on CUDA) and achieved update TFLOP/s. Requires `pip install trl==1.12.0` (the `bench` extra).
+allocated on CUDA) and achieved update TFLOP/s. --json is rewritten after every run, so a bench
+stopped half-way keeps the runs it finished; a side whose run fails is recorded with its traceback
+(`failed`), not run again, and the other side's runs are still reported (exit code 1). Requires `pip install trl==1.12.0` (the `bench` extra).
 """
 
 from __future__ import annotations
@@ -64,41 +69,52 @@ def settings(args) -> dict:
         if getattr(args, key, None):
             s[key] = getattr(args, key)
     return {**s, "temperature": 0.7, "lr": 1e-5, "kl_coef": 0.05, "missing_eos_penalty": 1.0, "lora_r": 16,
-            "lora_alpha": 32, "critic": args.critic, "device": args.device, "threads": args.threads,
-            "n_prompts": args.n_prompts, "seed": 0, "model": args.model, "work": str(Path(args.work).resolve())}
+            "lora_alpha": 32, "critic": args.critic, "device": args.device, "dtype": args.dtype,
+            "threads": args.threads, "n_prompts": args.n_prompts, "seed": 0, "model": args.model,
+            "reward_base": args.reward_base or args.model, "work": str(Path(args.work).resolve())}
 
 
 # --------------------------------------------------------------------------- shared inputs
 
 
+def model_folder(name: str) -> Path:
+    from pipeline.models import default_model_dir
+
+    return default_model_dir() if name == "default" else Path(name).resolve()
+
+
 def prepare(s: dict) -> dict:
     """The base model folder, a reward model folder (full backbone, seeded head), a LoRA critic
-    starting as that reward model, and a prompts file; made once per model and device."""
+    starting as that reward model, and a prompts file; made once per model, device and dtype.
+    The reward model and critic are built from --reward-base (default: --model): with a policy
+    whose tokenizer's EOS lies outside the vocabulary (bench/gpu_check.py's no-EOS folders), the
+    reward model needs the same weights with the real tokenizer, since it scores prompt + response
+    + its own EOS."""
     import torch
 
     from pipeline.config import ModelConfig
-    from pipeline.models import default_model_dir, load_scalar_model
+    from pipeline.models import load_scalar_model
     from pipeline.saving import save_scalar_model
 
-    base = default_model_dir() if s["model"] == "default" else Path(s["model"]).resolve()
+    base, rm_base = model_folder(s["model"]), model_folder(s["reward_base"])
     out = Path(s["work"])
     out.mkdir(parents=True, exist_ok=True)
-    tag = "default" if s["model"] == "default" else base.name
-    # bf16 folders on a GPU (what the runs load), fp32 on CPU
-    rm_dir, critic_dir = out / f"reward_model-{tag}-{s['device']}", out / f"critic_lora-{tag}-{s['device']}"
+    tag = f"{'default' if s['reward_base'] == 'default' else rm_base.name}-{s['device']}-{s['dtype']}"
+    # the folders in the run's dtype (bf16 on a GPU by default), what the runs load
+    rm_dir, critic_dir = out / f"reward_model-{tag}", out / f"critic_lora-{tag}"
     if not (rm_dir / "model_meta.json").is_file():
         torch.manual_seed(0)
-        rm, tok = load_scalar_model(str(base), kind="reward",
-                                    cfg=ModelConfig(device=s["device"], dtype="auto", lora=False))
+        rm, tok = load_scalar_model(str(rm_base), kind="reward",
+                                    cfg=ModelConfig(device=s["device"], dtype=s["dtype"], lora=False))
         save_scalar_model(rm, tok, rm_dir)
         del rm
     if not (critic_dir / "model_meta.json").is_file():
         # a LoRA critic on the same backbone with the reward model's head: starts equal to the RM
         from safetensors.torch import load_file
 
-        lora_cfg = ModelConfig(device=s["device"], dtype="auto", lora=True, lora_r=s["lora_r"],
+        lora_cfg = ModelConfig(device=s["device"], dtype=s["dtype"], lora=True, lora_r=s["lora_r"],
                                lora_alpha=s["lora_alpha"])
-        critic, tok = load_scalar_model(str(base), kind="critic", cfg=lora_cfg)
+        critic, tok = load_scalar_model(str(rm_base), kind="critic", cfg=lora_cfg)
         critic.head.load_state_dict(load_file(str(rm_dir / "scalar_head.safetensors"), device=s["device"]))
         save_scalar_model(critic, tok, critic_dir)
         del critic
@@ -217,7 +233,7 @@ def run_ours(s: dict, inputs: dict) -> dict:
                     kl_control="fixed", init_kl_coef=s["kl_coef"], missing_eos_penalty=s["missing_eos_penalty"],
                     forward_batch_size=s["batch_size"], sample_every=0, seed=s["seed"])
     model_cfg = ModelConfig(model=inputs["base"], lora=True, lora_r=s["lora_r"], lora_alpha=s["lora_alpha"],
-                            device=s["device"], dtype="auto")
+                            device=s["device"], dtype=s["dtype"])
     # a step ends when the loop writes status.json 'running' (also written once before the first step)
     marks = Marks(s["device"])
     write = tp.write_status
@@ -259,11 +275,11 @@ def run_trl(s: dict, inputs: dict) -> dict:
     from trl.experimental.ppo import PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 
+    from pipeline.models import load_tokenizer, pick_dtype
     from pipeline.text import prompt_token_ids, read_prompts
-    from pipeline.models import load_tokenizer
 
     cuda = s["device"] == "cuda"
-    low = torch.bfloat16 if cuda else torch.float32
+    low = pick_dtype(s["dtype"], torch.device(s["device"]))  # the models' dtype; bf16 autocast when bf16
     tokenizer = load_tokenizer(inputs["base"])
     # TRL finds padding by comparing with pad_token_id; SmolLM2's pad is its EOS, which also ends
     # every chat turn, so TRL gets the distinct <|endoftext|> as pad (as TRL's examples add one).
@@ -287,12 +303,14 @@ def run_trl(s: dict, inputs: dict) -> dict:
     if s["critic"] == "lora":  # TRL's peft_config covers the policy only: the value model is wrapped here
         from peft import get_peft_model
 
+        # As TRL wraps the policy (get_peft_model's defaults): the LoRA weights in fp32, the rest,
+        # the trainable copy of the `score` head too, in the backbone's dtype. TRL scores the rollout
+        # outside autocast (get_reward: the backbone's hidden states straight into model.score), so a
+        # head in another dtype than the backbone's fails there ("expected m1 and m2 to have the same
+        # dtype"); ours keeps its head in fp32 and casts the hidden states itself.
         value_model = get_peft_model(scalar(low), LoraConfig(
             r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0, task_type="SEQ_CLS",
             target_modules=LORA_TARGETS, modules_to_save=["score"]))
-        for p in value_model.parameters():  # fp32 trainable parameters over a low-precision base, as ours
-            if p.requires_grad:
-                p.data = p.data.float()
     else:
         value_model = scalar(torch.float32)  # fully trained: fp32 master weights, as ours
     n_micro = s["batch_size"] // s["micro_batch_size"]
@@ -303,7 +321,8 @@ def run_trl(s: dict, inputs: dict) -> dict:
         local_rollout_forward_batch_size=s["batch_size"], response_length=s["max_new_tokens"],
         temperature=s["temperature"], stop_token="eos", missing_eos_penalty=s["missing_eos_penalty"],
         kl_coef=s["kl_coef"], kl_estimator="k1", learning_rate=s["lr"], gradient_checkpointing=False,
-        bf16=cuda, fp16=False, use_cpu=not cuda, report_to="none", save_strategy="no", logging_steps=1,
+        bf16=low == torch.bfloat16, fp16=False, use_cpu=not cuda, report_to="none", save_strategy="no",
+        logging_steps=1,
         num_sample_generations=0, seed=s["seed"], disable_tqdm=True,
     )
     peft_config = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0, task_type="CAUSAL_LM",
@@ -357,7 +376,11 @@ def child(which: str, s: dict, inputs: dict) -> None:
     print("CHILD_RESULT " + json.dumps(result), flush=True)
 
 
-def run_child(which: str, inputs: dict, argv: list[str]) -> dict:
+def run_child(which: str, inputs: dict, argv: list[str]) -> tuple[dict | None, str]:
+    """(result, '') of one side's run in its own process, or (None, why: its exit code and the
+    traceback) when it fails."""
+    from bench.run_all import traceback_tail
+
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", which] + argv
     pythonpath = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)
     env = {**os.environ, "PPO_BENCH_INPUTS": json.dumps(inputs), "PYTHONPATH": pythonpath,
@@ -365,13 +388,14 @@ def run_child(which: str, inputs: dict, argv: list[str]) -> dict:
     if which != "ours":  # the TRL side needs datasets, which bench/gpu_check.py refuses to our side
         env.pop("RLHF_BLOCK_IMPORTS", None)
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, errors="replace")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD_RESULT ")]
     if proc.returncode != 0 or not lines:
-        print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
-        raise SystemExit(f"the {which} run failed (exit {proc.returncode})")
+        why = f"exit {proc.returncode}\n" + traceback_tail(proc.stdout + "\n" + proc.stderr)
+        print(f"{which}: FAILED after {time.time() - t0:.0f}s ({why})", flush=True)
+        return None, why
     print(f"{which}: done in {time.time() - t0:.0f}s", flush=True)
-    return json.loads(lines[-1][len("CHILD_RESULT "):])
+    return json.loads(lines[-1][len("CHILD_RESULT "):]), ""
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -403,6 +427,11 @@ def main() -> int:
     parser.add_argument("--ppo-epochs", dest="ppo_epochs", type=int, default=0)
     parser.add_argument("--n-prompts", dest="n_prompts", type=int, default=256)
     parser.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side only")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="both sides' precision: auto = bf16 on a GPU that has it, else fp32; bf16 on the "
+                             "CPU runs CPU autocast (the GPU check's dry run)")
+    parser.add_argument("--reward-base", default="", help="the model folder the reward model and critic are built "
+                        "from (default: --model; bench/gpu_check.py gives the same weights with an in-vocabulary EOS)")
     parser.add_argument("--work", default=str(OUT), help="folder for the shared inputs and the run folders")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -413,58 +442,79 @@ def main() -> int:
         child(args.child, s, json.loads(os.environ["PPO_BENCH_INPUTS"]))
         return 0
 
+    from bench.run_all import write_json
+
     inputs = prepare(s)
     flops = update_flops(inputs["base"], inputs["prompts"], s)
     print(f"settings: {json.dumps(s)}", flush=True)
     sides = [args.only] if args.only else ["ours", "trl"]
     runs: dict[str, list[dict]] = {side: [] for side in sides}
+    failed: dict[str, str] = {}  # side -> its exit code and traceback; a side that failed is not run again
+    result = {"settings": s, "flops": flops, "runs": runs, "failed": failed, "reps": args.reps, "complete": False}
+
+    def save() -> None:  # after every run: a bench stopped half-way keeps the runs it finished
+        if args.json:
+            write_json(args.json, result)
+
+    save()
     for rep in range(args.reps):
         for which in (sides if rep % 2 == 0 else sides[::-1]):  # alternate who goes first
+            if which in failed:
+                continue
             print(f"rep {rep + 1}/{args.reps}: ", end="", flush=True)
-            runs[which].append(run_child(which, inputs, sys.argv[1:]))
+            run, why = run_child(which, inputs, sys.argv[1:])
+            if run is None:
+                failed[which] = why
+            else:
+                run["update_tflops_s"] = flops["update_flops"] / run["update_s"] / 1e12
+                runs[which].append(run)
+            save()
+    result["complete"] = True
+    done = [w for w in sides if runs[w]]
 
     def col(which: str, key: str) -> list[float]:
         return [r[key] for r in runs[which]]
 
-    for which in sides:
-        for r in runs[which]:
-            r["update_tflops_s"] = flops["update_flops"] / r["update_s"] / 1e12
     print(f"\n{args.reps} repetitions, order alternating; median [min-max]; update FLOPs per step "
           f"{flops['update_flops'] / 1e12:.3f} TFLOP ({flops['sequence_tokens_mean']:.0f} tokens per episode)")
     print(f"{'':6}{'episodes/s':>26}{'rollout s':>22}{'update s':>22}{'peak MB':>20}{'update TFLOP/s':>26}")
-    for which in sides:
+    for which in done:
         print(f"{which:6}{fmt(col(which, 'eps')):>26}{fmt(col(which, 'rollout_s'), 2):>22}"
               f"{fmt(col(which, 'update_s'), 2):>22}{fmt(col(which, 'peak_mb'), 0):>20}"
               f"{fmt(col(which, 'update_tflops_s'), 4):>26}")
-    if "ours" in runs:
+    for which, why in failed.items():
+        print(f"{which:6}FAILED: {why.splitlines()[-1] if why.strip() else why}")
+    if runs.get("ours"):
         ph = runs["ours"][0]["phases"]
         print("ours, rollout phases of the first repetition (s per step): "
               + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
-    result = {"settings": s, "flops": flops, "runs": runs}
-    if len(sides) == 2:
-        med = {w: {k: statistics.median(col(w, k)) for k in ("eps", "eps_cpu", "rollout_s", "update_s",
-                                                              "update_tflops_s")} for w in sides}
-        peak = {w: max(col(w, "peak_mb")) for w in sides}
+    med = {w: {k: statistics.median(col(w, k)) for k in ("eps", "eps_cpu", "rollout_s", "update_s",
+                                                          "update_tflops_s")} for w in done}
+    peak = {w: max(col(w, "peak_mb")) for w in done}
+    result.update(median=med, peak_mb=peak)
+    line = "RESULT ppo"
+    for w in done:
+        line += (f" {w}_eps={med[w]['eps']:.3f} {w}_eps_min={min(col(w, 'eps')):.3f} "
+                 f"{w}_eps_max={max(col(w, 'eps')):.3f}")
+    if done == sides and len(sides) == 2:
         ours, trl = med["ours"], med["trl"]
         ratio, ratio_cpu = ours["eps"] / trl["eps"], ours["eps_cpu"] / trl["eps_cpu"]
         per_rep = [a["eps"] / b["eps"] for a, b in zip(runs["ours"], runs["trl"])]
         print(f"\nours / TRL: episodes/s x{ratio:.2f} (ratio of medians; per repetition {min(per_rep):.2f}-"
               f"{max(per_rep):.2f}), x{ratio_cpu:.2f} (CPU time); rollout x{trl['rollout_s'] / ours['rollout_s']:.2f} "
               f"faster, update x{trl['update_s'] / ours['update_s']:.2f} faster; peak memory x{peak['ours'] / peak['trl']:.2f}")
-        line = (f"RESULT ppo ours_eps={ours['eps']:.3f} ours_eps_min={min(col('ours', 'eps')):.3f} "
-                f"ours_eps_max={max(col('ours', 'eps')):.3f} trl_eps={trl['eps']:.3f} "
-                f"trl_eps_min={min(col('trl', 'eps')):.3f} trl_eps_max={max(col('trl', 'eps')):.3f} "
-                f"ratio={ratio:.2f} ratio_min={min(per_rep):.2f} ratio_max={max(per_rep):.2f} ratio_cpu={ratio_cpu:.2f} "
-                f"ours_rollout_s={ours['rollout_s']:.2f} trl_rollout_s={trl['rollout_s']:.2f} "
-                f"ours_update_s={ours['update_s']:.2f} trl_update_s={trl['update_s']:.2f} "
-                f"ours_peak_mb={peak['ours']:.0f} trl_peak_mb={peak['trl']:.0f} "
-                f"ours_update_tflops_s={ours['update_tflops_s']:.4f} trl_update_tflops_s={trl['update_tflops_s']:.4f} "
-                f"reps={args.reps} device={s['device']}")
-        print(line)
-        result.update(median=med, peak_mb=peak, ratio=ratio, ratio_per_rep=per_rep, result_line=line)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+        line += (f" ratio={ratio:.2f} ratio_min={min(per_rep):.2f} ratio_max={max(per_rep):.2f} "
+                 f"ratio_cpu={ratio_cpu:.2f}")
+        result.update(ratio=ratio, ratio_per_rep=per_rep)
+    for key, digits in (("rollout_s", 2), ("update_s", 2)):
+        line += "".join(f" {w}_{key}={med[w][key]:.{digits}f}" for w in done)
+    line += "".join(f" {w}_peak_mb={peak[w]:.0f}" for w in done)
+    line += "".join(f" {w}_update_tflops_s={med[w]['update_tflops_s']:.4f}" for w in done)
+    line += "".join(f" {w}=failed" for w in failed) + f" reps={args.reps} device={s['device']} dtype={s['dtype']}"
+    print(line)
+    result["result_line"] = line
+    save()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

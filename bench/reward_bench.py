@@ -34,6 +34,10 @@ TRL samples batches at random). The bench prints the tokens each one pushes thro
     python bench/reward_bench.py --model FOLDER --device cuda --json out.json   # a GPU (bench/gpu_check.py)
     python bench/reward_bench.py --quick --model tiny --threads 1   # smoke test of the bench (seconds)
 
+--dtype bf16 runs both trainers under bf16 autocast, on the CPU too (bench/gpu_check.py's dry run).
+--json is rewritten after every trainer's run; a trainer that fails is recorded with its traceback
+(`failed`), not run again, and the others are still reported (exit code 1).
+
 CPU seconds are reported beside wall-clock seconds because on a machine busy with other work the
 wall clock follows the load more than the trainer.
 """
@@ -54,6 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.run_all import traceback_tail, write_json  # noqa: E402
 from pipeline.config import ModelConfig, RewardConfig  # noqa: E402
 from pipeline.reward_data import collate, encode_pairs, read_pairs, split_by_prompt  # noqa: E402
 
@@ -135,7 +140,7 @@ def worker_trl(spec: dict, grouped: bool = False) -> dict:
         gradient_accumulation_steps=spec["grad_accum"], num_train_epochs=1, learning_rate=spec["lr"],
         lr_scheduler_type="linear",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_length=spec["max_length"],
-        bf16=device.type == "cuda" and dtype == torch.bfloat16, fp16=False, use_cpu=device.type == "cpu",
+        bf16=dtype == torch.bfloat16, fp16=False, use_cpu=device.type == "cpu",  # bf16: autocast, on the CPU too
         gradient_checkpointing=spec["trl_gradient_checkpointing"], save_strategy="no", report_to=[],
         logging_steps=10, seed=spec["seed"], dataloader_num_workers=0, disable_tqdm=True, **grouping,
     )
@@ -221,23 +226,26 @@ def report_worker(side, spec_path: Path) -> None:
     print("BENCH_JSON " + json.dumps(result), flush=True)
 
 
-def run_worker(name: str, spec_path: Path) -> dict:
-    """Run one trainer in a fresh interpreter; it prints one 'BENCH_JSON {...}' line."""
+def run_worker(name: str, spec_path: Path) -> tuple[dict | None, str]:
+    """(result, '') of one trainer run in a fresh interpreter (it prints one 'BENCH_JSON {...}'
+    line), or (None, why: its exit code and traceback) when it fails."""
     env = dict(os.environ)
     if name != "ours":  # the TRL side needs datasets, which bench/gpu_check.py refuses to our side
         env.pop("RLHF_BLOCK_IMPORTS", None)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", name, "--spec", str(spec_path)],
-                          stdout=subprocess.PIPE, text=True, env=env)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH_JSON "):
-            return json.loads(line[len("BENCH_JSON "):])
-    raise RuntimeError(f"{name} worker failed (exit {proc.returncode}); its output:\n{proc.stdout[-3000:]}")
+            return json.loads(line[len("BENCH_JSON "):]), ""
+    why = f"exit {proc.returncode}\n" + traceback_tail(proc.stdout)
+    print(f"{name} worker FAILED ({why})", flush=True)
+    return None, why
 
 
 # --------------------------------------------------------------------------- driver
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="32 train / 16 held-out pairs")
     parser.add_argument("--model", default="default", help="'default', a model folder, or 'tiny' (smoke test)")
@@ -263,7 +271,7 @@ def main() -> None:
 
     if args.worker:  # inside a subprocess: run one trainer and report
         report_worker(SIDES[args.worker], Path(args.spec))
-        return
+        return 0
 
     if args.quick:  # at 512 tokens almost nothing is truncated (at 256, half the pairs would be)
         args.train_pairs, args.eval_pairs = 32, 16
@@ -302,20 +310,44 @@ def main() -> None:
         # Rounds rotate the order, so load changes on a shared machine hit every trainer alike.
         names = args.only.split(",") if args.only else list(SIDES)
         runs = {name: [] for name in names}
+        failed: dict[str, str] = {}  # trainer -> its exit code and traceback; not run again after a failure
+        output = {"results": {}, "runs": runs, "failed": failed, "rounds": args.rounds, "complete": False}
+
+        def save() -> None:  # after every run: a bench stopped half-way keeps the runs it finished
+            output["results"] = {name: median_result(rs) for name, rs in runs.items() if rs}
+            if args.json:
+                write_json(args.json, output)
+
+        save()
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                runs[name].append(run_worker(name, work / "spec.json"))
-                print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]['pairs_per_s']:.3f} pairs/s", flush=True)
-        res = {name: median_result(runs[name]) for name in names}
+                if name in failed:
+                    continue
+                run, why = run_worker(name, work / "spec.json")
+                if run is None:
+                    failed[name] = why
+                else:
+                    runs[name].append(run)
+                    print(f"round {r + 1}/{args.rounds} {name}: {run['pairs_per_s']:.3f} pairs/s", flush=True)
+                save()
+        output["complete"] = True
+        res = {name: median_result(runs[name]) for name in names if runs[name]}
 
     n_eval = len(held)
     for r in res.values():
         r["acc_lo"], r["acc_hi"] = wilson(round(r["accuracy"] * n_eval), n_eval)
+    output["results"] = res
     if set(res) != set(SIDES):  # a partial run: the table, no ratios
         report(res, args, n_eval)
+        for name, why in failed.items():
+            print(f"{name}: FAILED: {why.strip().splitlines()[-1]}")
+        line = ("RESULT reward" + "".join(f" {name}_pairs_s={r['pairs_per_s']:.3f}" for name, r in res.items())
+                + "".join(f" {name}=failed" for name in failed) + f" rounds={args.rounds}")
+        print(line)
+        output["result_line"] = line
         if args.json:
-            Path(args.json).write_text(json.dumps({"results": res, "runs": runs}, indent=1))
-        return
+            write_json(args.json, output)
+        return 1 if failed else 0
     ours, trl, grouped = res["ours"], res["trl"], res["trl_grouped"]
     report(res, args, n_eval)
     ratio = ours["pairs_per_s"] / trl["pairs_per_s"]
@@ -337,9 +369,10 @@ def main() -> None:
             f"ours_peak_mb={ours[f'peak_{peak}_mb']:.0f} trl_peak_mb={trl[f'peak_{peak}_mb']:.0f} peak={peak} "
             f"length_baseline={ours['length_baseline']:.3f} rounds={args.rounds}")
     print(line)
+    output.update(ratio=ratio, ratio_grouped=ratio_grouped, result_line=line)
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": res, "runs": runs, "ratio": ratio,
-                                               "ratio_grouped": ratio_grouped, "result_line": line}, indent=1))
+        write_json(args.json, output)
+    return 0
 
 
 def report(res: dict, args, n_eval: int) -> None:
@@ -359,4 +392,4 @@ SIDES = {"ours": worker_ours, "trl": worker_trl, "trl_grouped": lambda spec: wor
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
