@@ -195,7 +195,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # 2. Model: a new reward head on the base model, a previous reward model (--init-from), or this
     #    run's own checkpoint (--resume).
     if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
-        recover_folder(out_dir / "checkpoint")
+        if dist.is_main:  # one rank renames, the others wait (two renaming the same folder would race)
+            recover_folder(out_dir / "checkpoint")
+        dist.barrier()
     source = str(out_dir / "checkpoint") if resume else (init_from or model_cfg.model)
     model, tokenizer = load_scalar_model(source, "reward", load_cfg)
     train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
@@ -339,7 +341,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     if stopped:
         save()
         dist.barrier()  # the other ranks exit only once rank 0 has saved
-        write_status(out_dir, "cancelled", step, total, message=f"stopped by {stopped}; --resume continues")
+        write_status(out_dir, "cancelled", step, total, error=f"cancelled by {stopped}; --resume continues")
         return {"state": "cancelled", "step": step, "total": total}
 
     # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
