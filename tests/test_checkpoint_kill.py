@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import wait_for
 
@@ -70,11 +71,35 @@ def test_a_kill_during_checkpoint_writes_never_loses_the_last_good_checkpoint(ti
     train_steps = sorted({s for s in steps if s <= STEPS})
     assert train_steps == list(range(1, STEPS + 1))  # every step once, none lost to a kill
     assert not any(run_dir.glob(".checkpoint-*")), "a half-written folder was left behind"
+    wait_for(lambda: (run_dir / "eval_report.json").is_file(), timeout=5, what="the eval report")
+
+    # every resume continued from a whole checkpoint: the killed run trained exactly as one that was
+    # never killed (same losses step by step, same weights), which a resume from a half-written or
+    # stale checkpoint would not
+    straight = tmp_path / "straight"
+    with open(tmp_path / "log.txt", "ab") as log:
+        assert start([*args[:3], str(straight), *args[4:]], log).wait(timeout=300) == 0
+    assert train_losses(run_dir) == pytest.approx(train_losses(straight), rel=1e-4, abs=1e-6)
     from pipeline.models import load_scalar_model
 
-    model, _ = load_scalar_model(str(run_dir / "checkpoint"), kind="reward")
-    assert model is not None
-    wait_for(lambda: (run_dir / "eval_report.json").is_file(), timeout=5, what="the eval report")
+    killed = load_scalar_model(str(run_dir / "checkpoint"), kind="reward")[0].state_dict()
+    uninterrupted = load_scalar_model(str(straight / "checkpoint"), kind="reward")[0].state_dict()
+    assert killed.keys() == uninterrupted.keys()
+    for name, weight in uninterrupted.items():
+        assert torch.allclose(killed[name], weight, atol=1e-5), name
+    assert any(not torch.equal(w, load_scalar_model(str(tiny_model_dir), kind="reward")[0].state_dict()[n])
+               for n, w in uninterrupted.items() if "lora_B" in n)  # training moved the weights
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    """train/loss of each step, the last line for a step written twice (a kill after the metrics
+    line but before the checkpoint: the resumed run redoes the step)."""
+    losses = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "train/loss" in row:
+            losses[row["step"]] = row["train/loss"]
+    return [losses[step] for step in sorted(losses)]
 
 
 def test_recover_folder_puts_back_the_last_good_folder_and_drops_half_written_ones(tmp_path):

@@ -81,3 +81,37 @@ def test_sigterm_cancels_compare(compare_inputs, monkeypatch):
     status = read_status(out)
     assert status["state"] == "cancelled" and "SIGTERM" in status["error"]
     assert not (out / "result.json").exists()
+
+
+@pytest.mark.slow
+def test_a_policy_trained_on_the_reward_models_pairs_wins(tmp_path):
+    """Not a tie: DPO on the learned-reward task's pairs (tests/test_ppo_learned_reward.py) against
+    its starting model, judged by that task's reward model on held-out prompts. Both sides sample
+    with the same seed, so the win rate is the trained policy's, and every row's scores are the
+    reward model's scores of its texts (score_texts), from which the win rate is computed."""
+    from pipeline.compare import win_rate
+    from pipeline.scoring import score_texts
+    from tests.test_ppo_learned_reward import build_learned, run_dpo
+
+    learned = build_learned(tmp_path / "learned")
+    run_dpo(learned, tmp_path / "dpo", seed=0)
+    prompts = tmp_path / "held_out.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in learned["held_out"]))
+    model = learned["policy_cfg"].model
+    out = tmp_path / "run"
+    rc = cli(["compare", "--prompts", str(prompts), "--reward", learned["rm_dir"], "--max-new-tokens", "12",
+              "--device", "cpu", "--dtype", "fp32", "--out", str(out), "--a-model", model,
+              "--a-adapter", str(tmp_path / "dpo" / "policy"), "--a-name", "dpo", "--b-model", model])
+    assert rc == 0
+    result = json.loads((out / "result.json").read_text())
+    rows = result["rows"]
+    assert result["prompts"] == len(rows) == 32
+    texts_a, texts_b = [r["response_a"] for r in rows], [r["response_b"] for r in rows]
+    assert texts_a != texts_b
+    for side, texts in (("a", texts_a), ("b", texts_b)):
+        expected = score_texts(learned["rm"], learned["rm_tok"], [r["prompt"] for r in rows], texts)
+        assert [r[f"score_{side}"] for r in rows] == pytest.approx(expected, abs=1e-5)
+    rate, stderr = win_rate([r["score_a"] for r in rows], [r["score_b"] for r in rows])
+    assert (result["win_rate"], result["stderr"]) == (rate, stderr)
+    # the trained policy's responses carry more of what the reward model learned to reward
+    assert result["win_rate"] > 0.5 + 3 * result["stderr"] and result["mean_a"] > result["mean_b"], result

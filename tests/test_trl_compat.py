@@ -66,8 +66,18 @@ def test_reward_trainer_trains_on_an_export(ranked, tmp_path, tiny_model_dir, tr
     assert ("margin" in batch) == margin_column and "rank_gap" not in batch
     if margin_column:
         assert set(batch["margin"].tolist()) <= {1.0, 2.0}
+    # TRL read each row's chosen response as chosen and its rejected one as rejected, none dropped
+    assert len(trainer.train_dataset) == len(dataset)
+    for row, encoded in zip(dataset, trainer.train_dataset):
+        assert _reply(row["chosen"]) in tokenizer.decode(encoded["chosen_ids"]), row
+        assert _reply(row["rejected"]) in tokenizer.decode(encoded["rejected_ids"]), row
     result = trainer.train()
     assert trainer.state.global_step == 2 and math.isfinite(result.training_loss)
+
+
+def _reply(response) -> str:
+    """The response text of an exported pair's side: a string, or one assistant message."""
+    return (response if isinstance(response, str) else response[-1]["content"]).strip()
 
 
 @pytest.mark.parametrize("trl_format", ["conversational", "text"])
@@ -90,6 +100,10 @@ def test_dpo_trainer_trains_on_an_export(ranked, tmp_path, tiny_model_dir, trl_f
         assert prompt.endswith("<|im_start|>assistant\n")
     else:
         assert prompt.startswith("\n\nHuman: Hi\n\nAssistant: Hello!")
+    assert len(trainer.train_dataset) == len(dataset)
+    for row, encoded in zip(dataset, trainer.train_dataset):  # chosen as chosen, rejected as rejected
+        assert _reply(row["chosen"]) in tokenizer.decode(encoded["chosen_ids"]), row
+        assert _reply(row["rejected"]) in tokenizer.decode(encoded["rejected_ids"]), row
     result = trainer.train()
     assert trainer.state.global_step == 2 and math.isfinite(result.training_loss)
 
