@@ -30,6 +30,7 @@ from store import backup as store_backup
 from store import io as store_io
 from store.errors import DataError, StoreError
 from store.export import TRL_FORMATS, export_layout
+from store.import_items import import_items
 from store.versions import GUIDELINES_KEY
 
 
@@ -52,9 +53,15 @@ def _path(file) -> Path | None:
 # ------------------------------------------------------------------------- import
 
 
+IMPORT_ITEMS = {"items to rank": "items", "Label Studio export": "labelstudio"}
+"""The Import form's kinds that are items (store/import_items.py), and the format each reads."""
+IMPORT_KINDS = ("prompts", "pairs", *IMPORT_ITEMS)
+
+
 def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
-    """Import an uploaded prompts or pairs file, all or nothing. Returns (summary markdown, table of
-    row errors). On a bad file the table lists every problem and nothing is stored."""
+    """Import an uploaded file of prompts, pairs, items to rank or a Label Studio export, all or
+    nothing. Returns (summary markdown, table of row errors). On a bad file the table lists every
+    problem and nothing is stored."""
     admin(ctx, request)
     path = _path(file)
     if path is None:
@@ -70,8 +77,14 @@ def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
             result = store_io.import_pairs(ctx.store, path)
             summary = (f"**Imported {name}**: {result['pairs']} preference pairs "
                        f"({result['prompts_added']} new prompts).")
+        elif kind in IMPORT_ITEMS:
+            result = import_items(ctx.store, path, fmt=IMPORT_ITEMS[kind])
+            models = render.esc(", ".join(result["models"])) or "none named"
+            summary = (f"**Imported {name}**: {result['items']} items to rank ({result['queued']} in the queue, "
+                       f"{result['responses']} responses; models: {models})"
+                       + (f", {result['pairs']} pairs from its rankings" if result["pairs"] else "") + ".")
         else:
-            raise gr.Error(f"Unknown import kind {kind!r}: choose prompts or pairs.")
+            raise gr.Error(f"Unknown import kind {kind!r}: choose one of {', '.join(IMPORT_KINDS)}.")
     except DataError as exc:
         rows = problems_table(exc)
         more = f" (and {exc.more} more)" if exc.more else ""

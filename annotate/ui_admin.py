@@ -38,11 +38,14 @@ def data_tab(ctx: AppContext) -> dict:
         with gr.Tab("Team", elem_id="rl-tab-team"):
             team = ui_team.team_tab(ctx)
         with gr.Tab("Import"):
-            gr.Markdown("Upload **prompts** (`prompt` or chat `messages` column) or **preference pairs** "
-                        "(`prompt`/`chosen`/`rejected`, or HH-RLHF transcripts) as JSONL, CSV or Parquet. "
+            gr.Markdown("Upload **prompts** (`prompt` or chat `messages` column), **preference pairs** "
+                        "(`prompt`/`chosen`/`rejected`, or HH-RLHF transcripts) or **items to rank** (a prompt "
+                        "and 2–16 `responses`, each `{text, model}`; in CSV `response_1`… with `model_1`…) as "
+                        "JSONL, CSV or Parquet, or a **Label Studio export** (JSON) of a ranking project. "
                         "A file with any bad row is refused as a whole, with every problem listed.")
             with gr.Row():
-                kind = gr.Radio(["prompts", "pairs"], value="prompts", label="The file holds", scale=1)
+                kind = gr.Radio(list(a.IMPORT_KINDS), value="prompts", label="The file holds", scale=1,
+                                elem_id="rl-import-kind")
                 upload = gr.File(label="File", file_types=[".jsonl", ".json", ".csv", ".parquet"],
                                  elem_id="rl-import-file", scale=2)
             import_btn = gr.Button("Import", variant="primary", elem_id="rl-import", size="md")

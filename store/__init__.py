@@ -6,7 +6,7 @@
     store.save_ranking(annotator_id, item.prompt.id, [[r3], [r1, r2], [r4]])
 
 Import and export of files: store.io (import_prompts, import_pairs, export_pairs,
-load_pairs_snapshot). Command line: `python -m store --help`.
+load_pairs_snapshot), store.import_items (items to rank; Label Studio exports). Command line: `python -m store --help`.
 """
 
 from store.db import default_db_path

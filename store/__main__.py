@@ -10,6 +10,7 @@
     python -m store restore BACKUP                       check BACKUP, then put it in place of --db
     python -m store import-prompts FILE
     python -m store import-pairs FILE
+    python -m store import-items FILE [--from items|labelstudio]   prompts with 2..16 responses to rank
     python -m store export --format jsonl|parquet|datasets --out PATH [--trl-format conversational|text]
                            [--margin-column] [--license ID] [--min-quality Q] [--quality-weights] [filters]
     python -m store stats                                counts, agreement (per annotator too), gold accuracy
@@ -32,7 +33,7 @@ import sys
 
 from store.db import default_db_path
 from store.errors import DataError, InvalidRequest, NotFoundError, StoreLockedError
-from store.records import EXPORT_FORMATS, ROLES
+from store.records import EXPORT_FORMATS, ITEM_FORMATS, ROLES
 from store.export import MIN_WEIGHT, TRL_FORMATS
 from store.users import MIN_PASSWORD_CHARS, generate_password
 
@@ -66,10 +67,17 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("backup")
 
     for name, what in (("import-prompts", "prompts (a 'prompt' or 'messages' column)"),
-                       ("import-pairs", "preference pairs (TRL prompt/chosen/rejected, or HH-RLHF transcripts)")):
+                       ("import-pairs", "preference pairs (TRL prompt/chosen/rejected, or HH-RLHF transcripts)"),
+                       ("import-items", "items to rank: a prompt ('prompt' or 'messages') and 2..16 responses "
+                                        "('responses', or response_1..n with model_1..n), each with an optional "
+                                        "model name")):
         imp = sub.add_parser(name, help=f"import {what} from JSONL, CSV or Parquet")
         imp.add_argument("file")
         imp.add_argument("--max-mb", type=float, default=None, help="refuse files larger than this (MiB)")
+        if name == "import-items":
+            imp.add_argument("--from", dest="items_format", choices=ITEM_FORMATS, default="items",
+                             help="items (default): rows of a prompt and its responses; labelstudio: a Label "
+                                  "Studio JSON export of a ranking project (its rankings come in as pairs)")
 
     exp = sub.add_parser(
         "export", help="export pairs (TRL preference format), rankings and a dataset card; record the snapshot",
@@ -179,10 +187,16 @@ def _run(store, args) -> int:
         info = backup(store, args.path, overwrite=args.overwrite)
         rows = sum(n for n, _ in info["tables"].values())
         print(f"backed up {len(info['tables'])} tables ({rows} rows, {info['bytes']} bytes) to {info['path']}")
-    elif args.command in ("import-prompts", "import-pairs"):
+    elif args.command in ("import-prompts", "import-pairs", "import-items"):
         limit = {} if args.max_mb is None else {"max_bytes": int(args.max_mb * 1024 * 1024)}
-        fn = io.import_prompts if args.command == "import-prompts" else io.import_pairs
-        print(json.dumps(fn(store, args.file, **limit), indent=2))
+        if args.command == "import-items":
+            from store.import_items import import_items
+
+            result = import_items(store, args.file, fmt=args.items_format, **limit)
+        else:
+            fn = io.import_prompts if args.command == "import-prompts" else io.import_pairs
+            result = fn(store, args.file, **limit)
+        print(json.dumps(result, indent=2))
     elif args.command == "export":
         snap = io.export_pairs(
             store, args.out, args.format, rounds=args.rounds, annotators=args.annotators,

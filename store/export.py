@@ -19,6 +19,8 @@ card; read snapshots back without a Store.
     annotator                            annotator name (None for imported pairs)
     prompt_id, chosen_id, rejected_id    store ids
     chosen_model_version, rejected_model_version   ids of the model versions that wrote them
+    chosen_model, rejected_model         their names (an imported response's model or source name:
+                                         a version of kind 'external', store/import_items.py)
     pair_id, ranking_id, all_bad, agreement, source, round, created_at, split
 
 `agreement` is the share of the item's rankings that put `chosen` strictly above `rejected`
@@ -38,7 +40,7 @@ counts['left_out_empty']; the store keeps them, and the rankings file keeps thei
 
 Beside the pairs, the rankings that pass the same filters (min_agreement, include_imported and
 include_empty concern pairs only), one row each (RANKING_COLUMNS): the prompt (in the pairs' TRL format),
-the item's responses with their model versions, the full order best -> worst as tie groups of
+the item's responses with their model versions (ids and names), the full order best -> worst as tie groups of
 response ids, the display order the annotator saw, all_bad, annotator, duration, comment, round,
 created_at, and the split of its prompt. A ranking whose responses are all tied has no pair but
 is there. And a dataset card (store/card.py): counts, annotators, agreement, license, snapshot
@@ -89,13 +91,14 @@ from store.records import EXPORT_FORMATS, Snapshot
 
 TRL_FORMATS = ("conversational", "text")
 COLUMNS = ["prompt", "chosen", "rejected", "rank_gap", "annotator", "prompt_id", "chosen_id",
-           "rejected_id", "chosen_model_version", "rejected_model_version", "pair_id", "ranking_id",
-           "all_bad", "agreement", "source", "round", "created_at", "split"]
+           "rejected_id", "chosen_model_version", "rejected_model_version", "chosen_model", "rejected_model",
+           "pair_id", "ranking_id", "all_bad", "agreement", "source", "round", "created_at", "split"]
 """Columns of the pairs, in order (`margin` with margin_column=True, then `weight` with
 quality_weights=True, follow `rank_gap`)."""
 RANKING_COLUMNS = ["ranking_id", "item_id", "prompt_id", "prompt", "responses", "order", "display_order",
                    "all_bad", "annotator", "duration_s", "comment", "round", "created_at", "split"]
-"""Columns of the rankings; `responses` is a list of {response_id, text, model_version}."""
+"""Columns of the rankings; `responses` is a list of {response_id, text, model_version, model}
+(`model`: the version's name)."""
 _SUFFIX = {"jsonl": ".jsonl", "parquet": ".parquet"}
 MIN_COMPARISONS = 10
 """Response pairs a quality must rest on before min_quality or quality_weights act on it: at 10,

@@ -24,11 +24,13 @@ _WRITE = """
     SELECT {prompt} AS prompt, {chosen} AS chosen, {rejected} AS rejected, s.margin AS rank_gap, {margin} {weight}
            a.name AS annotator, s.prompt_id, s.chosen_id, s.rejected_id,
            c.model_version_id AS chosen_model_version, r.model_version_id AS rejected_model_version,
-           s.pair_id, s.ranking_id, s.all_bad, s.agreement, s.source, s.round_id AS round, {time}, s.split
+           cm.name AS chosen_model, rm.name AS rejected_model, s.pair_id, s.ranking_id, s.all_bad, s.agreement, s.source, s.round_id AS round, {time}, s.split
     FROM _export s
     JOIN prompts p ON p.id = s.prompt_id
     JOIN responses c ON c.id = s.chosen_id
     JOIN responses r ON r.id = s.rejected_id
+    JOIN model_versions cm ON cm.id = c.model_version_id
+    JOIN model_versions rm ON rm.id = r.model_version_id
     LEFT JOIN annotators a ON a.id = s.annotator_id
     LEFT JOIN _export_prompts m ON m.prompt_id = s.prompt_id
     {where}
@@ -36,9 +38,10 @@ _WRITE = """
 """
 _WRITE_RANKINGS = """
     WITH resp AS (
-        SELECT item_id, list({{'response_id': id, 'text': text, 'model_version': model_version_id}}
-                            ORDER BY id) AS responses
-        FROM responses WHERE item_id IN (SELECT item_id FROM _export_rankings) GROUP BY item_id)
+        SELECT x.item_id, list({{'response_id': x.id, 'text': x.text, 'model_version': x.model_version_id,
+                                 'model': mv.name}} ORDER BY x.id) AS responses
+        FROM responses x JOIN model_versions mv ON mv.id = x.model_version_id
+        WHERE x.item_id IN (SELECT item_id FROM _export_rankings) GROUP BY x.item_id)
     SELECT k.ranking_id, k.item_id, k.prompt_id, {prompt} AS prompt, resp.responses,
            k.order_groups AS "order", k.display_order, k.all_bad, a.name AS annotator, k.duration_s,
            k.comment, k.round_id AS round, {time}, k.split

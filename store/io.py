@@ -1,4 +1,5 @@
-"""Import prompts and preference pairs from files; export pairs (store/export.py).
+"""Import prompts and preference pairs from files; export pairs (store/export.py). Items to rank
+are imported by store/import_items.py, with the readers and checks of this module.
 
 Formats, chosen by the file extension:
 - JSON Lines (.jsonl, .ndjson; .json holding one JSON array also works), one object per line;
@@ -46,6 +47,9 @@ DEFAULT_MAX_CHARS = 100_000
 MAX_ERRORS = 50
 """Problems collected before giving up on a file."""
 ASSISTANT_MARK = "\n\nAssistant:"
+MIN_RESPONSES, MAX_RESPONSES = 2, 16
+"""How many responses an imported item to rank holds (store/import_items.py)."""
+MAX_MODEL_CHARS = 200
 
 __all__ = ["import_prompts", "import_pairs", "export_pairs", "load_pairs_snapshot", "read_rows",
            "snapshot_sha256", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CHARS"]
@@ -223,6 +227,27 @@ def _source(row: dict, default: str) -> str:
 # ---------------------------------------------------------------- prompts
 
 
+def prompt_of(row: dict, n: int, problems: _Problems, max_chars: int) -> tuple[str, str | None] | None:
+    """(text, messages as JSON or None) of a row's `messages` (chat) or `prompt` (text), or None
+    after recording why it is unusable."""
+    messages = row.get("messages")
+    if messages is not None and messages != "":
+        problem = check_messages(messages)
+        if problem:
+            problems.add(n, problem)
+            return None
+        text = messages_to_text(messages)
+        if len(text) > max_chars:
+            problems.add(n, f"'messages' has {len(text):,} characters, over the limit of {max_chars:,}")
+            return None
+        return text, json.dumps(messages, ensure_ascii=False)
+    if "prompt" not in row:
+        problems.add(n, f"missing 'prompt' (or 'messages'); columns: {sorted(row)}")
+        return None
+    text = _text(row, "prompt", n, problems, max_chars)
+    return None if text is None else (text, None)
+
+
 def import_prompts(store, path, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    max_chars: int = DEFAULT_MAX_CHARS, source: str | None = None) -> dict:
     """Import prompts from a file (all or nothing). Prompts already stored (same text) are not
@@ -232,27 +257,43 @@ def import_prompts(store, path, *, max_bytes: int = DEFAULT_MAX_BYTES,
     problems = _Problems(path)
     checked = []
     for n, row in read_rows(path, max_bytes=max_bytes):
-        messages = row.get("messages")
-        if messages is not None and messages != "":
-            problem = check_messages(messages)
-            if problem:
-                problems.add(n, problem)
-                continue
-            text = messages_to_text(messages)
-            if len(text) > max_chars:
-                problems.add(n, f"'messages' has {len(text):,} characters, over the limit of {max_chars:,}")
-                continue
-            checked.append((text, json.dumps(messages, ensure_ascii=False), _source(row, default_source)))
-        else:
-            if "prompt" not in row:
-                problems.add(n, f"missing 'prompt' (or 'messages'); columns: {sorted(row)}")
-                continue
-            text = _text(row, "prompt", n, problems, max_chars)
-            if text is not None:
-                checked.append((text, None, _source(row, default_source)))
+        prompt = prompt_of(row, n, problems, max_chars)
+        if prompt is not None:
+            checked.append((*prompt, _source(row, default_source)))
     problems.raise_if_any()
     _, added = store._add_prompt_rows(checked)
     return {"file": str(path), "rows": len(checked), "added": added, "duplicates": len(checked) - added}
+
+
+# ---------------------------------------------------------------- responses of items to rank
+
+
+def check_responses(responses: list[tuple[str | None, object]], n: int, problems: _Problems,
+                    max_chars: int, what: str = "response") -> list[tuple[str, str | None]] | None:
+    """[(text, model name or None)] of a row's (text, model) entries, or None after recording
+    what is wrong: their number, an unusable text or model name, identical texts."""
+    if not MIN_RESPONSES <= len(responses) <= MAX_RESPONSES:
+        problems.add(n, f"{len(responses)} {what}s: an item has {MIN_RESPONSES} to {MAX_RESPONSES}")
+        return None
+    out = []
+    for i, (text, model) in enumerate(responses, 1):
+        text = _text({f"{what} {i}": text}, f"{what} {i}", n, problems, max_chars)
+        if model is not None and not isinstance(model, str):
+            problems.add(n, f"the model of {what} {i} must be text, got {type(model).__name__}")
+            text = None
+        elif isinstance(model, str) and len(model.strip()) > MAX_MODEL_CHARS:
+            problems.add(n, f"the model name of {what} {i} is over {MAX_MODEL_CHARS} characters")
+            text = None
+        if text is None:
+            return None
+        out.append((text, model.strip() if isinstance(model, str) and model.strip() else None))
+    first: dict[str, int] = {}
+    for i, (text, _) in enumerate(out, 1):
+        if text in first:
+            problems.add(n, f"{what}s {first[text]} and {i} are identical: an item ranks different responses")
+            return None
+        first[text] = i
+    return out
 
 
 # ---------------------------------------------------------------- pairs

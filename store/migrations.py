@@ -14,7 +14,8 @@ Design notes on the schema (DuckDB):
   (DuckDB scans the rest fast enough; each index slows bulk inserts).
 - JSON columns hold dicts/lists as JSON text. Timestamps are TIMESTAMP in UTC.
 - A response belongs to an *item* (one generation call: one prompt, one model version, K
-  responses). Items are what annotators rank; imported pairs are items that are not queued.
+  responses; or one imported row, whose responses may each name their own version). Items are
+  what annotators rank; imported pairs are items that are not queued.
 """
 
 from __future__ import annotations
@@ -207,6 +208,30 @@ MIGRATIONS: list[tuple[str, str]] = [
             source VARCHAR NOT NULL,
             created_at TIMESTAMP NOT NULL
         );
+        """,
+    ),
+    (
+        # Imported items to rank: a response's model may be one this store never ran (an API, a
+        # production model, another team's), recorded as a model version of kind 'external'.
+        # DuckDB cannot change a CHECK constraint in place, so the table is rebuilt with its rows.
+        "0004_external_model_versions",
+        """
+        CREATE TABLE model_versions_new (
+            id BIGINT PRIMARY KEY,
+            kind VARCHAR NOT NULL CHECK (kind IN ('policy', 'reward', 'critic', 'external')),
+            name VARCHAR NOT NULL UNIQUE,
+            parent_id BIGINT,
+            path VARCHAR,
+            base_model VARCHAR,
+            run_id BIGINT,
+            snapshot_id BIGINT,
+            reward_version_id BIGINT,
+            meta JSON NOT NULL,
+            created_at TIMESTAMP NOT NULL
+        );
+        INSERT INTO model_versions_new SELECT * FROM model_versions;
+        DROP TABLE model_versions;
+        ALTER TABLE model_versions_new RENAME TO model_versions;
         """,
     ),
 ]

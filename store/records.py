@@ -2,7 +2,8 @@
 
 Timestamps are timezone-aware datetimes in UTC. Ids are plain ints. JSON columns come back as
 dicts/lists. An *item* is what an annotator ranks: one prompt with the K >= 2 responses that one
-model version produced for it in one generation call (`Store.add_responses`).
+model version produced for it in one generation call (`Store.add_responses`), or that an imported
+row brought, each from the model it names (store/import_items.py).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 ROLES = ("annotator", "admin")
-MODEL_KINDS = ("policy", "reward", "critic")
+MODEL_KINDS = ("policy", "reward", "critic", "external")
 RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 RUN_FINAL = ("done", "failed", "cancelled")
 ROUND_STATUSES = ("generating", "annotating", "training", "done", "failed", "cancelled")
 EXPORT_FORMATS = ("jsonl", "parquet", "datasets")
+ITEM_FORMATS = ("items", "labelstudio")
+"""What an items file holds (store/import_items.py): rows of items, or a Label Studio JSON export."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class Prompt:
 class ModelVersion:
     id: int
     kind: str
-    """policy | reward | critic"""
+    """policy | reward | critic | external (a model outside this store that wrote imported responses)"""
     name: str
     parent_id: int | None
     """The version it was trained from (a policy's starting policy, a critic's reward model)."""
@@ -211,6 +214,23 @@ class RankingIn:
     duration_s: float | None = None
     client_token: str | None = None
     comment: str = ""
+
+
+@dataclass(frozen=True)
+class ItemIn:
+    """One checked row of an items file to store (`Store._import_item_rows`, store/import_items.py)."""
+
+    n: int
+    """The row's number in its file (for errors)."""
+    prompt: str
+    messages: str | None
+    """The chat messages as JSON text, or None for a text prompt."""
+    source: str
+    responses: list[tuple[str, str | None]]
+    """(text, model name or None) in the file's order."""
+    queued: bool = True
+    orders: list[list[list[int]]] = field(default_factory=list)
+    """Rankings made in another tool: tie groups of indices into `responses`, best first."""
 
 
 @dataclass(frozen=True)

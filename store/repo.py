@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from store.db import StoreBase, dumps, from_db_time, loads, registered, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
+from store.pairs import ranking_to_pairs
 from store.queue import QueueMixin, display_order_for
 from store.records import Item, Prompt, Response
 from store.rankings import RankingsMixin
@@ -27,6 +28,10 @@ from store.versions import VersionsMixin
 
 CHAT_ROLES = ("system", "user", "assistant")
 
+_PAIR_TYPES = {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
+               "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
+               "annotator_id": pa.int64(), "all_bad": pa.bool_(), "source": pa.string(),
+               "created_at": pa.timestamp("us")}
 _PROMPT_COLS = "id, text, messages, source, round_id, created_at"
 _RESPONSE_COLS = "id, prompt_id, item_id, model_version_id, text, token_count, finish_reason, sampling, created_at"
 
@@ -209,21 +214,27 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
         row = cur.execute("SELECT kind FROM model_versions WHERE id = ?", [model_version_id]).fetchone()
         if row is None:
             raise NotFoundError(f"no model version with id {model_version_id}")
-        if row[0] != "policy":
-            raise InvalidRequest(f"model version {model_version_id} is a {row[0]}; responses come from policies")
+        if row[0] not in ("policy", "external"):
+            raise InvalidRequest(f"model version {model_version_id} is a {row[0]}; responses come from policies "
+                                 "(or external models, for imported items)")
 
-    def _insert_items(self, cur, model_version_id, batches, round_id, queued):
-        """Inside a transaction: one item per (prompt_id, rows) batch.
+    def _insert_items(self, cur, model_version_id, batches, round_id, queued, response_versions=None):
+        """Inside a transaction: one item per (prompt_id, rows) batch, its responses written by
+        `model_version_id`, or each by its own version (response_versions: one list of version ids
+        per batch). `queued`: one bool for all items, or one per batch.
         Returns (item ids, [response ids of each batch])."""
         item_ids = self._reserve_ids(cur, "items_id_seq", len(batches))
         n = sum(len(rs) for _, rs in batches)
         resp_ids = self._reserve_ids(cur, "responses_id_seq", n)
         now = utcnow()
+        queued = [queued] * len(batches) if isinstance(queued, bool) else list(queued)
+        versions = ([model_version_id] * n if response_versions is None
+                    else [v for vs in response_versions for v in vs])
         self._insert_arrow(cur, "items", {
             "id": item_ids, "prompt_id": [pid for pid, _ in batches],
             "model_version_id": [model_version_id] * len(batches), "round_id": [round_id] * len(batches),
             "n_responses": [len(rs) for _, rs in batches],
-            "queued": [bool(queued) and len(rs) >= 2 for _, rs in batches],
+            "queued": [bool(q) and len(rs) >= 2 for q, (_, rs) in zip(queued, batches)],
             "created_at": [now] * len(batches),
         }, {"id": pa.int64(), "prompt_id": pa.int64(), "model_version_id": pa.int64(),
             "round_id": pa.int64(), "n_responses": pa.int32(), "queued": pa.bool_(),
@@ -231,7 +242,7 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
         flat = [(iid, pid, r) for iid, (pid, rs) in zip(item_ids, batches) for r in rs]
         self._insert_arrow(cur, "responses", {
             "id": resp_ids, "item_id": [f[0] for f in flat], "prompt_id": [f[1] for f in flat],
-            "model_version_id": [model_version_id] * n, "text": [f[2][0] for f in flat],
+            "model_version_id": versions, "text": [f[2][0] for f in flat],
             "token_count": [f[2][1] for f in flat], "finish_reason": [f[2][2] for f in flat],
             "sampling": [dumps(f[2][3]) for f in flat], "created_at": [now] * n,
         }, {"id": pa.int64(), "item_id": pa.int64(), "prompt_id": pa.int64(),
@@ -293,15 +304,9 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
         not queued, with responses (chosen, rejected) and one pair (annotator None, source
         'import:<file name>'); prompts are deduplicated by text as in add_prompts.
         """
-        name = f"import:{file_name}:{sha256[:8]}"
         now = utcnow()
         with self._tx() as cur:
-            if cur.execute("SELECT 1 FROM model_versions WHERE name = ?", [name]).fetchall():
-                raise DataError(file_name, [(None, f"this file was already imported (model version {name!r})")])
-            mv_id = cur.execute(
-                "INSERT INTO model_versions (id, kind, name, meta, created_at) "
-                "VALUES (nextval('model_versions_id_seq'), 'policy', ?, ?, ?) RETURNING id",
-                [name, dumps({"imported_from": file_name, "sha256": sha256, "rows": len(rows)}), now]).fetchall()[0][0]
+            mv_id = self._file_version(cur, "policy", file_name, sha256, {"rows": len(rows)}, now)
             prompt_ids, added = self._insert_prompts(cur, [(r[0], None, r[4]) for r in rows])
             batches = [(pid, [(r[1], None, "import", {}), (r[2], None, "import", {})])
                        for pid, r in zip(prompt_ids, rows)]
@@ -313,9 +318,102 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
                 "margin": [float(r[3]) for r in rows], "ranking_id": [None] * len(rows),
                 "annotator_id": [None] * len(rows), "all_bad": [False] * len(rows),
                 "source": [f"import:{file_name}"] * len(rows), "created_at": [now] * len(rows),
-            }, {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
-                "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
-                "annotator_id": pa.int64(), "all_bad": pa.bool_(), "source": pa.string(),
-                "created_at": pa.timestamp("us")})
+            }, _PAIR_TYPES)
         return {"rows": len(rows), "pairs": len(rows), "prompts_added": added,
                 "prompts_existing": len(set(prompt_ids)) - added, "model_version_id": mv_id}
+
+    # ------------------------------------------------------------------ imported items to rank
+
+    def _import_item_rows(self, file_name: str, sha256: str, fmt: str, rows: list) -> dict:
+        """Store checked items (store/import_items.py reads and checks the file) in one transaction.
+
+        `rows`: ImportRow records (row number, prompt text, messages JSON, source, [(text, model
+        name or None)], queued, orders over response indices). The file gets a model version of
+        kind 'external' named 'import:<file name>:<first 8 hex of its SHA-256>' (meta: file, hash,
+        rows, format): the items' version, and the version of every response without a model
+        name. Each model name is a version of that name: an existing policy or external version,
+        else a new external one. Importing the same file twice, or an item whose prompt already
+        has an item of exactly these response texts, is refused naming the row. An order (a
+        ranking made in another tool) becomes pairs like an imported pair's: no ranking, no
+        annotator, source 'import:<file name>', margin the rank gap.
+        """
+        now = utcnow()
+        with self._tx() as cur:
+            file_mv = self._file_version(cur, "external", file_name, sha256, {"rows": len(rows), "format": fmt}, now)
+            versions, created = self._external_versions(cur, file_name, rows, now)
+            prompt_ids, added = self._insert_prompts(cur, [(r.prompt, r.messages, r.source) for r in rows])
+            self._refuse_stored_items(cur, file_name, rows, prompt_ids)
+            batches = [(pid, [(text, None, "import", {}) for text, _ in r.responses])
+                       for pid, r in zip(prompt_ids, rows)]
+            response_versions = [[file_mv if m is None else versions[m] for _, m in r.responses] for r in rows]
+            item_ids, resp_ids = self._insert_items(cur, file_mv, batches, None, [r.queued for r in rows],
+                                                    response_versions)
+            pairs = [(pid, iid, rids[c], rids[j], gap)
+                     for pid, iid, rids, r in zip(prompt_ids, item_ids, resp_ids, rows)
+                     for order in r.orders for c, j, gap in ranking_to_pairs(order)]
+            self._insert_arrow(cur, "pairs", {
+                "id": self._reserve_ids(cur, "pairs_id_seq", len(pairs)), "prompt_id": [p[0] for p in pairs],
+                "item_id": [p[1] for p in pairs], "chosen_id": [p[2] for p in pairs],
+                "rejected_id": [p[3] for p in pairs], "margin": [float(p[4]) for p in pairs],
+                "ranking_id": [None] * len(pairs), "annotator_id": [None] * len(pairs),
+                "all_bad": [False] * len(pairs), "source": [f"import:{file_name}"] * len(pairs),
+                "created_at": [now] * len(pairs),
+            }, _PAIR_TYPES)
+            new_items = [(iid, pid, rids) for iid, pid, rids, r in zip(item_ids, prompt_ids, resp_ids, rows)
+                         if r.queued]
+
+            def follow(q):
+                for iid, pid, rids in new_items:
+                    q.add_item(iid, pid, rids)
+
+            self._on_commit(follow if len(new_items) <= 20_000 else None)
+        return {"rows": len(rows), "items": len(rows), "queued": len(new_items),
+                "responses": sum(len(r.responses) for r in rows), "prompts_added": added,
+                "prompts_existing": len(set(prompt_ids)) - added, "pairs": len(pairs),
+                "models": sorted(versions), "models_created": created, "model_version_id": file_mv}
+
+    def _external_versions(self, cur, file_name: str, rows: list, now) -> tuple[dict[str, int], list[str]]:
+        """Inside a transaction: {model name: version id} for every model the rows name (an existing
+        policy or external version of that name, else a new external one), and the names created."""
+        names = sorted({m for r in rows for _, m in r.responses if m is not None})
+        found = {n: (i, k) for i, n, k in cur.execute(
+            "SELECT id, name, kind FROM model_versions WHERE name IN (SELECT unnest(?))", [names]).fetchall()}
+        wrong = [(n, k) for n, (_, k) in found.items() if k not in ("policy", "external")]
+        if wrong:
+            raise DataError(file_name, [(r.n, f"model {n!r} is a {k} model version of this store, which writes no "
+                                              "responses: name the response's model otherwise")
+                                        for n, k in wrong for r in rows if any(m == n for _, m in r.responses)][:50])
+        versions = {n: i for n, (i, _) in found.items()}
+        created = [n for n in names if n not in versions]
+        for n in created:
+            versions[n] = self._new_version(cur, "external", n, {"first_imported_from": file_name}, now)
+        return versions, created
+
+    def _file_version(self, cur, kind: str, file_name: str, sha256: str, meta: dict, now) -> int:
+        """Inside a transaction: the version an imported file's responses get, named
+        'import:<file name>:<first 8 hex of its SHA-256>'; a file imported before is refused."""
+        name = f"import:{file_name}:{sha256[:8]}"
+        if cur.execute("SELECT 1 FROM model_versions WHERE name = ?", [name]).fetchall():
+            raise DataError(file_name, [(None, f"this file was already imported (model version {name!r})")])
+        return self._new_version(cur, kind, name, {"imported_from": file_name, "sha256": sha256, **meta}, now)
+
+    @staticmethod
+    def _new_version(cur, kind: str, name: str, meta: dict, now) -> int:
+        return cur.execute(
+            "INSERT INTO model_versions (id, kind, name, meta, created_at) "
+            "VALUES (nextval('model_versions_id_seq'), ?, ?, ?, ?) RETURNING id",
+            [kind, name, dumps(meta), now]).fetchall()[0][0]
+
+    def _refuse_stored_items(self, cur, file_name: str, rows: list, prompt_ids: list[int]) -> None:
+        """Inside a transaction: DataError naming each row whose prompt already has an item of
+        exactly the same response texts."""
+        stored: dict[tuple[int, tuple[str, ...]], int] = {}
+        for item_id, pid, texts in cur.execute(
+                "SELECT item_id, any_value(prompt_id), list(text ORDER BY text) FROM responses "
+                "WHERE prompt_id IN (SELECT unnest(?)) GROUP BY item_id", [sorted(set(prompt_ids))]).fetchall():
+            stored.setdefault((pid, tuple(texts)), item_id)
+        problems = [(r.n, f"already stored: item {stored[key]} has this prompt and these responses")
+                    for pid, r in zip(prompt_ids, rows)
+                    if (key := (pid, tuple(sorted(t for t, _ in r.responses)))) in stored]
+        if problems:
+            raise DataError(file_name, problems[:50], more=max(0, len(problems) - 50))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["CHROMIUM", "chromium_browser", "login", "serve"]
+__all__ = ["CHROMIUM", "chromium_browser", "download_export", "login", "serve", "served_store"]
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -36,6 +36,38 @@ def serve(ctx):
         yield f"http://127.0.0.1:{port}/"
     finally:
         demo.close()
+
+
+@contextmanager
+def served_store(folder: Path, seed=None):
+    """A store in `folder` with the accounts boss (admin, 'boss-password') and ann
+    ('ann-password'), seeded by seed(store) if given, served with sign-in; yields (url, store)."""
+    from annotate.context import AppContext
+    from store import Store
+
+    store = Store(folder / "rlhf.duckdb")
+    try:
+        store.add_annotator("boss", "boss-password", role="admin")
+        store.add_annotator("ann", "ann-password")
+        if seed is not None:
+            seed(store)
+        with serve(AppContext(store=store, auth=True, data_dir=folder)) as url:
+            yield url, store
+    finally:
+        store.close()
+
+
+def download_export(page) -> list[dict]:
+    """Data > Export with the form as it is: the rows of the pairs file it offers first (JSONL)."""
+    import json
+
+    page.get_by_role("tab", name="Export").click()
+    page.click("#rl-export")
+    link = page.locator("#rl-export-file a").first
+    link.wait_for(timeout=15_000)
+    with page.expect_download() as info:
+        link.click()
+    return [json.loads(line) for line in Path(info.value.path()).read_text().splitlines()]
 
 
 @pytest.fixture(scope="module", name="browser")

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
-from store import Store
-from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
+from tests.fixtures_browser import chromium_browser, download_export, login, served_store  # noqa: F401  (the fixture `browser`)
 
 pytestmark = pytest.mark.browser
 
@@ -28,20 +26,15 @@ K = 3
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """(url, store) of the app served in this process, seeded with 6 items of K=3 responses."""
-    from annotate.context import AppContext
+    def seed(store):
+        mv = store.register_model_version("policy", "seed-policy", base_model="tiny")
+        for i in range(6):
+            (pid,) = store.add_prompts([f"\n\nHuman: question {i} {XSS[0]}\n\nAssistant: earlier answer {XSS[1]}"
+                                        f"\n\nHuman: and then?\n\nAssistant:"])
+            store.add_responses(pid, mv.id, [f"reply {i}.{j} {XSS[j % 2]}" for j in range(K)])
 
-    folder = tmp_path_factory.mktemp("app")
-    store = Store(folder / "rlhf.duckdb")
-    store.add_annotator("boss", "boss-password", role="admin")
-    store.add_annotator("ann", "ann-password")
-    mv = store.register_model_version("policy", "seed-policy", base_model="tiny")
-    for i in range(6):
-        (pid,) = store.add_prompts([f"\n\nHuman: question {i} {XSS[0]}\n\nAssistant: earlier answer {XSS[1]}"
-                                    f"\n\nHuman: and then?\n\nAssistant:"])
-        store.add_responses(pid, mv.id, [f"reply {i}.{j} {XSS[j % 2]}" for j in range(K)])
-    with serve(AppContext(store=store, auth=True, data_dir=folder)) as url:
-        yield url, store
-    store.close()
+    with served_store(tmp_path_factory.mktemp("app"), seed) as app:
+        yield app
 
 
 def token(page) -> str:
@@ -133,13 +126,7 @@ def test_admin_imports_and_downloads_a_jsonl_export(app, browser, tmp_path):
     page.wait_for_selector("#rl-import-msg :text('Imported new_prompts.jsonl')", timeout=10_000)
     assert store.counts()["prompts"] == n_prompts + 3
 
-    page.get_by_role("tab", name="Export").click()
-    page.click("#rl-export")
-    link = page.locator("#rl-export-file a").first
-    link.wait_for(timeout=15_000)
-    with page.expect_download() as info:
-        link.click()
-    rows = [json.loads(line) for line in Path(info.value.path()).read_text().splitlines()]
+    rows = download_export(page)
     stored = store.list_pairs()
     assert sorted(r["pair_id"] for r in rows) == sorted(p.id for p in stored if not p.all_bad)
     texts = {r.id: r.text for p in store.list_prompts(limit=100) for r in store.prompt_responses(p.id)}

@@ -1,5 +1,5 @@
 """Fuzzing with hypothesis: ranking strings, the importers (JSONL, CSV, Parquet; TRL explicit and
-conversational, HH transcripts, garbage bytes), the export filters, every admin handler, and every
+conversational, HH transcripts, items to rank, Label Studio exports, garbage bytes), the export filters, every admin handler, and every
 HTTP endpoint with random arguments. Each bad input must get a clear error naming the problem
 (gr.Error / DataError / InvalidRequest, never a crash), and leave the store unchanged (a checksum
 of every table). Bounded: each test has its max_examples and deadline; all of them together take
@@ -26,6 +26,7 @@ from annotate.context import AppContext
 from store import Store, io
 from store.backup import store_checksums
 from store.errors import DataError, StoreError
+from store.import_items import import_items
 from tests.fixtures_browser import serve
 from tests.fixtures_store import seed_items
 from tests.helpers import req
@@ -40,7 +41,11 @@ messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "ass
                                            "content": st.text(max_size=20)}), max_size=3)
 hh = st.builds(lambda a, b: f"\n\nHuman: {a}\n\nAssistant: {b}", st.text(max_size=15), st.text(max_size=15))
 values = st.one_of(scalars, hh, messages, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=5), scalars, max_size=2))
-FIELDS = ["prompt", "messages", "chosen", "rejected", "margin", "source", "text"]
+FIELDS = ["prompt", "messages", "chosen", "rejected", "margin", "source", "text", "responses", "response_1",
+          "response_2", "model_1", "data", "annotations"]
+IMPORTERS = {"prompts": io.import_prompts, "pairs": io.import_pairs,
+             "items": lambda store, path: import_items(store, path),
+             "labelstudio": lambda store, path: import_items(store, path, fmt="labelstudio")}
 rows = st.lists(st.dictionaries(st.sampled_from(FIELDS), values, max_size=5), min_size=0, max_size=4)
 
 
@@ -113,12 +118,12 @@ def _write(path: Path, fmt: str, data: list[dict]) -> bool:
 
 
 @settings(max_examples=60, **BOUNDED)
-@given(data=rows, fmt=st.sampled_from(["jsonl", "csv", "parquet"]), kind=st.sampled_from(["prompts", "pairs"]))
+@given(data=rows, fmt=st.sampled_from(["jsonl", "csv", "parquet"]), kind=st.sampled_from(list(IMPORTERS)))
 def test_fuzz_importers(ctx, tmp_path, data, fmt, kind):
     path = tmp_path / f"fuzz.{fmt}"
     if not _write(path, fmt, data):
         return
-    fn = io.import_prompts if kind == "prompts" else io.import_pairs
+    fn = IMPORTERS[kind]
     exc = _unchanged_unless_ok(ctx, lambda: fn(ctx.store, path), allowed=(DataError,))
     if exc is not None:
         assert exc.errors and all(isinstance(p, str) and p for _, p in exc.errors)
@@ -127,11 +132,11 @@ def test_fuzz_importers(ctx, tmp_path, data, fmt, kind):
 
 @settings(max_examples=30, **BOUNDED)
 @given(raw=st.binary(max_size=200), suffix=st.sampled_from([".jsonl", ".csv", ".parquet", ".json"]),
-       kind=st.sampled_from(["prompts", "pairs"]))
+       kind=st.sampled_from(list(IMPORTERS)))
 def test_fuzz_importers_with_garbage_bytes(ctx, tmp_path, raw, suffix, kind):
     path = tmp_path / f"garbage{suffix}"
     path.write_bytes(raw)
-    fn = io.import_prompts if kind == "prompts" else io.import_pairs
+    fn = IMPORTERS[kind]
     _unchanged_unless_ok(ctx, lambda: fn(ctx.store, path), allowed=(DataError,))
 
 

@@ -412,6 +412,28 @@ def test_import_pairs(ctx, test_data, tmp_path):
     assert "5 preference pairs" in msg and len(ctx.store.list_pairs()) == 5
 
 
+def test_import_items_to_rank_and_a_label_studio_export(ctx, tmp_path):
+    items = tmp_path / "items.csv"
+    items.write_text("prompt,response_1,model_1,response_2,model_2\nq1,a,<b>api</b>,b,ours\nq2,c,ours,d,ours\n")
+    msg, errors = admin.import_file(ctx, str(items), "items to rank", req("boss"))
+    assert "2 items to rank (2 in the queue" in msg and "&lt;b&gt;api&lt;/b&gt;, ours" in msg and len(errors) == 0
+    state, html = show(ctx)
+    assert state.current is not None  # the queue serves them
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prompt,response_1,response_2\nq3,x,x\n")
+    msg, errors = admin.import_file(ctx, str(bad), "items to rank", req("boss"))
+    assert "was not imported" in msg and list(errors["row"]) == ["1"] and "identical" in errors["problem"][0]
+    ls = tmp_path / "label_studio.json"
+    ls.write_text(json.dumps([{"id": 7, "data": {"prompt": "p", "items": [{"id": "a", "title": "m1", "body": "x"},
+                                                                         {"id": "b", "title": "m2", "body": "y"}]},
+                               "annotations": [{"result": [{"type": "ranker", "from_name": "rank", "to_name": "answers",
+                                                            "value": {"ranker": {"rank": ["b", "a"]}}}]}]}]))
+    msg, errors = admin.import_file(ctx, str(ls), "Label Studio export", req("boss"))
+    assert "1 items to rank (0 in the queue" in msg and "1 pairs from its rankings" in msg
+    with pytest.raises(Refused):
+        admin.import_file(ctx, str(ls), "Label Studio export", req("ann"))
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "datasets"])
 def test_export_downloads_the_snapshot(ctx, fmt):
     seeded = seed_items(ctx.store, 4, 3)

@@ -55,3 +55,28 @@ def test_database_from_a_newer_version_is_refused(tmp_path):
     with pytest.raises(MigrationError, match="0999_future"):
         migrate(con)
     con.close()
+
+
+def test_a_store_made_before_external_versions_keeps_its_rows_and_takes_them(tmp_path):
+    """0004 rebuilds model_versions (DuckDB cannot change a CHECK in place): an older store's
+    versions, with their ids and the responses naming them, come through, and 'external' is allowed."""
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    migrate(con, MIGRATIONS[:3])
+    con.execute("INSERT INTO model_versions (id, kind, name, meta, created_at) VALUES "
+                "(nextval('model_versions_id_seq'), 'policy', 'old-policy', '{\"lr\": 1}', now()), "
+                "(nextval('model_versions_id_seq'), 'reward', 'old-rm', '{}', now())")
+    with pytest.raises(duckdb.ConstraintException):
+        con.execute("INSERT INTO model_versions (id, kind, name, meta, created_at) "
+                    "VALUES (99, 'external', 'x', '{}', now())")
+    con.close()
+    s = Store(path)
+    assert s.migrations_applied == ["0004_external_model_versions"]
+    old = {mv.name: mv for mv in s.list_model_versions()}
+    assert (old["old-policy"].id, old["old-policy"].kind, old["old-policy"].meta) == (1, "policy", {"lr": 1})
+    assert old["old-rm"].kind == "reward"
+    ext = s.register_model_version("external", "api-model")
+    assert ext.id == 3 and ext.kind == "external"  # the sequence carried on
+    with pytest.raises(Exception, match="already exists"):
+        s.register_model_version("external", "old-policy")  # names stay unique
+    s.close()

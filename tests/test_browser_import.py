@@ -1,0 +1,89 @@
+"""Items to rank from two named models, in headless Chromium (Playwright) against the served app:
+an admin imports them in Data > Import, an annotator ranks them with the keyboard alone (the
+model names never on screen), the admin exports, and every downloaded pair names the model that
+wrote each of its responses."""
+
+from __future__ import annotations
+
+import json
+import time
+import pytest
+
+from tests.fixtures_browser import chromium_browser, download_export, login, served_store  # noqa: F401  (the fixture `browser`)
+
+pytestmark = pytest.mark.browser
+
+ITEMS = [
+    {"prompt": "Name a prime number.", "responses": [{"text": "Seven is prime.", "model": "alpha-model"},
+                                                      {"text": "Nine is prime.", "model": "beta-model"}]},
+    {"messages": [{"role": "user", "content": "Capital of France?"}],
+     "responses": [{"text": "Paris.", "model": "beta-model"}, {"text": "Lyon.", "model": "alpha-model"},
+                   {"text": "Paris, on the Seine.", "model": "alpha-model"}]},
+    {"prompt": "Say hello.", "responses": [{"text": "Hello!", "model": "alpha-model"},
+                                           {"text": "Go away.", "model": "beta-model"}]},
+]
+MODEL_OF = {r["text"]: r["model"] for row in ITEMS for r in row["responses"]}
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """(url, store) of the app served in this process: an admin and an annotator, no items."""
+    with served_store(tmp_path_factory.mktemp("app")) as app:
+        yield app
+
+
+def test_imported_items_are_ranked_by_keyboard_and_exported_with_their_models(app, browser, tmp_path):
+    url, store = app
+    # 1. the admin imports the file as items to rank
+    path = tmp_path / "two_models.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ITEMS), encoding="utf-8")
+    admin = login(browser, url, "boss", "boss-password")
+    admin.get_by_role("tab", name="Data").click()
+    admin.get_by_role("tab", name="Import").click()
+    admin.locator("#rl-import-kind label", has_text="items to rank").click()
+    admin.set_input_files("#rl-import-file input[type=file]", str(path))
+    admin.click("#rl-import")
+    admin.wait_for_selector("#rl-import-msg :text('Imported two_models.jsonl')", timeout=10_000)
+    assert "3 items to rank (3 in the queue" in admin.inner_text("#rl-import-msg")
+    assert {mv.name: mv.kind for mv in store.list_model_versions()}.keys() >= {"alpha-model", "beta-model"}
+    admin.close()  # an admin's page waiting for items takes some too (and gives them back when closed)
+    boss = store.find_annotator("boss")
+    wait_until(lambda: not any(a == boss.id for _, a, _ in store.active_leases()))
+
+    # 2. the annotator ranks each item by keyboard: the cards in reverse display order
+    page = login(browser, url, "ann", "ann-password")
+    expected = {}  # response text -> tie group index
+    for _ in ITEMS:
+        page.wait_for_selector("#rl-item .rl-card")
+        texts = [t.strip() for t in page.locator("#rl-item .rl-card .rl-text").all_inner_texts()]
+        assert not {"alpha-model", "beta-model"} & set(page.inner_text("#rl-item").split())  # blind
+        for rank, position in enumerate(range(len(texts), 0, -1)):
+            page.keyboard.press(str(position))
+            expected[texts[position - 1]] = rank
+        old = page.get_attribute("#rl-item .rl-item", "data-token") or ""
+        page.keyboard.press("Enter")
+        page.wait_for_function(
+            "old => { const it = document.querySelector('#rl-item .rl-item'); return !it || it.dataset.token !== old; }",
+            arg=old, timeout=10_000)
+    ann = store.find_annotator("ann")
+    assert len(store.list_rankings(annotator_id=ann.id)) == 3 and len(store.list_pairs()) == 1 + 3 + 1
+    page.close()
+
+    # 3. the admin exports and downloads the pairs: each side names its model
+    admin = login(browser, url, "boss", "boss-password")
+    admin.get_by_role("tab", name="Data").click()
+    rows = download_export(admin)
+    assert len(rows) == 5
+    for r in rows:
+        chosen, rejected = r["chosen"][0]["content"], r["rejected"][0]["content"]
+        assert expected[chosen] < expected[rejected]  # as ranked on screen
+        assert (r["chosen_model"], r["rejected_model"]) == (MODEL_OF[chosen], MODEL_OF[rejected])
+    assert {r["chosen_model"] for r in rows} | {r["rejected_model"] for r in rows} == {"alpha-model", "beta-model"}
+    admin.close()

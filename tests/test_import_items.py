@@ -1,0 +1,318 @@
+"""Import of items to rank (store/import_items.py) and of a Label Studio ranking export
+(store/labelstudio.py): every layout, the queue serving them, the source model travelling into
+pairs and exports, every refusal naming its row with nothing stored."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from store import DataError
+from store.export import load_pairs_snapshot
+from store.import_items import import_items
+from store.io import export_pairs
+
+TWO_MODELS = [
+    {"prompt": "Name a prime number.", "responses": [{"text": "7 is prime.", "model": "gpt-4o"},
+                                                      {"text": "9 is prime.", "model": "prod-v3"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}],
+     "responses": [{"text": "Paris.", "model": "prod-v3"}, {"text": "Lyon.", "model": "gpt-4o"},
+                   {"text": "Paris, on the Seine.", "model": "gpt-4o"}]},
+]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _stored(store) -> dict:
+    c = store.counts()
+    return {k: c[k] for k in ("prompts", "responses", "items", "pairs")} | {
+        "versions": len(store.list_model_versions())}
+
+
+def test_items_from_two_models_are_queued_ranked_and_exported_with_their_models(store, tmp_path):
+    out = import_items(store, _jsonl(tmp_path / "two_models.jsonl", TWO_MODELS))
+    assert (out["rows"], out["items"], out["queued"], out["responses"]) == (2, 2, 2, 5)
+    assert out["models"] == out["models_created"] == ["gpt-4o", "prod-v3"] and out["pairs"] == 0
+    versions = {mv.name: mv for mv in store.list_model_versions()}
+    assert {versions[n].kind for n in ("gpt-4o", "prod-v3")} == {"external"}
+    assert versions[f"import:two_models.jsonl:{_sha(tmp_path / 'two_models.jsonl')[:8]}"].kind == "external"
+    assert store.list_model_versions("policy") == []  # nothing to generate with
+    chat = [p for p in store.list_prompts() if p.messages][0]
+    assert chat.messages == TWO_MODELS[1]["messages"] and chat.text.endswith("\n\nAssistant:")
+
+    # the queue serves them like generated items; an annotator ranks each one best-first by text
+    ann = store.add_annotator("ann", "ann-password-1")
+    model_of = {r["text"]: r["model"] for row in TWO_MODELS for r in row["responses"]}
+    best_first = {"7 is prime.": 0, "9 is prime.": 1, "Paris, on the Seine.": 0, "Paris.": 1, "Lyon.": 2}
+    ranked = 0
+    while (item := store.next_item(ann.id)) is not None:
+        assert len(item.responses) in (2, 3)
+        order = sorted(item.responses, key=lambda r: best_first[r.text])
+        store.save_ranking(ann.id, item.prompt.id, [r.id for r in order])
+        ranked += 1
+    assert ranked == 2 and len(store.list_pairs()) == 1 + 3
+
+    snap = export_pairs(store, tmp_path / "export", "jsonl")
+    rows = load_pairs_snapshot(snap.path)
+    assert len(rows) == 4
+    for r in rows:
+        chosen, rejected = r["chosen"][0]["content"], r["rejected"][0]["content"]
+        assert (r["chosen_model"], r["rejected_model"]) == (model_of[chosen], model_of[rejected])
+        assert r["chosen_model_version"] == versions[model_of[chosen]].id
+    rankings = [json.loads(line) for line in (tmp_path / "export" / "rankings" / "rankings.jsonl").open()]
+    assert {x["text"]: x["model"] for k in rankings for x in k["responses"]} == model_of
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "gpt-4o" in card and "prod-v3" in card and "external" in card
+
+
+def test_csv_one_column_per_response_and_parquet_and_unnamed_models(store, tmp_path):
+    csv = tmp_path / "wide.csv"
+    csv.write_text("prompt,response_1,model_1,response_2,model_2,response_3,model_3\n"
+                   "Two replies,first,api-a,second,api-b,,\n"
+                   '"Three, quoted",one,api-a,two,,three,api-b\n', encoding="utf-8")
+    out = import_items(store, csv)
+    assert (out["items"], out["responses"], out["models"]) == (2, 5, ["api-a", "api-b"])
+    file_version = store.get_model_version(out["model_version_id"])
+    assert file_version.name.startswith("import:wide.csv:") and file_version.meta["format"] == "items"
+    by_text = {r.text: store.get_model_version(r.model_version_id).name
+               for p in store.list_prompts() for r in store.prompt_responses(p.id)}
+    assert by_text["first"] == by_text["one"] == "api-a" and by_text["three"] == "api-b"
+    assert by_text["two"] == file_version.name  # no model named: the file's own version
+
+    table = pa.table({"prompt": ["From parquet"],
+                      "responses": [[{"text": "p1", "model": "api-a"}, {"text": "p2", "model": "api-c"}]]})
+    pq.write_table(table, tmp_path / "items.parquet")
+    out = import_items(store, tmp_path / "items.parquet")
+    assert out["models"] == ["api-a", "api-c"] and out["models_created"] == ["api-c"]  # api-a reused
+    assert store.counts()["items_remaining"] == 3
+
+
+def test_a_named_policy_of_this_store_is_reused(store, store_policy, tmp_path):
+    path = _jsonl(tmp_path / "ours.jsonl", [{"prompt": "q", "responses": [
+        {"text": "a", "model": store_policy.name}, {"text": "b", "model": "other"}]}])
+    out = import_items(store, path)
+    assert out["models_created"] == ["other"]
+    assert {r.model_version_id for r in store.prompt_responses(store.list_prompts()[0].id)} >= {store_policy.id}
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"prompt": "q", "responses": ["only one"]}, "1 responses: an item has 2 to 16"),
+    ({"prompt": "q", "responses": [f"r{i}" for i in range(17)]}, "17 responses: an item has 2 to 16"),
+    ({"prompt": "q", "responses": ["a", "  "]}, "'response 2' is empty"),
+    ({"prompt": "q", "responses": ["same", "other", "same"]}, "responses 1 and 3 are identical"),
+    ({"prompt": "q", "responses": [{"text": "a", "model": 7}, "b"]}, "the model of response 1 must be text"),
+    ({"prompt": "q", "responses": [{"model": "m"}, "b"]}, "responses[1] has no 'text'"),
+    ({"prompt": "q", "responses": "not a list"}, "'responses' is not valid JSON"),
+    ({"prompt": "q", "response_1": "a", "response_3": "c"}, "response_2 is empty or missing"),
+    ({"prompt": "q", "response_1": "a", "response_2": "b", "model_3": "m"}, "model_3 names the model of a response"),
+    ({"prompt": "q", "answers": ["a", "b"]}, "missing 'responses' (or response_1, response_2, ... columns)"),
+    ({"responses": ["a", "b"]}, "missing 'prompt' (or 'messages')"),
+    ({"messages": [{"role": "robot", "content": "x"}], "responses": ["a", "b"]}, "messages[0].role must be one of"),
+])
+def test_malformed_rows_are_refused_with_their_row_and_why(store, tmp_path, row, problem):
+    before = _stored(store)
+    path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine", "responses": ["x", "y"]}, row])
+    with pytest.raises(DataError) as info:
+        import_items(store, path)
+    assert [(n, p) for n, p in info.value.errors if problem in p] and info.value.errors[0][0] == 2, info.value.errors
+    assert _stored(store) == before
+
+
+def test_duplicates_in_the_file_in_the_store_and_the_same_file_again_are_refused(store, tmp_path):
+    rows = [{"prompt": "q1", "responses": ["a", "b"]}, {"prompt": "q2", "responses": ["c", "d"]},
+            {"prompt": "q1", "responses": ["b", "a"]}]
+    with pytest.raises(DataError) as info:
+        import_items(store, _jsonl(tmp_path / "repeats.jsonl", rows))
+    assert info.value.errors == [(3, "a duplicate of row 1: the same prompt and responses")]
+    assert _stored(store)["items"] == 0
+
+    import_items(store, _jsonl(tmp_path / "first.jsonl", rows[:2]))
+    before = _stored(store)
+    with pytest.raises(DataError, match="already imported"):
+        import_items(store, tmp_path / "first.jsonl")
+    later = [{"prompt": "q3", "responses": ["e", "f"]}, {"prompt": "q2", "responses": ["d", "c"]}]
+    with pytest.raises(DataError) as info:
+        import_items(store, _jsonl(tmp_path / "later.jsonl", later))
+    assert len(info.value.errors) == 1 and info.value.errors[0][0] == 2
+    assert "already stored: item" in info.value.errors[0][1]
+    assert _stored(store) == before  # q3 was not half-imported either
+    # a new response to the same prompt is a new item
+    assert import_items(store, _jsonl(tmp_path / "new.jsonl", [{"prompt": "q2", "responses": ["c", "z"]}]))["items"] == 1
+
+
+def test_a_model_name_of_a_reward_model_is_refused(store, tmp_path):
+    store.register_model_version("reward", "rm-v1")
+    before = _stored(store)
+    path = _jsonl(tmp_path / "rm.jsonl", [{"prompt": "q", "responses": [{"text": "a", "model": "rm-v1"}, "b"]}])
+    with pytest.raises(DataError) as info:
+        import_items(store, path)
+    assert info.value.errors[0][0] == 1 and "'rm-v1' is a reward model version" in info.value.errors[0][1]
+    assert _stored(store) == before
+
+
+def test_cli_imports_and_refuses_with_the_row(tmp_path):
+    db = tmp_path / "cli.duckdb"
+    good = _jsonl(tmp_path / "good.jsonl", TWO_MODELS)
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "q", "responses": ["one"]}])
+    run = lambda *a: subprocess.run([sys.executable, "-m", "store", "--db", str(db), "import-items", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    ok = run(str(good))
+    assert ok.returncode == 0 and json.loads(ok.stdout)["models"] == ["gpt-4o", "prod-v3"]
+    refused = run(str(bad))
+    assert refused.returncode == 1
+    assert "nothing was stored" in refused.stderr and "row 1: 1 responses: an item has 2 to 16" in refused.stderr
+
+
+# ---------------------------------------------------------------- Label Studio
+
+# A Label Studio JSON export of an "LLM Ranker" project, written as its documentation shows it:
+# the task layout of labelstud.io/guide/task_format ("Label Studio JSON format of annotated
+# tasks"), the data of labelstud.io/templates/generative-llm-ranker ("How to create the
+# dataset"), and a Ranker result as labelstud.io/tags/ranker gives it ("Example results"), here
+# for the template's <Ranker name="rank" toName="answers"/>.
+LS_DATA = {
+    "prompt": "What caused the ancient library of Alexandria to be destroyed?",
+    "items": [
+        {"id": "llm_1", "title": "LLM 1", "body": "Wars led to library's ruin."},
+        {"id": "llm_2", "title": "LLM 2", "body": "Library's end through various wars."},
+        {"id": "llm_3", "title": "LLM 3", "body": "Ruin resulted from library wars."},
+    ],
+}
+LS_EXPORT = [
+    {
+        "id": 1,
+        "created_at": "2021-03-09T21:52:49.513742Z",
+        "updated_at": "2021-03-09T22:16:08.746926Z",
+        "project": 83,
+        "data": LS_DATA,
+        "annotations": [
+            {
+                "id": "1001",
+                "result": [
+                    {
+                        "value": {"ranker": {"rank": ["llm_2", "llm_3", "llm_1"]}},
+                        "id": "PpwBv_NMxd",
+                        "from_name": "rank",
+                        "to_name": "answers",
+                        "type": "ranker",
+                        "origin": "manual",
+                    }
+                ],
+                "was_cancelled": False,
+                "ground_truth": False,
+                "created_at": "2021-03-09T22:16:08.728353Z",
+                "updated_at": "2021-03-09T22:16:08.728378Z",
+                "lead_time": 4.288,
+                "result_count": 0,
+                "task": 1,
+                "completed_by": 10,
+            }
+        ],
+        "predictions": [],
+    },
+    {
+        "id": 2,
+        "created_at": "2021-03-09T21:52:49.513742Z",
+        "updated_at": "2021-03-09T21:52:49.513742Z",
+        "project": 83,
+        "data": {"prompt": "Who wrote the Iliad?",
+                 "items": [{"id": "llm_1", "title": "LLM 1", "body": "Homer."},
+                           {"id": "llm_2", "title": "LLM 2", "body": "Virgil."}]},
+        "annotations": [],
+        "predictions": [],
+    },
+]
+
+
+def _ls_file(tmp_path, tasks, name="project-83-at-2021-03-09.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(tasks, indent=2), encoding="utf-8")
+    return path
+
+
+def test_label_studio_export_as_documented(store, tmp_path):
+    out = import_items(store, _ls_file(tmp_path, LS_EXPORT), fmt="labelstudio")
+    assert (out["items"], out["queued"], out["responses"]) == (2, 1, 5)
+    assert out["models"] == ["LLM 1", "LLM 2", "LLM 3"] and out["pairs"] == 3
+    body = {i["id"]: i["body"] for i in LS_DATA["items"]}
+    pairs = {(store.get_response(p.chosen_id).text, store.get_response(p.rejected_id).text, p.margin)
+             for p in store.list_pairs()}
+    assert pairs == {(body["llm_2"], body["llm_3"], 1.0), (body["llm_2"], body["llm_1"], 2.0),
+                     (body["llm_3"], body["llm_1"], 1.0)}
+    assert {p.source for p in store.list_pairs()} == {"import:project-83-at-2021-03-09.json"}
+    assert all(p.annotator_id is None and p.ranking_id is None for p in store.list_pairs())
+    # the task ranked in Label Studio stays out of the queue; the unranked one is served
+    ann = store.add_annotator("ann", "ann-password-1")
+    item = store.next_item(ann.id)
+    assert item.prompt.text == "Who wrote the Iliad?" and store.next_item(ann.id, exclude=[item.item_id]) is None
+    rows = load_pairs_snapshot(export_pairs(store, tmp_path / "export", "jsonl").path)
+    assert {(r["chosen_model"], r["rejected_model"]) for r in rows} == {("LLM 2", "LLM 3"), ("LLM 2", "LLM 1"),
+                                                                        ("LLM 3", "LLM 1")}
+
+
+def test_label_studio_older_list_result_and_cancelled_annotations(store, tmp_path):
+    tasks = copy.deepcopy(LS_EXPORT[:1])
+    tasks[0]["annotations"][0]["result"][0]["value"] = {"ranker": ["llm_1", "llm_2", "llm_3"]}
+    tasks[0]["annotations"].append({"id": "1002", "result": [], "was_cancelled": True})
+    out = import_items(store, _ls_file(tmp_path, tasks), fmt="labelstudio")
+    assert out["pairs"] == 3 and out["queued"] == 0
+
+
+def _without(path: list, tasks=LS_EXPORT):
+    """A copy of the export with the field at `path` (keys and list indices) removed."""
+    tasks = copy.deepcopy(tasks)
+    parent = tasks
+    for key in path[:-1]:
+        parent = parent[key]
+    del parent[path[-1]]
+    return tasks
+
+
+@pytest.mark.parametrize("path, problem", [
+    ([0, "data"], "task 1: missing 'data'"),
+    ([0, "data", "prompt"], "task 1: missing 'data.prompt'"),
+    ([0, "data", "items"], "task 1: missing 'data.items'"),
+    ([0, "data", "items", 1, "body"], "task 1: data.items[1]: missing 'body'"),
+    ([0, "data", "items", 0, "id"], "task 1: data.items[0]: missing 'id'"),
+    ([0, "annotations", 0, "result"], "task 1: annotations[0]: missing 'result'"),
+    ([0, "annotations", 0, "result", 0, "value"], "task 1: annotations[0].result[0]: missing 'value'"),
+    ([0, "annotations", 0, "result", 0, "value", "ranker"], "task 1: annotations[0].result[0]: missing 'value.ranker'"),
+    ([0, "annotations", 0, "result", 0, "type"], "task 1: annotations[0]: no result of type 'ranker'"),
+])
+def test_label_studio_missing_field_is_refused_naming_it(store, tmp_path, path, problem):
+    data_copy = copy.deepcopy(LS_DATA)  # LS_EXPORT shares LS_DATA: _without copies it first
+    with pytest.raises(DataError) as info:
+        import_items(store, _ls_file(tmp_path, _without(path)), fmt="labelstudio")
+    (row, message), = info.value.errors
+    assert row == 1 and message.startswith(problem), message
+    assert LS_DATA == data_copy and _stored(store) == {"prompts": 0, "responses": 0, "items": 0, "pairs": 0,
+                                                       "versions": 0}
+
+
+def test_label_studio_incomplete_ranking_and_buckets_are_refused(store, tmp_path):
+    tasks = copy.deepcopy(LS_EXPORT)
+    tasks[0]["annotations"][0]["result"][0]["value"] = {"ranker": {"rank": ["llm_2", "llm_9"]}}
+    tasks[1]["annotations"] = [{"result": [{"type": "ranker", "from_name": "rank", "to_name": "answers",
+                                            "value": {"ranker": {"_": ["llm_1"], "best": ["llm_2"]}}}]}]
+    with pytest.raises(DataError) as info:
+        import_items(store, _ls_file(tmp_path, tasks), fmt="labelstudio")
+    (n1, p1), (n2, p2) = info.value.errors
+    assert n1 == 1 and "must order every item of data.items exactly once; missing ['llm_1', 'llm_3']" in p1
+    assert "not an item ['llm_9']" in p1
+    assert n2 == 2 and "task 2: annotations[0].result[0]: value.ranker holds buckets ['_', 'best']" in p2
+    assert _stored(store)["items"] == 0
+
+
+def _sha(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
