@@ -27,7 +27,7 @@ from annotate import render
 from annotate.context import AppContext, user
 from annotate.state import SessionState, Showing
 from store.errors import StoreError
-from store.records import Annotator
+from store.records import STRENGTHS, Annotator
 from store.versions import GUIDELINES_KEY
 
 # ------------------------------------------------------------------------- ranking strings
@@ -173,15 +173,20 @@ def refresh(ctx: AppContext, state: SessionState | None, request: gr.Request):
 
 
 def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: bool, comment: str,
-           token: str, request: gr.Request):
-    """Save the ranking of the item on screen (and its pairs), then show the next item."""
+           token: str, request: gr.Request, strength: str | None = None):
+    """Save the ranking of the item on screen (and its pairs), then show the next item.
+    `strength` (optional, records.STRENGTHS): how much better the best response is than the
+    second. It comes after `request` so that callers passing the request 7th keep working."""
     account = user(ctx, request)
     showing = _current(state, token)
     groups = parse_ranking(ranking, showing.k, bool(all_bad))
+    strength = (strength or "").strip() or None
+    if strength is not None and strength not in STRENGTHS:
+        raise gr.Error(f"Strength must be one of {', '.join(STRENGTHS)} (or none), not {strength!r}.")
     ids = showing.item.display_order
     order = [[ids[pos - 1] for pos in g] for g in groups]
     fields = dict(all_bad=bool(all_bad), display_order=list(ids), duration_s=showing.elapsed(),
-                  client_token=showing.token, comment=(comment or "").strip())
+                  client_token=showing.token, comment=(comment or "").strip(), strength=strength)
     with state.lock:
         on_deck = state.prefetched if state.ahead is None else None
     ahead = None
@@ -196,7 +201,8 @@ def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: b
     except StoreError as exc:
         raise gr.Error(f"Not saved: {exc}") from None
     n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:])
-    state.note = f"Saved · {n_pairs} pair{'s' if n_pairs != 1 else ''}" + (" · all bad" if all_bad else "")
+    state.note = (f"Saved · {n_pairs} pair{'s' if n_pairs != 1 else ''}" + (" · all bad" if all_bad else "")
+                  + (f" · the best is {strength}" if strength else ""))
     _advance(ctx, state, account)
     if ahead is not None:
         with state.lock:

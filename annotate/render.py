@@ -221,6 +221,8 @@ SHORTCUTS = [
     ("Shift + key", "tie with the previous rank (or T, then the key)"),
     ("Backspace", "take back the last pick"),
     ("Esc", "clear the ranking"),
+    ("0", "how much better the best is than the second: much better, better, slightly better, "
+          "about the same, none (press again to change; K = 2, or the top two of K)"),
     ("A", "all responses are bad"),
     ("C", "write a comment"),
     ("Enter", "submit"),

@@ -35,9 +35,9 @@ THEME = gr.themes.Soft(
 
 
 # Before Submit reaches the server, the page script fills in the ranking and the item's token.
-SUBMIT_JS = """(s, r, b, c, t) => window.rlhf
-    ? [s, window.rlhf.encode(), b, c, window.rlhf.currentToken()]
-    : [s, r, b, c, t]"""
+SUBMIT_JS = """(s, r, b, c, t, g) => window.rlhf
+    ? [s, window.rlhf.encode(), b, c, window.rlhf.currentToken(), window.rlhf.strength || ""]
+    : [s, r, b, c, t, g]"""
 
 
 def build_ui(ctx: AppContext) -> gr.Blocks:
@@ -92,16 +92,18 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
                 guidelines = gr.Markdown(elem_id="rl-guidelines", sanitize_html=True)
             with gr.Accordion("Keyboard shortcuts", open=True, elem_id="rl-keys-box"):
                 gr.HTML(render_shortcuts(), js_on_load=None)
-            # Filled by the page script on Submit (never typed): the ranking and the item's token.
+            # Filled by the page script on Submit (never typed): the ranking, the item's token and
+            # the strength of the best response over the second.
             ranking = gr.Textbox(visible="hidden", elem_id="rl-ranking")
             token = gr.Textbox(visible="hidden", elem_id="rl-token")
+            strength = gr.Textbox(visible="hidden", elem_id="rl-strength")
 
     # While nothing is on screen (queue empty, generation running), look for new items; the
     # handlers switch this timer on and off (see handlers.view).
     timer = gr.Timer(3.0, active=False)
     outs = [state, item, progress, comment, all_bad, timer]
     quick = dict(show_progress="hidden", trigger_mode="once")
-    submit.click(bind(h.submit, ctx), [state, ranking, all_bad, comment, token], outs, api_name="submit",
+    submit.click(bind(h.submit, ctx), [state, ranking, all_bad, comment, token, strength], outs, api_name="submit",
                  js=SUBMIT_JS, **quick)
     skip.click(bind(h.skip, ctx), [state], outs, api_name="skip", **quick)
     flag.click(bind(h.flag, ctx), [state, comment], outs, api_name="flag", **quick)

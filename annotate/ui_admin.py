@@ -84,7 +84,7 @@ def data_tab(ctx: AppContext) -> dict:
             with gr.Row():
                 all_bad = gr.Checkbox(label="Include 'all bad' rankings", value=False)
                 imported = gr.Checkbox(label="Include imported pairs", value=True)
-                margin = gr.Checkbox(label="Add a `margin` column (the rank gap)", value=False,
+                margin = gr.Checkbox(label="Add a `margin` column (the strength, else the rank gap)", value=False,
                                      info="TRL's RewardTrainer reads it: loss -log σ(r_chosen − r_rejected − margin)")
                 license_id = gr.Textbox(value="unknown", label="License (dataset card)", placeholder="cc-by-4.0")
             with gr.Row():

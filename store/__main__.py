@@ -92,9 +92,12 @@ def _parser() -> argparse.ArgumentParser:
                           "message each (TRL applies the chat template); text: plain strings, chat prompts as "
                           "HH-style transcripts")
     exp.add_argument("--margin-column", action="store_true",
-                     help="also write the rank gap as a `margin` column. TRL's RewardTrainer reads a column of "
-                          "that name and trains with -log sigmoid(r_chosen - r_rejected - margin); DPOTrainer "
-                          "ignores it. Without this option the rank gap is only in `rank_gap`, which no trainer reads")
+                     help="also write a `margin` column: the pair's strength as Llama 2's margin (much better 1, "
+                          "better 2/3, slightly better 1/3, about the same 0) where the annotator gave one, else "
+                          "the rank gap. TRL's RewardTrainer reads a column of that name and trains with "
+                          "-log sigmoid(r_chosen - r_rejected - margin) (so does train-reward --margin); "
+                          "DPOTrainer ignores it. Without this option the rank gap is only in `rank_gap` and the "
+                          "strength only in `strength`, which no trainer reads")
     exp.add_argument("--license", default="unknown", help="the dataset card's license field (e.g. cc-by-4.0)")
     exp.add_argument("--round", type=int, action="append", dest="rounds", help="only this round (repeatable)")
     exp.add_argument("--annotator", action="append", dest="annotators", help="only this annotator (repeatable)")

@@ -11,9 +11,15 @@ card; read snapshots back without a Store.
     rank_gap                             distance of the two responses' tie groups in the ranking
                                          (1 = adjacent), or the margin an imported pair came with
                                          (1 when none); a name no trainer reads
-    margin                               only with margin_column=True: rank_gap under the name TRL's
-                                         RewardTrainer reads, which makes its loss
-                                         -log sigmoid(r_c - r_r - margin); DPOTrainer ignores it
+    strength                             how much better the annotator said the best response is than
+                                         the second (records.STRENGTHS), on that top pair of a ranking
+                                         that has one; None on every other pair
+    rationale                            the comment the annotator wrote with the ranking (None if none)
+    margin                               only with margin_column=True: the pair's strength as Llama 2's
+                                         margin (records.STRENGTHS: 1, 2/3, 1/3, 0) where it has one,
+                                         else rank_gap, under the name TRL's RewardTrainer reads, which
+                                         makes its loss -log sigmoid(r_c - r_r - margin) (train-reward
+                                         --margin reads it too); DPOTrainer ignores it
     weight                               only with quality_weights=True: the pair's annotator's
                                          weight (below); train-reward weighs its loss by it
     annotator                            annotator name (None for imported pairs)
@@ -41,7 +47,7 @@ counts['left_out_empty']; the store keeps them, and the rankings file keeps thei
 Beside the pairs, the rankings that pass the same filters (min_agreement, include_imported and
 include_empty concern pairs only), one row each (RANKING_COLUMNS): the prompt (in the pairs' TRL format),
 the item's responses with their model versions (ids and names), the full order best -> worst as tie groups of
-response ids, the display order the annotator saw, all_bad, annotator, duration, comment, round,
+response ids, the display order the annotator saw, all_bad, strength, annotator, duration, comment, round,
 created_at, and the split of its prompt. A ranking whose responses are all tied has no pair but
 is there. And a dataset card (store/card.py): counts, annotators, agreement, license, snapshot
 hash, model versions, and how to load it.
@@ -90,13 +96,13 @@ from store.export_write import prompts_table, remove, write_data, write_text
 from store.records import EXPORT_FORMATS, Snapshot
 
 TRL_FORMATS = ("conversational", "text")
-COLUMNS = ["prompt", "chosen", "rejected", "rank_gap", "annotator", "prompt_id", "chosen_id",
+COLUMNS = ["prompt", "chosen", "rejected", "rank_gap", "strength", "rationale", "annotator", "prompt_id", "chosen_id",
            "rejected_id", "chosen_model_version", "rejected_model_version", "chosen_model", "rejected_model",
            "pair_id", "ranking_id", "all_bad", "agreement", "source", "round", "created_at", "split"]
 """Columns of the pairs, in order (`margin` with margin_column=True, then `weight` with
-quality_weights=True, follow `rank_gap`)."""
+quality_weights=True, follow `rank_gap`; `strength` and `rationale` follow those)."""
 RANKING_COLUMNS = ["ranking_id", "item_id", "prompt_id", "prompt", "responses", "order", "display_order",
-                   "all_bad", "annotator", "duration_s", "comment", "round", "created_at", "split"]
+                   "all_bad", "strength", "annotator", "duration_s", "comment", "round", "created_at", "split"]
 """Columns of the rankings; `responses` is a list of {response_id, text, model_version, model}
 (`model`: the version's name)."""
 _SUFFIX = {"jsonl": ".jsonl", "parquet": ".parquet"}
@@ -117,9 +123,13 @@ _SELECTED = """
     scored AS (
         SELECT pr.id AS pair_id, pr.prompt_id, pr.chosen_id, pr.rejected_id, pr.margin, pr.annotator_id,
                pr.ranking_id, pr.all_bad, pr.source, pr.created_at, i.round_id,
-               CASE WHEN pr.ranking_id IS NULL OR nr.n IS NULL THEN 1.0 ELSE v.v / nr.n END AS agreement
+               CASE WHEN pr.ranking_id IS NULL OR nr.n IS NULL THEN 1.0 ELSE v.v / nr.n END AS agreement,
+               CASE WHEN pr.chosen_id = k.order_groups[1][1] AND pr.rejected_id = k.order_groups[2][1]
+                    THEN k.strength END AS strength,
+               nullif(k.comment, '') AS rationale
         FROM pairs pr
         JOIN items i ON i.id = pr.item_id
+        LEFT JOIN rankings k ON k.id = pr.ranking_id
         LEFT JOIN n_rank nr ON nr.item_id = pr.item_id
         LEFT JOIN votes v ON v.item_id = pr.item_id AND v.chosen_id = pr.chosen_id
                          AND v.rejected_id = pr.rejected_id)
@@ -129,7 +139,7 @@ _SELECTED = """
 _SELECTED_RANKINGS = """
     SELECT * FROM (
         SELECT k.id AS ranking_id, k.item_id, k.prompt_id, k.annotator_id, k.order_groups, k.display_order,
-               k.all_bad, k.duration_s, k.comment, k.created_at, i.round_id
+               k.all_bad, k.strength, k.duration_s, k.comment, k.created_at, i.round_id
         FROM rankings k JOIN items i ON i.id = k.item_id)
 """
 

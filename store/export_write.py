@@ -18,11 +18,12 @@ import pyarrow as pa
 
 from store.chat import prompt_messages
 from store.db import registered
+from store.records import STRENGTHS
 
 _TIME = "strftime({}.created_at, '%Y-%m-%dT%H:%M:%S.%fZ') AS created_at"
 _WRITE = """
     SELECT {prompt} AS prompt, {chosen} AS chosen, {rejected} AS rejected, s.margin AS rank_gap, {margin} {weight}
-           a.name AS annotator, s.prompt_id, s.chosen_id, s.rejected_id,
+           s.strength, s.rationale, a.name AS annotator, s.prompt_id, s.chosen_id, s.rejected_id,
            c.model_version_id AS chosen_model_version, r.model_version_id AS rejected_model_version,
            cm.name AS chosen_model, rm.name AS rejected_model, s.pair_id, s.ranking_id, s.all_bad, s.agreement, s.source, s.round_id AS round, {time}, s.split
     FROM _export s
@@ -43,7 +44,7 @@ _WRITE_RANKINGS = """
         FROM responses x JOIN model_versions mv ON mv.id = x.model_version_id
         WHERE x.item_id IN (SELECT item_id FROM _export_rankings) GROUP BY x.item_id)
     SELECT k.ranking_id, k.item_id, k.prompt_id, {prompt} AS prompt, resp.responses,
-           k.order_groups AS "order", k.display_order, k.all_bad, a.name AS annotator, k.duration_s,
+           k.order_groups AS "order", k.display_order, k.all_bad, k.strength, a.name AS annotator, k.duration_s,
            k.comment, k.round_id AS round, {time}, k.split
     FROM _export_rankings k
     JOIN prompts p ON p.id = k.prompt_id
@@ -52,6 +53,11 @@ _WRITE_RANKINGS = """
     LEFT JOIN _export_prompts m ON m.prompt_id = k.prompt_id
     ORDER BY k.ranking_id
 """
+
+
+# TRL's margin: the annotator's strength where the pair has one (records.STRENGTHS), else the rank gap.
+_STRENGTH_MARGIN = ("CASE s.strength " + " ".join(f"WHEN '{name}' THEN {value!r}" for name, value in STRENGTHS.items())
+                    + " ELSE s.margin END")
 
 
 def _reply(column: str, trl_format: str) -> str:
@@ -63,7 +69,7 @@ def pairs_sql(trl_format: str, margin_column: bool, where: str = "", weight_colu
     prompt = "m.prompt" if trl_format == "conversational" else "p.text"
     return _WRITE.format(prompt=prompt, chosen=_reply("c.text", trl_format),
                          rejected=_reply("r.text", trl_format), time=_TIME.format("s"),
-                         margin="s.margin AS margin," if margin_column else "",
+                         margin=f"{_STRENGTH_MARGIN} AS margin," if margin_column else "",
                          weight="s.weight AS weight," if weight_column else "", where=where)
 
 

@@ -234,6 +234,14 @@ MIGRATIONS: list[tuple[str, str]] = [
         ALTER TABLE model_versions_new RENAME TO model_versions;
         """,
     ),
+    (
+        # How much better the best response is than the second (records.STRENGTHS), when the
+        # annotator said so; NULL for every ranking made before.
+        "0005_ranking_strength",
+        """
+        ALTER TABLE rankings ADD COLUMN strength VARCHAR;
+        """,
+    ),
 ]
 
 

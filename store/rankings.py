@@ -7,6 +7,8 @@
 - an annotator ranking an item they ranked before replaces the earlier ranking and its pairs,
   unless the Store was opened with replace_rerankings=False (then both are kept);
 - "all bad" keeps the ranking and its pairs, marked all_bad (export leaves them out by default);
+- an optional strength (records.STRENGTHS) says how much better the best response is than the
+  second; it needs both alone in their tie groups, and is stored with the ranking;
 - the annotator's lease on the item is released.
 Rankings submitted at the same moment by several annotators are written in one transaction, with
 the leases of next_item calls waiting at that moment (Store._write_batch); save_rankings_bulk writes
@@ -27,10 +29,10 @@ from store.errors import InvalidRequest, NotFoundError
 from store.gold import GoldMixin
 from store.pairs import normalize_order, ranking_to_pairs
 from store.queue import WRITE_KIND, display_order_for
-from store.records import Item, Pair, Ranking, RankingIn
+from store.records import STRENGTHS, Item, Pair, Ranking, RankingIn
 
 _RANKING_COLS = ("id, item_id, prompt_id, annotator_id, order_groups, display_order, all_bad, "
-                 "duration_s, client_token, comment, created_at")
+                 "duration_s, client_token, comment, created_at, strength")
 _PAIR_COLS = ("id, prompt_id, item_id, chosen_id, rejected_id, margin, ranking_id, annotator_id, "
               "all_bad, source, created_at")
 
@@ -38,7 +40,8 @@ _PAIR_COLS = ("id, prompt_id, item_id, chosen_id, rejected_id, margin, ranking_i
 def _ranking(row) -> Ranking:
     return Ranking(id=row[0], item_id=row[1], prompt_id=row[2], annotator_id=row[3],
                    order=[list(g) for g in row[4]], display_order=list(row[5]), all_bad=row[6],
-                   duration_s=row[7], client_token=row[8], comment=row[9], created_at=from_db_time(row[10]))
+                   duration_s=row[7], client_token=row[8], comment=row[9], created_at=from_db_time(row[10]),
+                   strength=row[11])
 
 
 def _pair(row) -> Pair:
@@ -59,12 +62,25 @@ def _check_against_item(r: RankingIn, groups, item_id, item_prompt, item_ids: Se
         raise InvalidRequest(
             f"the order must rank exactly the responses of item {item_id} {sorted(item_ids)}"
             + (f"; missing {missing}" if missing else "") + (f"; not in the item {extra}" if extra else ""))
+    _check_strength(r.strength, groups)
     if r.display_order is None:
         return display_order_for(r.annotator_id, item_id, list(item_ids))
     display = [int(x) for x in r.display_order]
     if sorted(display) != sorted(item_ids):
         raise InvalidRequest(f"display_order {display} is not an order of the item's responses {sorted(item_ids)}")
     return display
+
+
+def _check_strength(strength: str | None, groups: list[list[int]]) -> None:
+    """A strength compares the best response with the second: both must stand alone in their
+    tie groups (for K = 2, the pair; for K > 2, the top pair)."""
+    if strength is None:
+        return
+    if strength not in STRENGTHS:
+        raise InvalidRequest(f"strength must be one of {list(STRENGTHS)}, not {strength!r}")
+    if len(groups) < 2 or len(groups[0]) != 1 or len(groups[1]) != 1:
+        raise InvalidRequest(f"a strength ({strength!r}) says how much better the best response is than the "
+                             "second: rank one response first and one second, without ties, or give no strength")
 
 
 def _groups(order) -> list[list[int]]:
@@ -89,7 +105,7 @@ class _Ready:
         return Ranking(id=ranking_id, item_id=self.item_id, prompt_id=r.prompt_id, annotator_id=r.annotator_id,
                        order=self.groups, display_order=self.display, all_bad=bool(r.all_bad),
                        duration_s=r.duration_s, client_token=r.client_token, comment=r.comment or "",
-                       created_at=from_db_time(now))
+                       created_at=from_db_time(now), strength=r.strength)
 
 
 def _ready(r: RankingIn, groups, item_id: int, item_prompt: int, item_resp) -> _Ready:
@@ -102,29 +118,31 @@ class RankingsMixin(GoldMixin):
 
     def save_ranking(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
                      display_order: list[int] | None = None, duration_s: float | None = None,
-                     client_token: str | None = None, comment: str = "") -> Ranking:
+                     client_token: str | None = None, comment: str = "", strength: str | None = None) -> Ranking:
         """Save one ranking and its pairs in one transaction (see the module docstring).
 
         order: tie groups of response ids, best first ([[3], [1, 2], [4]]), or a flat list.
         display_order: response ids as shown (default: the annotator's shuffle of the item).
+        strength: how much better the best response is than the second (a key of
+        records.STRENGTHS), which must then stand alone in the first and second tie groups.
         Raises InvalidRequest or NotFoundError (nothing stored) when the order does not fit.
         Concurrent calls are written together in one transaction (Store._combined).
         """
         r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
-                      client_token, comment or "")
+                      client_token, comment or "", strength)
         result = self._combined(WRITE_KIND, ("rank", (r, _groups(order))), self._write_batch)
         return result if isinstance(result, Ranking) else self.get_ranking(result)
 
     def save_ranking_and_lease_next(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
                                     display_order: list[int] | None = None, duration_s: float | None = None,
-                                    client_token: str | None = None, comment: str = "", *,
-                                    exclude=()) -> tuple[Ranking, int | None]:
+                                    client_token: str | None = None, comment: str = "",
+                                    strength: str | None = None, *, exclude=()) -> tuple[Ranking, int | None]:
         """save_ranking, and in the same transaction lease this annotator's next item as next_item
         would (not one of `exclude`): one commit per submit instead of two. Returns the ranking and
         the leased item's id (None when the queue holds nothing more for them); fetch the item with
         get_item. Nothing is leased when the ranking is refused."""
         r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
-                      client_token, comment or "")
+                      client_token, comment or "", strength)
         pick = self._next_request(annotator_id, None, None, exclude)
         result, picked = self._combined(WRITE_KIND, ("rank+next", ((r, _groups(order)), pick)), self._write_batch)
         ranking = result if isinstance(result, Ranking) else self.get_ranking(result)
@@ -179,11 +197,12 @@ class RankingsMixin(GoldMixin):
             cur.execute("DELETE FROM rankings WHERE id IN (SELECT unnest(?))", [ids])
         # 2. the ranking, unless this client token was stored before (idempotent: return that one)
         inserted = cur.execute(
-            "INSERT INTO rankings SELECT nextval('rankings_id_seq'), ?, ?, ?, ?, ?, ?, ?, ?, ?, ? "
-            "WHERE ?::VARCHAR IS NULL OR NOT EXISTS "
+            f"INSERT INTO rankings ({_RANKING_COLS}) SELECT nextval('rankings_id_seq'), ?, ?, ?, ?, ?, ?, ?, ?, "
+            "?, ?, ? WHERE ?::VARCHAR IS NULL OR NOT EXISTS "
             "(SELECT 1 FROM rankings WHERE annotator_id = ? AND client_token = ?) RETURNING id",
             [item_id, r.prompt_id, annotator_id, x.groups, x.display, bool(r.all_bad), r.duration_s,
-             r.client_token, r.comment or "", now, r.client_token, annotator_id, r.client_token]).fetchall()
+             r.client_token, r.comment or "", now, r.strength, r.client_token, annotator_id,
+             r.client_token]).fetchall()
         if not inserted:
             return cur.execute("SELECT min(id) FROM rankings WHERE annotator_id = ? AND client_token = ?",
                                [annotator_id, r.client_token]).fetchall()[0][0], False
@@ -275,10 +294,11 @@ class RankingsMixin(GoldMixin):
             "display_order": [x.display for x in rows], "all_bad": [bool(x.r.all_bad) for x in rows],
             "duration_s": [x.r.duration_s for x in rows], "client_token": [x.r.client_token for x in rows],
             "comment": [x.r.comment or "" for x in rows], "created_at": [now] * len(rows),
+            "strength": [x.r.strength for x in rows],
         }, {"id": pa.int64(), "item_id": pa.int64(), "prompt_id": pa.int64(), "annotator_id": pa.int64(),
             "order_groups": pa.list_(pa.list_(pa.int64())), "display_order": pa.list_(pa.int64()),
             "all_bad": pa.bool_(), "duration_s": pa.float64(), "client_token": pa.string(),
-            "comment": pa.string(), "created_at": pa.timestamp("us")})
+            "comment": pa.string(), "created_at": pa.timestamp("us"), "strength": pa.string()})
         # 3. pairs
         flat = [(rid, x, p) for rid, x in zip(ids, rows) for p in x.pairs]
         pair_ids = self._reserve_ids(cur, "pairs_id_seq", len(flat))

@@ -17,6 +17,10 @@ RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 RUN_FINAL = ("done", "failed", "cancelled")
 ROUND_STATUSES = ("generating", "annotating", "training", "done", "failed", "cancelled")
 EXPORT_FORMATS = ("jsonl", "parquet", "datasets")
+STRENGTHS = {"much better": 1.0, "better": 2 / 3, "slightly better": 1 / 3, "about the same": 0.0}
+"""How much better the best response is than the second, as an annotator may say (Llama 2's
+four-point scale, Touvron et al. 2023, section 3.2.1), with the margin each gives TRL's
+RewardTrainer (Llama 2's "small" margins, table 28: 1, 2/3, 1/3, 0)."""
 ITEM_FORMATS = ("items", "labelstudio")
 """What an items file holds (store/import_items.py): rows of items, or a Label Studio JSON export."""
 
@@ -102,6 +106,8 @@ class Ranking:
     client_token: str | None
     comment: str
     created_at: datetime
+    strength: str | None = None
+    """How much better the best response is than the second (a key of STRENGTHS), or None."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,7 @@ class RankingIn:
     duration_s: float | None = None
     client_token: str | None = None
     comment: str = ""
+    strength: str | None = None
 
 
 @dataclass(frozen=True)

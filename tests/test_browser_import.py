@@ -1,7 +1,8 @@
 """Items to rank from two named models, in headless Chromium (Playwright) against the served app:
 an admin imports them in Data > Import, an annotator ranks them with the keyboard alone (the
-model names never on screen), the admin exports, and every downloaded pair names the model that
-wrote each of its responses."""
+model names never on screen), says by keyboard how much better each best response is than the
+second and comments on one, the admin exports, and every downloaded pair names the model that
+wrote each of its responses, its top pair the strength, and each pair its ranking's comment."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import time
 import pytest
 
+from store import records
 from tests.fixtures_browser import chromium_browser, download_export, login, served_store  # noqa: F401  (the fixture `browser`)
 
 pytestmark = pytest.mark.browser
@@ -23,6 +25,11 @@ ITEMS = [
                                            {"text": "Go away.", "model": "beta-model"}]},
 ]
 MODEL_OF = {r["text"]: r["model"] for row in ITEMS for r in row["responses"]}
+STRENGTHS = list(records.STRENGTHS)
+
+
+def _same_item(a: str, b: str) -> bool:
+    return any({a, b} <= {r["text"] for r in row["responses"]} for row in ITEMS)
 
 
 def wait_until(condition, timeout: float = 60.0) -> None:
@@ -57,23 +64,36 @@ def test_imported_items_are_ranked_by_keyboard_and_exported_with_their_models(ap
     boss = store.find_annotator("boss")
     wait_until(lambda: not any(a == boss.id for _, a, _ in store.active_leases()))
 
-    # 2. the annotator ranks each item by keyboard: the cards in reverse display order
+    # 2. the annotator ranks each item by keyboard: the cards in reverse display order, the best
+    #    over the second by the n-th strength (0 pressed n times), and a comment on the first
     page = login(browser, url, "ann", "ann-password")
     expected = {}  # response text -> tie group index
-    for _ in ITEMS:
+    strength_of, comment_of = {}, {}  # the best response's text -> what was said with its ranking
+    for n in range(len(ITEMS)):
         page.wait_for_selector("#rl-item .rl-card")
         texts = [t.strip() for t in page.locator("#rl-item .rl-card .rl-text").all_inner_texts()]
         assert not {"alpha-model", "beta-model"} & set(page.inner_text("#rl-item").split())  # blind
         for rank, position in enumerate(range(len(texts), 0, -1)):
             page.keyboard.press(str(position))
             expected[texts[position - 1]] = rank
+        for _ in range(n + 1):
+            page.keyboard.press("0")
+        strength_of[texts[-1]] = STRENGTHS[n]
+        assert f"Best vs second: {STRENGTHS[n]}" in page.inner_text("#rl-rankbar")
+        if n == 0:
+            page.keyboard.press("c")
+            page.keyboard.type("the best is exact")
+            page.keyboard.press("Escape")
+            comment_of[texts[-1]] = "the best is exact"
         old = page.get_attribute("#rl-item .rl-item", "data-token") or ""
         page.keyboard.press("Enter")
         page.wait_for_function(
             "old => { const it = document.querySelector('#rl-item .rl-item'); return !it || it.dataset.token !== old; }",
             arg=old, timeout=10_000)
     ann = store.find_annotator("ann")
-    assert len(store.list_rankings(annotator_id=ann.id)) == 3 and len(store.list_pairs()) == 1 + 3 + 1
+    rankings = store.list_rankings(annotator_id=ann.id)
+    assert len(rankings) == 3 and len(store.list_pairs()) == 1 + 3 + 1
+    assert sorted(r.strength for r in rankings) == sorted(STRENGTHS[:3])
     page.close()
 
     # 3. the admin exports and downloads the pairs: each side names its model
@@ -85,5 +105,9 @@ def test_imported_items_are_ranked_by_keyboard_and_exported_with_their_models(ap
         chosen, rejected = r["chosen"][0]["content"], r["rejected"][0]["content"]
         assert expected[chosen] < expected[rejected]  # as ranked on screen
         assert (r["chosen_model"], r["rejected_model"]) == (MODEL_OF[chosen], MODEL_OF[rejected])
+        top_pair = expected[chosen] == 0 and expected[rejected] == 1
+        assert r["strength"] == (strength_of[chosen] if top_pair else None)
+        best = next(t for t, g in expected.items() if g == 0 and _same_item(t, chosen))
+        assert r["rationale"] == comment_of.get(best)
     assert {r["chosen_model"] for r in rows} | {r["rejected_model"] for r in rows} == {"alpha-model", "beta-model"}
     admin.close()

@@ -57,7 +57,7 @@ def test_database_from_a_newer_version_is_refused(tmp_path):
     con.close()
 
 
-def test_a_store_made_before_external_versions_keeps_its_rows_and_takes_them(tmp_path):
+def test_a_store_made_before_external_versions_and_strength_keeps_its_rows(tmp_path):
     """0004 rebuilds model_versions (DuckDB cannot change a CHECK in place): an older store's
     versions, with their ids and the responses naming them, come through, and 'external' is allowed."""
     path = tmp_path / "old.duckdb"
@@ -66,15 +66,18 @@ def test_a_store_made_before_external_versions_keeps_its_rows_and_takes_them(tmp
     con.execute("INSERT INTO model_versions (id, kind, name, meta, created_at) VALUES "
                 "(nextval('model_versions_id_seq'), 'policy', 'old-policy', '{\"lr\": 1}', now()), "
                 "(nextval('model_versions_id_seq'), 'reward', 'old-rm', '{}', now())")
+    con.execute("INSERT INTO rankings VALUES (1, 1, 1, 1, [[1], [2]], [1, 2], false, 2.0, NULL, 'ok', now())")
     with pytest.raises(duckdb.ConstraintException):
         con.execute("INSERT INTO model_versions (id, kind, name, meta, created_at) "
                     "VALUES (99, 'external', 'x', '{}', now())")
     con.close()
     s = Store(path)
-    assert s.migrations_applied == ["0004_external_model_versions"]
+    assert s.migrations_applied == [name for name, _ in MIGRATIONS[3:]]
     old = {mv.name: mv for mv in s.list_model_versions()}
     assert (old["old-policy"].id, old["old-policy"].kind, old["old-policy"].meta) == (1, "policy", {"lr": 1})
     assert old["old-rm"].kind == "reward"
+    (ranking,) = s.list_rankings()
+    assert (ranking.order, ranking.comment, ranking.strength) == ([[1], [2]], "ok", None)  # 0005: no strength
     ext = s.register_model_version("external", "api-model")
     assert ext.id == 3 and ext.kind == "external"  # the sequence carried on
     with pytest.raises(Exception, match="already exists"):

@@ -4,11 +4,14 @@
 // card its display position (data-pos) and the key that ranks it (data-key: 1-9, then letters the
 // other shortcuts leave free, shown on the card). Picks are kept here as tie groups of 1-based
 // display positions, best first, e.g. [[2],[1,3],[4]], and sent with Submit as "2>1=3>4" (the
-// Submit event's `js` hook calls rlhf.encode). A new token in the page (next item, undo) resets the
-// ranking. Shortcuts are ignored while typing in a field.
+// Submit event's `js` hook calls rlhf.encode), with the strength of the best over the second
+// (key 0 steps through it). A new token in the page (next item, undo) resets the ranking.
+// Shortcuts are ignored while typing in a field.
 (() => {
   if (window.rlhf) return;
-  const R = (window.rlhf = { token: null, el: null, groups: [], tieNext: false });
+  const R = (window.rlhf = { token: null, el: null, groups: [], tieNext: false, strength: "" });
+  // How much better the best response is than the second (store/records.py STRENGTHS), set with 0.
+  const STRENGTHS = ["much better", "better", "slightly better", "about the same"];
 
   const item = () => document.querySelector("#rl-item .rl-item");
   const visible = (el) => !!el && el.offsetParent !== null;
@@ -40,7 +43,22 @@
       R.token = tok;
       R.groups = [];
       R.tieNext = false;
+      R.strength = "";
     }
+    paint();
+  }
+
+  // The best and second responses stand alone in their ranks (the rest may tie): a strength
+  // compares those two. With one response left unranked, it is the second.
+  const topPairRanked = () => {
+    const g = R.groups;
+    if (!g.length || g[0].length !== 1) return false;
+    return g.length >= 2 ? g[1].length === 1 : k() - 1 === 1;
+  };
+  function nextStrength() {
+    sync();
+    const at = STRENGTHS.indexOf(R.strength);
+    R.strength = at === STRENGTHS.length - 1 ? "" : STRENGTHS[at + 1];
     paint();
   }
 
@@ -112,10 +130,14 @@
     else if (left === 1) hint = "The last one goes last: press Enter to submit";
     else hint = `${left} left to rank`;
     const tie = R.tieNext ? '<span class="rl-tie-on">next pick ties</span>' : "";
+    const strength = R.strength
+      ? `<div class="rl-strength">Best vs second: <b>${R.strength}</b>` +
+        (topPairRanked() ? "" : ' <span class="rl-muted">(rank a best and a second, untied)</span>') + "</div>"
+      : (topPairRanked() ? '<div class="rl-strength rl-muted">0: how much better is the best?</div>' : "");
     bar.innerHTML =
       `<div class="rl-rank-title">Your ranking <span class="rl-muted">best › worst</span>${tie}</div>` +
       `<div class="rl-rank-chips">${chips}${chips && empty ? '<span class="rl-gt">›</span>' : ""}${empty}</div>` +
-      `<div class="rl-hint">${hint}</div>`;
+      strength + `<div class="rl-hint">${hint}</div>`;
   }
 
   document.addEventListener("click", (e) => {
@@ -155,8 +177,9 @@
       a: () => click("#rl-allbad input"),
       c: () => document.querySelector("#rl-comment textarea, #rl-comment input")?.focus(),
       t: () => { R.tieNext = !R.tieNext; paint(); },
+      0: nextStrength,
       Backspace: () => { sync(); R.groups.length && R.groups[R.groups.length - 1].pop(); R.groups = R.groups.filter((g) => g.length); paint(); },
-      Escape: () => { R.groups = []; R.tieNext = false; paint(); },
+      Escape: () => { R.groups = []; R.tieNext = false; R.strength = ""; paint(); },
     };
     if (actions[key]) {
       e.preventDefault();
