@@ -172,7 +172,9 @@ def sample_table(store, mv) -> tuple[pd.DataFrame, str]:
     files = sorted(folder.glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1])) \
         if folder is not None and folder.is_dir() else []
     if not files:
-        why = "a reward model has no PPO samples" if mv.kind == "reward" else "no PPO run made this version"
+        why = {"reward": "a reward model has no PPO samples",
+               "external": "an external model, whose responses were imported"}.get(
+                   mv.kind, "no PPO run made this version")
         return pd.DataFrame(columns=cols), f"No sample table: {why}."
     rows = [json.loads(line) for line in files[-1].read_text(encoding="utf-8").splitlines() if line.strip()]
     for row in rows:

@@ -181,10 +181,16 @@ def render(manifest: dict, facts: dict, fmt: str) -> str:
          "\\n\\nAssistant:\" transcripts). ")
         + "`rank_gap` is the distance between the two responses' tie groups in the ranking "
           "(1 = adjacent). "
-        + ("`margin` repeats it under the name TRL's RewardTrainer reads: its loss becomes "
+        + "`strength` is how much better the annotator said the best response is than the second "
+          "(much better, better, slightly better, about the same: Llama 2's scale), on that top pair "
+          "only; `rationale` is the comment written with the ranking. "
+        + ("`margin` is the pair's strength as Llama 2's margin (1, 2/3, 1/3, 0) where it has one, "
+           "else the rank gap, under the name TRL's RewardTrainer reads: its loss becomes "
            "-log sigmoid(r_chosen - r_rejected - margin). " if margin else
            "There is no `margin` column, so RewardTrainer uses the plain Bradley-Terry loss "
-           "(export with a margin column to use the rank gap as TRL's margin). ")
+           "(export with a margin column to use the strength, else the rank gap, as TRL's margin). ")
+        + "`chosen_model` / `rejected_model` name the model versions that wrote the responses "
+          "(kind external: a model outside rlhf-loop, named by the file the items were imported from). "
         + ("`weight` is the pair's annotator's quality weight: `python -m pipeline train-reward` weighs "
            "each pair's loss by it; TRL's trainers ignore it. " if "weight" in manifest["columns"] else "")
         + "`split` is `train` or `test`, by prompt (no prompt is in both). In the rankings, `order` "

@@ -25,7 +25,8 @@ _WRITE = """
     SELECT {prompt} AS prompt, {chosen} AS chosen, {rejected} AS rejected, s.margin AS rank_gap, {margin} {weight}
            s.strength, s.rationale, a.name AS annotator, s.prompt_id, s.chosen_id, s.rejected_id,
            c.model_version_id AS chosen_model_version, r.model_version_id AS rejected_model_version,
-           cm.name AS chosen_model, rm.name AS rejected_model, s.pair_id, s.ranking_id, s.all_bad, s.agreement, s.source, s.round_id AS round, {time}, s.split
+           cm.name AS chosen_model, rm.name AS rejected_model, s.pair_id, s.ranking_id, s.all_bad, s.agreement,
+           s.source, s.round_id AS round, {time}, s.split
     FROM _export s
     JOIN prompts p ON p.id = s.prompt_id
     JOIN responses c ON c.id = s.chosen_id

@@ -88,7 +88,8 @@ def _entries(row: dict, n: int, problems: _Problems) -> list[tuple[object, objec
                 problems.add(n, f"'responses' is not valid JSON: {exc.msg}")
                 return None
         if not isinstance(value, list):
-            problems.add(n, f"'responses' must be a list of texts or {{text, model}} objects, not {type(value).__name__}")
+            problems.add(n, "'responses' must be a list of texts or {text, model} objects, "
+                            f"not {type(value).__name__}")
             return None
         entries = []
         for i, r in enumerate(value, 1):

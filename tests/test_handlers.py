@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-from annotate import admin, admin_users, bootstrap, handlers, render
+from annotate import admin, admin_users, bootstrap, handlers, model_admin, render
 from annotate.context import AppContext, Refused
 from annotate.handlers import parse_ranking
 from annotate.state import Showing
@@ -419,6 +419,10 @@ def test_import_items_to_rank_and_a_label_studio_export(ctx, tmp_path):
     assert "2 items to rank (2 in the queue" in msg and "&lt;b&gt;api&lt;/b&gt;, ours" in msg and len(errors) == 0
     state, html = show(ctx)
     assert state.current is not None  # the queue serves them
+    table = model_admin.models_table(ctx, req("boss"))
+    assert set(table[table["kind"] == "external"]["name"]) >= {"<b>api</b>", "ours"}
+    *_, caption = model_admin.version_details(ctx, "ours", req("boss"))
+    assert "an external model, whose responses were imported" in caption
     bad = tmp_path / "bad.csv"
     bad.write_text("prompt,response_1,response_2\nq3,x,x\n")
     msg, errors = admin.import_file(ctx, str(bad), "items to rank", req("boss"))
