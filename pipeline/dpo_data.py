@@ -39,26 +39,9 @@ import torch
 from pipeline.losses import dpo_loss, ipo_loss, logprobs_from_logits
 from pipeline.models import is_peft
 from pipeline.packing import MIN_PREFIX, attention_mask_for, cache_kwarg, choose_width, first_fit, prefix_kv
-from pipeline.reward_data import EncodedPair, Pair, prompt_key, read_pairs, split_by_prompt
+from pipeline.reward_data import EncodedPair, prompt_key
 
 # --------------------------------------------------------------------------- held-out split
-
-
-def train_eval_pairs(pairs: list[Pair], data_report: dict, eval_data: str, eval_fraction: float,
-                     seed: int) -> tuple[list[Pair], list[Pair]]:
-    """(train, held-out) pairs, as train-reward chooses them: the pairs of eval_data when given (the
-    report counts its prompts also seen in training), else a snapshot's own 'test' split, else
-    eval_fraction of the prompts. data_report gains what was chosen."""
-    if eval_data:
-        eval_pairs, eval_report = read_pairs(eval_data)
-        train_keys = {prompt_key(p.prompt) for p in pairs}
-        eval_report["prompts_also_in_train"] = sum(prompt_key(p.prompt) in train_keys for p in eval_pairs)
-        data_report["eval_file"] = eval_report
-        return pairs, eval_pairs
-    if any(p.split == "test" for p in pairs):
-        data_report["split"] = "snapshot"
-        return [p for p in pairs if p.split != "test"], [p for p in pairs if p.split == "test"]
-    return split_by_prompt(pairs, eval_fraction, seed)
 
 
 # --------------------------------------------------------------------------- packing
@@ -296,5 +279,5 @@ def heldout_kl(model, reference, tokenizer, prompts: list, cfg, device, amp, dis
             "kl/eos_rate": sums["eos"] / n}
 
 
-__all__ = ["train_eval_pairs", "PackedPairs", "pack_pairs", "sequence_logps", "reference_logps", "preference_loss",
+__all__ = ["PackedPairs", "pack_pairs", "sequence_logps", "reference_logps", "preference_loss",
            "pair_stats", "evaluate_pairs", "heldout_kl"]

@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,7 +36,7 @@ from pipeline.kl import make_kl_controller
 from pipeline.models import (
     META_FILE, autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta,
 )
-from pipeline.saving import save_policy, save_scalar_model
+from pipeline.saving import atomic_folder, save_policy, save_scalar_model
 from pipeline.policy import load_policy, make_reference
 from pipeline.rollout import read_ptx_texts
 from pipeline.rundir import truncate_metrics, write_json
@@ -190,29 +188,25 @@ def trainable(model) -> list[torch.nn.Parameter]:
 
 def save_checkpoint(ckpt: Path, state: dict, dist: Dist) -> None:
     """checkpoint/: policy (adapter or full), critic, optimisers, schedulers, KL controller, step.
-    Written beside the old one and swapped in, so a kill mid-save leaves the previous checkpoint.
-    Every rank calls it (sharded weights and optimiser states are gathered first); rank 0 writes."""
+    Written beside the old one and swapped in (pipeline/saving.py, atomic_folder), so a kill
+    mid-save leaves the previous checkpoint. Every rank calls it (sharded weights and optimiser
+    states are gathered first, a collective); rank 0 writes."""
     policy, critic, (policy_opt, critic_opt) = state["policy"], state["critic"], state["opts"]
+    policy_weights = full_state_dict(policy) if dist.sharded else None
     critic_weights = full_state_dict(critic) if dist.sharded else None
     optims = dist.optimizer_state(policy, policy_opt), dist.optimizer_state(critic, critic_opt)
-    tmp = ckpt.with_name(ckpt.name + ".tmp")
-    if dist.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    save_whole_policy(policy, state["tokenizer"], tmp / "policy", dist)
     if not dist.is_main:  # every rank holds the same weights (or its shard of them)
         return
-    save_scalar_model(critic, state["tokenizer"], tmp / "critic", state_dict=critic_weights)
-    torch.save({"step": state["step"], "policy_optim": optims[0], "critic_optim": optims[1],
-                "policy_sched": state["scheds"][0].state_dict(), "critic_sched": state["scheds"][1].state_dict(),
-                "kl": state["kl"].state_dict()}, tmp / STATE_FILE)
-    old = ckpt.with_name(ckpt.name + ".old")
-    if ckpt.exists():
-        os.replace(ckpt, old)
-    os.replace(tmp, ckpt)
-    if old.exists():
-        shutil.rmtree(old)
+
+    def write(folder: Path) -> None:
+        save_policy(_GatheredPolicy(policy, policy_weights) if dist.sharded else policy, state["tokenizer"],
+                    folder / "policy")
+        save_scalar_model(critic, state["tokenizer"], folder / "critic", state_dict=critic_weights)
+        torch.save({"step": state["step"], "policy_optim": optims[0], "critic_optim": optims[1],
+                    "policy_sched": state["scheds"][0].state_dict(), "critic_sched": state["scheds"][1].state_dict(),
+                    "kl": state["kl"].state_dict()}, folder / STATE_FILE)
+
+    atomic_folder(ckpt, write)
 
 
 class _GatheredPolicy:
@@ -238,13 +232,6 @@ def save_whole_policy(policy, tokenizer, folder: Path, dist: Dist) -> None:
     weights = full_state_dict(policy) if dist.sharded else None
     if dist.is_main:
         save_policy(_GatheredPolicy(policy, weights) if dist.sharded else policy, tokenizer, folder)
-
-
-def recover_checkpoint(ckpt: Path) -> None:
-    """A kill between the two renames of save_checkpoint leaves only checkpoint.old: put it back."""
-    old = ckpt.with_name(ckpt.name + ".old")
-    if not ckpt.exists() and old.is_dir():
-        os.replace(old, ckpt)
 
 
 def load_checkpoint(ckpt: Path, models: tuple, opts: tuple, scheds: tuple, kl_ctl) -> int:
@@ -285,4 +272,4 @@ def load_policy_weights(policy, folder: Path) -> None:
 
 
 __all__ = ["RunParts", "set_up", "load_starting_policy", "trainable", "save_checkpoint", "save_whole_policy",
-           "recover_checkpoint", "load_checkpoint", "CHECKPOINT"]
+           "load_checkpoint", "CHECKPOINT"]

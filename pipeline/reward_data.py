@@ -282,6 +282,23 @@ def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[En
     return out, report
 
 
+def train_eval_pairs(pairs: list[Pair], data_report: dict, eval_data: str, eval_fraction: float,
+                     seed: int) -> tuple[list[Pair], list[Pair]]:
+    """(train, held-out) pairs, as train-reward and train-dpo choose them: the pairs of eval_data
+    when given (the report counts its prompts also seen in training), else a snapshot's own 'test' split, else
+    eval_fraction of the prompts. data_report gains what was chosen."""
+    if eval_data:
+        eval_pairs, eval_report = read_pairs(eval_data)
+        train_keys = {prompt_key(p.prompt) for p in pairs}
+        eval_report["prompts_also_in_train"] = sum(prompt_key(p.prompt) in train_keys for p in eval_pairs)
+        data_report["eval_file"] = eval_report
+        return pairs, eval_pairs
+    if any(p.split == "test" for p in pairs):
+        data_report["split"] = "snapshot"
+        return [p for p in pairs if p.split != "test"], [p for p in pairs if p.split == "test"]
+    return split_by_prompt(pairs, eval_fraction, seed)
+
+
 # --------------------------------------------------------------------------- batching
 
 

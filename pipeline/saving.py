@@ -21,7 +21,7 @@ from pipeline.models import HEAD_FILE, META_FILE, ScalarModel, make_tmp_dir
 
 
 def recover_folder(out_dir: Path) -> None:
-    """Undo what a kill in the middle of `_atomic_folder` left: the old folder renamed aside but
+    """Undo what a kill in the middle of `atomic_folder` left: the old folder renamed aside but
     the new one not yet in place is put back; half-written temporary folders are removed. One
     writer per run directory, so whatever is there is stale."""
     out_dir = Path(out_dir)
@@ -32,7 +32,7 @@ def recover_folder(out_dir: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _atomic_folder(out_dir: Path, write) -> Path:
+def atomic_folder(out_dir: Path, write) -> Path:
     """Run write(tmp) then rename tmp over out_dir: readers see the old or the new, never half."""
     out_dir = Path(out_dir)
     recover_folder(out_dir)
@@ -63,7 +63,7 @@ def save_policy(policy: nn.Module, tokenizer, out_dir: str | os.PathLike) -> Pat
         (tmp / META_FILE).write_text(json.dumps(
             {**meta, "kind": "policy", "weights": "adapter" if meta["lora"] else "full"}, indent=2))
 
-    return _atomic_folder(Path(out_dir), write)
+    return atomic_folder(Path(out_dir), write)
 
 
 def save_scalar_model(model: ScalarModel, tokenizer, out_dir: str | os.PathLike, state_dict: dict | None = None) -> Path:
@@ -87,4 +87,4 @@ def save_scalar_model(model: ScalarModel, tokenizer, out_dir: str | os.PathLike,
             "reward_mean": model.reward_mean, "reward_std": model.reward_std,
         }, indent=2))
 
-    return _atomic_folder(Path(out_dir), write)
+    return atomic_folder(Path(out_dir), write)

@@ -53,32 +53,25 @@ checkpoints gather the whole weights on rank 0.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from pipeline.config import DPOConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.distributed import clip_grad_norm, load_optimizer_state, setup
 from pipeline.dpo_data import (
     PAIR_STATS, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps, sequence_logps,
-    train_eval_pairs,
 )
 from pipeline.hashing import snapshot_sha256
 from pipeline.models import autocast, checkpointing, pick_dtype
 from pipeline.ppo_state import load_policy_weights, load_starting_policy, save_whole_policy, starting_reference, trainable
-from pipeline.reward_data import encode_pairs, length_grouped_batches, read_pairs
+from pipeline.reward_data import encode_pairs, read_pairs, train_eval_pairs
 from pipeline.rollout import attn_ratio
-from pipeline.rundir import (
-    StopFlag, append_metrics, is_writer, open_tracker, read_status, truncate_metrics, write_json, write_status,
-)
+from pipeline.run import STATE_FILE, cancelled, claim, guarded, recover, resume_from, run_steps, save_state
+from pipeline.rundir import append_metrics, is_writer, open_tracker, write_json, write_status
 from pipeline.tracking import add_report_to
-from pipeline.saving import recover_folder
 
 LOSSES = ("sigmoid", "ipo")
 
@@ -107,41 +100,20 @@ def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, polic
     out_dir = Path(out)
     check_config(cfg)
     dist = setup(model_cfg.device)
-    # 0. Run directory: never write over another run's results without --resume (a folder with only
-    #    a log or a failed start is reused: job runners create it before launching us).
-    results = [n for n in ("checkpoint", "trainer_state.pt", "policy", "eval_report.json") if (out_dir / n).exists()]
-    if resume:
-        if not (out_dir / "trainer_state.pt").is_file():
-            raise FileNotFoundError(f"--resume: {out_dir} has no trainer_state.pt to continue from")
-        if read_status(out_dir).get("state") == "done":
-            raise ValueError(f"--resume: the run in {out_dir} already finished")
-        saved = json.loads((out_dir / "config.json").read_text())  # the run's own settings win
-        if saved["data_sha256"] != snapshot_sha256(data):
-            raise ValueError(f"--resume: {data} is not the data the run in {out_dir} started with ({saved['data']})")
+    # 0. Run directory (pipeline/run.py): a resume continues the run's own settings and starting policy.
+    saved = claim(out_dir, resume=resume, data=data, results=("checkpoint", STATE_FILE, "policy", "eval_report.json"),
+                  dist=dist)
+    if saved:
         cfg, policy = DPOConfig(**saved["dpo"]), saved["policy"]
         model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
-    elif results:
-        raise FileExistsError(f"--out {out_dir} already holds a run ({', '.join(results)}): pass --resume to "
-                              "continue it, or choose a new folder")
-    elif dist.is_main:
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     if dist.sharded and model_cfg.lora:  # after a resume's own settings replaced the command line's
         resumed = " (the run being resumed trains LoRA)" if resume else ""
         raise ValueError(f"train-dpo with FSDP shards full fine-tuning (--lora false){resumed}; with LoRA the "
                          "trained and communicated part is small: use configs/accelerate/ddp.yaml (docs/scaling.md)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_status(out_dir, "running", 0, 0, phase="loading")
-    progress = {"step": 0, "total": 0}  # kept current by _train, for the failure status
-    try:
+    with guarded(out_dir, dist) as progress:
         report = _train(data, out_dir, cfg, model_cfg, policy, resume, on_step, progress, dist)
         dist.close()
         return report
-    except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt):
-            write_status(out_dir, "cancelled", **progress, error="interrupted twice: stopped without saving")
-        else:
-            write_status(out_dir, "failed", **progress, error=dist.describe_failure(exc))
-        raise
 
 
 def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: str, resume: bool, on_step,
@@ -162,9 +134,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
     reference = starting_reference(model, policy, model_cfg, device, dtype)  # the base model, as in PPO
     if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
-        if dist.is_main:  # one rank renames, the others wait (two renaming the same folder would race)
-            recover_folder(out_dir / "checkpoint")
-        dist.barrier()
+        recover(out_dir / "checkpoint", dist)
         load_policy_weights(model, out_dir / "checkpoint")
     train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
     eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
@@ -199,96 +169,59 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     params = trainable(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
-    step = 0
-    if resume:
-        # memory-mapped: the processes of one machine share its pages (pipeline/ppo_state.py, load_checkpoint)
-        state = torch.load(out_dir / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
-        load_optimizer_state(model, optimizer, state["optimizer"])  # saved sharded or not, either way
-        scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
-        truncate_metrics(out_dir, step)  # steps logged after the last save are trained again
+    step = resume_from(out_dir, scheduler, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
 
-    def save() -> None:  # every rank calls it (sharded weights are gathered), rank 0 writes
+    def save(step: int) -> None:  # every rank calls it (sharded weights are gathered), rank 0 writes
         save_whole_policy(model, tokenizer, out_dir / "checkpoint", dist)
         opt_state = dist.optimizer_state(model, optimizer)
-        if not dist.is_main:
-            return
-        tmp = out_dir / ".trainer_state.pt.tmp"
-        torch.save({"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "total": total}, tmp)
-        os.replace(tmp, out_dir / "trainer_state.pt")
+        save_state(out_dir, {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "total": total},
+                   dist)
 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
     lengths = [it.length for it in train_items]
-    bar = tqdm(total=total, initial=step, desc="dpo", unit="step", dynamic_ncols=True, disable=not dist.is_main)
-    write_status(out_dir, "running", step, total, phase="training")
-    pairs_done, t_start, cpu_start, stopped = 0, time.perf_counter(), time.process_time(), None
-    with StopFlag() as stop:
-        for epoch in range(step // steps_per_epoch, cfg.epochs):
-            if step >= total or stopped:
-                break
-            batches = length_grouped_batches(lengths, cfg.batch_size, seed=cfg.seed * 1000 + epoch)
-            for k in range(step - epoch * steps_per_epoch, steps_per_epoch):  # skip steps done before --resume
-                if step >= total:
-                    break
-                micro = batches[k * cfg.grad_accum:(k + 1) * cfg.grad_accum]
-                sums = {"loss": 0.0, "pairs": 0, "tokens": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
-                t0 = time.perf_counter()
-                for j, idx in enumerate(micro):
-                    # each rank takes every N-th pair; a loss weighted by its share of the step's pairs
-                    # makes DDP's mean over ranks (undone by loss_scale) the step's mean over pairs
-                    mine = dist.shard(idx)
-                    weight = len(mine) / len(idx) / len(micro) * dist.loss_scale
-                    if not mine:  # fewer pairs than processes: join the all-reduce with a zero loss
-                        mine, weight = idx[:1], 0.0
-                    pp = pack_pairs([train_items[i] for i in mine], ratio, pad_id, share_prefix, device,
-                                    weights=None if weights is None else [weights[i] for i in mine])
-                    with amp():
-                        ref = reference_logps(reference, pp)  # (2b,) no grad
-                    with dist.sync(wrapped, last=j == len(micro) - 1), amp():
-                        logps = wrapped(sequence_logps, pp)  # (2b,)
-                        loss = preference_loss(cfg, logps, ref, pp.response_tokens, pp.weight)
-                    (loss * weight).backward()
-                    if weight == 0.0:
-                        continue
-                    sums["loss"] += loss.item() * pp.pairs
-                    sums["pairs"] += pp.pairs
-                    sums["tokens"] += pp.real_tokens
-                    for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
-                        sums[key] += value
-                sums = dist.reduce_sum(sums)  # the whole step's sums, on every rank
-                grad_norm = clip_grad_norm(params, cfg.max_grad_norm)  # sharded: one all-reduce
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                n = int(sums["pairs"])
-                pairs_done += n
-                metrics = {"train/loss": sums["loss"] / n,
-                           **{f"train/{key}": sums[key] / n for key in sums if key not in ("loss", "pairs", "tokens")},
-                           "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": float(grad_norm),
-                           "train/epoch": epoch + (k + 1) / steps_per_epoch,
-                           "train/pairs_per_s": n / (time.perf_counter() - t0), "train/tokens": int(sums["tokens"])}
-                append_metrics(out_dir, step, metrics)
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/reward_accuracy']:.2f}")
-                write_status(out_dir, "running", step, total, phase="training")
-                progress.update(step=step, total=total)
-                if on_step is not None:
-                    on_step(step, metrics)
-                if dist.stop_requested(stop.signal):  # any rank's signal stops every rank here
-                    stopped = stop.signal or "a signal to another rank"
-                    break
-                if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                    save()
-    bar.close()
-    train_seconds, train_cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
+
+    def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
+        sums = {"loss": 0.0, "pairs": 0, "tokens": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
+        for j, idx in enumerate(micro):
+            # each rank takes every N-th pair; a loss weighted by its share of the step's pairs makes
+            # DDP's mean over ranks (undone by loss_scale) the step's mean over pairs
+            mine = dist.shard(idx)
+            weight = len(mine) / len(idx) / len(micro) * dist.loss_scale
+            if not mine:  # fewer pairs than processes: join the all-reduce with a zero loss
+                mine, weight = idx[:1], 0.0
+            pp = pack_pairs([train_items[i] for i in mine], ratio, pad_id, share_prefix, device,
+                            weights=None if weights is None else [weights[i] for i in mine])
+            with amp():
+                ref = reference_logps(reference, pp)  # (2b,) no grad
+            with dist.sync(wrapped, last=j == len(micro) - 1), amp():
+                logps = wrapped(sequence_logps, pp)  # (2b,)
+                loss = preference_loss(cfg, logps, ref, pp.response_tokens, pp.weight)
+            (loss * weight).backward()
+            if weight == 0.0:
+                continue
+            sums["loss"] += loss.item() * pp.pairs
+            sums["pairs"] += pp.pairs
+            sums["tokens"] += pp.real_tokens
+            for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
+                sums[key] += value
+        sums = dist.reduce_sum(sums)  # the whole step's sums, on every rank
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm)  # sharded: one all-reduce
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        n = int(sums["pairs"])
+        return {"train/loss": sums["loss"] / n,
+                **{f"train/{key}": sums[key] / n for key in sums if key not in ("loss", "pairs", "tokens")},
+                "train/grad_norm": grad_norm}, n, sums["tokens"]
+
+    done = run_steps(out_dir, dist, cfg, lengths=lengths, steps_per_epoch=steps_per_epoch, total=total, start=step,
+                     train_step=train_step, scheduler=scheduler, save=save, progress=progress, on_step=on_step,
+                     desc="dpo", shown=("train/reward_accuracy", "acc"))
+    step = done.step
 
     # 5. Interrupted: save what we have and leave.
-    if stopped:
-        save()
-        dist.barrier()  # the other ranks exit only once rank 0 has saved
-        write_status(out_dir, "cancelled", step, total, error=f"cancelled by {stopped}; --resume continues")
-        return {"state": "cancelled", "step": step, "total": total}
+    if done.stopped:
+        return cancelled(out_dir, done, total, save, dist)
 
     # 6. Held-out pairs (implicit-reward accuracy and margins), then KL to the reference on samples
     #    of the trained policy for held-out prompts.
@@ -304,14 +237,14 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "dpo", "loss": cfg.loss, "beta": cfg.beta,
                        "data": str(data), "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()),
                        "steps": step}
-    save()
+    save(step)
     save_whole_policy(model, tokenizer, out_dir / "policy", dist)
     dist.barrier()
     full = {
         **report, "train/pairs": len(train_items), "train/weighted": weighted,
         "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
-        "train/seconds": train_seconds, "train/cpu_seconds": train_cpu,
-        "train/pairs_per_s": pairs_done / max(train_seconds, 1e-9), "steps": step, "data": data_report,
+        "train/seconds": done.seconds, "train/cpu_seconds": done.cpu_seconds,
+        "train/pairs_per_s": done.pairs / max(done.seconds, 1e-9), "steps": step, "data": data_report,
         "truncation": {"max_length": cfg.max_length,
                        "prompt_truncated": trunc_train.prompt_truncated + trunc_eval.prompt_truncated,
                        "response_truncated": trunc_train.response_truncated + trunc_eval.response_truncated,

@@ -53,31 +53,24 @@ It prints the held-out accuracy beside the longer-response baseline and the cali
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import Dist, full_optimizer_state, full_state_dict, load_full_optimizer_state, setup
+from pipeline.distributed import Dist, clip_grad_norm, full_state_dict, load_optimizer_state, setup
 from pipeline.hashing import snapshot_sha256
 from pipeline.losses import center_loss, weighted_pairwise_loss
 from pipeline.models import (
     autocast, load_scalar_model, pick_dtype, resolve_model_path,
 )
-from pipeline.saving import recover_folder, save_scalar_model
-from pipeline.reward_data import (
-    encode_pairs, length_grouped_batches, prompt_key, read_pairs, split_by_prompt,
-)
+from pipeline.reward_data import encode_pairs, read_pairs, train_eval_pairs
 from pipeline.reward_eval import evaluate, forward_pairs, normalisation_stats
-from pipeline.rundir import (
-    StopFlag, append_metrics, is_writer, open_tracker, read_status, truncate_metrics, write_json, write_status,
-)
+from pipeline.run import STATE_FILE, cancelled, claim, guarded, recover, resume_from, run_steps, save_state
+from pipeline.rundir import append_metrics, is_writer, open_tracker, write_json, write_status
+from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
 
 # --------------------------------------------------------------------------- helpers
@@ -129,40 +122,15 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
     dist = setup(model_cfg.device)
     if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1:
         raise ValueError("batch_size, grad_accum and epochs must be at least 1")
-    # 0. Run directory: never write over another run's results without --resume. A folder holding
-    #    only logs or a failed start (no checkpoint, no report) is reused: job runners create the
-    #    run directory and its log file before launching us.
-    results = [name for name in ("checkpoint", "trainer_state.pt", "eval_report.json") if (out_dir / name).exists()]
-    if resume:
-        if not (out_dir / "trainer_state.pt").is_file():
-            raise FileNotFoundError(f"--resume: {out_dir} has no trainer_state.pt to continue from")
-        if read_status(out_dir).get("state") == "done":
-            raise ValueError(f"--resume: the run in {out_dir} already finished")
-        # The run's own settings win (same batches, same schedule); only where it runs may change.
-        saved = json.loads((out_dir / "config.json").read_text())
-        if saved["data_sha256"] != snapshot_sha256(data):
-            raise ValueError(f"--resume: {data} is not the data the run in {out_dir} started with ({saved['data']})")
-        cfg = RewardConfig(**saved["reward"])
+    # 0. Run directory (pipeline/run.py): a resume continues the run's own settings and warm start.
+    saved = claim(out_dir, resume=resume, data=data, results=("checkpoint", STATE_FILE, "eval_report.json"), dist=dist)
+    if saved:
+        cfg, init_from = RewardConfig(**saved["reward"]), saved.get("init_from", "")
         model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
-        init_from = saved.get("init_from", "")
-    elif results:
-        raise FileExistsError(f"--out {out_dir} already holds a run ({', '.join(results)}): pass --resume to "
-                              "continue it, or choose a new folder")
-    elif dist.is_main:
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_status(out_dir, "running", 0, 0, phase="loading")
-    progress = {"step": 0, "total": 0}  # kept current by _train, for the failure status
-    try:
+    with guarded(out_dir, dist) as progress:
         report = _train(data, out_dir, cfg, model_cfg, resume, init_from, on_step, progress, dist)
         dist.close()
         return report
-    except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt):
-            write_status(out_dir, "cancelled", **progress, error="interrupted twice: stopped without saving")
-        else:
-            write_status(out_dir, "failed", **progress, error=dist.describe_failure(exc))
-        raise
 
 
 def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resume, init_from, on_step,
@@ -179,25 +147,14 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # 1. Data: read, drop identical pairs; held-out pairs from --eval-data, the snapshot's 'test'
     #    split, or eval_fraction of the prompts.
     pairs, data_report = read_pairs(data)
-    if cfg.eval_data:
-        train_pairs, (eval_pairs, eval_report) = pairs, read_pairs(cfg.eval_data)
-        train_keys = {prompt_key(p.prompt) for p in train_pairs}
-        eval_report["prompts_also_in_train"] = sum(prompt_key(p.prompt) in train_keys for p in eval_pairs)
-        data_report["eval_file"] = eval_report
-    elif any(p.split == "test" for p in pairs):  # the snapshot's own split by prompt
-        train_pairs, eval_pairs = [p for p in pairs if p.split != "test"], [p for p in pairs if p.split == "test"]
-        data_report["split"] = "snapshot"
-    else:
-        train_pairs, eval_pairs = split_by_prompt(pairs, cfg.eval_fraction, cfg.seed)
+    train_pairs, eval_pairs = train_eval_pairs(pairs, data_report, cfg.eval_data, cfg.eval_fraction, cfg.seed)
     if not train_pairs:
         raise ValueError(f"{data}: no training pairs left after holding out {cfg.eval_fraction:.0%} of prompts")
 
     # 2. Model: a new reward head on the base model, a previous reward model (--init-from), or this
     #    run's own checkpoint (--resume).
     if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
-        if dist.is_main:  # one rank renames, the others wait (two renaming the same folder would race)
-            recover_folder(out_dir / "checkpoint")
-        dist.barrier()
+        recover(out_dir / "checkpoint", dist)
     source = str(out_dir / "checkpoint") if resume else (init_from or model_cfg.model)
     model, tokenizer = load_scalar_model(source, "reward", load_cfg)
     train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
@@ -225,28 +182,15 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
-    step = 0
-    if resume:
-        state = torch.load(out_dir / "trainer_state.pt", map_location=device, weights_only=False)
-        if dist.sharded:  # saved whole (keyed by parameter name): each rank takes its shard
-            load_full_optimizer_state(model, optimizer, state["optimizer"])
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
-        truncate_metrics(out_dir, step)  # steps logged after the last save are trained again
+    step = resume_from(out_dir, scheduler, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
 
-    def save(norm: dict | None = None) -> None:
-        weights, opt_state = None, None
-        if dist.sharded:  # every rank takes part in gathering the whole weights and optimiser state
-            weights, opt_state = full_state_dict(model), full_optimizer_state(model, optimizer)
-        if not dist.is_main:  # every rank holds the same weights
-            return
-        save_scalar_model(model, tokenizer, out_dir / "checkpoint", state_dict=weights)
-        tmp = out_dir / ".trainer_state.pt.tmp"
-        torch.save({"optimizer": opt_state if dist.sharded else optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "total": total, "normalised": norm is not None}, tmp)
-        os.replace(tmp, out_dir / "trainer_state.pt")
+    def save(step: int, norm: dict | None = None) -> None:  # every rank calls it, rank 0 writes
+        weights = full_state_dict(model) if dist.sharded else None  # every rank takes part in gathering
+        opt_state = dist.optimizer_state(model, optimizer)
+        if dist.is_main:
+            save_scalar_model(model, tokenizer, out_dir / "checkpoint", state_dict=weights)
+        save_state(out_dir, {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "total": total,
+                             "normalised": norm is not None}, dist)
 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
     lengths = [it.length for it in train_items]
@@ -257,92 +201,56 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     equal = len({it.weight for it in train_items}) == 1  # (judged on the raw weights: no rounding)
     weights = weights if cfg.use_weights and not equal else None
     model.train()
-    bar = tqdm(total=total, initial=step, desc="reward model", unit="step", dynamic_ncols=True,
-               disable=not dist.is_main)
-    write_status(out_dir, "running", step, total, phase="training")
-    pairs_done, t_start, cpu_start, stopped = 0, time.perf_counter(), time.process_time(), None
-    with StopFlag() as stop:
-        for epoch in range(step // steps_per_epoch, cfg.epochs):
-            if step >= total or stopped:
-                break
-            batches = length_grouped_batches(lengths, cfg.batch_size, seed=cfg.seed * 1000 + epoch)
-            for k in range(step - epoch * steps_per_epoch, steps_per_epoch):  # skip steps done before --resume
-                if step >= total:
-                    break
-                micro = batches[k * cfg.grad_accum:(k + 1) * cfg.grad_accum]
-                sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
-                t0 = time.perf_counter()
-                # A long batch runs as several forward passes of at most max_tokens tokens; each
-                # chunk's loss is weighted by its share of the batch, so the gradient is the batch's
-                # own (pairwise and centering terms are means over pairs). With N processes each
-                # takes every N-th pair of each batch, and DDP's mean over ranks undoes loss_scale.
-                chunks = [(chunk, len(chunk) / len(idx) / len(micro) * dist.loss_scale)
-                          for idx in micro for chunk in token_chunks(dist.shard(idx), lengths, cfg.max_tokens)
-                          if chunk]
-                if not chunks:  # fewer pairs than processes: this rank joins the all-reduce with zeros
-                    chunks = [(micro[0][:1], 0.0)]
-                if dist.sharded:  # every layer's forward gathers across ranks: run as many as the busiest
-                    chunks += [(micro[0][:1], 0.0)] * (max(dist.gather_objects(len(chunks))) - len(chunks))
-                for j, (chunk, weight) in enumerate(chunks):
-                    b = len(chunk)
-                    with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
-                        with autocast(device, dtype):
-                            r_c, r_r, lm, margin, tokens = wrapped(  # (b,), (b,), scalar, (b,)
-                                forward_pairs, [train_items[i] for i in chunk], pad_id, device, share_prompt,
-                                lm_weight)
-                            w = (None if weights is None  # (b,)
-                                 else torch.tensor([weights[i] for i in chunk], device=device))
-                            loss = weighted_pairwise_loss(r_c, r_r, w, margin if cfg.margin else None)
-                            if cfg.center_coef > 0:
-                                loss = loss + cfg.center_coef * center_loss(r_c, r_r)
-                            if lm is not None:
-                                loss = loss + cfg.lm_coef * lm
-                        (loss * weight).backward()
-                    if weight == 0.0:
-                        continue
-                    sums["loss"] += loss.item() * b
-                    sums["accuracy"] += (r_c > r_r).float().sum().item()
-                    sums["margin"] += (r_c - r_r).sum().item()
-                    sums["pairs"] += b
-                    sums["tokens"] += tokens
-                sums = dist.reduce_sum(sums)  # the whole batch's sums, on every rank
-                clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-                if hasattr(grad_norm, "full_tensor"):  # sharded parameters: a DTensor
-                    grad_norm = grad_norm.full_tensor()
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                n = int(sums["pairs"])
-                pairs_done += n
-                metrics = {
-                    "train/loss": sums["loss"] / n, "train/accuracy": sums["accuracy"] / n,
-                    "train/margin": sums["margin"] / n, "train/lr": scheduler.get_last_lr()[0],
-                    "train/grad_norm": float(grad_norm), "train/epoch": epoch + (k + 1) / steps_per_epoch,
-                    "train/pairs_per_s": n / (time.perf_counter() - t0), "train/tokens": int(sums["tokens"]),
-                }
-                append_metrics(out_dir, step, metrics)
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
-                write_status(out_dir, "running", step, total, phase="training")
-                progress.update(step=step, total=total)
-                if on_step is not None:
-                    on_step(step, metrics)
-                if dist.stop_requested(stop.signal):  # any rank's signal stops every rank here
-                    stopped = stop.signal or "a signal to another rank"
-                    break
-                if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                    save()
-    bar.close()
-    train_seconds, train_cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
+
+    def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
+        sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
+        # A long batch runs as several forward passes of at most max_tokens tokens; each chunk's
+        # loss is weighted by its share of the batch, so the gradient is the batch's own (pairwise
+        # and centering terms are means over pairs). With N processes each takes every N-th pair of
+        # each batch, and DDP's mean over ranks undoes loss_scale.
+        chunks = [(chunk, len(chunk) / len(idx) / len(micro) * dist.loss_scale)
+                  for idx in micro for chunk in token_chunks(dist.shard(idx), lengths, cfg.max_tokens) if chunk]
+        if not chunks:  # fewer pairs than processes: this rank joins the all-reduce with zeros
+            chunks = [(micro[0][:1], 0.0)]
+        if dist.sharded:  # every layer's forward gathers across ranks: run as many as the busiest
+            chunks += [(micro[0][:1], 0.0)] * (max(dist.gather_objects(len(chunks))) - len(chunks))
+        for j, (chunk, weight) in enumerate(chunks):
+            b = len(chunk)
+            with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
+                with autocast(device, dtype):
+                    r_c, r_r, lm, margin, tokens = wrapped(  # (b,), (b,), scalar, (b,)
+                        forward_pairs, [train_items[i] for i in chunk], pad_id, device, share_prompt, lm_weight)
+                    w = None if weights is None else torch.tensor([weights[i] for i in chunk], device=device)  # (b,)
+                    loss = weighted_pairwise_loss(r_c, r_r, w, margin if cfg.margin else None)
+                    if cfg.center_coef > 0:
+                        loss = loss + cfg.center_coef * center_loss(r_c, r_r)
+                    if lm is not None:
+                        loss = loss + cfg.lm_coef * lm
+                (loss * weight).backward()
+            if weight == 0.0:
+                continue
+            sums["loss"] += loss.item() * b
+            sums["accuracy"] += (r_c > r_r).float().sum().item()
+            sums["margin"] += (r_c - r_r).sum().item()
+            sums["pairs"] += b
+            sums["tokens"] += tokens
+        sums = dist.reduce_sum(sums)  # the whole batch's sums, on every rank
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm)  # sharded: one all-reduce
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        n = int(sums["pairs"])
+        return {"train/loss": sums["loss"] / n, "train/accuracy": sums["accuracy"] / n,
+                "train/margin": sums["margin"] / n, "train/grad_norm": grad_norm}, n, sums["tokens"]
+
+    done = run_steps(out_dir, dist, cfg, lengths=lengths, steps_per_epoch=steps_per_epoch, total=total, start=step,
+                     train_step=train_step, scheduler=scheduler, save=save, progress=progress, on_step=on_step,
+                     desc="reward model", shown=("train/accuracy", "acc"))
+    step = done.step
 
     # 5. Interrupted: save what we have (usable, unnormalised) and leave.
-    if stopped:
-        save()
-        dist.barrier()  # the other ranks exit only once rank 0 has saved
-        write_status(out_dir, "cancelled", step, total, error=f"cancelled by {stopped}; --resume continues")
-        return {"state": "cancelled", "step": step, "total": total}
+    if done.stopped:
+        return cancelled(out_dir, done, total, save, dist)
 
     # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
     write_status(out_dir, "running", step, total, phase="evaluating")
@@ -367,15 +275,15 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
 
     # 8. Save the checkpoint and the report.
-    save(norm)
+    save(step, norm)
     dist.barrier()
     full = {
         **report, "calibration": calib, "normalisation": norm,
         "train/pairs": len(train_items), "train/weighted": weights is not None,
         "train/prompts": len({str(p.prompt) for p in train_pairs}),
         "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
-        "train/seconds": train_seconds, "train/cpu_seconds": train_cpu,
-        "train/pairs_per_s": pairs_done / max(train_seconds, 1e-9),
+        "train/seconds": done.seconds, "train/cpu_seconds": done.cpu_seconds,
+        "train/pairs_per_s": done.pairs / max(done.seconds, 1e-9),
         "steps": step, "data": data_report,
         "truncation": {
             "max_length": cfg.max_length,

@@ -1,0 +1,188 @@
+"""One training run's lifecycle, the same for train-reward and train-dpo (and, where it applies, ppo).
+
+The algorithm files keep what is theirs (data, models, the loss of one step, evaluation); this file
+holds what every trainer does around them, written once so a fix reaches all of them:
+
+    claim(out_dir, resume=..., data=..., results=..., config_key=...)
+                               the run directory's rules: never write over another run's results
+                               without --resume; a resume continues the run's own settings on the
+                               same data (returns its config.json)
+    guarded(out_dir, dist)     status.json 'running' while the body runs; 'failed' with the error,
+                               or 'cancelled' on a second Ctrl-C, if it raises
+    recover(folder, dist)      put back the last good checkpoint after a kill mid-write; one rank
+                               renames while the others wait (two renaming one folder would race)
+    load_state(out_dir) / save_state(out_dir, state)
+                               trainer_state.pt: optimiser, scheduler, step (memory-mapped on load,
+                               written whole or not at all; rank 0 writes)
+    run_steps(...)             the step loop: epochs of length-grouped batches, the steps done
+                               before --resume skipped, metrics, status, progress bar, on_step,
+                               SIGTERM / Ctrl-C (every rank stops at the same step), save_every.
+                               The algorithm gives one function: a step's micro-batches in, the
+                               step's metrics out (TRL's compute_loss idea, without a class).
+    cancelled(...)             save, wait for rank 0, mark the run 'cancelled' (--resume continues)
+
+PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `recover`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.hashing import snapshot_sha256
+from pipeline.reward_data import length_grouped_batches
+from pipeline.rundir import StopFlag, append_metrics, read_status, truncate_metrics, write_status
+from pipeline.saving import recover_folder
+
+STATE_FILE = "trainer_state.pt"
+
+
+def claim(out_dir: Path, *, resume: bool, data: str, results: tuple[str, ...], dist) -> dict | None:
+    """Phase 0, before anything loads. A folder holding only logs or a failed start is reused (job
+    runners create the run directory and its log before launching a trainer); one holding any of
+    `results` needs --resume. Resuming needs trainer_state.pt, an unfinished run and the same data
+    (by SHA-256); it returns the run's config.json, whose settings win (same batches, same
+    schedule: only where it runs may change). A new run starts with no metrics."""
+    found = [name for name in results if (out_dir / name).exists()]
+    if resume:
+        if not (out_dir / STATE_FILE).is_file():
+            raise FileNotFoundError(f"--resume: {out_dir} has no {STATE_FILE} to continue from")
+        if read_status(out_dir).get("state") == "done":
+            raise ValueError(f"--resume: the run in {out_dir} already finished")
+        saved = json.loads((out_dir / "config.json").read_text())
+        if saved["data_sha256"] != snapshot_sha256(data):
+            raise ValueError(f"--resume: {data} is not the data the run in {out_dir} started with ({saved['data']})")
+        return saved
+    if found:
+        raise FileExistsError(f"--out {out_dir} already holds a run ({', '.join(found)}): pass --resume to "
+                              "continue it, or choose a new folder")
+    if dist.is_main:
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    return None
+
+
+@contextlib.contextmanager
+def guarded(out_dir: Path, dist):
+    """status.json through the run: 'running' (loading) now; if the body raises, 'cancelled' for a
+    second Ctrl-C (stopped at once, nothing saved) or 'failed' with the error, at the last step the
+    body reported in the yielded dict ({"step", "total"})."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_status(out_dir, "running", 0, 0, phase="loading")
+    progress = {"step": 0, "total": 0}
+    try:
+        yield progress
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            write_status(out_dir, "cancelled", **progress, error="interrupted twice: stopped without saving")
+        else:
+            write_status(out_dir, "failed", **progress, error=dist.describe_failure(exc))
+        raise
+
+
+def recover(folder: Path, dist) -> None:
+    """After a kill in the middle of a checkpoint write, the last good folder is put back (rank 0
+    renames, every rank waits for it)."""
+    if dist.is_main:
+        recover_folder(folder)
+    dist.barrier()
+
+
+def load_state(out_dir: Path) -> dict:
+    """trainer_state.pt, memory-mapped: the processes of one machine share its pages."""
+    return torch.load(out_dir / STATE_FILE, map_location="cpu", mmap=True, weights_only=False)
+
+
+def save_state(out_dir: Path, state: dict, dist) -> None:
+    """trainer_state.pt written whole or not at all, by rank 0."""
+    if not dist.is_main:
+        return
+    tmp = out_dir / f".{STATE_FILE}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, out_dir / STATE_FILE)
+
+
+@dataclass
+class Steps:
+    """What the step loop did: the last step, the signal that stopped it (None: it ran to the
+    end), pairs trained on, wall and CPU seconds."""
+    step: int
+    stopped: str | None
+    pairs: int
+    seconds: float
+    cpu_seconds: float
+
+
+def run_steps(out_dir: Path, dist, cfg, *, lengths: list[int], steps_per_epoch: int, total: int, start: int,
+              train_step: Callable[[list[list[int]]], tuple[dict, int, int]], scheduler, save: Callable[[int], None],
+              progress: dict, on_step=None, desc: str, shown: tuple[str, str]) -> Steps:
+    """The step loop of a pairs trainer. One optimiser step takes cfg.grad_accum batches of
+    cfg.batch_size pairs (length-grouped, reshuffled per epoch by cfg.seed); train_step(micro) runs
+    them, steps optimiser and scheduler, and returns (its metrics, pairs, tokens), to which the loop
+    adds train/lr, train/epoch, train/pairs_per_s and train/tokens. cfg also gives epochs and
+    save_every. After each step: metrics.jsonl, status.json, the bar (showing train/loss and the
+    metric named by shown: (key, label)), progress, on_step(step, metrics); a stop (any rank's
+    signal) ends the loop at that step, every rank alike."""
+    bar = tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, disable=not dist.is_main)
+    write_status(out_dir, "running", start, total, phase="training")
+    step, stopped, pairs = start, None, 0
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    with StopFlag() as stop:
+        for epoch in range(step // steps_per_epoch, cfg.epochs):
+            if step >= total or stopped:
+                break
+            batches = length_grouped_batches(lengths, cfg.batch_size, seed=cfg.seed * 1000 + epoch)
+            for k in range(step - epoch * steps_per_epoch, steps_per_epoch):  # skip steps done before --resume
+                if step >= total:
+                    break
+                micro = batches[k * cfg.grad_accum:(k + 1) * cfg.grad_accum]
+                t0 = time.perf_counter()
+                metrics, n, tokens = train_step(micro)
+                metrics.update({"train/lr": scheduler.get_last_lr()[0], "train/epoch": epoch + (k + 1) / steps_per_epoch,
+                                "train/pairs_per_s": n / (time.perf_counter() - t0), "train/tokens": int(tokens)})
+                step += 1
+                pairs += n
+                append_metrics(out_dir, step, metrics)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", **{shown[1]: f"{metrics[shown[0]]:.2f}"})
+                write_status(out_dir, "running", step, total, phase="training")
+                progress.update(step=step, total=total)
+                if on_step is not None:
+                    on_step(step, metrics)
+                if dist.stop_requested(stop.signal):  # any rank's signal stops every rank here
+                    stopped = stop.signal or "a signal to another rank"
+                    break
+                if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                    save(step)
+    bar.close()
+    return Steps(step, stopped, pairs, time.perf_counter() - t_start, time.process_time() - cpu_start)
+
+
+def cancelled(out_dir: Path, steps: Steps, total: int, save: Callable[[int], None], dist) -> dict:
+    """A signal stopped the loop: save a usable checkpoint, let the other ranks leave only once rank 0
+    has, mark the run cancelled; `--resume` continues it."""
+    save(steps.step)
+    dist.barrier()
+    write_status(out_dir, "cancelled", steps.step, total, error=f"cancelled by {steps.stopped}; --resume continues")
+    return {"state": "cancelled", "step": steps.step, "total": total}
+
+
+def resume_from(out_dir: Path, scheduler, load_optimizer: Callable[[dict], None]) -> int:
+    """Restore optimiser (by the caller's loader: sharded or not) and scheduler from trainer_state.pt;
+    the metrics logged after that save are dropped (those steps are trained again). Returns the step."""
+    state = load_state(out_dir)
+    load_optimizer(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    truncate_metrics(out_dir, state["step"])
+    return state["step"]
+
+
+__all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "run_steps",
+           "cancelled", "resume_from"]
