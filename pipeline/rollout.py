@@ -260,6 +260,17 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
 # --------------------------------------------------------------------------- prompts and PPO-ptx data
 
 
+def episode_uniforms(seed: int, step: int, episodes: range, n_tokens: int, device) -> torch.Tensor:
+    """(len(episodes), n_tokens) float64 uniforms, row i those of episode episodes[i] of the step
+    (its index in the whole batch): each episode's numbers come from its own seeded stream, so a
+    rank sampling episodes 4..7 draws exactly what one process sampling 0..7 draws for them."""
+    rows = [torch.rand(n_tokens, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed((seed * 1_000_003 + step) * 100_003 + e))
+            for e in episodes]
+    return torch.stack(rows).to(device)
+
+
+
 def prompt_order(n_prompts: int, step: int, batch_size: int, seed: int) -> list[int]:
     """Indices of the prompts for PPO step `step` (0-based): consecutive slices of a fresh
     permutation per pass over the file, seeded by (seed, pass). Depends only on the step, so a
@@ -316,5 +327,5 @@ def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_se
 __all__ = [
     "Rollout", "Advantages", "kl_shaped_advantages", "gather_rollout", "PackedResponses", "pack_responses", "attn_ratio",
     "response_logits", "response_logprobs", "critic_values", "rollout_forwards", "merged_lora", "decode_responses",
-    "prompt_order", "read_ptx_texts", "ptx_batch", "write_samples",
+    "prompt_order", "episode_uniforms", "read_ptx_texts", "ptx_batch", "write_samples",
 ]

@@ -45,8 +45,9 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 
 def _sample_categorical(probs: torch.Tensor, generator: torch.Generator | None,
-                        blocked: bool | None = None, block: int = 1024) -> torch.Tensor:
-    """One token per row of probs (B, V) by inverse-CDF sampling: a single uniform per row.
+                        blocked: bool | None = None, block: int = 1024, u: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of probs (B, V) by inverse-CDF sampling: a single uniform per row (drawn
+    from generator, or given: u (B,) in [0, 1)).
 
     torch.multinomial draws one exponential per vocabulary entry, which on CPU costs about a quarter
     of a 135M-model decoding step; a cumulative sum and a binary search cost a few ms. The sum must
@@ -59,7 +60,10 @@ def _sample_categorical(probs: torch.Tensor, generator: torch.Generator | None,
     (tests/test_generate.py). Zero-probability (filtered) tokens are never chosen: the searches
     return the first cdf strictly above u, and u stays strictly below the total.
     """
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
+    if u is None:
+        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
+    else:
+        u = u.to(device=probs.device, dtype=torch.float64)[:, None]
     if blocked is None:
         blocked = probs.device.type != "cpu"
     if not blocked or probs.shape[-1] <= block:
@@ -121,7 +125,8 @@ def _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw):
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, num_samples=1,
            generator: torch.Generator | None = None, eos_token_id=None, pad_token_id=None,
-           share_prefix: bool = True, check_every: int | None = None, synced: bool = False) -> SampleBatch:
+           share_prefix: bool = True, check_every: int | None = None, synced: bool = False,
+           uniforms: torch.Tensor | None = None) -> SampleBatch:
     """Sample responses for a left-padded batch of prompts with the KV cache.
 
     cfg: anything with temperature and max_new_tokens, and optionally top_p and top_k
@@ -135,6 +140,10 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     the batch every this many tokens (default 1 on CPU, 8 on GPUs: see below); the samples do not
     depend on it except through the random stream (each row draws one uniform per token it
     spends in the batch).
+    uniforms: (B, cfg.max_new_tokens) numbers in [0, 1), the one each row's token t is drawn with,
+    instead of the generator's stream: a row's response then depends on its own numbers only, not on
+    which other rows share its batch (PPO draws them per episode, so N processes sample the episodes
+    one process would).
     synced: the model is sharded across the processes of a group (FSDP), so each of its forward
     passes is a collective that every process must run: the loop then steps until every process's
     rows are done (one all-reduce of "mine are done" at each check, as transformers' generate does
@@ -187,7 +196,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
         else:
             filtering = bool(top_k) or top_p < 1.0
             probs = _filter_logits(logp, top_k, top_p).softmax(-1) if filtering else logp.exp()
-            token = _sample_categorical(probs, generator)  # (A,)
+            token = _sample_categorical(probs, generator, u=None if uniforms is None else uniforms[active, t])  # (A,)
         token = token.masked_fill(done, pad)  # a row that ended keeps pad after its EOS
         response_ids[active, t] = token
         logprobs[active, t] = logp.gather(1, token[:, None]).squeeze(1)  # masked below where done

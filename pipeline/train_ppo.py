@@ -58,11 +58,12 @@ from pipeline.losses import (
 )
 from pipeline.models import checkpointing
 from pipeline.policy import causal_lm_logits
-from pipeline.ppo_state import CHECKPOINT, recover_checkpoint, save_checkpoint, save_whole_policy, set_up, trainable
+from pipeline.ppo_state import CHECKPOINT, save_checkpoint, save_whole_policy, set_up, trainable
 from pipeline.rollout import (
-    Rollout, attn_ratio, critic_values, gather_rollout, kl_shaped_advantages, merged_lora, pack_responses,
-    prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
+    Rollout, attn_ratio, critic_values, episode_uniforms, gather_rollout, kl_shaped_advantages, merged_lora,
+    pack_responses, prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
 )
+from pipeline.run import recover
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
 from pipeline.tracking import add_report_to
 from pipeline.sampling import sample
@@ -81,9 +82,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / CHECKPOINT
-    if dist.is_main:
-        recover_checkpoint(ckpt)
-    dist.barrier()
+    recover(ckpt, dist)  # a kill in the middle of a checkpoint write leaves the last good one to put back
     if ckpt.is_dir() and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
     state: dict = {}
@@ -116,11 +115,13 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 batch_prompts = [rows[i]["prompt"] for i in prompt_order(len(rows), step, B, cfg.seed)][local]
                 input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
 
-                # 2. sample from the current policy = pi_old; post-EOS tokens come back masked. LoRA is
-                # merged into (a copy of) the base weights meanwhile: one matmul per layer and step
-                generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step + 7_919 * dist.rank)
+                # 2. sample from the current policy = pi_old, the whole distribution of logits / T; each
+                # episode draws its own seeded numbers, so N processes sample what one would. Post-EOS
+                # tokens come back masked. LoRA is merged into (a copy of) the base weights meanwhile:
+                # one matmul per layer and step
+                uniforms = episode_uniforms(cfg.seed, step, range(B)[local], cfg.max_new_tokens, device)
                 with torch.no_grad(), autocast(), merged_lora(policy_model):
-                    sb = sample(policy_model, input_ids, prompt_mask, cfg, generator=generator,
+                    sb = sample(policy_model, input_ids, prompt_mask, cfg, uniforms=uniforms,
                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                 synced=dist.sharded)
                 mask = sb.response_mask.float()  # (B, R)

@@ -280,8 +280,9 @@ def test_distributed_generate_writes_the_one_process_chunks(tmp_path, tiny_model
 
 
 def test_distributed_ppo_equals_one_process_and_its_checkpoint_resumes_on_one(tmp_path, tiny_model_dir):
-    """The same rollouts on 1 process (8 episodes) and on 2 (4 each): top-k 1 makes sampling
-    deterministic, so both runs see the same episodes. The update's statistics (policy and value
+    """The same rollouts on 1 process (8 episodes) and on 2 (4 each): every episode samples with
+    its own seeded numbers (rollout.episode_uniforms), so both runs see the same episodes, sampled
+    from the whole distribution at temperature 1 (no top-k). The update's statistics (policy and value
     losses, gradient norms: sums over both ranks' micro-batches) and the rollout metrics (whole
     gathered batch) equal the 1-process ones, and so do the weights after two updates. Rank 0
     alone wrote the run directory (the same files as one process, each step logged once); the
@@ -293,7 +294,7 @@ def test_distributed_ppo_equals_one_process_and_its_checkpoint_resumes_on_one(tm
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2))
     args = ["--policy", tiny_model_dir, "--reward", "script:count:e", "--prompts", prompts,
             "--batch-size", 8, "--mini-batch-size", 8, "--micro-batch-size", 2, "--max-new-tokens", 8,
-            "--temperature", 1.0, "--top-k", 1, "--lr", 1e-2, "--critic-lr", 1e-2, "--device", "cpu",
+            "--temperature", 1.0, "--lr", 1e-2, "--critic-lr", 1e-2, "--device", "cpu",
             "--lora-r", 4, "--sample-every", 1, "--seed", 5]
     one, two = tmp_path / "one", tmp_path / "two"
     assert ppo_main([*map(str, args), "--steps", "2", "--out", str(one)]) == 0

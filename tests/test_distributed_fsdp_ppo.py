@@ -3,9 +3,10 @@ settings `accelerate launch --config_file configs/accelerate/fsdp.yaml` exports)
 
 Every forward pass of a sharded model is a collective, so a rank that runs one pass fewer than the
 other hangs the job. The policy here is built to make the ranks' work differ: its EOS row is scaled
-so that greedy responses (top-k 1) end at once for some prompts and run to the length limit for
-one other, and the prompts file puts the short ones on rank 0 and the long ones on rank 1, so
-rank 0 must keep stepping its finished rows while rank 1 samples. It also ties its LM head to its
+so that responses sampled at temperature 0.05 end at once (a token or two) for some prompts and run on (mostly to
+the length limit) for one other, and the prompts file puts the short ones on rank 0 and the long
+ones on rank 1, so rank 0 must keep stepping its finished rows while rank 1 samples. Each episode
+samples with its own seeded numbers, so both runs sample the same responses. It also ties its LM head to its
 input embeddings, as SmolLM2 does (one shard unit holds both). Each launch runs under a timeout;
 the file takes about 40 s on 2 cores.
 """
@@ -25,12 +26,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixture
 
 SEED = 5
 SHORT = ["How can I shop?", "What is the capital of France?", "Tell me about bread.", "Tell me about bread."]
-LONG = "Guitar tips?"  # the one prompt whose greedy response never reaches EOS within 12 tokens
+LONG = "Guitar tips?"  # the one prompt whose responses mostly run to the 12-token limit
 
 
 def eos_model_dir(out):
-    """A tiny Llama with tied embeddings whose EOS logit is scaled by 10: greedy responses to SHORT
-    end with EOS as their first token, the response to LONG runs to the limit (checked below)."""
+    """A tiny Llama with tied embeddings whose EOS logit is scaled by 10: at temperature 0.05 the
+    responses to SHORT end with EOS as their first token, those to LONG run on (checked below)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tiny_tokenizer()
@@ -64,7 +65,7 @@ def ppo_args(tmp_path) -> list:
     prompts = uneven_prompts(tmp_path / "prompts.jsonl")
     return ["--policy", model, "--reward", "script:count:e", "--prompts", prompts, "--lora", "false",
             "--batch-size", 8, "--mini-batch-size", 8, "--micro-batch-size", 2, "--max-new-tokens", 12,
-            "--temperature", 1.0, "--top-k", 1, "--lr", 1e-3, "--critic-lr", 1e-3, "--device", "cpu",
+            "--temperature", 0.05, "--lr", 1e-3, "--critic-lr", 1e-3, "--device", "cpu",
             "--sample-every", 1, "--seed", SEED]
 
 
@@ -84,8 +85,12 @@ def test_distributed_fsdp_ppo_equals_one_process_with_uneven_responses_and_resum
     assert proc.returncode == 0, log_of(two)[-3000:]
     assert json.loads((two / "config.json").read_text())["fsdp"] is True
 
-    first = metric_lines(one)[0]  # 4 responses of 1 token (EOS), 4 of 12 (no EOS)
-    assert (first["gen/eos_rate"], first["gen/length_mean"]) == (0.5, 6.5)
+    # rank 0's 4 episodes (the sample table's, rank 0's first) end at once, rank 1's run on
+    first = metric_lines(one)[0]
+    table = [json.loads(line) for line in (one / "samples" / "step_1.jsonl").read_text().splitlines()]
+    assert all(r["finish_reason"] == "eos" and r["tokens"] <= 2 for r in table), table
+    rank0 = sum(r["tokens"] for r in table)
+    assert 8 * first["gen/length_mean"] - rank0 >= 4 * 8, first  # rank 1: 8 tokens an episode or more
     assert_same_ppo_runs(one, two, ("policy/model.safetensors", "checkpoint/critic/model.safetensors",
                                     "checkpoint/critic/scalar_head.safetensors"))
     start, trained = load_file(tmp_path / "model" / "model.safetensors"), load_file(two / "policy/model.safetensors")

@@ -8,12 +8,12 @@ penalty), on rollouts of which most are cut at the length limit, and must raise 
 score of responses to held-out prompts; DPO on the same pairs must too.
 
 Sized over eight seeds (0-7; each moves prompts, samples, the reward model's training and PPO's):
-PPO raised the held-out score by +0.83 to +2.64 reward-model standard deviations (mean 1.83, s.d.
-0.60) and the gold count of 'e' 2.3 to 8.2 times; DPO by +0.98 to +3.07 (mean 2.35, s.d. 0.65) and
+PPO raised the held-out score by +0.79 to +2.67 reward-model standard deviations (mean 1.80, s.d.
+0.70) and the gold count of 'e' 1.9 to 9.1 times; DPO by +0.98 to +3.07 (mean 2.35, s.d. 0.66) and
 3.0 to 20 times (`python -m tests.test_ppo_learned_reward 0 1 2 3 4 5 6 7`). The tests assert on the
-mean of two training seeds: +0.5 is 3 s.d. of that mean below PPO's mean, 2.9 below DPO's, and
-1.5x sits below every run's gold ratio. A PPO that ignores or inverts the reward (advantages of the
-wrong sign) loses score instead. A PPO that scores cut responses where the reward model never
+mean of two training seeds: PPO's +0.4 is 2.8 s.d. of that mean below its mean, DPO's +0.5 is 4.0
+below, and 1.5x sits below every run's gold ratio. A PPO that inverts the reward (the score's sign
+flipped) falls to -0.86 and fails. A PPO that scores cut responses where the reward model never
 learned to score, or whose critic starts on another scale, still learns this easy task on a tiny
 model; those two faults are pinned by exact tests instead (reward = score_texts,
 tests/test_train_ppo.py; critic = normalised score, below).
@@ -138,7 +138,7 @@ def test_ppo_raises_the_learned_reward_models_score_of_held_out_responses(learne
         assert rows[0]["gen/eos_rate"] < 0.5  # the rollouts PPO learns from are mostly cut at the limit
         after.append(held_out_scores(learned, out / "policy"))
     score_after, gold_after = (sum(x) / len(after) for x in zip(*after))
-    assert score_after > score_before + 0.5, (score_before, after)
+    assert score_after > score_before + 0.4, (score_before, after)
     assert gold_after > 1.5 * gold_before, (gold_before, after)
 
 
