@@ -58,7 +58,7 @@ def import_items(store, path, *, fmt: str = "items", max_bytes: int = DEFAULT_MA
                    if (item := _item(row, n, problems, max_chars, default_source)) is not None]
     _refuse_repeats(checked, problems)
     problems.raise_if_any()
-    counts = store._import_item_rows(path.name, _sha256(path), fmt, checked)
+    counts = store._import_item_rows(str(path), _sha256(path), fmt, checked)
     return {"file": str(path), **counts}
 
 

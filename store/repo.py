@@ -12,6 +12,7 @@ transaction. Import and export of files are in store/io.py and store/export.py.
 
 from __future__ import annotations
 
+import os
 
 import pyarrow as pa
 
@@ -324,11 +325,12 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
 
     # ------------------------------------------------------------------ imported items to rank
 
-    def _import_item_rows(self, file_name: str, sha256: str, fmt: str, rows: list) -> dict:
+    def _import_item_rows(self, path: str, sha256: str, fmt: str, rows: list) -> dict:
         """Store checked items (store/import_items.py reads and checks the file) in one transaction.
 
-        `rows`: ImportRow records (row number, prompt text, messages JSON, source, [(text, model
-        name or None)], queued, orders over response indices). The file gets a model version of
+        `path`: the file (errors name it); `rows`: records.ItemIn (row number, prompt text,
+        messages JSON, source, [(text, model name or None)], queued, orders over response
+        indices). The file gets a model version of
         kind 'external' named 'import:<file name>:<first 8 hex of its SHA-256>' (meta: file, hash,
         rows, format): the items' version, and the version of every response without a model
         name. Each model name is a version of that name: an existing policy or external version,
@@ -337,12 +339,13 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
         ranking made in another tool) becomes pairs like an imported pair's: no ranking, no
         annotator, source 'import:<file name>', margin the rank gap.
         """
-        now = utcnow()
+        file_name, now = os.path.basename(path), utcnow()
         with self._tx() as cur:
-            file_mv = self._file_version(cur, "external", file_name, sha256, {"rows": len(rows), "format": fmt}, now)
-            versions, created = self._external_versions(cur, file_name, rows, now)
+            file_mv = self._file_version(cur, "external", file_name, sha256, {"rows": len(rows), "format": fmt}, now,
+                                         where=path)
+            versions, created = self._external_versions(cur, path, rows, now)
             prompt_ids, added = self._insert_prompts(cur, [(r.prompt, r.messages, r.source) for r in rows])
-            self._refuse_stored_items(cur, file_name, rows, prompt_ids)
+            self._refuse_stored_items(cur, path, rows, prompt_ids)
             batches = [(pid, [(text, None, "import", {}) for text, _ in r.responses])
                        for pid, r in zip(prompt_ids, rows)]
             response_versions = [[file_mv if m is None else versions[m] for _, m in r.responses] for r in rows]
@@ -372,7 +375,7 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
                 "prompts_existing": len(set(prompt_ids)) - added, "pairs": len(pairs),
                 "models": sorted(versions), "models_created": created, "model_version_id": file_mv}
 
-    def _external_versions(self, cur, file_name: str, rows: list, now) -> tuple[dict[str, int], list[str]]:
+    def _external_versions(self, cur, path: str, rows: list, now) -> tuple[dict[str, int], list[str]]:
         """Inside a transaction: {model name: version id} for every model the rows name (an existing
         policy or external version of that name, else a new external one), and the names created."""
         names = sorted({m for r in rows for _, m in r.responses if m is not None})
@@ -380,21 +383,23 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
             "SELECT id, name, kind FROM model_versions WHERE name IN (SELECT unnest(?))", [names]).fetchall()}
         wrong = [(n, k) for n, (_, k) in found.items() if k not in ("policy", "external")]
         if wrong:
-            raise DataError(file_name, [(r.n, f"model {n!r} is a {k} model version of this store, which writes no "
+            raise DataError(path, [(r.n, f"model {n!r} is a {k} model version of this store, which writes no "
                                               "responses: name the response's model otherwise")
                                         for n, k in wrong for r in rows if any(m == n for _, m in r.responses)][:50])
         versions = {n: i for n, (i, _) in found.items()}
         created = [n for n in names if n not in versions]
         for n in created:
-            versions[n] = self._new_version(cur, "external", n, {"first_imported_from": file_name}, now)
+            versions[n] = self._new_version(cur, "external", n, {"first_imported_from": os.path.basename(path)}, now)
         return versions, created
 
-    def _file_version(self, cur, kind: str, file_name: str, sha256: str, meta: dict, now) -> int:
+    def _file_version(self, cur, kind: str, file_name: str, sha256: str, meta: dict, now, *,
+                      where: str | None = None) -> int:
         """Inside a transaction: the version an imported file's responses get, named
-        'import:<file name>:<first 8 hex of its SHA-256>'; a file imported before is refused."""
+        'import:<file name>:<first 8 hex of its SHA-256>'; a file imported before is refused
+        (DataError naming `where`, default the file name)."""
         name = f"import:{file_name}:{sha256[:8]}"
         if cur.execute("SELECT 1 FROM model_versions WHERE name = ?", [name]).fetchall():
-            raise DataError(file_name, [(None, f"this file was already imported (model version {name!r})")])
+            raise DataError(where or file_name, [(None, f"this file was already imported (model version {name!r})")])
         return self._new_version(cur, kind, name, {"imported_from": file_name, "sha256": sha256, **meta}, now)
 
     @staticmethod
@@ -404,7 +409,7 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
             "VALUES (nextval('model_versions_id_seq'), ?, ?, ?, ?) RETURNING id",
             [kind, name, dumps(meta), now]).fetchall()[0][0]
 
-    def _refuse_stored_items(self, cur, file_name: str, rows: list, prompt_ids: list[int]) -> None:
+    def _refuse_stored_items(self, cur, path: str, rows: list, prompt_ids: list[int]) -> None:
         """Inside a transaction: DataError naming each row whose prompt already has an item of
         exactly the same response texts."""
         stored: dict[tuple[int, tuple[str, ...]], int] = {}
@@ -416,4 +421,4 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
                     for pid, r in zip(prompt_ids, rows)
                     if (key := (pid, tuple(sorted(t for t, _ in r.responses)))) in stored]
         if problems:
-            raise DataError(file_name, problems[:50], more=max(0, len(problems) - 50))
+            raise DataError(path, problems[:50], more=max(0, len(problems) - 50))

@@ -137,12 +137,13 @@ def test_duplicates_in_the_file_in_the_store_and_the_same_file_again_are_refused
 
     import_items(store, _jsonl(tmp_path / "first.jsonl", rows[:2]))
     before = _stored(store)
-    with pytest.raises(DataError, match="already imported"):
+    with pytest.raises(DataError, match="already imported") as info:
         import_items(store, tmp_path / "first.jsonl")
+    assert info.value.path == str(tmp_path / "first.jsonl")
     later = [{"prompt": "q3", "responses": ["e", "f"]}, {"prompt": "q2", "responses": ["d", "c"]}]
     with pytest.raises(DataError) as info:
         import_items(store, _jsonl(tmp_path / "later.jsonl", later))
-    assert len(info.value.errors) == 1 and info.value.errors[0][0] == 2
+    assert len(info.value.errors) == 1 and info.value.errors[0][0] == 2 and info.value.path.endswith("later.jsonl")
     assert "already stored: item" in info.value.errors[0][1]
     assert _stored(store) == before  # q3 was not half-imported either
     # a new response to the same prompt is a new item
