@@ -7,11 +7,15 @@
   LoRA it is the same model with the adapter disabled (peft's `disable_adapter()` context: no
   second copy); with full fine-tuning frozen full weights: a copy of the policy when it starts
   from the base, else the base model loaded (`make_reference(policy, base=...)`).
+- a training run's start, the same for PPO and DPO: `load_starting_policy` (a saved policy or the
+  base model), `starting_reference` (the reference above), `load_policy_weights` (a checkpoint's
+  weights into the built policy, on --resume), `trainable`.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from pathlib import Path
 
@@ -122,3 +126,68 @@ def make_reference(policy: nn.Module, base: nn.Module | None = None) -> Referenc
     model, loaded by the caller when the policy's weights are an earlier round's) or a frozen copy
     of the policy made now (it is the base)."""
     return Reference(policy, base)
+
+
+# --------------------------------------------------------------------------- a run's starting policy
+
+
+def load_starting_policy(policy: str, model_cfg: ModelConfig, device, dtype):
+    """(policy, tokenizer, parent): --policy is a folder saved by save_policy (its adapter or its
+    full weights keep training), or a base model. The reference is the base model either way
+    (`starting_reference`)."""
+    if policy and (Path(policy) / "model_meta.json").is_file():
+        meta = read_meta(policy)
+        cfg = master_cfg(model_cfg, policy, device, dtype, lora=bool(meta.get("lora")))
+        model, tokenizer = load_policy(cfg, adapter_path=policy)
+        return model, tokenizer, str(Path(policy).resolve())
+    cfg = dataclasses.replace(model_cfg, model=policy or model_cfg.model)
+    model, tokenizer = load_policy(master_cfg(cfg, "", device, dtype, lora=cfg.lora))
+    return model, tokenizer, model.rlhf_meta["base_model"]
+
+
+def starting_reference(policy_model, policy: str, model_cfg: ModelConfig, device, dtype):
+    """The KL reference of PPO and DPO alike: the base model, in every training mode and round.
+    With LoRA the adapter is disabled; with full fine-tuning from the base, a frozen copy of the
+    starting weights; from an earlier round's fully trained --policy, the base model loaded (not
+    that round's weights: KL stays measured against one model across rounds, as with LoRA)."""
+    if is_peft(policy_model) or not (policy and (Path(policy) / META_FILE).is_file()):
+        return make_reference(policy_model)
+    base_cfg = dataclasses.replace(model_cfg, model=policy_model.rlhf_meta["base_model"], lora=False)
+    base, _ = load_policy(master_cfg(base_cfg, "", device, dtype, lora=False))
+    return make_reference(policy_model, base=base)
+
+
+def master_cfg(model_cfg: ModelConfig, folder: str, device, dtype, lora: bool | None = None) -> ModelConfig:
+    """Fully trained weights stay fp32 masters under bf16/fp16 autocast on CUDA; LoRA keeps a
+    low-precision frozen base (models.py already keeps the LoRA parameters in fp32)."""
+    if lora is None:
+        lora = bool(read_meta(folder).get("lora")) if (Path(folder) / "model_meta.json").is_file() else model_cfg.lora
+    if torch.device(device).type == "cuda" and dtype != torch.float32 and not lora:
+        return dataclasses.replace(model_cfg, dtype="fp32")
+    return model_cfg
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def load_policy_weights(policy, folder: Path) -> None:
+    """Copy saved policy weights into the already-built policy (whose reference is the start)."""
+    if is_peft(policy):
+        from peft import load_peft_weights, set_peft_model_state_dict
+
+        set_peft_model_state_dict(policy, load_peft_weights(str(folder), device=str(policy.device)))
+    else:
+        if (folder / "model.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            weights = load_file(str(folder / "model.safetensors"), device=str(policy.device))
+            missing, unexpected = policy.load_state_dict(weights, strict=False)
+            missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings: not saved
+            if missing or unexpected:
+                raise ValueError(f"{folder}: the saved policy does not match the model "
+                                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        else:  # a large model saved in shards
+            from transformers.trainer_utils import load_sharded_checkpoint
+
+            load_sharded_checkpoint(policy, str(folder))

@@ -22,7 +22,6 @@ sharded or not.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +35,8 @@ from pipeline.kl import make_kl_controller
 from pipeline.models import (
     META_FILE, autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta,
 )
-from pipeline.saving import atomic_folder, save_policy, save_scalar_model
-from pipeline.policy import load_policy, make_reference
+from pipeline.policy import load_policy_weights, load_starting_policy, master_cfg, starting_reference, trainable
+from pipeline.saving import GatheredPolicy, atomic_folder, save_policy, save_scalar_model
 from pipeline.rollout import read_ptx_texts
 from pipeline.rundir import truncate_metrics, write_json
 from pipeline.scoring import make_reward
@@ -107,7 +106,7 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     if dist.sharded and (Path(critic_src) / META_FILE).is_file() and read_meta(critic_src).get("lora"):
         raise ValueError(f"under FSDP the critic is fully trained and sharded, but it would start from {critic_src}, "
                          "a LoRA model: pass --critic-init with the base model or a fully trained reward model")
-    critic, _ = load_scalar_model(critic_src, kind="critic", cfg=_master_cfg(model_cfg, critic_src, device, dtype))
+    critic, _ = load_scalar_model(critic_src, kind="critic", cfg=master_cfg(model_cfg, critic_src, device, dtype))
     critic_w = dist.wrap(critic)
     cfg = with_ppo_lrs(cfg, model_cfg.lora, is_peft(critic))  # 0 = each model's default rate
     policy_opt = _adamw(trainable(policy_model), cfg.lr)
@@ -134,42 +133,6 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
 
 
-def load_starting_policy(policy: str, model_cfg: ModelConfig, device, dtype):
-    """(policy, tokenizer, parent): --policy is a folder saved by save_policy (its adapter or its
-    full weights keep training), or a base model. The reference is the base model either way
-    (`starting_reference`)."""
-    if policy and (Path(policy) / "model_meta.json").is_file():
-        meta = read_meta(policy)
-        cfg = _master_cfg(model_cfg, policy, device, dtype, lora=bool(meta.get("lora")))
-        model, tokenizer = load_policy(cfg, adapter_path=policy)
-        return model, tokenizer, str(Path(policy).resolve())
-    cfg = dataclasses.replace(model_cfg, model=policy or model_cfg.model)
-    model, tokenizer = load_policy(_master_cfg(cfg, "", device, dtype, lora=cfg.lora))
-    return model, tokenizer, model.rlhf_meta["base_model"]
-
-
-def starting_reference(policy_model, policy: str, model_cfg: ModelConfig, device, dtype):
-    """The KL reference of PPO and DPO alike: the base model, in every training mode and round.
-    With LoRA the adapter is disabled; with full fine-tuning from the base, a frozen copy of the
-    starting weights; from an earlier round's fully trained --policy, the base model loaded (not
-    that round's weights: KL stays measured against one model across rounds, as with LoRA)."""
-    if is_peft(policy_model) or not (policy and (Path(policy) / META_FILE).is_file()):
-        return make_reference(policy_model)
-    base_cfg = dataclasses.replace(model_cfg, model=policy_model.rlhf_meta["base_model"], lora=False)
-    base, _ = load_policy(_master_cfg(base_cfg, "", device, dtype, lora=False))
-    return make_reference(policy_model, base=base)
-
-
-def _master_cfg(model_cfg: ModelConfig, folder: str, device, dtype, lora: bool | None = None) -> ModelConfig:
-    """Fully trained weights stay fp32 masters under bf16/fp16 autocast on CUDA; LoRA keeps a
-    low-precision frozen base (models.py already keeps the LoRA parameters in fp32)."""
-    if lora is None:
-        lora = bool(read_meta(folder).get("lora")) if (Path(folder) / "model_meta.json").is_file() else model_cfg.lora
-    if torch.device(device).type == "cuda" and dtype != torch.float32 and not lora:
-        return dataclasses.replace(model_cfg, dtype="fp32")
-    return model_cfg
-
-
 def _adamw(params: list, lr: float) -> torch.optim.AdamW:
     """AdamW without weight decay (TRL's PPO default); the fused kernel when the parameters allow
     it (about 6x faster than the per-tensor loop for a fully trained 135M critic on CPU)."""
@@ -177,10 +140,6 @@ def _adamw(params: list, lr: float) -> torch.optim.AdamW:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-
-def trainable(model) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -199,7 +158,7 @@ def save_checkpoint(ckpt: Path, state: dict, dist: Dist) -> None:
         return
 
     def write(folder: Path) -> None:
-        save_policy(_GatheredPolicy(policy, policy_weights) if dist.sharded else policy, state["tokenizer"],
+        save_policy(GatheredPolicy(policy, policy_weights) if dist.sharded else policy, state["tokenizer"],
                     folder / "policy")
         save_scalar_model(critic, state["tokenizer"], folder / "critic", state_dict=critic_weights)
         torch.save({"step": state["step"], "policy_optim": optims[0], "critic_optim": optims[1],
@@ -207,31 +166,6 @@ def save_checkpoint(ckpt: Path, state: dict, dist: Dist) -> None:
                     "kl": state["kl"].state_dict()}, folder / STATE_FILE)
 
     atomic_folder(ckpt, write)
-
-
-class _GatheredPolicy:
-    """A sharded policy as save_policy sees it: the same metadata, and save_pretrained writing the
-    whole weights gathered on rank 0 (the model's own state_dict holds only this rank's shards).
-    A weight tied to another (the LM head to the embeddings) is written once, under its first name,
-    as save_pretrained does for a model's own tied tensors (the gathered copies share no storage)."""
-
-    def __init__(self, model, weights: dict):
-        first = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            first.setdefault(id(param), name)
-        tied = {name for name, param in model.named_parameters(remove_duplicate=False) if first[id(param)] != name}
-        self.model, self.rlhf_meta = model, model.rlhf_meta
-        self.weights = {k: v for k, v in weights.items() if k not in tied}
-
-    def save_pretrained(self, folder) -> None:
-        self.model.save_pretrained(folder, state_dict=self.weights)
-
-
-def save_whole_policy(policy, tokenizer, folder: Path, dist: Dist) -> None:
-    """save_policy on rank 0, with whole weights: every rank calls it (a sharded policy is gathered)."""
-    weights = full_state_dict(policy) if dist.sharded else None
-    if dist.is_main:
-        save_policy(_GatheredPolicy(policy, weights) if dist.sharded else policy, tokenizer, folder)
 
 
 def load_checkpoint(ckpt: Path, models: tuple, opts: tuple, scheds: tuple, kl_ctl) -> int:
@@ -249,27 +183,4 @@ def load_checkpoint(ckpt: Path, models: tuple, opts: tuple, scheds: tuple, kl_ct
     return int(state["step"])
 
 
-def load_policy_weights(policy, folder: Path) -> None:
-    """Copy saved policy weights into the already-built policy (whose reference is the start)."""
-    if is_peft(policy):
-        from peft import load_peft_weights, set_peft_model_state_dict
-
-        set_peft_model_state_dict(policy, load_peft_weights(str(folder), device=str(policy.device)))
-    else:
-        if (folder / "model.safetensors").is_file():
-            from safetensors.torch import load_file
-
-            weights = load_file(str(folder / "model.safetensors"), device=str(policy.device))
-            missing, unexpected = policy.load_state_dict(weights, strict=False)
-            missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings: not saved
-            if missing or unexpected:
-                raise ValueError(f"{folder}: the saved policy does not match the model "
-                                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-        else:  # a large model saved in shards
-            from transformers.trainer_utils import load_sharded_checkpoint
-
-            load_sharded_checkpoint(policy, str(folder))
-
-
-__all__ = ["RunParts", "set_up", "load_starting_policy", "trainable", "save_checkpoint", "save_whole_policy",
-           "load_checkpoint", "CHECKPOINT"]
+__all__ = ["RunParts", "set_up", "save_checkpoint", "load_checkpoint", "CHECKPOINT"]

@@ -5,7 +5,8 @@ A folder is written under a temporary name beside its target and renamed over it
 `recover_folder` undoes what a kill between the two renames leaves. Every saved role holds
 `model_meta.json` (kind, base model, LoRA, reward normalisation), the tokenizer, and the LoRA
 adapter only or the full weights; `pipeline.models.load_scalar_model` and
-`pipeline.policy.load_policy` reload them exactly.
+`pipeline.policy.load_policy` reload them exactly. Under FSDP `save_whole_policy` gathers a
+sharded policy's whole weights (every rank calls it) and rank 0 saves them (`GatheredPolicy`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
+from pipeline.distributed import Dist, full_state_dict
 from pipeline.models import HEAD_FILE, META_FILE, ScalarModel, make_tmp_dir
 
 
@@ -88,3 +90,28 @@ def save_scalar_model(model: ScalarModel, tokenizer, out_dir: str | os.PathLike,
         }, indent=2))
 
     return atomic_folder(Path(out_dir), write)
+
+
+class GatheredPolicy:
+    """A sharded policy as save_policy sees it: the same metadata, and save_pretrained writing the
+    whole weights gathered on rank 0 (the model's own state_dict holds only this rank's shards).
+    A weight tied to another (the LM head to the embeddings) is written once, under its first name,
+    as save_pretrained does for a model's own tied tensors (the gathered copies share no storage)."""
+
+    def __init__(self, model, weights: dict):
+        first = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(param), name)
+        tied = {name for name, param in model.named_parameters(remove_duplicate=False) if first[id(param)] != name}
+        self.model, self.rlhf_meta = model, model.rlhf_meta
+        self.weights = {k: v for k, v in weights.items() if k not in tied}
+
+    def save_pretrained(self, folder) -> None:
+        self.model.save_pretrained(folder, state_dict=self.weights)
+
+
+def save_whole_policy(policy, tokenizer, folder: Path, dist: Dist) -> None:
+    """save_policy on rank 0, with whole weights: every rank calls it (a sharded policy is gathered)."""
+    weights = full_state_dict(policy) if dist.sharded else None
+    if dist.is_main:
+        save_policy(GatheredPolicy(policy, weights) if dist.sharded else policy, tokenizer, folder)

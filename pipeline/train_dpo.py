@@ -14,7 +14,7 @@ without one, or with equal weights, trains on the plain loss).
 
 The policy starts from --policy (a folder saved by ppo or train-dpo: its LoRA adapter or full
 weights keep training) or the base model (--model). The reference is the base model in every mode,
-as in PPO (pipeline/ppo_state.py, starting_reference; docs/DESIGN.md, "The four PPO roles"): the
+as in PPO (pipeline/policy.py, starting_reference; docs/DESIGN.md, "The four PPO roles"): the
 adapter disabled (LoRA, no second copy), or frozen full weights of the base, so KL is measured
 against the same model across rounds.
 
@@ -66,7 +66,8 @@ from pipeline.dpo_data import (
 )
 from pipeline.hashing import snapshot_sha256
 from pipeline.models import autocast, checkpointing, pick_dtype
-from pipeline.ppo_state import load_policy_weights, load_starting_policy, save_whole_policy, starting_reference, trainable
+from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference, trainable
+from pipeline.saving import save_whole_policy
 from pipeline.reward_data import encode_pairs, read_pairs, train_eval_pairs
 from pipeline.rollout import attn_ratio
 from pipeline.run import STATE_FILE, cancelled, claim, guarded, recover, resume_from, run_steps, save_state

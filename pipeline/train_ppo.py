@@ -58,7 +58,9 @@ from pipeline.losses import (
 )
 from pipeline.models import checkpointing
 from pipeline.policy import causal_lm_logits
-from pipeline.ppo_state import CHECKPOINT, save_checkpoint, save_whole_policy, set_up, trainable
+from pipeline.policy import trainable
+from pipeline.ppo_state import CHECKPOINT, save_checkpoint, set_up
+from pipeline.saving import save_whole_policy
 from pipeline.rollout import (
     Rollout, attn_ratio, critic_values, episode_uniforms, gather_rollout, kl_shaped_advantages, merged_lora,
     pack_responses, prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
