@@ -97,7 +97,7 @@ def evaluate_policy(adapter: str | None, model_cfg: ModelConfig, prompts: list[s
         texts = decode_responses(tokenizer, sb.response_ids, sb.response_mask)
         batch_prompts = [chunk[i] for i in sb.prompt_index.tolist()]
         gold = judge.score(batch_prompts, texts)
-        proxies = {name: fn(sb.sequences, sb.attention_mask, sb.response_ids, mask).tolist()
+        proxies = {name: fn(sb.sequences, sb.attention_mask, sb.response_ids, mask, prompts=batch_prompts).tolist()
                    for name, fn in scorers.items()}
         for i, text in enumerate(texts):
             rows.append({"prompt": batch_prompts[i], "response": text, "gold": float(gold[i]),
