@@ -1,5 +1,5 @@
-"""Signing in: the password check behind Gradio's login, login throttling, session expiry, and a
-user's own password change.
+"""Signing in: the password check behind Gradio's login, login throttling and session expiry (a
+user's own password change is a handler: annotate/handlers.py `change_password`).
 
 Gradio's login (`POST /login`) calls `password_check(ctx)` with the name and password, and on
 success puts a random token in a cookie and `token -> name` in `App.tokens`; every later request
@@ -19,7 +19,9 @@ is resolved through `App.tokens.get(token)` (gradio/routes.py, get_current_user)
   get 401), each session on its own clock. Deactivating an account or resetting its password
   ends its sessions at once (`Sessions.end`). Tokens are in memory: a restart signs everyone out.
 
-Role and deactivation checks on every request stay in annotate/context.py (`user`, `admin`).
+Role and deactivation checks on every request stay in annotate/context.py (`user`, `admin`),
+which builds on this module (it holds a `Throttle` and the `Sessions`); nothing here asks who
+a request belongs to.
 """
 
 from __future__ import annotations
@@ -30,10 +32,8 @@ import threading
 import time
 
 import anyio
-import gradio as gr
 from fastapi import HTTPException
 
-from store.errors import StoreError
 
 FREE_FAILURES = 5
 FREE_FAILURES_PER_ADDRESS = 30
@@ -192,26 +192,3 @@ def password_check(ctx):
         return True
 
     return check
-
-
-def change_password(ctx, current: str, new: str, again: str, request: gr.Request) -> str:
-    """The signed-in user changes their own password (their current one is asked for, so a
-    browser left open cannot be used to take the account over)."""
-    from annotate.context import user  # context imports this module for its defaults
-
-    account = user(ctx, request, fresh=True)
-    if not all(isinstance(v, str) or v is None for v in (current, new, again)):
-        raise gr.Error("Passwords must be text.")
-    wait, _ = ctx.throttle.wait_s(account.name, None)
-    if wait > 0:
-        raise gr.Error(f"Too many wrong passwords: try again in {math.ceil(wait)} s.")
-    if (new or "") != (again or ""):
-        raise gr.Error("The two new passwords differ.")
-    if not ctx.store.check_password(account.id, current or ""):
-        ctx.throttle.failed(account.name, None)
-        raise gr.Error("Your current password is not right.")
-    try:
-        ctx.store.set_password(account.id, new)
-    except StoreError as exc:
-        raise gr.Error(f"Password not changed: {exc}.") from None
-    return f"Password changed for **{account.name}**. It applies from your next sign-in."

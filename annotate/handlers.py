@@ -1,4 +1,5 @@
-"""Annotate-tab handlers: show an item, submit a ranking, skip, flag, undo, prefetch.
+"""Annotate-tab handlers: show an item, submit a ranking, skip, flag, undo, prefetch; and the
+Account tab's own password change.
 
 Plain functions `(ctx, state, inputs..., request) -> (state, updates...)`; annotate/ui.py wires
 them to components and tests call them directly with a real store and a stand-in request. Every
@@ -20,6 +21,8 @@ responses, not screen slots.
 """
 
 from __future__ import annotations
+
+import math
 
 import gradio as gr
 
@@ -324,3 +327,24 @@ Ties are fine when two responses are equally good. Mark **all bad** when none is
 (the order still counts, but these rankings are kept apart in exports). **Flag** a prompt that is
 broken or should not be annotated; **skip** one you cannot judge.
 """
+
+
+def change_password(ctx, current: str, new: str, again: str, request: gr.Request) -> str:
+    """The signed-in user changes their own password (their current one is asked for, so a
+    browser left open cannot be used to take the account over)."""
+    account = user(ctx, request, fresh=True)
+    if not all(isinstance(v, str) or v is None for v in (current, new, again)):
+        raise gr.Error("Passwords must be text.")
+    wait, _ = ctx.throttle.wait_s(account.name, None)
+    if wait > 0:
+        raise gr.Error(f"Too many wrong passwords: try again in {math.ceil(wait)} s.")
+    if (new or "") != (again or ""):
+        raise gr.Error("The two new passwords differ.")
+    if not ctx.store.check_password(account.id, current or ""):
+        ctx.throttle.failed(account.name, None)
+        raise gr.Error("Your current password is not right.")
+    try:
+        ctx.store.set_password(account.id, new)
+    except StoreError as exc:
+        raise gr.Error(f"Password not changed: {exc}.") from None
+    return f"Password changed for **{account.name}**. It applies from your next sign-in."

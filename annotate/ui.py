@@ -123,7 +123,7 @@ def _account_tab(ctx: AppContext) -> None:
         msg = gr.Markdown(elem_id="rl-pw-msg")
         if ctx.auth:
             gr.HTML('<a href="logout">Sign out</a> (on every device)', js_on_load=None)
-    change.click(bind(accounts.change_password, ctx), [current, new, again], [msg],
+    change.click(bind(h.change_password, ctx), [current, new, again], [msg],
                  api_name="change_password", api_visibility="undocumented")
 
 

@@ -86,15 +86,15 @@ def test_stored_hashes_asking_for_too_much_memory_or_malformed_are_refused_quick
 
 def test_change_own_password(ctx):
     with pytest.raises(gr.Error, match="differ"):
-        accounts.change_password(ctx, "ann-password", "new-password-1", "new-password-2", req("ann"))
+        handlers.change_password(ctx, "ann-password", "new-password-1", "new-password-2", req("ann"))
     with pytest.raises(gr.Error, match="current password is not right"):
-        accounts.change_password(ctx, "not-it", "new-password-1", "new-password-1", req("ann"))
+        handlers.change_password(ctx, "not-it", "new-password-1", "new-password-1", req("ann"))
     with pytest.raises(gr.Error, match="at least 8 characters"):
-        accounts.change_password(ctx, "ann-password", "short", "short", req("ann"))
+        handlers.change_password(ctx, "ann-password", "short", "short", req("ann"))
     with pytest.raises(Refused):
-        accounts.change_password(ctx, "ann-password", "new-password-1", "new-password-1", req(None))
+        handlers.change_password(ctx, "ann-password", "new-password-1", "new-password-1", req(None))
     assert ctx.store.authenticate("ann", "ann-password") is not None  # nothing changed so far
-    msg = accounts.change_password(ctx, "ann-password", "new-password-1", "new-password-1", req("ann"))
+    msg = handlers.change_password(ctx, "ann-password", "new-password-1", "new-password-1", req("ann"))
     assert "Password changed for **ann**" in msg
     assert ctx.store.authenticate("ann", "new-password-1") is not None
     assert ctx.store.authenticate("ann", "ann-password") is None
