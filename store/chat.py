@@ -1,7 +1,8 @@
-"""Prompts as chat messages, for exports in TRL's conversational format and for importing it.
+"""Chat messages and HH-RLHF transcripts: pure conversions, no database (nothing of the Store).
 
-The store keeps every prompt as one text (an HH-RLHF style transcript for chat prompts, see
-store.repo.messages_to_text) and, when it was imported as such, its chat messages.
+The store keeps every prompt as one text (an HH-RLHF style transcript for chat prompts,
+`messages_to_text`) and, when it was imported as such, its chat messages (`check_messages` says
+what is wrong with a list of them). `split_hh` cuts a transcript at its last "\n\nAssistant:".
 
 `prompt_messages(text, messages)`: the stored messages when there are any; else the transcript
 split into turns ("\\n\\nHuman:" -> user, "\\n\\nAssistant:" -> assistant, "\\n\\nSystem:" ->
@@ -19,10 +20,41 @@ from __future__ import annotations
 
 import re
 
-from store.repo import check_messages
-
+CHAT_ROLES = ("system", "user", "assistant")
+ASSISTANT_MARK = "\n\nAssistant:"
 _TURN = re.compile(r"\n\n(System|Human|Assistant):")
 _ROLES = {"System": "system", "Human": "user", "Assistant": "assistant"}
+
+
+def messages_to_text(messages: list[dict]) -> str:
+    """Chat messages -> an HH-RLHF style transcript ("\\n\\nHuman: ...\\n\\nAssistant:"), the form
+    prompts are exported in. A trailing "\\n\\nAssistant:" asks for the next reply."""
+    names = {"system": "System", "user": "Human", "assistant": "Assistant"}
+    text = "".join(f"\n\n{names[m['role']]}: {m['content']}" for m in messages)
+    return text + ("\n\nAssistant:" if messages[-1]["role"] != "assistant" else "")
+
+
+def check_messages(messages) -> str | None:
+    """None if `messages` is a non-empty list of {role, content} chat turns, else the problem."""
+    if not isinstance(messages, list) or not messages:
+        return "messages must be a non-empty list of {role, content}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m or "content" not in m:
+            return f"messages[{i}] must be an object with exactly 'role' and 'content'"
+        if m["role"] not in CHAT_ROLES:
+            return f"messages[{i}].role must be one of {CHAT_ROLES}, not {m['role']!r}"
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            return f"messages[{i}].content is empty or not text"
+    return None
+
+
+def split_hh(transcript: str) -> tuple[str, str] | None:
+    """Split an HH-RLHF transcript at its last "\\n\\nAssistant:" -> (prompt incl. marker, reply)."""
+    at = transcript.rfind(ASSISTANT_MARK)
+    if at < 0:
+        return None
+    cut = at + len(ASSISTANT_MARK)
+    return transcript[:cut], transcript[cut:]
 
 
 def prompt_messages(text: str, messages: list[dict] | None = None) -> list[dict]:

@@ -8,7 +8,7 @@ queue: every annotator who has not ranked it can get it as one of their items, a
 pairs are training data like any other) that is also scored against the reference
 (store/agreement.py gold_agreement; Store.annotator_agreement in store/stats.py).
 
-Import file (JSONL, JSON, CSV or Parquet, read as in store/io.py), one gold item per row:
+Import file (JSONL, JSON, CSV or Parquet, read as in store/readers.py), one gold item per row:
 
     {"item": 12, "ranking": [[34], [35, 36], [37]]}                  response ids, best first
     {"prompt": "...", "ranking": ["best reply", ["tie", "tie"], "worst reply"]}   response texts
@@ -21,9 +21,12 @@ listed) and nothing is stored.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from store.db import from_db_time, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
 from store.pairs import normalize_order
+from store.readers import read_rows
 from store.records import GoldItem
 
 _GOLD_COLS = "item_id, order_groups, ranking_id, annotator_id, source, created_at"
@@ -91,10 +94,6 @@ class GoldMixin:
 
     def import_gold(self, path, **read_options) -> dict:
         """Import gold items from a file (see the module docstring); returns {rows, items}."""
-        from pathlib import Path
-
-        from store.io import read_rows  # store.io imports the Store: not at module level
-
         name = Path(path).name
         problems: list[tuple[int | None, str]] = []
         ready = []

@@ -1,7 +1,7 @@
 """Import items to rank: a prompt and 2..16 responses per row, each response with an optional
 model (or source) name; or a Label Studio export of a ranking project (store/labelstudio.py).
 
-Files are read as in store/io.py (JSON Lines, a JSON array, CSV, Parquet; chosen by extension).
+Files are read as every import file (store/readers.py) (JSON Lines, a JSON array, CSV, Parquet; chosen by extension).
 A row holds the prompt as `prompt` (text) or chat `messages` (in CSV a cell of JSON), an optional
 `source`, and its responses in either layout:
 - `responses`: a list whose entries are texts or {"text": ..., "model": ...} objects (in CSV a
@@ -13,7 +13,7 @@ A row holds the prompt as `prompt` (text) or chat `messages` (in CSV a cell of J
     prompt,response_1,model_1,response_2,model_2
     Name a prime.,7,gpt-4o,9,ours
 
-Each model name becomes a model version of that name (store/repo.py `_import_item_rows`): an
+Each model name becomes a model version of that name (store/repo.py `import_item_rows`): an
 existing policy or external version, else a new version of kind 'external'; exports name it in
 `chosen_model` / `rejected_model`. The items enter the annotation queue like generated ones (no
 round), except Label Studio tasks that were ranked there: their rankings come in as pairs instead.
@@ -33,8 +33,8 @@ from pathlib import Path
 
 from store import labelstudio
 from store.errors import DataError
-from store.io import (DEFAULT_MAX_BYTES, DEFAULT_MAX_CHARS, _Problems, _sha256, _source, check_responses,
-                      prompt_of, read_rows)
+from store.readers import (DEFAULT_MAX_BYTES, DEFAULT_MAX_CHARS, Problems, check_responses, file_sha256,
+                           prompt_of, read_rows, source_of)
 from store.records import ITEM_FORMATS, ItemIn
 
 _WIDE = re.compile(r"response_(\d+)$")
@@ -48,7 +48,7 @@ def import_items(store, path, *, fmt: str = "items", max_bytes: int = DEFAULT_MA
     if fmt not in ITEM_FORMATS:
         raise DataError(str(path), [(None, f"unknown items format {fmt!r}: use one of {ITEM_FORMATS}")])
     path = Path(path)
-    problems = _Problems(path)
+    problems = Problems(path)
     default_source = f"import:{path.name}"
     rows = read_rows(path, max_bytes=max_bytes)
     if fmt == "labelstudio":
@@ -58,11 +58,11 @@ def import_items(store, path, *, fmt: str = "items", max_bytes: int = DEFAULT_MA
                    if (item := _item(row, n, problems, max_chars, default_source)) is not None]
     _refuse_repeats(checked, problems)
     problems.raise_if_any()
-    counts = store._import_item_rows(str(path), _sha256(path), fmt, checked)
+    counts = store.import_item_rows(str(path), file_sha256(path), fmt, checked)
     return {"file": str(path), **counts}
 
 
-def _item(row: dict, n: int, problems: _Problems, max_chars: int, default_source: str) -> ItemIn | None:
+def _item(row: dict, n: int, problems: Problems, max_chars: int, default_source: str) -> ItemIn | None:
     prompt = prompt_of(row, n, problems, max_chars)
     entries = _entries(row, n, problems)
     if prompt is None or entries is None:
@@ -70,10 +70,10 @@ def _item(row: dict, n: int, problems: _Problems, max_chars: int, default_source
     responses = check_responses(entries, n, problems, max_chars)
     if responses is None:
         return None
-    return ItemIn(n, prompt[0], prompt[1], _source(row, default_source), responses)
+    return ItemIn(n, prompt[0], prompt[1], source_of(row, default_source), responses)
 
 
-def _entries(row: dict, n: int, problems: _Problems) -> list[tuple[object, object]] | None:
+def _entries(row: dict, n: int, problems: Problems) -> list[tuple[object, object]] | None:
     """The row's responses as (text, model) in either layout, or None after recording why not."""
     wide = sorted((int(m.group(1)), key) for key in row if (m := _WIDE.match(key)))
     if "responses" in row and row["responses"] not in (None, ""):
@@ -122,7 +122,7 @@ def _entries(row: dict, n: int, problems: _Problems) -> list[tuple[object, objec
     return [(row[key], row.get(f"model_{i}")) for i, key in given]
 
 
-def _refuse_repeats(items: list[ItemIn], problems: _Problems) -> None:
+def _refuse_repeats(items: list[ItemIn], problems: Problems) -> None:
     """Record each row with the prompt and the same responses as an earlier row of the file."""
     seen: dict[tuple, int] = {}
     for item in items:

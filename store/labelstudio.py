@@ -24,13 +24,13 @@ task's row (its place in the array, from 1) and its id.
 
 from __future__ import annotations
 
-from store.io import check_responses
+from store.readers import check_responses
 from store.records import ItemIn
 
 
 def read_tasks(rows: list[tuple[int, dict]], problems, max_chars: int, source: str) -> list[ItemIn]:
-    """The tasks of an export (rows as store.io.read_rows gives a JSON array) as items, recording
-    every problem in `problems` (store.io._Problems)."""
+    """The tasks of an export (rows as store.readers.read_rows gives a JSON array) as items, recording
+    every problem in `problems` (store.readers.Problems)."""
     out = []
     for n, task in rows:
         where = f"task {task['id']}: " if isinstance(task.get("id"), (int, str)) else ""

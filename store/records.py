@@ -225,7 +225,7 @@ class RankingIn:
 
 @dataclass(frozen=True)
 class ItemIn:
-    """One checked row of an items file to store (`Store._import_item_rows`, store/import_items.py)."""
+    """One checked row of an items file to store (`Store.import_item_rows`, store/import_items.py)."""
 
     n: int
     """The row's number in its file (for errors)."""

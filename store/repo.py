@@ -16,6 +16,7 @@ import os
 
 import pyarrow as pa
 
+from store.chat import check_messages, messages_to_text
 from store.db import StoreBase, dumps, from_db_time, loads, registered, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
 from store.pairs import ranking_to_pairs
@@ -26,8 +27,6 @@ from store.runs import RunsMixin
 from store.stats import StatsMixin
 from store.users import UsersMixin
 from store.versions import VersionsMixin
-
-CHAT_ROLES = ("system", "user", "assistant")
 
 _PAIR_TYPES = {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
                "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
@@ -46,28 +45,6 @@ def _response(row) -> Response:
     return Response(id=row[0], prompt_id=row[1], item_id=row[2], model_version_id=row[3],
                     text=row[4], token_count=row[5], finish_reason=row[6],
                     sampling=loads(row[7]), created_at=from_db_time(row[8]))
-
-
-def messages_to_text(messages: list[dict]) -> str:
-    """Chat messages -> an HH-RLHF style transcript ("\\n\\nHuman: ...\\n\\nAssistant:"), the form
-    prompts are exported in. A trailing "\\n\\nAssistant:" asks for the next reply."""
-    names = {"system": "System", "user": "Human", "assistant": "Assistant"}
-    text = "".join(f"\n\n{names[m['role']]}: {m['content']}" for m in messages)
-    return text + ("\n\nAssistant:" if messages[-1]["role"] != "assistant" else "")
-
-
-def check_messages(messages) -> str | None:
-    """None if `messages` is a non-empty list of {role, content} chat turns, else the problem."""
-    if not isinstance(messages, list) or not messages:
-        return "messages must be a non-empty list of {role, content}"
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m or "content" not in m:
-            return f"messages[{i}] must be an object with exactly 'role' and 'content'"
-        if m["role"] not in CHAT_ROLES:
-            return f"messages[{i}].role must be one of {CHAT_ROLES}, not {m['role']!r}"
-        if not isinstance(m["content"], str) or not m["content"].strip():
-            return f"messages[{i}].content is empty or not text"
-    return None
 
 
 def _response_row(r) -> tuple:
@@ -108,10 +85,11 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
                 if not isinstance(text, str) or not text.strip():
                     raise InvalidRequest(f"prompt {i}: empty or missing prompt text")
             rows.append((text, None if messages is None else dumps(messages), p.get("source") or source))
-        return self._add_prompt_rows(rows)[0]
+        return self.add_prompt_rows(rows)[0]
 
-    def _add_prompt_rows(self, rows: list[tuple[str, str | None, str]]) -> tuple[list[int], int]:
-        """Checked (text, messages_json, source) rows in one transaction -> (ids, number added)."""
+    def add_prompt_rows(self, rows: list[tuple[str, str | None, str]]) -> tuple[list[int], int]:
+        """Checked (text, messages_json, source) rows in one transaction -> (ids, number added):
+        the write behind add_prompts and store.io.import_prompts."""
         with self._tx() as cur:
             return self._insert_prompts(cur, rows)
 
@@ -295,7 +273,7 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
 
     # ------------------------------------------------------------------ imported pairs
 
-    def _import_pair_rows(self, file_name: str, sha256: str, rows: list[tuple]) -> dict:
+    def import_pair_rows(self, file_name: str, sha256: str, rows: list[tuple]) -> dict:
         """Store checked pairs (prompt, chosen, rejected, margin, source) from one file in one
         transaction (store/io.py reads and checks the file).
 
@@ -325,7 +303,7 @@ class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, Sta
 
     # ------------------------------------------------------------------ imported items to rank
 
-    def _import_item_rows(self, path: str, sha256: str, fmt: str, rows: list) -> dict:
+    def import_item_rows(self, path: str, sha256: str, fmt: str, rows: list) -> dict:
         """Store checked items (store/import_items.py reads and checks the file) in one transaction.
 
         `path`: the file (errors name it); `rows`: records.ItemIn (row number, prompt text,
