@@ -57,19 +57,18 @@ from pipeline.losses import (
     entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
 )
 from pipeline.models import checkpointing
-from pipeline.policy import causal_lm_logits
-from pipeline.policy import trainable
+from pipeline.policy import causal_lm_logits, trainable
 from pipeline.ppo_state import CHECKPOINT, save_checkpoint, set_up
-from pipeline.saving import save_whole_policy
 from pipeline.rollout import (
     Rollout, attn_ratio, critic_values, episode_uniforms, gather_rollout, kl_shaped_advantages, merged_lora,
     pack_responses, prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
 )
 from pipeline.run import recover
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
-from pipeline.tracking import add_report_to
 from pipeline.sampling import sample
+from pipeline.saving import save_whole_policy
 from pipeline.text import encode_prompts
+from pipeline.tracking import add_report_to
 
 
 
@@ -96,8 +95,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
                          critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
             policy_model, critic, tokenizer, reference = run.policy, run.critic, run.tokenizer, run.reference
-            policy_w, critic_w = run.policy_w, run.critic_w
-            (policy_opt, critic_opt), (policy_sched, critic_sched), kl_ctl = run.opts, run.scheds, run.kl
+            (policy_sched, critic_sched), kl_ctl = run.scheds, run.kl
             device, autocast, rows = run.device, run.autocast, run.rows
             state.update(policy=policy_model, critic=critic, tokenizer=tokenizer, opts=run.opts, scheds=run.scheds,
                          kl=kl_ctl, step=run.start)
@@ -161,78 +159,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 t_rollout = time.perf_counter() - t_start
 
                 # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches
-                stats = defaultdict(float)
-                shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-                lengths = ro.lengths.cpu()
-                packing_ratio = attn_ratio(policy_model)
-                n_minibatches = 0
-                # gradient checkpointing acts in training mode only, and drops KV caches: no shared prefix
-                # (nor under FSDP, whose backward fails on a prefix's keys and values reused by a batch)
-                recompute = checkpointing(policy_model) or checkpointing(critic)
-                policy_model.train(recompute)
-                critic.train(recompute)
-                for epoch in range(cfg.ppo_epochs):
-                    order = torch.randperm(B, generator=shuffle)
-                    for mb in order.split(cfg.mini_batch_size):
-                        # sorting by length inside the minibatch groups similar rows into a micro-batch
-                        # (packs better); the summed gradient of the minibatch is unchanged. With N
-                        # processes each rank takes every N-th episode of the minibatch.
-                        mb = mb[torch.argsort(lengths[mb], descending=True)].to(device)
-                        mb_tokens = mask[mb].sum()
-                        micros = mb[dist.rank::dist.world].split(cfg.micro_batch_size)
-                        for j, micro in enumerate(micros):
-                            w = mask[micro].sum() / mb_tokens  # token share: accumulated loss = minibatch token mean
-                            last = j == len(micros) - 1  # the last backward of the step all-reduces
-                            with dist.sync(policy_w, last and cfg.ptx_coef <= 0), dist.sync(critic_w, last):
-                                # the micro-batch's episodes packed without padding, as in the rollout
-                                pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro],
-                                                    ro.response_ids[micro], mask[micro], ro.prompt_length,
-                                                    packing_ratio, share_prefix=share_prefix and not recompute)
-                                m = mask[micro]  # (b, R)
-                                with autocast():
-                                    logits = policy_w(response_logits, pr)  # (N, V) at the N real response tokens
-                                    logp = response_logprobs(logits, pr, temperature)  # (b, R)
-                                    pg_loss, pg = policy_loss(logp, ro.logprobs[micro], advantages[micro], m,
-                                                              cfg.cliprange)
-                                    loss = pg_loss
-                                    if cfg.entropy_coef > 0:  # of the distribution sampled: logits / T
-                                        entropy = masked_mean(pr.scatter(
-                                            entropy_from_logits(logits[None] / temperature)[0]), m)
-                                        loss = loss - cfg.entropy_coef * entropy
-                                        stats["policy/entropy"] += float(w * entropy.detach())
-                                    del logits
-                                    v = critic_w(critic_values, pr)  # (b, R)
-                                    vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], returns[micro], m,
-                                                                      cfg.cliprange_value)
-                                (w * dist.loss_scale * (loss + cfg.vf_coef * vf_loss)).backward()
-                            for key, val in (("policy/loss", pg_loss), ("policy/clipfrac", pg["clipfrac"]),
-                                             ("policy/approxkl", pg["approxkl"]),
-                                             ("policy/ratio_mean", pg["ratio_mean"]),
-                                             ("val/loss", vf_loss), ("val/clipfrac", vf_clipfrac)):
-                                stats[key] += float(w * val.detach())
-                            if n_minibatches == 0:  # pi_theta == pi_old here: the ratio must be 1
-                                stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
-                        if cfg.ptx_coef > 0:  # PPO-ptx (Ouyang et al. 2022, eq. 2): keep the LM objective
-                            # the texts follow from (step, minibatch), so a resumed run uses the same ones
-                            n_before = step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches
-                            texts = [run.ptx_texts[(n_before * cfg.micro_batch_size + i) % len(run.ptx_texts)]
-                                     for i in range(cfg.micro_batch_size)]
-                            mine = dist.shard(texts)
-                            share = len(mine) / len(texts)  # a rank with no text joins the all-reduce with 0
-                            p_ids, p_am = ptx_batch(tokenizer, mine or texts[:1], cfg.ptx_max_length, device)
-                            with autocast():
-                                ptx_loss = lm_loss(policy_w(causal_lm_logits, p_ids, p_am), p_ids, p_am)
-                            (cfg.ptx_coef * share * dist.loss_scale * ptx_loss).backward()
-                            stats["ptx/loss"] += float(share * ptx_loss.detach())
-                        # policy and critic clipped separately (sharded: each norm is one all-reduce)
-                        stats["policy/grad_norm"] += clip_grad_norm(trainable(policy_model), cfg.max_grad_norm)
-                        stats["val/grad_norm"] += clip_grad_norm(trainable(critic), cfg.max_grad_norm)
-                        policy_opt.step()
-                        critic_opt.step()
-                        policy_opt.zero_grad(set_to_none=True)
-                        critic_opt.zero_grad(set_to_none=True)
-                        n_minibatches += 1
-                        dist.check_stop(stop)
+                stats, n_minibatches = ppo_update(run, ro, adv, cfg, step, dist, stop, share_prefix)
                 t_update = time.perf_counter() - t_start - t_rollout
                 # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
                 norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm")}
@@ -287,6 +214,91 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     except BaseException as exc:
         write_status(out, "failed", state.get("step", 0), cfg.steps, error=dist.describe_failure(exc))
         raise
+
+
+def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, share_prefix: bool) -> tuple[dict, int]:
+    """Phase 7: cfg.ppo_epochs passes over the rollout in shuffled minibatches, one optimiser step
+    each for policy and critic. Returns the update's sums (weighted by each micro-batch's token
+    share; over N processes the per-rank sums, grad norms aside) and the number of minibatches."""
+    B, mask = len(ro.prompts), ro.mask
+    stats = defaultdict(float)
+    shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    lengths = ro.lengths.cpu()
+    # gradient checkpointing acts in training mode only, and drops KV caches: no shared prefix
+    # (nor under FSDP, whose backward fails on a prefix's keys and values reused by a batch)
+    recompute = checkpointing(run.policy) or checkpointing(run.critic)
+    run.policy.train(recompute)
+    run.critic.train(recompute)
+    share_prefix = share_prefix and not recompute
+    n_minibatches = 0
+    for epoch in range(cfg.ppo_epochs):
+        for mb in torch.randperm(B, generator=shuffle).split(cfg.mini_batch_size):
+            # sorting by length inside the minibatch groups similar rows into a micro-batch (packs
+            # better); the summed gradient of the minibatch is unchanged. With N processes each rank
+            # takes every N-th episode of the minibatch.
+            mb = mb[torch.argsort(lengths[mb], descending=True)].to(run.device)
+            mb_tokens = mask[mb].sum()
+            micros = mb[dist.rank::dist.world].split(cfg.micro_batch_size)
+            for j, micro in enumerate(micros):
+                w = mask[micro].sum() / mb_tokens  # token share: accumulated loss = minibatch token mean
+                last = j == len(micros) - 1  # the last backward of the step all-reduces
+                with dist.sync(run.policy_w, last and cfg.ptx_coef <= 0), dist.sync(run.critic_w, last):
+                    micro_batch_backward(run, ro, adv, micro, w, cfg, dist, share_prefix, stats,
+                                         first=n_minibatches == 0)
+            if cfg.ptx_coef > 0:
+                ptx_backward(run, cfg, step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches, dist, stats)
+            # policy and critic clipped separately (sharded: each norm is one all-reduce)
+            stats["policy/grad_norm"] += clip_grad_norm(trainable(run.policy), cfg.max_grad_norm)
+            stats["val/grad_norm"] += clip_grad_norm(trainable(run.critic), cfg.max_grad_norm)
+            for opt in run.opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            n_minibatches += 1
+            dist.check_stop(stop)
+    return stats, n_minibatches
+
+
+def micro_batch_backward(run, ro: Rollout, adv, micro: torch.Tensor, w: torch.Tensor, cfg: PPOConfig, dist,
+                         share_prefix: bool, stats: dict, first: bool) -> None:
+    """One micro-batch's clipped policy loss (pi_theta / pi_old), entropy bonus and clipped value
+    loss, backward at its token share w; its figures added to stats (first: the step's first
+    minibatch, where pi_theta == pi_old and the ratio must be 1)."""
+    m = ro.mask[micro]  # (b, R)
+    # the micro-batch's episodes packed without padding, as in the rollout
+    pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro], ro.response_ids[micro], m, ro.prompt_length,
+                        attn_ratio(run.policy), share_prefix=share_prefix)
+    with run.autocast():
+        logits = run.policy_w(response_logits, pr)  # (N, V) at the N real response tokens
+        logp = response_logprobs(logits, pr, cfg.temperature)  # (b, R)
+        pg_loss, pg = policy_loss(logp, ro.logprobs[micro], adv.advantages[micro], m, cfg.cliprange)
+        loss = pg_loss
+        if cfg.entropy_coef > 0:  # of the distribution sampled: logits / T
+            entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None] / cfg.temperature)[0]), m)
+            loss = loss - cfg.entropy_coef * entropy
+            stats["policy/entropy"] += float(w * entropy.detach())
+        del logits
+        v = run.critic_w(critic_values, pr)  # (b, R)
+        vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], adv.returns[micro], m, cfg.cliprange_value)
+    (w * dist.loss_scale * (loss + cfg.vf_coef * vf_loss)).backward()
+    for key, val in (("policy/loss", pg_loss), ("policy/clipfrac", pg["clipfrac"]), ("policy/approxkl", pg["approxkl"]),
+                     ("policy/ratio_mean", pg["ratio_mean"]), ("val/loss", vf_loss), ("val/clipfrac", vf_clipfrac)):
+        stats[key] += float(w * val.detach())
+    if first:
+        stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
+
+
+def ptx_backward(run, cfg: PPOConfig, n_before: int, dist, stats: dict) -> None:
+    """PPO-ptx (Ouyang et al. 2022, eq. 2): the LM loss on a batch of pretraining/SFT texts, which
+    follow from the number of minibatches before this one, so a resumed run uses the same ones."""
+    texts = [run.ptx_texts[(n_before * cfg.micro_batch_size + i) % len(run.ptx_texts)]
+             for i in range(cfg.micro_batch_size)]
+    mine = dist.shard(texts)
+    share = len(mine) / len(texts)  # a rank with no text joins the all-reduce with 0
+    p_ids, p_am = ptx_batch(run.tokenizer, mine or texts[:1], cfg.ptx_max_length, run.device)
+    with run.autocast():
+        ptx_loss = lm_loss(run.policy_w(causal_lm_logits, p_ids, p_am), p_ids, p_am)
+    (cfg.ptx_coef * share * dist.loss_scale * ptx_loss).backward()
+    stats["ptx/loss"] += float(share * ptx_loss.detach())
 
 
 def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.Tensor, adv, beta: float,
