@@ -27,7 +27,7 @@ from pathlib import Path
 
 import duckdb
 
-from store.db import _connect, _Shared
+from store.db import connect, open_in_this_process
 from store.errors import InvalidRequest, StoreError, StoreLockedError
 from store.migrations import MIGRATIONS
 
@@ -58,7 +58,7 @@ def table_checksums(con) -> dict[str, tuple[int, int]]:
 
 def store_checksums(store) -> dict[str, tuple[int, int]]:
     """table_checksums of an open Store, read in one transaction (one instant)."""
-    cur = store._cur()
+    cur = store.cursor()
     cur.execute("BEGIN TRANSACTION")
     try:
         return table_checksums(cur)
@@ -79,12 +79,12 @@ def backup(store, out_path, *, overwrite: bool = False) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     _remove(tmp)
-    cur = store._cur()
+    cur = store.cursor()
     source = cur.execute("SELECT current_database()").fetchone()[0]
     alias = f"backup_{secrets.token_hex(6)}"
     cur.execute(f"ATTACH '{_sql_path(tmp)}' AS {alias}")
     try:
-        with store._shared.lock:  # no write is in flight: the snapshot opened now is one instant
+        with store.write_lock:  # no write is in flight: the snapshot opened now is one instant
             cur.execute("BEGIN TRANSACTION")
             try:
                 tables = table_checksums(cur)  # reading pins this transaction's snapshot
@@ -147,7 +147,7 @@ def restore(backup_path, db_path) -> dict:
     tables = check_backup(src)
     if src.resolve() == db.resolve():
         raise InvalidRequest(f"{src} is the database itself")
-    if os.path.realpath(db) in _Shared._by_path:
+    if open_in_this_process(db):
         raise StoreLockedError(str(db), "open in this process")
     db.parent.mkdir(parents=True, exist_ok=True)
     tmp = db.with_name(f".{db.name}.restore-{os.getpid()}-{secrets.token_hex(4)}")
@@ -162,7 +162,7 @@ def restore(backup_path, db_path) -> dict:
             # Open read-write once: refused if another process holds it, and any WAL it left is
             # folded into the file. Then hold it read-only (no other process can open it for
             # writing) while the files are swapped; a read-only connection writes nothing.
-            _connect(db, {}).close()
+            connect(db, {}).close()
             guard = duckdb.connect(str(db), read_only=True)
             try:
                 replaced = db.with_name(f"{db.name}.before-restore-{dt.datetime.now():%Y%m%d-%H%M%S}")

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from store.errors import InvalidRequest, NotFoundError, StoreError, StoreLockedError
 from store.migrations import migrate
+from store.queue_index import read_queue_index
 
 DEFAULT_DB = Path("data") / "rlhf.duckdb"
 
@@ -104,7 +105,7 @@ class StoreBase:
             config["threads"] = int(threads)
         if memory_limit:
             config["memory_limit"] = memory_limit
-        self._con = _connect(self.path, config)
+        self._con = connect(self.path, config)
         self._shared = _Shared.acquire(self.path)
         self._local = threading.local()
         self._cursors: list = []
@@ -143,6 +144,17 @@ class StoreBase:
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r})"
 
+    # -- for the modules that read or copy the whole store (store/export.py, store/backup.py)
+
+    def cursor(self):
+        """This thread's cursor: reads see their own snapshot; write only through the methods."""
+        return self._cur()
+
+    @property
+    def write_lock(self):
+        """The lock every write holds: while it is held, no write is in flight."""
+        return self._shared.lock
+
     # -- cursors and transactions
 
     def _cur(self):
@@ -179,7 +191,7 @@ class StoreBase:
         cur.execute("BEGIN TRANSACTION")
         try:
             if queue and self._shared.queue is None:
-                self._shared.queue = self._build_queue_index(cur)
+                self._shared.queue = read_queue_index(cur)
             yield cur
         except BaseException:
             self._local.hooks = None
@@ -250,13 +262,10 @@ class StoreBase:
                 cur = self._cur()
                 cur.execute("BEGIN TRANSACTION")
                 try:
-                    self._shared.queue = self._build_queue_index(cur)
+                    self._shared.queue = read_queue_index(cur)
                 finally:
                     cur.execute("COMMIT")
             yield self._shared.queue
-
-    def _build_queue_index(self, cur):
-        raise NotImplementedError  # provided by QueueMixin
 
     def _rows(self, sql: str, params=None) -> list[tuple]:
         return self._cur().execute(sql, params or []).fetchall()
@@ -368,7 +377,7 @@ class _Shared:
                     del cls._by_path[key]
 
 
-def _connect(path: Path, config: dict):
+def connect(path: Path, config: dict):
     try:
         return duckdb.connect(str(path), config=config)
     except duckdb.ConnectionException as exc:
@@ -379,3 +388,8 @@ def _connect(path: Path, config: dict):
             pid = re.search(r"PID (\d+)", text)
             raise StoreLockedError(str(path), f"held by PID {pid.group(1)}" if pid else "") from None
         raise StoreError(f"{path}: cannot open the database: {text}") from exc
+
+
+def open_in_this_process(path) -> bool:
+    """True while a Store of this process has the file at `path` open."""
+    return os.path.realpath(path) in _Shared._by_path

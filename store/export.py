@@ -308,7 +308,7 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     for tmp in staging.values():
         remove(tmp)
 
-    cur = store._cur()
+    cur = store.cursor()
     try:
         # 1. select the pairs and rankings (ids and metadata only) into temporary tables, with their split
         where, params = _where(cond, rankings=False)

@@ -21,13 +21,14 @@ listed) and nothing is stored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from store.db import from_db_time, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
 from store.pairs import normalize_order
 from store.readers import read_rows
-from store.records import GoldItem
+from store.records import GoldItem, Ranking, Response
 
 _GOLD_COLS = "item_id, order_groups, ranking_id, annotator_id, source, created_at"
 MAX_ERRORS = 50
@@ -39,7 +40,11 @@ def _gold(row) -> GoldItem:
 
 
 class GoldMixin:
-    """Gold-item methods of Store."""
+    """Gold-item methods of Store. Besides the core (store/db.py) they use, declared here, an
+    item's responses (store/repo.py) and a ranking (store/rankings.py)."""
+
+    item_responses: Callable[[int], list[Response]]
+    get_ranking: Callable[[int], Ranking]
 
     def set_gold(self, item_id: int, order, *, source: str = "manual") -> GoldItem:
         """Make an item gold with this reference order (tie groups of its response ids, best

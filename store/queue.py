@@ -31,19 +31,18 @@ save_ranking calls made at the same moment by several annotators share one trans
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import random
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 import pyarrow as pa
 
-from store.db import from_db_time, registered, to_db_time, utcnow
+from store.db import from_db_time, registered, utcnow
 from store.errors import InvalidRequest
-from store.queue_index import RECENT_KEEP, QueueIndex
+from store.queue_index import QueueIndex, local_midnight, read_queue_index
+from store.queue_rules import WRITE_KIND
 from store.records import Item, Progress, Prompt
 
-WRITE_KIND = "queue"
-"""Store._combined's name for the save_ranking and next_item requests written together."""
 OVERLAP_KEY = "queue_overlap"
 LEASE_SECONDS_KEY = "queue_lease_seconds"
 GOLD_RATE_KEY = "queue_gold_rate"
@@ -53,24 +52,18 @@ MAX_OVERLAP = 100
 MAX_PRIORITY = 1000
 
 
-def local_midnight() -> datetime:
-    """The start of today on this machine's clock, as the naive UTC the database stores."""
-    midnight = datetime.now().astimezone().replace(hour=0, minute=0, second=0, microsecond=0)
-    return to_db_time(midnight)
-
-
-def display_order_for(annotator_id: int, item_id: int, response_ids: list[int]) -> list[int]:
-    """The order an annotator sees an item's responses in: a shuffle seeded by (annotator, item),
-    so it is stable across reloads and independent between annotators (guards against position
-    bias; see Store.position_bias)."""
-    seed = int.from_bytes(hashlib.sha256(f"{annotator_id}:{item_id}".encode()).digest()[:8], "big")
-    ids = sorted(response_ids)
-    random.Random(seed).shuffle(ids)
-    return ids
-
-
 class QueueMixin:
-    """Queue methods of Store."""
+    """Queue methods of Store.
+
+    Besides the core (store/db.py), these use methods of the Store's other parts, declared here:
+    the rankings written in a combined batch (store/rankings.py), items and prompts (store/repo.py)
+    and settings (store/versions.py)."""
+
+    _save_ranking_batch: Callable[[Any, list], list]
+    get_item: Callable[..., Item]
+    get_prompt: Callable[[int], Prompt]
+    get_setting: Callable[..., Any]
+    set_setting: Callable[[str, Any], None]
 
     # -- settings with defaults
 
@@ -214,28 +207,6 @@ class QueueMixin:
             q.place(dict.fromkeys(ids) | dict(cur.execute(
                 "SELECT id, round_id FROM items WHERE id IN (SELECT unnest(?))", [ids]).fetchall()))
 
-    def _build_queue_index(self, cur) -> QueueIndex:
-        """Read the queue's state (inside the caller's transaction) into a QueueIndex."""
-        items = cur.execute(
-            "SELECT i.id, i.prompt_id, i.round_id, list(r.id ORDER BY r.id) FROM items i JOIN responses r "
-            "ON r.item_id = i.id WHERE i.queued GROUP BY i.id, i.prompt_id, i.round_id").fetchall()
-        rankings = cur.execute(
-            "SELECT k.item_id, k.annotator_id, count(*) FROM rankings k JOIN items i ON i.id = k.item_id "
-            "WHERE i.queued GROUP BY ALL").fetchall()
-        skips = cur.execute("SELECT annotator_id, item_id FROM skips").fetchall()
-        flagged = [r[0] for r in cur.execute("SELECT DISTINCT prompt_id FROM flags").fetchall()]
-        leases = cur.execute("SELECT item_id, annotator_id, expires_at FROM leases").fetchall()
-        annotators = [r[0] for r in cur.execute("SELECT id FROM annotators").fetchall()]
-        # ranking times from a day before today: enough for the progress line's "today"
-        recent_since = local_midnight() - RECENT_KEEP
-        ranking_times = cur.execute(
-            "SELECT annotator_id, count(*), coalesce(list(created_at ORDER BY created_at) "
-            "FILTER (WHERE created_at >= ?), []) FROM rankings GROUP BY annotator_id", [recent_since]).fetchall()
-        rounds = cur.execute("SELECT round_id, overlap, priority FROM round_queue").fetchall()
-        gold = [r[0] for r in cur.execute("SELECT item_id FROM gold").fetchall()]
-        return QueueIndex.build(items, rankings, skips, flagged, leases, annotators, ranking_times, recent_since,
-                                rounds, gold)
-
     def _queue_index(self) -> QueueIndex:
         """The queue index for the progress queries, which read it under its own lock rather than
         the write lock (built under the write lock first if needed)."""
@@ -340,7 +311,7 @@ class QueueMixin:
             live = q.snapshot(since)
             cur.execute("BEGIN TRANSACTION")
             try:
-                fresh = self._build_queue_index(cur).snapshot(since)
+                fresh = read_queue_index(cur).snapshot(since)
             finally:
                 cur.execute("COMMIT")
         return live, fresh

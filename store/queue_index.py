@@ -19,7 +19,8 @@ first needed and rebuilt if an update ever fails; a test compares a live index w
 (`snapshot`). Updates and `pick` run with the Store's write lock held. The progress queries
 (`remaining`, `ranking_counts`, `holds_lease`, `open_items`) run without it, so a progress line
 never waits for another annotator's transaction: `lock` keeps them from reading a half-made
-update. No SQL lives here.
+update. The only SQL here is `read_queue_index`, the read it is built from (inside the caller's
+transaction, by the core, store/db.py, when first needed).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter, defaultdict
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
 from store.queue_rules import QueueRules, RoundPool, locked
 
@@ -322,3 +323,32 @@ class QueueIndex(QueueRules):
             "round_settings": (dict(self.round_overlap), dict(self.round_priority)),
             "newest_round": self.newest_round,
         }
+
+
+def local_midnight() -> datetime:
+    """The start of today on this machine's clock, as the naive UTC the database stores."""
+    midnight = datetime.now().astimezone().replace(hour=0, minute=0, second=0, microsecond=0)
+    return midnight.astimezone(timezone.utc).replace(tzinfo=None)
+
+
+def read_queue_index(cur) -> QueueIndex:
+    """Read the queue's state (inside the caller's transaction) into a QueueIndex."""
+    items = cur.execute(
+        "SELECT i.id, i.prompt_id, i.round_id, list(r.id ORDER BY r.id) FROM items i JOIN responses r "
+        "ON r.item_id = i.id WHERE i.queued GROUP BY i.id, i.prompt_id, i.round_id").fetchall()
+    rankings = cur.execute(
+        "SELECT k.item_id, k.annotator_id, count(*) FROM rankings k JOIN items i ON i.id = k.item_id "
+        "WHERE i.queued GROUP BY ALL").fetchall()
+    skips = cur.execute("SELECT annotator_id, item_id FROM skips").fetchall()
+    flagged = [r[0] for r in cur.execute("SELECT DISTINCT prompt_id FROM flags").fetchall()]
+    leases = cur.execute("SELECT item_id, annotator_id, expires_at FROM leases").fetchall()
+    annotators = [r[0] for r in cur.execute("SELECT id FROM annotators").fetchall()]
+    # ranking times from a day before today: enough for the progress line's "today"
+    recent_since = local_midnight() - RECENT_KEEP
+    ranking_times = cur.execute(
+        "SELECT annotator_id, count(*), coalesce(list(created_at ORDER BY created_at) "
+        "FILTER (WHERE created_at >= ?), []) FROM rankings GROUP BY annotator_id", [recent_since]).fetchall()
+    rounds = cur.execute("SELECT round_id, overlap, priority FROM round_queue").fetchall()
+    gold = [r[0] for r in cur.execute("SELECT item_id FROM gold").fetchall()]
+    return QueueIndex.build(items, rankings, skips, flagged, leases, annotators, ranking_times, recent_since,
+                            rounds, gold)

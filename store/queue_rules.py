@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import random
 from collections import defaultdict
 from datetime import datetime
 
 NEWEST_ROUND_PRIORITY = 1
 """The priority of the newest round's items unless an admin set another (other rounds: 0)."""
+
+WRITE_KIND = "queue"
+"""Store._combined's name for the save_ranking and next_item requests written together."""
+
+
+def display_order_for(annotator_id: int, item_id: int, response_ids: list[int]) -> list[int]:
+    """The order an annotator sees an item's responses in: a shuffle seeded by (annotator, item),
+    so it is stable across reloads and independent between annotators (guards against position
+    bias; see Store.position_bias)."""
+    seed = int.from_bytes(hashlib.sha256(f"{annotator_id}:{item_id}".encode()).digest()[:8], "big")
+    ids = sorted(response_ids)
+    random.Random(seed).shuffle(ids)
+    return ids
 
 
 def locked(method):

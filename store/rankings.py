@@ -18,17 +18,17 @@ many at once for imports, simulations and benches.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import pyarrow as pa
 
 from store.db import from_db_time, registered, utcnow
 from store.errors import InvalidRequest, NotFoundError
-from store.gold import GoldMixin
 from store.pairs import normalize_order, ranking_to_pairs
-from store.queue import WRITE_KIND, display_order_for
+from store.queue_rules import WRITE_KIND, display_order_for
 from store.records import STRENGTHS, Item, Pair, Ranking, RankingIn
 
 _RANKING_COLS = ("id, item_id, prompt_id, annotator_id, order_groups, display_order, all_bad, "
@@ -113,8 +113,17 @@ def _ready(r: RankingIn, groups, item_id: int, item_prompt: int, item_resp) -> _
     return _Ready(r, groups, display, ranking_to_pairs(groups), item_id)
 
 
-class RankingsMixin(GoldMixin):
-    """Ranking methods of Store (and, from store/gold.py, the gold items': reference rankings)."""
+class RankingsMixin:
+    """Ranking methods of Store.
+
+    Besides the core (store/db.py), these use methods of the Store's other parts, declared here:
+    items (store/repo.py), and the queue's leases and combined write batch (store/queue.py)."""
+
+    get_item: Callable[..., Item]
+    lease_seconds: Callable[[], int]
+    _next_request: Callable[..., tuple]
+    _write_batch: Callable[[Any, list], list]
+    _write_leases: Callable[[Any, dict, dict], None]
 
     def save_ranking(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
                      display_order: list[int] | None = None, duration_s: float | None = None,

@@ -4,6 +4,7 @@ This file holds prompts and responses (grouped into items); the rest of the Stor
 beside it by responsibility:
   store/users.py     accounts               store/queue.py  the annotation queue, leases, flags
   store/rankings.py  rankings and pairs     store/runs.py   runs, metrics, rounds
+  store/gold.py      gold items
   store/stats.py     counts, agreement, position bias
   store/versions.py  model versions, settings, export snapshots
 store/db.py opens the file, hands each thread its cursor and wraps every write in one
@@ -19,8 +20,10 @@ import pyarrow as pa
 from store.chat import check_messages, messages_to_text
 from store.db import StoreBase, dumps, from_db_time, loads, registered, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
+from store.gold import GoldMixin
 from store.pairs import ranking_to_pairs
-from store.queue import QueueMixin, display_order_for
+from store.queue import QueueMixin
+from store.queue_rules import display_order_for
 from store.records import Item, Prompt, Response
 from store.rankings import RankingsMixin
 from store.runs import RunsMixin
@@ -59,7 +62,7 @@ def _response_row(r) -> tuple:
     return text, token_count, finish_reason, sampling or {}
 
 
-class Store(QueueMixin, RankingsMixin, UsersMixin, VersionsMixin, RunsMixin, StatsMixin, StoreBase):
+class Store(QueueMixin, RankingsMixin, GoldMixin, UsersMixin, VersionsMixin, RunsMixin, StatsMixin, StoreBase):
     """The persistence layer. `Store(path)` opens or creates and migrates a DuckDB file."""
 
     # ------------------------------------------------------------------ prompts

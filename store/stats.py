@@ -5,13 +5,18 @@ store/agreement.py (pure); each method is a query or two, cheap enough to refres
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from store.agreement import agreement_summary, annotator_agreement, gold_agreement, item_agreement, position_bias
-from store.queue import local_midnight
+from store.queue_index import local_midnight
 from store.records import Agreement, AnnotatorAgreement, AnnotatorStats, ItemAgreement, PositionBias
 
 
 class StatsMixin:
-    """Statistics methods of Store."""
+    """Statistics methods of Store. Besides the core (store/db.py) they use, declared here, the
+    queue's count of open items (store/queue.py)."""
+
+    items_remaining: Callable[..., int]
 
     def counts(self, *, overlap: int | None = None) -> dict:
         """{prompts, prompts_in_pool, responses, items, rankings, pairs, items_remaining,
