@@ -333,7 +333,7 @@ def submit_dpo_job(sd: Seed, base, save_every: int):
 
 
 class SeedsRun:
-    def __init__(self, cfg: SeedsConfig, out: Path, prompts: Path = PROMPTS, log=print):
+    def __init__(self, cfg: SeedsConfig, out: Path, prompts: Path = PROMPTS, log=print, resume: bool = False):
         from pipeline.orchestrate.judge import make_judge
 
         self.cfg, self.out, self.log, self.lock = cfg, Path(out), log, threading.RLock()
@@ -342,7 +342,30 @@ class SeedsRun:
         self.judge = RecordingJudge(make_judge("embedding"))
         self.results = {"settings": describe(cfg), "seeds": {}, "parts": {}, "timings": {}, "commit": _commit()}
         self.raw: dict = {}
-        self.t0, self.cpu0 = time.perf_counter(), cpu_seconds()
+        self.t0, self.cpu0, self.before = time.perf_counter(), cpu_seconds(), (0.0, 0.0)
+        if resume:
+            self.resume()
+
+    def resume(self) -> None:
+        """Continue a stopped run in the same folder with the same settings (the arms' order may
+        differ): round 1, start evaluations and arms that finished are kept, an arm cut short runs again."""
+        old = json.loads((self.out / "results.json").read_text(encoding="utf-8"))
+        new = self.results["settings"]
+        if {k: v for k, v in old["settings"].items() if k != "arms"} != {k: v for k, v in new.items() if k != "arms"}:
+            raise SystemExit(f"--resume {self.out}: its settings differ from these; give the same options")
+        self.raw = json.loads((self.out / "raw.json").read_text(encoding="utf-8"))["evals"]
+        for seed, entry in old["seeds"].items():
+            cut = [a for a, e in entry["arms"].items() if "wall_s" not in e]
+            for arm in cut:
+                del entry["arms"][arm]
+            self.raw[seed] = {t: v for t, v in self.raw.get(seed, {}).items()
+                              if not any(t.startswith(f"{a}_step") for a in cut)}
+        self.results.update(seeds=old["seeds"], parts=old["parts"], timings=old.get("timings", {}),
+                            command=old.get("command", ""),
+                            resumed=old.get("resumed", []) + [{"commit": old.get("commit"), "wall_s": old.get("wall_s"),
+                                                               "cpu_s": old.get("cpu_s")}])
+        self.before = (sum(r["wall_s"] or 0 for r in self.results["resumed"]),
+                       sum(r["cpu_s"] or 0 for r in self.results["resumed"]))
 
     def add_raw(self, seed: int, tag: str, rows: list[dict]) -> None:
         """Per prompt of one evaluation: mean gold, proxy and KL over its responses, and how many."""
@@ -356,7 +379,8 @@ class SeedsRun:
 
     def save(self) -> None:
         with self.lock:
-            self.results["wall_s"], self.results["cpu_s"] = time.perf_counter() - self.t0, cpu_seconds() - self.cpu0
+            self.results["wall_s"] = self.before[0] + time.perf_counter() - self.t0
+            self.results["cpu_s"] = self.before[1] + cpu_seconds() - self.cpu0
             (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
             (self.out / "raw.json").write_text(json.dumps({"prompts": self.heldout, "evals": self.raw}, indent=0))
 
@@ -382,15 +406,15 @@ class SeedsRun:
                 borrow = seeds[0] if self.cfg.share_round1 and seeds else None
                 seeds.append(Seed(self, seed, self.out / f"seed{seed}", borrow=borrow))
             # arm by arm over the seeds: a run stopped early has every seed of its first arms
-            for sd in seeds:
-                if sd.owner:
+            for sd in seeds:  # (parts a resumed run finished are not run again)
+                if sd.owner and "proxy" not in sd.entry:
                     self.part(f"seed{sd.seed}/round1", lambda sd=sd: round1(sd, self.pool))
                 sd.take_shared()
-                if "proxy" in sd.entry:
+                if "proxy" in sd.entry and "base" not in sd.entry:
                     self.part(f"seed{sd.seed}/start", lambda sd=sd: start_policy(sd))
             for arm in self.cfg.arms:
                 for sd in seeds:
-                    if "proxy" in sd.entry and "base" in sd.entry:
+                    if "proxy" in sd.entry and "base" in sd.entry and arm not in sd.entry["arms"]:
                         self.part(f"seed{sd.seed}/{arm}", lambda sd=sd, arm=arm: run_arm(sd, arm))
         finally:
             for sd in reversed(seeds):
@@ -443,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--quick", action="store_true", help="tiny random models")
     add("--out", default="", help="results directory (default: bench/out/gold_seeds/<time>)")
     add("--report", default="", help="only rebuild report.md of this results directory")
+    add("--resume", action="store_true", help="continue the stopped run in --out (same options; --arms may reorder)")
     add("--share-round1", action="store_true", help="one round 1 and proxy (the first seed's) for every seed")
     add("--checkpoints", type=int, default=3)
     add("--max-epochs", type=int, default=5)
@@ -500,10 +525,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"published: {path}")
         print(seeds_result_line(folder))
         return 0
+    if args.resume and not (Path(args.out) / "results.json").is_file():
+        raise SystemExit("--resume: give the stopped run's folder as --out (it has no results.json)")
     args.out = args.out or str(OUT_ROOT / time.strftime("%Y%m%d-%H%M%S"))
     cfg = configure(args)
-    run = SeedsRun(cfg, Path(args.out))
-    run.results["command"] = "python bench/gold_seeds.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    run = SeedsRun(cfg, Path(args.out), resume=args.resume)
+    command = "python bench/gold_seeds.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    run.results["command"] = run.results.get("command", "") + (" then " if args.resume else "") + command
     run.results["mode"] = "quick" if args.quick else "full"
     results = run.run()
     results["done"] = True

@@ -621,11 +621,15 @@ def test_quick_gold_seeds_runs_three_seeds_with_checkpoints_and_raw_tables(tmp_p
     from bench.gold_seeds import main
 
     out = tmp_path / "seeds"
+    # one round 1 and proxy for the three seeds (--share-round1: the same code as a round 1 per seed,
+    # without two more reward models), two arms, best-of-1 and -2
     assert main(["--quick", "--seeds", "0,1,2", "--arms", "adaptive,dpo", "--checkpoints", "2", "--max-epochs", "2",
-                 "--bon", "1,2", "--out", str(out)]) == 0
+                 "--bon", "1,2", "--share-round1", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     raw = json.loads((out / "raw.json").read_text())["evals"]
     assert set(results["seeds"]) == {"0", "1", "2"} and results["done"]
+    assert [results["seeds"][s].get("shared_round1_from") for s in "012"] == [None, 0, 0]
+    assert results["seeds"]["1"]["proxy"] == results["seeds"]["0"]["proxy"]
     for s, entry in results["seeds"].items():
         proxy = entry["proxy"]
         # early stopping: the best held-out loss of the epochs run, stopped once it stopped improving
