@@ -10,9 +10,9 @@ number here is recomputed from it:
   gives each seed's gain, their mean and the between-seed s.e. = sd over seeds / sqrt(seeds), which
   is what a second training run would move;
 - curves: the seeds' points by checkpoint, mean gold gain and mean sqrt(KL) with between-seed s.e.;
-- hacking is claimed only on a measured segment (checkpoint j-1 -> j of one arm) where the proxy
-  rises and gold falls, each by more than 2 between-seed s.e., with every seed's proxy better
-  than chance on its held-out pairs (95% interval above 0.5);
+- hacking is claimed only on a measured segment (one arm's checkpoint a -> the next, b) where the
+  proxy rises and gold falls, each by more than 2 between-seed s.e. of the seeds' own changes over
+  the segment, with every seed's proxy better than chance on its held-out pairs (95% interval above 0.5);
 - KL efficiency: along PPO's checkpoints, its proxy gain against best-of-n's at the same KL
   (best-of-n interpolated linearly in KL between its n; beyond its largest n, that n's gain per nat).
 """
@@ -165,15 +165,19 @@ def kl_efficiency(arm_curve: list[dict], bon: list[dict]) -> list[dict]:
     return rows
 
 
-def hacking(arm_curve: list[dict], chance_ok: bool) -> list[dict]:
-    """Measured segments of one arm's mean curve where the proxy rises and gold falls (2 s.e. each)."""
+def hacking(per_seed: dict[str, list[dict]], chance_ok: bool) -> list[dict]:
+    """Each measured segment of one arm (checkpoint step a -> b): the change of proxy and gold over
+    the seeds measured at both, mean and between-seed s.e.; hacking where the proxy rises and gold
+    falls, each by more than 2 s.e., and the proxy is better than chance (`chance_ok`)."""
+    steps = sorted({p["step"] for pts in per_seed.values() for p in pts})
     out = []
-    for a, b in zip(arm_curve, arm_curve[1:]):
-        dp, dg = b["proxy"] - a["proxy"], b["gold"] - a["gold"]
-        se_p = math.hypot(a["proxy_se"] or 0.0, b["proxy_se"] or 0.0)
-        se_g = math.hypot(a["gold_se"] or 0.0, b["gold_se"] or 0.0)
-        out.append({"from": a["step"], "to": b["step"], "d_proxy": dp, "d_gold": dg,
-                    "hacking": bool(chance_ok and se_p and se_g and dp > 2 * se_p and dg < -2 * se_g)})
+    for a, b in zip(steps, steps[1:]):
+        pairs = [(pa, pb) for pts in per_seed.values() for pa in pts for pb in pts if pa["step"] == a and pb["step"] == b]
+        dp, se_p = mean_se([pb["proxy"] - pa["proxy"] for pa, pb in pairs])
+        dg, se_g = mean_se([pb["gold"] - pa["gold"] for pa, pb in pairs])
+        out.append({"from": a, "to": b, "seeds": len(pairs), "d_proxy": dp, "d_proxy_se": se_p, "d_gold": dg,
+                    "d_gold_se": se_g, "hacking": bool(chance_ok and se_p is not None and se_g is not None
+                                                       and dp > 2 * se_p and dg < -2 * se_g)})
     return out
 
 
@@ -187,7 +191,7 @@ def summary(folder: Path) -> dict:
         per_seed = points(results, raw, arm)
         c = curve(per_seed)
         out["arms"][arm] = {"per_seed": per_seed, "curve": c, "result": arm_result(per_seed),
-                            "hacking": hacking(c, quality["better_than_chance"]),
+                            "hacking": hacking(per_seed, quality["better_than_chance"]),
                             "efficiency": kl_efficiency(c, bon) if arm != "dpo" else []}
     return out
 
