@@ -386,14 +386,17 @@ def write_report(folder: Path) -> Path:
     return path
 
 
-def _portable(obj, out: str):
-    """results.json with this run's folder and the checkout's root left out of every path."""
+def _portable(obj, out: Path):
+    """results.json with this run's folder (as <run>) and the checkout's root left out of every path."""
     if isinstance(obj, dict):
         return {k: _portable(v, out) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_portable(v, out) for v in obj]
     if isinstance(obj, str):
-        return obj.replace(out, "<run>").replace(str(ROOT) + "/", "")
+        names = [str(out)] + ([str(out.relative_to(ROOT))] if out.is_relative_to(ROOT) else [])
+        for name in names:
+            obj = obj.replace(name, "<run>")
+        return obj.replace(str(ROOT) + "/", "")
     return obj
 
 
@@ -401,11 +404,11 @@ def publish(folder: Path, target: Path) -> list[Path]:
     """report (README.md), plot, results.json and raw.json into `target`, paths made relative."""
     folder, target = Path(folder).resolve(), Path(target)
     target.mkdir(parents=True, exist_ok=True)
-    results = _portable(json.loads((folder / "results.json").read_text(encoding="utf-8")), str(folder))
+    results = _portable(json.loads((folder / "results.json").read_text(encoding="utf-8")), folder)
     (target / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     shutil.copy2(folder / "raw.json", target / "raw.json")
     report = (folder / "report.md").read_text(encoding="utf-8")
-    (target / "README.md").write_text(_portable(report, str(folder)), encoding="utf-8")
+    (target / "README.md").write_text(_portable(report, folder), encoding="utf-8")
     out = [target / "README.md", target / "results.json", target / "raw.json"]
     if (folder / PLOT).is_file():
         out.append(Path(shutil.copy2(folder / PLOT, target / PLOT)))
