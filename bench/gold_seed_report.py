@@ -376,6 +376,7 @@ def write_report(folder: Path) -> Path:
             lines.append(f"| {arm} | {rows[0][i].get('step')} | {_f(m('objective/score'), 3)} | {_f(m('objective/kl'), 2)} | "
                          f"{_f(m('kl/beta'), 3)} | {_f(m('val/explained_var'), 2)} | {_f(m('val/loss'), 4)} | "
                          f"{_f(m('objective/entropy'), 2)} |")
+    lines += ["", "## Against the goal (issue 25), computed from the tables above", "", *goal_checks(sm)]
     lines += ["", "## Time per part", "", "| part | wall (min) | CPU (min) |", "|---|---|---|"]
     lines += [f"| {k} | {v['wall_s'] / 60:.1f} | {v['cpu_s'] / 60:.1f} |" for k, v in results.get("parts", {}).items()]
     for name, why in results.get("failed", {}).items():
@@ -384,6 +385,34 @@ def write_report(folder: Path) -> Path:
     path = folder / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+EFFICIENCY_GOAL = 1 / 3
+"""Issue 25: PPO raises its proxy at least a third as fast per nat as best-of-n at the same KL."""
+
+
+def goal_checks(sm: dict) -> list[str]:
+    """The issue's goal, line by line, each [x] only where the numbers show it."""
+    arms, q = sm["arms"], sm["quality"]
+
+    def raised(arm):
+        r = arms[arm]["result"] if arm in arms else None
+        if not r or r["seeds"] < 3:
+            return False, f"{r['seeds'] if r else 0} seed(s) measured, 3 needed"
+        return r["raised"], f"{_f(r['gain_mean'], 4, True)} ± {_f(r['gain_se_seeds'], 4)} over {r['seeds']} seeds"
+
+    eff = [e["ratio"] for e in arms.get("adaptive", {}).get("efficiency", []) if e["ratio"] is not None]
+    checks = [
+        ("the proxy better than chance (95% interval of its held-out accuracy above 0.5)", q["better_than_chance"],
+         f"{_f(q['pooled'])} [{_f(q['pooled_lo'])}, {_f(q['pooled_hi'])}] on {q['pairs']} pairs"),
+        (f"PPO, adaptive KL, raises gold by more than 2 between-seed s.e. at KL <= {GOAL_KL:g}", *raised("adaptive")),
+        (f"DPO raises gold by more than 2 between-seed s.e. at KL <= {GOAL_KL:g}", *raised("dpo")),
+        ("best-of-n with the proxy rises with n", bool(sm["bon_rises"]),
+         ", ".join(f"n={b['n']}: {_f(b['gold'], 4, True)}" for b in sm["bon"]) or "not run"),
+        ("PPO raises its proxy at least a third as fast per nat as best-of-n at the same KL (last checkpoint)",
+         bool(eff) and eff[-1] >= EFFICIENCY_GOAL, f"ratio {_f(eff[-1], 2)}" if eff else "no checkpoint past 0.1 nats"),
+    ]
+    return [f"- [{'x' if ok else ' '}] {text}: {detail}" for text, ok, detail in checks]
 
 
 def _portable(obj, out: Path):
