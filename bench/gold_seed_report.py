@@ -65,12 +65,12 @@ def points(results: dict, raw: dict, arm: str) -> dict[str, list[dict]]:
         entry = results["seeds"][s]["arms"].get(arm)
         if not entry:
             continue
-        pts = [{"step": 0, "gold": 0.0, "gold_se": 0.0, "proxy": 0.0, "kl": 0.0}]
+        pts = [{"step": 0, "gold": 0.0, "gold_se": 0.0, "proxy": 0.0, "kl": 0.0, "running": "wall_s" not in entry}]
         for p in entry["points"]:
             if p["tag"] in raw[s]:
                 g, se, kl = gain(raw[s], p["tag"])
                 pts.append({"step": p["step"], "gold": g, "gold_se": se, "proxy": gain(raw[s], p["tag"], "proxy")[0],
-                            "kl": kl})
+                            "kl": kl, "running": "wall_s" not in entry})
         out[s] = pts
     return out
 
@@ -264,13 +264,15 @@ def write_report(folder: Path) -> Path:
     plotted = plot(sm, folder / PLOT)
     q = sm["quality"]
     done = results.get("done")
+    commits = [r.get("commit") for r in results.get("resumed", [])] + [results.get("commit")]
     lines = ["# Gold-judge experiment over seeds: measured curves, a converged proxy", ""]
     if not done:
         lines += ["> **Partial**: the run had not finished when this page was written; every table holds "
                   "what was measured by then.", ""]
     lines += [
-        f"Made by `{results.get('command', 'python bench/gold_seeds.py')}` (bench/gold_seeds.py; page: "
-        "bench/gold_seed_report.py from results.json and raw.json beside it). Wall "
+        f"Made by `{results.get('command', 'python bench/gold_seeds.py')}`"
+        + (f" at commit {', then '.join(c for c in commits if c)}" if any(commits) else "")
+        + " (bench/gold_seeds.py; page: bench/gold_seed_report.py from results.json and raw.json beside it). Wall "
         f"{results.get('wall_s', 0) / 60:.1f} min, CPU {results.get('cpu_s', 0) / 60:.1f} min, "
         f"{s['threads']} torch thread(s), one job at a time.",
         "",
@@ -315,8 +317,8 @@ def write_report(folder: Path) -> Path:
               "|---|---|---|---|---|---|---|"]
     for arm, a in sm["arms"].items():
         r = a["result"]
-        per = "; ".join(f"s{sd}: {_f(p['gold'], 4, True)} ± {_f(p['gold_se'], 4)} ({_f(p['kl'], 2)})"
-                        for sd, p in r["per_seed"].items())
+        per = "; ".join(f"s{sd}{' (still training)' if p.get('running') else ''}: {_f(p['gold'], 4, True)} ± "
+                        f"{_f(p['gold_se'], 4)} ({_f(p['kl'], 2)})" for sd, p in r["per_seed"].items())
         z = r["gain_mean"] / r["gain_se_seeds"] if r["gain_se_seeds"] else None
         lines.append(f"| {arm} | {r['seeds']} | {per} | {_f(r['gain_mean'], 4, True)} | {_f(r['gain_se_seeds'], 4)} | "
                      f"{_f(z, 2)} | {_f(r['kl_mean'], 2)} |")
