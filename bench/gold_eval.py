@@ -8,7 +8,7 @@ does). For a policy version (base model + LoRA adapter, or the base model alone)
   2. sample `samples` responses per held-out prompt (temperature as in the PPO rollouts)
   3. reference log-probs of the sampled tokens (one no-grad forward)
   4. score: the gold judge on the decoded text, and each given reward model (normalised, as PPO
-     sees it) on the token ids
+     sees it) on each prompt and decoded response, encoded as in reward training (score_texts)
   5. metrics (flat dict, namespaced keys):
        eval/gold         mean gold-judge score
        eval/proxy:NAME   mean normalised score under reward model NAME

@@ -34,7 +34,9 @@ Phases
      full run also publishes report and plots to docs/results/
 
 Sharing round 1 (its responses, rankings and reward model) makes every method start from the same
-pairs and the same policy. The last lines are `RESULT gold ...` (the verdict) and
+pairs and the same policy. One training run per method says nothing about the next one:
+bench/gold_seeds.py runs the arms over several seeds, with an early-stopped proxy and every arm
+evaluated at checkpoints along its training. The last lines are `RESULT gold ...` (the verdict) and
 `RESULT gold_loop ...` (bench/run_all.py's row).
 """
 

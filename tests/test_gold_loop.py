@@ -509,3 +509,142 @@ def test_every_pair_evaluation_shows_progress_and_reports_it(tiny_model_cfg, cap
     assert "scoring held-out pairs" in capsys.readouterr().err
     quiet = evaluate(model, items, tokenizer.pad_token_id, "cpu", torch.float32, batch_size=3)
     assert quiet["eval/accuracy"] == report["eval/accuracy"] and quiet["eval/margin"] == report["eval/margin"]
+
+
+# --------------------------------------------------------------------------- over seeds (bench/gold_seeds.py)
+
+
+def _seeds_run(folder: Path, gains: dict[str, list[tuple[float, float, float]]], accuracy: float = 0.7,
+               pairs: int = 200, done: bool = True) -> Path:
+    """results.json + raw.json of a made-up multi-seed run: gains[arm] = per seed [(KL, gold, proxy)]
+    at each of its checkpoints; two prompts, gold/proxy gains the same on both except a +-0.01 spread."""
+    from bench.gold_loop import quick_experiment
+    from bench.gold_seeds import SeedsConfig, describe
+    from bench.reward_bench import wilson
+
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = ["p1", "p2"]
+    settings = {**describe(SeedsConfig(exp=quick_experiment("tiny"))), "arms": {a: {} for a in gains}}
+    results, raw = {"settings": settings, "seeds": {}, "done": done}, {}
+    lo, hi = wilson(round(accuracy * pairs), pairs)
+    for s in range(3):
+        table = {"base": {p: {"gold": 0.5, "proxy": 0.0, "kl": 0.0, "n": 2} for p in prompts},
+                 "bon_all": {p: {"gold": 0.5, "proxy": 0.0, "kl": 0.0, "n": 4} for p in prompts}}
+        for n, g in ((1, 0.0), (4, 0.05 + 0.01 * s)):
+            table[f"bon_n{n}"] = {p: {"gold": 0.5 + g, "proxy": 10 * g, "kl": None, "n": 1} for p in prompts}
+        entry = {"arms": {}, "proxy": {"eval/accuracy": accuracy, "eval/pairs": pairs, "acc_lo": lo, "acc_hi": hi,
+                                       "epoch": 2, "stopped_at": 3}}
+        for arm, per_seed in gains.items():
+            pts = []
+            for j, (kl, g, pr) in enumerate(per_seed[s]):
+                tag = f"{arm}_step{j + 1}"
+                table[tag] = {p: {"gold": 0.5 + g + d, "proxy": pr, "kl": kl, "n": 2} for p, d in zip(prompts, (-0.01, 0.01))}
+                pts.append({"step": j + 1, "tag": tag})
+            entry["arms"][arm] = {"label": arm, "points": pts, "train": []}
+        results["seeds"][str(s)] = entry
+        raw[str(s)] = table
+    (folder / "results.json").write_text(json.dumps(results))
+    (folder / "raw.json").write_text(json.dumps({"prompts": prompts, "evals": raw}))
+    return folder
+
+
+def test_seed_report_gives_between_seed_error_of_the_last_point_within_the_kl_budget(tmp_path):
+    from bench.gold_seed_report import seeds_result_line, summary
+
+    folder = _seeds_run(tmp_path / "run", {
+        # adaptive: its third point is past KL 6, so each seed's second point counts
+        "adaptive": [[(1.0, 0.01, 0.2), (3.0, 0.02, 0.4), (7.0, -0.5, 0.9)],
+                     [(1.0, 0.01, 0.2), (3.0, 0.04, 0.4), (7.0, -0.5, 0.9)],
+                     [(1.0, 0.01, 0.2), (3.0, 0.03, 0.4), (7.0, -0.5, 0.9)]]})
+    sm = summary(folder)
+    r = sm["arms"]["adaptive"]["result"]
+    assert r["seeds"] == 3 and r["gain_mean"] == pytest.approx(0.03)
+    assert r["gain_se_seeds"] == pytest.approx(0.01 / math.sqrt(3))  # sd 0.01 over 3 seeds
+    assert r["per_seed"]["0"]["gold_se"] == pytest.approx(0.01)  # the paired (per-prompt) s.e. of seed 0
+    assert r["raised"]  # 0.03 > 2 x 0.0058
+    curve = sm["arms"]["adaptive"]["curve"]
+    assert [c["step"] for c in curve] == [0, 1, 2, 3] and curve[0]["gold"] == 0.0
+    # the segment 2 -> 3: the proxy rises, gold falls by far more than 2 s.e., the proxy is better than chance
+    assert [h["hacking"] for h in sm["arms"]["adaptive"]["hacking"]] == [False, False, True]
+    assert sm["bon"][-1]["gold"] == pytest.approx(0.06) and sm["bon_rises"]
+    line = seeds_result_line(folder, sm)
+    assert line.startswith("RESULT gold seeds=3 ")
+    for field in ("adaptive_gain_mean=0.0300", "adaptive_gain_se_seeds=0.0058", "adaptive_seeds=3",
+                  "adaptive_goal=met", "hacking=yes:adaptive@3", "bon_rises=yes"):
+        assert field in line.split(), field
+    # KL efficiency: at KL 1 best-of-4's proxy (0.6 at 0.636 nats, per nat beyond) against PPO's 0.2
+    eff = sm["arms"]["adaptive"]["efficiency"][0]
+    assert eff["bon_proxy"] == pytest.approx(0.6 / (math.log(4) - 0.75)) and eff["ratio"] == pytest.approx(0.2 / eff["bon_proxy"])
+
+
+def test_seed_report_claims_no_hacking_with_a_proxy_at_chance_and_marks_a_partial_run(tmp_path):
+    from bench.gold_seed_report import seeds_result_line, summary, write_report
+
+    folder = _seeds_run(tmp_path / "run", {"beta0": [[(2.0, 0.0, 0.1), (9.0, -0.3, 0.9)]] * 3},
+                        accuracy=0.52, pairs=50, done=False)
+    sm = summary(folder)
+    assert not sm["quality"]["better_than_chance"]
+    assert not any(h["hacking"] for h in sm["arms"]["beta0"]["hacking"])
+    line = seeds_result_line(folder, sm)
+    assert "hacking=no" in line.split() and line.endswith(" partial=yes")
+    report = write_report(folder).read_text()
+    assert "**Partial**" in report and report.rstrip().endswith(line)
+
+
+def test_follower_copies_each_checkpoint_once_as_the_trainer_replaces_it(tmp_path):
+    from bench.gold_seeds import Follower
+
+    run_dir, dest = tmp_path / "run", tmp_path / "copies"
+
+    def save(step: int) -> None:  # as pipeline/ppo_state.py: the weights, then the state file beside them
+        (run_dir / "checkpoint" / "policy").mkdir(parents=True, exist_ok=True)
+        (run_dir / "checkpoint" / "policy" / "weights.txt").write_text(f"step {step}")
+        torch.save({"step": step}, run_dir / "checkpoint" / "trainer_state.pt")
+
+    follower = Follower(run_dir, "checkpoint/trainer_state.pt", "checkpoint/policy", dest)
+    follower.stop()  # polling stops; poll() still works by hand
+    follower.poll()  # nothing there yet: no copy, no error
+    save(5)
+    follower.poll()
+    follower.poll()  # the same state file: copied once
+    save(10)
+    follower.poll()
+    assert follower.copies == {5: str(dest / "step_5"), 10: str(dest / "step_10")}
+    assert (dest / "step_5" / "weights.txt").read_text() == "step 5"
+    assert (dest / "step_10" / "weights.txt").read_text() == "step 10"
+
+
+@pytest.mark.slow
+def test_quick_gold_seeds_runs_three_seeds_with_checkpoints_and_raw_tables(tmp_path):
+    _require_embedding_judge()
+    from bench.gold_seed_report import gain, summary
+    from bench.gold_seeds import main
+
+    out = tmp_path / "seeds"
+    # one round 1 and proxy for the three seeds (--share-round1: the same code as a round 1 per seed,
+    # without two more reward models), two arms, best-of-1 and -2
+    assert main(["--quick", "--seeds", "0,1,2", "--arms", "adaptive,dpo", "--checkpoints", "2", "--max-epochs", "2",
+                 "--bon", "1,2", "--share-round1", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    raw = json.loads((out / "raw.json").read_text())["evals"]
+    assert set(results["seeds"]) == {"0", "1", "2"} and results["done"]
+    assert [results["seeds"][s].get("shared_round1_from") for s in "012"] == [None, 0, 0]
+    assert results["seeds"]["1"]["proxy"] == results["seeds"]["0"]["proxy"]
+    for s, entry in results["seeds"].items():
+        proxy = entry["proxy"]
+        # early stopping: the best held-out loss of the epochs run, stopped once it stopped improving
+        assert proxy["eval/loss"] == min(e["eval/loss"] for e in proxy["epochs"])
+        assert len(proxy["epochs"]) == 2 or proxy["stopped_at"] - proxy["epoch"] >= 1
+        assert entry["train_pairs"] > 0 and entry["heldout_pairs"] > 0
+        ppo = entry["arms"]["adaptive"]["points"]
+        # the end, and the mid-run checkpoint when a poll saw it (a tiny model's step is faster than a poll)
+        assert ppo[-1]["step"] == 2 and {p["step"] for p in ppo} <= {1, 2}
+        for p in ppo + entry["arms"]["dpo"]["points"]:
+            # every table recomputes from raw.json: the per-prompt means give the evaluation's mean
+            g, _, kl = gain(raw[s], p["tag"])
+            assert g == pytest.approx(p["eval/gold"] - entry["base"]["eval/gold"], abs=1e-9)
+            assert kl == pytest.approx(p["eval/kl"], abs=1e-9)
+    sm = summary(out)
+    assert sm["arms"]["adaptive"]["result"]["seeds"] == 3 and len(sm["bon"]) == 2
+    report = (out / "report.md").read_text()
+    assert "between-seed s.e." in report and report.rstrip().splitlines()[-1].startswith("RESULT gold seeds=3 ")
