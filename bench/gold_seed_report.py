@@ -380,7 +380,7 @@ def write_report(folder: Path) -> Path:
             lines.append(f"| {arm} | {rows[0][i].get('step')} | {_f(m('objective/score'), 3)} | {_f(m('objective/kl'), 2)} | "
                          f"{_f(m('kl/beta'), 3)} | {_f(m('val/explained_var'), 2)} | {_f(m('val/loss'), 4)} | "
                          f"{_f(m('objective/entropy'), 2)} |")
-    lines += ["", "## Against the goal (issue 25), computed from the tables above", "", *goal_checks(sm)]
+    lines += ["", "## Against the goal, computed from the tables above", "", *goal_checks(sm)]
     lines += ["", "## Time per part", "", "| part | wall (min) | CPU (min) |", "|---|---|---|"]
     lines += [f"| {k} | {v['wall_s'] / 60:.1f} | {v['cpu_s'] / 60:.1f} |" for k, v in results.get("parts", {}).items()]
     for name, why in results.get("failed", {}).items():
