@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a sign-in lasts this long, then the login form is shown again (default: %(default)s)")
     p.add_argument("--no-prefetch", action="store_true",
                    help="do not fetch the next item ahead (only to measure what it buys: bench/ui_bench.py)")
+    p.add_argument("--timings", metavar="FILE", default=None,
+                   help="record where each action's time goes on the server and write it to FILE as JSON "
+                        "on exit (annotate/timing.py; bench/ui_bench.py reads it)")
     return p.parse_args(argv)
 
 
@@ -59,6 +62,7 @@ def main(argv=None) -> int:
         return 2
     from annotate import bootstrap
     from annotate.context import AppContext
+    from annotate.timing import Timings
     from annotate.ui import build_ui, launch
     from pipeline.config import GenerateConfig, ModelConfig
     from pipeline.orchestrate.loop import make_runner
@@ -100,7 +104,8 @@ def main(argv=None) -> int:
     store.warm_queue()
     ctx = AppContext(store=store, auth=auth, data_dir=data_dir, jobs=jobs, train_settings=settings,
                      generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens},
-                     prefetch=not args.no_prefetch, session_hours=args.session_hours)
+                     prefetch=not args.no_prefetch, session_hours=args.session_hours,
+                     timings=Timings() if args.timings else None)
     demo = build_ui(ctx)
     # `kill` (SIGTERM) stops the app like Ctrl-C, so the store is closed and checkpointed.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -109,6 +114,8 @@ def main(argv=None) -> int:
     finally:
         jobs.shutdown()
         store.close()
+        if ctx.timings is not None:
+            ctx.timings.write(args.timings)
     return 0
 
 

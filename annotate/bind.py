@@ -8,13 +8,20 @@ from __future__ import annotations
 import functools
 import inspect
 
+from annotate.timing import session_of
+
 
 def bind(fn, ctx):
-    """Keep the signature and annotations Gradio reads to inject gr.Request, minus `ctx`."""
+    """Keep the signature and annotations Gradio reads to inject gr.Request, minus `ctx`.
+    With the app's timings on (annotate/timing.py) every call is timed here."""
 
     @functools.wraps(fn)
     def bound(*args, **kwargs):
-        return fn(ctx, *args, **kwargs)
+        timings = getattr(ctx, "timings", None)
+        if timings is None:
+            return fn(ctx, *args, **kwargs)
+        with timings.handler(session_of(args, kwargs)):
+            return fn(ctx, *args, **kwargs)
 
     params = list(inspect.signature(fn).parameters.values())[1:]
     bound.__signature__ = inspect.Signature(params)

@@ -21,6 +21,7 @@ from pathlib import Path
 import gradio as gr
 
 from annotate.accounts import Sessions, Throttle
+from annotate.timing import Timings, span
 from store.records import Annotator
 
 
@@ -51,6 +52,8 @@ class AppContext:
     (no extra request from the page); None prefetches inline, before returning (tests)."""
     prefetch: bool = True
     """Fetch the next item ahead. Off only to measure what it buys (bench/ui_bench.py)."""
+    timings: Timings | None = field(default=None, repr=False)
+    """Where each action's time goes (app.py --timings; annotate/timing.py); None = not measured."""
     accounts: dict = field(default_factory=dict, repr=False)
     """name -> (Annotator, expiry, store.accounts_version): annotation handlers reuse a lookup for
     ACCOUNT_CACHE_S, unless any account changed since."""
@@ -76,6 +79,11 @@ actions look the account up afresh anyway."""
 
 def user(ctx: AppContext, request, *, fresh: bool = False) -> Annotator:
     """The signed-in account behind this request (Refused if there is none)."""
+    with span(ctx, "account"):
+        return _look_up(ctx, request, fresh)
+
+
+def _look_up(ctx: AppContext, request, fresh: bool) -> Annotator:
     name = getattr(request, "username", None) if request is not None else None
     if name is None:
         if ctx.auth:

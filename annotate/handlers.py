@@ -29,6 +29,7 @@ import gradio as gr
 from annotate import render
 from annotate.context import AppContext, user
 from annotate.state import SessionState, Showing
+from annotate.timing import span
 from store.errors import StoreError
 from store.records import STRENGTHS, Annotator
 from store.versions import GUIDELINES_KEY
@@ -194,13 +195,14 @@ def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: b
         on_deck = state.prefetched if state.ahead is None else None
     ahead = None
     try:
-        if ctx.prefetch and on_deck is not None:
-            # the item after the prefetched one is leased in the ranking's own transaction (one
-            # commit per submit, not two); its content is loaded in the background (`prefetch`)
-            _, ahead = ctx.store.save_ranking_and_lease_next(
-                account.id, showing.item.prompt.id, order, exclude=[on_deck.item_id], **fields)
-        else:
-            ctx.store.save_ranking(account.id, showing.item.prompt.id, order, **fields)
+        with span(ctx, "store"):
+            if ctx.prefetch and on_deck is not None:
+                # the item after the prefetched one is leased in the ranking's own transaction (one
+                # commit per submit, not two); its content is loaded in the background (`prefetch`)
+                _, ahead = ctx.store.save_ranking_and_lease_next(
+                    account.id, showing.item.prompt.id, order, exclude=[on_deck.item_id], **fields)
+            else:
+                ctx.store.save_ranking(account.id, showing.item.prompt.id, order, **fields)
     except StoreError as exc:
         raise gr.Error(f"Not saved: {exc}") from None
     n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:])
@@ -276,10 +278,11 @@ def prefetch(ctx: AppContext, state: SessionState, account: Annotator) -> None:
         ahead, state.ahead = state.ahead, None
     item = None
     try:
-        if ahead is not None:
-            item = ctx.store.get_item(ahead, account.id)  # leased already: no write, no lock
-        else:
-            item = ctx.store.next_item(account.id, exclude=[on_screen])
+        with span(ctx, "prefetch"):
+            if ahead is not None:
+                item = ctx.store.get_item(ahead, account.id)  # leased already: no write, no lock
+            else:
+                item = ctx.store.next_item(account.id, exclude=[on_screen])
     finally:
         with state.lock:
             state.prefetching = False

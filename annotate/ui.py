@@ -12,6 +12,7 @@ admin ones and /refresh callable but undocumented, page-load and tab-select even
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from annotate import handlers as h
 from annotate.bind import bind
 from annotate.context import AppContext
 from annotate.render import render_shortcuts
+from annotate.timing import TimingMiddleware
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -146,15 +148,22 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
     _settle_matplotlib()
     if ctx.background is None:  # the next item is fetched ahead by these threads (handlers.prefetch)
         ctx.background = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefetch")
+    # Gradio recomputes a summary of its last 10,000 events with pandas after every event, for a
+    # monitoring page this app does not enable: 10-40 ms of CPU per action once the app has served
+    # a few thousand. Its cache setting (read when the queue is made) makes it compute it never.
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
     # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
     demo.queue(default_concurrency_limit=16)
+    middleware = [Middleware(accounts.ClientAddress)]
+    if ctx.timings is not None:
+        middleware.append(Middleware(TimingMiddleware, timings=ctx.timings))
     result = demo.launch(
         server_name=host, server_port=port, auth=auth,
         auth_message="rlhf-loop · preference annotation. Sign in with the account an admin created for you.",
         prevent_thread_lock=True, quiet=quiet, show_error=True, ssr_mode=False,
         footer_links=[], theme=THEME, css=(STATIC / "annotate.css").read_text(),
         head=f"<script>{(STATIC / 'annotate.js').read_text()}</script>",
-        max_threads=64, app_kwargs={"middleware": [Middleware(accounts.ClientAddress)]},
+        max_threads=64, app_kwargs={"middleware": middleware},
     )
     # Gradio keeps its sign-in tokens in App.tokens (a plain dict, empty until the first login):
     # swapping in a table that ages them out is what makes sessions expire.

@@ -35,6 +35,7 @@ how much of the latency is the client's poll rather than the app.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -81,10 +82,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(db: Path, port: int, prefetch: bool = True) -> subprocess.Popen:
-    """`python app.py` on the seeded file; its output goes to app.log beside it."""
+def start_app(db: Path, port: int, timings: Path, prefetch: bool = True) -> subprocess.Popen:
+    """`python app.py` on the seeded file, recording its server-side timings to `timings` (written
+    when it stops); its output goes to app.log beside it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "app.py"), "--db", str(db), "--port", str(port), "--no-generate"]
+    cmd = [sys.executable, str(ROOT / "app.py"), "--db", str(db), "--port", str(port), "--no-generate",
+           "--timings", str(timings)]
     cmd += [] if prefetch else ["--no-prefetch"]
     log = db.parent / "app.log"
     with open(log, "w") as out:
@@ -109,6 +112,7 @@ class Phase:
     prefetch: bool
     think_s: float
     woken: bool = False  # gradio_client's result poll woken on arrival (wake_client_on_messages)
+    annotators: int | None = None  # None: --annotators
 
 
 def wake_client_on_messages():
@@ -251,15 +255,35 @@ def run_phase(target, n: int, seconds: float, phase: Phase) -> dict:
         barrier.wait(timeout=300)  # every annotator signed in, with an item on screen
     except threading.BrokenBarrierError:
         raise RuntimeError(f"the annotators could not all connect: {errors[:3]}") from None
-    t0 = time.perf_counter()
+    t0, counted_from = time.perf_counter(), time.time() + min(5.0, 0.2 * seconds)
     for t in threads:
         t.join(seconds + 120)
     wall = time.perf_counter() - t0 - min(5.0, 0.2 * seconds)  # the counted part of the phase
-    lat = sorted(latencies)
-    q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
-    print(f"  {phase.name}: {len(lat)} submissions", flush=True)
-    return {"submissions": len(lat), "per_s": len(lat) / wall, "p50_ms": q[49] * 1000, "p95_ms": q[94] * 1000,
-            "p99_ms": q[98] * 1000, "errors": len(errors), "first_error": errors[0] if errors else ""}
+    print(f"  {phase.name}: {len(latencies)} submissions", flush=True)
+    return {"submissions": len(latencies), "per_s": len(latencies) / wall, **percentiles(latencies),
+            "errors": len(errors), "first_error": errors[0] if errors else "", "counted_from": counted_from}
+
+
+def percentiles(seconds: list[float]) -> dict:
+    q = statistics.quantiles(sorted(seconds), n=100) if len(seconds) >= 2 else [float("nan")] * 99
+    return {"n": len(seconds), "p50_ms": q[49] * 1000, "p95_ms": q[94] * 1000, "p99_ms": q[98] * 1000}
+
+
+BREAKDOWN = (("join", "POST /queue/join in the server"), ("queued", "waiting in Gradio's queue"),
+             ("handler", "our handler"), ("account", "  account look-up"), ("store", "  store write"),
+             ("deliver", "result out through SSE"), ("server", "server total"),
+             ("prefetch", "prefetch (background)"))
+
+
+def breakdown(path: Path, counted_from: float) -> dict:
+    """Per phase of the request path (annotate/timing.py), the samples of the counted part of the
+    bench phase: phase -> percentiles."""
+    samples = json.loads(path.read_text())["samples"] if path.exists() else []
+    by_phase: dict[str, list[float]] = {}
+    for phase, secs, end in samples:
+        if end >= counted_from:
+            by_phase.setdefault(phase, []).append(secs)
+    return {phase: percentiles(v) for phase, v in by_phase.items()}
 
 
 def main(argv=None) -> int:
@@ -269,31 +293,34 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="seconds per phase (default 60, --quick 10)")
     p.add_argument("--think", type=float, default=1.0, help="mean seconds between items (default 1.0)")
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--phases", default="handlers,http,http-woken,http-no-prefetch,saturated",
+    p.add_argument("--phases", default=None,
                    help="comma-separated phases to run, of handlers, http, http-woken, http-no-prefetch, "
-                        "saturated (default: all; e.g. --annotators 50 --seconds 300 --phases http for a long "
-                        "load run)")
+                        "saturated, http-50 (default: all; --quick: all but http-50; e.g. --annotators 50 "
+                        "--seconds 300 --phases http for a long load run)")
     args = p.parse_args(argv)
     seconds = args.seconds or (10.0 if args.quick else 60.0)
     n = args.annotators
     every = {"handlers": Phase("handlers", False, True, args.think), "http": Phase("http", True, True, args.think),
              "http-woken": Phase("http, woken client", True, True, args.think, woken=True),
              "http-no-prefetch": Phase("http, no prefetch", True, False, args.think),
-             "saturated": Phase("http, saturated", True, True, 0.0)}
-    unknown = [x for x in args.phases.split(",") if x not in every]
+             "saturated": Phase("http, saturated", True, True, 0.0),
+             "http-50": Phase("http, 50 annotators", True, True, args.think, annotators=50)}
+    chosen = (args.phases or ",".join(x for x in every if not (args.quick and x == "http-50"))).split(",")
+    unknown = [x for x in chosen if x not in every]
     if unknown:
         p.error(f"unknown phases {unknown}: choose from {', '.join(every)}")
-    phases = [every[x] for x in every if x in args.phases.split(",")]
+    phases = [every[x] for x in every if x in chosen]
+    most = max(ph.annotators or n for ph in phases)
     # Enough items that the queue never runs dry (overlap 1: each item is ranked once).
-    items = int(2000 + seconds * (3 * n / max(args.think, 0.5) + 300))
+    items = int(2000 + seconds * sum(3 * (ph.annotators or n) / max(ph.think_s, 0.5) + 100 for ph in phases))
     load_before = os.getloadavg()[0]
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="ui-bench-") as tmp:
         db = Path(tmp) / "bench.duckdb"
         t0 = time.time()
-        seed(db, n, items, args.k)
-        print(f"seeded {items} items (K={args.k}) and {n} annotators in {time.time() - t0:.1f} s", flush=True)
+        seed(db, most, items, args.k)
+        print(f"seeded {items} items (K={args.k}) and {most} annotators in {time.time() - t0:.1f} s", flush=True)
         # 1. the handlers alone, in this process (which owns the DuckDB file meanwhile), with
         # background prefetching as in the app
         from concurrent.futures import ThreadPoolExecutor
@@ -309,12 +336,12 @@ def main(argv=None) -> int:
             finally:
                 store.close()
         # 2. the app as its own process, through the HTTP API (a fresh start per setting)
-        for phase in (ph for ph in phases if ph.http):
-            port = free_port()
-            proc = start_app(db, port, prefetch=phase.prefetch)
+        for i, phase in enumerate(ph for ph in phases if ph.http):
+            port, timings = free_port(), Path(tmp) / f"timings-{i}.json"
+            proc = start_app(db, port, timings, prefetch=phase.prefetch)
             restore = wake_client_on_messages() if phase.woken else None
             try:
-                results[phase.name] = run_phase(f"http://127.0.0.1:{port}/", n, seconds, phase)
+                results[phase.name] = run_phase(f"http://127.0.0.1:{port}/", phase.annotators or n, seconds, phase)
             finally:
                 if restore is not None:
                     restore()
@@ -323,45 +350,73 @@ def main(argv=None) -> int:
                     proc.wait(20)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+            results[phase.name]["server"] = breakdown(timings, results[phase.name]["counted_from"])
 
     load_after = os.getloadavg()[0]
-    print(f"\n{n} simulated annotators, {seconds:.0f} s per phase, {os.cpu_count()} cpu cores, load average "
-          f"{load_before:.1f} before / {load_after:.1f} after; gradio_client as it ships (its 50 ms result "
-          f"poll) except in 'woken client'; target p95 <= {TARGET_P95_MS:.0f} ms")
-    print(f"{'phase':<20}{'think s':>8}{'submissions':>12}{'per s':>8}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"
-          f"{'errors':>7}")
+    print(f"\n{os.cpu_count()} cpu cores, {seconds:.0f} s per phase, load average {load_before:.1f} before / "
+          f"{load_after:.1f} after; gradio_client as it ships (its 50 ms result poll) except in 'woken client'; "
+          f"target p95 <= {TARGET_P95_MS:.0f} ms at {n} annotators")
+    print(f"{'phase':<22}{'annotators':>11}{'think s':>8}{'submissions':>12}{'per s':>8}{'p50 ms':>9}{'p95 ms':>9}"
+          f"{'p99 ms':>9}{'errors':>7}")
     for phase in phases:
         r = results[phase.name]
-        print(f"{phase.name:<20}{phase.think_s:>8.1f}{r['submissions']:>12}{r['per_s']:>8.1f}{r['p50_ms']:>9.1f}"
-              f"{r['p95_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['errors']:>7}")
+        print(f"{phase.name:<22}{phase.annotators or n:>11}{phase.think_s:>8.1f}{r['submissions']:>12}"
+              f"{r['per_s']:>8.1f}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['errors']:>7}")
     for name, r in results.items():
         if r["first_error"]:
             print(f"first error ({name}): {r['first_error']}")
-    if len(phases) < len(every):  # a partial run: its own result line, no ratios between phases
-        for phase in phases:
+    print_breakdown([ph for ph in phases if ph.http], results)
+    if not all(x in chosen for x in ("handlers", "http", "http-woken", "http-no-prefetch", "saturated")):
+        for phase in phases:  # a partial run: a result line per phase, no ratios between phases
             r = results[phase.name]
-            print(f"RESULT ui phase={phase.name.replace(' ', '').replace(',', '-')} annotators={n} "
+            server = r.get("server", {})
+            print(f"RESULT ui phase={phase.name.replace(' ', '').replace(',', '-')} annotators={phase.annotators or n} "
                   f"seconds={seconds:.0f} think_s={phase.think_s} submissions={r['submissions']} "
                   f"submissions_per_s={r['per_s']:.1f} p50_ms={r['p50_ms']:.1f} p95_ms={r['p95_ms']:.1f} "
-                  f"p99_ms={r['p99_ms']:.1f} errors={r['errors']} load_avg={load_before:.1f} "
-                  f"client={'woken' if phase.woken else 'stock'}")
+                  f"p99_ms={r['p99_ms']:.1f} server_p95_ms={server.get('server', {}).get('p95_ms', float('nan')):.1f} "
+                  f"errors={r['errors']} load_avg={load_before:.1f} client={'woken' if phase.woken else 'stock'}")
         return 0 if all(r["errors"] == 0 for r in results.values()) else 1
-    h, a, w, b, sat = (results[ph.name] for ph in phases)
+    h, a, w, b, sat = (results[every[x].name] for x in ("handlers", "http", "http-woken", "http-no-prefetch",
+                                                       "saturated"))
     for label, x, y in (("ratio http/handlers", a, h), ("ratio stock client/woken client", a, w),
                         ("ratio no prefetch/prefetch", b, a)):
-        print(f"{label:<48}{x['p50_ms'] / y['p50_ms']:>9.2f}{x['p95_ms'] / y['p95_ms']:>9.2f}"
+        print(f"{label:<70}{x['p50_ms'] / y['p50_ms']:>9.2f}{x['p95_ms'] / y['p95_ms']:>9.2f}"
               f"{x['p99_ms'] / y['p99_ms']:>9.2f}")
     ok = a["p95_ms"] <= TARGET_P95_MS
+    fifty = results.get(every["http-50"].name)
     print(f"\np95 from Submit to the next item through HTTP, stock gradio_client: {a['p95_ms']:.1f} ms "
           f"({'meets' if ok else 'misses'} the {TARGET_P95_MS:.0f} ms target); {w['p95_ms']:.1f} ms with its 50 ms "
-          f"result poll woken on arrival; capacity without think time: {sat['per_s']:.1f} submissions/s")
+          f"result poll woken on arrival; capacity without think time: {sat['per_s']:.1f} submissions/s"
+          + (f"; 50 annotators: {fifty['p95_ms']:.1f} ms" if fifty else ""))
+    srv = a["server"]
     print(f"RESULT ui annotators={n} seconds={seconds:.0f} think_s={args.think} submissions_per_s={a['per_s']:.1f} "
           f"p50_ms={a['p50_ms']:.1f} p95_ms={a['p95_ms']:.1f} p99_ms={a['p99_ms']:.1f} handlers_p95_ms={h['p95_ms']:.1f} "
-          f"woken_p95_ms={w['p95_ms']:.1f} no_prefetch_p95_ms={b['p95_ms']:.1f} saturated_per_s={sat['per_s']:.1f} "
+          + " ".join(f"{k}_p95_ms={srv[k]['p95_ms']:.1f}" for k in ("queued", "handler", "deliver", "server") if k in srv)
+          + f" woken_p95_ms={w['p95_ms']:.1f} no_prefetch_p95_ms={b['p95_ms']:.1f} saturated_per_s={sat['per_s']:.1f} "
           f"saturated_p95_ms={sat['p95_ms']:.1f} ratio_http_over_handlers_p95={a['p95_ms'] / h['p95_ms']:.2f} "
-          f"errors={sum(r['errors'] for r in results.values())} load_avg={load_before:.1f} client=stock "
+          + (f"p95_ms_50={fifty['p95_ms']:.1f} per_s_50={fifty['per_s']:.1f} " if fifty else "")
+          + f"errors={sum(r['errors'] for r in results.values())} load_avg={load_before:.1f} client=stock "
           f"target_met={ok}")
     return 0
+
+
+def print_breakdown(http_phases: list, results: dict) -> None:
+    """Where the time of an HTTP round trip goes, per phase of the request path, p50 / p95 in ms;
+    the client's row is what the annotator threads measured (its gap to `server total` is the
+    client and the connection: gradio_client's poll, HTTP, JSON)."""
+    if not http_phases:
+        return
+    print("\nserver-side breakdown, p50 / p95 ms (annotate/timing.py; the counted part of each phase)")
+    print(f"{'':<32}" + "".join(f"{ph.name:>24}" for ph in http_phases))
+    for key, label in BREAKDOWN:
+        cells = []
+        for ph in http_phases:
+            x = results[ph.name]["server"].get(key)
+            cells.append(f"{x['p50_ms']:.1f} / {x['p95_ms']:.1f}" if x else "-")
+        print(f"{label:<32}" + "".join(f"{c:>24}" for c in cells))
+    print(f"{'round trip at the client':<32}"
+          + "".join(f"{results[ph.name]['p50_ms']:.1f} / {results[ph.name]['p95_ms']:.1f}".rjust(24)
+                    for ph in http_phases))
 
 
 if __name__ == "__main__":
