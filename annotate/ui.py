@@ -149,8 +149,9 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
     if ctx.background is None:  # the next item is fetched ahead by these threads (handlers.prefetch)
         ctx.background = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefetch")
     # Gradio recomputes a summary of its last 10,000 events with pandas after every event, for a
-    # monitoring page this app does not enable: 10-40 ms of CPU per action once the app has served
-    # a few thousand. Its cache setting (read when the queue is made) makes it compute it never.
+    # monitoring page this app does not enable: 1.6 ms of CPU per action at 500 events served, 5 ms
+    # from 10,000 on (a quarter of the CPU at full load; bench/ui_bench.py). Its cache setting
+    # (read when the queue is made) makes it compute it never.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
     # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
     demo.queue(default_concurrency_limit=16)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
+from annotate import evaluation_admin as ev
 from annotate import model_admin as m
 from annotate import monitor
 from annotate import train as t
@@ -180,6 +181,27 @@ def models_tab(ctx: AppContext) -> dict:
                               wrap=True, max_height=420, label="Side by side")
     compare_timer = gr.Timer(1.0, active=False)
 
+    gr.Markdown("### Blind evaluation\nPeople judge the policies: each answers held-out prompts (never annotated, "
+                "never trained on) once, with the same seed; annotators rank the answers in their queue without "
+                "names. Results: win rates and a Bradley-Terry leaderboard with 95% bootstrap intervals.")
+    with gr.Row():
+        ev_versions = gr.Dropdown([], multiselect=True, label="Policies", elem_id="rl-eval-versions", scale=3)
+        ev_n = gr.Number(value=32, precision=0, minimum=1, label="Held-out prompts", elem_id="rl-eval-n")
+        ev_name = gr.Textbox(label="Name (optional)", elem_id="rl-eval-name")
+    ev_start = gr.Button("Start evaluation", variant="primary", elem_id="rl-eval-start")
+    ev_msg = gr.Markdown(elem_id="rl-eval-msg")
+    ev_table = gr.Dataframe(pd.DataFrame(columns=ev.EVALUATION_COLUMNS), interactive=False, elem_id="rl-evaluations")
+    with gr.Row():
+        ev_pick = gr.Dropdown([ev.ALL], value=ev.ALL, label="Results of", elem_id="rl-eval-pick", scale=3)
+        ev_show = gr.Button("Show results", elem_id="rl-eval-show", scale=1)
+        ev_download = gr.Button("Download results (JSON)", elem_id="rl-eval-download", scale=1)
+    ev_summary = gr.Markdown(elem_id="rl-eval-summary")
+    ev_board = gr.Dataframe(pd.DataFrame(columns=ev.LEADERBOARD_COLUMNS), interactive=False,
+                            label="Leaderboard", elem_id="rl-eval-leaderboard")
+    ev_rates = gr.Dataframe(pd.DataFrame(columns=ev.WIN_RATE_COLUMNS), interactive=False,
+                            label="Win rates", elem_id="rl-eval-win-rates")
+    ev_file = gr.File(label="Results", interactive=False, elem_id="rl-eval-file")
+
     gr.Markdown("### Gold loop\nPlots of `bench/gold_loop.py`: does the policy improve by a judge it never trained on?")
     gold_note = gr.Markdown()
     gallery = gr.Gallery(label="Gold-loop plots", columns=2, height=420, elem_id="rl-gold", visible=False)
@@ -195,5 +217,13 @@ def models_tab(ctx: AppContext) -> dict:
     compare_btn.click(bind(m.compare, ctx), [a, b, reward, n], [compare_bar, compare_timer],
                       api_name="compare_policies", **HIDDEN)
     compare_timer.tick(bind(m.compare_poll, ctx), None, compare_outs, **QUIET)
-    return {"load": [(m.open_tab, None, opened), (m.compare_poll, None, compare_outs),
+    ev_opened = [ev_versions, ev_pick, ev_table]
+    refresh.click(bind(ev.choices, ctx), None, ev_opened, **QUIET)
+    ev_start.click(bind(ev.start, ctx), [ev_versions, ev_n, ev_name], [ev_msg, ev_pick, ev_table],
+                   api_name="start_evaluation", **HIDDEN)
+    ev_results = [ev_summary, ev_board, ev_rates, ev_table]
+    ev_show.click(bind(ev.results, ctx), [ev_pick], ev_results, api_name="evaluation_results", **HIDDEN)
+    ev_pick.input(bind(ev.results, ctx), [ev_pick], ev_results, **QUIET)
+    ev_download.click(bind(ev.download, ctx), [ev_pick], [ev_file], api_name="download_evaluation", **HIDDEN)
+    return {"load": [(m.open_tab, None, opened), (ev.choices, None, ev_opened), (m.compare_poll, None, compare_outs),
                      (m.export_poll, None, export_outs), (m.gold_plots, None, [gallery, gold_note])]}

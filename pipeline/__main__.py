@@ -23,8 +23,10 @@ STAGES = {
     "train-dpo": "pipeline.train_dpo",
     "ppo": "pipeline.train_ppo",
     "compare": "pipeline.compare",
+    "sample-versions": "pipeline.sample_versions",
     "export-model": "pipeline.export_model",
     "simulate-annotators": "pipeline.orchestrate.simulate",
+    "evaluate": "pipeline.orchestrate.evaluate",
     "loop": "pipeline.orchestrate.loop",
 }
 

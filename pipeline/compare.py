@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
-from pipeline.rundir import Cancelled, StopFlag, write_json, write_status
+from pipeline.rundir import run_job, write_json
 from pipeline.scoring import load_reward_model, score_texts
 from pipeline.text import read_prompts
 
@@ -57,9 +56,10 @@ class PolicySpec:
     adapter: str | None = None
 
 
-def _sample(spec: PolicySpec, prompts: list, model_cfg: ModelConfig, cfg: CompareConfig,
-            on_step: Callable[[], None]) -> list[str]:
-    """1. one response per prompt from `spec`, then free the model."""
+def sample_policy(spec: PolicySpec, prompts: list, model_cfg: ModelConfig, cfg: CompareConfig,
+                  on_step: Callable[[], None]) -> list:
+    """1. one response per prompt from `spec` (a pipeline.generate.Generation each), then free the
+    model. Also the sampler of blind evaluations (pipeline/sample_versions.py)."""
     from pipeline.generate import generate_responses
     from pipeline.policy import load_policy
 
@@ -71,7 +71,7 @@ def _sample(spec: PolicySpec, prompts: list, model_cfg: ModelConfig, cfg: Compar
                              batch_size=cfg.batch_size, seed=cfg.seed, max_resample=0)
     out = generate_responses(policy, tokenizer, prompts, 1, gen_cfg, on_progress=lambda done, total: on_step())
     del policy
-    return [gens[0].text for gens in out]
+    return [gens[0] for gens in out]
 
 
 def win_rate(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -102,8 +102,8 @@ def compare_policies(a: PolicySpec, b: PolicySpec, reward_path: str, prompts: li
 
     if on_progress is not None:
         on_progress(0, total, f"sampling with {a.name}")
-    texts_a = _sample(a, prompts, model_cfg, cfg, lambda: step(f"sampling with {a.name}"))
-    texts_b = _sample(b, prompts, model_cfg, cfg, lambda: step(f"sampling with {b.name}"))
+    texts_a = [g.text for g in sample_policy(a, prompts, model_cfg, cfg, lambda: step(f"sampling with {a.name}"))]
+    texts_b = [g.text for g in sample_policy(b, prompts, model_cfg, cfg, lambda: step(f"sampling with {b.name}"))]
     done = 2 * batches
     rm, tokenizer = load_reward_model(reward_path, model_cfg)
     scores_a = score_texts(rm, tokenizer, prompts, texts_a, cfg.batch_size)
@@ -142,37 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     a = PolicySpec(args.a_name, args.a_model, args.a_adapter)
     b = PolicySpec(args.b_name, args.b_model, args.b_adapter)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_status(out, "running", 0, 0, phase="loading")
-    progress = {"step": 0, "total": 0}
-    try:
-        with StopFlag() as stop:
-            prompts = [row["prompt"] for row in read_prompts(args.prompts)]
-            write_json(out / "config.json", {
-                "stage": "compare", "prompts": str(args.prompts), "reward": args.reward,
-                "a": dataclasses.asdict(a), "b": dataclasses.asdict(b), "compare": to_dict(cfg),
-                "model": to_dict(model_cfg)})
 
-            def on_progress(done: int, total: int, detail: str) -> None:
-                progress.update(step=done, total=total)
-                write_status(out, "running", done, total, phase=detail)
-                stop.check()
+    def body(on_progress) -> None:
+        prompts = [row["prompt"] for row in read_prompts(args.prompts)]
+        write_json(out / "config.json", {
+            "stage": "compare", "prompts": str(args.prompts), "reward": args.reward,
+            "a": dataclasses.asdict(a), "b": dataclasses.asdict(b), "compare": to_dict(cfg),
+            "model": to_dict(model_cfg)})
+        result = compare_policies(a, b, args.reward, prompts, model_cfg, cfg, on_progress)
+        write_json(out / "result.json", {"a": a.name, "b": b.name, **result})
+        print(f"{a.name} vs {b.name}: win rate {result['win_rate']:.3f} +- {result['stderr']:.3f} "
+              f"on {result['prompts']} prompts (mean score {result['mean_a']:.3f} vs {result['mean_b']:.3f})")
 
-            result = compare_policies(a, b, args.reward, prompts, model_cfg, cfg, on_progress)
-    except (Cancelled, KeyboardInterrupt) as exc:
-        write_status(out, "cancelled", **progress, error=str(exc) or "interrupted")
-        print(f"cancelled: {exc}", file=sys.stderr)
-        return 130
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        write_status(out, "failed", **progress, error=f"{type(exc).__name__}: {exc}")
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except BaseException as exc:
-        write_status(out, "failed", **progress, error=f"{type(exc).__name__}: {exc}")
-        raise
-    write_json(out / "result.json", {"a": a.name, "b": b.name, **result})
-    write_status(out, "done", progress["total"], progress["total"])
-    print(f"{a.name} vs {b.name}: win rate {result['win_rate']:.3f} +- {result['stderr']:.3f} "
-          f"on {result['prompts']} prompts (mean score {result['mean_a']:.3f} vs {result['mean_b']:.3f})")
-    return 0
-
+    return run_job(out, body)

@@ -70,7 +70,18 @@ def version_lineage(store, mv) -> dict:
         "run": None if run is None else {"id": run.id, "kind": run.kind, "status": run.status},
         "eval": meta.get("eval") or {}, "final": meta.get("final") or {},
         "comparisons": {k.split("/", 1)[1]: v for k, v in meta.items() if k.startswith("compare/")},
+        "human_evaluation": human_evaluation(store, mv.name),
     }
+
+
+def human_evaluation(store, name: str) -> dict | None:
+    """What people's blind rankings say of version `name` (store/evaluations.py, over every
+    evaluation): the leaderboard it is on and its win rates; None if no one has compared it."""
+    results = store.evaluation_results()
+    if not any(row["version"] == name for row in results["leaderboard"]):
+        return None
+    return {"leaderboard": results["leaderboard"], "prompts": results["prompts"],
+            "win_rates": [r for r in results["win_rates"] if name in (r["a"], r["b"])]}
 
 
 def _read_json(path: Path) -> dict:
@@ -253,6 +264,7 @@ def model_card(lineage: dict, found: dict, info: dict) -> str:
     if shown:
         lines += ["", "## Evaluation", "", "| figure | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in shown]
+    lines += _human_evaluation(name, lineage.get("human_evaluation"))
     if kind == "reward":
         lines += ["", "## Scores", "", f"rlhf-loop normalises the reward model's raw score to mean 0 and std 1 on "
                   f"samples of the reference policy (raw mean {info['reward_mean']:.6g}, std {info['reward_std']:.6g}); "
@@ -263,6 +275,26 @@ def model_card(lineage: dict, found: dict, info: dict) -> str:
                   f"the tokenizer pads with `{info['pad_token']}`."]
     lines += ["", "## Use", "", "```python", *_usage(kind, info), "```", ""]
     return "\n".join(lines)
+
+
+def _human_evaluation(name: str, human: dict | None) -> list[str]:
+    """The card's section on people's blind rankings (rlhf-loop's Models tab, store/evaluations.py)."""
+    if not human:
+        return []
+    lines = ["", "## Human evaluation (blind)", "",
+             f"People ranked one answer from each version per held-out prompt, without names ({human['prompts']} "
+             "prompts). Rating: Bradley-Terry strength on the Elo scale (400 points = 10:1 odds); 95% bootstrap "
+             "intervals over prompts.", "", "| version | rating | 95% interval | comparisons |", "|---|---|---|---|"]
+    for row in human["leaderboard"]:
+        label = f"**{row['version']}**" if row["version"] == name else row["version"]
+        lines.append(f"| {label} | {row['rating']:.0f} | {row['low']:.0f} to {row['high']:.0f} | {row['comparisons']} |")
+    for r in human["win_rates"]:  # each pair is stored with its names in sorted order
+        flip = r["b"] == name
+        other = r["a"] if flip else r["b"]
+        p, lo, hi = (1 - r["win_rate"], 1 - r["high"], 1 - r["low"]) if flip else (r["win_rate"], r["low"], r["high"])
+        lines.append(f"\n{name} is preferred to {other} in {p:.0%} of {r['comparisons']} comparisons "
+                     f"(95% interval {lo:.0%} to {hi:.0%}).")
+    return lines
 
 
 def _usage(kind: str, info: dict) -> list[str]:

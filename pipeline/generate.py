@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +19,7 @@ import torch
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.distributed import setup
 from pipeline.policy import load_policy
-from pipeline.rundir import write_json, write_status
+from pipeline.rundir import write_json, write_jsonl, write_status
 from pipeline.sampling import sample
 from pipeline.text import pad_rows, prompt_token_ids, read_prompts
 
@@ -154,15 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
 CHUNKS = "chunks"
 CHUNK_SEED_STRIDE = 1_000_003
 """Chunk c samples with seed + c * CHUNK_SEED_STRIDE: distinct streams, the same for a seed."""
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    """Write whole or not at all (tmp name, then rename): a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
 
 
 def response_rows(rows: list[dict], results: list[list[Generation]], first_index: int, sampling: dict,

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -172,6 +173,15 @@ class MetricsTail:
         return rows
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write whole or not at all (tmp name, then rename): a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
 def read_jsonl(path: Path, check: Callable[[object], None] | None = None) -> list[dict]:
     """Every row of a JSON Lines file (blank lines skipped). A line that is not JSON, or whose row
     check(row) refuses with a ValueError, is a ValueError naming the file and the line number."""
@@ -234,3 +244,36 @@ class StopFlag:
     def check(self) -> None:
         if self.signal is not None:
             raise Cancelled(f"cancelled by {self.signal}")
+
+
+def run_job(out: Path, body: Callable[[Callable[[int, int, str], None]], None]) -> int:
+    """The life of a one-process job that is not a trainer (compare, sample-versions) in run
+    directory `out`: status.json 'running', then `body(on_progress)`, whose
+    on_progress(done, total, detail) records progress and is where SIGTERM or Ctrl-C cancels it.
+    Returns the exit status: 0 'done'; 1 'failed' with the error for what bad input raises
+    (ValueError, RuntimeError, FileNotFoundError), printed; 130 'cancelled'. Anything else is
+    recorded as failed, then raised."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_status(out, "running", 0, 0, phase="loading")
+    progress = {"step": 0, "total": 0}
+    try:
+        with StopFlag() as stop:
+            def on_progress(done: int, total: int, detail: str) -> None:
+                progress.update(step=done, total=total)
+                write_status(out, "running", done, total, phase=detail)
+                stop.check()
+
+            body(on_progress)
+    except (Cancelled, KeyboardInterrupt) as exc:
+        write_status(out, "cancelled", **progress, error=str(exc) or "interrupted")
+        print(f"cancelled: {exc}", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        write_status(out, "failed", **progress, error=f"{type(exc).__name__}: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except BaseException as exc:
+        write_status(out, "failed", **progress, error=f"{type(exc).__name__}: {exc}")
+        raise
+    write_status(out, "done", progress["total"], progress["total"])
+    return 0

@@ -17,6 +17,7 @@
     python -m store queue [--overlap N] [--gold-rate X] [--round R [--round-overlap N|default]
                           [--priority P|default]]        show or set how items are handed out
     python -m store gold list | import FILE | mark RANKING_ID | remove ITEM_ID
+    python -m store evaluations [NAME] [--json FILE]     blind evaluations: win rates and leaderboard
 
 The database defaults to $RLHF_LOOP_DB, else ./data/rlhf.duckdb. While the app runs it owns the
 file, and these commands stop with a message saying so (use the app's admin tab instead: Data >
@@ -30,6 +31,7 @@ import argparse
 import getpass
 import json
 import sys
+from pathlib import Path
 
 from store.db import default_db_path
 from store.errors import DataError, InvalidRequest, NotFoundError, StoreLockedError
@@ -131,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
     gold.add_parser("import", help='import gold rankings (JSONL: {"item"|"prompt", "ranking"})').add_argument("file")
     gold.add_parser("mark", help="make a ranking the reference of its item").add_argument("ranking_id", type=int)
     gold.add_parser("remove", help="an item is no longer gold").add_argument("item_id", type=int)
+    ev = sub.add_parser("evaluations", help="blind evaluations (started in the Models tab or with python -m pipeline "
+                                            "evaluate): each one's progress, the win rates and leaderboard")
+    ev.add_argument("name", nargs="?", help="the results of this evaluation only (default: of every evaluation)")
+    ev.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
     return p
 
 
@@ -220,7 +226,34 @@ def _run(store, args) -> int:
         _queue(store, args)
     elif args.command == "gold":
         _gold(store, args)
+    elif args.command == "evaluations":
+        _evaluations(store, args)
     return 0
+
+
+def _evaluations(store, args) -> None:
+    names = {mv.id: mv.name for mv in store.list_model_versions()}
+    for e in store.list_evaluations():
+        print(f"evaluation {e.id:<4} {e.name:<32} {', '.join(names.get(v, str(v)) for v in e.version_ids):<40} "
+              f"{len(e.prompt_ids)} prompts, {e.items} items, {e.rankings} rankings")
+    ev = None
+    if args.name:
+        ev = store.find_evaluation(args.name)
+        if ev is None:
+            raise NotFoundError(f"no evaluation named {args.name!r}")
+    results = store.evaluation_results(None if ev is None else ev.id)
+    print(f"\n{results['comparisons']} comparisons on {results['prompts']} prompts "
+          f"({'every evaluation' if ev is None else ev.name}); 95% bootstrap intervals over prompts")
+    print("version                          rating   95% interval   comparisons")
+    for r in results["leaderboard"]:
+        print(f"{r['version']:<32} {r['rating']:>6.0f}   {r['low']:>5.0f} to {r['high']:<5.0f} {r['comparisons']:>11}")
+    for r in results["win_rates"]:
+        print(f"{r['a']} over {r['b']}: {r['win_rate']:.1%} [{r['low']:.1%}, {r['high']:.1%}] "
+              f"of {r['comparisons']} comparisons")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"evaluation": None if ev is None else ev.name, **results}, indent=2),
+                                   encoding="utf-8")
+        print(f"wrote {args.json}")
 
 
 def _manage_user(store, args) -> int:

@@ -122,7 +122,7 @@ _SELECTED = """
               WHERE ranking_id IS NOT NULL GROUP BY ALL),
     scored AS (
         SELECT pr.id AS pair_id, pr.prompt_id, pr.chosen_id, pr.rejected_id, pr.margin, pr.annotator_id,
-               pr.ranking_id, pr.all_bad, pr.source, pr.created_at, i.round_id,
+               pr.ranking_id, pr.all_bad, pr.source, pr.created_at, i.round_id, i.evaluation_id,
                CASE WHEN pr.ranking_id IS NULL OR nr.n IS NULL THEN 1.0 ELSE v.v / nr.n END AS agreement,
                CASE WHEN pr.chosen_id = k.order_groups[1][1] AND pr.rejected_id = k.order_groups[2][1]
                     THEN k.strength END AS strength,
@@ -139,7 +139,7 @@ _SELECTED = """
 _SELECTED_RANKINGS = """
     SELECT * FROM (
         SELECT k.id AS ranking_id, k.item_id, k.prompt_id, k.annotator_id, k.order_groups, k.display_order,
-               k.all_bad, k.strength, k.duration_s, k.comment, k.created_at, i.round_id
+               k.all_bad, k.strength, k.duration_s, k.comment, k.created_at, i.round_id, i.evaluation_id
         FROM rankings k JOIN items i ON i.id = k.item_id)
 """
 
@@ -167,7 +167,7 @@ def export_layout(out, fmt: str) -> Layout:
 
 
 def _filters_sql(store, rounds, annotators, min_agreement, since, until, include_all_bad,
-                 include_imported) -> tuple[list[tuple[str, list, bool]], dict]:
+                 include_imported, include_evaluations) -> tuple[list[tuple[str, list, bool]], dict]:
     """The filters as (SQL condition, parameters, concerns pairs only) over the columns of
     _SELECTED and _SELECTED_RANKINGS, and the filters as recorded."""
     cond, recorded = [], {}
@@ -198,8 +198,12 @@ def _filters_sql(store, rounds, annotators, min_agreement, since, until, include
         cond.append(("NOT all_bad", [], False))
     if not include_imported:
         cond.append(("ranking_id IS NOT NULL", [], True))
+    if not include_evaluations:
+        cond.append(("evaluation_id IS NULL", [], False))
     recorded["include_all_bad"] = bool(include_all_bad)
     recorded["include_imported"] = bool(include_imported)
+    if include_evaluations:
+        recorded["include_evaluations"] = True
     return cond, recorded
 
 
@@ -260,7 +264,7 @@ def held_out_hash(prompt_id: int, seed: int) -> float:
 
 def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators=None,
                  min_agreement: float | None = None, since=None, until=None,
-                 include_all_bad: bool = False, include_imported: bool = True,
+                 include_all_bad: bool = False, include_imported: bool = True, include_evaluations: bool = False,
                  test_fraction: float = 0.0, seed: int = 0, trl_format: str = "conversational",
                  margin_column: bool = False, license: str = "unknown",  # noqa: A002 (the card's field)
                  min_quality: float | None = None, quality_weights: bool = False,
@@ -270,7 +274,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     rounds: round id(s) whose items to take; annotators: names or ids; min_agreement: in [0, 1];
     since/until: creation time range [since, until) (datetime, date or ISO string, UTC);
     include_all_bad: also "all bad" rankings and their pairs; include_imported: also imported
-    pairs; trl_format: 'conversational' or 'text'; margin_column: add TRL's `margin` column;
+    pairs; include_evaluations: also the rankings of blind evaluation items (store/evaluations.py),
+    which are left out so that no model trains on the prompts it is judged on; trl_format: 'conversational' or 'text'; margin_column: add TRL's `margin` column;
     license: the card's license field (an SPDX-like id, e.g. 'cc-by-4.0'); min_quality: in [0, 1],
     leave out annotators measured below it; quality_weights: add the `weight` column (annotator
     quality, see the module docstring); include_empty: False leaves out pairs with a blank side.
@@ -289,7 +294,7 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     if existing and not overwrite:
         raise InvalidRequest(f"{', '.join(existing)} already exists (pass overwrite=True to replace it)")
     cond, recorded = _filters_sql(store, rounds, annotators, min_agreement, since, until,
-                                  include_all_bad, include_imported)
+                                  include_all_bad, include_imported, include_evaluations)
     quality = None
     if min_quality is not None or quality_weights:
         quality = annotator_quality_table(store, min_quality)

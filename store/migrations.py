@@ -242,6 +242,23 @@ MIGRATIONS: list[tuple[str, str]] = [
         ALTER TABLE rankings ADD COLUMN strength VARCHAR;
         """,
     ),
+    (
+        # Blind evaluation rounds (store/evaluations.py): versions compared on held-out prompts by
+        # people; an item of one is marked with its id, which keeps its pairs out of training.
+        "0006_evaluations",
+        """
+        CREATE SEQUENCE evaluations_id_seq START 1;
+        CREATE TABLE evaluations (
+            id BIGINT PRIMARY KEY,
+            name VARCHAR NOT NULL UNIQUE,
+            version_ids BIGINT[] NOT NULL,
+            prompt_ids BIGINT[] NOT NULL,
+            run_id BIGINT,
+            created_at TIMESTAMP NOT NULL
+        );
+        ALTER TABLE items ADD COLUMN evaluation_id BIGINT;
+        """,
+    ),
 ]
 
 

@@ -129,6 +129,25 @@ class Pair:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    """A blind evaluation round (store/evaluations.py)."""
+
+    id: int
+    name: str
+    version_ids: list[int]
+    """The versions compared, as chosen."""
+    prompt_ids: list[int]
+    """The held-out prompts each version answers once."""
+    run_id: int | None
+    """The job writing the responses (None before it is queued, and for responses given directly)."""
+    created_at: datetime
+    items: int = 0
+    """Items stored so far (one per prompt once the job is done)."""
+    rankings: int = 0
+    """Rankings of its items so far."""
+
+
+@dataclass(frozen=True)
 class Item:
     """One prompt and its responses, in the display order of one annotator."""
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 from store.chat import check_messages, messages_to_text
 from store.db import StoreBase, dumps, from_db_time, loads, registered, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
+from store.evaluations import EvaluationsMixin
 from store.gold import GoldMixin
 from store.pairs import ranking_to_pairs
 from store.queue import QueueMixin
@@ -62,7 +63,8 @@ def _response_row(r) -> tuple:
     return text, token_count, finish_reason, sampling or {}
 
 
-class Store(QueueMixin, RankingsMixin, GoldMixin, UsersMixin, VersionsMixin, RunsMixin, StatsMixin, StoreBase):
+class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, VersionsMixin, RunsMixin, StatsMixin,
+            StoreBase):
     """The persistence layer. `Store(path)` opens or creates and migrates a DuckDB file."""
 
     # ------------------------------------------------------------------ prompts
@@ -200,10 +202,12 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, UsersMixin, VersionsMixin, Run
             raise InvalidRequest(f"model version {model_version_id} is a {row[0]}; responses come from policies "
                                  "(or external models, for imported items)")
 
-    def _insert_items(self, cur, model_version_id, batches, round_id, queued, response_versions=None):
+    def _insert_items(self, cur, model_version_id, batches, round_id, queued, response_versions=None,
+                      evaluation_id: int | None = None):
         """Inside a transaction: one item per (prompt_id, rows) batch, its responses written by
         `model_version_id`, or each by its own version (response_versions: one list of version ids
-        per batch). `queued`: one bool for all items, or one per batch.
+        per batch). `queued`: one bool for all items, or one per batch. `evaluation_id`: the items
+        belong to that blind evaluation (store/evaluations.py).
         Returns (item ids, [response ids of each batch])."""
         item_ids = self._reserve_ids(cur, "items_id_seq", len(batches))
         n = sum(len(rs) for _, rs in batches)
@@ -217,10 +221,10 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, UsersMixin, VersionsMixin, Run
             "model_version_id": [model_version_id] * len(batches), "round_id": [round_id] * len(batches),
             "n_responses": [len(rs) for _, rs in batches],
             "queued": [bool(q) and len(rs) >= 2 for q, (_, rs) in zip(queued, batches)],
-            "created_at": [now] * len(batches),
+            "created_at": [now] * len(batches), "evaluation_id": [evaluation_id] * len(batches),
         }, {"id": pa.int64(), "prompt_id": pa.int64(), "model_version_id": pa.int64(),
             "round_id": pa.int64(), "n_responses": pa.int32(), "queued": pa.bool_(),
-            "created_at": pa.timestamp("us")})
+            "created_at": pa.timestamp("us"), "evaluation_id": pa.int64()})
         flat = [(iid, pid, r) for iid, (pid, rs) in zip(item_ids, batches) for r in rs]
         self._insert_arrow(cur, "responses", {
             "id": resp_ids, "item_id": [f[0] for f in flat], "prompt_id": [f[1] for f in flat],

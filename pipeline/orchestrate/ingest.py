@@ -139,5 +139,17 @@ def finish_compare(store, run, run_dir: Path, partial: Partial) -> dict:
     return summary
 
 
+def finish_sample_versions(store, run, run_dir: Path, partial: Partial) -> dict:
+    """A blind evaluation's answers (pipeline/sample_versions.py samples.jsonl) -> one queued item
+    per prompt, its responses from every version (store/evaluations.py)."""
+    by_prompt: dict[int, list[tuple]] = collections.defaultdict(list)
+    rows = read_jsonl(run_dir / "samples.jsonl")
+    for row in rows:
+        by_prompt[int(row["prompt_id"])].append((row["version_id"], row["text"], row["token_count"],
+                                                 row["finish_reason"], row.get("sampling", {})))
+    items = store.add_evaluation_items(run.inputs["evaluation_id"], list(by_prompt.items()))
+    return {"items": len(items), "responses": len(rows)}
+
+
 FINISHERS = {"generate": finish_generate, "train-reward": finish_train_reward, "ppo": finish_ppo,
-             "train-dpo": finish_train_dpo, "compare": finish_compare}
+             "train-dpo": finish_train_dpo, "compare": finish_compare, "sample-versions": finish_sample_versions}

@@ -1,5 +1,5 @@
 """The jobs the owner can start, each built in one place: generate, train-reward, ppo, train-dpo, compare,
-export-model.
+sample-versions (a blind evaluation's answers), export-model.
 
 Each `submit_*` reads what it needs from the store (prompts, model versions), writes the job's
 input files (a prompts file, a Parquet snapshot of the pairs), builds the command line from the
@@ -136,7 +136,7 @@ def read_prompt_ids(path: Path) -> set[int]:
 def prompt_pool(store, runner, limit: int | None = None) -> list:
     """Prompts with no responses that no generate job in flight is answering, oldest first (so
     two generate jobs never give one prompt two items)."""
-    pending: set[int] = set()
+    pending = store.evaluation_prompt_ids()  # held out for people to judge versions on
     for run in runner.in_flight(("generate",)):
         args = run.config.get("args", [])
         pending |= read_prompt_ids(Path(args[args.index("--prompts") + 1])) if "--prompts" in args else set()
@@ -157,9 +157,10 @@ def select_prompts(store, runner, n: int, strategy: str, seed: int = 0) -> list:
 
 
 def held_out_prompts(store, n: int) -> list:
-    """Up to n prompts nobody has seen: no responses (annotators never ranked them) and in no PPO
-    run's prompt file (no policy trained on them). The newest first, so the choice is stable."""
-    used: set[int] = set()
+    """Up to n prompts nobody has seen: no responses (annotators never ranked them), in no PPO
+    run's prompt file (no policy trained on them) and in no blind evaluation. The newest first,
+    so the choice is stable."""
+    used = store.evaluation_prompt_ids()
     for run in store.list_runs(kind="ppo"):
         args = run.config.get("args", [])
         if "--prompts" in args:
@@ -257,7 +258,9 @@ def submit_ppo(store, runner, settings: LoopSettings, reward, policy=None, *, ac
     if reward is None or reward.kind != "reward" or not reward.path:
         raise ValueError("no trained reward model: train one first")
     policy = policy or ensure_base_policy(store, settings.model)
-    prompts = store.list_prompts(limit=settings.ppo_prompts)
+    judged = store.evaluation_prompt_ids()  # people compare versions on these: never trained on
+    prompts = [p for p in store.list_prompts(limit=settings.ppo_prompts + len(judged))
+               if p.id not in judged][:settings.ppo_prompts]
     if not prompts:
         raise ValueError("no prompts to train on: import prompts first")
     path = write_prompts(prompts, inputs_dir(runner) / f"ppo-{_stamp()}-prompts.jsonl")
@@ -309,6 +312,40 @@ def submit_compare(store, runner, a, b, reward, prompts: list, settings: LoopSet
     return runner.submit("compare", args + model, config={"label": f"{a.name} vs {b.name}"}, inputs={
         "a_version_id": a.id, "b_version_id": b.id, "a_name": a.name, "b_name": b.name,
         "reward_version_id": reward.id, "reward_name": reward.name, "prompts": len(prompts)})
+
+
+def submit_evaluation(store, runner, name: str, versions: list, n_prompts: int, settings: LoopSettings, *,
+                      seed: int = 1234):
+    """A blind evaluation (store/evaluations.py): each of `versions` (two or more policies) answers
+    `n_prompts` held-out prompts once, with the same seed, in a sample-versions job
+    (pipeline/sample_versions.py); its responses become queued items that show no model names.
+    Returns (run, evaluation)."""
+    if len({v.id for v in versions}) < 2:
+        raise ValueError("pick at least two different policies to evaluate")
+    for v in versions:
+        if v.kind != "policy":
+            raise ValueError(f"{v.name} is a {v.kind} model version: only policies can answer prompts here "
+                             "(an imported model's answers come in through Data > Import)")
+    if int(n_prompts) < 1:
+        raise ValueError(f"an evaluation needs at least one prompt, not {n_prompts}")
+    prompts = held_out_prompts(store, int(n_prompts))
+    if not prompts:
+        raise ValueError("no held-out prompts left (never ranked, never trained on, in no evaluation): "
+                         "import more prompts")
+    ev = store.create_evaluation(name, [v.id for v in versions], [p.id for p in prompts])
+    stamp = _stamp()
+    path = write_prompts(prompts, inputs_dir(runner) / f"evaluation-{stamp}-prompts.jsonl")
+    spec = inputs_dir(runner) / f"evaluation-{stamp}-versions.json"
+    spec.write_text(json.dumps([{"version_id": v.id, "name": v.name, "base_model": v.base_model or settings.model.model,
+                                 "adapter": v.path} for v in versions], indent=2), encoding="utf-8")
+    args = ["--prompts", str(path), "--versions", str(spec), "--max-new-tokens", str(settings.generate.max_new_tokens),
+            "--temperature", str(settings.generate.temperature), "--seed", str(seed)]
+    # each version names its own base model: the shared options leave --model out
+    args += to_cli_args(dataclasses.replace(settings.model, model=ModelConfig.model))
+    run = runner.submit("sample-versions", args, config={"label": f"evaluation {ev.name}"},
+                        inputs={"evaluation_id": ev.id, "prompts": len(prompts), "versions": [v.id for v in versions]})
+    store.set_evaluation_run(ev.id, run.id)
+    return run, ev
 
 
 def submit_export(store, runner, version):
