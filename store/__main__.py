@@ -10,7 +10,8 @@
     python -m store restore BACKUP                       check BACKUP, then put it in place of --db
     python -m store import-prompts FILE
     python -m store import-pairs FILE
-    python -m store import-items FILE [--from items|labelstudio]   prompts with 2..16 responses to rank
+    python -m store import-items FILE [--from items|labelstudio] [--evaluation NAME]
+                                                         prompts with 2..16 responses to rank
     python -m store export --format jsonl|parquet|datasets --out PATH [--trl-format conversational|text]
                            [--margin-column] [--license ID] [--min-quality Q] [--quality-weights] [filters]
     python -m store stats                                counts, agreement (per annotator too), gold accuracy
@@ -77,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
         imp.add_argument("file")
         imp.add_argument("--max-mb", type=float, default=None, help="refuse files larger than this (MiB)")
         if name == "import-items":
+            imp.add_argument("--evaluation", metavar="NAME", default=None,
+                             help="import the items as a blind evaluation of this name between the models the file "
+                                  "names (one response from each per row; results: the evaluations command)")
             imp.add_argument("--from", dest="items_format", choices=ITEM_FORMATS, default="items",
                              help="items (default): rows of a prompt and its responses; labelstudio: a Label "
                                   "Studio JSON export of a ranking project (its rankings come in as pairs)")
@@ -201,7 +205,7 @@ def _run(store, args) -> int:
         if args.command == "import-items":
             from store.import_items import import_items
 
-            result = import_items(store, args.file, fmt=args.items_format, **limit)
+            result = import_items(store, args.file, fmt=args.items_format, evaluation=args.evaluation, **limit)
         else:
             fn = io.import_prompts if args.command == "import-prompts" else io.import_pairs
             result = fn(store, args.file, **limit)

@@ -8,6 +8,10 @@ never in a PPO prompt file); `create_evaluation` records them, a sample-versions
 ordinary queue: each annotator sees their own shuffle of the responses (store/queue_rules.py) and
 never a model's name (the annotation view shows none), and ranks them like any other item.
 
+Answers written elsewhere (an API, a production model) can be an evaluation too: a file of items
+whose rows each hold one response from the same named models, imported with
+`import_items(..., evaluation=NAME)` (`python -m store import-items FILE --evaluation NAME`).
+
 Their rankings are the results (`evaluation_results`): each pair of versions' win rate and a
 Bradley-Terry leaderboard of every version compared, with bootstrap intervals over prompts
 (store/leaderboard.py), for one evaluation or all of them. They are not training data: exports,
@@ -44,9 +48,6 @@ class EvaluationsMixin:
     def create_evaluation(self, name: str, version_ids, prompt_ids) -> Evaluation:
         """Record an evaluation of these versions (at least two, each a policy or an external
         model) on these prompts; its responses come later (add_evaluation_items)."""
-        name = (name or "").strip()
-        if not name:
-            raise InvalidRequest("an evaluation needs a name")
         versions = list(dict.fromkeys(int(v) for v in version_ids))
         if len(versions) < 2:
             raise InvalidRequest(f"an evaluation compares at least two versions, not {len(versions)}")
@@ -54,23 +55,32 @@ class EvaluationsMixin:
         if not prompts:
             raise InvalidRequest("an evaluation needs at least one prompt")
         with self._tx() as cur:
-            if cur.execute("SELECT 1 FROM evaluations WHERE name = ?", [name]).fetchone():
-                raise InvalidRequest(f"there is already an evaluation named {name!r}")
-            kinds = dict(cur.execute("SELECT id, kind FROM model_versions WHERE id IN (SELECT unnest(?))",
-                                     [versions]).fetchall())
-            missing = [v for v in versions if v not in kinds]
-            if missing:
-                raise NotFoundError(f"no model version with id {missing}")
-            wrong = [v for v in versions if kinds[v] not in EVALUATED_KINDS]
-            if wrong:
-                raise InvalidRequest(f"versions {wrong} are {sorted({kinds[v] for v in wrong})} models, which write "
-                                     "no responses: evaluate policies or imported models")
-            found = cur.execute("SELECT count(*) FROM prompts WHERE id IN (SELECT unnest(?))", [prompts]).fetchone()[0]
-            if found != len(prompts):
-                raise NotFoundError(f"{len(prompts) - found} of the evaluation's prompts are not in the store")
-            eid = cur.execute("SELECT nextval('evaluations_id_seq')").fetchone()[0]
-            cur.execute("INSERT INTO evaluations VALUES (?, ?, ?, ?, NULL, ?)", [eid, name, versions, prompts, utcnow()])
+            eid = self._new_evaluation(cur, name, versions, prompts)
         return self.get_evaluation(eid)
+
+    def _new_evaluation(self, cur, name: str, versions: list[int], prompts: list[int]) -> int:
+        """Inside a transaction: check and insert an evaluation (create_evaluation; an import of
+        items as one, store/repo.py import_item_rows); returns its id."""
+        name = (name or "").strip()
+        if not name:
+            raise InvalidRequest("an evaluation needs a name")
+        if cur.execute("SELECT 1 FROM evaluations WHERE name = ?", [name]).fetchone():
+            raise InvalidRequest(f"there is already an evaluation named {name!r}")
+        kinds = dict(cur.execute("SELECT id, kind FROM model_versions WHERE id IN (SELECT unnest(?))",
+                                 [versions]).fetchall())
+        missing = [v for v in versions if v not in kinds]
+        if missing:
+            raise NotFoundError(f"no model version with id {missing}")
+        wrong = [v for v in versions if kinds[v] not in EVALUATED_KINDS]
+        if wrong:
+            raise InvalidRequest(f"versions {wrong} are {sorted({kinds[v] for v in wrong})} models, which write "
+                                 "no responses: evaluate policies or imported models")
+        found = cur.execute("SELECT count(*) FROM prompts WHERE id IN (SELECT unnest(?))", [prompts]).fetchone()[0]
+        if found != len(prompts):
+            raise NotFoundError(f"{len(prompts) - found} of the evaluation's prompts are not in the store")
+        eid = cur.execute("SELECT nextval('evaluations_id_seq')").fetchone()[0]
+        cur.execute("INSERT INTO evaluations VALUES (?, ?, ?, ?, NULL, ?)", [eid, name, versions, prompts, utcnow()])
+        return eid
 
     def set_evaluation_run(self, evaluation_id: int, run_id: int) -> None:
         """The job that writes the evaluation's responses."""

@@ -41,10 +41,12 @@ _WIDE = re.compile(r"response_(\d+)$")
 
 
 def import_items(store, path, *, fmt: str = "items", max_bytes: int = DEFAULT_MAX_BYTES,
-                 max_chars: int = DEFAULT_MAX_CHARS) -> dict:
-    """Import items to rank from a file (module docstring), all or nothing. Returns {file, rows,
-    items, queued, responses, prompts_added, prompts_existing, pairs, models, models_created,
-    model_version_id}."""
+                 max_chars: int = DEFAULT_MAX_CHARS, evaluation: str | None = None) -> dict:
+    """Import items to rank from a file (module docstring), all or nothing. With `evaluation`, the
+    items are a blind evaluation of that name between the models the file names
+    (store/evaluations.py): every row has one response from each of the same models, and no
+    ranking from another tool. Returns {file, rows, items, queued, responses, prompts_added,
+    prompts_existing, pairs, models, models_created, model_version_id, evaluation_id}."""
     if fmt not in ITEM_FORMATS:
         raise DataError(str(path), [(None, f"unknown items format {fmt!r}: use one of {ITEM_FORMATS}")])
     path = Path(path)
@@ -57,9 +59,29 @@ def import_items(store, path, *, fmt: str = "items", max_bytes: int = DEFAULT_MA
         checked = [item for n, row in rows
                    if (item := _item(row, n, problems, max_chars, default_source)) is not None]
     _refuse_repeats(checked, problems)
+    if evaluation is not None:
+        _check_evaluation(checked, problems)
     problems.raise_if_any()
-    counts = store.import_item_rows(str(path), file_sha256(path), fmt, checked)
+    counts = store.import_item_rows(str(path), file_sha256(path), fmt, checked, evaluation=evaluation)
     return {"file": str(path), **counts}
+
+
+def _check_evaluation(items: list[ItemIn], problems: Problems) -> None:
+    """Record each row that cannot be part of one blind evaluation (import_items `evaluation`)."""
+    first = None
+    for item in items:
+        models = [m for _, m in item.responses]
+        if None in models:
+            problems.add(item.n, "every response of an evaluation names its model (the versions compared)")
+        elif len(set(models)) != len(models):
+            problems.add(item.n, f"two responses from one model ({sorted(models)}): an evaluation takes one each")
+        elif first is None:
+            first = (item.n, sorted(models))
+        elif sorted(models) != first[1]:
+            problems.add(item.n, f"its models {sorted(models)} differ from row {first[0]}'s {first[1]}: every "
+                                 "prompt of an evaluation is answered by the same models")
+        if item.orders:
+            problems.add(item.n, "ranked in another tool: an evaluation is ranked blind here")
 
 
 def _item(row: dict, n: int, problems: Problems, max_chars: int, default_source: str) -> ItemIn | None:

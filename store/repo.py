@@ -310,7 +310,7 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
 
     # ------------------------------------------------------------------ imported items to rank
 
-    def import_item_rows(self, path: str, sha256: str, fmt: str, rows: list) -> dict:
+    def import_item_rows(self, path: str, sha256: str, fmt: str, rows: list, *, evaluation: str | None = None) -> dict:
         """Store checked items (store/import_items.py reads and checks the file) in one transaction.
 
         `path`: the file (errors name it); `rows`: records.ItemIn (row number, prompt text,
@@ -322,7 +322,8 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
         else a new external one. Importing the same file twice, or an item whose prompt already
         has an item of exactly these response texts, is refused naming the row. An order (a
         ranking made in another tool) becomes pairs like an imported pair's: no ranking, no
-        annotator, source 'import:<file name>', margin the rank gap.
+        annotator, source 'import:<file name>', margin the rank gap. `evaluation`: the items are a
+        blind evaluation of that name between the rows' models (rows checked by import_items).
         """
         file_name, now = os.path.basename(path), utcnow()
         with self._tx() as cur:
@@ -334,8 +335,10 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
             batches = [(pid, [(text, None, "import", {}) for text, _ in r.responses])
                        for pid, r in zip(prompt_ids, rows)]
             response_versions = [[file_mv if m is None else versions[m] for _, m in r.responses] for r in rows]
+            evaluation_id = None if evaluation is None else self._new_evaluation(
+                cur, evaluation, sorted({v for vs in response_versions for v in vs}), prompt_ids)
             item_ids, resp_ids = self._insert_items(cur, file_mv, batches, None, [r.queued for r in rows],
-                                                    response_versions)
+                                                    response_versions, evaluation_id=evaluation_id)
             pairs = [(pid, iid, rids[c], rids[j], gap)
                      for pid, iid, rids, r in zip(prompt_ids, item_ids, resp_ids, rows)
                      for order in r.orders for c, j, gap in ranking_to_pairs(order)]
@@ -358,7 +361,8 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
         return {"rows": len(rows), "items": len(rows), "queued": len(new_items),
                 "responses": sum(len(r.responses) for r in rows), "prompts_added": added,
                 "prompts_existing": len(set(prompt_ids)) - added, "pairs": len(pairs),
-                "models": sorted(versions), "models_created": created, "model_version_id": file_mv}
+                "models": sorted(versions), "models_created": created, "model_version_id": file_mv,
+                "evaluation_id": evaluation_id}
 
     def _external_versions(self, cur, path: str, rows: list, now) -> tuple[dict[str, int], list[str]]:
         """Inside a transaction: {model name: version id} for every model the rows name (an existing

@@ -183,3 +183,41 @@ def test_the_command_lines_start_an_evaluation_and_print_its_results(tmp_path, t
     assert "3 comparisons on 3 prompts" in printed and "new over old: 100.0%" in printed
     assert [r["version"] for r in json.loads(out.read_text())["leaderboard"]] == ["new", "old"]
     assert store_cli(["--db", str(db), "evaluations", "missing"]) == 1
+
+
+def test_items_imported_as_an_evaluation_compare_their_named_models(store, tmp_path):
+    """`import_items(..., evaluation=NAME)`: answers of two outside models (an API, production) to
+    the same prompts become a blind evaluation between them; a file that cannot be one is refused
+    naming each row, and nothing of it is stored."""
+    import json
+
+    from store.errors import DataError
+    from store.import_items import import_items
+
+    def write(rows):
+        path = tmp_path / f"items{len(list(tmp_path.iterdir()))}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    good = [{"prompt": f"q{i}", "responses": [{"text": f"api {i}", "model": "api"},
+                                              {"text": f"prod {i}", "model": "prod"}]} for i in range(4)]
+    bad = good[:1] + [{"prompt": "q9", "responses": [{"text": "x", "model": "api"}, {"text": "y"}]},
+                      {"prompt": "q8", "responses": [{"text": "x", "model": "api"}, {"text": "y", "model": "other"}]},
+                      {"prompt": "q7", "responses": [{"text": "x", "model": "api"}, {"text": "y", "model": "api"}]}]
+    with pytest.raises(DataError) as refused:
+        import_items(store, write(bad), evaluation="api vs prod")
+    problems = dict(refused.value.errors)
+    assert set(problems) == {2, 3, 4} and "names its model" in problems[2] and "differ from row 1" in problems[3]
+    assert "one each" in problems[4]
+    assert store.list_evaluations() == [] and store.counts()["items"] == 0
+
+    result = import_items(store, write(good), evaluation="api vs prod")
+    ev = store.get_evaluation(result["evaluation_id"])
+    assert ev.name == "api vs prod" and ev.items == 4
+    assert sorted(store.get_model_version(v).name for v in ev.version_ids) == ["api", "prod"]
+    ann = store.add_annotator("ann", "password-ann")
+    while (item := store.next_item(ann.id)) is not None:
+        api = [r.id for r in item.responses if r.text.startswith("api")]
+        store.save_ranking(ann.id, item.prompt.id, [api, [r.id for r in item.responses if r.id not in api]])
+    (rate,) = store.evaluation_results(ev.id)["win_rates"]
+    assert (rate["a"], rate["b"], rate["win_rate"], rate["comparisons"]) == ("api", "prod", 1.0, 4)
