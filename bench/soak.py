@@ -146,7 +146,7 @@ def check(db: Path, acked: list[str], k: int) -> dict:
     export_dir = db.parent / "exports"
     half = 0
     files = sorted(p for p in export_dir.glob("pairs-*.jsonl")) if export_dir.exists() else []
-    from pipeline.hashing import snapshot_sha256
+    from formats.hashing import snapshot_sha256
 
     for f in files:
         try:

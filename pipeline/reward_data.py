@@ -37,10 +37,9 @@ from pathlib import Path
 
 import torch
 
+from formats.chat import ASSISTANT_MARK, split_hh
 from pipeline.rundir import read_jsonl
 from pipeline.text import encode_response, pad_rows, prompt_token_ids
-
-HH_MARKER = "\n\nAssistant:"
 
 
 class PairsError(ValueError):
@@ -150,10 +149,10 @@ def _row_to_pair(row, where: str, index: int) -> Pair:
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
     if prompt is None and isinstance(chosen, str) and isinstance(rejected, str):
         # HH-RLHF: whole transcripts; the prompt is everything up to the last "\n\nAssistant:".
-        cut = chosen.rfind(HH_MARKER)
-        if cut < 0:
-            raise PairsError(f"{where}: no 'prompt' field and 'chosen' has no {HH_MARKER!r} to split at")
-        prompt = chosen[: cut + len(HH_MARKER)]
+        split = split_hh(chosen)
+        if split is None:
+            raise PairsError(f"{where}: no 'prompt' field and 'chosen' has no {ASSISTANT_MARK!r} to split at")
+        prompt = split[0]
         if not rejected.startswith(prompt):
             raise PairsError(f"{where}: no 'prompt' field and 'chosen'/'rejected' do not share the conversation before the last reply")
         chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.hashing import snapshot_sha256
+from formats.hashing import snapshot_sha256
 from pipeline.reward_data import length_grouped_batches
 from pipeline.rundir import StopFlag, append_metrics, read_status, truncate_metrics, write_status
 from pipeline.saving import recover_folder

@@ -11,19 +11,17 @@ is trained on exactly the token layout it is later asked to score:
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 
+from formats.chat import prompt_messages
 from pipeline.rundir import read_jsonl
 
-_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
-
-
 def to_messages(prompt) -> list[dict]:
-    """Chat messages for a prompt: a message list as is, an HH-RLHF transcript split into turns
-    ("\\n\\nHuman: ...\\n\\nAssistant:"; the empty last Assistant turn is the generation prompt),
-    anything else as one user message."""
+    """Chat messages for a prompt: a message list as is; text as formats/chat.py `prompt_messages`
+    reads a stored prompt (an HH-RLHF transcript split into its System / Human / Assistant turns,
+    the empty last Assistant turn being the generation prompt; anything else one user message), so
+    the store's exports and the trainers read a prompt the same way."""
     if isinstance(prompt, list):
         for i, m in enumerate(prompt):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -31,14 +29,7 @@ def to_messages(prompt) -> list[dict]:
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
     if not isinstance(prompt, str):
         raise ValueError(f"a prompt must be text or a list of messages, got {type(prompt).__name__}")
-    if not prompt.lstrip(" ").startswith("\n\nHuman:"):
-        return [{"role": "user", "content": prompt}]
-    parts = _HH_TURN.split(prompt.lstrip(" "))  # ['', 'Human', ' hi', 'Assistant', ' hello', ...]
-    messages = [{"role": "user" if role == "Human" else "assistant", "content": text.strip()}
-                for role, text in zip(parts[1::2], parts[2::2])]
-    if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
-        messages.pop()
-    return messages
+    return prompt_messages(prompt)
 
 
 def read_prompts(path: str | os.PathLike) -> list[dict]:

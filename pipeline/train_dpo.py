@@ -64,7 +64,7 @@ from pipeline.distributed import clip_grad_norm, load_optimizer_state, setup
 from pipeline.dpo_data import (
     PAIR_STATS, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps, sequence_logps,
 )
-from pipeline.hashing import snapshot_sha256
+from formats.hashing import snapshot_sha256
 from pipeline.models import autocast, checkpointing, pick_dtype
 from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference, trainable
 from pipeline.saving import save_whole_policy

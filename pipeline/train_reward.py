@@ -61,7 +61,7 @@ import torch
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
 from pipeline.distributed import Dist, clip_grad_norm, full_state_dict, load_optimizer_state, setup
-from pipeline.hashing import snapshot_sha256
+from formats.hashing import snapshot_sha256
 from pipeline.losses import center_loss, weighted_pairwise_loss
 from pipeline.models import (
     autocast, load_scalar_model, pick_dtype, resolve_model_path,

@@ -4,7 +4,7 @@ card; read snapshots back without a Store.
 `export_pairs` writes every pair that passes the filters as one of TRL's preference datasets:
 
     prompt, chosen, rejected             trl_format 'conversational' (the default): the prompt
-                                         as chat messages [{role, content}] (store/chat.py), chosen
+                                         as chat messages [{role, content}] (formats/chat.py), chosen
                                          and rejected as one assistant message each, their text
                                          exactly as stored; 'text': the stored texts (chat prompts
                                          as HH-style transcripts)
@@ -57,7 +57,7 @@ is the pairs file, with `<stem>.rankings.<ext>`, `<out>.README.md` (the card) an
 `<out>.snapshot.json` (the manifest) beside it. Any other `out` is a folder: `pairs.<ext>` (or,
 for 'datasets', the `DatasetDict.save_to_disk` files, splits 'train' and maybe 'test'),
 `rankings/`, `README.md` and `snapshot.json`. The snapshot is the pairs file or the folder:
-train-reward reads either, and its SHA-256 (pipeline/hashing.py) is recorded in the store
+train-reward reads either, and its SHA-256 (formats/hashing.py) is recorded in the store
 (Store.record_snapshot). Data is written (store/export_write.py) under temporary names and
 renamed, so a crash never leaves half an export. An export that matches no pair is refused (InvalidRequest).
 
@@ -88,7 +88,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline.hashing import snapshot_sha256
+from formats.hashing import snapshot_sha256
 from store import card
 from store.db import registered, to_db_time
 from store.errors import DataError, InvalidRequest

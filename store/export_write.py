@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from store.chat import prompt_messages
+from formats.chat import prompt_messages
 from store.db import registered
 from store.records import STRENGTHS
 

@@ -13,7 +13,7 @@ Pairs, in any of the layouts TRL and Anthropic use:
 - TRL conversational (what `python -m store export` writes by default): `prompt` a list of
   {role, content} messages and `chosen` / `rejected` one assistant message each, or, with no
   `prompt`, whole conversations that agree up to their last (assistant) message. The prompt is
-  stored as its transcript (store.chat.messages_to_text), which exports as the same messages;
+  stored as its transcript (formats.chat.messages_to_text), which exports as the same messages;
 - HH-RLHF: `chosen` and `rejected` hold full transcripts and no `prompt`: each is split at its last
   "\\n\\nAssistant:" and the two prefixes must be equal (that prefix, marker included, is the prompt).
 Optional: `source`, and the pair's strength as `margin` or, as exports name it, `rank_gap` (1 when
@@ -32,7 +32,7 @@ from __future__ import annotations
 import numbers
 from pathlib import Path
 
-from store.chat import messages_to_text, pair_from_messages, split_hh
+from formats.chat import messages_to_text, pair_from_messages, split_hh
 from store.export import export_pairs, load_pairs_snapshot, snapshot_sha256  # noqa: F401 (re-exported)
 from store.readers import (DEFAULT_MAX_BYTES, DEFAULT_MAX_CHARS, Problems, file_sha256, prompt_of,
                            read_rows, source_of, text_field)

@@ -16,7 +16,7 @@ import io as _io
 import json
 from pathlib import Path
 
-from store.chat import check_messages, messages_to_text
+from formats.chat import check_messages, messages_to_text
 from store.errors import DataError
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024

@@ -17,7 +17,7 @@ import os
 
 import pyarrow as pa
 
-from store.chat import check_messages, messages_to_text
+from formats.chat import check_messages, messages_to_text
 from store.db import StoreBase, dumps, from_db_time, loads, registered, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
 from store.evaluations import EvaluationsMixin

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipeline.__main__ import main as cli
-from pipeline.hashing import snapshot_sha256
+from formats.hashing import snapshot_sha256
 from store.export import export_pairs
 from tests.fixtures_store import seed_items
 

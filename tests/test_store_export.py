@@ -77,18 +77,24 @@ def test_chat_prompts_become_messages(store, store_annotators, store_policy, tmp
     assert text_rows[hh_row["prompt_id"]]["prompt"] == "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant:"
 
 
-def test_conversational_prompts_are_what_the_trainer_reads_from_text(test_data):
-    """On every HH prompt of the test data and every bundled prompt, the export's messages are
-    what train-reward makes of the text form (pipeline/text.to_messages): one reward model, the
-    same tokens, whichever format it was exported in."""
+def test_the_trainer_reads_a_transcript_back_as_its_messages(test_data):
+    """A chat prompt exports as its transcript in the text format (formats/chat.messages_to_text)
+    and as its messages in the conversational one; train-reward reads the transcript back as
+    exactly those messages (pipeline/text.to_messages), on every HH prompt of the test data and
+    every bundled prompt, and with a System turn (which the trainer once read as part of the user's
+    text): one reward model, the same tokens, whichever format it was exported in."""
+    from formats.chat import messages_to_text
     from pipeline.text import to_messages
-    from store.chat import prompt_messages
     from tests.fixtures_store import BUNDLED_PROMPTS
 
     prompts = [json.loads(line)["prompt"] for path in (test_data / "hh_dev_pairs.jsonl", BUNDLED_PROMPTS)
                for line in path.read_text(encoding="utf-8").splitlines()]
     assert len(prompts) == 2000 + 2205 and sum(p.startswith("\n\nHuman:") for p in prompts) == 2000
-    assert [prompt_messages(p) for p in prompts] == [to_messages(p) for p in prompts]
+    for p in prompts:
+        messages = to_messages(p)
+        assert to_messages(messages_to_text(messages)) == messages
+    system = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}]
+    assert to_messages(messages_to_text(system)) == system
 
 
 def test_margin_only_when_asked(store, ranked, tmp_path):
