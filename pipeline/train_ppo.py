@@ -94,9 +94,8 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
             run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
                          critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
-            policy_model, critic, tokenizer, reference = run.policy, run.critic, run.tokenizer, run.reference
+            policy_model, critic, tokenizer = run.policy, run.critic, run.tokenizer
             (policy_sched, critic_sched), kl_ctl = run.scheds, run.kl
-            device, autocast, rows = run.device, run.autocast, run.rows
             state.update(policy=policy_model, critic=critic, tokenizer=tokenizer, opts=run.opts, scheds=run.scheds,
                          kl=kl_ctl, step=run.start)
             write_status(out, "running", run.start, cfg.steps)
@@ -109,58 +108,13 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             share_prefix = not dist.sharded  # a prefix pass would run on some ranks only
             metrics: dict = {}
             for step in range(run.start, cfg.steps):
-                t_start = time.perf_counter()
-                B, temperature = cfg.batch_size, cfg.temperature
-                # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it)
-                batch_prompts = [rows[i]["prompt"] for i in prompt_order(len(rows), step, B, cfg.seed)][local]
-                input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
-
-                # 2. sample from the current policy = pi_old, the whole distribution of logits / T; each
-                # episode draws its own seeded numbers, so N processes sample what one would. Post-EOS
-                # tokens come back masked. LoRA is merged into (a copy of) the base weights meanwhile:
-                # one matmul per layer and step
-                uniforms = episode_uniforms(cfg.seed, step, range(B)[local], cfg.max_new_tokens, device)
-                with torch.no_grad(), autocast(), merged_lora(policy_model):
-                    sb = sample(policy_model, input_ids, prompt_mask, cfg, uniforms=uniforms,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                synced=dist.sharded)
-                mask = sb.response_mask.float()  # (B, R)
-                t_sample = time.perf_counter() - t_start
-                dist.check_stop(stop)
-
-                # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
-                policy_model.eval()
-                critic.eval()
-                ref_logp, old_logp, values = rollout_forwards(
-                    policy_model, reference, critic, sb.sequences, sb.attention_mask, sb.response_ids, mask,
-                    sb.prompt_length, temperature, cfg.forward_batch_size, not run.sample_logprobs, autocast,
-                    share_prefix)
-                ro = Rollout(prompts=batch_prompts, sequences=sb.sequences, attention_mask=sb.attention_mask,
-                             response_ids=sb.response_ids, mask=mask, prompt_length=sb.prompt_length,
-                             logprobs=(sb.logprobs if run.sample_logprobs else old_logp) * mask,
-                             ref_logprobs=ref_logp * mask, values=values * mask,
-                             eos=torch.tensor([f == "eos" for f in sb.finish_reason], device=device))
-
-                t_forwards = time.perf_counter() - t_start - t_sample
-
-                # 4. score prompt+response: reward model (normalised) or scripted
-                raw_score = run.score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask,
-                                         prompts=batch_prompts)  # (B,)
-                # N processes: every rank gets the whole batch (rank 0's episodes first), so phases 5-6
-                # and the KL controller see the same numbers everywhere
-                ro, raw_score = gather_rollout(ro, raw_score, dist, tokenizer.pad_token_id)
-                mask = ro.mask
-                t_score = time.perf_counter() - t_start - t_sample - t_forwards
-
-                # 5-6. missing-EOS penalty, per-token KL, shaped rewards, GAE (pipeline/rollout.py)
-                beta = kl_ctl.value
-                adv = kl_shaped_advantages(ro, raw_score, cfg, beta)
-                advantages, returns = adv.advantages, adv.returns
-                t_rollout = time.perf_counter() - t_start
+                # 1-6. prompts, sampling, forwards, scores, KL-shaped rewards and GAE
+                ro, raw_score, adv, beta, times = rollout_step(run, cfg, step, dist, stop, local, share_prefix)
+                t_start, B = times.pop("start"), cfg.batch_size
 
                 # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches
                 stats, n_minibatches = ppo_update(run, ro, adv, cfg, step, dist, stop, share_prefix)
-                t_update = time.perf_counter() - t_start - t_rollout
+                t_update = time.perf_counter() - t_start - times["rollout"]
                 # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
                 norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm")}
                 stats = {**dist.reduce_sum(dict(stats)), **norms}
@@ -173,8 +127,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 state["step"] = step + 1
 
                 # 9. metrics, status, sample table, checkpoint
-                times = {"rollout": t_rollout, "update": t_update, "sample": t_sample, "forwards": t_forwards,
-                         "score": t_score, "step": time.perf_counter() - t_start}
+                times.update(update=t_update, step=time.perf_counter() - t_start)
                 metrics = step_metrics(stats, n_minibatches, ro, raw_score, adv, beta, kl_ctl.value, lrs, times)
                 append_metrics(out, step + 1, metrics)
                 write_status(out, "running", step + 1, cfg.steps)
@@ -186,7 +139,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                     write_samples(out / "samples" / f"step_{step + 1}.jsonl", tokenizer, ro, raw_score, adv.kl_seq)
                 if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                     save_checkpoint(ckpt, state, dist)  # every rank (a sharded model is gathered), rank 0 writes
-                del sb, ro, adv, advantages, returns
+                del ro, adv
             bar.close()
 
             # the end: a resumable checkpoint, and the policy for the owner process to register
@@ -214,6 +167,56 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     except BaseException as exc:
         write_status(out, "failed", state.get("step", 0), cfg.steps, error=dist.describe_failure(exc))
         raise
+
+
+def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share_prefix: bool):
+    """Phases 1-6 of one step. Returns (rollout, raw scores, advantages, the KL coefficient used,
+    phase times with the step's start)."""
+    t_start = time.perf_counter()
+    policy_model, tokenizer, device, autocast = run.policy, run.tokenizer, run.device, run.autocast
+    B, temperature = cfg.batch_size, cfg.temperature
+    # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it)
+    batch_prompts = [run.rows[i]["prompt"] for i in prompt_order(len(run.rows), step, B, cfg.seed)][local]
+    input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
+
+    # 2. sample from the current policy = pi_old, the whole distribution of logits / T; each
+    # episode draws its own seeded numbers, so N processes sample what one would. Post-EOS
+    # tokens come back masked. LoRA is merged into (a copy of) the base weights meanwhile:
+    # one matmul per layer and step
+    uniforms = episode_uniforms(cfg.seed, step, range(B)[local], cfg.max_new_tokens, device)
+    with torch.no_grad(), autocast(), merged_lora(policy_model):
+        sb = sample(policy_model, input_ids, prompt_mask, cfg, uniforms=uniforms,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced=dist.sharded)
+    mask = sb.response_mask.float()  # (B, R)
+    t_sample = time.perf_counter() - t_start
+    dist.check_stop(stop)
+
+    # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
+    policy_model.eval()
+    run.critic.eval()
+    ref_logp, old_logp, values = rollout_forwards(
+        policy_model, run.reference, run.critic, sb.sequences, sb.attention_mask, sb.response_ids, mask,
+        sb.prompt_length, temperature, cfg.forward_batch_size, not run.sample_logprobs, autocast, share_prefix)
+    ro = Rollout(prompts=batch_prompts, sequences=sb.sequences, attention_mask=sb.attention_mask,
+                 response_ids=sb.response_ids, mask=mask, prompt_length=sb.prompt_length,
+                 logprobs=(sb.logprobs if run.sample_logprobs else old_logp) * mask,
+                 ref_logprobs=ref_logp * mask, values=values * mask,
+                 eos=torch.tensor([f == "eos" for f in sb.finish_reason], device=device))
+    t_forwards = time.perf_counter() - t_start - t_sample
+
+    # 4. score prompt+response: reward model (normalised) or scripted
+    raw_score = run.score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask, prompts=batch_prompts)  # (B,)
+    # N processes: every rank gets the whole batch (rank 0's episodes first), so phases 5-6
+    # and the KL controller see the same numbers everywhere
+    ro, raw_score = gather_rollout(ro, raw_score, dist, tokenizer.pad_token_id)
+    t_score = time.perf_counter() - t_start - t_sample - t_forwards
+
+    # 5-6. missing-EOS penalty, per-token KL, shaped rewards, GAE (pipeline/rollout.py)
+    beta = run.kl.value
+    adv = kl_shaped_advantages(ro, raw_score, cfg, beta)
+    times = {"start": t_start, "sample": t_sample, "forwards": t_forwards, "score": t_score,
+             "rollout": time.perf_counter() - t_start}
+    return ro, raw_score, adv, beta, times
 
 
 def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, share_prefix: bool) -> tuple[dict, int]:
