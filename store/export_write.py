@@ -141,8 +141,27 @@ class _ArrowStaging:
         path = self.folder / f"{self.n}.arrow"
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
             for batch in reader:
-                writer.write_batch(batch if batch.schema == schema else batch.cast(schema))
+                writer.write_batch(_defined(batch if batch.schema == schema else batch.cast(schema)))
         return datasets.Dataset.from_file(str(path))
+
+
+def _defined(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """The batch with every byte defined. Arrow leaves the bytes under a null slot undefined, and
+    DuckDB hands out whatever its memory held there, so two exports of the same rows differed byte
+    for byte and hashed differently (formats/hashing.py hashes the files). A column with nulls, or
+    with nulls at any depth is rebuilt, which writes zeros under them."""
+    columns = [pa.array(c.to_pylist(), type=c.type) if _has_nulls(c) else c for c in batch.columns]
+    return pa.RecordBatch.from_arrays(columns, schema=batch.schema)
+
+
+def _has_nulls(a: pa.Array) -> bool:
+    if a.null_count:
+        return True
+    if pa.types.is_list(a.type):
+        return _has_nulls(a.values)
+    if pa.types.is_struct(a.type):
+        return any(_has_nulls(a.field(i)) for i in range(a.type.num_fields))
+    return False
 
 
 def _plain(t: pa.DataType) -> pa.DataType:
