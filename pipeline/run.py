@@ -38,6 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from formats.hashing import snapshot_sha256
+from pipeline.distributed import clip_grad_norm
 from pipeline.reward_data import length_grouped_batches
 from pipeline.rundir import StopFlag, append_metrics, read_status, truncate_metrics, write_status
 from pipeline.saving import recover_folder
@@ -118,6 +119,18 @@ class Steps:
     pairs: int
     seconds: float
     cpu_seconds: float
+
+
+def optimizer_step(sums: dict, params, optimizer, scheduler, max_grad_norm: float, dist) -> tuple[dict, float, int]:
+    """The end of a pairs trainer's step, once its micro-batches have accumulated gradients and
+    `sums` (with "pairs"): the sums over every rank, gradients clipped (sharded: one all-reduce),
+    one optimiser and scheduler step. Returns (reduced sums, grad norm, pairs)."""
+    sums = dist.reduce_sum(sums)
+    grad_norm = clip_grad_norm(params, max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return sums, grad_norm, int(sums["pairs"])
 
 
 def run_steps(out_dir: Path, dist, cfg, *, lengths: list[int], steps_per_epoch: int, total: int, start: int,

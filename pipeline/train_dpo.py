@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import DPOConfig, ModelConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import clip_grad_norm, load_optimizer_state, setup
+from pipeline.distributed import load_optimizer_state, setup
 from pipeline.dpo_data import (
     PAIR_STATS, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps, sequence_logps,
 )
@@ -70,7 +70,8 @@ from pipeline.policy import load_policy_weights, load_starting_policy, starting_
 from pipeline.saving import save_whole_policy
 from pipeline.reward_data import encode_pairs, read_pairs, train_eval_pairs
 from pipeline.rollout import attn_ratio
-from pipeline.run import STATE_FILE, cancelled, claim, guarded, recover, resume_from, run_steps, save_state
+from pipeline.run import (STATE_FILE, cancelled, claim, guarded, optimizer_step, recover, resume_from, run_steps,
+                          save_state)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_json, write_status
 from pipeline.tracking import add_report_to
 
@@ -205,12 +206,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
             sums["tokens"] += pp.real_tokens
             for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
                 sums[key] += value
-        sums = dist.reduce_sum(sums)  # the whole step's sums, on every rank
-        grad_norm = clip_grad_norm(params, cfg.max_grad_norm)  # sharded: one all-reduce
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        n = int(sums["pairs"])
+        sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
         return {"train/loss": sums["loss"] / n,
                 **{f"train/{key}": sums[key] / n for key in sums if key not in ("loss", "pairs", "tokens")},
                 "train/grad_norm": grad_norm}, n, sums["tokens"]

@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import Dist, clip_grad_norm, full_state_dict, load_optimizer_state, setup
+from pipeline.distributed import Dist, full_state_dict, load_optimizer_state, setup
 from formats.hashing import snapshot_sha256
 from pipeline.losses import center_loss, weighted_pairwise_loss
 from pipeline.models import (
@@ -68,7 +68,8 @@ from pipeline.models import (
 )
 from pipeline.reward_data import encode_pairs, read_pairs, train_eval_pairs
 from pipeline.reward_eval import evaluate, forward_pairs, normalisation_stats
-from pipeline.run import STATE_FILE, cancelled, claim, guarded, recover, resume_from, run_steps, save_state
+from pipeline.run import (STATE_FILE, cancelled, claim, guarded, optimizer_step, recover, resume_from, run_steps,
+                          save_state)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_json, write_status
 from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
@@ -234,12 +235,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
             sums["margin"] += (r_c - r_r).sum().item()
             sums["pairs"] += b
             sums["tokens"] += tokens
-        sums = dist.reduce_sum(sums)  # the whole batch's sums, on every rank
-        grad_norm = clip_grad_norm(params, cfg.max_grad_norm)  # sharded: one all-reduce
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        n = int(sums["pairs"])
+        sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
         return {"train/loss": sums["loss"] / n, "train/accuracy": sums["accuracy"] / n,
                 "train/margin": sums["margin"] / n, "train/grad_norm": grad_norm}, n, sums["tokens"]
 

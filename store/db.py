@@ -249,6 +249,16 @@ class StoreBase:
             raise slot.result
         return slot.result
 
+    def _queue_new_items(self, new_items: list[tuple[int, int, list[int]]]) -> None:
+        """Inside a transaction: after the commit the queue index takes these (item id, prompt id,
+        response ids) as queued items; a batch too large to follow drops the index instead (it is
+        rebuilt from the database when next needed)."""
+        def follow(q):
+            for item_id, prompt_id, response_ids in new_items:
+                q.add_item(item_id, prompt_id, response_ids)
+
+        self._on_commit(follow if len(new_items) <= 20_000 else None)
+
     def _on_commit(self, fn) -> None:
         """Run fn(queue_index) after the current transaction commits (see _tx); None drops the
         index instead (it is rebuilt from the database when next needed)."""

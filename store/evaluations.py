@@ -121,12 +121,7 @@ class EvaluationsMixin:
             item_ids, resp_ids = self._insert_items(cur, versions[0][0], batches, None, True, versions,
                                                     evaluation_id=evaluation_id)
             new_items = [(iid, pid, rids) for iid, (pid, _), rids in zip(item_ids, batches, resp_ids)]
-
-            def follow(q):
-                for iid, pid, rids in new_items:
-                    q.add_item(iid, pid, rids)
-
-            self._on_commit(follow if len(new_items) <= 20_000 else None)
+            self._queue_new_items(new_items)
         return item_ids
 
     def get_evaluation(self, evaluation_id: int) -> Evaluation:

@@ -183,12 +183,7 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
             item_ids, resp_ids = self._insert_items(cur, model_version_id, batches, round_id, queued)
             new_items = [(iid, pid, rids) for iid, (pid, _), rids in zip(item_ids, batches, resp_ids)
                          if queued and len(rids) >= 2]
-
-            def follow(q):
-                for iid, pid, rids in new_items:
-                    q.add_item(iid, pid, rids)
-
-            self._on_commit(follow if len(new_items) <= 20_000 else None)
+            self._queue_new_items(new_items)
             if round_id is not None:
                 cur.execute("UPDATE prompts SET round_id = ? WHERE round_id IS NULL AND id IN "
                             "(SELECT unnest(?))", [round_id, prompt_ids])
@@ -352,12 +347,7 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
             }, _PAIR_TYPES)
             new_items = [(iid, pid, rids) for iid, pid, rids, r in zip(item_ids, prompt_ids, resp_ids, rows)
                          if r.queued]
-
-            def follow(q):
-                for iid, pid, rids in new_items:
-                    q.add_item(iid, pid, rids)
-
-            self._on_commit(follow if len(new_items) <= 20_000 else None)
+            self._queue_new_items(new_items)
         return {"rows": len(rows), "items": len(rows), "queued": len(new_items),
                 "responses": sum(len(r.responses) for r in rows), "prompts_added": added,
                 "prompts_existing": len(set(prompt_ids)) - added, "pairs": len(pairs),
