@@ -290,7 +290,10 @@ def write_report(folder: Path) -> Path:
         f"- Proxy: reward model (LoRA r{s['lora_r']}, lr {s['reward']['lr']}, batch {s['reward']['batch_size']}), one "
         f"epoch at a time warm-started from the last, early stopping on the held-out pairs' loss (patience "
         f"{s['patience']}, at most {s['max_epochs']} epochs); the best epoch is the proxy.",
-        f"- PPO: {s['ppo']['steps']} steps of {s['ppo']['batch_size']} episodes, lr {s['ppo']['lr']}, temperature "
+        f"- PPO: {s['ppo']['steps']} steps of {s['ppo']['batch_size']} episodes ({s['ppo']['ppo_epochs']} "
+        f"epoch(s) of minibatches of {s['ppo']['mini_batch_size']}; the first "
+        f"{s['ppo'].get('critic_warmup_steps', 0)} train the critic only), lr {s['ppo']['lr']}, critic lr "
+        f"{s['ppo']['critic_lr']}, temperature "
         f"{s['ppo']['temperature']}, missing-EOS penalty {s['ppo']['missing_eos_penalty']}, reference = the "
         f"base model. DPO: `{json.dumps(s['dpo'])}` on the proxy's training pairs. "
         f"Arms: " + "; ".join(f"{a}: `{json.dumps(v)}`" for a, v in s["arms"].items()) + ".",

@@ -60,8 +60,16 @@ ARMS = {
     "fixed": {"kl_control": "fixed", "init_kl_coef": 0.1},
     "dpo": {},
 }
-LABELS = {"adaptive": "PPO, adaptive KL (target 2 nats)", "beta0": "PPO, beta = 0", "fixed": "PPO, fixed beta 0.1",
-          "dpo": "DPO"}
+ARM_ONLY = ("arms", "ppo", "dpo", "checkpoints", "ppo_prompts")
+"""Settings only the arms read: a resumed run whose arms have not started may change them."""
+
+
+def arm_label(settings: dict, name: str) -> str:
+    if name == "dpo":
+        return "DPO"
+    if settings["kl_control"] == "adaptive":
+        return f"PPO, adaptive KL (target {settings['kl_target']:g} nats)"
+    return "PPO, beta = 0" if settings["init_kl_coef"] == 0 else f"PPO, fixed beta {settings['init_kl_coef']:g}"
 
 
 @dataclass
@@ -76,6 +84,14 @@ class SeedsConfig:
     heldout_fraction: float = 0.25
     """Share of round 1's prompts whose pairs are held out for the proxy's early stopping."""
     share_round1: bool = False
+    kl_target: float = 0.0
+    """The adaptive arm's KL target in nats (0: ADAPTIVE's)."""
+
+    def arm(self, name: str) -> dict:
+        """The PPO settings of arm `name` ({} for DPO)."""
+        if name == "adaptive" and self.kl_target:
+            return {**ARMS[name], "kl_target": self.kl_target}
+        return ARMS[name]
 
 
 def seeded(exp: Experiment, seed: int) -> Experiment:
@@ -300,14 +316,14 @@ def run_arm(sd: Seed, name: str) -> None:
         final = str(Path(run.run_dir) / "policy")
     else:
         every = max(1, settings.ppo.steps // cfg.checkpoints)
-        arm = dataclasses.replace(settings, ppo=dataclasses.replace(settings.ppo, **ARMS[name], save_every=every))
+        arm = dataclasses.replace(settings, ppo=dataclasses.replace(settings.ppo, **cfg.arm(name), save_every=every))
         proxy = sd.store.get_model_version(sd.entry["proxy"]["version_id"])
         run = submit_ppo(sd.store, sd.runner, arm, proxy, base, activate=False)
         run, copies = follow_job(sd.runner, run, "checkpoint/trainer_state.pt", "checkpoint/policy", dest)
         final = sd.store.get_model_version(run.outputs["model_version_id"]).path
     end = last_step(run.run_dir)
     copies[end] = copies.get(end, final)
-    entry = {"label": LABELS[name], "settings": ARMS[name], "run_dir": run.run_dir, "points": [],
+    entry = {"label": arm_label(cfg.arm(name), name), "settings": cfg.arm(name), "run_dir": run.run_dir, "points": [],
              "train": metric_rows(run.run_dir)}
     with sd.run.lock:
         sd.entry["arms"][name] = entry
@@ -348,11 +364,16 @@ class SeedsRun:
 
     def resume(self) -> None:
         """Continue a stopped run in the same folder with the same settings (the arms' order may
-        differ): round 1, start evaluations and arms that finished are kept, an arm cut short runs again."""
+        differ, and before the first arm has started, so may every setting only the arms read,
+        ARM_ONLY): round 1, start evaluations and arms that finished are kept, an arm cut short runs again."""
         old = json.loads((self.out / "results.json").read_text(encoding="utf-8"))
         new = self.results["settings"]
-        if {k: v for k, v in old["settings"].items() if k != "arms"} != {k: v for k, v in new.items() if k != "arms"}:
-            raise SystemExit(f"--resume {self.out}: its settings differ from these; give the same options")
+        free = ARM_ONLY if not any(e["arms"] for e in old["seeds"].values()) else ("arms",)
+        differ = sorted(k for k in set(old["settings"]) | set(new)
+                        if k not in free and old["settings"].get(k) != new.get(k))
+        if differ:
+            raise SystemExit(f"--resume {self.out}: its settings differ from these ({', '.join(differ)}); "
+                             "give the same options")
         self.raw = json.loads((self.out / "raw.json").read_text(encoding="utf-8"))["evals"]
         for seed, entry in old["seeds"].items():
             cut = [a for a, e in entry["arms"].items() if "wall_s" not in e]
@@ -444,7 +465,7 @@ def _mean(rows: list[dict], key: str) -> float | None:
 
 def describe(cfg: SeedsConfig) -> dict:
     e, s = cfg.exp, cfg.exp.loop
-    return {"model": s.model.model, "seeds": cfg.seeds, "arms": {a: ARMS[a] for a in cfg.arms},
+    return {"model": s.model.model, "seeds": cfg.seeds, "arms": {a: cfg.arm(a) for a in cfg.arms},
             "checkpoints": cfg.checkpoints, "max_epochs": cfg.max_epochs, "patience": cfg.patience,
             "heldout_fraction": cfg.heldout_fraction, "share_round1": cfg.share_round1,
             "prompts_per_round": s.loop.prompts_per_round, "k": s.generate.k,
@@ -475,8 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--heldout-fraction", type=float, default=0.25)
     add("--bon", type=_sizes, default=None, help="best-of-n sizes, e.g. 1,2,4,8,16 (none: skip)")
     for name, kind in (("prompts-per-round", int), ("ppo-steps", int), ("eval-samples", int), ("eval-prompts", int),
-                       ("dpo-epochs", int), ("ppo-prompts", int)):
+                       ("dpo-epochs", int), ("ppo-prompts", int), ("ppo-epochs", int), ("critic-warmup-steps", int)):
         add(f"--{name}", type=kind, default=0, help=f"override the {name.replace('-', ' ')}")
+    add("--kl-target", type=float, default=0.0, help="the adaptive arm's KL target in nats (default 2)")
     add("--threads", type=int, default=1)
     add("--publish", default=None, help="copy report and raw data here (default: docs/results/gold_seeds for a "
                                         "full run, nowhere for --quick; 'none': nowhere)")
@@ -495,7 +517,9 @@ def configure(args) -> SeedsConfig:
     exp.loop.reward.max_steps = 0
     s = exp.loop
     for value, target, attr in ((args.prompts_per_round, s.loop, "prompts_per_round"), (args.ppo_steps, s.ppo, "steps"),
-                                (args.eval_samples, exp.eval, "samples"), (args.ppo_prompts, s, "ppo_prompts")):
+                                (args.eval_samples, exp.eval, "samples"), (args.ppo_prompts, s, "ppo_prompts"),
+                                (args.ppo_epochs, s.ppo, "ppo_epochs"),
+                                (args.critic_warmup_steps, s.ppo, "critic_warmup_steps")):
         if value:
             setattr(target, attr, value)
     if args.eval_prompts:
@@ -510,7 +534,7 @@ def configure(args) -> SeedsConfig:
         raise SystemExit(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
     return SeedsConfig(exp=exp, seeds=args.seeds, arms=arms, checkpoints=args.checkpoints,
                        max_epochs=args.max_epochs, patience=args.patience, heldout_fraction=args.heldout_fraction,
-                       share_round1=args.share_round1)
+                       share_round1=args.share_round1, kl_target=args.kl_target)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,7 +142,13 @@ class PPOConfig:
     critic_lr: float = 0.0
     """Critic learning rate; 0 = the default for how the critic trains (1e-4 LoRA, 1e-5 full)."""
     lr_decay: bool = True
-    """Linear learning-rate decay to zero over `steps`."""
+    """Linear learning-rate decay to zero over `steps` (the policy's over the steps after the warm-up)."""
+    critic_warmup_steps: int = 0
+    """The first N of `steps` train only the critic (OpenRLHF's --freezing_actor_steps): the policy,
+    its learning-rate schedule and the KL controller wait. A critic taken from the reward model is
+    right at the end of a response only (its head learned to score there); at every earlier token
+    it starts far off (SmolLM2 in the gold experiment: values -4.5 against rewards of -0.5), and
+    until it catches up its advantages are mostly its own error."""
     max_new_tokens: int = 48
     """Response length limit during rollout."""
     temperature: float = 0.7

@@ -111,10 +111,13 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     cfg = with_ppo_lrs(cfg, model_cfg.lora, is_peft(critic))  # 0 = each model's default rate
     policy_opt = _adamw(trainable(policy_model), cfg.lr)
     critic_opt = _adamw(trainable(critic), cfg.critic_lr)
-    # linear decay to 0 over the run (TRL's default schedule); stepped once per PPO iteration
-    decay = (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
-    policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, decay)
-    critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, decay)
+    # linear decay to 0 over the run (TRL's default schedule); stepped once per PPO iteration that
+    # trains the model (the policy's starts after the critic's warm-up)
+    def decay(steps: int):
+        return (lambda s: max(0.0, 1.0 - s / steps)) if cfg.lr_decay else (lambda s: 1.0)
+
+    policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, decay(cfg.steps - cfg.critic_warmup_steps))
+    critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, decay(cfg.steps))
     kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
     start = 0
     if resuming:

@@ -10,8 +10,9 @@ One loop, read top to bottom in numbered phases (like CleanRL's ppo.py and TRL's
      the last real token)
   6. advantages by GAE over response tokens, whitened; returns = advantages + values
   7. PPO epochs over shuffled minibatches, micro-batch gradient accumulation: clipped policy loss on
-     pi_theta / pi_old (never pi_theta / pi_ref), entropy bonus, PPO-ptx, clipped value loss
-  8. KL controller and learning-rate schedules
+     pi_theta / pi_old (never pi_theta / pi_ref), entropy bonus, PPO-ptx, clipped value loss (during
+     the critic's warm-up, `critic_warmup_steps`, the value loss only)
+  8. KL controller and learning-rate schedules (the policy's wait for the warm-up's end)
   9. metrics.jsonl, status.json, sample table, checkpoint
 
 Speed without changing the arithmetic (beyond float rounding): sampling runs with the LoRA deltas
@@ -113,16 +114,20 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 t_start, B = times.pop("start"), cfg.batch_size
 
                 # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches
-                stats, n_minibatches = ppo_update(run, ro, adv, cfg, step, dist, stop, share_prefix)
+                # (the critic alone while it warms up)
+                train_policy = step >= cfg.critic_warmup_steps
+                stats, n_minibatches = ppo_update(run, ro, adv, cfg, step, dist, stop, share_prefix, train_policy)
                 t_update = time.perf_counter() - t_start - times["rollout"]
                 # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
-                norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm")}
+                norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm") if k in stats}
                 stats = {**dist.reduce_sum(dict(stats)), **norms}
 
-                # 8. KL controller (on the measured KL per sequence) and learning rates
-                lrs = policy_sched.get_last_lr()[0], critic_sched.get_last_lr()[0]
-                kl_ctl.update(float(adv.kl_seq.mean()), B)
-                policy_sched.step()
+                # 8. KL controller (on the measured KL per sequence) and learning rates; a frozen
+                # policy leaves both of its own as they are
+                lrs = policy_sched.get_last_lr()[0] if train_policy else 0.0, critic_sched.get_last_lr()[0]
+                if train_policy:
+                    kl_ctl.update(float(adv.kl_seq.mean()), B)
+                    policy_sched.step()
                 critic_sched.step()
                 state["step"] = step + 1
 
@@ -219,10 +224,12 @@ def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share
     return ro, raw_score, adv, beta, times
 
 
-def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, share_prefix: bool) -> tuple[dict, int]:
+def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, share_prefix: bool,
+               train_policy: bool = True) -> tuple[dict, int]:
     """Phase 7: cfg.ppo_epochs passes over the rollout in shuffled minibatches, one optimiser step
-    each for policy and critic. Returns the update's sums (weighted by each micro-batch's token
-    share; over N processes the per-rank sums, grad norms aside) and the number of minibatches."""
+    each for policy and critic (the critic's only, without train_policy). Returns the update's sums
+    (weighted by each micro-batch's token share; over N processes the per-rank sums, grad norms
+    aside) and the number of minibatches."""
     B, mask = len(ro.prompts), ro.mask
     stats = defaultdict(float)
     shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
@@ -247,47 +254,54 @@ def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, sha
                 last = j == len(micros) - 1  # the last backward of the step all-reduces
                 with dist.sync(run.policy_w, last and cfg.ptx_coef <= 0), dist.sync(run.critic_w, last):
                     micro_batch_backward(run, ro, adv, micro, w, cfg, dist, share_prefix, stats,
-                                         first=n_minibatches == 0)
-            if cfg.ptx_coef > 0:
+                                         first=n_minibatches == 0, train_policy=train_policy)
+            if cfg.ptx_coef > 0 and train_policy:
                 ptx_backward(run, cfg, step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches, dist, stats)
             # policy and critic clipped separately (sharded: each norm is one all-reduce)
-            stats["policy/grad_norm"] += clip_grad_norm(trainable(run.policy), cfg.max_grad_norm)
+            policy_opt, critic_opt = run.opts
+            if train_policy:
+                stats["policy/grad_norm"] += clip_grad_norm(trainable(run.policy), cfg.max_grad_norm)
+                policy_opt.step()
+                policy_opt.zero_grad(set_to_none=True)
             stats["val/grad_norm"] += clip_grad_norm(trainable(run.critic), cfg.max_grad_norm)
-            for opt in run.opts:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            critic_opt.step()
+            critic_opt.zero_grad(set_to_none=True)
             n_minibatches += 1
             dist.check_stop(stop)
     return stats, n_minibatches
 
 
 def micro_batch_backward(run, ro: Rollout, adv, micro: torch.Tensor, w: torch.Tensor, cfg: PPOConfig, dist,
-                         share_prefix: bool, stats: dict, first: bool) -> None:
+                         share_prefix: bool, stats: dict, first: bool, train_policy: bool = True) -> None:
     """One micro-batch's clipped policy loss (pi_theta / pi_old), entropy bonus and clipped value
     loss, backward at its token share w; its figures added to stats (first: the step's first
-    minibatch, where pi_theta == pi_old and the ratio must be 1)."""
+    minibatch, where pi_theta == pi_old and the ratio must be 1). Without train_policy the value
+    loss alone (the policy runs no forward: under DDP or FSDP every rank skips it alike)."""
     m = ro.mask[micro]  # (b, R)
     # the micro-batch's episodes packed without padding, as in the rollout
     pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro], ro.response_ids[micro], m, ro.prompt_length,
                         attn_ratio(run.policy), share_prefix=share_prefix)
+    figures = {}
     with run.autocast():
-        logits = run.policy_w(response_logits, pr)  # (N, V) at the N real response tokens
-        logp = response_logprobs(logits, pr, cfg.temperature)  # (b, R)
-        pg_loss, pg = policy_loss(logp, ro.logprobs[micro], adv.advantages[micro], m, cfg.cliprange)
-        loss = pg_loss
-        if cfg.entropy_coef > 0:  # of the distribution sampled: logits / T
-            entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None] / cfg.temperature)[0]), m)
-            loss = loss - cfg.entropy_coef * entropy
-            stats["policy/entropy"] += float(w * entropy.detach())
-        del logits
+        loss = 0.0
+        if train_policy:
+            logits = run.policy_w(response_logits, pr)  # (N, V) at the N real response tokens
+            logp = response_logprobs(logits, pr, cfg.temperature)  # (b, R)
+            loss, pg = policy_loss(logp, ro.logprobs[micro], adv.advantages[micro], m, cfg.cliprange)
+            figures = {"policy/loss": loss, "policy/clipfrac": pg["clipfrac"], "policy/approxkl": pg["approxkl"],
+                       "policy/ratio_mean": pg["ratio_mean"]}
+            if cfg.entropy_coef > 0:  # of the distribution sampled: logits / T
+                entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None] / cfg.temperature)[0]), m)
+                loss = loss - cfg.entropy_coef * entropy
+                figures["policy/entropy"] = entropy
+            del logits
+            if first:
+                stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
         v = run.critic_w(critic_values, pr)  # (b, R)
         vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], adv.returns[micro], m, cfg.cliprange_value)
     (w * dist.loss_scale * (loss + cfg.vf_coef * vf_loss)).backward()
-    for key, val in (("policy/loss", pg_loss), ("policy/clipfrac", pg["clipfrac"]), ("policy/approxkl", pg["approxkl"]),
-                     ("policy/ratio_mean", pg["ratio_mean"]), ("val/loss", vf_loss), ("val/clipfrac", vf_clipfrac)):
+    for key, val in {**figures, "val/loss": vf_loss, "val/clipfrac": vf_clipfrac}.items():
         stats[key] += float(w * val.detach())
-    if first:
-        stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
 
 
 def ptx_backward(run, cfg: PPOConfig, n_before: int, dist, stats: dict) -> None:
@@ -309,7 +323,8 @@ def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.
     """Phase 9's metrics.jsonl line: the update's averages over minibatches, then the rollout's
     objective, value, KL-controller, generation and timing figures."""
     metrics = {key: val / n_minibatches for key, val in stats.items() if key != "policy/ratio_first"}
-    metrics["policy/ratio_first"] = stats["policy/ratio_first"]
+    if "policy/ratio_first" in stats:  # (none while the critic warms up)
+        metrics["policy/ratio_first"] = stats["policy/ratio_first"]
     mask, returns, kl_seq = ro.mask, adv.returns, adv.kl_seq
     with torch.no_grad():
         var_returns = masked_var(returns, mask)
@@ -346,6 +361,9 @@ def check_config(cfg: PPOConfig, world: int = 1) -> None:
                         f"across {world} processes: both must be multiples of {world}")
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.ppo_epochs < 1:
         problems.append("--steps, --batch-size and --ppo-epochs must be >= 1")
+    if not 0 <= cfg.critic_warmup_steps < cfg.steps:
+        problems.append(f"--critic-warmup-steps {cfg.critic_warmup_steps} must be >= 0 and below --steps "
+                        f"{cfg.steps} (the policy must train for at least one step)")
     if cfg.mini_batch_size < 1 or cfg.batch_size % cfg.mini_batch_size:
         problems.append(f"--batch-size {cfg.batch_size} must be a multiple of --mini-batch-size {cfg.mini_batch_size}")
     if cfg.micro_batch_size < 1 or cfg.mini_batch_size % cfg.micro_batch_size:

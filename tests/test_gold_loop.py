@@ -648,3 +648,33 @@ def test_quick_gold_seeds_runs_three_seeds_with_checkpoints_and_raw_tables(tmp_p
     assert sm["arms"]["adaptive"]["result"]["seeds"] == 3 and len(sm["bon"]) == 2
     report = (out / "report.md").read_text()
     assert "between-seed s.e." in report and report.rstrip().splitlines()[-1].startswith("RESULT gold seeds=3 ")
+
+
+def test_resume_may_change_what_only_the_arms_read_until_an_arm_has_run(tmp_path):
+    """--resume keeps round 1 and the proxy; before any arm has started, the arms' own settings
+    (PPO's, DPO's, checkpoints) may change, anything else must be given as before."""
+    _require_embedding_judge()
+    from bench.gold_loop import quick_experiment
+    from bench.gold_seeds import SeedsConfig, SeedsRun, describe
+
+    out = tmp_path / "run"
+    out.mkdir()
+    results = {"settings": describe(SeedsConfig(exp=quick_experiment("tiny"))), "parts": {},
+               "seeds": {"0": {"arms": {}, "proxy": {"path": "p"}}}}
+
+    def write() -> None:
+        (out / "results.json").write_text(json.dumps(results))
+        (out / "raw.json").write_text(json.dumps({"prompts": [], "evals": {}}))
+
+    write()
+    changed = SeedsConfig(exp=quick_experiment("tiny"), kl_target=4.0, checkpoints=5)
+    changed.exp.loop.ppo.ppo_epochs = 3
+    run = SeedsRun(changed, out, resume=True)
+    assert run.results["seeds"]["0"]["proxy"] == {"path": "p"}
+    assert run.results["settings"]["arms"]["adaptive"]["kl_target"] == 4.0
+    with pytest.raises(SystemExit, match="max_epochs"):
+        SeedsRun(SeedsConfig(exp=quick_experiment("tiny"), max_epochs=9), out, resume=True)
+    results["seeds"]["0"]["arms"]["adaptive"] = {"wall_s": 1.0, "points": []}
+    write()
+    with pytest.raises(SystemExit, match="checkpoints, ppo"):
+        SeedsRun(changed, out, resume=True)

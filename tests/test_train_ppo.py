@@ -271,6 +271,25 @@ def test_score_rises_with_the_kl_penalty_and_kl_runs_away_without_it(tmp_path, p
         assert all(r["policy/ratio_first"] == pytest.approx(1.0, abs=1e-4) for r in rows)
 
 
+def test_critic_warmup_trains_the_critic_alone_then_the_policy(tmp_path, ppo_model_cfg, prompts_file):
+    """The first critic_warmup_steps update only the critic: the policy stays the reference (KL 0),
+    beta and the policy's learning rate wait; then the policy trains from its full rate."""
+    lr = 5e-2
+    rows = run(tmp_path, "warm", ppo_model_cfg, prompts_file, steps=4, critic_warmup_steps=2, lr=lr,
+               kl_control="adaptive", init_kl_coef=0.2, kl_target=10.0, kl_horizon=16)
+    frozen, trained = rows[:2], rows[2:]
+    for r in frozen:
+        assert r["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # sampled by the untouched policy
+        assert r["policy/lr"] == 0.0 and "policy/loss" not in r and "policy/grad_norm" not in r
+        assert r["kl/beta"] == r["kl/beta_next"] == 0.2 and r["val/loss"] > 0
+    assert frozen[1]["val/value_mean"] != frozen[0]["val/value_mean"]  # the critic did train
+    assert trained[0]["policy/lr"] == lr and trained[1]["policy/lr"] == pytest.approx(lr / 2)
+    assert trained[0]["kl/beta_next"] != 0.2 and trained[1]["objective/kl"] > 0.01
+    with pytest.raises(ValueError, match="critic-warmup-steps 4"):
+        train(small_cfg(steps=4, critic_warmup_steps=4), ppo_model_cfg, prompts=str(prompts_file),
+              reward="script:count:e", out_dir=tmp_path / "all_warmup")
+
+
 @pytest.mark.slow
 def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts_file):
     cfg = dict(kl_control="adaptive", init_kl_coef=0.2, kl_target=0.5, kl_horizon=32, lr_decay=False,
