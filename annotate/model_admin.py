@@ -307,17 +307,18 @@ def gold_dir(ctx: AppContext) -> Path:
 
 
 def gold_plots(ctx: AppContext, request: gr.Request):
-    """(gallery of (image, caption), note): the gold-loop plots of this store's own runs, if any.
+    """(gallery of (image, caption), heading and note): the gold-loop plots of this store's own runs;
+    with none the section stays hidden (the experiment is the developers', not the annotators').
     Images are served from copies in the temp folder, so no results folder itself is exposed."""
     admin(ctx, request)
     folder = gold_dir(ctx)
     pngs = sorted(folder.glob("*.png")) if folder.is_dir() else []
     if not pngs:
-        return gr.update(value=[], visible=False), (
-            f"No gold-loop results for this store yet (looked in `{folder.name}/` beside the database). "
-            "`python bench/gold_loop.py --quick --publish <that folder>` runs the experiment on tiny models.")
+        return gr.update(value=[], visible=False), gr.update(value="", visible=False)
     try:
         images = [(str(served_copy(png, "rlhf-loop-gold")), png.stem) for png in pngs]
     except OSError as exc:
         raise gr.Error(f"Cannot read the gold-loop plots: {exc}") from None
-    return gr.update(value=images, visible=True), f"Gold-loop plots of this store ({len(images)})."
+    return gr.update(value=images, visible=True), gr.update(visible=True, value=(
+        f"### Gold loop\nPlots of this store's `bench/gold_loop.py` runs ({len(images)}): does the policy "
+        "improve by a judge it never trained on?"))

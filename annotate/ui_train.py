@@ -202,8 +202,7 @@ def models_tab(ctx: AppContext) -> dict:
                             label="Win rates", elem_id="rl-eval-win-rates")
     ev_file = gr.File(label="Results", interactive=False, elem_id="rl-eval-file")
 
-    gr.Markdown("### Gold loop\nPlots of `bench/gold_loop.py`: does the policy improve by a judge it never trained on?")
-    gold_note = gr.Markdown()
+    gold_note = gr.Markdown(visible=False)  # the gold-loop experiment's section: only after a run of this store's
     gallery = gr.Gallery(label="Gold-loop plots", columns=2, height=420, elem_id="rl-gold", visible=False)
 
     opened = [table, pick, a, b, reward, lineage, meta, samples, caption]
