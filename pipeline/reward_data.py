@@ -2,8 +2,9 @@
 
 Formats read (one pair per row, fields prompt / chosen / rejected, optional margin, weight and
 split):
-- JSON Lines (.jsonl, or .json holding JSON lines or one list), Parquet (.parquet), a `datasets`
-  folder (`save_to_disk`; every split of a DatasetDict, by name), or a folder of .parquet/.jsonl;
+- a file as the store's imports read it (formats/rows.py: JSON Lines, JSON, CSV or Parquet), a
+  `datasets` folder (`save_to_disk`; every split of a DatasetDict, by name), or a folder of
+  .parquet/.jsonl files; rows are numbered from 1 (JSONL: the line), as the imports number them;
 - HH-RLHF style rows without a prompt: chosen/rejected are whole transcripts, split at the last
   "\\n\\nAssistant:" (the prompt is the shared prefix up to and including it);
 - TRL's conversational form: prompt a list of {role, content} messages, chosen/rejected a list
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from formats.chat import ASSISTANT_MARK, split_hh
-from pipeline.rundir import read_jsonl
+from formats.rows import RowsError, read_rows
 from pipeline.text import encode_response, pad_rows, prompt_token_ids
 
 
@@ -95,36 +96,26 @@ class EncodeReport:
 # --------------------------------------------------------------------------- reading
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _read_rows(path: Path) -> list[tuple[int, dict]]:
+    """(row number from 1, row) of a pairs file (formats/rows.py), a `datasets` folder (every split
+    of a DatasetDict, by name) or a folder of .parquet/.jsonl files (numbered within each file)."""
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
             from datasets import DatasetDict, load_from_disk
 
             ds = load_from_disk(str(path))
             if isinstance(ds, DatasetDict):  # splits 'train' and maybe 'test' (store/export.py)
-                return [{"split": name, **row} for name, part in ds.items() for row in part.to_list()]
-            return ds.to_list()
+                return list(enumerate(({"split": name, **row} for name, part in ds.items() for row in part.to_list()), 1))
+            return list(enumerate(ds.to_list(), 1))
         files = sorted(p for p in path.iterdir() if p.suffix in (".parquet", ".jsonl"))
         if not files:
             raise PairsError(f"{path}: a folder with no .parquet or .jsonl files and no datasets metadata")
         return [row for f in files for row in _read_rows(f)]
-    if not path.is_file():
-        raise PairsError(f"{path}: no such file or folder")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    if path.suffix not in (".jsonl", ".json"):
-        raise PairsError(f"{path}: unknown pairs format {path.suffix!r} (use .jsonl, .json, .parquet or a datasets folder)")
-    text = path.read_text(encoding="utf-8") if path.suffix == ".json" else ""
-    if text.lstrip().startswith("["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PairsError(f"{path}: not valid JSON ({exc})") from None
     try:
-        return read_jsonl(path)
-    except ValueError as exc:
+        return read_rows(path)
+    except RowsError as exc:
+        if exc.errors == [(None, "the file holds no rows")]:
+            raise PairsError(f"{path}: no pairs (the snapshot is empty)") from None
         raise PairsError(str(exc)) from None
 
 
@@ -195,14 +186,14 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], dict]:
     if not rows:
         raise PairsError(f"{path}: no pairs (the snapshot is empty)")
     pairs, identical = [], []
-    for i, row in enumerate(rows):
-        pair = _row_to_pair(row, f"{path}, row {i}", i)
+    for i, (n, row) in enumerate(rows):
+        pair = _row_to_pair(row, f"{path}, row {n}", i)
         if pair.chosen.strip() == pair.rejected.strip():
-            identical.append(i)
+            identical.append(n)
             continue
         for name in ("chosen", "rejected"):
             if not getattr(pair, name).strip():
-                raise PairsError(f"{path}, row {i}, field '{name}': empty response")
+                raise PairsError(f"{path}, row {n}, field '{name}': empty response")
         pairs.append(pair)
     if not pairs:
         raise PairsError(f"{path}: all {len(rows)} pairs have chosen == rejected; nothing to learn from")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from formats.rows import RowsError
+
 
 class StoreError(Exception):
     """Base class of every error the store raises on purpose."""
@@ -28,22 +30,11 @@ class InvalidRequest(StoreError, ValueError):
     """A write was refused because its arguments are inconsistent (nothing was stored)."""
 
 
-class DataError(StoreError, ValueError):
+class DataError(StoreError, RowsError):
     """A file was refused: `errors` lists (row, problem) pairs; nothing from the file was stored.
 
     `row` is the 1-based line number for JSONL, the 1-based data row for CSV (the header is not
-    counted) and Parquet, or None for problems with the whole file.
+    counted) and Parquet, or None for problems with the whole file (formats/rows.py).
     """
 
-    def __init__(self, path: str, errors: list[tuple[int | None, str]], *, more: int = 0):
-        self.path = str(path)
-        self.errors = list(errors)
-        self.more = more
-        shown = "; ".join(_where(row) + problem for row, problem in self.errors[:5])
-        extra = len(self.errors) - 5 + more
-        tail = f" (and {extra} more)" if extra > 0 else ""
-        super().__init__(f"{self.path}: {shown}{tail}; nothing from this file was stored")
-
-
-def _where(row: int | None) -> str:
-    return "" if row is None else f"row {row}: "
+    tail = "; nothing from this file was stored"

@@ -1,30 +1,24 @@
 """Reading import files into checked rows: pure functions, no database.
 
-`read_rows(path)` reads a JSON Lines, JSON (one array), CSV or Parquet file (chosen by the
-extension) into (row number, row dict) pairs; the checks below turn a row's fields into stored
-form, recording every problem in a `Problems` (which raises one DataError listing them all).
-Rows are counted from 1: JSONL by line, CSV by data row (header not counted), Parquet by row.
-store/io.py, store/import_items.py, store/labelstudio.py and gold imports (store/gold.py) read
-through this module; what a file's rows mean is theirs.
+`read_rows(path)` reads a file into (row number, row dict) pairs (formats/rows.py: JSON Lines,
+JSON, CSV or Parquet); the checks below turn a row's fields into stored form, recording every
+problem in a `Problems` (which raises one DataError listing them all). store/io.py,
+store/import_items.py, store/labelstudio.py and gold imports (store/gold.py) read through this
+module; what a file's rows mean is theirs.
 """
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import io as _io
 import json
 from pathlib import Path
 
+from formats import rows
 from formats.chat import check_messages, messages_to_text
+from formats.rows import DEFAULT_MAX_BYTES, file_sha256  # noqa: F401 (the store's readers use them from here)
 from store.errors import DataError
 
-DEFAULT_MAX_BYTES = 256 * 1024 * 1024
-"""Files over this size are refused (pass max_bytes to raise it)."""
 DEFAULT_MAX_CHARS = 100_000
 """A prompt or reply over this many characters is refused (pass max_chars to raise it)."""
-MAX_ERRORS = 50
-"""Problems collected before giving up on a file."""
 MIN_RESPONSES, MAX_RESPONSES = 2, 16
 """How many responses an imported item to rank holds (store/import_items.py)."""
 MAX_MODEL_CHARS = 200
@@ -33,142 +27,16 @@ MAX_MODEL_CHARS = 200
 # ---------------------------------------------------------------- reading files
 
 
-class Problems:
+class Problems(rows.Problems):
     """Collects (row, problem) pairs; raises DataError once there are any (or too many)."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.items: list[tuple[int | None, str]] = []
-        self.more = 0
-
-    def add(self, row: int | None, problem: str) -> None:
-        if len(self.items) < MAX_ERRORS:
-            self.items.append((row, problem))
-        else:
-            self.more += 1
-
-    def raise_if_any(self) -> None:
-        if self.items:
-            raise DataError(str(self.path), self.items, more=self.more)
+    error = DataError
 
 
 def read_rows(path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[int, dict]]:
-    """(row number, row dict) for every row of a JSONL, JSON, CSV or Parquet file.
+    """(row number, row dict) for every row of a JSONL, JSON, CSV or Parquet file (formats/rows.py).
     Raises DataError for an unreadable file (missing, too big, bad encoding, unparseable rows)."""
-    path = Path(path)
-    problems = Problems(path)
-    if not path.is_file():
-        raise DataError(str(path), [(None, "no such file")])
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise DataError(str(path), [(None, f"the file has {size:,} bytes, over the limit of {max_bytes:,} bytes")])
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson", ".json"):
-        rows = _read_json(path, problems)
-    elif suffix == ".csv":
-        rows = _read_csv(path, problems)
-    elif suffix in (".parquet", ".pq"):
-        rows = _read_parquet(path, problems)
-    else:
-        raise DataError(str(path), [(None, f"unknown file type {suffix!r}: use .jsonl, .json, .csv or .parquet")])
-    problems.raise_if_any()
-    if not rows:
-        raise DataError(str(path), [(None, "the file holds no rows")])
-    return rows
-
-
-def _read_json(path: Path, problems: Problems) -> list[tuple[int, dict]]:
-    raw = path.read_bytes()
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte order mark
-    if path.suffix.lower() == ".json" and raw.lstrip()[:1] == b"[":
-        text = _decode(raw, problems)
-        if text is None:
-            return []
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            problems.add(None, f"not valid JSON: {exc}")
-            return []
-        rows = list(enumerate(data, 1))
-    else:
-        rows = []
-        for n, line in enumerate(raw.split(b"\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                problems.add(n, f"invalid UTF-8 at byte {exc.start} of the line")
-                continue
-            try:
-                rows.append((n, json.loads(text)))
-            except json.JSONDecodeError as exc:
-                problems.add(n, f"not valid JSON: {exc.msg} (column {exc.colno})")
-    out = []
-    for n, obj in rows:
-        if isinstance(obj, dict):
-            out.append((n, obj))
-        else:
-            problems.add(n, f"expected a JSON object, got {type(obj).__name__}")
-    return out
-
-
-def _decode(raw: bytes, problems: Problems) -> str | None:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        problems.add(None, f"invalid UTF-8 at byte {exc.start} (line {line} of the file)")
-        return None
-
-
-def _read_csv(path: Path, problems: Problems) -> list[tuple[int, dict]]:
-    raw = path.read_bytes()
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
-    text = _decode(raw, problems)
-    if text is None:
-        return []
-    try:
-        reader = csv.DictReader(_io.StringIO(text, newline=""))
-        rows = []
-        for n, row in enumerate(reader, 1):
-            if None in row:
-                problems.add(n, "more cells than header columns")
-                continue
-            if "messages" in row and row["messages"]:
-                try:
-                    row["messages"] = json.loads(row["messages"])
-                except json.JSONDecodeError as exc:
-                    problems.add(n, f"'messages' is not valid JSON: {exc.msg}")
-                    continue
-            rows.append((n, {k: v for k, v in row.items() if v is not None}))
-        return rows
-    except csv.Error as exc:
-        problems.add(None, f"not valid CSV: {exc}")
-        return []
-
-
-def _read_parquet(path: Path, problems: Problems) -> list[tuple[int, dict]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as exc:
-        problems.add(None, f"not a readable Parquet file: {exc}")
-        return []
-    return list(enumerate(table.to_pylist(), 1))
-
-
-def file_sha256(path) -> str:
-    """SHA-256 (hex) of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return rows.read_rows(path, max_bytes=max_bytes, problems=Problems(Path(path)))
 
 
 # ---------------------------------------------------------------- checking rows

@@ -82,27 +82,46 @@ def test_bad_input_names_file_row_and_field(tmp_path):
         read_pairs(empty)
     rows = marker_pairs(3)
     del rows[2]["rejected"]
-    with pytest.raises(PairsError, match=r"bad.jsonl, row 2: missing field 'rejected'"):
+    with pytest.raises(PairsError, match=r"bad.jsonl, row 3: missing field 'rejected'"):
         read_pairs(write_jsonl(tmp_path / "bad.jsonl", rows))
     rows = marker_pairs(2)
     rows[1]["margin"] = "high"
-    with pytest.raises(PairsError, match=r"row 1, field 'margin'"):
+    with pytest.raises(PairsError, match=r"row 2, field 'margin'"):
         read_pairs(write_jsonl(tmp_path / "margin.jsonl", rows))
     bad_prompt = [{"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"}]
-    with pytest.raises(PairsError, match=r"row 0, field 'prompt': message 0"):
+    with pytest.raises(PairsError, match=r"row 1, field 'prompt': message 0"):
         read_pairs(write_jsonl(tmp_path / "conv.jsonl", bad_prompt))
     (tmp_path / "broken.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n')
-    with pytest.raises(PairsError, match="broken.jsonl, line 2: not valid JSON"):
+    with pytest.raises(PairsError, match="broken.jsonl: row 2: not valid JSON"):
         read_pairs(tmp_path / "broken.jsonl")
     with pytest.raises(PairsError, match="no such file"):
         read_pairs(tmp_path / "missing.jsonl")
+
+
+def test_pairs_files_are_read_as_the_store_imports_read_them(tmp_path):
+    """One reader (formats/rows.py): a CSV the Data tab imports also trains, rows numbered alike."""
+    import csv
+
+    path = tmp_path / "pairs.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt", "chosen", "rejected"])
+        w.writerows([["q1", "good, with a comma", "bad"], ["q2", "yes", ""]])
+    with pytest.raises(PairsError, match=r"pairs.csv, row 2, field 'rejected': empty response"):
+        read_pairs(path)
+    path.write_bytes(path.read_bytes().replace(b"yes,\r\n", b"yes,no\r\n"))
+    pairs, report = read_pairs(path)
+    assert [(p.prompt, p.chosen, p.rejected) for p in pairs] == [("q1", "good, with a comma", "bad"),
+                                                                  ("q2", "yes", "no")]
+    with pytest.raises(PairsError, match=r"pairs.txt: unknown file type"):
+        read_pairs(path.rename(tmp_path / "pairs.txt"))
 
 
 def test_identical_pairs_are_dropped_and_counted_or_refused(tmp_path):
     rows = marker_pairs(4)
     rows[1]["rejected"] = rows[1]["chosen"] + "  "
     pairs, report = read_pairs(write_jsonl(tmp_path / "p.jsonl", rows))
-    assert len(pairs) == 3 and report["dropped_identical"] == 1 and report["dropped_identical_rows"] == [1]
+    assert len(pairs) == 3 and report["dropped_identical"] == 1 and report["dropped_identical_rows"] == [2]
     same = [{"prompt": "q", "chosen": "a", "rejected": "a"}] * 2
     with pytest.raises(PairsError, match="all 2 pairs have chosen == rejected"):
         read_pairs(write_jsonl(tmp_path / "same.jsonl", same))
@@ -406,7 +425,7 @@ def test_weight_column_is_read_and_checked(tmp_path, tiny_tokenizer):
         rows[1]["weight"] = bad
         path = tmp_path / "bad.jsonl"
         path.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
-        with pytest.raises(PairsError, match=r"bad.jsonl, row 1, field 'weight': expected a positive finite number"):
+        with pytest.raises(PairsError, match=r"bad.jsonl, row 2, field 'weight': expected a positive finite number"):
             read_pairs(path)
 
 
