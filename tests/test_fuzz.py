@@ -2,7 +2,8 @@
 conversational, HH transcripts, items to rank, Label Studio exports, garbage bytes), the export filters, every admin handler, and every
 HTTP endpoint with random arguments. Each bad input must get a clear error naming the problem
 (gr.Error / DataError / InvalidRequest, never a crash), and leave the store unchanged (a checksum
-of every table). Bounded: each test has its max_examples and deadline; all of them together take
+of every table); an accepted file must have stored exactly the rows its result counts, and be
+refused the second time. Bounded: each test has its max_examples and deadline; all of them together take
 well under a minute."""
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ FIELDS = ["prompt", "messages", "chosen", "rejected", "margin", "source", "text"
 IMPORTERS = {"prompts": io.import_prompts, "pairs": io.import_pairs,
              "items": lambda store, path: import_items(store, path),
              "labelstudio": lambda store, path: import_items(store, path, fmt="labelstudio")}
-rows = st.lists(st.dictionaries(st.sampled_from(FIELDS), values, max_size=5), min_size=0, max_size=4)
+words = st.text(alphabet="abc xyz", min_size=1, max_size=10).filter(str.strip)
+good = st.fixed_dictionaries({"prompt": words, "chosen": words, "rejected": words,
+                              "responses": st.lists(words, min_size=2, max_size=3, unique=True)})
+"""A row every importer but Label Studio's can accept (a pair's chosen may equal its rejected)."""
+rows = st.one_of(st.lists(st.dictionaries(st.sampled_from(FIELDS), values, max_size=5), min_size=0, max_size=4),
+                 st.lists(good, min_size=1, max_size=3))
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +130,29 @@ def test_fuzz_importers(ctx, tmp_path, data, fmt, kind):
     if not _write(path, fmt, data):
         return
     fn = IMPORTERS[kind]
-    exc = _unchanged_unless_ok(ctx, lambda: fn(ctx.store, path), allowed=(DataError,))
+    before, result = _counts(ctx.store), {}
+    exc = _unchanged_unless_ok(ctx, lambda: result.update(fn(ctx.store, path)), allowed=(DataError,))
     if exc is not None:
         assert exc.errors and all(isinstance(p, str) and p for _, p in exc.errors)
         assert str(path) in str(exc) and "nothing from this file was stored" in str(exc)
+        return
+    # accepted: every row stored, as the result says, and nothing else
+    assert result["rows"] == len(data)
+    grew = {t: n - before[t] for t, n in _counts(ctx.store).items()}
+    if kind == "prompts":
+        assert grew == {"prompts": result["added"], "items": 0, "pairs": 0}
+        assert result["added"] + result["duplicates"] == len(data)
+    else:
+        assert grew == {"prompts": result["prompts_added"], "items": len(data), "pairs": result["pairs"]}
+        assert kind != "pairs" or result["pairs"] == len(data)
+        # the same file again is refused, naming it, and changes nothing
+        again = _unchanged_unless_ok(ctx, lambda: fn(ctx.store, path), allowed=(DataError,))
+        assert again is not None and "already imported" in str(again)
+
+
+def _counts(store) -> dict[str, int]:
+    cur = store.cursor()
+    return {t: cur.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("prompts", "items", "pairs")}
 
 
 @settings(max_examples=30, **BOUNDED)
