@@ -292,7 +292,8 @@ def write_report(folder: Path) -> Path:
         f"{s['patience']}, at most {s['max_epochs']} epochs); the best epoch is the proxy.",
         f"- PPO: {s['ppo']['steps']} steps of {s['ppo']['batch_size']} episodes ({s['ppo']['ppo_epochs']} "
         f"epoch(s) of minibatches of {s['ppo']['mini_batch_size']}; the first "
-        f"{s['ppo'].get('critic_warmup_steps', 0)} train the critic only), lr {s['ppo']['lr']}, critic lr "
+        f"{s['ppo'].get('critic_warmup_steps', 0)} train the critic only; GAE lambda {s['ppo']['lam']}, the critic's "
+        f"targets' {s['ppo'].get('critic_lam', s['ppo']['lam'])}), lr {s['ppo']['lr']}, critic lr "
         f"{s['ppo']['critic_lr']}, temperature "
         f"{s['ppo']['temperature']}, missing-EOS penalty {s['ppo']['missing_eos_penalty']}, reference = the "
         f"base model. DPO: `{json.dumps(s['dpo'])}` on the proxy's training pairs. "

@@ -496,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--heldout-fraction", type=float, default=0.25)
     add("--bon", type=_sizes, default=None, help="best-of-n sizes, e.g. 1,2,4,8,16 (none: skip)")
     for name, kind in (("prompts-per-round", int), ("ppo-steps", int), ("eval-samples", int), ("eval-prompts", int),
-                       ("dpo-epochs", int), ("ppo-prompts", int), ("ppo-epochs", int), ("critic-warmup-steps", int)):
+                       ("dpo-epochs", int), ("ppo-prompts", int), ("ppo-epochs", int), ("critic-warmup-steps", int),
+                       ("critic-lam", float)):
         add(f"--{name}", type=kind, default=0, help=f"override the {name.replace('-', ' ')}")
     add("--kl-target", type=float, default=0.0, help="the adaptive arm's KL target in nats (default 2)")
     add("--threads", type=int, default=1)
@@ -519,7 +520,8 @@ def configure(args) -> SeedsConfig:
     for value, target, attr in ((args.prompts_per_round, s.loop, "prompts_per_round"), (args.ppo_steps, s.ppo, "steps"),
                                 (args.eval_samples, exp.eval, "samples"), (args.ppo_prompts, s, "ppo_prompts"),
                                 (args.ppo_epochs, s.ppo, "ppo_epochs"),
-                                (args.critic_warmup_steps, s.ppo, "critic_warmup_steps")):
+                                (args.critic_warmup_steps, s.ppo, "critic_warmup_steps"),
+                                (args.critic_lam, s.ppo, "critic_lam")):
         if value:
             setattr(target, attr, value)
     if args.eval_prompts:

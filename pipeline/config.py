@@ -145,10 +145,11 @@ class PPOConfig:
     """Linear learning-rate decay to zero over `steps` (the policy's over the steps after the warm-up)."""
     critic_warmup_steps: int = 0
     """The first N of `steps` train only the critic (OpenRLHF's --freezing_actor_steps): the policy,
-    its learning-rate schedule and the KL controller wait. A critic taken from the reward model is
-    right at the end of a response only (its head learned to score there); at every earlier token
-    it starts far off (SmolLM2 in the gold experiment: values -4.5 against rewards of -0.5), and
-    until it catches up its advantages are mostly its own error."""
+    its learning-rate schedule and the KL controller wait, and the value loss is not clipped (the
+    policy stands still; VC-PPO's value pretraining, Yuan et al. 2025). A critic taken from the
+    reward model is right at the end of a response only (its head learned to score there); at every
+    earlier token it starts far off (SmolLM2 in the gold experiment: values -4.5 against rewards of
+    -0.5), and until it catches up its advantages are mostly its own error."""
     max_new_tokens: int = 48
     """Response length limit during rollout."""
     temperature: float = 0.7
@@ -168,7 +169,11 @@ class PPOConfig:
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 0.95
-    """GAE lambda."""
+    """GAE lambda of the policy's advantages."""
+    critic_lam: float = 0.95
+    """GAE lambda of the critic's return targets (decoupled GAE, Yuan et al. 2025, VC-PPO). At 1.0
+    a target is the episode's sum of rewards from there, whatever the critic predicts: a critic
+    that starts far off (`critic_warmup_steps`) learns from the rewards, not from its own values."""
     cliprange: float = 0.2
     """Policy ratio clip epsilon."""
     cliprange_value: float = 0.2

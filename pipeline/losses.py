@@ -281,14 +281,17 @@ def value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
-    cliprange_value: float,
+    cliprange_value: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss, 0.5 * masked mean of max((V - R)^2, (V_clip - R)^2), as TRL and OpenRLHF.
 
     All inputs (B, T). V_clip = V_old + clip(V - V_old, +-cliprange_value) keeps the critic from
     moving far from its rollout-time predictions in one update. Returns (loss, clipfrac), clipfrac
-    = fraction of tokens where the clipped term was the larger (detached).
+    = fraction of tokens where the clipped term was the larger (detached). cliprange_value None:
+    the plain 0.5 * masked mean of (V - R)^2, clipfrac 0.
     """
+    if cliprange_value is None:
+        return 0.5 * masked_mean((values - returns) ** 2, mask), torch.zeros((), device=values.device)
     clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     losses1 = (values - returns) ** 2  # (B, T)
     losses2 = (clipped - returns) ** 2  # (B, T)

@@ -233,7 +233,8 @@ def kl_shaped_advantages(ro: Rollout, raw_score: torch.Tensor, cfg, beta: float)
       off at the length limit (TRL's missing_eos_penalty);
     - kl_t = k1 or k3 of pi_old vs the reference, r_t = -beta * kl_t with the score added on the last
       real token (Ziegler et al. 2019), optionally whitened (TRL's whiten_rewards: scale only);
-    - GAE over real response tokens, advantages whitened (masked), returns = advantages + values.
+    - GAE over real response tokens, advantages whitened (masked), returns = advantages + values
+      (the critic's targets with GAE at cfg.critic_lam when it differs from cfg.lam).
     Every position past EOS is 0 in kl, rewards and advantages, whatever the inputs hold there.
     """
     mask = ro.mask
@@ -244,6 +245,8 @@ def kl_shaped_advantages(ro: Rollout, raw_score: torch.Tensor, cfg, beta: float)
     if cfg.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
     advantages, returns = gae(rewards, ro.values, mask, cfg.gamma, cfg.lam)  # (B, R) each
+    if cfg.critic_lam != cfg.lam:  # decoupled GAE: the critic's targets at their own lambda
+        _, returns = gae(rewards, ro.values, mask, cfg.gamma, cfg.critic_lam)
     advantages = masked_whiten(advantages, mask) * mask
     return Advantages(score=score, kl=kl, kl_seq=kl.sum(1), rewards=rewards, advantages=advantages,
                       returns=returns)

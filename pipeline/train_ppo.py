@@ -298,7 +298,10 @@ def micro_batch_backward(run, ro: Rollout, adv, micro: torch.Tensor, w: torch.Te
             if first:
                 stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
         v = run.critic_w(critic_values, pr)  # (b, R)
-        vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], adv.returns[micro], m, cfg.cliprange_value)
+        # value clipping keeps the critic near its rollout-time values while the policy moves; in the
+        # warm-up the policy stands still and the critic is fitted plainly (VC-PPO's value pretraining)
+        clip = cfg.cliprange_value if train_policy else None
+        vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], adv.returns[micro], m, clip)
     (w * dist.loss_scale * (loss + cfg.vf_coef * vf_loss)).backward()
     for key, val in {**figures, "val/loss": vf_loss, "val/clipfrac": vf_clipfrac}.items():
         stats[key] += float(w * val.detach())

@@ -122,6 +122,23 @@ def test_post_eos_positions_are_masked_in_rewards_and_advantages():
     assert a.kl_seq.tolist() == pytest.approx([1.0, 0.0 + 1 + 0 + 0 - 0.5])
 
 
+def test_critic_targets_at_lambda_one_are_the_rewards_to_go_whatever_the_values():
+    """Decoupled GAE: with critic_lam = 1 (gamma 1) the critic's target at each token is the sum of
+    the rewards from there on, however far off the values are; the policy's advantages keep lam."""
+    cfg = PPOConfig(missing_eos_penalty=0.0, gamma=1.0, lam=0.95, critic_lam=1.0)
+    score = torch.tensor([2.0, 3.0])
+    off = _rollout(values_tail=0.0, logp_tail=0.0)
+    far = _rollout(values_tail=0.0, logp_tail=0.0)
+    far.values[:] = -40.0 * far.mask  # a critic far off at every real token
+    a, b = (kl_shaped_advantages(r, score, cfg, beta=0.1) for r in (off, far))
+    to_go = a.rewards.flip(1).cumsum(1).flip(1) * off.mask  # (B, R) rewards to go
+    for x in (a, b):
+        torch.testing.assert_close(x.returns, to_go)
+    coupled = kl_shaped_advantages(off, score, PPOConfig(missing_eos_penalty=0.0, gamma=1.0, lam=0.95), beta=0.1)
+    torch.testing.assert_close(a.advantages, coupled.advantages)  # the policy's side is unchanged
+    assert not torch.allclose(coupled.returns, to_go)
+
+
 def test_reward_clip_then_penalty():
     cfg = PPOConfig(missing_eos_penalty=0.5, reward_clip=1.0)
     out = kl_shaped_advantages(_rollout(0.0, 0.0), torch.tensor([5.0, -5.0]), cfg, beta=0.0)
@@ -282,6 +299,7 @@ def test_critic_warmup_trains_the_critic_alone_then_the_policy(tmp_path, ppo_mod
         assert r["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # sampled by the untouched policy
         assert r["policy/lr"] == 0.0 and "policy/loss" not in r and "policy/grad_norm" not in r
         assert r["kl/beta"] == r["kl/beta_next"] == 0.2 and r["val/loss"] > 0
+        assert r["val/clipfrac"] == 0.0  # fitted plainly while the policy stands still
     assert frozen[1]["val/value_mean"] != frozen[0]["val/value_mean"]  # the critic did train
     assert trained[0]["policy/lr"] == lr and trained[1]["policy/lr"] == pytest.approx(lr / 2)
     assert trained[0]["kl/beta_next"] != 0.2 and trained[1]["objective/kl"] > 0.01
