@@ -289,6 +289,26 @@ def train_eval_pairs(pairs: list[Pair], data_report: dict, eval_data: str, eval_
     return split_by_prompt(pairs, eval_fraction, seed)
 
 
+def train_eval_data(data, eval_data: str, eval_fraction: float, seed: int) -> tuple[list[Pair], list[Pair], dict]:
+    """Phase 1 of train-reward and train-dpo: (train pairs, held-out pairs, data report) of a pairs
+    file (`read_pairs`, then `train_eval_pairs`); no training pair left is a ValueError."""
+    pairs, data_report = read_pairs(data)
+    train_pairs, eval_pairs = train_eval_pairs(pairs, data_report, eval_data, eval_fraction, seed)
+    if not train_pairs:
+        raise ValueError(f"{data}: no training pairs left after holding out {eval_fraction:.0%} of prompts")
+    return train_pairs, eval_pairs, data_report
+
+
+def pair_weights(items: list[EncodedPair], use_weights: bool) -> list[float] | None:
+    """Each training pair's weight over their mean, or None for the plain loss (weights off, or one
+    weight for every pair, judged on the raw weights: bit for bit the unweighted loss). mean(w * loss)
+    keeps the plain loss's scale and each batch its pairs' share of the whole data's weight."""
+    if not use_weights or len({it.weight for it in items}) == 1:
+        return None
+    mean_w = sum(it.weight for it in items) / len(items)
+    return [it.weight / mean_w for it in items]
+
+
 # --------------------------------------------------------------------------- batching
 
 

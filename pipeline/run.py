@@ -20,6 +20,8 @@ holds what every trainer does around them, written once so a fix reaches all of 
                                The algorithm gives one function: a step's micro-batches in, the
                                step's metrics out (TRL's compute_loss idea, without a class).
     cancelled(...)             save, wait for rank 0, mark the run 'cancelled' (--resume continues)
+    adamw_schedule(...)        AdamW and the linear decay over the run's steps (how many: here)
+    run_report(...)            eval_report.json's common part: time, steps, data, truncation
 
 PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `recover`.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -187,6 +190,33 @@ def cancelled(out_dir: Path, steps: Steps, total: int, save: Callable[[int], Non
     return {"state": "cancelled", "step": steps.step, "total": total}
 
 
+def adamw_schedule(params: list, lr: float, n_items: int, cfg) -> tuple[torch.optim.Optimizer, object, int, int]:
+    """(optimiser, scheduler, steps per epoch, total steps) of a pairs trainer: AdamW without weight
+    decay, the learning rate decaying linearly to 0 over the run (TRL's default); one step =
+    cfg.grad_accum batches of cfg.batch_size, cfg.epochs epochs, at most cfg.max_steps (when > 0)."""
+    steps_per_epoch = math.ceil(math.ceil(n_items / cfg.batch_size) / cfg.grad_accum)
+    total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps > 0:
+        total = min(total, cfg.max_steps)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
+    return optimizer, scheduler, steps_per_epoch, total
+
+
+def run_report(steps: Steps, data_report: dict, max_length: int, truncations: tuple, sequences: int) -> dict:
+    """The part of eval_report.json every pairs trainer writes: time, steps, data, truncation
+    (`truncations`: the train and held-out EncodeReports)."""
+    return {"train/seconds": steps.seconds, "train/cpu_seconds": steps.cpu_seconds,
+            "train/pairs_per_s": steps.pairs / max(steps.seconds, 1e-9), "steps": steps.step, "data": data_report,
+            "truncation": {
+                "max_length": max_length,
+                "prompt_truncated": sum(t.prompt_truncated for t in truncations),
+                "response_truncated": sum(t.response_truncated for t in truncations),
+                "sequences": sequences,
+                "longest_tokens": max(t.max_tokens_seen for t in truncations),
+                "example_rows": [row for t in truncations for row in t.examples][:10]}}
+
+
 def resume_from(out_dir: Path, scheduler, load_optimizer: Callable[[dict], None]) -> int:
     """Restore optimiser (by the caller's loader: sharded or not) and scheduler from trainer_state.pt;
     the metrics logged after that save are dropped (those steps are trained again). Returns the step."""
@@ -198,4 +228,4 @@ def resume_from(out_dir: Path, scheduler, load_optimizer: Callable[[dict], None]
 
 
 __all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "run_steps",
-           "cancelled", "resume_from"]
+           "cancelled", "resume_from", "adamw_schedule", "run_report"]

@@ -53,7 +53,6 @@ checkpoints gather the whole weights on rank 0.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -68,10 +67,10 @@ from formats.hashing import snapshot_sha256
 from pipeline.models import autocast, checkpointing, pick_dtype
 from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference, trainable
 from pipeline.saving import save_whole_policy
-from pipeline.reward_data import encode_pairs, read_pairs, train_eval_pairs
+from pipeline.reward_data import encode_pairs, pair_weights, train_eval_data
 from pipeline.rollout import attn_ratio
-from pipeline.run import (STATE_FILE, cancelled, claim, guarded, optimizer_step, recover, resume_from, run_steps,
-                          save_state)
+from pipeline.run import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover, resume_from,
+                          run_report, run_steps, save_state)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_json, write_status
 from pipeline.tracking import add_report_to
 
@@ -127,10 +126,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     torch.manual_seed(cfg.seed)
 
     # 1. Data: the pairs train-reward reads, held-out pairs as it chooses them.
-    pairs, data_report = read_pairs(data)
-    train_pairs, eval_pairs = train_eval_pairs(pairs, data_report, cfg.eval_data, cfg.eval_fraction, cfg.seed)
-    if not train_pairs:
-        raise ValueError(f"{data}: no training pairs left after holding out {cfg.eval_fraction:.0%} of prompts")
+    train_pairs, eval_pairs, data_report = train_eval_data(data, cfg.eval_data, cfg.eval_fraction, cfg.seed)
 
     # 2. Policy and reference: the reference is made before any checkpoint is loaded (the start).
     model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
@@ -146,12 +142,8 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     # some ranks only, and a prefix's keys and values reused by a batch fail FSDP2's backward
     share_prefix = not checkpointing(model) and not dist.sharded
     amp = lambda: autocast(device, dtype)  # noqa: E731
-    # Pair weights over the training pairs' mean, as train-reward's: mean(w * loss) keeps the plain
-    # loss's scale and each batch its pairs' share of the data's weight; no column, or one weight
-    # for every pair, is None: the plain loss, bit for bit.
-    mean_w = sum(it.weight for it in train_items) / len(train_items)
-    weighted = cfg.use_weights and len({it.weight for it in train_items}) > 1
-    weights = [it.weight / mean_w for it in train_items] if weighted else None
+    weights = pair_weights(train_items, cfg.use_weights)  # None: the plain loss, as train-reward's
+    weighted = weights is not None
     if not resume:
         write_json(out_dir / "config.json", {
             "stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg), "data": str(data),
@@ -161,16 +153,11 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
             "processes": dist.world, "weighted": weighted})
 
     # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
-    steps_per_epoch = math.ceil(math.ceil(len(train_items) / cfg.batch_size) / cfg.grad_accum)
-    total = steps_per_epoch * cfg.epochs
-    if cfg.max_steps > 0:
-        total = min(total, cfg.max_steps)
     if reference.frozen is not None:  # full fine-tuning: a copy as large as the policy, sharded alike
         dist.shard_frozen(reference.frozen)
     wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
     params = trainable(model)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
+    optimizer, scheduler, steps_per_epoch, total = adamw_schedule(params, cfg.lr, len(train_items), cfg)
     step = resume_from(out_dir, scheduler, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
 
     def save(step: int) -> None:  # every rank calls it (sharded weights are gathered), rank 0 writes
@@ -240,12 +227,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     full = {
         **report, "train/pairs": len(train_items), "train/weighted": weighted,
         "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
-        "train/seconds": done.seconds, "train/cpu_seconds": done.cpu_seconds,
-        "train/pairs_per_s": done.pairs / max(done.seconds, 1e-9), "steps": step, "data": data_report,
-        "truncation": {"max_length": cfg.max_length,
-                       "prompt_truncated": trunc_train.prompt_truncated + trunc_eval.prompt_truncated,
-                       "response_truncated": trunc_train.response_truncated + trunc_eval.response_truncated,
-                       "sequences": 2 * (len(train_items) + len(eval_items))},
+        **run_report(done, data_report, cfg.max_length, (trunc_train, trunc_eval), 2 * (len(train_items) + len(eval_items))),
         "policy": str(out_dir / "policy"),
     }
     write_json(out_dir / "eval_report.json", full)

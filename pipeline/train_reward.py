@@ -53,7 +53,6 @@ It prints the held-out accuracy beside the longer-response baseline and the cali
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -66,10 +65,10 @@ from pipeline.losses import center_loss, weighted_pairwise_loss
 from pipeline.models import (
     autocast, load_scalar_model, pick_dtype, resolve_model_path,
 )
-from pipeline.reward_data import encode_pairs, read_pairs, train_eval_pairs
+from pipeline.reward_data import encode_pairs, pair_weights, train_eval_data
 from pipeline.reward_eval import evaluate, forward_pairs, normalisation_stats
-from pipeline.run import (STATE_FILE, cancelled, claim, guarded, optimizer_step, recover, resume_from, run_steps,
-                          save_state)
+from pipeline.run import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover, resume_from,
+                          run_report, run_steps, save_state)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_json, write_status
 from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
@@ -147,10 +146,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
 
     # 1. Data: read, drop identical pairs; held-out pairs from --eval-data, the snapshot's 'test'
     #    split, or eval_fraction of the prompts.
-    pairs, data_report = read_pairs(data)
-    train_pairs, eval_pairs = train_eval_pairs(pairs, data_report, cfg.eval_data, cfg.eval_fraction, cfg.seed)
-    if not train_pairs:
-        raise ValueError(f"{data}: no training pairs left after holding out {cfg.eval_fraction:.0%} of prompts")
+    train_pairs, eval_pairs, data_report = train_eval_data(data, cfg.eval_data, cfg.eval_fraction, cfg.seed)
 
     # 2. Model: a new reward head on the base model, a previous reward model (--init-from), or this
     #    run's own checkpoint (--resume).
@@ -175,14 +171,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         })
 
     # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
-    steps_per_epoch = math.ceil(math.ceil(len(train_items) / cfg.batch_size) / cfg.grad_accum)
-    total = steps_per_epoch * cfg.epochs
-    if cfg.max_steps > 0:
-        total = min(total, cfg.max_steps)
     wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
+    optimizer, scheduler, steps_per_epoch, total = adamw_schedule(params, cfg.lr, len(train_items), cfg)
     step = resume_from(out_dir, scheduler, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
 
     def save(step: int, norm: dict | None = None) -> None:  # every rank calls it, rank 0 writes
@@ -195,12 +186,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
     lengths = [it.length for it in train_items]
-    # Pair weights over their mean: mean(w * loss) / mean(w), so unweighted data (None) trains on
-    # exactly the plain loss and every batch keeps its pairs' share of the whole data's weight.
-    mean_w = sum(it.weight for it in train_items) / len(train_items)
-    weights = [it.weight / mean_w for it in train_items]
-    equal = len({it.weight for it in train_items}) == 1  # (judged on the raw weights: no rounding)
-    weights = weights if cfg.use_weights and not equal else None
+    weights = pair_weights(train_items, cfg.use_weights)  # None: the plain loss
     model.train()
 
     def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
@@ -278,17 +264,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         "train/pairs": len(train_items), "train/weighted": weights is not None,
         "train/prompts": len({str(p.prompt) for p in train_pairs}),
         "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
-        "train/seconds": done.seconds, "train/cpu_seconds": done.cpu_seconds,
-        "train/pairs_per_s": done.pairs / max(done.seconds, 1e-9),
-        "steps": step, "data": data_report,
-        "truncation": {
-            "max_length": cfg.max_length,
-            "prompt_truncated": trunc_train.prompt_truncated + trunc_eval.prompt_truncated,
-            "response_truncated": trunc_train.response_truncated + trunc_eval.response_truncated,
-            "sequences": 2 * (len(train_items) + len(eval_items)),
-            "longest_tokens": max(trunc_train.max_tokens_seen, trunc_eval.max_tokens_seen),
-            "example_rows": (trunc_train.examples + trunc_eval.examples)[:10],
-        },
+        **run_report(done, data_report, cfg.max_length, (trunc_train, trunc_eval), 2 * (len(train_items) + len(eval_items))),
         "checkpoint": str(out_dir / "checkpoint"),
     }
     write_json(out_dir / "eval_report.json", full)
