@@ -39,8 +39,9 @@ chromium:
 app: setup
 	$(BIN)/python app.py
 
+# PYTEST_ARGS: more options, e.g. `make test PYTEST_ARGS="--shuffle 7"` (any order must pass)
 test: setup chromium
-	$(BIN)/python -m pytest -p no:cacheprovider
+	$(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow and not browser"

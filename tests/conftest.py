@@ -14,8 +14,26 @@ from tests.fixtures_store import *  # noqa: E402,F401,F403
 from tests.fixtures_models import *  # noqa: E402,F401,F403
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shuffle", type=int, default=None, metavar="SEED",
+                     help="run the modules in a seeded random order, and each module's tests in one too "
+                          "(module fixtures are still built once): every test must pass in any order")
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip cleanly on machines without CUDA."""
+    """--shuffle SEED reorders the tests; GPU tests skip cleanly on machines without CUDA."""
+    seed = config.getoption("--shuffle")
+    if seed is not None:
+        import random
+
+        rng, modules = random.Random(seed), {}
+        for item in items:
+            modules.setdefault(item.module.__name__, []).append(item)
+        blocks = list(modules.values())
+        rng.shuffle(blocks)
+        for block in blocks:
+            rng.shuffle(block)
+        items[:] = [item for block in blocks for item in block]
     try:
         import torch
 
