@@ -370,8 +370,9 @@ def write_report(folder: Path) -> Path:
                   f"{_f(e['bon_proxy'], 3, True)} | {_f(e['bon_per_nat'], 3)} | {_f(e['ratio'], 2)} |" for arm, e in eff]
         lines.append("")
     lines += ["## PPO along training (rollout metrics, mean over seeds)", "",
-              "| arm | step | proxy score of the rollout | KL | beta | critic explained variance | value loss | entropy |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| arm | step | proxy score of the rollout | KL | beta | critic explained variance | value loss | value mean "
+              "| policy approx. KL | policy clip fraction | entropy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in sm["arms"]:
         rows = [results["seeds"][sd]["arms"][arm]["train"] for sd in results["seeds"]
                 if arm in results["seeds"][sd]["arms"] and arm != "dpo"]
@@ -383,6 +384,7 @@ def write_report(folder: Path) -> Path:
                 return sum(vals) / len(vals) if vals else None
             lines.append(f"| {arm} | {rows[0][i].get('step')} | {_f(m('objective/score'), 3)} | {_f(m('objective/kl'), 2)} | "
                          f"{_f(m('kl/beta'), 3)} | {_f(m('val/explained_var'), 2)} | {_f(m('val/loss'), 4)} | "
+                         f"{_f(m('val/value_mean'), 2)} | {_f(m('policy/approxkl'), 4)} | {_f(m('policy/clipfrac'), 3)} | "
                          f"{_f(m('objective/entropy'), 2)} |")
     lines += ["", "## Against the goal, computed from the tables above", "", *goal_checks(sm)]
     lines += ["", "## Time per part", "", "| part | wall (min) | CPU (min) |", "|---|---|---|"]
