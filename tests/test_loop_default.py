@@ -7,12 +7,14 @@ subprocess job. Sizes are cut so that the whole run takes a few minutes on two C
 prints the wall time and each round's metrics (run it with `-s` to see them).
 
 What the run must achieve, with the values one run measured (seed 0, CPU, 2 threads, 182 s):
-- each reward model fits its training pairs: second-epoch mean batch accuracy 0.83 and 0.94
-  (asserted >= 0.7), second-epoch mean loss 0.32 and 0.31, down from 0.65 and 0.59 in the first
-  (asserted below the first epoch's and below 0.6; chance is ln 2 = 0.69). A second run of seed
-  0 (`python -m tests.test_loop_default 0`, on a loaded machine) measured 0.54 -> 0.83 and
-  0.78 -> 1.00, loss 0.645 -> 0.322 and 0.449 -> 0.168: a fit to its own ~20 pairs per round, with
-  margins of 0.13 to 0.30 in accuracy and 0.28 to 0.43 in loss;
+- each reward model fits its own ~20 training pairs per round: its second epoch's mean batch
+  accuracy above 0.55 and its mean loss more than 0.1 below the first epoch's. Measured over four
+  runs of both rounds (`python -m tests.test_loop_default SEED`: seed 0 twice, seeds 1 and 2),
+  second-epoch accuracy 0.83, 0.94, 0.83, 1.00, 0.85, 0.88, 0.88, 0.73 (mean 0.87, s.d. 0.08: the
+  bound sits 3.9 s.d. below the mean) and the loss's drop 0.32, 0.28, 0.32, 0.28, 0.30, 0.35, 0.27,
+  0.25 (mean 0.30, s.d. 0.03: the bound 6 s.d. below). An earlier bound, accuracy >= 0.7, passed
+  seed 2's second round by 0.03: a chance failure of a few percent per run. A reward model that
+  does not learn stays near 0.5 and ln 2 = 0.69 in both epochs, and fails both;
 - round 2's reward model is evaluated on the held-out prompts' pairs (a multiple of 3, at least 6).
   Whether it ranks them above chance is not asserted: on 6 to 12 pairs of a 135M model trained on
   36 that is a coin flip (its mean margin was +0.05 where the test landed and -0.017 in a clean
@@ -144,7 +146,7 @@ def test_two_headless_rounds_on_the_default_model(tmp_path, default_model_path):
             kl = _last(store, ppo_run, "objective/kl")
             # the reward model fits its training pairs (second epoch against the first, and chance)
             acc1, acc2, loss1, loss2 = reward_fit(store, rm_run)
-            assert acc2 >= 0.7 and loss2 < min(loss1, 0.6), (acc1, acc2, loss1, loss2)
+            assert acc2 > 0.55 and loss2 < loss1 - 0.1, (acc1, acc2, loss1, loss2)  # margins: the docstring
             # PPO: bounded KL to the reference, and a policy that moved off its parent
             kls = _series(store, ppo_run, "objective/kl")
             assert len(kls) == 2 and all(0.0 <= k < 1.0 for k in kls), kls
@@ -197,8 +199,8 @@ if __name__ == "__main__":  # the margins over seeds: python -m tests.test_loop_
             for n, rnd in enumerate(store.list_rounds()[:2], start=1):
                 acc1, acc2, loss1, loss2 = reward_fit(store, store.get_model_version(rnd.reward_version_id).run_id)
                 kls = _series(store, store.get_model_version(rnd.new_policy_version_id).run_id, "objective/kl")
-                print(f"seed {seed} round {n}: train accuracy {acc1:.2f} -> {acc2:.2f} (>= 0.7), loss {loss1:.3f} -> "
-                      f"{loss2:.3f} (< min(first, 0.6)); PPO KL by step {', '.join(f'{k:.3g}' for k in kls)}; "
+                print(f"seed {seed} round {n}: train accuracy {acc1:.2f} -> {acc2:.2f} (> 0.55), loss {loss1:.3f} -> "
+                      f"{loss2:.3f} (drop {loss1 - loss2:.3f} > 0.1); PPO KL by step {', '.join(f'{k:.3g}' for k in kls)}; "
                       f"{wall:.0f} s", flush=True)
         finally:
             store.close()
