@@ -95,10 +95,9 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
             run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
                          critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
-            policy_model, critic, tokenizer = run.policy, run.critic, run.tokenizer
-            (policy_sched, critic_sched), kl_ctl = run.scheds, run.kl
-            state.update(policy=policy_model, critic=critic, tokenizer=tokenizer, opts=run.opts, scheds=run.scheds,
-                         kl=kl_ctl, step=run.start)
+            policy_model, tokenizer = run.policy, run.tokenizer
+            state.update(policy=policy_model, critic=run.critic, tokenizer=tokenizer, opts=run.opts, scheds=run.scheds,
+                         kl=run.kl, step=run.start)
             write_status(out, "running", run.start, cfg.steps)
 
             from tqdm import tqdm
@@ -122,28 +121,19 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm") if k in stats}
                 stats = {**dist.reduce_sum(dict(stats)), **norms}
 
-                # 8. KL controller (on the measured KL per sequence) and learning rates; a frozen
-                # policy leaves both of its own as they are
-                lrs = policy_sched.get_last_lr()[0] if train_policy else 0.0, critic_sched.get_last_lr()[0]
-                if train_policy:
-                    kl_ctl.update(float(adv.kl_seq.mean()), B)
-                    policy_sched.step()
-                critic_sched.step()
+                # 8. KL controller (on the measured KL per sequence) and learning rates
+                lrs = advance_schedules(run, adv, B, train_policy)
                 state["step"] = step + 1
 
                 # 9. metrics, status, sample table, checkpoint
                 times.update(update=t_update, step=time.perf_counter() - t_start)
-                metrics = step_metrics(stats, n_minibatches, ro, raw_score, adv, beta, kl_ctl.value, lrs, times)
+                metrics = step_metrics(stats, n_minibatches, ro, raw_score, adv, beta, run.kl.value, lrs, times)
                 append_metrics(out, step + 1, metrics)
                 write_status(out, "running", step + 1, cfg.steps)
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
                                 beta=f"{beta:.3g}")
-                if dist.is_main and cfg.sample_every > 0 and ((step + 1) % cfg.sample_every == 0
-                                                             or step + 1 == cfg.steps):
-                    write_samples(out / "samples" / f"step_{step + 1}.jsonl", tokenizer, ro, raw_score, adv.kl_seq)
-                if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                    save_checkpoint(ckpt, state, dist)  # every rank (a sharded model is gathered), rank 0 writes
+                keep_step(out, ckpt, state, cfg, step + 1, dist, ro, raw_score, adv)
                 del ro, adv
             bar.close()
 
@@ -222,6 +212,28 @@ def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share
     times = {"start": t_start, "sample": t_sample, "forwards": t_forwards, "score": t_score,
              "rollout": time.perf_counter() - t_start}
     return ro, raw_score, adv, beta, times
+
+
+def advance_schedules(run, adv, episodes: int, train_policy: bool) -> tuple[float, float]:
+    """Phase 8: the KL controller sees the step's KL per sequence, and each learning-rate schedule
+    steps; a policy frozen for the critic's warm-up leaves its own two as they are. Returns the
+    (policy, critic) learning rates the step trained with."""
+    policy_sched, critic_sched = run.scheds
+    lrs = policy_sched.get_last_lr()[0] if train_policy else 0.0, critic_sched.get_last_lr()[0]
+    if train_policy:
+        run.kl.update(float(adv.kl_seq.mean()), episodes)
+        policy_sched.step()
+    critic_sched.step()
+    return lrs
+
+
+def keep_step(out: Path, ckpt: Path, state: dict, cfg: PPOConfig, done: int, dist, ro: Rollout, raw_score, adv) -> None:
+    """Phase 9's files after `done` steps: the sample table every cfg.sample_every steps (and at
+    the end; rank 0), a checkpoint every cfg.save_every (the end saves its own)."""
+    if dist.is_main and cfg.sample_every > 0 and (done % cfg.sample_every == 0 or done == cfg.steps):
+        write_samples(out / "samples" / f"step_{done}.jsonl", state["tokenizer"], ro, raw_score, adv.kl_seq)
+    if cfg.save_every > 0 and done % cfg.save_every == 0 and done < cfg.steps:
+        save_checkpoint(ckpt, state, dist)  # every rank (a sharded model is gathered), rank 0 writes
 
 
 def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, share_prefix: bool,
