@@ -118,8 +118,8 @@ def _write(path: Path, fmt: str, data: list[dict]) -> bool:
     else:
         try:
             pq.write_table(pa.Table.from_pylist(data) if data else pa.table({"prompt": pa.array([], pa.string())}), path)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            return False
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+            return False  # (OverflowError: an integer beyond int64)
     return True
 
 
