@@ -11,7 +11,6 @@ mean is the caller's (store/readers.py checks them for the store, pipeline/rewar
 from __future__ import annotations
 
 import csv
-import hashlib
 import io as _io
 import json
 from pathlib import Path
@@ -20,6 +19,8 @@ DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 """Files over this size are refused (pass max_bytes to raise it)."""
 MAX_ERRORS = 50
 """Problems collected before giving up on a file."""
+EMPTY = "the file holds no rows"
+"""The problem of a file without rows (callers may say it in their own words)."""
 
 
 class RowsError(ValueError):
@@ -88,7 +89,7 @@ def read_rows(path, *, max_bytes: int = DEFAULT_MAX_BYTES, problems: Problems | 
         problems.fail(f"unknown file type {suffix!r}: use .jsonl, .json, .csv or .parquet")
     problems.raise_if_any()
     if not rows:
-        problems.fail("the file holds no rows")
+        problems.fail(EMPTY)
     return rows
 
 
@@ -175,12 +176,3 @@ def _read_parquet(path: Path, problems: Problems) -> list[tuple[int, dict]]:
         problems.add(None, f"not a readable Parquet file: {exc}")
         return []
     return list(enumerate(table.to_pylist(), 1))
-
-
-def file_sha256(path) -> str:
-    """SHA-256 (hex) of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from formats.chat import ASSISTANT_MARK, split_hh
-from formats.rows import RowsError, read_rows
+from formats.rows import EMPTY, RowsError, read_rows
 from pipeline.text import encode_response, pad_rows, prompt_token_ids
 
 
@@ -114,7 +114,7 @@ def _read_rows(path: Path) -> list[tuple[int, dict]]:
     try:
         return read_rows(path)
     except RowsError as exc:
-        if exc.errors == [(None, "the file holds no rows")]:
+        if exc.errors == [(None, EMPTY)]:
             raise PairsError(f"{path}: no pairs (the snapshot is empty)") from None
         raise PairsError(str(exc)) from None
 
