@@ -1,10 +1,11 @@
 """A team in headless Chromium (Playwright), against the app served in this process on a temporary
-store (no model). The tests share one app and run in order:
+store (no model). Each test serves its own store, set up by the store's API where the test is not
+about that part:
 
 - an admin sets overlap 2 in Data > Team; two annotators rank the same items with the keyboard;
   the agreement appears in the admin's open Team tab by itself (live refresh). (The admin's own
   page holds leases on two of the four items, as any open page does: those wait for later.)
-- the admin makes one of those rankings the gold reference and sets the gold rate to 1; a third
+- the admin makes an annotator's ranking the gold reference and sets the gold rate to 1; a third
   annotator is served that item, with nothing on screen marking it, and their gold accuracy shows;
 - twelve responses are ranked with the keyboard alone: 1-9, then the letters shown on the cards.
 """
@@ -15,32 +16,30 @@ import time
 
 import pytest
 
-from store import Store
-from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
+from tests.fixtures_browser import chromium_browser, login, served_store  # noqa: F401  (the fixture `browser`)
 from tests.test_browser import shown_response_ids, token, wait_new_item
 
 pytestmark = pytest.mark.browser
 
-NAMES = ("ann", "bea", "cy", "kay")
+NAMES = ("bea", "cy", "kay")  # besides served_store's boss (admin) and ann
 
 
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    """(url, store) of the app served in this process, seeded with 4 items of 3 responses."""
-    from annotate.context import AppContext
-
-    folder = tmp_path_factory.mktemp("team_app")
-    store = Store(folder / "rlhf.duckdb")
-    store.add_annotator("boss", "boss-password", role="admin")
+def seed_items(store, prompts: dict[str, list[str]]) -> None:
+    """The team's accounts, and one item of `prompts[text]` responses per prompt text."""
     for name in NAMES:
         store.add_annotator(name, f"{name}-password")
     mv = store.register_model_version("policy", "seed-policy", base_model="tiny")
-    for i in range(4):
-        (pid,) = store.add_prompts([f"team question {i}"])
-        store.add_responses(pid, mv.id, [f"team reply {i}.{j}" for j in range(3)])
-    with serve(AppContext(store=store, auth=True, data_dir=folder)) as url:
-        yield url, store
-    store.close()
+    for text, responses in prompts.items():
+        (pid,) = store.add_prompts([text])
+        store.add_responses(pid, mv.id, responses)
+
+
+def team_app(folder, prompts: dict[str, list[str]]):
+    """served_store (boss and ann) with the rest of the team and these items: yields (url, store)."""
+    return served_store(folder, seed=lambda store: seed_items(store, prompts))
+
+
+FOUR_ITEMS = {f"team question {i}": [f"team reply {i}.{j}" for j in range(3)] for i in range(4)}
 
 
 def open_team_tab(browser, url):
@@ -87,81 +86,80 @@ def wait_text(page, table: str, name: str, text: str, timeout: float = 20.0) -> 
     return row
 
 
-def test_overlap_two_gives_both_annotators_the_same_items_and_the_agreement_shows(app, browser):
-    url, store = app
-    admin = open_team_tab(browser, url)
-    admin.fill("#rl-team-overlap input", "2")
-    admin.click("#rl-team-save")
-    admin.wait_for_selector("#rl-team-msg :text('ranked by 2 annotator')", timeout=10_000)
-    assert store.queue_overlap() == 2
-    held = {i for i, _, _ in store.active_leases()}  # the admin's page: the item on screen and the next
-    assert len(held) == 2
-    assert rank_everything(browser, url, "ann", ["1", "2"]) == 4
-    assert rank_everything(browser, url, "bea", ["3", "1"]) == 2  # the two the admin's leases leave
-    names = {a.id: a.name for a in store.list_annotators()}
-    by_item = {}
-    for r in store.list_rankings():
-        by_item.setdefault(r.item_id, set()).add(names[r.annotator_id])
-    assert {i for i, who in by_item.items() if who == {"ann", "bea"}} == set(by_item) - held
-    # the admin's Team tab, open all along, shows the agreement without a click
-    ag = store.agreement()
-    admin.wait_for_selector("#rl-team-summary :text('2 items ranked by 2+ annotators')", timeout=20_000)
-    assert f"pairwise agreement {ag.pairwise_agreement:.3f}" in admin.inner_text("#rl-team-summary")
-    mine = {a.name: a for a in store.annotator_agreement()}
-    wait_text(admin, "#rl-team-annotators", "ann", f"{mine['ann'].pairwise_agreement:.3f}")
-    assert admin.locator("#rl-team-items [role=row].virtual-row").count() == 2
-    admin.close()
+def test_overlap_two_gives_both_annotators_the_same_items_and_the_agreement_shows(tmp_path, browser):
+    with team_app(tmp_path, FOUR_ITEMS) as (url, store):
+        admin = open_team_tab(browser, url)
+        admin.fill("#rl-team-overlap input", "2")
+        admin.click("#rl-team-save")
+        admin.wait_for_selector("#rl-team-msg :text('ranked by 2 annotator')", timeout=10_000)
+        assert store.queue_overlap() == 2
+        held = {i for i, _, _ in store.active_leases()}  # the admin's page: the item on screen and the next
+        assert len(held) == 2
+        assert rank_everything(browser, url, "ann", ["1", "2"]) == 4
+        assert rank_everything(browser, url, "bea", ["3", "1"]) == 2  # the two the admin's leases leave
+        names = {a.id: a.name for a in store.list_annotators()}
+        by_item = {}
+        for r in store.list_rankings():
+            by_item.setdefault(r.item_id, set()).add(names[r.annotator_id])
+        assert {i for i, who in by_item.items() if who == {"ann", "bea"}} == set(by_item) - held
+        # the admin's Team tab, open all along, shows the agreement without a click
+        ag = store.agreement()
+        admin.wait_for_selector("#rl-team-summary :text('2 items ranked by 2+ annotators')", timeout=20_000)
+        assert f"pairwise agreement {ag.pairwise_agreement:.3f}" in admin.inner_text("#rl-team-summary")
+        mine = {a.name: a for a in store.annotator_agreement()}
+        wait_text(admin, "#rl-team-annotators", "ann", f"{mine['ann'].pairwise_agreement:.3f}")
+        assert admin.locator("#rl-team-items [role=row].virtual-row").count() == 2
+        admin.close()
 
 
-def test_a_gold_item_is_served_unmarked_and_scored(app, browser):
-    url, store = app
-    ann = store.find_annotator("ann")
-    reference = store.list_rankings(annotator_id=ann.id)[0]
-    admin = open_team_tab(browser, url)
-    admin.fill("#rl-gold-ranking input", str(reference.id))
-    admin.click("#rl-gold-mark")
-    admin.wait_for_selector(f"#rl-gold-msg :text('Item {reference.item_id} is gold')", timeout=10_000)
-    admin.fill("#rl-team-gold-rate input", "1")
-    admin.click("#rl-team-save")
-    admin.wait_for_selector("#rl-team-msg :text('100%')", timeout=10_000)
-    # cy gets the gold item (both items have their 2 rankings: only a gold turn serves one now)
-    page = login(browser, url, "cy", "cy-password")
-    page.wait_for_selector("#rl-item .rl-card")
-    shown = shown_response_ids(page, store)
-    assert store.get_response(shown[0]).item_id == reference.item_id
-    assert "gold" not in (page.inner_text("#rl-item") + page.inner_text("#rl-progress")).lower()  # unmarked
-    for key in ("2", "1"):
-        page.keyboard.press(key)
-    old = token(page)
-    page.keyboard.press("Enter")
-    wait_new_item(page, old)
-    page.close()
-    cy = store.find_annotator("cy")
-    quality = store.annotator_quality()[cy.id]
-    assert quality["n_gold"] == 1 and quality["gold_accuracy"] is not None
-    wait_text(admin, "#rl-team-annotators", "cy", f"{quality['gold_accuracy']:.3f}")
-    admin.close()
+def test_a_gold_item_is_served_unmarked_and_scored(tmp_path, browser):
+    with team_app(tmp_path, dict(list(FOUR_ITEMS.items())[:3])) as (url, store):
+        ann = store.find_annotator("ann")
+        item = store.next_item(ann.id)
+        best, *others = item.display_order
+        reference = store.save_ranking(ann.id, item.prompt.id, [[best], others])
+        admin = open_team_tab(browser, url)
+        admin.fill("#rl-gold-ranking input", str(reference.id))
+        admin.click("#rl-gold-mark")
+        admin.wait_for_selector(f"#rl-gold-msg :text('Item {reference.item_id} is gold')", timeout=10_000)
+        admin.fill("#rl-team-gold-rate input", "1")
+        admin.click("#rl-team-save")
+        admin.wait_for_selector("#rl-team-msg :text('100%')", timeout=10_000)
+        # cy's first item is the gold one (a gold turn at rate 1), though two are still open
+        page = login(browser, url, "cy", "cy-password")
+        page.wait_for_selector("#rl-item .rl-card")
+        shown = shown_response_ids(page, store)
+        assert store.get_response(shown[0]).item_id == reference.item_id
+        assert "gold" not in (page.inner_text("#rl-item") + page.inner_text("#rl-progress")).lower()  # unmarked
+        for key in ("2", "1"):
+            page.keyboard.press(key)
+        old = token(page)
+        page.keyboard.press("Enter")
+        wait_new_item(page, old)
+        page.close()
+        cy = store.find_annotator("cy")
+        quality = store.annotator_quality()[cy.id]
+        assert quality["n_gold"] == 1 and quality["gold_accuracy"] is not None
+        wait_text(admin, "#rl-team-annotators", "cy", f"{quality['gold_accuracy']:.3f}")
+        admin.close()
 
 
-def test_twelve_responses_ranked_with_the_keyboard(app, browser):
-    url, store = app
-    store.set_gold_rate(0.0)  # kay gets the new item, not the gold one
-    (pid,) = store.add_prompts(["rank twelve replies"])
-    store.add_responses(pid, store.find_model_version("seed-policy").id, [f"one of twelve: {j}" for j in range(12)])
-    page = login(browser, url, "kay", "kay-password")
-    page.wait_for_selector("#rl-item .rl-card >> nth=11")
-    assert page.locator("#rl-item .rl-card kbd").all_inner_texts() == list("123456789BDE")
-    ids = shown_response_ids(page, store)
-    # E best, D tied with it (Shift), then B, 9 ... 2; the last one (1) goes last
-    for key in ["e", "Shift+d", "b", "9", "8", "7", "6", "5", "4", "3", "2"]:
-        page.keyboard.press(key)
-    assert page.locator("#rl-item .rl-card.rl-ranked").count() == 11
-    assert page.inner_text("#rl-rankbar .rl-rank-chips").replace("\n", "").startswith("E=D›B›9")
-    old = token(page)
-    page.keyboard.press("Enter")
-    wait_new_item(page, old)
-    (ranking,) = store.list_rankings(annotator_id=store.find_annotator("kay").id)
-    positions = [[12, 11], [10], [9], [8], [7], [6], [5], [4], [3], [2], [1]]
-    assert ranking.order == [[ids[p - 1] for p in group] for group in positions]
-    assert page.dialogs == []
-    page.close()
+def test_twelve_responses_ranked_with_the_keyboard(tmp_path, browser):
+    with team_app(tmp_path, {"rank twelve replies": [f"one of twelve: {j}" for j in range(12)]}) as (url, store):
+        page = login(browser, url, "kay", "kay-password")
+        page.wait_for_selector("#rl-item .rl-card >> nth=11")
+        assert page.locator("#rl-item .rl-card kbd").all_inner_texts() == list("123456789BDE")
+        ids = shown_response_ids(page, store)
+        # E best, D tied with it (Shift), then B, 9 ... 2; the last one (1) goes last
+        for key in ["e", "Shift+d", "b", "9", "8", "7", "6", "5", "4", "3", "2"]:
+            page.keyboard.press(key)
+        assert page.locator("#rl-item .rl-card.rl-ranked").count() == 11
+        assert page.inner_text("#rl-rankbar .rl-rank-chips").replace("\n", "").startswith("E=D›B›9")
+        old = token(page)
+        page.keyboard.press("Enter")
+        wait_new_item(page, old)
+        (ranking,) = store.list_rankings(annotator_id=store.find_annotator("kay").id)
+        positions = [[12, 11], [10], [9], [8], [7], [6], [5], [4], [3], [2], [1]]
+        assert ranking.order == [[ids[p - 1] for p in group] for group in positions]
+        assert page.dialogs == []
+        page.close()
