@@ -39,7 +39,9 @@ def team_app(folder, prompts: dict[str, list[str]]):
     return served_store(folder, seed=lambda store: seed_items(store, prompts))
 
 
-FOUR_ITEMS = {f"team question {i}": [f"team reply {i}.{j}" for j in range(3)] for i in range(4)}
+def questions(n: int) -> dict[str, list[str]]:
+    """n prompts of 3 responses each, for team_app."""
+    return {f"team question {i}": [f"team reply {i}.{j}" for j in range(3)] for i in range(n)}
 
 
 def open_team_tab(browser, url):
@@ -87,7 +89,7 @@ def wait_text(page, table: str, name: str, text: str, timeout: float = 20.0) -> 
 
 
 def test_overlap_two_gives_both_annotators_the_same_items_and_the_agreement_shows(tmp_path, browser):
-    with team_app(tmp_path, FOUR_ITEMS) as (url, store):
+    with team_app(tmp_path, questions(4)) as (url, store):
         admin = open_team_tab(browser, url)
         admin.fill("#rl-team-overlap input", "2")
         admin.click("#rl-team-save")
@@ -113,7 +115,7 @@ def test_overlap_two_gives_both_annotators_the_same_items_and_the_agreement_show
 
 
 def test_a_gold_item_is_served_unmarked_and_scored(tmp_path, browser):
-    with team_app(tmp_path, dict(list(FOUR_ITEMS.items())[:3])) as (url, store):
+    with team_app(tmp_path, questions(3)) as (url, store):
         ann = store.find_annotator("ann")
         item = store.next_item(ann.id)
         best, *others = item.display_order
