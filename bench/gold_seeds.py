@@ -310,8 +310,7 @@ def run_arm(sd: Seed, name: str) -> None:
     t, cpu = time.perf_counter(), cpu_seconds()
     dest = sd.folder / "checkpoints" / name
     if name == "dpo":
-        total = math.ceil(sd.entry["train_pairs"] / sd.exp.dpo.get("batch_size", 8)) * sd.exp.dpo.get("epochs", 1)
-        run = submit_dpo_job(sd, base, max(1, total // cfg.checkpoints))
+        run = submit_dpo_job(sd, base, dpo_save_every(sd.entry["train_pairs"], sd.exp.dpo, cfg.checkpoints))
         run, copies = follow_job(sd.runner, run, "trainer_state.pt", "checkpoint", dest)
         final = str(Path(run.run_dir) / "policy")
     else:
@@ -333,6 +332,14 @@ def run_arm(sd: Seed, name: str) -> None:
         sd.run.save()
     entry.update(wall_s=time.perf_counter() - t, cpu_s=cpu_seconds() - cpu)
     sd.run.save()
+
+
+def dpo_save_every(train_pairs: int, dpo: dict, checkpoints: int) -> int:
+    """Optimiser steps between DPO's checkpoints: its steps (epochs x batches, or max_steps when
+    that is fewer) spread over `checkpoints` evaluations."""
+    total = math.ceil(train_pairs / dpo.get("batch_size", 8)) * dpo.get("epochs", 1)
+    total = min(total, dpo.get("max_steps") or total)
+    return max(1, total // checkpoints)
 
 
 def submit_dpo_job(sd: Seed, base, save_every: int):
@@ -496,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--heldout-fraction", type=float, default=0.25)
     add("--bon", type=_sizes, default=None, help="best-of-n sizes, e.g. 1,2,4,8,16 (none: skip)")
     for name, kind in (("prompts-per-round", int), ("ppo-steps", int), ("eval-samples", int), ("eval-prompts", int),
-                       ("dpo-epochs", int), ("ppo-prompts", int), ("ppo-epochs", int), ("critic-warmup-steps", int),
+                       ("dpo-epochs", int), ("dpo-max-steps", int), ("ppo-prompts", int), ("ppo-epochs", int), ("critic-warmup-steps", int),
                        ("critic-lam", float)):
         add(f"--{name}", type=kind, default=0, help=f"override the {name.replace('-', ' ')}")
     add("--kl-target", type=float, default=0.0, help="the adaptive arm's KL target in nats (default 2)")
@@ -528,6 +535,8 @@ def configure(args) -> SeedsConfig:
         exp.eval_prompts = args.eval_prompts
     if args.dpo_epochs:
         exp.dpo["epochs"] = args.dpo_epochs
+    if args.dpo_max_steps:  # its LR schedule then spans these steps (pipeline/config.py DPOConfig.max_steps)
+        exp.dpo["max_steps"] = args.dpo_max_steps
     exp.dpo.setdefault("kl_prompts", 0)  # the evaluation measures KL on the held-out prompts
     if args.bon is not None:
         exp.bon = args.bon

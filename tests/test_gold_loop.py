@@ -591,6 +591,18 @@ def test_seed_report_claims_no_hacking_with_a_proxy_at_chance_and_marks_a_partia
     assert "**Partial**" in report and report.rstrip().endswith(line)
 
 
+def test_dpo_checkpoints_spread_over_the_steps_run_max_steps_included(tmp_path):
+    from bench.gold_seeds import build_parser, configure, dpo_save_every
+
+    exp = configure(build_parser().parse_args(["--quick", "--out", str(tmp_path), "--dpo-epochs", "1",
+                                               "--dpo-max-steps", "24"])).exp
+    assert exp.dpo["max_steps"] == 24 and exp.dpo["epochs"] == 1
+    dpo = {**exp.dpo, "batch_size": 8}
+    assert dpo_save_every(700, dpo, 4) == 6  # 88 batches capped at 24 steps
+    assert dpo_save_every(700, {**dpo, "max_steps": 0}, 4) == 22  # all 88 batches
+    assert dpo_save_every(20, {"batch_size": 8}, 4) == 1  # never 0
+
+
 def test_follower_copies_each_checkpoint_once_as_the_trainer_replaces_it(tmp_path):
     from bench.gold_seeds import Follower
 
