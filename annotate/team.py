@@ -16,7 +16,7 @@ from annotate import render
 from annotate.admin import _path, problems_table
 from annotate.context import AppContext, admin
 from store.errors import DataError, StoreError
-from store.export import MIN_COMPARISONS, annotator_quality_table
+from store.quality import MIN_COMPARISONS, annotator_quality_table
 
 LIVE_SECONDS = 5.0
 """How often the open Team tab re-reads the agreement tables (a few queries each time)."""

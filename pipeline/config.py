@@ -252,7 +252,7 @@ class LoopConfig:
     min_quality: float = 0.0
     """Leave out the pairs of annotators whose measured quality (gold accuracy, else agreement with
     the majority) is below this from each round's pairs snapshot (0 = keep everyone). A quality
-    counts from 10 compared response pairs (store/export.py, MIN_COMPARISONS); with fewer the
+    counts from 10 compared response pairs (store/quality.py, MIN_COMPARISONS); with fewer the
     annotator is kept."""
     quality_weights: bool = False
     """Weight each pair of the round's snapshot by its annotator's quality (2q - 1, see

@@ -37,7 +37,8 @@ from pathlib import Path
 from store.db import default_db_path
 from store.errors import DataError, InvalidRequest, NotFoundError, StoreLockedError
 from store.records import EXPORT_FORMATS, ITEM_FORMATS, ROLES
-from store.export import MIN_WEIGHT, TRL_FORMATS
+from store.export import TRL_FORMATS
+from store.quality import MIN_WEIGHT
 from store.users import MIN_PASSWORD_CHARS, generate_password
 
 

@@ -61,18 +61,10 @@ train-reward reads either, and its SHA-256 (formats/hashing.py) is recorded in t
 (Store.record_snapshot). Data is written (store/export_write.py) under temporary names and
 renamed, so a crash never leaves half an export. An export that matches no pair is refused (InvalidRequest).
 
-Annotator quality (Store.annotator_quality): an annotator's quality q is their accuracy on gold
-items when it rests on at least MIN_COMPARISONS response pairs, else their agreement with the
-majority of the others on shared items when that does; annotators with neither are not measured
-yet. Below MIN_COMPARISONS a share says little (one gold item of two responses, right or wrong,
-is 1.0 or 0.0), so an annotator with only a few comparisons is "not enough data": reported with
-their count, neither left out nor weighted. min_quality leaves out the pairs and rankings of
-annotators measured below it (the unmeasured are kept); quality_weights adds `weight` =
-quality_weight(q) = 2q - 1 clipped to [MIN_WEIGHT, 1]: an annotator right with probability q
-gives labels whose mean (+1 right, -1 wrong) is 2q - 1 times the truth, so their pairs carry that
-share of the signal beside the same noise, and someone ranking at random (q = 1/2) weighs
-MIN_WEIGHT. Unmeasured annotators and imported pairs weigh 1. Both are recorded in the filters,
-and the card lists each annotator's quality, its source and weight.
+Annotator quality: min_quality leaves out the pairs and rankings of annotators measured below it
+(the unmeasured are kept); quality_weights adds each pair's annotator's `weight` (store/quality.py,
+which says how quality and weight are measured). Both are recorded in the filters, and the card
+lists each annotator's quality, its source and weight.
 
 `load_pairs_snapshot(path)` reads any of them back as a list of dicts; training jobs use it and
 never open the DuckDB file.
@@ -92,6 +84,7 @@ from formats.hashing import snapshot_sha256
 from store import card
 from store.db import registered, to_db_time
 from store.errors import DataError, InvalidRequest
+from store.quality import MIN_COMPARISONS, MIN_WEIGHT, annotator_quality_table
 from store.export_write import prompts_table, remove, write_data, write_text
 from store.records import EXPORT_FORMATS, Snapshot
 
@@ -106,15 +99,9 @@ RANKING_COLUMNS = ["ranking_id", "item_id", "prompt_id", "prompt", "responses", 
 """Columns of the rankings; `responses` is a list of {response_id, text, model_version, model}
 (`model`: the version's name)."""
 _SUFFIX = {"jsonl": ".jsonl", "parquet": ".parquet"}
-MIN_COMPARISONS = 10
-"""Response pairs a quality must rest on before min_quality or quality_weights act on it: at 10,
-an annotator right 80% of the time shows a share within about 0.13 (one standard error)."""
 BLANK = r"[\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]*"
 """A response text that is all whitespace, as a regular expression (RE2, DuckDB's): exactly the
 texts whose Python str.strip() is empty, the test train-reward applies."""
-MIN_WEIGHT = 0.05
-"""The weight of an annotator measured at or below chance (a weight must stay positive)."""
-
 # Pair metadata with its agreement; texts are joined in only when writing.
 _SELECTED = """
     WITH n_rank AS (SELECT item_id, count(*) AS n FROM rankings GROUP BY item_id),
@@ -205,39 +192,6 @@ def _filters_sql(store, rounds, annotators, min_agreement, since, until, include
     if include_evaluations:
         recorded["include_evaluations"] = True
     return cond, recorded
-
-
-def quality_weight(quality: float | None) -> float:
-    """An annotator's pair weight from their quality q (see the module docstring): 2q - 1 clipped
-    to [MIN_WEIGHT, 1]; 1 when not measured."""
-    if quality is None:
-        return 1.0
-    return min(1.0, max(MIN_WEIGHT, 2.0 * float(quality) - 1.0))
-
-
-def annotator_quality_table(store, min_quality: float | None = None) -> list[dict]:
-    """Every annotator with rankings: {annotator_id, annotator, quality, measured_by ('gold',
-    'majority' or None), n_gold, comparisons, weight, excluded (measured below min_quality)}.
-
-    Gold measures first, the majority second, each only from MIN_COMPARISONS response pairs up;
-    with fewer, quality and measured_by are None (kept, weight 1) and `comparisons` says how few
-    there were (the gold's when they ranked any gold item, else the majority's)."""
-    if min_quality is not None and not 0.0 <= float(min_quality) <= 1.0:
-        raise InvalidRequest(f"min_quality must be between 0 and 1, not {min_quality}")
-    rows = []
-    for annotator_id, q in sorted(store.annotator_quality().items()):
-        if q["gold_comparisons"] >= MIN_COMPARISONS:
-            measured_by, quality, comparisons = "gold", q["gold_accuracy"], q["gold_comparisons"]
-        elif q["majority_comparisons"] >= MIN_COMPARISONS:
-            measured_by, quality, comparisons = "majority", q["majority_agreement"], q["majority_comparisons"]
-        else:
-            measured_by, quality = None, None
-            comparisons = q["gold_comparisons"] if q["n_gold"] else q["majority_comparisons"]
-        rows.append({"annotator_id": annotator_id, "annotator": store.get_annotator(annotator_id).name,
-                     "quality": quality, "measured_by": measured_by, "n_gold": q["n_gold"],
-                     "comparisons": comparisons, "weight": quality_weight(quality),
-                     "excluded": min_quality is not None and quality is not None and quality < float(min_quality)})
-    return rows
 
 
 def _where(cond: list[tuple[str, list, bool]], rankings: bool) -> tuple[str, list]:

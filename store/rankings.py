@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -27,9 +26,9 @@ import pyarrow as pa
 
 from store.db import from_db_time, registered, utcnow
 from store.errors import InvalidRequest, NotFoundError
-from store.pairs import normalize_order, ranking_to_pairs
-from store.queue_rules import WRITE_KIND, display_order_for
-from store.records import STRENGTHS, Item, Pair, Ranking, RankingIn
+from store.queue_rules import WRITE_KIND
+from store.ranking_checks import Checked, checked, order_groups
+from store.records import Item, Pair, Ranking, RankingIn
 
 _RANKING_COLS = ("id, item_id, prompt_id, annotator_id, order_groups, display_order, all_bad, "
                  "duration_s, client_token, comment, created_at, strength")
@@ -48,69 +47,6 @@ def _pair(row) -> Pair:
     return Pair(id=row[0], prompt_id=row[1], item_id=row[2], chosen_id=row[3], rejected_id=row[4],
                 margin=row[5], ranking_id=row[6], annotator_id=row[7], all_bad=row[8], source=row[9],
                 created_at=from_db_time(row[10]))
-
-
-def _check_against_item(r: RankingIn, groups, item_id, item_prompt, item_ids: Sequence[int]) -> list[int]:
-    """Raise InvalidRequest unless `groups` is an order of exactly the item's responses; return the
-    display order (given, or the annotator's default one)."""
-    flat = [x for g in groups for x in g]
-    if item_prompt != r.prompt_id:
-        raise InvalidRequest(f"response {flat[0]} answers prompt {item_prompt}, not prompt {r.prompt_id}")
-    if set(flat) != set(item_ids):
-        missing = sorted(set(item_ids) - set(flat))
-        extra = sorted(set(flat) - set(item_ids))
-        raise InvalidRequest(
-            f"the order must rank exactly the responses of item {item_id} {sorted(item_ids)}"
-            + (f"; missing {missing}" if missing else "") + (f"; not in the item {extra}" if extra else ""))
-    _check_strength(r.strength, groups)
-    if r.display_order is None:
-        return display_order_for(r.annotator_id, item_id, list(item_ids))
-    display = [int(x) for x in r.display_order]
-    if sorted(display) != sorted(item_ids):
-        raise InvalidRequest(f"display_order {display} is not an order of the item's responses {sorted(item_ids)}")
-    return display
-
-
-def _check_strength(strength: str | None, groups: list[list[int]]) -> None:
-    """A strength compares the best response with the second: both must stand alone in their
-    tie groups (for K = 2, the pair; for K > 2, the top pair)."""
-    if strength is None:
-        return
-    if strength not in STRENGTHS:
-        raise InvalidRequest(f"strength must be one of {list(STRENGTHS)}, not {strength!r}")
-    if len(groups) < 2 or len(groups[0]) != 1 or len(groups[1]) != 1:
-        raise InvalidRequest(f"a strength ({strength!r}) says how much better the best response is than the "
-                             "second: rank one response first and one second, without ties, or give no strength")
-
-
-def _groups(order) -> list[list[int]]:
-    try:
-        return normalize_order(order)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
-
-
-@dataclass
-class _Ready:
-    """A ranking checked against its item, ready to write."""
-
-    r: RankingIn
-    groups: list[list[int]]
-    display: list[int]
-    pairs: list[tuple[int, int, int]]
-    item_id: int
-
-    def record(self, ranking_id: int, now) -> Ranking:
-        r = self.r
-        return Ranking(id=ranking_id, item_id=self.item_id, prompt_id=r.prompt_id, annotator_id=r.annotator_id,
-                       order=self.groups, display_order=self.display, all_bad=bool(r.all_bad),
-                       duration_s=r.duration_s, client_token=r.client_token, comment=r.comment or "",
-                       created_at=from_db_time(now), strength=r.strength)
-
-
-def _ready(r: RankingIn, groups, item_id: int, item_prompt: int, item_resp) -> _Ready:
-    display = _check_against_item(r, groups, item_id, item_prompt, item_resp)
-    return _Ready(r, groups, display, ranking_to_pairs(groups), item_id)
 
 
 class RankingsMixin:
@@ -139,7 +75,7 @@ class RankingsMixin:
         """
         r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
                       client_token, comment or "", strength)
-        result = self._combined(WRITE_KIND, ("rank", (r, _groups(order))), self._write_batch)
+        result = self._combined(WRITE_KIND, ("rank", (r, order_groups(order))), self._write_batch)
         return result if isinstance(result, Ranking) else self.get_ranking(result)
 
     def save_ranking_and_lease_next(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
@@ -153,7 +89,7 @@ class RankingsMixin:
         r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
                       client_token, comment or "", strength)
         pick = self._next_request(annotator_id, None, None, exclude)
-        result, picked = self._combined(WRITE_KIND, ("rank+next", ((r, _groups(order)), pick)), self._write_batch)
+        result, picked = self._combined(WRITE_KIND, ("rank+next", ((r, order_groups(order)), pick)), self._write_batch)
         ranking = result if isinstance(result, Ranking) else self.get_ranking(result)
         return ranking, None if picked is None else picked[0]
 
@@ -164,12 +100,12 @@ class RankingsMixin:
         q = self._shared.queue
         now = utcnow()
         out: list = [None] * len(requests)
-        ready: list[tuple[int, _Ready]] = []
+        ready: list[tuple[int, Checked]] = []
         for i, (r, groups) in enumerate(requests):
             try:
                 if r.annotator_id not in q.annotators:
                     raise NotFoundError(f"no annotator with id {r.annotator_id}")
-                ready.append((i, _ready(r, groups, *self._item_of(cur, q, groups[0][0]))))
+                ready.append((i, checked(r, groups, *self._item_of(cur, q, groups[0][0]))))
             except (InvalidRequest, NotFoundError) as exc:
                 out[i] = exc
         if len(ready) < 8:
@@ -186,7 +122,7 @@ class RankingsMixin:
             out[i] = x.record(ranking_id, now) if new else ranking_id
         return out
 
-    def _write_one(self, cur, q, x: _Ready, now, *, check_db: bool = False) -> tuple[int, bool]:
+    def _write_one(self, cur, q, x: Checked, now, *, check_db: bool = False) -> tuple[int, bool]:
         """One ranking in the fewest statements (the common case of the UI): (id, newly written)."""
         r, item_id, annotator_id = x.r, x.item_id, x.r.annotator_id
         # 1. a re-ranking of the same item replaces the earlier ranking and its pairs. The index
@@ -252,7 +188,7 @@ class RankingsMixin:
         rankings = list(rankings)
         if not rankings:
             return []
-        groups = [_groups(r.order) for r in rankings]
+        groups = [order_groups(r.order) for r in rankings]
         lookup = self._item_lookup([g[0][0] for g in groups])
         annotators = {r[0] for r in self._rows("SELECT id FROM annotators")}
         ready = []
@@ -261,11 +197,11 @@ class RankingsMixin:
                 raise NotFoundError(f"no annotator with id {r.annotator_id}")
             if g[0][0] not in lookup:
                 raise NotFoundError(f"no response with id {g[0][0]}")
-            ready.append(_ready(r, g, *lookup[g[0][0]]))
+            ready.append(checked(r, g, *lookup[g[0][0]]))
         with self._tx() as cur:
             return [ranking_id for ranking_id, _ in self._write_many(cur, ready, utcnow())]
 
-    def _write_many(self, cur, ready: list[_Ready], now, *, follow_now: bool = False) -> list[tuple[int, bool]]:
+    def _write_many(self, cur, ready: list[Checked], now, *, follow_now: bool = False) -> list[tuple[int, bool]]:
         """Inside a transaction: write checked rankings with Arrow inserts, in input order.
         Returns (ranking id, newly written) per input. The queue index follows after the commit,
         or at once with follow_now (inside Store._write_batch, which drops the index on failure)."""

@@ -158,7 +158,7 @@ class StatsMixin:
         majority_comparisons}} for every annotator with rankings (None where not measured yet):
         what exports and reward training can weight or filter annotators by. The comparisons are
         the response pairs each share is over (gold's strict pairs; pairs the others' majority
-        decided), so a caller can tell a measure from a handful of answers (store/export.py
+        decided), so a caller can tell a measure from a handful of answers (store/quality.py
         needs MIN_COMPARISONS)."""
         per, gold = annotator_agreement(self.overlapping_rankings()), self._gold_scores()
         return {a.annotator_id: {"gold_accuracy": a.gold_accuracy, "majority_agreement": a.majority_agreement,

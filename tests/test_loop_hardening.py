@@ -114,7 +114,7 @@ def test_quality_needs_enough_comparisons_before_it_excludes_or_weights(store, r
     data'; from MIN_COMPARISONS on, the one who gets gold wrong is left out and weighted down."""
     from annotate.context import AppContext
     from annotate.team import team_tables
-    from store.export import MIN_COMPARISONS, annotator_quality_table
+    from store.quality import MIN_COMPARISONS, annotator_quality_table
     from tests.fixtures_store import seed_items
     from tests.helpers import req
 

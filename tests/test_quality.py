@@ -136,7 +136,7 @@ def check(result: dict) -> None:
 @pytest.fixture(scope="module")
 def good_and_bad(tmp_path_factory):
     """A closed store file: boss (admin); three items of five responses, the first gold (its 10
-    response pairs are store/export.py's MIN_COMPARISONS, the fewest a quality is used from);
+    response pairs are store/quality.py's MIN_COMPARISONS, the fewest a quality is used from);
     'good' ranks them all right, '<b>bad</b>' (a name with markup) all wrong: gold accuracy 1
     and 0. (Accounts are hashed once per module; each test opens a copy.)"""
     path = tmp_path_factory.mktemp("quality") / "rlhf.duckdb"

@@ -265,7 +265,7 @@ def test_snapshots_are_recorded_and_outputs_protected(store, ranked, tmp_path):
 def measured_from_one(monkeypatch):
     """Quality measured from a single comparison: the tests of what min_quality and the weights do
     with a measure, on the small `ranked` store (test_loop_hardening.py tests the minimum)."""
-    monkeypatch.setattr("store.export.MIN_COMPARISONS", 1)
+    monkeypatch.setattr("store.quality.MIN_COMPARISONS", 1)
 
 
 def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators, tmp_path, measured_from_one):
@@ -309,7 +309,7 @@ def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators,
 
 
 def test_annotator_quality_falls_back_to_majority_agreement(store, ranked, tmp_path, measured_from_one):
-    from store.export import annotator_quality_table, quality_weight
+    from store.quality import annotator_quality_table, quality_weight
 
     # no gold: ann0 and ann1 agree on item 0 and disagree on item 1, so each agrees with the
     # (other's) majority on 3 of 6 pairs: chance, weight at the floor
