@@ -25,7 +25,8 @@ from annotate import evaluation_admin as ev
 from annotate import handlers
 from annotate.context import AppContext
 from pipeline.config import GenerateConfig, ModelConfig
-from pipeline.export_model import _human_evaluation, human_evaluation
+from pipeline.export_model import human_evaluation
+from pipeline.model_card import human_evaluation_section
 from pipeline.orchestrate.judge import make_judge
 from pipeline.orchestrate.loop import make_runner
 from pipeline.orchestrate.simulate import simulate_annotations
@@ -101,7 +102,7 @@ def test_people_prefer_the_trained_policy_in_a_blind_evaluation(tmp_path):
     assert "32 comparisons on 32 prompts" in out["text"]
     assert out["rates"]["A"].iloc[0] == TRAINED
     assert out["download"]["leaderboard"] == out["results"]["leaderboard"]
-    card = "\n".join(_human_evaluation(TRAINED, out["human"]))
+    card = "\n".join(human_evaluation_section(TRAINED, out["human"]))
     assert f"**{TRAINED}**" in card and f"{TRAINED} is preferred to {START} in {rate['win_rate']:.0%}" in card
 
 
