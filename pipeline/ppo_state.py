@@ -1,6 +1,6 @@
 """The PPO run's state: built in phase 0 (`set_up`), saved in RUN_DIR/checkpoint, restored by --resume.
 
-`set_up` loads the four roles (policy, reference, reward, critic), wraps the trained ones for N
+`check_config` refuses inconsistent options before anything loads; `set_up` loads the four roles (policy, reference, reward, critic), wraps the trained ones for N
 processes, builds optimisers, schedules and the KL controller, and restores a checkpoint when
 resuming. A checkpoint is written as a new folder that replaces the old one in two renames, so a
 kill mid-save leaves the previous one (the rest of the run directory: pipeline/rundir.py).
@@ -71,6 +71,41 @@ class RunParts:
     rows: list  # prompts file rows
     ptx_texts: list
     sample_logprobs: bool  # pi_old from the sampling pass (else one forward pass)
+
+
+def check_config(cfg: PPOConfig, world: int = 1) -> None:
+    """Derived sizes and choices, checked once before anything loads. world: processes, each taking
+    batch_size / world prompts and mini_batch_size / world episodes of each minibatch."""
+    problems = []
+    if world > 1 and (cfg.batch_size % world or cfg.mini_batch_size % world):
+        problems.append(f"--batch-size {cfg.batch_size} and --mini-batch-size {cfg.mini_batch_size} are split "
+                        f"across {world} processes: both must be multiples of {world}")
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.ppo_epochs < 1:
+        problems.append("--steps, --batch-size and --ppo-epochs must be >= 1")
+    if not 0 <= cfg.critic_warmup_steps < cfg.steps:
+        problems.append(f"--critic-warmup-steps {cfg.critic_warmup_steps} must be >= 0 and below --steps "
+                        f"{cfg.steps} (the policy must train for at least one step)")
+    if cfg.mini_batch_size < 1 or cfg.batch_size % cfg.mini_batch_size:
+        problems.append(f"--batch-size {cfg.batch_size} must be a multiple of --mini-batch-size {cfg.mini_batch_size}")
+    if cfg.micro_batch_size < 1 or cfg.mini_batch_size % cfg.micro_batch_size:
+        problems.append(f"--mini-batch-size {cfg.mini_batch_size} must be a multiple of "
+                        f"--micro-batch-size {cfg.micro_batch_size}")
+    if cfg.lr < 0 or cfg.critic_lr < 0:
+        problems.append("--lr and --critic-lr must be >= 0 (0 = the default for LoRA or full fine-tuning)")
+    if cfg.temperature <= 0:
+        problems.append("--temperature must be > 0 (PPO needs sampled responses and their log-probs)")
+    if cfg.max_new_tokens < 1 or cfg.forward_batch_size < 1:
+        problems.append("--max-new-tokens and --forward-batch-size must be >= 1")
+    if cfg.kl_estimator not in ("k1", "k3"):
+        problems.append(f"--kl-estimator {cfg.kl_estimator!r}: use 'k1' or 'k3'")
+    if cfg.kl_control not in ("fixed", "adaptive", "x1.5"):
+        problems.append(f"--kl-control {cfg.kl_control!r}: use 'fixed', 'adaptive' or 'x1.5'")
+    if cfg.old_logprobs not in ("auto", "sample", "forward"):
+        problems.append(f"--old-logprobs {cfg.old_logprobs!r}: use 'auto', 'sample' or 'forward'")
+    if cfg.ptx_coef > 0 and not cfg.ptx_data:
+        problems.append("--ptx-coef > 0 needs --ptx-data (JSONL with a 'text' field)")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out: Path, policy: str,

@@ -59,7 +59,7 @@ from pipeline.losses import (
 )
 from pipeline.models import checkpointing
 from pipeline.policy import causal_lm_logits, trainable
-from pipeline.ppo_state import CHECKPOINT, save_checkpoint, set_up
+from pipeline.ppo_state import CHECKPOINT, check_config, save_checkpoint, set_up
 from pipeline.rollout import (
     Rollout, attn_ratio, critic_values, episode_uniforms, gather_rollout, kl_shaped_advantages, merged_lora,
     pack_responses, prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
@@ -138,9 +138,9 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             bar.close()
 
             # the end: a resumable checkpoint, and the policy for the owner process to register
-            policy_model.rlhf_meta = {**policy_model.rlhf_meta, "parent": run.parent,
-                                      "reward_model": _reward_name(reward), "run": str(out.resolve()),
-                                      "steps": cfg.steps}
+            reward_name = reward if reward.startswith("script:") else str(Path(reward).resolve())
+            policy_model.rlhf_meta = {**policy_model.rlhf_meta, "parent": run.parent, "reward_model": reward_name,
+                                      "run": str(out.resolve()), "steps": cfg.steps}
             save_checkpoint(ckpt, state, dist)  # rank 0 writes; every rank holds the weights or a shard
             save_whole_policy(policy_model, tokenizer, out / "policy", dist)
             dist.barrier()  # the other ranks exit only once rank 0 has saved
@@ -364,48 +364,6 @@ def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.
     return metrics
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def check_config(cfg: PPOConfig, world: int = 1) -> None:
-    """Derived sizes and choices, checked once before anything loads. world: processes, each taking
-    batch_size / world prompts and mini_batch_size / world episodes of each minibatch."""
-    problems = []
-    if world > 1 and (cfg.batch_size % world or cfg.mini_batch_size % world):
-        problems.append(f"--batch-size {cfg.batch_size} and --mini-batch-size {cfg.mini_batch_size} are split "
-                        f"across {world} processes: both must be multiples of {world}")
-    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.ppo_epochs < 1:
-        problems.append("--steps, --batch-size and --ppo-epochs must be >= 1")
-    if not 0 <= cfg.critic_warmup_steps < cfg.steps:
-        problems.append(f"--critic-warmup-steps {cfg.critic_warmup_steps} must be >= 0 and below --steps "
-                        f"{cfg.steps} (the policy must train for at least one step)")
-    if cfg.mini_batch_size < 1 or cfg.batch_size % cfg.mini_batch_size:
-        problems.append(f"--batch-size {cfg.batch_size} must be a multiple of --mini-batch-size {cfg.mini_batch_size}")
-    if cfg.micro_batch_size < 1 or cfg.mini_batch_size % cfg.micro_batch_size:
-        problems.append(f"--mini-batch-size {cfg.mini_batch_size} must be a multiple of "
-                        f"--micro-batch-size {cfg.micro_batch_size}")
-    if cfg.lr < 0 or cfg.critic_lr < 0:
-        problems.append("--lr and --critic-lr must be >= 0 (0 = the default for LoRA or full fine-tuning)")
-    if cfg.temperature <= 0:
-        problems.append("--temperature must be > 0 (PPO needs sampled responses and their log-probs)")
-    if cfg.max_new_tokens < 1 or cfg.forward_batch_size < 1:
-        problems.append("--max-new-tokens and --forward-batch-size must be >= 1")
-    if cfg.kl_estimator not in ("k1", "k3"):
-        problems.append(f"--kl-estimator {cfg.kl_estimator!r}: use 'k1' or 'k3'")
-    if cfg.kl_control not in ("fixed", "adaptive", "x1.5"):
-        problems.append(f"--kl-control {cfg.kl_control!r}: use 'fixed', 'adaptive' or 'x1.5'")
-    if cfg.old_logprobs not in ("auto", "sample", "forward"):
-        problems.append(f"--old-logprobs {cfg.old_logprobs!r}: use 'auto', 'sample' or 'forward'")
-    if cfg.ptx_coef > 0 and not cfg.ptx_data:
-        problems.append("--ptx-coef > 0 needs --ptx-data (JSONL with a 'text' field)")
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
-def _reward_name(reward: str) -> str:
-    return reward if reward.startswith("script:") else str(Path(reward).resolve())
-
-
 # --------------------------------------------------------------------------- CLI
 
 
@@ -449,4 +407,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["train", "main", "build_parser", "check_config", "step_metrics"]
+__all__ = ["train", "main", "build_parser", "step_metrics"]
