@@ -7,6 +7,8 @@ Admin endpoints keep readable API names but stay out of the API docs, as on the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gradio as gr
 import pandas as pd
 
@@ -22,6 +24,8 @@ QUIET = {"api_visibility": "private", "show_progress": "hidden"}
 
 
 def train_tab(ctx: AppContext) -> dict:
+    """Four panels (reward model, PPO, DPO, loop round) over the job monitor; the buttons start
+    jobs and the monitor follows them."""
     s = t.settings_of(ctx)
     enabled = ctx.jobs is not None
     if not enabled:
@@ -34,65 +38,123 @@ def train_tab(ctx: AppContext) -> dict:
                               info="data-parallel ranks, e.g. one per GPU (torchrun)", elem_id="rl-processes")
     with gr.Row(equal_height=False):
         with gr.Column(variant="panel"):
-            gr.Markdown("#### Reward model\nBradley-Terry on every pair so far (a Parquet snapshot is exported first).")
-            epochs = gr.Number(value=s.reward.epochs, precision=0, minimum=1, label="Epochs")
-            rm_lr = gr.Number(value=s.reward.lr, label="Learning rate")
-            rm_batch = gr.Number(value=s.reward.batch_size, precision=0, minimum=1, label="Batch size (pairs)")
-            warm = gr.Checkbox(value=True, label="Warm start from the newest reward model")
-            rm_btn = gr.Button("Train reward model", variant="primary", elem_id="rl-train-reward", interactive=enabled)
+            rm = _reward_panel(s, enabled)
         with gr.Column(variant="panel"):
-            gr.Markdown("#### PPO\nFrom the active policy, against a frozen reward model. The KL reference is "
-                        f"the base model `{s.model.model}` in every round, for PPO and DPO alike (LoRA: the "
-                        "adapter switched off; full fine-tuning: the base weights, frozen).", elem_id="rl-ppo-intro")
-            names = t.reward_names(ctx.store)
-            reward = gr.Dropdown(names, value=names[-1] if names else None, label="Reward model",
-                                 elem_id="rl-ppo-reward")
-            with gr.Row():
-                steps = gr.Number(value=s.ppo.steps, precision=0, minimum=1, label="Steps")
-                n_prompts = gr.Number(value=s.ppo_prompts, precision=0, minimum=1, label="Prompts")
-            kl_control = gr.Radio(list(t.KL_CONTROLS), value=s.ppo.kl_control, label="KL control",
-                                  info="adaptive: Ziegler et al. 2019 · x1.5: Schulman et al. 2017 · fixed β")
-            with gr.Row():
-                beta = gr.Number(value=s.ppo.init_kl_coef, label="β (initial)")
-                kl_target = gr.Number(value=s.ppo.kl_target, label="KL target (nats)")
-            with gr.Row():
-                ppo_lr = gr.Number(value=s.ppo.lr, label="Policy LR")
-                critic_lr = gr.Number(value=s.ppo.critic_lr, label="Critic LR")
-            gr.Markdown(t.measured_defaults_note(), elem_id="rl-ppo-defaults")
-            activate = gr.Checkbox(value=True, label="Make the new policy active when done")
-            ppo_btn = gr.Button("Run PPO", variant="primary", elem_id="rl-run-ppo", interactive=enabled)
+            ppo = _ppo_panel(ctx, s, enabled)
         with gr.Column(variant="panel"):
-            gr.Markdown("#### DPO\nThe round's policy step when it is DPO (Rafailov et al. 2023): the round's "
-                        "policy learns the pairs directly, and the round trains no reward model.")
-            dpo_loss = gr.Radio(list(t.DPO_LOSSES), value=s.dpo.loss, label="Loss", elem_id="rl-dpo-loss",
-                                info="sigmoid: DPO · ipo: IPO (Azar et al. 2023)")
-            dpo_beta = gr.Number(value=s.dpo.beta, label="DPO β",
-                                 info="larger stays closer to the reference (the base model, as in PPO)")
-            with gr.Row():
-                dpo_epochs = gr.Number(value=s.dpo.epochs, precision=0, minimum=1, label="DPO epochs")
-                dpo_lr = gr.Number(value=s.dpo.lr, label="DPO learning rate")
+            dpo = _dpo_panel(s)
         with gr.Column(variant="panel"):
-            gr.Markdown("#### Loop round\nFinish the round being annotated (snapshot → reward model → PPO, or "
-                        "snapshot → DPO → new active policy), then generate the next one. With fewer than "
-                        f"{s.loop.rankings_per_round} rankings (or fewer than its items) it asks first.")
-            policy_step = gr.Radio([("PPO", "ppo"), ("DPO", "dpo")], value=s.policy_step, label="Policy step",
-                                   elem_id="rl-policy-step")
-            per_round = gr.Number(value=s.loop.prompts_per_round, precision=0, minimum=1, label="Prompts per round")
-            k = gr.Slider(2, 8, value=s.generate.k, step=1, label="K responses per prompt")
-            strategy = gr.Radio(["random", "uncertain"], value=s.loop.strategy, label="Prompt selection",
-                                info="uncertain: the prompts the reward model separates least")
-            round_eta = gr.Markdown(elem_id="rl-round-eta")
-            round_btn = gr.Button("Run a full round", variant="primary", elem_id="rl-run-round", interactive=enabled)
-            # Gradio has no modal: the confirmation is a hidden group the handler's update shows
-            with gr.Column(visible=False, variant="panel", elem_id="rl-round-confirm") as confirm_row:
-                confirm_md = gr.Markdown(elem_id="rl-round-confirm-text")
-                with gr.Row():
-                    confirm_btn = gr.Button("Confirm", variant="primary", size="sm", elem_id="rl-round-confirm-yes")
-                    keep_btn = gr.Button("Cancel", size="sm", elem_id="rl-round-confirm-no")
-            next_btn = gr.Button("Start the next round (no training)", elem_id="rl-next-round", interactive=enabled)
-            round_md = gr.Markdown(elem_id="rl-round")
+            rnd = _round_panel(s, enabled)
     msg = gr.Markdown(elem_id="rl-train-msg")
+    mon = _monitor(enabled)
 
+    started = [msg, mon.run_pick, mon.timer]
+    poll_in = [mon.run_pick, ppo.reward]
+    poll_out = [mon.bar, *mon.plots, mon.latest, mon.log, rnd.round_md, mon.run_pick, ppo.reward, mon.timer]
+    poll = dict(fn=bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
+    rm.button.click(bind(t.train_reward, ctx), [lora, processes, rm.epochs, rm.lr, rm.batch, rm.warm], started,
+                    api_name="train_reward", **HIDDEN).success(**poll)
+    ppo.button.click(bind(t.run_ppo, ctx), [lora, processes, ppo.reward, *ppo.settings, ppo.activate], started,
+                     api_name="run_ppo", **HIDDEN).success(**poll)
+    round_in = [lora, processes, rm.epochs, rm.lr, rm.batch, *ppo.settings, rnd.policy_step, *dpo.settings,
+                *rnd.settings]
+    round_out = [*started, rnd.confirm_row, rnd.confirm_md]
+    rnd.button.click(bind(t.run_full_round, ctx), [*round_in, gr.State(False)], round_out, api_name="run_round",
+                     **HIDDEN).success(**poll)
+    rnd.confirm.click(bind(t.run_full_round, ctx), [*round_in, gr.State(True)], round_out,
+                      api_name="run_round_confirmed", **HIDDEN).success(**poll)
+    rnd.keep.click(bind(t.keep_round_open, ctx), None, [msg, rnd.confirm_row], **QUIET)
+    # LoRA on/off swaps the PPO learning rates between the two modes' defaults; any setting of a
+    # round re-estimates its duration (and so does opening the tab: finished jobs change the figures)
+    lora.input(bind(t.lora_lrs, ctx), [lora, ppo.lr, ppo.critic_lr], [ppo.lr, ppo.critic_lr], **QUIET)
+    eta = dict(fn=bind(t.round_duration, ctx), inputs=round_in, outputs=[rnd.eta], **QUIET)
+    gr.on([c.change for c in round_in], **eta)
+    rnd.next.click(bind(t.start_next_round, ctx), rnd.settings, started, api_name="next_round",
+                   **HIDDEN).success(**poll)
+    mon.cancel.click(bind(t.cancel, ctx), [mon.run_pick], [msg], api_name="cancel_run", **HIDDEN).success(**poll)
+    # .input, not .change: poll itself updates the picker, and must not trigger itself
+    mon.run_pick.input(**poll)
+    mon.refresh.click(**poll)
+    mon.timer.tick(**poll)
+    return {"load": [(t.poll, poll_in, poll_out), (t.round_duration, round_in, [rnd.eta])]}
+
+
+def _reward_panel(s, enabled: bool) -> SimpleNamespace:
+    gr.Markdown("#### Reward model\nBradley-Terry on every pair so far (a Parquet snapshot is exported first).")
+    return SimpleNamespace(
+        epochs=gr.Number(value=s.reward.epochs, precision=0, minimum=1, label="Epochs"),
+        lr=gr.Number(value=s.reward.lr, label="Learning rate"),
+        batch=gr.Number(value=s.reward.batch_size, precision=0, minimum=1, label="Batch size (pairs)"),
+        warm=gr.Checkbox(value=True, label="Warm start from the newest reward model"),
+        button=gr.Button("Train reward model", variant="primary", elem_id="rl-train-reward", interactive=enabled))
+
+
+def _ppo_panel(ctx: AppContext, s, enabled: bool) -> SimpleNamespace:
+    """`settings`: the PPO options in the order the handlers take them (prompts ... critic LR)."""
+    gr.Markdown("#### PPO\nFrom the active policy, against a frozen reward model. The KL reference is "
+                f"the base model `{s.model.model}` in every round, for PPO and DPO alike (LoRA: the "
+                "adapter switched off; full fine-tuning: the base weights, frozen).", elem_id="rl-ppo-intro")
+    names = t.reward_names(ctx.store)
+    reward = gr.Dropdown(names, value=names[-1] if names else None, label="Reward model", elem_id="rl-ppo-reward")
+    with gr.Row():
+        steps = gr.Number(value=s.ppo.steps, precision=0, minimum=1, label="Steps")
+        n_prompts = gr.Number(value=s.ppo_prompts, precision=0, minimum=1, label="Prompts")
+    kl_control = gr.Radio(list(t.KL_CONTROLS), value=s.ppo.kl_control, label="KL control",
+                          info="adaptive: Ziegler et al. 2019 · x1.5: Schulman et al. 2017 · fixed β")
+    with gr.Row():
+        beta = gr.Number(value=s.ppo.init_kl_coef, label="β (initial)")
+        kl_target = gr.Number(value=s.ppo.kl_target, label="KL target (nats)")
+    with gr.Row():
+        lr = gr.Number(value=s.ppo.lr, label="Policy LR")
+        critic_lr = gr.Number(value=s.ppo.critic_lr, label="Critic LR")
+    gr.Markdown(t.measured_defaults_note(), elem_id="rl-ppo-defaults")
+    activate = gr.Checkbox(value=True, label="Make the new policy active when done")
+    button = gr.Button("Run PPO", variant="primary", elem_id="rl-run-ppo", interactive=enabled)
+    return SimpleNamespace(reward=reward, lr=lr, critic_lr=critic_lr, activate=activate, button=button,
+                           settings=[n_prompts, steps, kl_control, beta, kl_target, lr, critic_lr])
+
+
+def _dpo_panel(s) -> SimpleNamespace:
+    gr.Markdown("#### DPO\nThe round's policy step when it is DPO (Rafailov et al. 2023): the round's "
+                "policy learns the pairs directly, and the round trains no reward model.")
+    loss = gr.Radio(list(t.DPO_LOSSES), value=s.dpo.loss, label="Loss", elem_id="rl-dpo-loss",
+                    info="sigmoid: DPO · ipo: IPO (Azar et al. 2023)")
+    beta = gr.Number(value=s.dpo.beta, label="DPO β",
+                     info="larger stays closer to the reference (the base model, as in PPO)")
+    with gr.Row():
+        epochs = gr.Number(value=s.dpo.epochs, precision=0, minimum=1, label="DPO epochs")
+        lr = gr.Number(value=s.dpo.lr, label="DPO learning rate")
+    return SimpleNamespace(settings=[loss, beta, epochs, lr])
+
+
+def _round_panel(s, enabled: bool) -> SimpleNamespace:
+    """`settings`: the next round's prompts per round, K and prompt selection."""
+    gr.Markdown("#### Loop round\nFinish the round being annotated (snapshot → reward model → PPO, or "
+                "snapshot → DPO → new active policy), then generate the next one. With fewer than "
+                f"{s.loop.rankings_per_round} rankings (or fewer than its items) it asks first.")
+    policy_step = gr.Radio([("PPO", "ppo"), ("DPO", "dpo")], value=s.policy_step, label="Policy step",
+                           elem_id="rl-policy-step")
+    per_round = gr.Number(value=s.loop.prompts_per_round, precision=0, minimum=1, label="Prompts per round")
+    k = gr.Slider(2, 8, value=s.generate.k, step=1, label="K responses per prompt")
+    strategy = gr.Radio(["random", "uncertain"], value=s.loop.strategy, label="Prompt selection",
+                        info="uncertain: the prompts the reward model separates least")
+    eta = gr.Markdown(elem_id="rl-round-eta")
+    button = gr.Button("Run a full round", variant="primary", elem_id="rl-run-round", interactive=enabled)
+    # Gradio has no modal: the confirmation is a hidden group the handler's update shows
+    with gr.Column(visible=False, variant="panel", elem_id="rl-round-confirm") as confirm_row:
+        confirm_md = gr.Markdown(elem_id="rl-round-confirm-text")
+        with gr.Row():
+            confirm = gr.Button("Confirm", variant="primary", size="sm", elem_id="rl-round-confirm-yes")
+            keep = gr.Button("Cancel", size="sm", elem_id="rl-round-confirm-no")
+    next_btn = gr.Button("Start the next round (no training)", elem_id="rl-next-round", interactive=enabled)
+    round_md = gr.Markdown(elem_id="rl-round")
+    return SimpleNamespace(policy_step=policy_step, settings=[per_round, k, strategy], eta=eta, button=button,
+                           confirm_row=confirm_row, confirm_md=confirm_md, confirm=confirm, keep=keep,
+                           next=next_btn, round_md=round_md)
+
+
+def _monitor(enabled: bool) -> SimpleNamespace:
+    """The job monitor: which run, its progress bar, metric plots, latest values and log tail."""
     gr.Markdown("### Job monitor")
     with gr.Row():
         run_pick = gr.Dropdown([("Latest job (follows new jobs)", monitor.LATEST)], value=monitor.LATEST, label="Run",
@@ -113,37 +175,8 @@ def train_tab(ctx: AppContext) -> dict:
                               interactive=False, scale=1, max_height=320)
         log = gr.Textbox(label="Log (last lines)", lines=14, max_lines=14, interactive=False, autoscroll=True,
                          scale=2, elem_id="rl-train-log")
-    timer = gr.Timer(1.0, active=False)
-
-    started = [msg, run_pick, timer]
-    poll_in, poll_out = [run_pick, reward], [bar, *plots, latest, log, round_md, run_pick, reward, timer]
-    poll = dict(fn=bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
-    rm_btn.click(bind(t.train_reward, ctx), [lora, processes, epochs, rm_lr, rm_batch, warm], started,
-                 api_name="train_reward", **HIDDEN).success(**poll)
-    ppo_btn.click(bind(t.run_ppo, ctx), [lora, processes, reward, n_prompts, steps, kl_control, beta, kl_target,
-                                        ppo_lr, critic_lr, activate], started, api_name="run_ppo",
-                  **HIDDEN).success(**poll)
-    round_in = [lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
-                critic_lr, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr, per_round, k, strategy]
-    round_out = [*started, confirm_row, confirm_md]
-    round_btn.click(bind(t.run_full_round, ctx), [*round_in, gr.State(False)], round_out, api_name="run_round",
-                    **HIDDEN).success(**poll)
-    confirm_btn.click(bind(t.run_full_round, ctx), [*round_in, gr.State(True)], round_out,
-                      api_name="run_round_confirmed", **HIDDEN).success(**poll)
-    keep_btn.click(bind(t.keep_round_open, ctx), None, [msg, confirm_row], **QUIET)
-    # LoRA on/off swaps the PPO learning rates between the two modes' defaults; any setting of a
-    # round re-estimates its duration (and so does opening the tab: finished jobs change the figures)
-    lora.input(bind(t.lora_lrs, ctx), [lora, ppo_lr, critic_lr], [ppo_lr, critic_lr], **QUIET)
-    eta = dict(fn=bind(t.round_duration, ctx), inputs=round_in, outputs=[round_eta], **QUIET)
-    gr.on([c.change for c in round_in], **eta)
-    next_btn.click(bind(t.start_next_round, ctx), [per_round, k, strategy], started, api_name="next_round",
-                   **HIDDEN).success(**poll)
-    cancel.click(bind(t.cancel, ctx), [run_pick], [msg], api_name="cancel_run", **HIDDEN).success(**poll)
-    # .input, not .change: poll itself updates the picker, and must not trigger itself
-    run_pick.input(**poll)
-    refresh.click(**poll)
-    timer.tick(**poll)
-    return {"load": [(t.poll, poll_in, poll_out), (t.round_duration, round_in, [round_eta])]}
+    return SimpleNamespace(run_pick=run_pick, refresh=refresh, cancel=cancel, bar=bar, plots=plots, latest=latest,
+                           log=log, timer=gr.Timer(1.0, active=False))
 
 
 def models_tab(ctx: AppContext) -> dict:
