@@ -19,7 +19,7 @@ import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from annotate import admin, admin_users, handlers
@@ -27,6 +27,7 @@ from annotate.context import AppContext
 from store import Store, io
 from store.backup import store_checksums
 from store.errors import DataError, StoreError
+from store.export import load_pairs_snapshot
 from store.import_items import import_items
 from tests.fixtures_browser import serve
 from tests.fixtures_store import seed_items
@@ -172,12 +173,32 @@ def test_fuzz_importers_with_garbage_bytes(ctx, tmp_path, raw, suffix, kind):
 @given(fmt=st.one_of(st.sampled_from(["jsonl", "parquet"]), st.text(max_size=8)),
        all_bad=values, imported=values, annotators=st.one_of(st.none(), st.lists(st.sampled_from(["ann", "boss", "x", ""]), max_size=2)),
        since=st.one_of(st.text(max_size=12), st.dates().map(str)), min_agreement=scalars, test_fraction=scalars)
+@example(fmt="jsonl", all_bad=True, imported=True, annotators=None, since="", min_agreement=None, test_fraction=0.2)
+@example(fmt="parquet", all_bad=False, imported=False, annotators=["ann"], since="2020-01-01", min_agreement=0.5,
+         test_fraction=0.0)  # (examples that pass: their checks always run)
 def test_fuzz_export_filters(ctx, fmt, all_bad, imported, annotators, since, min_agreement, test_fraction):
     before = sorted(ctx.export_dir.glob("*")) if ctx.export_dir.exists() else []
-    exc = _unchanged_unless_ok(ctx, lambda: admin.export(ctx, fmt, all_bad, imported, annotators, since,
-                                                           min_agreement, test_fraction, req("boss")))
-    if exc is not None:  # nothing half-written was left behind
+    snapshots = len(ctx.store.list_snapshots())
+    out = {}
+    exc = _unchanged_unless_ok(ctx, lambda: out.update(result=admin.export(
+        ctx, fmt, all_bad, imported, annotators, since, min_agreement, test_fraction, req("boss"))),
+    )
+    if exc is not None:  # nothing half-written was left behind, and no snapshot recorded
         assert (sorted(ctx.export_dir.glob("*")) if ctx.export_dir.exists() else []) == before
+        assert len(ctx.store.list_snapshots()) == snapshots
+        return
+    # accepted: one snapshot recorded, its file holds the pairs it counts, each one passing the filters
+    files, summary = out["result"]
+    snap = ctx.store.list_snapshots()[-1]
+    assert len(ctx.store.list_snapshots()) == snapshots + 1 and f"Snapshot #{snap.id}" in summary
+    assert all(Path(f).is_file() for f in files)
+    rows = load_pairs_snapshot(snap.path)
+    assert len(rows) == snap.counts["pairs"] > 0
+    for row in rows:
+        assert all_bad or not row["all_bad"]
+        assert imported or row["ranking_id"] is not None
+        assert not annotators or row["annotator"] in annotators
+        assert row["agreement"] >= (float(min_agreement) if min_agreement else 0.0)
 
 
 # --------------------------------------------------------------------------- admin handlers
@@ -192,12 +213,33 @@ ADMIN_CALLS = {  # handler -> number of form inputs
 @settings(max_examples=40, **BOUNDED)
 @given(which=st.sampled_from(sorted(ADMIN_CALLS, key=lambda f: f.__name__)), args=st.lists(values, min_size=3, max_size=3),
        as_=st.sampled_from(["boss", "ann", None]))
+@example(which=admin_users.add_user, args=["newbie", "annotator", ""], as_="boss")
+@example(which=admin_users.change_role, args=["newbie", "admin", None], as_="boss")
+@example(which=admin_users.deactivate, args=["newbie", None, None], as_="boss")
+@example(which=admin_users.activate, args=["newbie", None, None], as_="boss")
+@example(which=admin.save_guidelines, args=["Rank the helpful answer first.", None, None], as_="boss")
 def test_fuzz_admin_handlers(ctx, which, args, as_):
     if which in (admin_users.add_user, admin_users.reset_password) and isinstance(args[-1], str) and len(args[-1]) >= 8:
         args[-1] = args[-1][:7]  # a valid new password costs a scrypt hash: keep examples fast
-    exc = _unchanged_unless_ok(ctx, lambda: which(ctx, *args[:ADMIN_CALLS[which]], req(as_)))
+    out = {}
+    exc = _unchanged_unless_ok(ctx, lambda: out.update(result=which(ctx, *args[:ADMIN_CALLS[which]], req(as_))))
     if as_ != "boss":
         assert exc is not None  # refused, and nothing changed
+    if exc is not None:
+        return
+    # accepted: what the message says was done is in the store
+    msg = out["result"] if isinstance(out["result"], str) else out["result"][0]
+    if which is admin_users.add_user:
+        account = ctx.store.find_annotator(args[0])
+        assert account is not None and account.role == args[1] and f"**{account.name}**" in msg
+    elif which is admin_users.change_role:
+        assert ctx.store.find_annotator(args[0]).role == args[1]
+    elif which in (admin_users.deactivate, admin_users.activate):
+        assert ctx.store.find_annotator(args[0]).active == (which is admin_users.activate)
+    elif which is admin.save_guidelines:
+        assert admin.load_guidelines(ctx, req("boss")) in (args[0], admin.DEFAULT_GUIDELINES)
+    elif which is admin.unflag:
+        assert not ctx.store.is_flagged(int(args[0]))
 
 
 # --------------------------------------------------------------------------- HTTP endpoints
