@@ -123,6 +123,20 @@ def _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw):
 
 
 @torch.no_grad()
+def _prefill(model, input_ids, attention_mask, prompt_index, cache, cache_kw: str, share_prefix: bool):
+    """Run the prompts into `cache` (a prefix common to all of them once when share_prefix, then
+    each prompt's other tokens once) and copy each prompt's cache rows for its samples
+    (prompt_index). Returns the first token's logits (B, V) and the attention mask of the cache's
+    layout (B, cache length), which later tokens extend."""
+    ids, mask, offset = input_ids, attention_mask, 0
+    if share_prefix:
+        ids, mask, offset = _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=offset + position_ids_from_mask(mask[:, offset:]),
+                use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+    cache.batch_select_indices(prompt_index)
+    return out.logits[prompt_index, -1].float(), mask[prompt_index]
+
+
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, num_samples=1,
            generator: torch.Generator | None = None, eos_token_id=None, pad_token_id=None,
            share_prefix: bool = True, check_every: int | None = None, synced: bool = False,
@@ -163,17 +177,9 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     temperature = 1.0 if greedy else cfg.temperature
     top_k, top_p = getattr(cfg, "top_k", 0), getattr(cfg, "top_p", 1.0)
 
-    # 1. prefill: a prefix common to all prompts once, then each distinct prompt's other tokens once,
-    # then copy its cache rows for its samples
+    # 1. prefill: each distinct prompt once, its cache rows copied for its samples
     cache, cache_kw = DynamicCache(), cache_kwarg(model)
-    ids, mask, offset = input_ids, attention_mask, 0
-    if share_prefix and not synced:
-        ids, mask, offset = _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=offset + position_ids_from_mask(mask[:, offset:]),
-                use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-    cache.batch_select_indices(prompt_index)
-    logits = out.logits[prompt_index, -1].float()  # (B, V)
-    mask = mask[prompt_index]  # (B, cache length + t): the cache's layout, not the returned one
+    logits, mask = _prefill(model, input_ids, attention_mask, prompt_index, cache, cache_kw, share_prefix and not synced)
     next_pos = mask.sum(-1)  # (B,) position of the next token: count of real tokens so far
 
     response_ids = torch.full((B, R), pad, dtype=torch.long, device=device)
