@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -117,6 +118,45 @@ def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, polic
         return report
 
 
+def dpo_step(cfg: DPOConfig, dist, wrapped, reference, items: list, weights: list[float] | None, *, pad_id: int,
+             ratio, share_prefix: bool, amp, params: list, optimizer, scheduler) -> Callable:
+    """The optimiser step run_steps calls: DPO's (or IPO's) loss over a step's micro-batches of pair
+    indices into `items`, against the reference's log-probs; returns (metrics, pairs, tokens).
+    pad_id, ratio, share_prefix: as pack_pairs takes them."""
+    device = dist.device
+
+    def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
+        sums = {"loss": 0.0, "pairs": 0, "tokens": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
+        for j, idx in enumerate(micro):
+            # each rank takes every N-th pair; a loss weighted by its share of the step's pairs makes
+            # DDP's mean over ranks (undone by loss_scale) the step's mean over pairs
+            mine = dist.shard(idx)
+            weight = len(mine) / len(idx) / len(micro) * dist.loss_scale
+            if not mine:  # fewer pairs than processes: join the all-reduce with a zero loss
+                mine, weight = idx[:1], 0.0
+            pp = pack_pairs([items[i] for i in mine], ratio, pad_id, share_prefix, device,
+                            weights=None if weights is None else [weights[i] for i in mine])
+            with amp():
+                ref = reference_logps(reference, pp)  # (2b,) no grad
+            with dist.sync(wrapped, last=j == len(micro) - 1), amp():
+                logps = wrapped(sequence_logps, pp)  # (2b,)
+                loss = preference_loss(cfg, logps, ref, pp.response_tokens, pp.weight)
+            (loss * weight).backward()
+            if weight == 0.0:
+                continue
+            sums["loss"] += loss.item() * pp.pairs
+            sums["pairs"] += pp.pairs
+            sums["tokens"] += pp.real_tokens
+            for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
+                sums[key] += value
+        sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
+        return {"train/loss": sums["loss"] / n,
+                **{f"train/{key}": sums[key] / n for key in sums if key not in ("loss", "pairs", "tokens")},
+                "train/grad_norm": grad_norm}, n, sums["tokens"]
+
+    return train_step
+
+
 def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: str, resume: bool, on_step,
            progress: dict, dist) -> dict:
     device = dist.device
@@ -169,35 +209,8 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
     lengths = [it.length for it in train_items]
 
-    def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
-        sums = {"loss": 0.0, "pairs": 0, "tokens": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
-        for j, idx in enumerate(micro):
-            # each rank takes every N-th pair; a loss weighted by its share of the step's pairs makes
-            # DDP's mean over ranks (undone by loss_scale) the step's mean over pairs
-            mine = dist.shard(idx)
-            weight = len(mine) / len(idx) / len(micro) * dist.loss_scale
-            if not mine:  # fewer pairs than processes: join the all-reduce with a zero loss
-                mine, weight = idx[:1], 0.0
-            pp = pack_pairs([train_items[i] for i in mine], ratio, pad_id, share_prefix, device,
-                            weights=None if weights is None else [weights[i] for i in mine])
-            with amp():
-                ref = reference_logps(reference, pp)  # (2b,) no grad
-            with dist.sync(wrapped, last=j == len(micro) - 1), amp():
-                logps = wrapped(sequence_logps, pp)  # (2b,)
-                loss = preference_loss(cfg, logps, ref, pp.response_tokens, pp.weight)
-            (loss * weight).backward()
-            if weight == 0.0:
-                continue
-            sums["loss"] += loss.item() * pp.pairs
-            sums["pairs"] += pp.pairs
-            sums["tokens"] += pp.real_tokens
-            for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
-                sums[key] += value
-        sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
-        return {"train/loss": sums["loss"] / n,
-                **{f"train/{key}": sums[key] / n for key in sums if key not in ("loss", "pairs", "tokens")},
-                "train/grad_norm": grad_norm}, n, sums["tokens"]
-
+    train_step = dpo_step(cfg, dist, wrapped, reference, train_items, weights, pad_id=pad_id, ratio=ratio,
+                          share_prefix=share_prefix, amp=amp, params=params, optimizer=optimizer, scheduler=scheduler)
     done = run_steps(out_dir, dist, cfg, lengths=lengths, steps_per_epoch=steps_per_epoch, total=total, start=step,
                      train_step=train_step, scheduler=scheduler, save=save, progress=progress, on_step=on_step,
                      desc="dpo", shown=("train/reward_accuracy", "acc"))

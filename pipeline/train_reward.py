@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -133,6 +134,53 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
         return report
 
 
+def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, weights: list[float] | None, *, pad_id: int,
+                share_prompt: bool, lm_weight, dtype, params: list, optimizer, scheduler) -> Callable:
+    """The optimiser step run_steps calls: the Bradley-Terry loss (with margin, centering and LM
+    terms when set) over a step's micro-batches of pair indices into `items`; returns (metrics,
+    pairs, tokens)."""
+    device = dist.device
+    lengths = [it.length for it in items]
+
+    def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
+        sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
+        # A long batch runs as several forward passes of at most max_tokens tokens; each chunk's
+        # loss is weighted by its share of the batch, so the gradient is the batch's own (pairwise
+        # and centering terms are means over pairs). With N processes each takes every N-th pair of
+        # each batch, and DDP's mean over ranks undoes loss_scale.
+        chunks = [(chunk, len(chunk) / len(idx) / len(micro) * dist.loss_scale)
+                  for idx in micro for chunk in token_chunks(dist.shard(idx), lengths, cfg.max_tokens) if chunk]
+        if not chunks:  # fewer pairs than processes: this rank joins the all-reduce with zeros
+            chunks = [(micro[0][:1], 0.0)]
+        if dist.sharded:  # every layer's forward gathers across ranks: run as many as the busiest
+            chunks += [(micro[0][:1], 0.0)] * (max(dist.gather_objects(len(chunks))) - len(chunks))
+        for j, (chunk, weight) in enumerate(chunks):
+            b = len(chunk)
+            with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
+                with autocast(device, dtype):
+                    r_c, r_r, lm, margin, tokens = wrapped(  # (b,), (b,), scalar, (b,)
+                        forward_pairs, [items[i] for i in chunk], pad_id, device, share_prompt, lm_weight)
+                    w = None if weights is None else torch.tensor([weights[i] for i in chunk], device=device)  # (b,)
+                    loss = weighted_pairwise_loss(r_c, r_r, w, margin if cfg.margin else None)
+                    if cfg.center_coef > 0:
+                        loss = loss + cfg.center_coef * center_loss(r_c, r_r)
+                    if lm is not None:
+                        loss = loss + cfg.lm_coef * lm
+                (loss * weight).backward()
+            if weight == 0.0:
+                continue
+            sums["loss"] += loss.item() * b
+            sums["accuracy"] += (r_c > r_r).float().sum().item()
+            sums["margin"] += (r_c - r_r).sum().item()
+            sums["pairs"] += b
+            sums["tokens"] += tokens
+        sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
+        return {"train/loss": sums["loss"] / n, "train/accuracy": sums["accuracy"] / n,
+                "train/margin": sums["margin"] / n, "train/grad_norm": grad_norm}, n, sums["tokens"]
+
+    return train_step
+
+
 def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resume, init_from, on_step,
            progress: dict, dist: Dist) -> dict:
     device = dist.device
@@ -177,10 +225,10 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     step = resume_from(out_dir, scheduler, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
 
     def save(step: int, norm: dict | None = None) -> None:  # every rank calls it, rank 0 writes
-        weights = full_state_dict(model) if dist.sharded else None  # every rank takes part in gathering
+        whole = full_state_dict(model) if dist.sharded else None  # every rank takes part in gathering
         opt_state = dist.optimizer_state(model, optimizer)
         if dist.is_main:
-            save_scalar_model(model, tokenizer, out_dir / "checkpoint", state_dict=weights)
+            save_scalar_model(model, tokenizer, out_dir / "checkpoint", state_dict=whole)
         save_state(out_dir, {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "total": total,
                              "normalised": norm is not None}, dist)
 
@@ -189,42 +237,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     weights = pair_weights(train_items, cfg.use_weights)  # None: the plain loss
     model.train()
 
-    def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
-        sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
-        # A long batch runs as several forward passes of at most max_tokens tokens; each chunk's
-        # loss is weighted by its share of the batch, so the gradient is the batch's own (pairwise
-        # and centering terms are means over pairs). With N processes each takes every N-th pair of
-        # each batch, and DDP's mean over ranks undoes loss_scale.
-        chunks = [(chunk, len(chunk) / len(idx) / len(micro) * dist.loss_scale)
-                  for idx in micro for chunk in token_chunks(dist.shard(idx), lengths, cfg.max_tokens) if chunk]
-        if not chunks:  # fewer pairs than processes: this rank joins the all-reduce with zeros
-            chunks = [(micro[0][:1], 0.0)]
-        if dist.sharded:  # every layer's forward gathers across ranks: run as many as the busiest
-            chunks += [(micro[0][:1], 0.0)] * (max(dist.gather_objects(len(chunks))) - len(chunks))
-        for j, (chunk, weight) in enumerate(chunks):
-            b = len(chunk)
-            with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
-                with autocast(device, dtype):
-                    r_c, r_r, lm, margin, tokens = wrapped(  # (b,), (b,), scalar, (b,)
-                        forward_pairs, [train_items[i] for i in chunk], pad_id, device, share_prompt, lm_weight)
-                    w = None if weights is None else torch.tensor([weights[i] for i in chunk], device=device)  # (b,)
-                    loss = weighted_pairwise_loss(r_c, r_r, w, margin if cfg.margin else None)
-                    if cfg.center_coef > 0:
-                        loss = loss + cfg.center_coef * center_loss(r_c, r_r)
-                    if lm is not None:
-                        loss = loss + cfg.lm_coef * lm
-                (loss * weight).backward()
-            if weight == 0.0:
-                continue
-            sums["loss"] += loss.item() * b
-            sums["accuracy"] += (r_c > r_r).float().sum().item()
-            sums["margin"] += (r_c - r_r).sum().item()
-            sums["pairs"] += b
-            sums["tokens"] += tokens
-        sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
-        return {"train/loss": sums["loss"] / n, "train/accuracy": sums["accuracy"] / n,
-                "train/margin": sums["margin"] / n, "train/grad_norm": grad_norm}, n, sums["tokens"]
-
+    train_step = reward_step(cfg, dist, wrapped, train_items, weights, pad_id=pad_id, share_prompt=share_prompt,
+                             lm_weight=lm_weight, dtype=dtype, params=params, optimizer=optimizer, scheduler=scheduler)
     done = run_steps(out_dir, dist, cfg, lengths=lengths, steps_per_epoch=steps_per_epoch, total=total, start=step,
                      train_step=train_step, scheduler=scheduler, save=save, progress=progress, on_step=on_step,
                      desc="reward model", shown=("train/accuracy", "acc"))
