@@ -301,7 +301,7 @@ def served_copy(path: Path, cache_name: str) -> Path:
 
 
 def gold_dir(ctx: AppContext) -> Path:
-    """Where this store's gold-loop plots go: `python bench/gold_loop.py --publish DATA_DIR/results/gold_loop`
+    """Where this store's gold-loop plots go: `python bench/gold/loop.py --publish DATA_DIR/results/gold_loop`
     (DATA_DIR: the database's folder)."""
     return ctx.data_dir / "results" / "gold_loop"
 
@@ -320,5 +320,5 @@ def gold_plots(ctx: AppContext, request: gr.Request):
     except OSError as exc:
         raise gr.Error(f"Cannot read the gold-loop plots: {exc}") from None
     return gr.update(value=images, visible=True), gr.update(visible=True, value=(
-        f"### Gold loop\nPlots of this store's `bench/gold_loop.py` runs ({len(images)}): does the policy "
+        f"### Gold loop\nPlots of this store's `bench/gold/loop.py` runs ({len(images)}): does the policy "
         "improve by a judge it never trained on?"))

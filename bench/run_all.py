@@ -247,8 +247,13 @@ def bench_args(name: str, full: bool, extra: str = "") -> list[str]:
     return ([] if full else ["--quick"]) + shlex.split(extra)
 
 
+def script(name: str) -> str:
+    """The bench's script, relative to the repository (the gold-judge experiment has its own folder)."""
+    return "bench/gold/loop.py" if name == "gold_loop" else f"bench/{name}.py"
+
+
 def bench_command(name: str, full: bool, extra: str = "") -> str:
-    return shlex.join(["python", f"bench/{name}.py", *bench_args(name, full, extra)])
+    return shlex.join(["python", script(name), *bench_args(name, full, extra)])
 
 
 def run_command(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
@@ -322,11 +327,11 @@ def _group_alive(pgid: int) -> bool:
 
 
 def run_bench(name: str, full: bool, timeout: float, extra: str = "", commit: str = "") -> tuple[int, str, float, dict]:
-    """(exit code, output, seconds, {commit, date, load}) of `python bench/NAME.py [--quick] [extra]`,
+    """(exit code, output, seconds, {commit, date, load}) of `python SCRIPT [--quick] [extra]` (script(name)),
     logged to bench/out/run_all with the command on the log's first line, the seconds it took on the
     second and the commit, date and load on the third."""
     LOGS.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(ROOT / "bench" / f"{name}.py"), *bench_args(name, full, extra)]
+    cmd = [sys.executable, str(ROOT / script(name)), *bench_args(name, full, extra)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     start, load_start = time.perf_counter(), os.getloadavg()[0]
     rc, output = run_command(cmd, env, timeout)

@@ -1,9 +1,9 @@
-"""Round 1 and the PPO settings of the gold-loop experiment (bench/gold_loop.py), through the real loop.
+"""Round 1 and the PPO settings of the gold-loop experiment (bench/gold/loop.py), through the real loop.
 
 - shared_round: import the pool, round 1 with the base policy (generate, simulated ranking),
   reward model 1, the start policy's evaluation; reuse_shared_round takes them from an earlier run
 - run_variant: one setting in its own copy of the store after round 1: PPO round 1 against reward
-  model 1 (the control: against its shuffled-label reward model, bench/gold_arms.py), then rounds
+  model 1 (the control: against its shuffled-label reward model, bench/gold/arms.py), then rounds
   2..R with pipeline/orchestrate/loop.py's own steps (start_round, finish_round); or DPO on
   round 1's pairs. Every new policy is evaluated on the held-out prompts as soon as it exists.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipeline.orchestrate.loop import LoopSettings
 
-from bench.gold_steps import Context, copy_store, gold_agreement, ppo_step_trace
+from bench.gold.steps import Context, copy_store, gold_agreement, ppo_step_trace
 
 # The PPO settings differ only in the KL control of PPO (pipeline/kl.py); the control has the
 # adaptive setting's KL control (the same budget) and a reward model that learned nothing.
@@ -31,7 +31,7 @@ VARIANTS = {
     "beta0": {"kl_control": "fixed", "init_kl_coef": 0.0},
     "fixed": {"kl_control": "fixed", "init_kl_coef": 0.1},
     "control": ADAPTIVE,
-    "dpo": {},  # no PPO: bench/gold_arms.py
+    "dpo": {},  # no PPO: bench/gold/arms.py
 }
 LABELS = {"adaptive": "adaptive KL (target 2 nats)", "fixed": "fixed beta = 0.1", "beta0": "beta = 0"}
 ONE_ROUND = ("control", "dpo")
@@ -111,7 +111,7 @@ def run_variant(ctx: Context, name: str, rnd1, reward1, save=lambda: None) -> di
     """One setting in a copy of the store after round 1: PPO round 1 (against reward model 1, or
     for the control against its shuffled-label reward model), rounds 2..R; or DPO on round 1's
     pairs. Each new policy is evaluated as soon as it exists, and the partial results saved."""
-    from bench.gold_arms import CONTROL_LABEL, dpo_label, run_dpo, train_shuffled_reward
+    from bench.gold.arms import CONTROL_LABEL, dpo_label, run_dpo, train_shuffled_reward
     from pipeline.orchestrate.loop import finish_round, make_runner, start_round, train_round_policy
     from pipeline.orchestrate.simulate import simulate_annotations
     from store import Store

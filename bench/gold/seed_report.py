@@ -1,6 +1,6 @@
-"""The multi-seed gold experiment's report (bench/gold_seeds.py), from results.json and raw.json alone.
+"""The multi-seed gold experiment's report (bench/gold/seeds.py), from results.json and raw.json alone.
 
-    python bench/gold_seed_report.py RESULTS_DIR    # report.md and gold_seeds_vs_sqrt_kl.png again
+    python bench/gold/seed_report.py RESULTS_DIR    # report.md and gold_seeds_vs_sqrt_kl.png again
 
 raw.json holds, per seed and evaluation, each held-out prompt's mean gold, proxy and KL; every
 number here is recomputed from it:
@@ -26,15 +26,15 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.gold_bon import bon_kl  # noqa: E402
-from bench.gold_verdict import GOAL_KL, mean_se  # noqa: E402
+from bench.gold.bon import bon_kl  # noqa: E402
+from bench.gold.verdict import GOAL_KL, mean_se  # noqa: E402
 
 PLOT = "gold_seeds_vs_sqrt_kl.png"
 MIN_KL = 0.1
 """Nats below which a gain per nat is not reported (KL estimates of a policy that barely moved)."""
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(folder: Path) -> tuple[dict, dict]:
@@ -231,7 +231,7 @@ def seeds_result_line(folder: Path, sm: dict | None = None) -> str:
 
 
 def plot(sm: dict, path: Path) -> Path | None:
-    from bench.gold_plots import COLORS, _pyplot, _save
+    from bench.gold.plots import COLORS, _pyplot, _save
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -270,9 +270,9 @@ def write_report(folder: Path) -> Path:
         lines += ["> **Partial**: the run had not finished when this page was written; every table holds "
                   "what was measured by then.", ""]
     lines += [
-        f"Made by `{results.get('command', 'python bench/gold_seeds.py')}`"
+        f"Made by `{results.get('command', 'python bench/gold/seeds.py')}`"
         + (f" at commit {', then '.join(c for c in commits if c)}" if any(commits) else "")
-        + " (bench/gold_seeds.py; page: bench/gold_seed_report.py from results.json and raw.json beside it). Wall "
+        + " (bench/gold/seeds.py; page: bench/gold/seed_report.py from results.json and raw.json beside it). Wall "
         f"{results.get('wall_s', 0) / 60:.1f} min, CPU {results.get('cpu_s', 0) / 60:.1f} min, "
         f"{s['threads']} torch thread(s), one job at a time.",
         "",
@@ -456,6 +456,6 @@ def publish(folder: Path, target: Path) -> list[Path]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python bench/gold_seed_report.py RESULTS_DIR")
+        raise SystemExit("usage: python bench/gold/seed_report.py RESULTS_DIR")
     print(write_report(Path(sys.argv[1])))
     print(seeds_result_line(Path(sys.argv[1])))

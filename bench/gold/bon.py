@@ -10,8 +10,8 @@ reward model scores highest. Its distance from the start policy has the closed f
 guarantees on the best-of-n alignment policy"), so its gold score can be drawn on the same KL
 axis as PPO's and DPO's, at most that far from the start.
 
-Here, on the held-out prompts of bench/gold_loop.py: the start policy samples max(n) responses per
-prompt once (the same evaluation settings as every policy: bench/gold_eval.py); reward model 1
+Here, on the held-out prompts of bench/gold/loop.py: the start policy samples max(n) responses per
+prompt once (the same evaluation settings as every policy: bench/gold/eval.py); reward model 1
 (the round-1 proxy every setting starts from) and the gold judge score them; best-of-n takes the
 first n of each prompt's responses (prefixes, so n = 1, 2, 4, 8, 16 share their samples) and keeps
 the proxy's favourite. Also recorded: the best-of-n of the gold judge itself (the oracle: what a
@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from bench.gold_eval import distinct_n
-from bench.gold_steps import write_rows
+from bench.gold.eval import distinct_n
+from bench.gold.steps import write_rows
 
 DEFAULT_NS = (1, 2, 4, 8, 16)
 PROXY = "proxy:rm1"

@@ -1,4 +1,4 @@
-"""Helpers of the gold-loop experiment (bench/gold_loop.py); its round steps are pipeline/orchestrate/loop.py's own
+"""Helpers of the gold-loop experiment (bench/gold/loop.py); its round steps are pipeline/orchestrate/loop.py's own
 (start_round, train_round_reward, train_round_policy, finish_round), with the same jobs and records.
 
 - split_prompts: the fixed held-out set, and the pool file that is imported through the store
@@ -92,7 +92,7 @@ def cpu_seconds() -> float:
 @dataclass
 class Context:
     exp: object
-    """bench/gold_loop.py's Experiment."""
+    """bench/gold/loop.py's Experiment."""
     out: Path
     heldout: list
     judge: RecordingJudge
@@ -118,8 +118,8 @@ class Context:
                     "wall_s": time.perf_counter() - wall, "cpu_s": cpu_seconds() - cpu}
 
     def evaluate(self, version_path, rewards: dict, tag: str, eval_cfg=None) -> tuple[dict, list[dict]]:
-        """bench/gold_eval.py on the held-out prompts; its rows go to eval/TAG.jsonl."""
-        from bench.gold_eval import evaluate_policy
+        """bench/gold/eval.py on the held-out prompts; its rows go to eval/TAG.jsonl."""
+        from bench.gold.eval import evaluate_policy
 
         t = time.perf_counter()
         with EVAL_LOCK:

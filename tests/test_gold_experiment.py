@@ -1,4 +1,4 @@
-"""The gold-judge experiment (bench/gold_loop.py) end to end on tiny models, and its pure helpers:
+"""The gold-judge experiment (bench/gold/loop.py) end to end on tiny models, and its pure helpers:
 distinct-n, the held-out split, and bench/run_all.py's results table."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gold_eval import distinct_n
-from bench.gold_steps import split_prompts
-from bench.gold_verdict import gold_result_line
+from bench.gold.eval import distinct_n
+from bench.gold.steps import split_prompts
+from bench.gold.verdict import gold_result_line
 from bench.run_all import build_table, last_result, parse_result_line
 
 # --------------------------------------------------------------------------- distinct-n
@@ -118,7 +118,7 @@ def _agreement(db: Path, judge) -> tuple[int, float]:
 @pytest.mark.slow
 def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, capsys):
     _require_embedding_judge()
-    from bench.gold_loop import main
+    from bench.gold.loop import main
     from pipeline.orchestrate.judge import make_judge
     from store import Store
 
@@ -225,7 +225,7 @@ def _rows(path: Path) -> list[dict]:
 
 def _check_new_parts(out: Path, results: dict, judge) -> None:
     """Best-of-n, the control, DPO and the learning curves of the quick run, recomputed from its files."""
-    from bench.gold_bon import bon_kl
+    from bench.gold.bon import bon_kl
     from store.export import load_pairs_snapshot
 
     # best-of-n: 16 samples per held-out prompt once; best-of-n picks the proxy's favourite among
@@ -313,7 +313,7 @@ def _results():
 
 @pytest.mark.slow  # matplotlib: a few seconds
 def test_report_table_checks_and_plots_from_results(tmp_path):
-    from bench.gold_report import result_line, write_report
+    from bench.gold.report import result_line, write_report
 
     results = {**_results(), "parts": {"round1": {"wall_s": 90.0, "cpu_s": 150.0}}, "failed": {"dpo": "RuntimeError: x"}}
     report = write_report(results, tmp_path).read_text()
@@ -328,7 +328,7 @@ def test_report_table_checks_and_plots_from_results(tmp_path):
 
 
 def test_gold_change_standard_error_is_paired_by_prompt():
-    from bench.gold_report import paired_se
+    from bench.gold.report import paired_se
 
     def rows(golds):
         return [{"prompt": p, "gold": g} for p, gs in golds.items() for g in gs]
@@ -342,7 +342,7 @@ def test_gold_change_standard_error_is_paired_by_prompt():
 
 @pytest.mark.slow  # matplotlib: a few seconds
 def test_report_gives_the_paired_error_and_needs_two_of_them_for_a_rise(tmp_path):
-    from bench.gold_report import write_report
+    from bench.gold.report import write_report
 
     results = _results()
     (tmp_path / "eval").mkdir()
@@ -361,7 +361,7 @@ def test_report_gives_the_paired_error_and_needs_two_of_them_for_a_rise(tmp_path
 
 
 def test_merge_joins_settings_of_runs_that_share_round_one(tmp_path):
-    from bench.gold_report import merge
+    from bench.gold.report import merge
 
     a, b = _results(), _results()
     del b["variants"]["adaptive"]
@@ -383,7 +383,7 @@ def test_merge_joins_settings_of_runs_that_share_round_one(tmp_path):
 
 
 def test_best_of_n_keeps_the_proxys_favourite_among_each_prompts_first_n():
-    from bench.gold_bon import best_of_n, bon_kl, bon_table
+    from bench.gold.bon import best_of_n, bon_kl, bon_table
 
     rows = [{"prompt": p, "proxy:rm1": proxy, "gold": gold, "tokens": 3, "response": f"{p} {i}"}
             for p, scored in (("a", [(0.1, 1.0), (0.9, 0.0), (0.9, 5.0), (2.0, 2.0)]),
@@ -401,7 +401,7 @@ def test_best_of_n_keeps_the_proxys_favourite_among_each_prompts_first_n():
 
 
 def test_shuffled_labels_swap_a_seeded_half_of_the_pairs():
-    from bench.gold_arms import shuffle_labels
+    from bench.gold.arms import shuffle_labels
 
     rows = [{"prompt": f"p{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(1000)]
     shuffled, swapped = shuffle_labels(rows, seed=3)
@@ -429,7 +429,7 @@ def _drift_results(beta0_kl: float) -> dict:
 
 
 def test_beta0_is_called_reward_hacking_only_beyond_the_drift_control_at_the_same_kl(tmp_path):
-    from bench.gold_verdict import at_kl, drift_check
+    from bench.gold.verdict import at_kl, drift_check
 
     # linear in sqrt(KL): halfway between d = 0 and d = 2 is KL 1
     assert at_kl([(0.0, {"p": 0.0}), (4.0, {"p": -0.2})], 1.0) == {"p": pytest.approx(-0.1)}
@@ -449,7 +449,7 @@ def test_beta0_is_called_reward_hacking_only_beyond_the_drift_control_at_the_sam
 
 
 def test_good_enough_data_size_is_measured_or_extrapolated_from_the_curve():
-    from bench.gold_verdict import good_enough
+    from bench.gold.verdict import good_enough
 
     def curve(accs, ceiling=0.9):
         return {"ceiling": {"agreement": ceiling}, "points": [
@@ -464,7 +464,7 @@ def test_good_enough_data_size_is_measured_or_extrapolated_from_the_curve():
 
 
 def test_curve_split_keeps_prompts_whole_and_subsets_nested():
-    from bench.gold_curve import split_for_curve
+    from bench.gold.curve import split_for_curve
 
     rows = [{"prompt": f"p{i // 3}", "n": i} for i in range(30)]  # 10 prompts x 3 pairs
     heldout, subsets = split_for_curve(rows, lambda r: r["prompt"], 5, [4, 12], seed=0)
@@ -475,7 +475,7 @@ def test_curve_split_keeps_prompts_whole_and_subsets_nested():
 
 
 def test_result_gold_line_names_the_best_method_and_the_control(tmp_path):
-    from bench.gold_verdict import gold_result_line
+    from bench.gold.verdict import gold_result_line
 
     results = _drift_results(4.0)
     _eval_tables(tmp_path, {"base": [0.3, 0.3, 0.3, 0.3], "control_round1": [0.29, 0.28, 0.30, 0.29],
@@ -511,15 +511,15 @@ def test_every_pair_evaluation_shows_progress_and_reports_it(tiny_model_cfg, cap
     assert quiet["eval/accuracy"] == report["eval/accuracy"] and quiet["eval/margin"] == report["eval/margin"]
 
 
-# --------------------------------------------------------------------------- over seeds (bench/gold_seeds.py)
+# --------------------------------------------------------------------------- over seeds (bench/gold/seeds.py)
 
 
 def _seeds_run(folder: Path, gains: dict[str, list[tuple[float, float, float]]], accuracy: float = 0.7,
                pairs: int = 200, done: bool = True) -> Path:
     """results.json + raw.json of a made-up multi-seed run: gains[arm] = per seed [(KL, gold, proxy)]
     at each of its checkpoints; two prompts, gold/proxy gains the same on both except a +-0.01 spread."""
-    from bench.gold_loop import quick_experiment
-    from bench.gold_seeds import SeedsConfig, describe
+    from bench.gold.loop import quick_experiment
+    from bench.gold.seeds import SeedsConfig, describe
     from bench.reward_bench import wilson
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -549,7 +549,7 @@ def _seeds_run(folder: Path, gains: dict[str, list[tuple[float, float, float]]],
 
 
 def test_seed_report_gives_between_seed_error_of_the_last_point_within_the_kl_budget(tmp_path):
-    from bench.gold_seed_report import seeds_result_line, summary
+    from bench.gold.seed_report import seeds_result_line, summary
 
     folder = _seeds_run(tmp_path / "run", {
         # adaptive: its third point is past KL 6, so each seed's second point counts
@@ -578,7 +578,7 @@ def test_seed_report_gives_between_seed_error_of_the_last_point_within_the_kl_bu
 
 
 def test_seed_report_claims_no_hacking_with_a_proxy_at_chance_and_marks_a_partial_run(tmp_path):
-    from bench.gold_seed_report import seeds_result_line, summary, write_report
+    from bench.gold.seed_report import seeds_result_line, summary, write_report
 
     folder = _seeds_run(tmp_path / "run", {"beta0": [[(2.0, 0.0, 0.1), (9.0, -0.3, 0.9)]] * 3},
                         accuracy=0.52, pairs=50, done=False)
@@ -592,7 +592,7 @@ def test_seed_report_claims_no_hacking_with_a_proxy_at_chance_and_marks_a_partia
 
 
 def test_dpo_checkpoints_spread_over_the_steps_run_max_steps_included(tmp_path):
-    from bench.gold_seeds import build_parser, configure, dpo_save_every
+    from bench.gold.seeds import build_parser, configure, dpo_save_every
 
     exp = configure(build_parser().parse_args(["--quick", "--out", str(tmp_path), "--dpo-epochs", "1",
                                                "--dpo-max-steps", "24"])).exp
@@ -604,7 +604,7 @@ def test_dpo_checkpoints_spread_over_the_steps_run_max_steps_included(tmp_path):
 
 
 def test_follower_copies_each_checkpoint_once_as_the_trainer_replaces_it(tmp_path):
-    from bench.gold_seeds import Follower
+    from bench.gold.seeds import Follower
 
     run_dir, dest = tmp_path / "run", tmp_path / "copies"
 
@@ -629,8 +629,8 @@ def test_follower_copies_each_checkpoint_once_as_the_trainer_replaces_it(tmp_pat
 @pytest.mark.slow
 def test_quick_gold_seeds_runs_three_seeds_with_checkpoints_and_raw_tables(tmp_path):
     _require_embedding_judge()
-    from bench.gold_seed_report import gain, summary
-    from bench.gold_seeds import main
+    from bench.gold.seed_report import gain, summary
+    from bench.gold.seeds import main
 
     out = tmp_path / "seeds"
     # one round 1 and proxy for the three seeds (--share-round1: the same code as a round 1 per seed,
@@ -666,8 +666,8 @@ def test_resume_may_change_what_only_the_arms_read_until_an_arm_has_run(tmp_path
     """--resume keeps round 1 and the proxy; before any arm has started, the arms' own settings
     (PPO's, DPO's, checkpoints) may change, anything else must be given as before."""
     _require_embedding_judge()
-    from bench.gold_loop import quick_experiment
-    from bench.gold_seeds import SeedsConfig, SeedsRun, describe
+    from bench.gold.loop import quick_experiment
+    from bench.gold.seeds import SeedsConfig, SeedsRun, describe
 
     out = tmp_path / "run"
     out.mkdir()

@@ -2,15 +2,15 @@
 
 - **DPO** (Rafailov et al. 2023, "Direct Preference Optimization"): `python -m pipeline train-dpo`
   on the snapshot reward model 1 was trained on, from the start policy, as one job of the store's
-  queue; no reward model. Its policy is evaluated like every other one (bench/gold_eval.py).
+  queue; no reward model. Its policy is evaluated like every other one (bench/gold/eval.py).
 - **The drift control**: a reward model trained exactly like reward model 1 on the same pairs with
   their labels shuffled (each pair's chosen and rejected swapped with probability 1/2, seeded), so
   it has nothing to learn; PPO optimises it with the adaptive setting's KL control, i.e. at the
   same KL budget. What the control loses in gold is what moving that far from the start costs by
-  itself (the judge rewards relevance to the prompt, which any drift can lose). bench/gold_verdict.py
+  itself (the judge rewards relevance to the prompt, which any drift can lose). bench/gold/verdict.py
   claims reward hacking only where beta = 0 loses clearly more gold than the control at the same KL.
 
-Both run in their own copy of the store after round 1, like the PPO settings (bench/gold_loop.py).
+Both run in their own copy of the store after round 1, like the PPO settings (bench/gold/loop.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from bench.gold_steps import run_job, write_rows
+from bench.gold.steps import run_job, write_rows
 
 CONTROL_LABEL = "control: PPO on shuffled labels (adaptive KL)"
 

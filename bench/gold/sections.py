@@ -1,5 +1,5 @@
 """The gold-loop report's sections on the parts beside PPO's rounds, as markdown lines, computed
-from results.json and bench/gold_verdict.py's verdict (never typed numbers):
+from results.json and bench/gold/verdict.py's verdict (never typed numbers):
 
 - methods_section: every method on round 1's pairs side by side, with paired standard errors
 - drift_section: the shuffled-label control, and whether beta = 0's loss is reward hacking
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 
-from bench.gold_verdict import GOAL_KL
+from bench.gold.verdict import GOAL_KL
 
 
 def _f(x, digits=3, sign=False) -> str:
@@ -101,7 +101,7 @@ def curve_section(results: dict, ge: dict, plot) -> list[str]:
         return []
     lines = ["## The proxy's learning curve", "",
              "A fresh reward model per size on nested subsets, scored on one fixed set of pairs whose prompts "
-             "it never saw (bench/gold_curve.py).", ""]
+             "it never saw (bench/gold/curve.py).", ""]
     if sim:
         r, c = sim["reward"], sim["ceiling"]
         lines += [f"Simulated pairs ({sim['pairs_available']} ranked pairs of the start policy's responses, "
@@ -145,7 +145,7 @@ def conclusion_section(results: dict, v: dict) -> list[str]:
         lines.append(f"The learning curve puts a good-enough proxy at {'' if ge['measured'] else 'about '}{ge['pairs']} "
                      f"pairs ({'measured' if ge['measured'] else 'extrapolated'}). Next step: round 1 with that much "
                      f"data ({per_prompt} pairs per prompt, {prompts} prompts with the held-out share), the reward "
-                     f"model trained on every pair as on the curve: `python bench/gold_loop.py --prompts-per-round "
+                     f"model trained on every pair as on the curve: `python bench/gold/loop.py --prompts-per-round "
                      f"{prompts} --reward-steps 0 --reward-epochs {epochs} --parallel --threads 1`.")
     elif ge:
         lines.append("The learning curve gives no size at which the proxy becomes good enough "

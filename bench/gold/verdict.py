@@ -21,7 +21,7 @@ import json
 import math
 from pathlib import Path
 
-from bench.gold_bon import bon_kl
+from bench.gold.bon import bon_kl
 
 GOAL_KL = 6.0
 """Issue 16's goal: a gold rise of more than 2 paired standard errors at a KL of at most this."""

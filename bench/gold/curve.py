@@ -6,7 +6,7 @@ nested subsets (the 300 pairs hold the 100) and scored on one fixed set of held-
 prompts no subset contains:
 
 - **simulated**: the gold-loop's own kind of data. A store of its own imports the prompt pool
-  (the held-out evaluation prompts of bench/gold_loop.py stay out), the start policy answers
+  (the held-out evaluation prompts of bench/gold/loop.py stay out), the start policy answers
   enough prompts with K responses each (one generate job, as in a round), and the simulated
   annotators rank them with the same judge and noise (pairs with an empty response are left out:
   train-reward refuses them). The ceiling beside it: how often the gold
@@ -30,10 +30,10 @@ from pathlib import Path
 
 from pipeline.config import RewardConfig
 
-from bench.gold_steps import run_job, write_rows
+from bench.gold.steps import run_job, write_rows
 from bench.reward_bench import wilson
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HH_PAIRS = ROOT / "tests" / "data" / "hh_dev_pairs.jsonl"  # license: tests/data/README.md
 
 

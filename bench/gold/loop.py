@@ -9,10 +9,10 @@ store, like people in the app), a proxy reward model is trained on those ranking
 is optimised against the proxy (or, with DPO, on the pairs). The question is what happens to the
 gold score.
 
-    python bench/gold_loop.py              # SmolLM2-135M, every part (CPU: see docs/results/gold_loop.md)
-    python bench/gold_loop.py --parallel   # the parts side by side (each its own job queue)
-    python bench/gold_loop.py --quick      # tiny random models, every part end to end (a few minutes)
-    python bench/gold_loop.py --reuse-round1 OLD_RESULTS_DIR ...   # round 1 as an earlier run left it
+    python bench/gold/loop.py              # SmolLM2-135M, every part (CPU: see docs/results/gold_loop.md)
+    python bench/gold/loop.py --parallel   # the parts side by side (each its own job queue)
+    python bench/gold/loop.py --quick      # tiny random models, every part end to end (a few minutes)
+    python bench/gold/loop.py --reuse-round1 OLD_RESULTS_DIR ...   # round 1 as an earlier run left it
 
 Phases
   0. held-out split: a fixed, seeded set of evaluation prompts is kept out of the store; the rest
@@ -23,19 +23,19 @@ Phases
      - PPO settings (adaptive KL, fixed beta, beta = 0): the store is copied, PPO round 1 runs
        against reward model 1, then rounds 2..R run through the real loop (pipeline/orchestrate/loop.py:
        generate with the new policy, rank, retrain the reward model warm-started on all pairs so far, PPO)
-     - dpo and control (bench/gold_arms.py): DPO on reward model 1's pairs; PPO at the adaptive
+     - dpo and control (bench/gold/arms.py): DPO on reward model 1's pairs; PPO at the adaptive
        setting's KL budget against a reward model trained on those pairs with shuffled labels
-     - best-of-n with reward model 1 from the start policy (bench/gold_bon.py)
-     - the proxy's learning curve on simulated pairs and on the HH dev pairs (bench/gold_curve.py)
-  3. each new policy is evaluated on the held-out prompts as soon as it exists (bench/gold_eval.py),
+     - best-of-n with reward model 1 from the start policy (bench/gold/bon.py)
+     - the proxy's learning curve on simulated pairs and on the HH dev pairs (bench/gold/curve.py)
+  3. each new policy is evaluated on the held-out prompts as soon as it exists (bench/gold/eval.py),
      and the gold judge scores PPO's per-step sample tables; results.json is rewritten after each
      part, so a stopped run keeps what it has; every part's wall and CPU time is recorded
-  4. report.md, its plots and results.json in the results directory (bench/gold_report.py); a
+  4. report.md, its plots and results.json in the results directory (bench/gold/report.py); a
      full run also publishes report and plots to docs/results/
 
 Sharing round 1 (its responses, rankings and reward model) makes every method start from the same
 pairs and the same policy. One training run per method says nothing about the next one:
-bench/gold_seeds.py runs the arms over several seeds, with an early-stopped proxy and every arm
+bench/gold/seeds.py runs the arms over several seeds, with an early-stopped proxy and every arm
 evaluated at checkpoints along its training. The last lines are `RESULT gold ...` (the verdict) and
 `RESULT gold_loop ...` (bench/run_all.py's row).
 """
@@ -53,17 +53,17 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.config import GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig  # noqa: E402
 from pipeline.orchestrate.loop import LoopSettings  # noqa: E402
 
-from bench.gold_bon import DEFAULT_NS  # noqa: E402
-from bench.gold_curve import CurveConfig  # noqa: E402
-from bench.gold_eval import EvalConfig  # noqa: E402
-from bench.gold_rounds import VARIANTS, reuse_shared_round, run_variant, shared_round  # noqa: E402
-from bench.gold_steps import Context, RecordingJudge, split_prompts  # noqa: E402
+from bench.gold.bon import DEFAULT_NS  # noqa: E402
+from bench.gold.curve import CurveConfig  # noqa: E402
+from bench.gold.eval import EvalConfig  # noqa: E402
+from bench.gold.rounds import VARIANTS, reuse_shared_round, run_variant, shared_round  # noqa: E402
+from bench.gold.steps import Context, RecordingJudge, split_prompts  # noqa: E402
 
 PROMPTS = ROOT / "store" / "data" / "prompts.jsonl"  # the app's bundled pool (license: store/data/LICENSE.md)
 OUT_ROOT = ROOT / "bench" / "out" / "gold_loop"
@@ -151,9 +151,9 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
 
     import torch
 
-    from bench.gold_arms import dpo_unavailable
-    from bench.gold_bon import run_bon
-    from bench.gold_curve import run_hh_curve, run_simulated_curve
+    from bench.gold.arms import dpo_unavailable
+    from bench.gold.bon import run_bon
+    from bench.gold.curve import run_hh_curve, run_simulated_curve
     from pipeline.orchestrate.judge import make_judge
 
     torch.set_num_threads(exp.threads)
@@ -299,8 +299,8 @@ def apply_overrides(exp: Experiment, args) -> Experiment:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.gold_report import publish, result_line, write_report
-    from bench.gold_verdict import gold_result_line
+    from bench.gold.report import publish, result_line, write_report
+    from bench.gold.verdict import gold_result_line
 
     args = build_parser().parse_args(argv)
     out = Path(args.out) if args.out else OUT_ROOT / time.strftime("%Y%m%d-%H%M%S")
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_experiment(exp, out, Path(args.prompts), reuse_round1=Path(args.reuse_round1) if args.reuse_round1
                              else None, parallel=args.parallel)
     results["wall_s"] = time.time() - started
-    results["command"] = "python bench/gold_loop.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    results["command"] = "python bench/gold/loop.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     results["mode"] = "quick" if args.quick else "full"
     results["parallel"] = args.parallel
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))

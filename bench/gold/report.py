@@ -1,9 +1,9 @@
 """The gold-loop experiment's report: a markdown page and its plots, from results.json and the eval tables.
 
-    python bench/gold_report.py RESULTS_DIR    # rebuild report.md and the plots of a finished run
+    python bench/gold/report.py RESULTS_DIR    # rebuild report.md and the plots of a finished run
 
-Every number on the page is computed here from the run's files (bench/gold_verdict.py for the
-conclusions, bench/gold_sections.py for the parts beside PPO, bench/gold_plots.py for the plots);
+Every number on the page is computed here from the run's files (bench/gold/verdict.py for the
+conclusions, bench/gold/sections.py for the parts beside PPO, bench/gold/plots.py for the plots);
 its last line is `RESULT gold ...`.
 """
 
@@ -15,12 +15,12 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository's packages
 
-from bench.gold_plots import plot_gold_vs_sqrt_kl, plot_learning_curve, plot_proxy_vs_gold, sqrt_kl  # noqa: E402
-from bench.gold_sections import (conclusion_section, curve_section, drift_section, methods_section,  # noqa: E402
+from bench.gold.plots import plot_gold_vs_sqrt_kl, plot_learning_curve, plot_proxy_vs_gold, sqrt_kl  # noqa: E402
+from bench.gold.sections import (conclusion_section, curve_section, drift_section, methods_section,  # noqa: E402
                                  parts_section)
-from bench.gold_verdict import gold_result_line, load_eval, paired_se, verdict  # noqa: E402
+from bench.gold.verdict import gold_result_line, load_eval, paired_se, verdict  # noqa: E402
 
 PLOTS = ("gold_vs_sqrt_kl.png", "proxy_vs_gold.png", "learning_curve.png")
 __all__ = ["paired_se", "publish", "result_line", "write_report", "merge"]
@@ -147,8 +147,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
         f"wall time **{wall / 60:.1f} min** ({wall:.0f} s){how}, {s['threads']} torch thread(s) per process. "
         + (f"Made by `{results['command']}`" + (f" after `{reused['command']}` ran round 1" if reused and reused.get("command")
                                                  else "") + ". " if results.get("command") else "")
-        + "Reproduce in one process: `python bench/gold_loop.py --parallel --threads 1` (full) or "
-        "`python bench/gold_loop.py --quick` (tiny models).",
+        + "Reproduce in one process: `python bench/gold/loop.py --parallel --threads 1` (full) or "
+        "`python bench/gold/loop.py --quick` (tiny models).",
         "",
         "## Set-up",
         "",
@@ -250,8 +250,8 @@ def merge(folders: list[Path], out_dir: Path) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python bench/gold_report.py RESULTS_DIR  |  "
-                         "python bench/gold_report.py --merge OUT_DIR WALL_SECONDS RESULTS_DIR...")
+        raise SystemExit("usage: python bench/gold/report.py RESULTS_DIR  |  "
+                         "python bench/gold/report.py --merge OUT_DIR WALL_SECONDS RESULTS_DIR...")
     if sys.argv[1] == "--merge":  # --merge OUT_DIR WALL_SECONDS RESULTS_DIR...: the merged runs' end-to-end time
         out = Path(sys.argv[2])
         results = merge([Path(f) for f in sys.argv[4:]], out)

@@ -1,14 +1,14 @@
 """The gold-judge experiment as evidence: several seeds per arm, a converged proxy, measured curves.
 
-bench/gold_loop.py runs each method once; a single training run says nothing about the next one.
+bench/gold/loop.py runs each method once; a single training run says nothing about the next one.
 Here every arm runs on several seeds, and each seed changes the annotators' noise, the sampling
 and the training order:
 
-    python bench/gold_seeds.py --quick                  # tiny random models, end to end (about a minute)
-    python bench/gold_seeds.py --seeds 0,1,2            # SmolLM2-135M (sizes: --prompts-per-round, --ppo-steps ...)
-    python bench/gold_seeds.py --report RESULTS_DIR     # rebuild report.md from results.json and raw.json
+    python bench/gold/seeds.py --quick                  # tiny random models, end to end (about a minute)
+    python bench/gold/seeds.py --seeds 0,1,2            # SmolLM2-135M (sizes: --prompts-per-round, --ppo-steps ...)
+    python bench/gold/seeds.py --report RESULTS_DIR     # rebuild report.md from results.json and raw.json
 
-Per seed (bench/gold_loop.py's judge, annotators, held-out prompts and evaluation):
+Per seed (bench/gold/loop.py's judge, annotators, held-out prompts and evaluation):
   1. round 1 with the base policy: K responses for each of --prompts-per-round prompts, ranked by
      the simulated annotators (seeded noise); the pairs are split by prompt into training pairs
      and held-out pairs (--heldout-fraction)
@@ -17,14 +17,14 @@ Per seed (bench/gold_loop.py's judge, annotators, held-out prompts and evaluatio
      each; it stops when the held-out loss has not improved for --patience epochs (or at
      --max-epochs) and the epoch with the lowest held-out loss is the proxy
   3. the start policy samples max(n) responses per held-out prompt: its evaluation, and best-of-n
-     with the proxy (bench/gold_bon.py)
+     with the proxy (bench/gold/bon.py)
   4. the arms, each from the start policy: PPO against the proxy (adaptive KL, beta = 0, ...) and
      DPO on the proxy's very training pairs (held-out pairs as its eval data). Each job saves a
      checkpoint every so many steps; every checkpoint is copied as it appears and evaluated on the
      held-out prompts (gold, proxy, KL): measured gold-vs-sqrt(KL) curves, start (KL 0) included
   5. results.json (settings, per seed and arm the points and PPO's training metrics) and raw.json
      (per evaluation and prompt: mean gold, proxy and KL) are rewritten after every step;
-     report.md is built from them alone (bench/gold_seed_report.py)
+     report.md is built from them alone (bench/gold/seed_report.py)
 
 --share-round1 trains one round 1 and proxy (the first seed's) and varies by seed only the start
 policy's and the arms' sampling, the arms' training order and the evaluation's sampling: cheaper
@@ -45,12 +45,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.gold_loop import PROMPTS, Experiment, _sizes, full_experiment, quick_experiment  # noqa: E402
-from bench.gold_rounds import ADAPTIVE  # noqa: E402
-from bench.gold_steps import Context, RecordingJudge, cpu_seconds, run_job, split_prompts, write_rows  # noqa: E402
+from bench.gold.loop import PROMPTS, Experiment, _sizes, full_experiment, quick_experiment  # noqa: E402
+from bench.gold.rounds import ADAPTIVE  # noqa: E402
+from bench.gold.steps import Context, RecordingJudge, cpu_seconds, run_job, split_prompts, write_rows  # noqa: E402
 
 OUT_ROOT = ROOT / "bench" / "out" / "gold_seeds"
 PUBLISH = ROOT / "docs" / "results" / "gold_seeds"
@@ -227,8 +227,8 @@ def round1(sd: Seed, pool: Path) -> None:
     from pipeline.orchestrate.loop import start_round
     from pipeline.orchestrate.simulate import simulate_annotations
     from pipeline.orchestrate.steps import pairs_snapshot
-    from bench.gold_arms import _plain
-    from bench.gold_steps import gold_agreement
+    from bench.gold.arms import _plain
+    from bench.gold.steps import gold_agreement
     from store.export import load_pairs_snapshot
     from store.io import import_prompts
 
@@ -287,7 +287,7 @@ def start_policy(sd: Seed) -> None:
     """Step 3: the start policy evaluated exactly as the arms are (same samples, same seed: at KL 0
     an arm's gain is 0), and best-of-n on max(n) further samples per prompt; best-of-n's gains are
     against the mean of those samples (raw.json: bon_all)."""
-    from bench.gold_bon import best_of_n, bon_table
+    from bench.gold.bon import best_of_n, bon_table
 
     metrics, _ = sd.evaluate(None, "base")
     sd.entry["base"] = metrics
@@ -344,7 +344,7 @@ def dpo_save_every(train_pairs: int, dpo: dict, checkpoints: int) -> int:
 
 def submit_dpo_job(sd: Seed, base, save_every: int):
     """train-dpo from the start policy on the proxy's training pairs (its held-out pairs as eval data)."""
-    from bench.gold_arms import dpo_args
+    from bench.gold.arms import dpo_args
 
     dpo = {**sd.exp.dpo, "save_every": save_every, "eval_data": sd.entry["pairs_heldout"]}
     args = dpo_args(sd.entry["pairs_train"], dpo, sd.exp.loop.model, base)
@@ -549,7 +549,7 @@ def configure(args) -> SeedsConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.gold_seed_report import publish, seeds_result_line, write_report
+    from bench.gold.seed_report import publish, seeds_result_line, write_report
 
     args = build_parser().parse_args(argv)
     if args.report:
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or str(OUT_ROOT / time.strftime("%Y%m%d-%H%M%S"))
     cfg = configure(args)
     run = SeedsRun(cfg, Path(args.out), resume=args.resume)
-    command = "python bench/gold_seeds.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python bench/gold/seeds.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     run.results["command"] = run.results.get("command", "") + (" then " if args.resume else "") + command
     run.results["mode"] = "quick" if args.quick else "full"
     results = run.run()
