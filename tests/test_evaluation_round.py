@@ -27,7 +27,7 @@ from annotate.context import AppContext
 from pipeline.config import GenerateConfig, ModelConfig
 from pipeline.export_model import human_evaluation
 from pipeline.model_card import human_evaluation_section
-from pipeline.orchestrate.judge import make_judge
+from pipeline.orchestrate.oracle import make_oracle
 from pipeline.orchestrate.loop import make_runner
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import LoopSettings
@@ -74,7 +74,7 @@ def evaluate(tmp_path, seed: int) -> dict:
         assert START not in html and TRAINED not in html
         handlers.leave(ctx, req("ann"))  # the tab closes: its leased items go back to the queue
 
-        ranked = simulate_annotations(store, make_judge("rule:contains:e"), name="sim-e", seed=seed)
+        ranked = simulate_annotations(store, make_oracle("rule:contains:e"), name="sim-e", seed=seed)
         text, board, rates, _ = ev.results(ctx, name, admin)
         path = ev.download(ctx, name, admin)
         return {"evaluation": store.get_evaluation(evaluation.id), "ranked": ranked, "text": text, "board": board,

@@ -119,7 +119,7 @@ def _agreement(db: Path, judge) -> tuple[int, float]:
 def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, capsys):
     _require_embedding_judge()
     from bench.gold.loop import main
-    from pipeline.orchestrate.judge import make_judge
+    from pipeline.orchestrate.oracle import make_oracle
     from store import Store
 
     out = tmp_path / "gold"
@@ -131,7 +131,7 @@ def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, 
     results = json.loads((out / "results.json").read_text())
     assert set(results["variants"]) == {"adaptive", "beta0", "control", "dpo"} and results["mode"] == "quick"
     assert results["import"]["added"] == 2205 - 4  # the bundled pool, less the 4 held-out prompts
-    judge = make_judge("embedding")  # a second judge, to recompute what the run reports
+    judge = make_oracle("embedding")  # a second judge, to recompute what the run reports
 
     # every evaluation: 4 held-out prompts x 2 samples, and the reported means are the means of
     # the gold judge's scores of the stored responses (scored again here)

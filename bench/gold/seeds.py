@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gold.loop import PROMPTS, Experiment, _sizes, full_experiment, quick_experiment  # noqa: E402
 from bench.gold.rounds import ADAPTIVE  # noqa: E402
-from bench.gold.steps import Context, RecordingJudge, cpu_seconds, run_job, split_prompts, write_rows  # noqa: E402
+from bench.gold.steps import Context, RecordingOracle, cpu_seconds, run_job, split_prompts, write_rows  # noqa: E402
 
 OUT_ROOT = ROOT / "bench" / "out" / "gold_seeds"
 PUBLISH = ROOT / "docs" / "results" / "gold_seeds"
@@ -357,12 +357,12 @@ def submit_dpo_job(sd: Seed, base, save_every: int):
 
 class SeedsRun:
     def __init__(self, cfg: SeedsConfig, out: Path, prompts: Path = PROMPTS, log=print, resume: bool = False):
-        from pipeline.orchestrate.judge import make_judge
+        from pipeline.orchestrate.oracle import make_oracle
 
         self.cfg, self.out, self.log, self.lock = cfg, Path(out), log, threading.RLock()
         self.out.mkdir(parents=True, exist_ok=True)
         self.heldout, self.pool = split_prompts(prompts, cfg.exp.eval_prompts, 0, self.out / "prompts")
-        self.judge = RecordingJudge(make_judge("embedding"))
+        self.judge = RecordingOracle(make_oracle("embedding"))
         self.results = {"settings": describe(cfg), "seeds": {}, "parts": {}, "timings": {}, "commit": _commit()}
         self.raw: dict = {}
         self.t0, self.cpu0, self.before = time.perf_counter(), cpu_seconds(), (0.0, 0.0)
@@ -480,7 +480,7 @@ def describe(cfg: SeedsConfig) -> dict:
             "reward": dataclasses.asdict(s.reward), "ppo": dataclasses.asdict(s.ppo), "ppo_prompts": s.ppo_prompts,
             "lora_r": s.model.lora_r, "eval_prompts": e.eval_prompts, "eval": dataclasses.asdict(e.eval),
             "noise": e.noise, "bon": e.bon, "dpo": e.dpo, "threads": e.threads,
-            "judge": "embedding (all-MiniLM-L6-v2, pipeline/orchestrate/judge.py defaults)"}
+            "judge": "embedding (all-MiniLM-L6-v2, pipeline/orchestrate/oracle.py defaults)"}
 
 
 # --------------------------------------------------------------------------- CLI

@@ -2,7 +2,7 @@
 (start_round, train_round_reward, train_round_policy, finish_round), with the same jobs and records.
 
 - split_prompts: the fixed held-out set, and the pool file that is imported through the store
-- RecordingJudge, gold_agreement: the gold judge, and how often the simulated annotators agree with it
+- RecordingOracle, gold_agreement: the gold judge, and how often the simulated annotators agree with it
 - Context: what every part of the experiment shares (settings, results, the held-out evaluation,
   the wall and CPU time of each part)
 - copy_store, run_job: a consistent copy of a store (one per setting after round 1); one job run
@@ -44,7 +44,7 @@ def split_prompts(path: Path, n_eval: int, seed: int, out_dir: Path) -> tuple[li
     return heldout, pool
 
 
-class RecordingJudge:
+class RecordingOracle:
     """The gold judge, remembering every score it gave (to measure the annotators' agreement).
     One call at a time: a fast tokenizer shared by threads fails with 'Already borrowed'."""
 
@@ -61,7 +61,7 @@ class RecordingJudge:
         return out
 
 
-def gold_agreement(store, judge: RecordingJudge) -> dict:
+def gold_agreement(store, judge: RecordingOracle) -> dict:
     """Share of stored pairs whose chosen response has the higher gold score (1.0 = no noise).
     Responses the judge has not scored in this process (a reused round 1) are scored now."""
     rows = []
@@ -95,7 +95,7 @@ class Context:
     """bench/gold/loop.py's Experiment."""
     out: Path
     heldout: list
-    judge: RecordingJudge
+    judge: RecordingOracle
     results: dict
     lock: object
     log: object

@@ -33,8 +33,8 @@ One failure rule: a step that fails, is cancelled or is interrupted puts its rou
 'annotating', with `meta.last_error` saying which step, which run and why. The round keeps its
 items and rankings, and the same action (train again, or start the next round) retries it.
 
-    python -m pipeline loop --rounds 2 --judge embedding     # headless, simulated annotators
-    python -m pipeline loop --policy-step dpo --dpo-beta 0.1 --judge embedding
+    python -m pipeline loop --rounds 2 --oracle embedding     # headless, simulated annotators
+    python -m pipeline loop --policy-step dpo --dpo-beta 0.1 --oracle embedding
 """
 
 from __future__ import annotations
@@ -295,8 +295,8 @@ def wait_round(store, rnd, timeout: float | None = None, poll_s: float = 0.2):
 # ---------------------------------------------------------------------- headless
 
 
-def run_loop(store, runner, settings: LoopSettings, judge=None, noise: float = 0.0, log=print) -> list:
-    """R rounds headless. Rankings come from `judge` (simulated annotator) or, without one, from
+def run_loop(store, runner, settings: LoopSettings, oracle=None, noise: float = 0.0, log=print) -> list:
+    """R rounds headless. Rankings come from `oracle` (simulated annotator) or, without one, from
     people: the loop waits until the round has the rankings it needs (`coverage`)."""
     from pipeline.orchestrate.simulate import simulate_annotations
 
@@ -304,13 +304,13 @@ def run_loop(store, runner, settings: LoopSettings, judge=None, noise: float = 0
     rnd = current_round(store) or start_round(store, runner, settings, 0)
     for n in range(settings.loop.rounds):
         log(f"round {rnd.id}: annotating")
-        if judge is not None:
-            simulate_annotations(store, judge, noise=noise, seed=settings.loop.seed + n)
+        if oracle is not None:
+            simulate_annotations(store, oracle, noise=noise, seed=settings.loop.seed + n)
         else:
             wait_for_rankings(store, rnd, settings, log)
         log(f"round {rnd.id}: training")
         # a simulated annotator has ranked all the queue gave it (one ranking per item, whatever the overlap)
-        done.append(finish_round(store, runner, rnd, settings, anyway=judge is not None))
+        done.append(finish_round(store, runner, rnd, settings, anyway=oracle is not None))
         log(f"round {rnd.id}: done, new policy {done[-1].new_policy_version_id}")
         rnd = start_round(store, runner, settings, n + 1)
     return done
@@ -337,15 +337,16 @@ def wait_for_rankings(store, rnd, settings: LoopSettings, log=print, poll_s: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.orchestrate.judge import make_judge
+    from pipeline.orchestrate.oracle import make_oracle
     from store import Store, default_db_path
 
     parser = argparse.ArgumentParser(prog="python -m pipeline loop", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--db", default=str(default_db_path()), help="the DuckDB file (default: %(default)s)")
     parser.add_argument("--runs", default="", help="where run directories go (default: runs/ beside --db)")
-    parser.add_argument("--judge", default="", help="simulated annotator's judge (see simulate-annotators); "
-                                                    "'' = wait for people to rank in the app")
+    parser.add_argument("--oracle", "--judge", dest="oracle", default="",
+                        help="simulated annotators' oracle (see simulate-annotators; --judge: its earlier name); "
+                             "'' = wait for people to rank in the app")
     parser.add_argument("--noise", type=float, default=0.0, help="simulated annotator's Bradley-Terry noise")
     parser.add_argument("--policy-step", choices=POLICY_STEPS, default="ppo",
                         help="how a round trains its policy: ppo (a reward model on the round's snapshot, then PPO "
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     store = Store(args.db)
     runner = make_runner(store, args.runs or Path(args.db).resolve().parent / "runs")
     try:
-        run_loop(store, runner, settings, judge=make_judge(args.judge) if args.judge else None, noise=args.noise)
+        run_loop(store, runner, settings, oracle=make_oracle(args.oracle) if args.oracle else None, noise=args.noise)
     except RoundFailed as exc:
         print(f"error: {exc}")
         return 1

@@ -1,11 +1,12 @@
-"""Simulated annotators: rank queued items through the store's API with a gold judge.
+"""Simulated annotators: rank queued items through the store's API with an oracle
+(pipeline/orchestrate/oracle.py).
 
-    python -m pipeline simulate-annotators --db data/rlhf.duckdb --judge embedding --noise 0.1
+    python -m pipeline simulate-annotators --db data/rlhf.duckdb --oracle embedding --noise 0.1
 
 The annotator takes items exactly as a person in the app does (`next_item` with its lease,
 `save_ranking` with a client token and the display order shown), so demos, load tests and
 end-to-end tests of the loop exercise the real queue. Scores become rankings through
-`judge.simulated_ranking` (Bradley-Terry / Plackett-Luce noise).
+`oracle.simulated_ranking` (Bradley-Terry / Plackett-Luce noise).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import random
 import time
 import uuid
 
-from pipeline.orchestrate.judge import make_judge, simulated_ranking
+from pipeline.orchestrate.oracle import make_oracle, simulated_ranking
 
 
-def simulate_annotations(store, judge, name: str = "sim-gold", noise: float = 0.0, limit: int | None = None,
+def simulate_annotations(store, oracle, name: str = "sim-gold", noise: float = 0.0, limit: int | None = None,
                          seed: int = 0, on_progress=None) -> int:
     """Rank up to `limit` items as annotator `name` (created if missing); returns how many."""
     annotator = store.ensure_annotator(name)
@@ -30,12 +31,12 @@ def simulate_annotations(store, judge, name: str = "sim-gold", noise: float = 0.
             break
         started = time.perf_counter()
         texts = [r.text for r in item.responses]
-        scores = judge.score([item.prompt.text] * len(texts), texts)
+        scores = oracle.score([item.prompt.text] * len(texts), texts)
         groups = simulated_ranking(scores, noise=noise, rng=rng)
         order = [[item.responses[i].id for i in group] for group in groups]
         store.save_ranking(annotator.id, item.prompt.id, order, display_order=item.display_order,
                            duration_s=time.perf_counter() - started, client_token=uuid.uuid4().hex,
-                           comment=f"simulated by {judge.name}")
+                           comment=f"simulated by {oracle.name}")
         done += 1
         if on_progress is not None:
             on_progress(done)
@@ -50,23 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline simulate-annotators", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--db", default=str(default_db_path()), help="the DuckDB file (default: %(default)s)")
-    parser.add_argument("--judge", default="embedding",
-                        help="rule:length, rule:contains:WORD, embedding, embedding:TARGET|OPPOSITE")
+    parser.add_argument("--oracle", "--judge", dest="oracle", default="embedding",
+                        help="rule:length, rule:contains:WORD, embedding, embedding:TARGET|OPPOSITE "
+                             "(--judge: its earlier name)")
     parser.add_argument("--name", default="sim-gold", help="annotator name (created if missing)")
     parser.add_argument("--noise", type=float, default=0.0,
                         help="Bradley-Terry temperature: 0 ranks by gold score exactly")
     parser.add_argument("--limit", type=int, default=None, help="rank at most this many items")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    judge = make_judge(args.judge)
+    oracle = make_oracle(args.oracle)
     store = Store(args.db)
     try:
         bar = tqdm(desc=f"ranking as {args.name}", unit="item",
                    total=args.limit or store.remaining_count(store.ensure_annotator(args.name).id))
-        n = simulate_annotations(store, judge, args.name, args.noise, args.limit, args.seed,
+        n = simulate_annotations(store, oracle, args.name, args.noise, args.limit, args.seed,
                                  on_progress=lambda done: bar.update(done - bar.n))
         bar.close()
-        print(f"{args.name} ranked {n} items with {judge.name}")
+        print(f"{args.name} ranked {n} items with {oracle.name}")
     finally:
         store.close()
     return 0

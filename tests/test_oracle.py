@@ -1,21 +1,21 @@
-"""Gold judges and the simulated ranking they feed."""
+"""Oracles (fixed scorers standing in for people) and the simulated ranking they feed."""
 
 import random
 from collections import Counter
 
 import pytest
 
-from pipeline.orchestrate.judge import ContainsJudge, LengthJudge, make_judge, simulated_ranking
+from pipeline.orchestrate.oracle import ContainsOracle, LengthOracle, make_oracle, simulated_ranking
 
 
-def test_rule_judges_score_by_hand():
-    assert ContainsJudge("please").score(["p", "p"], ["Please, please help", "no"]) == [2.0, 0.0]
-    assert LengthJudge().score(["p"], ["  " + "x" * 150 + " "]) == [1.5]
+def test_rule_oracles_score_by_hand():
+    assert ContainsOracle("please").score(["p", "p"], ["Please, please help", "no"]) == [2.0, 0.0]
+    assert LengthOracle().score(["p"], ["  " + "x" * 150 + " "]) == [1.5]
 
 
-def test_make_judge_rejects_unknown_spec():
-    with pytest.raises(ValueError, match="unknown judge 'vibes'"):
-        make_judge("vibes")
+def test_make_oracle_rejects_unknown_spec():
+    with pytest.raises(ValueError, match="unknown oracle 'vibes'"):
+        make_oracle("vibes")
 
 
 def test_noise_free_ranking_orders_by_score_and_groups_ties():
@@ -31,10 +31,10 @@ def test_noisy_ranking_is_bradley_terry_for_two_items():
 
 
 @pytest.mark.slow
-def test_embedding_judge_prefers_a_helpful_answer():
-    judge = make_judge("embedding")
+def test_embedding_oracle_prefers_a_helpful_answer():
+    oracle = make_oracle("embedding")
     prompt = "How do I bake bread at home?"
     helpful = "Mix flour, water, yeast and salt, knead for ten minutes, let it rise, then bake at 220C."
     rude = "I don't know, go away."
-    good, bad = judge.score([prompt, prompt], [helpful, rude])
+    good, bad = oracle.score([prompt, prompt], [helpful, rude])
     assert good > bad + 0.1
