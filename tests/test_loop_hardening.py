@@ -13,7 +13,8 @@ from pipeline.orchestrate.jobs import JobRunner
 from pipeline.orchestrate.steps import LoopSettings, pairs_snapshot, snapshot_split
 from pipeline.reward_data import read_pairs
 from pipeline.train_reward import train_reward
-from store.export import held_out_hash, load_pairs_snapshot
+from store.export import load_pairs_snapshot
+from store.export_select import held_out_hash
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixtures_models.py
 

@@ -7,7 +7,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from store import InvalidRequest
-from store.export import COLUMNS, RANKING_COLUMNS, held_out_hash, load_pairs_snapshot, snapshot_sha256
+from store.export import COLUMNS, RANKING_COLUMNS, load_pairs_snapshot, snapshot_sha256
+from store.export_select import held_out_hash
 from store.io import export_pairs, import_pairs
 from tests.fixtures_store import seed_items
 

@@ -1,0 +1,173 @@
+"""Which pairs and rankings an export takes (store/export.py writes them): the filters as SQL over
+the pairs with their agreement, annotator quality's exclusions and weights, and the split by
+prompt. `select` leaves them in the temporary tables _export and _export_rankings of a cursor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pyarrow as pa
+
+from store.db import registered, to_db_time
+from store.errors import InvalidRequest
+from store.quality import annotator_quality_table
+
+BLANK = r"[\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]*"
+"""A response text that is all whitespace, as a regular expression (RE2, DuckDB's): exactly the
+texts whose Python str.strip() is empty, the test train-reward applies."""
+
+# Pair metadata with its agreement; texts are joined in only when writing.
+_SELECTED = """
+    WITH n_rank AS (SELECT item_id, count(*) AS n FROM rankings GROUP BY item_id),
+    votes AS (SELECT item_id, chosen_id, rejected_id, count(*) AS v FROM pairs
+              WHERE ranking_id IS NOT NULL GROUP BY ALL),
+    scored AS (
+        SELECT pr.id AS pair_id, pr.prompt_id, pr.chosen_id, pr.rejected_id, pr.margin, pr.annotator_id,
+               pr.ranking_id, pr.all_bad, pr.source, pr.created_at, i.round_id, i.evaluation_id,
+               CASE WHEN pr.ranking_id IS NULL OR nr.n IS NULL THEN 1.0 ELSE v.v / nr.n END AS agreement,
+               CASE WHEN pr.chosen_id = k.order_groups[1][1] AND pr.rejected_id = k.order_groups[2][1]
+                    THEN k.strength END AS strength,
+               nullif(k.comment, '') AS rationale
+        FROM pairs pr
+        JOIN items i ON i.id = pr.item_id
+        LEFT JOIN rankings k ON k.id = pr.ranking_id
+        LEFT JOIN n_rank nr ON nr.item_id = pr.item_id
+        LEFT JOIN votes v ON v.item_id = pr.item_id AND v.chosen_id = pr.chosen_id
+                         AND v.rejected_id = pr.rejected_id)
+    SELECT * FROM scored
+"""
+# Rankings with the same column names the filters use (round_id, annotator_id, created_at, all_bad).
+_SELECTED_RANKINGS = """
+    SELECT * FROM (
+        SELECT k.id AS ranking_id, k.item_id, k.prompt_id, k.annotator_id, k.order_groups, k.display_order,
+               k.all_bad, k.strength, k.duration_s, k.comment, k.created_at, i.round_id, i.evaluation_id
+        FROM rankings k JOIN items i ON i.id = k.item_id)
+"""
+
+def filters_sql(store, rounds, annotators, min_agreement, since, until, include_all_bad,
+                 include_imported, include_evaluations) -> tuple[list[tuple[str, list, bool]], dict]:
+    """The filters as (SQL condition, parameters, concerns pairs only) over the columns of
+    _SELECTED and _SELECTED_RANKINGS, and the filters as recorded."""
+    cond, recorded = [], {}
+    if rounds is not None:
+        rounds = [int(r) for r in ([rounds] if isinstance(rounds, int) else rounds)]
+        cond.append(("list_contains(?, round_id)", [rounds], False))
+        recorded["rounds"] = rounds
+    if annotators is not None:
+        names = [annotators] if isinstance(annotators, (str, int)) else list(annotators)
+        ids = []
+        for a in names:
+            found = store.get_annotator(a) if isinstance(a, int) else store.find_annotator(a)
+            if found is None:
+                raise InvalidRequest(f"no annotator named {a!r}")
+            ids.append(found.id)
+        cond.append(("list_contains(?, annotator_id)", [ids], False))
+        recorded["annotators"] = [store.get_annotator(i).name for i in ids]
+    if min_agreement is not None:
+        if not 0.0 <= float(min_agreement) <= 1.0:
+            raise InvalidRequest(f"min_agreement must be between 0 and 1, not {min_agreement}")
+        cond.append(("agreement >= ?", [float(min_agreement)], True))
+        recorded["min_agreement"] = float(min_agreement)
+    for name, value, op in (("since", since, ">="), ("until", until, "<")):
+        if value is not None:
+            cond.append((f"created_at {op} ?", [to_db_time(value)], False))
+            recorded[name] = to_db_time(value).isoformat() + "Z"
+    if not include_all_bad:
+        cond.append(("NOT all_bad", [], False))
+    if not include_imported:
+        cond.append(("ranking_id IS NOT NULL", [], True))
+    if not include_evaluations:
+        cond.append(("evaluation_id IS NULL", [], False))
+    recorded["include_all_bad"] = bool(include_all_bad)
+    recorded["include_imported"] = bool(include_imported)
+    if include_evaluations:
+        recorded["include_evaluations"] = True
+    return cond, recorded
+
+
+def _where(cond: list[tuple[str, list, bool]], rankings: bool) -> tuple[str, list]:
+    kept = [(sql, params) for sql, params, pairs_only in cond if not (rankings and pairs_only)]
+    if not kept:
+        return "", []
+    return " WHERE " + " AND ".join(sql for sql, _ in kept), [p for _, params in kept for p in params]
+
+
+def _test_prompts(prompt_ids: list[int], test_fraction: float, seed: int) -> list[int]:
+    """The prompts whose hash of (seed, prompt id), as a number in [0, 1), is below test_fraction
+    (module docstring): each prompt's side is its own, whatever other prompts there are. None
+    when that would be every prompt."""
+    if test_fraction <= 0:
+        return []
+    test = [pid for pid in prompt_ids if held_out_hash(pid, seed) < test_fraction]
+    return test if len(test) < len(prompt_ids) else []
+
+
+def held_out_hash(prompt_id: int, seed: int) -> float:
+    """sha256(seed:prompt_id) as a number in [0, 1): uniform, and fixed for a prompt and seed."""
+    return int(hashlib.sha256(f"{seed}:{prompt_id}".encode()).hexdigest()[:15], 16) / 16 ** 15
+
+
+def quality_filter(store, cond: list, recorded: dict, min_quality: float | None,
+                    quality_weights: bool) -> list[dict] | None:
+    """The annotator quality table when min_quality or quality_weights needs it (store/quality.py);
+    min_quality's exclusion is added to `cond` and recorded."""
+    if min_quality is None and not quality_weights:
+        return None
+    quality = annotator_quality_table(store, min_quality)
+    if min_quality is not None:
+        excluded = [q["annotator_id"] for q in quality if q["excluded"]]
+        if excluded:
+            cond.append(("(annotator_id IS NULL OR NOT list_contains(?, annotator_id))", [excluded], False))
+        recorded.update(min_quality=float(min_quality),
+                        excluded_annotators=[q["annotator"] for q in quality if q["excluded"]])
+    return quality
+
+
+def select(cur, cond: list, test_fraction: float, seed: int, include_empty: bool, weights: list[dict] | None) -> dict:
+    """The pairs and rankings that pass `cond` into the temporary tables _export and
+    _export_rankings, each row with its prompt's split (and with `weights`, the quality table, each
+    pair's weight); returns the counts the manifest records."""
+    where, params = _where(cond, rankings=False)
+    cur.execute("CREATE OR REPLACE TEMP TABLE _export_sel AS " + _SELECTED + where, params)
+    where, params = _where(cond, rankings=True)
+    cur.execute("CREATE OR REPLACE TEMP TABLE _export_rankings_sel AS " + _SELECTED_RANKINGS + where, params)
+    left_out_empty = 0 if include_empty else _drop_blank_pairs(cur)
+    prompt_ids = [r[0] for r in cur.execute("SELECT DISTINCT prompt_id FROM _export_sel").fetchall()]
+    test = _test_prompts(prompt_ids, test_fraction, seed)
+    with registered(cur, "_test_ids", pa.table({"prompt_id": pa.array(test, pa.int64())})):
+        for table in ("_export", "_export_rankings"):
+            cur.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS SELECT s.*, CASE WHEN t.prompt_id IS NULL "
+                        f"THEN 'train' ELSE 'test' END AS split FROM {table}_sel s "
+                        "LEFT JOIN _test_ids t ON t.prompt_id = s.prompt_id")
+    if weights is not None:  # each pair its annotator's weight; imported pairs and the unmeasured 1
+        _add_weights(cur, weights)
+    counts = dict(zip(
+        ("pairs", "train", "test", "prompts", "annotators", "imported", "all_bad"),
+        cur.execute("SELECT count(*), count(*) FILTER (WHERE split = 'train'), "
+                    "count(*) FILTER (WHERE split = 'test'), count(DISTINCT prompt_id), "
+                    "count(DISTINCT annotator_id), count(*) FILTER (WHERE ranking_id IS NULL), "
+                    "count(*) FILTER (WHERE all_bad) FROM _export").fetchall()[0]))
+    counts["rankings"] = cur.execute("SELECT count(*) FROM _export_rankings").fetchall()[0][0]
+    if not include_empty:
+        counts["left_out_empty"] = left_out_empty
+    return counts
+
+
+def _drop_blank_pairs(cur) -> int:
+    """Delete from _export_sel the pairs whose chosen or rejected text is blank; how many."""
+    blank = "SELECT id FROM responses WHERE regexp_full_match(text, ?)"
+    where = f" WHERE chosen_id IN ({blank}) OR rejected_id IN ({blank})"
+    n = cur.execute("SELECT count(*) FROM _export_sel" + where, [BLANK, BLANK]).fetchall()[0][0]
+    if n:
+        cur.execute("DELETE FROM _export_sel" + where, [BLANK, BLANK])
+    return n
+
+
+def _add_weights(cur, quality: list[dict]) -> None:
+    """A `weight` column on _export: the pair's annotator's weight, 1 where none applies."""
+    table = pa.table({"annotator_id": pa.array([q["annotator_id"] for q in quality], pa.int64()),
+                      "weight": pa.array([q["weight"] for q in quality], pa.float64())})
+    cur.execute("ALTER TABLE _export ADD COLUMN weight DOUBLE DEFAULT 1.0")
+    with registered(cur, "_weights", table):
+        cur.execute("UPDATE _export SET weight = w.weight FROM _weights w WHERE w.annotator_id = _export.annotator_id")
