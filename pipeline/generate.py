@@ -163,6 +163,28 @@ def response_rows(rows: list[dict], results: list[list[Generation]], first_index
             for i, (row, gens) in enumerate(zip(rows, results)) for g in gens]
 
 
+def sampling_policy(adapter: str, model_cfg: ModelConfig):
+    """(policy, tokenizer, the name its responses record) for sampling. Sampling never trains: no
+    fresh (all-zero) adapter without an adapter folder, and a saved adapter is merged into the
+    weights so each step runs plain matmuls."""
+    policy, tokenizer = load_policy(dataclasses.replace(model_cfg, lora=False) if not adapter else model_cfg,
+                                    adapter_path=adapter)
+    meta = policy.rlhf_meta
+    if adapter and meta["lora"]:
+        policy = policy.merge_and_unload()
+    return policy, tokenizer, str(Path(adapter).resolve()) if adapter else meta["base_model"]
+
+
+def least_separated(reward: str, rows: list[dict], results: list, keep_n: int, model_cfg: ModelConfig):
+    """The keep_n prompts (rows and their generations, in file order) whose responses the reward
+    model's scores spread least: where a ranking teaches it most (--select-uncertain)."""
+    spread = reward_spread(reward, [r["prompt"] for r in rows], results, model_cfg)
+    keep = sorted(sorted(range(len(rows)), key=lambda i: spread[i])[:keep_n])
+    print(f"kept the {len(keep)} of {len(rows)} prompts the reward model separates least "
+          f"(score spread {min(spread):.3f}..{max(spread[i] for i in keep):.3f})")
+    return [rows[i] for i in keep], [results[i] for i in keep]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Sample in chunks of --chunk-prompts prompts; each finished chunk's rows go to
     RUN_DIR/chunks/NNNNN.jsonl at once (the owner ingests them while the job runs), then all rows to
@@ -187,14 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     write_status(out, "running", 0, 0)
     try:
         rows = read_prompts(args.prompts)[: args.limit or None]
-        # Sampling never trains: no fresh (all-zero) adapter without --adapter, and a saved adapter
-        # is merged into the weights so each step runs plain matmuls.
-        policy, tokenizer = load_policy(dataclasses.replace(model_cfg, lora=False) if not args.adapter
-                                        else model_cfg, adapter_path=args.adapter)
-        meta = policy.rlhf_meta
-        if args.adapter and meta["lora"]:
-            policy = policy.merge_and_unload()
-        model_name = str(Path(args.adapter).resolve()) if args.adapter else meta["base_model"]
+        policy, tokenizer, model_name = sampling_policy(args.adapter, model_cfg)
         write_json(out / "config.json", {
             "stage": "generate", "prompts": str(args.prompts), "adapter": args.adapter,
             "model": model_name, "num_prompts": len(rows), "chunk_prompts": args.chunk_prompts,
@@ -237,11 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update(len(results) * k - bar.n)
         bar.close()
         if args.select_uncertain:  # every rank holds every response; each scores and selects the same
-            spread = reward_spread(args.reward, [r["prompt"] for r in rows], results, model_cfg)
-            keep = sorted(sorted(range(len(rows)), key=lambda i: spread[i])[: args.select_uncertain])
-            print(f"kept the {len(keep)} of {len(rows)} prompts the reward model separates least "
-                  f"(score spread {min(spread):.3f}..{max(spread[i] for i in keep):.3f})")
-            rows, results = [rows[i] for i in keep], [results[i] for i in keep]
+            rows, results = least_separated(args.reward, rows, results, args.select_uncertain, model_cfg)
             for c, start in enumerate(range(0, len(rows), n)):
                 lines = response_rows(rows[start:start + n], results[start:start + n], start, sampling, model_name)
                 if dist.is_main:
