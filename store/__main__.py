@@ -46,7 +46,36 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m store", description="Manage the rlhf-loop database.")
     p.add_argument("--db", default=None, help=f"database file (default: $RLHF_LOOP_DB or {default_db_path()})")
     sub = p.add_subparsers(dest="command", required=True)
+    _users_parser(sub)
+    bk = sub.add_parser("backup", help="copy the whole database to a file (while the app runs: Data > Backup)")
+    bk.add_argument("path")
+    bk.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    rs = sub.add_parser("restore", help="check a backup and put it in place of the database (app stopped)")
+    rs.add_argument("backup")
 
+    _import_parsers(sub)
+    _export_parser(sub)
+    sub.add_parser("stats", help="counts, per-annotator work, agreement, position bias")
+
+    q = sub.add_parser("queue", help="show or set the overlap, a round's overlap and priority, the gold rate")
+    q.add_argument("--overlap", type=int, help="how many annotators rank each item (rounds without their own)")
+    q.add_argument("--gold-rate", type=float, help="share of each annotator's items that are gold items (0-1)")
+    q.add_argument("--round", type=int, help="the round --round-overlap and --priority set")
+    q.add_argument("--round-overlap", help="the round's own overlap, or 'default' (the store's)")
+    q.add_argument("--priority", help="the round's priority (higher first), or 'default' (newest round first)")
+    gold = sub.add_parser("gold", help="gold items: reference rankings").add_subparsers(dest="action", required=True)
+    gold.add_parser("list", help="the gold items and their references")
+    gold.add_parser("import", help='import gold rankings (JSONL: {"item"|"prompt", "ranking"})').add_argument("file")
+    gold.add_parser("mark", help="make a ranking the reference of its item").add_argument("ranking_id", type=int)
+    gold.add_parser("remove", help="an item is no longer gold").add_argument("item_id", type=int)
+    ev = sub.add_parser("evaluations", help="blind evaluations (started in the Models tab or with python -m pipeline "
+                                            "evaluate): each one's progress, the win rates and leaderboard")
+    ev.add_argument("name", nargs="?", help="the results of this evaluation only (default: of every evaluation)")
+    ev.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
+    return p
+
+
+def _users_parser(sub) -> None:
     users = sub.add_parser("users", help="annotator accounts").add_subparsers(dest="action", required=True)
     add = users.add_parser("add", help="create an account (prints a generated password if none is given)")
     add.add_argument("name")
@@ -64,12 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     users.add_parser("deactivate", help="stop an account from signing in (its rankings stay)").add_argument("name")
     users.add_parser("activate", help="let a deactivated account sign in again").add_argument("name")
 
-    bk = sub.add_parser("backup", help="copy the whole database to a file (while the app runs: Data > Backup)")
-    bk.add_argument("path")
-    bk.add_argument("--overwrite", action="store_true", help="replace an existing file")
-    rs = sub.add_parser("restore", help="check a backup and put it in place of the database (app stopped)")
-    rs.add_argument("backup")
 
+def _import_parsers(sub) -> None:
     for name, what in (("import-prompts", "prompts (a 'prompt' or 'messages' column)"),
                        ("import-pairs", "preference pairs (TRL prompt/chosen/rejected, or HH-RLHF transcripts)"),
                        ("import-items", "items to rank: a prompt ('prompt' or 'messages') and 2..16 responses "
@@ -86,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
                              help="items (default): rows of a prompt and its responses; labelstudio: a Label "
                                   "Studio JSON export of a ranking project (its rankings come in as pairs)")
 
+
+def _export_parser(sub) -> None:
     exp = sub.add_parser(
         "export", help="export pairs (TRL preference format), rankings and a dataset card; record the snapshot",
         description="Export the preference pairs as a TRL preference dataset, the rankings behind them, a "
@@ -124,25 +151,6 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--test-fraction", type=float, default=0.0, help="share of prompts held out as 'test'")
     exp.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     exp.add_argument("--overwrite", action="store_true", help="replace an existing output")
-
-    sub.add_parser("stats", help="counts, per-annotator work, agreement, position bias")
-
-    q = sub.add_parser("queue", help="show or set the overlap, a round's overlap and priority, the gold rate")
-    q.add_argument("--overlap", type=int, help="how many annotators rank each item (rounds without their own)")
-    q.add_argument("--gold-rate", type=float, help="share of each annotator's items that are gold items (0-1)")
-    q.add_argument("--round", type=int, help="the round --round-overlap and --priority set")
-    q.add_argument("--round-overlap", help="the round's own overlap, or 'default' (the store's)")
-    q.add_argument("--priority", help="the round's priority (higher first), or 'default' (newest round first)")
-    gold = sub.add_parser("gold", help="gold items: reference rankings").add_subparsers(dest="action", required=True)
-    gold.add_parser("list", help="the gold items and their references")
-    gold.add_parser("import", help='import gold rankings (JSONL: {"item"|"prompt", "ranking"})').add_argument("file")
-    gold.add_parser("mark", help="make a ranking the reference of its item").add_argument("ranking_id", type=int)
-    gold.add_parser("remove", help="an item is no longer gold").add_argument("item_id", type=int)
-    ev = sub.add_parser("evaluations", help="blind evaluations (started in the Models tab or with python -m pipeline "
-                                            "evaluate): each one's progress, the win rates and leaderboard")
-    ev.add_argument("name", nargs="?", help="the results of this evaluation only (default: of every evaluation)")
-    ev.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
