@@ -181,6 +181,22 @@ def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, weights: li
     return train_step
 
 
+def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, out_dir: Path,
+               at: tuple[int, int], device, dtype, dist) -> dict:
+    """Phase 7: the reward's mean and std on samples of the reference policy for the training
+    prompts (pipeline/reward_eval.py), set on the model (the checkpoint stores them) and logged.
+    at: (step, total) for the status file."""
+    step, total = at
+    write_status(out_dir, "running", step, total, phase="normalising")
+    norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
+                               policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=dist,
+                               on_progress=lambda done, n: write_status(out_dir, "running", step, total,
+                                                                        phase=f"normalising: {done}/{n} samples"))
+    append_metrics(out_dir, step, {"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]})
+    model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
+    return norm
+
+
 def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resume, init_from, on_step,
            progress: dict, dist: Dist) -> dict:
     device = dist.device
@@ -260,15 +276,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         append_metrics(out_dir, step, report)
 
     # 7. Reward normalisation on reference-policy samples, stored with the checkpoint.
-    norm = None
-    if cfg.norm_samples > 0:
-        write_status(out_dir, "running", step, total, phase="normalising")
-        norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
-                                   policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=shared,
-                                   on_progress=lambda done, n: write_status(out_dir, "running", step, total,
-                                                                            phase=f"normalising: {done}/{n} samples"))
-        append_metrics(out_dir, step, {"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]})
-        model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
+    norm = _normalise(model, train_pairs, cfg, model_cfg, out_dir, (step, total), device, dtype, shared) \
+        if cfg.norm_samples > 0 else None
 
     # 8. Save the checkpoint and the report.
     save(step, norm)
