@@ -134,13 +134,12 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
         return report
 
 
-def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, weights: list[float] | None, *, pad_id: int,
-                share_prompt: bool, lm_weight, dtype, params: list, optimizer, scheduler) -> Callable:
+def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: list[int], weights: list[float] | None,
+                *, pad_id: int, share_prompt: bool, lm_weight, dtype, params: list, optimizer, scheduler) -> Callable:
     """The optimiser step run_steps calls: the Bradley-Terry loss (with margin, centering and LM
     terms when set) over a step's micro-batches of pair indices into `items`; returns (metrics,
     pairs, tokens)."""
     device = dist.device
-    lengths = [it.length for it in items]
 
     def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
         sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
@@ -253,8 +252,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     weights = pair_weights(train_items, cfg.use_weights)  # None: the plain loss
     model.train()
 
-    train_step = reward_step(cfg, dist, wrapped, train_items, weights, pad_id=pad_id, share_prompt=share_prompt,
-                             lm_weight=lm_weight, dtype=dtype, params=params, optimizer=optimizer, scheduler=scheduler)
+    train_step = reward_step(cfg, dist, wrapped, train_items, lengths, weights, pad_id=pad_id,
+                             share_prompt=share_prompt, lm_weight=lm_weight, dtype=dtype, params=params,
+                             optimizer=optimizer, scheduler=scheduler)
     done = run_steps(out_dir, dist, cfg, lengths=lengths, steps_per_epoch=steps_per_epoch, total=total, start=step,
                      train_step=train_step, scheduler=scheduler, save=save, progress=progress, on_step=on_step,
                      desc="reward model", shown=("train/accuracy", "acc"))

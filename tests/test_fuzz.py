@@ -181,8 +181,7 @@ def test_fuzz_export_filters(ctx, fmt, all_bad, imported, annotators, since, min
     snapshots = len(ctx.store.list_snapshots())
     out = {}
     exc = _unchanged_unless_ok(ctx, lambda: out.update(result=admin.export(
-        ctx, fmt, all_bad, imported, annotators, since, min_agreement, test_fraction, req("boss"))),
-    )
+        ctx, fmt, all_bad, imported, annotators, since, min_agreement, test_fraction, req("boss"))))
     if exc is not None:  # nothing half-written was left behind, and no snapshot recorded
         assert (sorted(ctx.export_dir.glob("*")) if ctx.export_dir.exists() else []) == before
         assert len(ctx.store.list_snapshots()) == snapshots
