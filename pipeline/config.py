@@ -150,6 +150,12 @@ class PPOConfig:
     reward model is right at the end of a response only (its head learned to score there); at every
     earlier token it starts far off (SmolLM2 in the gold experiment: values -4.5 against rewards of
     -0.5), and until it catches up its advantages are mostly its own error."""
+    critic_head: str = "reward"
+    """How the critic's value head starts: 'reward' keeps the head of the model it is taken from (a
+    reward model's: its normalised score, right at the end of a response only), 'zero' sets the
+    head to 0, so its first values are the normalised rewards' mean at every token (the backbone is
+    still the reward model's) and its first advantages are the returns themselves (a baseline of 0,
+    not an error the size of the reward model's misreading of prefixes)."""
     max_new_tokens: int = 48
     """Response length limit during rollout."""
     temperature: float = 0.7

@@ -90,6 +90,8 @@ def check_config(cfg: PPOConfig, world: int = 1) -> None:
     if cfg.micro_batch_size < 1 or cfg.mini_batch_size % cfg.micro_batch_size:
         problems.append(f"--mini-batch-size {cfg.mini_batch_size} must be a multiple of "
                         f"--micro-batch-size {cfg.micro_batch_size}")
+    if cfg.critic_head not in ("reward", "zero"):
+        problems.append(f"--critic-head {cfg.critic_head!r}: choose 'reward' or 'zero'")
     if cfg.lr < 0 or cfg.critic_lr < 0:
         problems.append("--lr and --critic-lr must be >= 0 (0 = the default for LoRA or full fine-tuning)")
     if cfg.temperature <= 0:
@@ -142,6 +144,10 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         raise ValueError(f"under FSDP the critic is fully trained and sharded, but it would start from {critic_src}, "
                          "a LoRA model: pass --critic-init with the base model or a fully trained reward model")
     critic, _ = load_scalar_model(critic_src, kind="critic", cfg=master_cfg(model_cfg, critic_src, device, dtype))
+    if cfg.critic_head == "zero" and not resuming:  # before wrapping: under FSDP the head is sharded then
+        with torch.no_grad():
+            critic.head.weight.zero_()
+            critic.head.bias.zero_()
     critic_w = dist.wrap(critic)
     cfg = with_ppo_lrs(cfg, model_cfg.lora, is_peft(critic))  # 0 = each model's default rate
     policy_opt = _adamw(trainable(policy_model), cfg.lr)

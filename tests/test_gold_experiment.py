@@ -228,15 +228,14 @@ def _check_new_parts(out: Path, results: dict, judge) -> None:
     from bench.gold.bon import bon_kl
     from store.export import load_pairs_snapshot
 
-    # best-of-n: 16 samples per held-out prompt once; best-of-n picks the proxy's favourite among
-    # each prompt's first n; the table's means are those of the picked responses
+    # best-of-n: 16 samples per held-out prompt once; per prompt the expected gold of the proxy's
+    # favourite over every n-subset of them; the table's means are those expectations
     samples = _rows(out / "eval" / "bon_samples.jsonl")
     assert len(samples) == 4 * 16
     for row in results["bon"]["rows"]:
         n, picked = row["n"], _rows(out / "eval" / f"bon_n{row['n']}.jsonl")
-        for pick in picked:
-            first_n = [r for r in samples if r["prompt"] == pick["prompt"]][:n]
-            assert pick == max(first_n, key=lambda r: r["proxy:rm1"])
+        if n <= 4:  # (C(16, 8) subsets a prompt is slow by brute force)
+            assert row["eval/gold"] == pytest.approx(_subsets_mean(samples, n, "proxy:rm1"))
         assert len(picked) == 4 and row["kl"] == pytest.approx(bon_kl(n))
         assert row["eval/gold"] == pytest.approx(sum(p["gold"] for p in picked) / 4)
         assert row["oracle/gold"] >= row["eval/gold"] - 1e-9  # the judge's own pick is never worse
@@ -393,11 +392,28 @@ def test_best_of_n_keeps_the_proxys_favourite_among_each_prompts_first_n():
     assert [r["response"] for r in best_of_n(rows, 3)] == ["a 1", "b 0"]  # a tie goes to the first
     assert [r["response"] for r in best_of_n(rows, 4)] == ["a 3", "b 0"]
     table = bon_table(rows, [1, 2, 4])
-    assert [t["eval/gold"] for t in table] == pytest.approx([0.65, 0.15, 1.15])
-    assert [t["oracle/gold"] for t in table] == pytest.approx([0.65, 0.95, 2.95])
+    for n, t in zip((1, 2, 4), table):  # the mean over every n-subset of the proxy's favourite
+        assert t["eval/gold"] == pytest.approx(_subsets_mean(rows, n, "proxy:rm1")), n
+        assert t["oracle/gold"] == pytest.approx(_subsets_mean(rows, n, "gold")), n
+    assert [t["eval/gold"] for t in table][::2] == pytest.approx([1.1875, 1.15])  # n = 1: the mean; n = 4: the one pick
+    assert table[1]["eval/gold"] == pytest.approx((11 / 6 + 2.2 / 6) / 2)  # by hand: a's 6 pairs, b's 6
     assert [bon_kl(n) for n in (1, 2, 16)] == pytest.approx([0.0, math.log(2) - 0.5, math.log(16) - 15 / 16])
     with pytest.raises(ValueError, match="only 4 responses"):
         best_of_n(rows, 8)
+
+
+def _subsets_mean(rows: list[dict], n: int, key: str) -> float:
+    """Mean over prompts and over every n-subset of a prompt's responses of the gold of the subset's
+    highest `key` (the first sampled wins a tie): best-of-n's expectation by brute force."""
+    import itertools
+
+    prompts = sorted({r["prompt"] for r in rows})
+    per_prompt = []
+    for p in prompts:
+        group = [r for r in rows if r["prompt"] == p]
+        golds = [max(sub, key=lambda r: r[key])["gold"] for sub in itertools.combinations(group, n)]
+        per_prompt.append(sum(golds) / len(golds))
+    return sum(per_prompt) / len(per_prompt)
 
 
 def test_shuffled_labels_swap_a_seeded_half_of_the_pairs():

@@ -308,6 +308,18 @@ def test_critic_warmup_trains_the_critic_alone_then_the_policy(tmp_path, ppo_mod
               reward="script:count:e", out_dir=tmp_path / "all_warmup")
 
 
+def test_critic_head_zero_starts_every_value_at_zero_then_learns(tmp_path, ppo_model_cfg, prompts_file):
+    """--critic-head zero: the first rollout's values are 0 at every token (the head's weight and
+    bias zeroed, whatever model the critic comes from), and the critic moves from there."""
+    rows = run(tmp_path, "zero", ppo_model_cfg, prompts_file, steps=2, critic_warmup_steps=1, critic_head="zero")
+    assert rows[0]["val/value_mean"] == 0.0 and rows[1]["val/value_mean"] != 0.0
+    kept = run(tmp_path, "kept", ppo_model_cfg, prompts_file, steps=1, critic_head="reward")
+    assert kept[0]["val/value_mean"] != 0.0  # the base model's fresh head, not zeroed
+    with pytest.raises(ValueError, match="critic-head 'ones'"):
+        train(small_cfg(critic_head="ones"), ppo_model_cfg, prompts=str(prompts_file), reward="script:count:e",
+              out_dir=tmp_path / "bad")
+
+
 @pytest.mark.slow
 def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts_file):
     cfg = dict(kl_control="adaptive", init_kl_coef=0.2, kl_target=0.5, kl_horizon=32, lr_decay=False,

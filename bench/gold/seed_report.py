@@ -205,6 +205,11 @@ def _f(x, digits=3, sign=False) -> str:
     return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
 
 
+def adaptive_arms(sm: dict) -> list[str]:
+    """The PPO arms with adaptive KL control (bench/gold/seeds.py ARMS: adaptive, adaptive2, ...)."""
+    return [name for name in sm["arms"] if name.startswith("adaptive")]
+
+
 def seeds_result_line(folder: Path, sm: dict | None = None) -> str:
     sm = sm or summary(folder)
     parts = []
@@ -220,10 +225,11 @@ def seeds_result_line(folder: Path, sm: dict | None = None) -> str:
         last = sm["bon"][-1]
         parts += [f"bon{last['n']}_gain_mean={_f(last['gold'], 4)}", f"bon{last['n']}_gain_se_seeds={_f(last['gold_se'], 4)}",
                   f"bon_rises={'yes' if sm['bon_rises'] else 'no'}"]
-    ppo = sm["arms"].get("adaptive")
-    if ppo and ppo["efficiency"]:
-        parts.append(f"adaptive_kl_efficiency_vs_bon={_f(ppo['efficiency'][-1]['ratio'], 3)}")
-    parts.append(f"adaptive_goal={'met' if ppo and ppo['result']['raised'] else 'not_met'}")
+    for name in adaptive_arms(sm) or ["adaptive"]:
+        ppo = sm["arms"].get(name)
+        if ppo and ppo["efficiency"]:
+            parts.append(f"{name}_kl_efficiency_vs_bon={_f(ppo['efficiency'][-1]['ratio'], 3)}")
+        parts.append(f"{name}_goal={'met' if ppo and ppo['result']['raised'] else 'not_met'}")
     claimed = [f"{arm}@{h['to']}" for arm, a in sm["arms"].items() for h in a["hacking"] if h["hacking"]]
     parts.append(f"hacking={'yes:' + ','.join(claimed) if claimed else 'no'}")
     partial = "" if sm["results"].get("done") else " partial=yes"
@@ -326,10 +332,9 @@ def write_report(folder: Path) -> Path:
         z = r["gain_mean"] / r["gain_se_seeds"] if r["gain_se_seeds"] else None
         lines.append(f"| {arm} | {r['seeds']} | {per} | {_f(r['gain_mean'], 4, True)} | {_f(r['gain_se_seeds'], 4)} | "
                      f"{_f(z, 2)} | {_f(r['kl_mean'], 2)} |")
-    ppo = sm["arms"].get("adaptive")
-    if ppo:
-        r = ppo["result"]
-        lines += ["", f"PPO with adaptive KL raises gold by more than 2 between-seed s.e. at KL <= {GOAL_KL:g}: "
+    for name in adaptive_arms(sm):
+        r = sm["arms"][name]["result"]
+        lines += ["", f"PPO with adaptive KL ({name}) raises gold by more than 2 between-seed s.e. at KL <= {GOAL_KL:g}: "
                   f"**{'yes' if r['raised'] else 'no'}** ({_f(r['gain_mean'], 4, True)} ± {_f(r['gain_se_seeds'], 4)}, "
                   f"{r['seeds']} seeds)."]
     lines += ["", "## Measured curves (mean over seeds ± between-seed s.e.)", ""]
@@ -411,17 +416,21 @@ def goal_checks(sm: dict) -> list[str]:
             return False, f"{r['seeds'] if r else 0} seed(s) measured, 3 needed"
         return r["raised"], f"{_f(r['gain_mean'], 4, True)} ± {_f(r['gain_se_seeds'], 4)} over {r['seeds']} seeds"
 
-    eff = [e["ratio"] for e in arms.get("adaptive", {}).get("efficiency", []) if e["ratio"] is not None]
     checks = [
         ("the proxy better than chance (95% interval of its held-out accuracy above 0.5)", q["better_than_chance"],
-         f"{_f(q['pooled'])} [{_f(q['pooled_lo'])}, {_f(q['pooled_hi'])}] on {q['pairs']} pairs"),
-        (f"PPO, adaptive KL, raises gold by more than 2 between-seed s.e. at KL <= {GOAL_KL:g}", *raised("adaptive")),
+         f"{_f(q['pooled'])} [{_f(q['pooled_lo'])}, {_f(q['pooled_hi'])}] on {q['pairs']} pairs")]
+    for name in adaptive_arms(sm) or ["adaptive"]:
+        checks.append((f"PPO, adaptive KL ({name}), raises gold by more than 2 between-seed s.e. at KL <= {GOAL_KL:g}",
+                       *raised(name)))
+    checks += [
         (f"DPO raises gold by more than 2 between-seed s.e. at KL <= {GOAL_KL:g}", *raised("dpo")),
         ("best-of-n with the proxy rises with n", bool(sm["bon_rises"]),
-         ", ".join(f"n={b['n']}: {_f(b['gold'], 4, True)}" for b in sm["bon"]) or "not run"),
-        ("PPO raises its proxy at least a third as fast per nat as best-of-n at the same KL (last checkpoint)",
-         bool(eff) and eff[-1] >= EFFICIENCY_GOAL, f"ratio {_f(eff[-1], 2)}" if eff else "no checkpoint past 0.1 nats"),
-    ]
+         ", ".join(f"n={b['n']}: {_f(b['gold'], 4, True)}" for b in sm["bon"]) or "not run")]
+    for name in adaptive_arms(sm) or ["adaptive"]:
+        eff = [e["ratio"] for e in arms.get(name, {}).get("efficiency", []) if e["ratio"] is not None]
+        checks.append((f"PPO ({name}) raises its proxy at least a third as fast per nat as best-of-n at the same KL "
+                       "(last checkpoint)", bool(eff) and eff[-1] >= EFFICIENCY_GOAL,
+                       f"ratio {_f(eff[-1], 2)}" if eff else "no checkpoint past 0.1 nats"))
     return [f"- [{'x' if ok else ' '}] {text}: {detail}" for text, ok, detail in checks]
 
 

@@ -54,11 +54,20 @@ from bench.gold.steps import Context, RecordingOracle, cpu_seconds, run_job, spl
 
 OUT_ROOT = ROOT / "bench" / "out" / "gold_seeds"
 PUBLISH = ROOT / "docs" / "results" / "gold_seeds"
+SLOW_KL = {"kl_horizon": 80}
+"""A horizon of ten steps of 8 episodes: beta moves by at most 2% a step (ADAPTIVE's horizon of one
+step lets it fall 20% a step while KL is under target, and KL overshoots late in a run)."""
+ZERO_CRITIC = {"critic_head": "zero"}
+"""The critic's head started at 0 (pipeline/config.py PPOConfig.critic_head)."""
 ARMS = {
     "adaptive": ADAPTIVE,
     "beta0": {"kl_control": "fixed", "init_kl_coef": 0.0},
     "fixed": {"kl_control": "fixed", "init_kl_coef": 0.1},
     "dpo": {},
+    # the second PPO settings: beta slowed and the critic's head at 0; beta = 0 beside them
+    "adaptive2": {**ADAPTIVE, **SLOW_KL, **ZERO_CRITIC},
+    "adaptive2_h": {**ADAPTIVE, **SLOW_KL},  # the slow beta alone (the reward model's head kept)
+    "beta0_2": {"kl_control": "fixed", "init_kl_coef": 0.0, **ZERO_CRITIC},
 }
 ARM_ONLY = ("arms", "ppo", "dpo", "checkpoints", "ppo_prompts")
 """Settings only the arms read: a resumed run whose arms have not started may change them."""
@@ -68,8 +77,10 @@ def arm_label(settings: dict, name: str) -> str:
     if name == "dpo":
         return "DPO"
     if settings["kl_control"] == "adaptive":
-        return f"PPO, adaptive KL (target {settings['kl_target']:g} nats)"
-    return "PPO, beta = 0" if settings["init_kl_coef"] == 0 else f"PPO, fixed beta {settings['init_kl_coef']:g}"
+        label = f"PPO, adaptive KL (target {settings['kl_target']:g} nats, horizon {settings['kl_horizon']} episodes)"
+    else:
+        label = "PPO, beta = 0" if settings["init_kl_coef"] == 0 else f"PPO, fixed beta {settings['init_kl_coef']:g}"
+    return label + (", critic head at 0" if settings.get("critic_head") == "zero" else "")
 
 
 @dataclass
@@ -89,7 +100,7 @@ class SeedsConfig:
 
     def arm(self, name: str) -> dict:
         """The PPO settings of arm `name` ({} for DPO)."""
-        if name == "adaptive" and self.kl_target:
+        if ARMS[name].get("kl_control") == "adaptive" and self.kl_target:
             return {**ARMS[name], "kl_target": self.kl_target}
         return ARMS[name]
 
@@ -285,20 +296,34 @@ def train_proxy(sd: Seed, train: Path, heldout: Path) -> dict:
 
 def start_policy(sd: Seed) -> None:
     """Step 3: the start policy evaluated exactly as the arms are (same samples, same seed: at KL 0
-    an arm's gain is 0), and best-of-n on max(n) further samples per prompt; best-of-n's gains are
-    against the mean of those samples (raw.json: bon_all)."""
-    from bench.gold.bon import best_of_n, bon_table
-
+    an arm's gain is 0), and max(n) further samples per prompt for best-of-n (`score_bon`)."""
     metrics, _ = sd.evaluate(None, "base")
     sd.entry["base"] = metrics
     sd.entry["bon"] = []
     if sd.exp.bon:
         ns = sorted(set(sd.exp.bon))
-        _, rows = sd.evaluate(None, "bon_all", dataclasses.replace(sd.exp.eval, samples=max(ns), seed=sd.exp.eval.seed + 7919))
-        sd.entry["bon"] = bon_table([{**r, "proxy:rm1": r["proxy:proxy"]} for r in rows], ns)  # bon_table's key
-        for n in ns:
-            sd.run.add_raw(sd.seed, f"bon_n{n}", best_of_n(rows, n, key="proxy:proxy"))
+        sd.evaluate(None, "bon_all", dataclasses.replace(sd.exp.eval, samples=max(ns), seed=sd.exp.eval.seed + 7919))
+        score_bon(sd)
     sd.run.save()
+
+
+BON_ESTIMATOR = "expected"
+"""bench/gold/bon.py expected_best_of_n. A run whose seeds record another estimator (or none: the
+first n samples, before it) is rescored from its stored samples when resumed."""
+
+
+def score_bon(sd: Seed) -> None:
+    """Best-of-n with the proxy on the start policy's stored samples (eval/s<seed>_bon_all.jsonl);
+    gains are against the mean of those samples (raw.json: bon_all)."""
+    from bench.gold.bon import bon_table, expected_best_of_n
+
+    path = sd.ctx.out / "eval" / f"s{sd.seed}_bon_all.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    ns = sorted(set(sd.exp.bon))
+    sd.entry["bon"] = bon_table([{**r, "proxy:rm1": r["proxy:proxy"]} for r in rows], ns)  # bon_table's key
+    for n in ns:
+        sd.run.add_raw(sd.seed, f"bon_n{n}", expected_best_of_n(rows, n, key="proxy:proxy"))
+    sd.entry["bon_estimator"] = BON_ESTIMATOR
 
 
 def run_arm(sd: Seed, name: str) -> None:
@@ -440,6 +465,8 @@ class SeedsRun:
                 sd.take_shared()
                 if "proxy" in sd.entry and "base" not in sd.entry:
                     self.part(f"seed{sd.seed}/start", lambda sd=sd: start_policy(sd))
+                elif sd.exp.bon and "base" in sd.entry and sd.entry.get("bon_estimator") != BON_ESTIMATOR:
+                    self.part(f"seed{sd.seed}/bon", lambda sd=sd: score_bon(sd))
             for arm in self.cfg.arms:
                 for sd in seeds:
                     if "proxy" in sd.entry and "base" in sd.entry and arm not in sd.entry["arms"]:
