@@ -401,8 +401,8 @@ class SeedsRun:
         old = json.loads((self.out / "results.json").read_text(encoding="utf-8"))
         new = self.results["settings"]
         free = ARM_ONLY if not any(e["arms"] for e in old["seeds"].values()) else ("arms",)
-        differ = sorted(k for k in set(old["settings"]) | set(new)
-                        if k not in free and old["settings"].get(k) != new.get(k))
+        before, now = _comparable(old["settings"]), _comparable(new)
+        differ = sorted(k for k in set(before) | set(now) if k not in free and before.get(k) != now.get(k))
         if differ:
             raise SystemExit(f"--resume {self.out}: its settings differ from these ({', '.join(differ)}); "
                              "give the same options")
@@ -476,6 +476,19 @@ class SeedsRun:
                 sd.close()
         self.save()
         return self.results
+
+
+def _comparable(settings: dict) -> dict:
+    """Settings as a resume compares them: a PPO option added since the run started counts as its
+    default (the run ran with that behaviour), and the oracle by its kind (its module was renamed)."""
+    from pipeline.config import PPOConfig
+
+    out = dict(settings)
+    if "ppo" in out:
+        out["ppo"] = {**dataclasses.asdict(PPOConfig()), **out["ppo"]}
+    if "judge" in out:
+        out["judge"] = out["judge"].split(" (")[0]
+    return out
 
 
 def _commit() -> str:
