@@ -143,6 +143,12 @@ class PPOConfig:
     """Critic learning rate; 0 = the default for how the critic trains (1e-4 LoRA, 1e-5 full)."""
     lr_decay: bool = True
     """Linear learning-rate decay to zero over `steps` (the policy's over the steps after the warm-up)."""
+    lr_warmup_steps: int = 0
+    """The policy's learning rate ramps up linearly over its first N training steps (after
+    `critic_warmup_steps`): its i-th step (from 1) at i / N of the rate (OpenRLHF's
+    --lr_warmup_ratio). Adam's first updates move every weight by about the learning rate whatever
+    its gradient's size: in the gold experiment the policy's first step at the full rate cost ~2
+    nats of KL for no proxy gain (docs/results/gold_seeds_replicate)."""
     critic_warmup_steps: int = 0
     """The first N of `steps` train only the critic (OpenRLHF's --freezing_actor_steps): the policy,
     its learning-rate schedule and the KL controller wait, and the value loss is not clipped (the

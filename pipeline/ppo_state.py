@@ -90,6 +90,9 @@ def check_config(cfg: PPOConfig, world: int = 1) -> None:
     if cfg.micro_batch_size < 1 or cfg.mini_batch_size % cfg.micro_batch_size:
         problems.append(f"--mini-batch-size {cfg.mini_batch_size} must be a multiple of "
                         f"--micro-batch-size {cfg.micro_batch_size}")
+    if not 0 <= cfg.lr_warmup_steps <= cfg.steps - cfg.critic_warmup_steps:
+        problems.append(f"--lr-warmup-steps {cfg.lr_warmup_steps} must be >= 0 and at most the policy's "
+                        f"{cfg.steps - cfg.critic_warmup_steps} training steps (--steps minus --critic-warmup-steps)")
     if cfg.critic_head not in ("reward", "zero"):
         problems.append(f"--critic-head {cfg.critic_head!r}: choose 'reward' or 'zero'")
     if cfg.lr < 0 or cfg.critic_lr < 0:
@@ -152,13 +155,10 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     cfg = with_ppo_lrs(cfg, model_cfg.lora, is_peft(critic))  # 0 = each model's default rate
     policy_opt = _adamw(trainable(policy_model), cfg.lr)
     critic_opt = _adamw(trainable(critic), cfg.critic_lr)
-    # linear decay to 0 over the run (TRL's default schedule); stepped once per PPO iteration that
-    # trains the model (the policy's starts after the critic's warm-up)
-    def decay(steps: int):
-        return (lambda s: max(0.0, 1.0 - s / steps)) if cfg.lr_decay else (lambda s: 1.0)
-
-    policy_sched = torch.optim.lr_scheduler.LambdaLR(policy_opt, decay(cfg.steps - cfg.critic_warmup_steps))
-    critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, decay(cfg.steps))
+    # stepped once per PPO iteration that trains the model (the policy's after the critic's warm-up)
+    policy_sched = torch.optim.lr_scheduler.LambdaLR(
+        policy_opt, lr_factor(cfg.steps - cfg.critic_warmup_steps, cfg.lr_decay, cfg.lr_warmup_steps))
+    critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, lr_factor(cfg.steps, cfg.lr_decay))
     kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
     start = 0
     if resuming:
@@ -175,6 +175,17 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w, opts=(policy_opt, critic_opt),
         scheds=(policy_sched, critic_sched), kl=kl_ctl, start=start, rows=rows, ptx_texts=ptx_texts,
         sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
+
+
+def lr_factor(steps: int, decay: bool, warmup: int = 0):
+    """The learning rate's factor at scheduler step s (0 = the first training step): a linear ramp
+    over the first `warmup` steps ((s + 1) / warmup), times the linear decay to 0 over `steps`
+    (TRL's default schedule) when `decay`."""
+    def factor(s: int) -> float:
+        ramp = min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        return ramp * (max(0.0, 1.0 - s / steps) if decay else 1.0)
+
+    return factor
 
 
 def _adamw(params: list, lr: float) -> torch.optim.AdamW:

@@ -23,6 +23,7 @@ from pipeline.config import ModelConfig, PPOConfig, default_ppo_lr
 from pipeline.models import load_scalar_model
 from pipeline.saving import save_scalar_model
 from pipeline.policy import causal_lm_logits, load_policy, make_reference
+from pipeline.ppo_state import lr_factor
 from pipeline.rollout import Rollout, kl_shaped_advantages, rollout_forwards
 from pipeline.sampling import sample
 from pipeline.scoring import make_reward
@@ -306,6 +307,21 @@ def test_critic_warmup_trains_the_critic_alone_then_the_policy(tmp_path, ppo_mod
     with pytest.raises(ValueError, match="critic-warmup-steps 4"):
         train(small_cfg(steps=4, critic_warmup_steps=4), ppo_model_cfg, prompts=str(prompts_file),
               reward="script:count:e", out_dir=tmp_path / "all_warmup")
+
+
+def test_policy_lr_warmup_ramps_its_first_steps_then_decays(tmp_path, ppo_model_cfg, prompts_file):
+    """--lr-warmup-steps N: the policy's i-th training step (after the critic's warm-up) at i / N of
+    its rate, times the linear decay; the critic's rate is not ramped."""
+    assert [lr_factor(4, True, 2)(s) for s in range(4)] == [0.5, 0.75, 0.5, 0.25]
+    assert [lr_factor(4, False, 3)(s) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+    lr = 5e-2
+    rows = run(tmp_path, "ramp", ppo_model_cfg, prompts_file, steps=3, critic_warmup_steps=1, lr=lr,
+               lr_warmup_steps=2, lr_decay=False)
+    assert [r["policy/lr"] for r in rows] == pytest.approx([0.0, lr / 2, lr])
+    assert rows[0]["val/lr"] == rows[2]["val/lr"] > 0
+    with pytest.raises(ValueError, match="lr-warmup-steps 3"):
+        train(small_cfg(steps=3, critic_warmup_steps=1, lr_warmup_steps=3), ppo_model_cfg, prompts=str(prompts_file),
+              reward="script:count:e", out_dir=tmp_path / "too_long")
 
 
 def test_critic_head_zero_starts_every_value_at_zero_then_learns(tmp_path, ppo_model_cfg, prompts_file):

@@ -59,6 +59,8 @@ SLOW_KL = {"kl_horizon": 80}
 step lets it fall 20% a step while KL is under target, and KL overshoots late in a run)."""
 ZERO_CRITIC = {"critic_head": "zero"}
 """The critic's head started at 0 (pipeline/config.py PPOConfig.critic_head)."""
+LR_WARMUP = {"lr_warmup_steps": 4}
+"""The policy's learning rate ramped over its first 4 training steps (PPOConfig.lr_warmup_steps)."""
 ARMS = {
     "adaptive": ADAPTIVE,
     "beta0": {"kl_control": "fixed", "init_kl_coef": 0.0},
@@ -68,6 +70,9 @@ ARMS = {
     "adaptive2": {**ADAPTIVE, **SLOW_KL, **ZERO_CRITIC},
     "adaptive2_h": {**ADAPTIVE, **SLOW_KL},  # the slow beta alone (the reward model's head kept)
     "beta0_2": {"kl_control": "fixed", "init_kl_coef": 0.0, **ZERO_CRITIC},
+    # adaptive2 with the policy's learning rate ramped over its first 4 steps (its first step at
+    # the full rate cost adaptive2 ~2 nats for no proxy gain)
+    "adaptive3": {**ADAPTIVE, **SLOW_KL, **ZERO_CRITIC, **LR_WARMUP},
 }
 ARM_ONLY = ("arms", "ppo", "dpo", "checkpoints", "ppo_prompts")
 """Settings only the arms read: a resumed run whose arms have not started may change them."""
@@ -80,7 +85,8 @@ def arm_label(settings: dict, name: str) -> str:
         label = f"PPO, adaptive KL (target {settings['kl_target']:g} nats, horizon {settings['kl_horizon']} episodes)"
     else:
         label = "PPO, beta = 0" if settings["init_kl_coef"] == 0 else f"PPO, fixed beta {settings['init_kl_coef']:g}"
-    return label + (", critic head at 0" if settings.get("critic_head") == "zero" else "")
+    label += ", critic head at 0" if settings.get("critic_head") == "zero" else ""
+    return label + (f", lr ramped over {settings['lr_warmup_steps']} steps" if settings.get("lr_warmup_steps") else "")
 
 
 @dataclass
