@@ -11,7 +11,7 @@ One loop, read top to bottom in numbered phases (like CleanRL's ppo.py and TRL's
   6. advantages by GAE over response tokens, whitened; returns = advantages + values
   7. PPO epochs over shuffled minibatches, micro-batch gradient accumulation: clipped policy loss on
      pi_theta / pi_old (never pi_theta / pi_ref), entropy bonus, PPO-ptx, clipped value loss (during
-     the critic's warm-up, `critic_warmup_steps`, the value loss only)
+     the critic's warm-up, `critic_warmup_steps`, the value loss only; pipeline/ppo_update.py)
   8. KL controller and learning-rate schedules (the policy's wait for the warm-up's end)
   9. metrics.jsonl, status.json, sample table, checkpoint
 
@@ -47,22 +47,18 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args
-from pipeline.distributed import clip_grad_norm, setup
-from pipeline.losses import (
-    entropy_from_logits, lm_loss, masked_mean, masked_var, policy_loss, value_loss,
-)
-from pipeline.models import checkpointing
-from pipeline.policy import causal_lm_logits, trainable
+from pipeline.distributed import setup
+from pipeline.losses import masked_mean, masked_var
 from pipeline.ppo_state import CHECKPOINT, check_config, save_checkpoint, set_up
+from pipeline.ppo_update import ppo_update
 from pipeline.rollout import (
-    Rollout, attn_ratio, critic_values, episode_uniforms, gather_rollout, kl_shaped_advantages, merged_lora,
-    pack_responses, prompt_order, ptx_batch, response_logits, response_logprobs, rollout_forwards, write_samples,
+    Rollout, episode_uniforms, gather_rollout, kl_shaped_advantages, merged_lora, prompt_order, rollout_forwards,
+    write_samples,
 )
 from pipeline.run import recover
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
@@ -95,9 +91,8 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
             run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
                          critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
-            policy_model, tokenizer = run.policy, run.tokenizer
-            state.update(policy=policy_model, critic=run.critic, tokenizer=tokenizer, opts=run.opts, scheds=run.scheds,
-                         kl=run.kl, step=run.start)
+            state.update(policy=run.policy, critic=run.critic, tokenizer=run.tokenizer, opts=run.opts,
+                         scheds=run.scheds, kl=run.kl, step=run.start)
             write_status(out, "running", run.start, cfg.steps)
 
             from tqdm import tqdm
@@ -108,44 +103,13 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             share_prefix = not dist.sharded  # a prefix pass would run on some ranks only
             metrics: dict = {}
             for step in range(run.start, cfg.steps):
-                # 1-6. prompts, sampling, forwards, scores, KL-shaped rewards and GAE
-                ro, raw_score, adv, beta, times = rollout_step(run, cfg, step, dist, stop, local, share_prefix)
-                t_start, B = times.pop("start"), cfg.batch_size
-
-                # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches
-                # (the critic alone while it warms up)
-                train_policy = step >= cfg.critic_warmup_steps
-                stats, n_minibatches = ppo_update(run, ro, adv, cfg, step, dist, stop, share_prefix, train_policy)
-                t_update = time.perf_counter() - t_start - times["rollout"]
-                # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
-                norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm") if k in stats}
-                stats = {**dist.reduce_sum(dict(stats)), **norms}
-
-                # 8. KL controller (on the measured KL per sequence) and learning rates
-                lrs = advance_schedules(run, adv, B, train_policy)
-                state["step"] = step + 1
-
-                # 9. metrics, status, sample table, checkpoint
-                times.update(update=t_update, step=time.perf_counter() - t_start)
-                metrics = step_metrics(stats, n_minibatches, ro, raw_score, adv, beta, run.kl.value, lrs, times)
-                append_metrics(out, step + 1, metrics)
+                metrics = ppo_step(run, cfg, step, dist, stop, local, share_prefix, state, out)
                 write_status(out, "running", step + 1, cfg.steps)
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
-                                beta=f"{beta:.3g}")
-                keep_step(out, ckpt, state, cfg, step + 1, dist, ro, raw_score, adv)
-                del ro, adv
+                                beta=f"{metrics['kl/beta']:.3g}")
             bar.close()
-
-            # the end: a resumable checkpoint, and the policy for the owner process to register
-            reward_name = reward if reward.startswith("script:") else str(Path(reward).resolve())
-            policy_model.rlhf_meta = {**policy_model.rlhf_meta, "parent": run.parent, "reward_model": reward_name,
-                                      "run": str(out.resolve()), "steps": cfg.steps}
-            save_checkpoint(ckpt, state, dist)  # rank 0 writes; every rank holds the weights or a shard
-            save_whole_policy(policy_model, tokenizer, out / "policy", dist)
-            dist.barrier()  # the other ranks exit only once rank 0 has saved
-            write_status(out, "done", cfg.steps, cfg.steps)
-            dist.close()
+            finish(run, cfg, state, out, reward, dist)
             return metrics
     except Cancelled as exc:
         # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint
@@ -162,6 +126,44 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     except BaseException as exc:
         write_status(out, "failed", state.get("step", 0), cfg.steps, error=dist.describe_failure(exc))
         raise
+
+
+def ppo_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share_prefix: bool, state: dict,
+             out: Path) -> dict:
+    """Phases 1-9 of one step; returns its metrics (also appended to metrics.jsonl)."""
+    # 1-6. prompts, sampling, forwards, scores, KL-shaped rewards and GAE
+    ro, raw_score, adv, beta, times = rollout_step(run, cfg, step, dist, stop, local, share_prefix)
+    t_start = times.pop("start")
+    # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches (the critic
+    # alone while it warms up)
+    train_policy = step >= cfg.critic_warmup_steps
+    stats, n_minibatches = ppo_update(run, ro, adv, cfg, step, dist, stop, share_prefix, train_policy)
+    t_update = time.perf_counter() - t_start - times["rollout"]
+    # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
+    norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm") if k in stats}
+    stats = {**dist.reduce_sum(dict(stats)), **norms}
+    # 8. KL controller (on the measured KL per sequence) and learning rates
+    lrs = advance_schedules(run, adv, cfg.batch_size, train_policy)
+    state["step"] = step + 1
+    # 9. metrics, sample table, checkpoint
+    times.update(update=t_update, step=time.perf_counter() - t_start)
+    metrics = step_metrics(stats, n_minibatches, ro, raw_score, adv, beta, run.kl.value, lrs, times)
+    append_metrics(out, step + 1, metrics)
+    keep_step(out, out / CHECKPOINT, state, cfg, step + 1, dist, ro, raw_score, adv)
+    return metrics
+
+
+def finish(run, cfg: PPOConfig, state: dict, out: Path, reward: str, dist) -> None:
+    """The end: a resumable checkpoint, and the policy (its meta naming the parent and the reward
+    model) for the owner process to register."""
+    reward_name = reward if reward.startswith("script:") else str(Path(reward).resolve())
+    run.policy.rlhf_meta = {**run.policy.rlhf_meta, "parent": run.parent, "reward_model": reward_name,
+                            "run": str(out.resolve()), "steps": cfg.steps}
+    save_checkpoint(out / CHECKPOINT, state, dist)  # rank 0 writes; every rank holds the weights or a shard
+    save_whole_policy(run.policy, state["tokenizer"], out / "policy", dist)
+    dist.barrier()  # the other ranks exit only once rank 0 has saved
+    write_status(out, "done", cfg.steps, cfg.steps)
+    dist.close()
 
 
 def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share_prefix: bool):
@@ -234,103 +236,6 @@ def keep_step(out: Path, ckpt: Path, state: dict, cfg: PPOConfig, done: int, dis
         write_samples(out / "samples" / f"step_{done}.jsonl", state["tokenizer"], ro, raw_score, adv.kl_seq)
     if cfg.save_every > 0 and done % cfg.save_every == 0 and done < cfg.steps:
         save_checkpoint(ckpt, state, dist)  # every rank (a sharded model is gathered), rank 0 writes
-
-
-def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, share_prefix: bool,
-               train_policy: bool = True) -> tuple[dict, int]:
-    """Phase 7: cfg.ppo_epochs passes over the rollout in shuffled minibatches, one optimiser step
-    each for policy and critic (the critic's only, without train_policy). Returns the update's sums
-    (weighted by each micro-batch's token share; over N processes the per-rank sums, grad norms
-    aside) and the number of minibatches."""
-    B, mask = len(ro.prompts), ro.mask
-    stats = defaultdict(float)
-    shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    lengths = ro.lengths.cpu()
-    # gradient checkpointing acts in training mode only, and drops KV caches: no shared prefix
-    # (nor under FSDP, whose backward fails on a prefix's keys and values reused by a batch)
-    recompute = checkpointing(run.policy) or checkpointing(run.critic)
-    run.policy.train(recompute)
-    run.critic.train(recompute)
-    share_prefix = share_prefix and not recompute
-    n_minibatches = 0
-    for epoch in range(cfg.ppo_epochs):
-        for mb in torch.randperm(B, generator=shuffle).split(cfg.mini_batch_size):
-            # sorting by length inside the minibatch groups similar rows into a micro-batch (packs
-            # better); the summed gradient of the minibatch is unchanged. With N processes each rank
-            # takes every N-th episode of the minibatch.
-            mb = mb[torch.argsort(lengths[mb], descending=True)].to(run.device)
-            mb_tokens = mask[mb].sum()
-            micros = mb[dist.rank::dist.world].split(cfg.micro_batch_size)
-            for j, micro in enumerate(micros):
-                w = mask[micro].sum() / mb_tokens  # token share: accumulated loss = minibatch token mean
-                last = j == len(micros) - 1  # the last backward of the step all-reduces
-                with dist.sync(run.policy_w, last and cfg.ptx_coef <= 0), dist.sync(run.critic_w, last):
-                    micro_batch_backward(run, ro, adv, micro, w, cfg, dist, share_prefix, stats,
-                                         first=n_minibatches == 0, train_policy=train_policy)
-            if cfg.ptx_coef > 0 and train_policy:
-                ptx_backward(run, cfg, step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches, dist, stats)
-            # policy and critic clipped separately (sharded: each norm is one all-reduce)
-            policy_opt, critic_opt = run.opts
-            if train_policy:
-                stats["policy/grad_norm"] += clip_grad_norm(trainable(run.policy), cfg.max_grad_norm)
-                policy_opt.step()
-                policy_opt.zero_grad(set_to_none=True)
-            stats["val/grad_norm"] += clip_grad_norm(trainable(run.critic), cfg.max_grad_norm)
-            critic_opt.step()
-            critic_opt.zero_grad(set_to_none=True)
-            n_minibatches += 1
-            dist.check_stop(stop)
-    return stats, n_minibatches
-
-
-def micro_batch_backward(run, ro: Rollout, adv, micro: torch.Tensor, w: torch.Tensor, cfg: PPOConfig, dist,
-                         share_prefix: bool, stats: dict, first: bool, train_policy: bool = True) -> None:
-    """One micro-batch's clipped policy loss (pi_theta / pi_old), entropy bonus and clipped value
-    loss, backward at its token share w; its figures added to stats (first: the step's first
-    minibatch, where pi_theta == pi_old and the ratio must be 1). Without train_policy the value
-    loss alone (the policy runs no forward: under DDP or FSDP every rank skips it alike)."""
-    m = ro.mask[micro]  # (b, R)
-    # the micro-batch's episodes packed without padding, as in the rollout
-    pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro], ro.response_ids[micro], m, ro.prompt_length,
-                        attn_ratio(run.policy), share_prefix=share_prefix)
-    figures = {}
-    with run.autocast():
-        loss = 0.0
-        if train_policy:
-            logits = run.policy_w(response_logits, pr)  # (N, V) at the N real response tokens
-            logp = response_logprobs(logits, pr, cfg.temperature)  # (b, R)
-            loss, pg = policy_loss(logp, ro.logprobs[micro], adv.advantages[micro], m, cfg.cliprange)
-            figures = {"policy/loss": loss, "policy/clipfrac": pg["clipfrac"], "policy/approxkl": pg["approxkl"],
-                       "policy/ratio_mean": pg["ratio_mean"]}
-            if cfg.entropy_coef > 0:  # of the distribution sampled: logits / T
-                entropy = masked_mean(pr.scatter(entropy_from_logits(logits[None] / cfg.temperature)[0]), m)
-                loss = loss - cfg.entropy_coef * entropy
-                figures["policy/entropy"] = entropy
-            del logits
-            if first:
-                stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
-        v = run.critic_w(critic_values, pr)  # (b, R)
-        # value clipping keeps the critic near its rollout-time values while the policy moves; in the
-        # warm-up the policy stands still and the critic is fitted plainly (VC-PPO's value pretraining)
-        clip = cfg.cliprange_value if train_policy else None
-        vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], adv.returns[micro], m, clip)
-    (w * dist.loss_scale * (loss + cfg.vf_coef * vf_loss)).backward()
-    for key, val in {**figures, "val/loss": vf_loss, "val/clipfrac": vf_clipfrac}.items():
-        stats[key] += float(w * val.detach())
-
-
-def ptx_backward(run, cfg: PPOConfig, n_before: int, dist, stats: dict) -> None:
-    """PPO-ptx (Ouyang et al. 2022, eq. 2): the LM loss on a batch of pretraining/SFT texts, which
-    follow from the number of minibatches before this one, so a resumed run uses the same ones."""
-    texts = [run.ptx_texts[(n_before * cfg.micro_batch_size + i) % len(run.ptx_texts)]
-             for i in range(cfg.micro_batch_size)]
-    mine = dist.shard(texts)
-    share = len(mine) / len(texts)  # a rank with no text joins the all-reduce with 0
-    p_ids, p_am = ptx_batch(run.tokenizer, mine or texts[:1], cfg.ptx_max_length, run.device)
-    with run.autocast():
-        ptx_loss = lm_loss(run.policy_w(causal_lm_logits, p_ids, p_am), p_ids, p_am)
-    (cfg.ptx_coef * share * dist.loss_scale * ptx_loss).backward()
-    stats["ptx/loss"] += float(share * ptx_loss.detach())
 
 
 def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.Tensor, adv, beta: float,
