@@ -21,7 +21,9 @@ holds what every trainer does around them, written once so a fix reaches all of 
                                step's metrics out (TRL's compute_loss idea, without a class).
     cancelled(...)             save, wait for rank 0, mark the run 'cancelled' (--resume continues)
     adamw_schedule(...)        AdamW and the linear decay over the run's steps (how many: here)
-    run_report(...)            eval_report.json's common part: time, steps, data, truncation
+    write_run_config(...)      config.json: the trainer's own fields, then the data's and the run's
+    write_report(...)          eval_report.json (the trainer's figures and the common part: time,
+                               steps, data, truncation), then the run marked 'done'
 
 PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `recover`.
 """
@@ -32,6 +34,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +46,7 @@ from tqdm.auto import tqdm
 from formats.hashing import snapshot_sha256
 from pipeline.distributed import clip_grad_norm
 from pipeline.reward_data import length_grouped_batches
-from pipeline.rundir import StopFlag, append_metrics, read_status, truncate_metrics, write_status
+from pipeline.rundir import StopFlag, append_metrics, read_status, truncate_metrics, write_json, write_status
 from pipeline.saving import recover_folder
 
 STATE_FILE = "trainer_state.pt"
@@ -203,10 +206,22 @@ def adamw_schedule(params: list, lr: float, n_items: int, cfg) -> tuple[torch.op
     return optimizer, scheduler, steps_per_epoch, total
 
 
-def run_report(steps: Steps, data_report: dict, max_length: int, truncations: tuple, sequences: int) -> dict:
-    """The part of eval_report.json every pairs trainer writes: time, steps, data, truncation
-    (`truncations`: the train and held-out EncodeReports)."""
-    return {"train/seconds": steps.seconds, "train/cpu_seconds": steps.cpu_seconds,
+def write_run_config(out_dir: Path, fields: dict, *, data, eval_data: str, data_report: dict, dist) -> None:
+    """config.json of a new run: the trainer's own `fields` (its config, model, starting point),
+    then what every pairs trainer records: the data and its hash, the held-out data's hash, argv,
+    the data report and the number of processes (claim compares a resumed run's against it)."""
+    write_json(out_dir / "config.json", {
+        **fields, "data": str(data), "data_sha256": snapshot_sha256(data),
+        "eval_data_sha256": snapshot_sha256(eval_data) if eval_data else "", "argv": sys.argv,
+        "data_report": data_report, "processes": dist.world})
+
+
+def write_report(out_dir: Path, report: dict, steps: Steps, total: int, data_report: dict, max_length: int,
+                 truncations: tuple, sequences: int) -> dict:
+    """eval_report.json of a finished pairs trainer: its own `report`, then the common part: time,
+    steps, data, truncation (`truncations`: the train and held-out EncodeReports); the run is then
+    marked done. Returns the whole report."""
+    full = {**report, "train/seconds": steps.seconds, "train/cpu_seconds": steps.cpu_seconds,
             "train/pairs_per_s": steps.pairs / max(steps.seconds, 1e-9), "steps": steps.step, "data": data_report,
             "truncation": {
                 "max_length": max_length,
@@ -215,6 +230,9 @@ def run_report(steps: Steps, data_report: dict, max_length: int, truncations: tu
                 "sequences": sequences,
                 "longest_tokens": max(t.max_tokens_seen for t in truncations),
                 "example_rows": [row for t in truncations for row in t.examples][:10]}}
+    write_json(out_dir / "eval_report.json", full)
+    write_status(out_dir, "done", steps.step, total)
+    return full
 
 
 def resume_from(out_dir: Path, scheduler, load_optimizer: Callable[[dict], None]) -> int:
@@ -228,4 +246,4 @@ def resume_from(out_dir: Path, scheduler, load_optimizer: Callable[[dict], None]
 
 
 __all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "run_steps",
-           "cancelled", "resume_from", "adamw_schedule", "run_report"]
+           "cancelled", "resume_from", "adamw_schedule", "write_report", "write_run_config"]

@@ -71,8 +71,8 @@ from pipeline.saving import save_whole_policy
 from pipeline.reward_data import encode_pairs, pair_weights, train_eval_data
 from pipeline.rollout import attn_ratio
 from pipeline.run import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover, resume_from,
-                          run_report, run_steps, save_state)
-from pipeline.rundir import append_metrics, is_writer, open_tracker, write_json, write_status
+                          run_steps, save_state, write_report, write_run_config)
+from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.tracking import add_report_to
 
 LOSSES = ("sigmoid", "ipo")
@@ -185,12 +185,10 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     weights = pair_weights(train_items, cfg.use_weights)  # None: the plain loss, as train-reward's
     weighted = weights is not None
     if not resume:
-        write_json(out_dir / "config.json", {
-            "stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg), "data": str(data),
-            "data_sha256": snapshot_sha256(data), "policy": policy, "parent": parent,
-            "eval_data_sha256": snapshot_sha256(cfg.eval_data) if cfg.eval_data else "",
-            "base_model": model.rlhf_meta["base_model"], "argv": sys.argv, "data_report": data_report,
-            "processes": dist.world, "weighted": weighted})
+        write_run_config(out_dir, {"stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg),
+                                   "policy": policy, "parent": parent, "base_model": model.rlhf_meta["base_model"],
+                                   "weighted": weighted},
+                         data=data, eval_data=cfg.eval_data, data_report=data_report, dist=dist)
 
     # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
     if reference.frozen is not None:  # full fine-tuning: a copy as large as the policy, sharded alike
@@ -237,15 +235,10 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     save(step)
     save_whole_policy(model, tokenizer, out_dir / "policy", dist)
     dist.barrier()
-    full = {
-        **report, "train/pairs": len(train_items), "train/weighted": weighted,
-        "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
-        **run_report(done, data_report, cfg.max_length, (trunc_train, trunc_eval), 2 * (len(train_items) + len(eval_items))),
-        "policy": str(out_dir / "policy"),
-    }
-    write_json(out_dir / "eval_report.json", full)
-    write_status(out_dir, "done", step, total)
-    return full
+    own = {**report, "policy": str(out_dir / "policy"), "train/pairs": len(train_items), "train/weighted": weighted,
+           "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
+    return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),
+                        2 * (len(train_items) + len(eval_items)))
 
 
 # --------------------------------------------------------------------------- CLI

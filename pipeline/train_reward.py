@@ -61,7 +61,6 @@ import torch
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
 from pipeline.distributed import Dist, full_state_dict, load_optimizer_state, setup
-from formats.hashing import snapshot_sha256
 from pipeline.losses import center_loss, weighted_pairwise_loss
 from pipeline.models import (
     autocast, load_scalar_model, pick_dtype, resolve_model_path,
@@ -69,8 +68,8 @@ from pipeline.models import (
 from pipeline.reward_data import encode_pairs, pair_weights, train_eval_data
 from pipeline.reward_eval import evaluate, forward_pairs, normalisation_stats
 from pipeline.run import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover, resume_from,
-                          run_report, run_steps, save_state)
-from pipeline.rundir import append_metrics, is_writer, open_tracker, write_json, write_status
+                          run_steps, save_state, write_report, write_run_config)
+from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
 
@@ -180,6 +179,29 @@ def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: li
     return train_step
 
 
+def shares_prompt(cfg: RewardConfig, model_cfg: ModelConfig, dist: Dist) -> bool:
+    """Whether a pair's prompt runs once for both responses in training (cfg.share_prompt): not with
+    gradient checkpointing, which turns the KV cache off, nor sharded, where a prompt's keys and
+    values reused by its responses fail FSDP2's backward (storage of a resharded weight;
+    tests/test_distributed.py; the numbers are the same either way)."""
+    return cfg.share_prompt and not model_cfg.gradient_checkpointing and not dist.sharded
+
+
+def _evaluate(model, eval_items: list, pad_id: int, cfg: RewardConfig, out_dir: Path, at: tuple[int, int],
+              device, dtype, dist) -> dict:
+    """Phase 6: the held-out pairs' report (pipeline/reward_eval.py), logged but for its calibration
+    table. at: (step, total) for the status file."""
+    step, total = at
+    write_status(out_dir, "running", step, total, phase="evaluating")
+    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, dist,
+                      on_progress=lambda done, n: write_status(out_dir, "running", step, total,
+                                                               phase=f"evaluating: {done}/{n} held-out pairs"))
+    logged = {k: v for k, v in report.items() if k != "calibration"}
+    if logged:
+        append_metrics(out_dir, step, logged)
+    return report
+
+
 def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, out_dir: Path,
                at: tuple[int, int], device, dtype, dist) -> dict:
     """Phase 7: the reward's mean and std on samples of the reference policy for the training
@@ -220,18 +242,11 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
     eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
     pad_id = tokenizer.pad_token_id
-    # gradient checkpointing turns the KV cache off, so the prompt cannot be shared between responses
-    share_prompt = cfg.share_prompt and not model_cfg.gradient_checkpointing
-    if dist.sharded:  # a prompt's keys and values reused by its responses fail FSDP2's backward
-        share_prompt = False  # (storage of a resharded weight), tests/test_distributed.py; same numbers
     lm_weight = lm_head_weight(model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None
     if not resume:
-        write_json(out_dir / "config.json", {
-            "reward": to_dict(cfg), "model": to_dict(model_cfg), "data": str(data),
-            "data_sha256": snapshot_sha256(data), "init_from": init_from,
-            "eval_data_sha256": snapshot_sha256(cfg.eval_data) if cfg.eval_data else "", "base_model": model.base_model,
-            "argv": sys.argv, "data_report": data_report, "processes": dist.world,
-        })
+        write_run_config(out_dir, {"reward": to_dict(cfg), "model": to_dict(model_cfg), "init_from": init_from,
+                                   "base_model": model.base_model},
+                         data=data, eval_data=cfg.eval_data, data_report=data_report, dist=dist)
 
     # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
     wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
@@ -253,7 +268,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     model.train()
 
     train_step = reward_step(cfg, dist, wrapped, train_items, lengths, weights, pad_id=pad_id,
-                             share_prompt=share_prompt, lm_weight=lm_weight, dtype=dtype, params=params,
+                             share_prompt=shares_prompt(cfg, model_cfg, dist), lm_weight=lm_weight, dtype=dtype, params=params,
                              optimizer=optimizer, scheduler=scheduler)
     done = run_steps(out_dir, dist, cfg, lengths=lengths, steps_per_epoch=steps_per_epoch, total=total, start=step,
                      train_step=train_step, scheduler=scheduler, save=save, progress=progress, on_step=on_step,
@@ -265,15 +280,10 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         return cancelled(out_dir, done, total, save, dist)
 
     # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
-    write_status(out_dir, "running", step, total, phase="evaluating")
     # sharded: every rank scores every pair (the same forward passes on all ranks, as the gathers need)
     shared = None if dist.sharded else dist
-    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, shared,
-                      on_progress=lambda done, n: write_status(out_dir, "running", step, total,
-                                                               phase=f"evaluating: {done}/{n} held-out pairs"))
+    report = _evaluate(model, eval_items, pad_id, cfg, out_dir, (step, total), device, dtype, shared)
     calib = report.pop("calibration", [])
-    if report:
-        append_metrics(out_dir, step, report)
 
     # 7. Reward normalisation on reference-policy samples, stored with the checkpoint.
     norm = _normalise(model, train_pairs, cfg, model_cfg, out_dir, (step, total), device, dtype, shared) \
@@ -282,17 +292,12 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # 8. Save the checkpoint and the report.
     save(step, norm)
     dist.barrier()
-    full = {
-        **report, "calibration": calib, "normalisation": norm,
-        "train/pairs": len(train_items), "train/weighted": weights is not None,
-        "train/prompts": len({str(p.prompt) for p in train_pairs}),
-        "eval/prompts": len({str(p.prompt) for p in eval_pairs}),
-        **run_report(done, data_report, cfg.max_length, (trunc_train, trunc_eval), 2 * (len(train_items) + len(eval_items))),
-        "checkpoint": str(out_dir / "checkpoint"),
-    }
-    write_json(out_dir / "eval_report.json", full)
-    write_status(out_dir, "done", step, total)
-    return full
+    own = {**report, "calibration": calib, "normalisation": norm, "checkpoint": str(out_dir / "checkpoint"),
+           "train/pairs": len(train_items), "train/weighted": weights is not None,
+           "train/prompts": len({str(p.prompt) for p in train_pairs}),
+           "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
+    return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),
+                        2 * (len(train_items) + len(eval_items)))
 
 
 # --------------------------------------------------------------------------- CLI
