@@ -172,10 +172,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
     pad = int(eos[0]) if pad is None else pad
     counts = torch.as_tensor(num_samples, device=device).expand(input_ids.shape[0])
     prompt_index = torch.arange(input_ids.shape[0], device=device).repeat_interleave(counts)  # (B,)
-    B, P, R = prompt_index.shape[0], input_ids.shape[1], cfg.max_new_tokens
-    greedy = cfg.temperature <= 0
-    temperature = 1.0 if greedy else cfg.temperature
-    top_k, top_p = getattr(cfg, "top_k", 0), getattr(cfg, "top_p", 1.0)
+    B, R = prompt_index.shape[0], cfg.max_new_tokens
 
     # 1. prefill: each distinct prompt once, its cache rows copied for its samples
     cache, cache_kw = DynamicCache(), cache_kwarg(model)
@@ -196,13 +193,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
         check_every = 1 if device.type == "cpu" else 8
     for t in range(R):
         # 2. choose the next token of every row in the batch; record its log-prob
-        logp = torch.log_softmax(logits / temperature, dim=-1)  # (A, V)
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            filtering = bool(top_k) or top_p < 1.0
-            probs = _filter_logits(logp, top_k, top_p).softmax(-1) if filtering else logp.exp()
-            token = _sample_categorical(probs, generator, u=None if uniforms is None else uniforms[active, t])  # (A,)
+        token, logp = _next_token(logits, cfg, generator, None if uniforms is None else uniforms[active, t])
         token = token.masked_fill(done, pad)  # a row that ended keeps pad after its EOS
         response_ids[active, t] = token
         logprobs[active, t] = logp.gather(1, token[:, None]).squeeze(1)  # masked below where done
@@ -228,15 +219,34 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, nu
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
 
-    width = int(lengths.max()) if B else 0  # the longest response: the loop ran at least that far
+    return _batch(input_ids, attention_mask, prompt_index, response_ids, logprobs, lengths, ended)
+
+
+def _next_token(logits: torch.Tensor, cfg, generator, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2 of `sample`: each row's next token (A,) and the log-probs it is recorded with (A, V):
+    of logits / temperature, unfiltered (greedy at temperature 0: of the raw logits), while the
+    token is drawn after top-k / top-p filtering (u: each row's uniform, or the generator's)."""
+    greedy = cfg.temperature <= 0
+    logp = torch.log_softmax(logits / (1.0 if greedy else cfg.temperature), dim=-1)
+    if greedy:
+        return logits.argmax(-1), logp
+    top_k, top_p = getattr(cfg, "top_k", 0), getattr(cfg, "top_p", 1.0)
+    filtering = bool(top_k) or top_p < 1.0
+    probs = _filter_logits(logp, top_k, top_p).softmax(-1) if filtering else logp.exp()
+    return _sample_categorical(probs, generator, u=u), logp
+
+
+def _batch(input_ids, attention_mask, prompt_index, response_ids, logprobs, lengths, ended) -> SampleBatch:
+    """The samples as a SampleBatch: responses cut to the longest, masked after each row's end,
+    each after a copy of its prompt."""
+    width = int(lengths.max()) if lengths.numel() else 0  # the longest response: the loop ran at least that far
     response_ids, logprobs = response_ids[:, :width], logprobs[:, :width]
-    response_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()  # (B, R)
-    logprobs = logprobs * response_mask
+    response_mask = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()  # (B, R)
     prompt_ids, prompt_mask = input_ids[prompt_index], attention_mask[prompt_index]
     return SampleBatch(
         sequences=torch.cat([prompt_ids, response_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
-        response_ids=response_ids, response_mask=response_mask, logprobs=logprobs,
+        response_ids=response_ids, response_mask=response_mask, logprobs=logprobs * response_mask,
         finish_reason=["eos" if e else "length" for e in ended.tolist()],
-        prompt_index=prompt_index, prompt_length=P,
+        prompt_index=prompt_index, prompt_length=input_ids.shape[1],
     )
