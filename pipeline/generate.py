@@ -185,6 +185,23 @@ def least_separated(reward: str, rows: list[dict], results: list, keep_n: int, m
     return [rows[i] for i in keep], [results[i] for i in keep]
 
 
+def chunks_in_order(policy, tokenizer, rows: list[dict], gen_cfg: GenerateConfig, n: int, dist, progress):
+    """(chunk index, its first row, its Generations) for every chunk of n prompts, in order, on every
+    rank: rank r samples chunks r, r + N, ..., each with its own seed (so the responses are those of
+    one process); progress is reported on one process only."""
+    starts = list(range(0, len(rows), n))
+    for first in range(0, len(starts), dist.world):  # chunks first .. first + N - 1, one per rank
+        c = first + dist.rank
+        mine = None
+        if c < len(starts):
+            mine = generate_responses(policy, tokenizer, [r["prompt"] for r in rows[starts[c]:starts[c] + n]], gen_cfg.k,
+                                      dataclasses.replace(gen_cfg, seed=gen_cfg.seed + c * CHUNK_SEED_STRIDE),
+                                      on_progress=progress if dist.world == 1 else None)
+        for c, part in enumerate(dist.gather_objects(mine), start=first):
+            if part is not None:
+                yield c, starts[c], part
+
+
 def main(argv: list[str] | None = None) -> int:
     """Sample in chunks of --chunk-prompts prompts; each finished chunk's rows go to
     RUN_DIR/chunks/NNNNN.jsonl at once (the owner ingests them while the job runs), then all rows to
@@ -230,34 +247,25 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(len(results) * k + chunk_done - bar.n)
             write_status(out, "running", len(results) * k + chunk_done, total, chunks=n_chunks)
 
-        starts = list(range(0, len(rows), n))
-        for first in range(0, len(starts), dist.world):  # chunks first .. first + N - 1, one per rank
-            c = first + dist.rank
-            mine = None
-            if c < len(starts):
-                mine = generate_responses(policy, tokenizer, [r["prompt"] for r in rows[starts[c]:starts[c] + n]], k,
-                                          dataclasses.replace(gen_cfg, seed=gen_cfg.seed + c * CHUNK_SEED_STRIDE),
-                                          on_progress=progress if dist.world == 1 else None)
-            for c, part in enumerate(dist.gather_objects(mine), start=first):
-                if part is None:
-                    continue
-                start = starts[c]
-                results += part
-                if not args.select_uncertain:
-                    lines = response_rows(rows[start:start + n], part, start, sampling, model_name)
-                    if dist.is_main:
-                        write_jsonl(chunks / f"{c:05d}.jsonl", lines)
-                    written, n_chunks = written + lines, n_chunks + 1
-                write_status(out, "running", len(results) * k, total, chunks=n_chunks)
-                bar.update(len(results) * k - bar.n)
+        def emit(c: int, start: int, part: list) -> None:  # chunk c's rows: its file (rank 0), and kept
+            nonlocal n_chunks
+            lines = response_rows(rows[start:start + n], part, start, sampling, model_name)
+            if dist.is_main:
+                write_jsonl(chunks / f"{c:05d}.jsonl", lines)
+            written.extend(lines)
+            n_chunks += 1
+
+        for c, start, part in chunks_in_order(policy, tokenizer, rows, gen_cfg, n, dist, progress):
+            results += part
+            if not args.select_uncertain:
+                emit(c, start, part)
+            write_status(out, "running", len(results) * k, total, chunks=n_chunks)
+            bar.update(len(results) * k - bar.n)
         bar.close()
         if args.select_uncertain:  # every rank holds every response; each scores and selects the same
             rows, results = least_separated(args.reward, rows, results, args.select_uncertain, model_cfg)
             for c, start in enumerate(range(0, len(rows), n)):
-                lines = response_rows(rows[start:start + n], results[start:start + n], start, sampling, model_name)
-                if dist.is_main:
-                    write_jsonl(chunks / f"{c:05d}.jsonl", lines)
-                written, n_chunks = written + lines, n_chunks + 1
+                emit(c, start, results[start:start + n])
         total = len(rows) * k
         if dist.is_main:
             write_jsonl(out / "responses.jsonl", written)
