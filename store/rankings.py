@@ -206,26 +206,7 @@ class RankingsMixin:
         Returns (ranking id, newly written) per input. The queue index follows after the commit,
         or at once with follow_now (inside Store._write_batch, which drops the index on failure)."""
         # 1. idempotency and replacement against what is stored and within the batch
-        tokens = [(x.r.annotator_id, x.r.client_token) for x in ready if x.r.client_token is not None]
-        stored_tokens = self._stored_tokens(cur, tokens)
-        result: list = [None] * len(ready)
-        keep: dict = {}  # (annotator, item), or the input index when re-rankings are kept -> input index
-        token_seen: dict = {}
-        for i, x in enumerate(ready):
-            tok = (x.r.annotator_id, x.r.client_token)
-            if x.r.client_token is not None and tok in stored_tokens:
-                result[i] = stored_tokens[tok]
-                continue
-            if x.r.client_token is not None and tok in token_seen:
-                result[i] = ("same", token_seen[tok])
-                continue
-            if x.r.client_token is not None:
-                token_seen[tok] = i
-            key = (x.r.annotator_id, x.item_id) if self.replace_rerankings else i
-            if key in keep:
-                result[keep[key]] = ("same", i)
-            keep[key] = i
-        kept = sorted(keep.values())
+        result, kept = self._to_write(cur, ready)
         rows = [ready[i] for i in kept]
         deleted = []
         if self.replace_rerankings:
@@ -283,6 +264,32 @@ class RankingsMixin:
                 res = result[i]
             out.append((id_of[i] if res is None else res, own))
         return out
+
+    def _to_write(self, cur, ready: list[Checked]) -> tuple[list, list[int]]:
+        """Which inputs to write: (per input its stored ranking id, ("same", j) when input j stands
+        for it, or None when it is written; the input indices written, in order). A client token
+        already stored or seen earlier in the batch is the same ranking; with replace_rerankings the
+        last ranking of an (annotator, item) replaces the earlier ones."""
+        tokens = [(x.r.annotator_id, x.r.client_token) for x in ready if x.r.client_token is not None]
+        stored_tokens = self._stored_tokens(cur, tokens)
+        result: list = [None] * len(ready)
+        keep: dict = {}  # (annotator, item), or the input index when re-rankings are kept -> input index
+        token_seen: dict = {}
+        for i, x in enumerate(ready):
+            tok = (x.r.annotator_id, x.r.client_token)
+            if x.r.client_token is not None and tok in stored_tokens:
+                result[i] = stored_tokens[tok]
+                continue
+            if x.r.client_token is not None and tok in token_seen:
+                result[i] = ("same", token_seen[tok])
+                continue
+            if x.r.client_token is not None:
+                token_seen[tok] = i
+            key = (x.r.annotator_id, x.item_id) if self.replace_rerankings else i
+            if key in keep:
+                result[keep[key]] = ("same", i)
+            keep[key] = i
+        return result, sorted(keep.values())
 
     def _item_lookup(self, response_ids: list[int]) -> dict[int, tuple[int, int, list[int]]]:
         """response id -> (item id, prompt id, the item's response ids)."""
