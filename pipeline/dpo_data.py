@@ -232,7 +232,7 @@ def heldout_kl(model, reference, tokenizer, prompts: list, cfg, device, amp, dis
     from tqdm.auto import tqdm
 
     from pipeline.config import GenerateConfig
-    from pipeline.rollout import attn_ratio, merged_lora, pack_responses, response_logits, response_logprobs
+    from pipeline.rollout import merged_lora, sampled_kl
     from pipeline.sampling import sample
     from pipeline.text import encode_prompts
 
@@ -253,15 +253,11 @@ def heldout_kl(model, reference, tokenizer, prompts: list, cfg, device, amp, dis
         with amp(), merged_lora(model):
             sb = sample(model, ids, prompt_mask, gen, num_samples=cfg.kl_samples, generator=generator,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced=dist.sharded)
-        mask = sb.response_mask.float()  # (b, R)
-        pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length, attn_ratio(model),
-                            share_prefix=not dist.sharded)
-        with amp():
-            logp = response_logprobs(response_logits(model, pr), pr, 1.0)  # (b, R)
-            ref = response_logprobs(response_logits(reference, pr, reference=True), pr, 1.0)
+        with amp():  # log pi from a forward of the policy, as the reference's
+            kl = sampled_kl(model, reference, sb, 1.0, share_prefix=not dist.sharded)  # (b,) nats per response
         if start is None:  # samples drawn only to match the other ranks' collectives
             continue
-        kl = ((logp - ref) * mask).sum(1)  # (b,) nats per response
+        mask = sb.response_mask.float()  # (b, R)
         sums["kl"] += float(kl.sum())
         sums["kl_sq"] += float((kl ** 2).sum())
         sums["samples"] += kl.numel()

@@ -105,6 +105,20 @@ def response_logprobs(logits: torch.Tensor, pr: PackedResponses, temperature: fl
     return pr.scatter(logprobs_from_logits(logits[None], pr.tokens[None], temperature)[0])
 
 
+def sampled_kl(policy, reference, sb, temperature: float, *, logprobs: torch.Tensor | None = None,
+               share_prefix: bool = True) -> torch.Tensor:
+    """(B,) k1 estimate of KL(pi || pi_ref) of each sampled response (a pipeline.sampling
+    SampleBatch), in nats: the sum over its tokens of log pi - log pi_ref, both of logits /
+    temperature, the reference's from one packed forward. log pi: `logprobs` when given (the
+    sampling pass's, sb.logprobs), else one forward of the policy."""
+    mask = sb.response_mask.float()
+    pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length,
+                        attn_ratio(policy), share_prefix=share_prefix)
+    ref = response_logprobs(response_logits(reference, pr, reference=True), pr, temperature)
+    logp = logprobs if logprobs is not None else response_logprobs(response_logits(policy, pr), pr, temperature)
+    return ((logp - ref) * mask).sum(1)
+
+
 def critic_values(critic, pr: PackedResponses) -> torch.Tensor:
     """(b, R) values at the positions before each response token, 0 past EOS; the same as
     ScalarModel.forward at those positions (the head on the last hidden state). The head runs in
@@ -329,6 +343,6 @@ def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_se
 
 __all__ = [
     "Rollout", "Advantages", "kl_shaped_advantages", "gather_rollout", "PackedResponses", "pack_responses", "attn_ratio",
-    "response_logits", "response_logprobs", "critic_values", "rollout_forwards", "merged_lora", "decode_responses",
+    "response_logits", "response_logprobs", "sampled_kl", "critic_values", "rollout_forwards", "merged_lora", "decode_responses",
     "prompt_order", "episode_uniforms", "read_ptx_texts", "ptx_batch", "write_samples",
 ]

@@ -30,8 +30,7 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.policy import load_policy, make_reference
-from pipeline.rollout import (attn_ratio, decode_responses, pack_responses, response_logits,
-                              response_logprobs)
+from pipeline.rollout import decode_responses, sampled_kl
 from pipeline.sampling import sample
 from pipeline.scoring import make_reward
 from pipeline.text import encode_prompts
@@ -88,11 +87,8 @@ def evaluate_policy(adapter: str | None, model_cfg: ModelConfig, prompts: list[s
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         mask = sb.response_mask.float()  # (B, R)
         lengths = mask.sum(1).long()  # (B,)
-        # 3. reference log-probs of the same tokens, packed without padding (as pipeline/rollout.py)
-        pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length,
-                            attn_ratio(policy))
-        ref_logp = response_logprobs(response_logits(reference, pr, reference=True), pr, cfg.temperature)  # (B, R)
-        kl = ((sb.logprobs - ref_logp) * mask).sum(1)  # (B,) k1, nats per sequence
+        # 3. reference log-probs of the same tokens: the k1 KL, nats per sequence
+        kl = sampled_kl(policy, reference, sb, cfg.temperature, logprobs=sb.logprobs)  # (B,)
         # 4. gold judge on text, reward models on tokens
         texts = decode_responses(tokenizer, sb.response_ids, sb.response_mask)
         batch_prompts = [chunk[i] for i in sb.prompt_index.tolist()]
