@@ -12,18 +12,16 @@ the database between them.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
 from contextlib import contextmanager
-from datetime import date, datetime, timezone
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
-from store.errors import InvalidRequest, NotFoundError, StoreError, StoreLockedError
+from store.errors import NotFoundError, StoreError, StoreLockedError
 from store.migrations import migrate
 from store.queue_index import read_queue_index
 
@@ -34,44 +32,6 @@ def default_db_path() -> Path:
     """$RLHF_LOOP_DB if set, else ./data/rlhf.duckdb (relative to the working directory)."""
     env = os.environ.get("RLHF_LOOP_DB")
     return Path(env) if env else DEFAULT_DB
-
-
-# ---------------------------------------------------------------- time and JSON helpers
-
-
-def utcnow() -> datetime:
-    """Naive UTC, the form timestamps are stored in."""
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
-def to_db_time(value: datetime | date | str | None) -> datetime | None:
-    """Accept an aware datetime, a naive one (taken as UTC), a date, or an ISO string."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError as exc:
-            raise InvalidRequest(f"not an ISO date or time: {value!r}") from exc
-    if isinstance(value, date) and not isinstance(value, datetime):
-        value = datetime(value.year, value.month, value.day)
-    if value.tzinfo is not None:
-        value = value.astimezone(timezone.utc).replace(tzinfo=None)
-    return value
-
-
-def from_db_time(value: datetime | None) -> datetime | None:
-    return None if value is None else value.replace(tzinfo=timezone.utc)
-
-
-def dumps(value) -> str:
-    return json.dumps(value if value is not None else {}, ensure_ascii=False, sort_keys=True)
-
-
-def loads(text: str | None, default=None):
-    if text is None:
-        return {} if default is None else default
-    return json.loads(text)
 
 
 # ---------------------------------------------------------------- the core

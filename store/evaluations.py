@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from store.db import from_db_time, utcnow
+from store.values import from_db_time, utcnow
 from store.errors import InvalidRequest, NotFoundError
 from store.leaderboard import Comparison, leaderboard, win_rates
 from store.pairs import group_index

@@ -9,7 +9,8 @@ import hashlib
 
 import pyarrow as pa
 
-from store.db import registered, to_db_time
+from store.db import registered
+from store.values import to_db_time
 from store.errors import InvalidRequest
 from store.quality import annotator_quality_table
 

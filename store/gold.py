@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from store.db import from_db_time, utcnow
+from store.values import from_db_time, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
 from store.pairs import normalize_order
 from store.readers import read_rows

@@ -37,7 +37,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from store.db import from_db_time, registered, utcnow
+from store.db import registered
+from store.values import from_db_time, utcnow
 from store.errors import InvalidRequest
 from store.queue_index import QueueIndex, local_midnight, read_queue_index
 from store.queue_rules import WRITE_KIND

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from store.db import from_db_time
+from store.values import from_db_time
 from store.errors import InvalidRequest
 from store.pairs import normalize_order, ranking_to_pairs
 from store.queue_rules import display_order_for

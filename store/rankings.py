@@ -24,7 +24,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from store.db import from_db_time, registered, utcnow
+from store.db import registered
+from store.values import from_db_time, utcnow
 from store.errors import InvalidRequest, NotFoundError
 from store.queue_rules import WRITE_KIND
 from store.ranking_checks import Checked, checked, order_groups

@@ -18,7 +18,8 @@ import os
 import pyarrow as pa
 
 from formats.chat import check_messages, messages_to_text
-from store.db import StoreBase, dumps, from_db_time, loads, registered, utcnow
+from store.db import StoreBase, registered
+from store.values import dumps, from_db_time, loads, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
 from store.evaluations import EvaluationsMixin
 from store.gold import GoldMixin

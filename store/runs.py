@@ -13,7 +13,8 @@ import numbers
 
 import pyarrow as pa
 
-from store.db import dumps, from_db_time, loads, registered, utcnow
+from store.db import registered
+from store.values import dumps, from_db_time, loads, utcnow
 from store.errors import InvalidRequest, NotFoundError
 from store.records import ROUND_STATUSES, RUN_FINAL, RUN_STATUSES, Metric, Round, Run
 

@@ -22,7 +22,7 @@ import hmac
 import secrets
 import threading
 
-from store.db import from_db_time, utcnow
+from store.values import from_db_time, utcnow
 from store.errors import InvalidRequest, NotFoundError
 from store.records import ROLES, Annotator
 

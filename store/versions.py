@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from store.db import dumps, from_db_time, loads, utcnow
+from store.values import dumps, from_db_time, loads, utcnow
 from store.errors import InvalidRequest, NotFoundError
 from store.records import EXPORT_FORMATS, MODEL_KINDS, ModelVersion, Snapshot
 

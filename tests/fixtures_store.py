@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import store.db as store_db
+import store.values as store_values
 
 # the real prompt pool is the app's bundled one (license: store/data/LICENSE.md): not copied twice
 from annotate.bootstrap import BUNDLED_PROMPTS
@@ -72,13 +72,13 @@ def store_annotators(store):
 
 
 class StoreClock:
-    """The store's clock (store.db.utcnow, as every store module imported it), moved by hand: the
+    """The store's clock (store.values.utcnow, as every store module imported it), moved by hand: the
     real UTC time plus an offset that only `advance` changes. Lease expiry is then tested without
     sleeping against a deadline that a slow or busy machine could miss."""
 
     def __init__(self):
         self.offset = timedelta(0)
-        self._real = store_db.utcnow
+        self._real = store_values.utcnow
 
     def __call__(self) -> datetime:
         return self._real() + self.offset

@@ -189,7 +189,9 @@ def test_sessions_expire_each_on_its_own_clock_and_end_for_one_name():
 def _client(url: str, name: str, password: str | None = None):
     from gradio_client import Client
 
-    return Client(url, auth=(name, password or PASSWORDS[name]), verbose=False, ssl_verify=False)
+    # httpx's 5 s read timeout fails on a loaded machine (scrypt and the app share its cores)
+    return Client(url, auth=(name, password or PASSWORDS[name]), verbose=False, ssl_verify=False,
+                  httpx_kwargs={"timeout": 60})
 
 
 def test_over_http_deactivation_ends_sessions_and_annotators_are_refused_account_actions(ctx):
