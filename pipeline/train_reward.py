@@ -188,18 +188,18 @@ def shares_prompt(cfg: RewardConfig, model_cfg: ModelConfig, dist: Dist) -> bool
 
 
 def _evaluate(model, eval_items: list, pad_id: int, cfg: RewardConfig, out_dir: Path, at: tuple[int, int],
-              device, dtype, dist) -> dict:
-    """Phase 6: the held-out pairs' report (pipeline/reward_eval.py), logged but for its calibration
-    table. at: (step, total) for the status file."""
+              device, dtype, dist) -> tuple[dict, list]:
+    """Phase 6: the held-out pairs' report (pipeline/reward_eval.py), logged, and its calibration
+    table apart. at: (step, total) for the status file."""
     step, total = at
     write_status(out_dir, "running", step, total, phase="evaluating")
     report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, dist,
                       on_progress=lambda done, n: write_status(out_dir, "running", step, total,
                                                                phase=f"evaluating: {done}/{n} held-out pairs"))
-    logged = {k: v for k, v in report.items() if k != "calibration"}
-    if logged:
-        append_metrics(out_dir, step, logged)
-    return report
+    calib = report.pop("calibration", [])
+    if report:
+        append_metrics(out_dir, step, report)
+    return report, calib
 
 
 def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, out_dir: Path,
@@ -282,8 +282,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
     # sharded: every rank scores every pair (the same forward passes on all ranks, as the gathers need)
     shared = None if dist.sharded else dist
-    report = _evaluate(model, eval_items, pad_id, cfg, out_dir, (step, total), device, dtype, shared)
-    calib = report.pop("calibration", [])
+    report, calib = _evaluate(model, eval_items, pad_id, cfg, out_dir, (step, total), device, dtype, shared)
 
     # 7. Reward normalisation on reference-policy samples, stored with the checkpoint.
     norm = _normalise(model, train_pairs, cfg, model_cfg, out_dir, (step, total), device, dtype, shared) \
