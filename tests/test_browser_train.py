@@ -59,9 +59,9 @@ def test_admin_trains_a_reward_model_and_sees_it_in_the_models_tab(app, browser)
     url, store = app
     page = login(browser, url, "boss", "boss-password")
     page.get_by_role("tab", name="Train").click()
-    # 30 training pairs, 2 per step, 40 epochs: 600 short steps, several seconds even on a fast
-    # machine, so the 1 s timer sees the bar part-way
-    page.get_by_label("Epochs", exact=True).fill("40")  # the reward form's, not "DPO epochs"
+    # 30 training pairs, 4 per step (the settings' batch), 12 epochs: 96 short steps, several
+    # seconds even on a fast machine, so the 1 s timer sees the bar part-way
+    page.get_by_label("Epochs", exact=True).fill("12")  # the reward form's, not "DPO epochs"
     page.click("#rl-train-reward")
     page.wait_for_selector("#rl-train-msg :text('Queued run #')", timeout=20_000)
 
