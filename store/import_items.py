@@ -31,10 +31,11 @@ import json
 import re
 from pathlib import Path
 
+from formats.hashing import file_sha256
 from store import labelstudio
 from store.errors import DataError
-from store.readers import (DEFAULT_MAX_BYTES, DEFAULT_MAX_CHARS, Problems, check_responses, file_sha256,
-                           prompt_of, read_rows, source_of)
+from store.readers import (DEFAULT_MAX_BYTES, DEFAULT_MAX_CHARS, Problems, check_responses, prompt_of, read_rows,
+                           source_of)
 from store.records import ITEM_FORMATS, ItemIn
 
 _WIDE = re.compile(r"response_(\d+)$")

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from formats import rows
 from formats.chat import check_messages, messages_to_text
-from formats.hashing import file_sha256  # noqa: F401 (the store's readers use it from here)
 from formats.rows import DEFAULT_MAX_BYTES
 from store.errors import DataError
 
