@@ -619,6 +619,24 @@ def test_dpo_checkpoints_spread_over_the_steps_run_max_steps_included(tmp_path):
     assert dpo_save_every(20, {"batch_size": 8}, 4) == 1  # never 0
 
 
+def test_every_ppo_arm_passes_ppos_checks_and_saves_over_its_own_steps(tmp_path):
+    """With the options the published runs used (docs/results/gold_seeds_*): each arm's PPOConfig
+    passes PPO's checks, and its checkpoints spread over its own steps (adaptive2_b32 runs 6)."""
+    from bench.gold.seeds import ARMS, arm_ppo, build_parser, configure
+    from pipeline.ppo_state import check_config
+
+    cfg = configure(build_parser().parse_args(["--out", str(tmp_path), "--ppo-steps", "24", "--ppo-epochs", "2",
+                                               "--critic-warmup-steps", "4", "--kl-target", "4"]))
+    for name in ARMS:
+        if name != "dpo":
+            ppo = arm_ppo(cfg.exp.loop.ppo, cfg.arm(name), checkpoints=4)
+            check_config(ppo)
+            assert ppo.save_every == ppo.steps // 4 and ppo.batch_size * ppo.steps == 8 * 24, name
+    big = arm_ppo(cfg.exp.loop.ppo, cfg.arm("adaptive2_b32"), checkpoints=4)
+    assert (big.steps, big.save_every, big.critic_warmup_steps, big.kl_target) == (6, 1, 1, 4.0)
+    assert arm_ppo(cfg.exp.loop.ppo, cfg.arm("adaptive2"), checkpoints=4).save_every == 6
+
+
 def test_follower_copies_each_checkpoint_once_as_the_trainer_replaces_it(tmp_path):
     from bench.gold.seeds import Follower
 

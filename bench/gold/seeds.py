@@ -61,6 +61,8 @@ ZERO_CRITIC = {"critic_head": "zero"}
 """The critic's head started at 0 (pipeline/config.py PPOConfig.critic_head)."""
 LR_WARMUP = {"lr_warmup_steps": 4}
 """The policy's learning rate ramped over its first 4 training steps (PPOConfig.lr_warmup_steps)."""
+BIG_BATCH = {"batch_size": 32, "mini_batch_size": 16, "steps": 6, "critic_warmup_steps": 1}
+"""32 episodes per PPO step in minibatches of 16 (bench/gold/loop.py's full run: 8 in minibatches of 4, 24 steps)."""
 ARMS = {
     "adaptive": ADAPTIVE,
     "beta0": {"kl_control": "fixed", "init_kl_coef": 0.0},
@@ -73,6 +75,10 @@ ARMS = {
     # adaptive2 with the policy's learning rate ramped over its first 4 steps (its first step at
     # the full rate cost adaptive2 ~2 nats for no proxy gain)
     "adaptive3": {**ADAPTIVE, **SLOW_KL, **ZERO_CRITIC, **LR_WARMUP},
+    # adaptive2's episodes in 4x fewer, 4x larger steps: each gradient the mean of 16 episodes, not 4
+    # (noise moves the policy, adding KL, without moving the reward); the critic's warm-up the same
+    # episodes (one step of 32 = adaptive2's 4 of 8)
+    "adaptive2_b32": {**ADAPTIVE, **SLOW_KL, **ZERO_CRITIC, **BIG_BATCH},
 }
 ARM_ONLY = ("arms", "ppo", "dpo", "checkpoints", "ppo_prompts")
 """Settings only the arms read: a resumed run whose arms have not started may change them."""
@@ -86,6 +92,7 @@ def arm_label(settings: dict, name: str) -> str:
     else:
         label = "PPO, beta = 0" if settings["init_kl_coef"] == 0 else f"PPO, fixed beta {settings['init_kl_coef']:g}"
     label += ", critic head at 0" if settings.get("critic_head") == "zero" else ""
+    label += f", {settings['batch_size']} episodes a step" if settings.get("batch_size") else ""
     return label + (f", lr ramped over {settings['lr_warmup_steps']} steps" if settings.get("lr_warmup_steps") else "")
 
 
@@ -345,8 +352,7 @@ def run_arm(sd: Seed, name: str) -> None:
         run, copies = follow_job(sd.runner, run, "trainer_state.pt", "checkpoint", dest)
         final = str(Path(run.run_dir) / "policy")
     else:
-        every = max(1, settings.ppo.steps // cfg.checkpoints)
-        arm = dataclasses.replace(settings, ppo=dataclasses.replace(settings.ppo, **cfg.arm(name), save_every=every))
+        arm = dataclasses.replace(settings, ppo=arm_ppo(settings.ppo, cfg.arm(name), cfg.checkpoints))
         proxy = sd.store.get_model_version(sd.entry["proxy"]["version_id"])
         run = submit_ppo(sd.store, sd.runner, arm, proxy, base, activate=False)
         run, copies = follow_job(sd.runner, run, "checkpoint/trainer_state.pt", "checkpoint/policy", dest)
@@ -363,6 +369,12 @@ def run_arm(sd: Seed, name: str) -> None:
         sd.run.save()
     entry.update(wall_s=time.perf_counter() - t, cpu_s=cpu_seconds() - cpu)
     sd.run.save()
+
+
+def arm_ppo(ppo, settings: dict, checkpoints: int):
+    """The run's PPOConfig with an arm's settings, saving `checkpoints` times over the arm's own steps."""
+    ppo = dataclasses.replace(ppo, **settings)
+    return dataclasses.replace(ppo, save_every=max(1, ppo.steps // checkpoints))
 
 
 def dpo_save_every(train_pairs: int, dpo: dict, checkpoints: int) -> int:
