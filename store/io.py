@@ -33,8 +33,8 @@ import numbers
 from pathlib import Path
 
 from formats.chat import messages_to_text, pair_from_messages, split_hh
-from store.export import export_pairs, load_pairs_snapshot, snapshot_sha256  # noqa: F401 (re-exported)
 from formats.hashing import file_sha256
+from store.export import export_pairs, load_pairs_snapshot, snapshot_sha256  # noqa: F401 (re-exported)
 from store.readers import (DEFAULT_MAX_BYTES, DEFAULT_MAX_CHARS, Problems, prompt_of, read_rows, source_of,
                            text_field)
 
