@@ -96,6 +96,12 @@ class RewardConfig:
     """Fraction of prompts held out for evaluation (split by prompt, never by pair)."""
     norm_samples: int = 64
     """Reference-policy samples scored after training to store reward mean/std (0 = skip)."""
+    norm_max_new_tokens: int = 48
+    """Longest normalisation sample, in tokens: PPO's rollout length (PPOConfig.max_new_tokens), so
+    that the reference's rollouts score mean 0, std 1 in PPO. A round sets it from its PPO settings."""
+    norm_temperature: float = 0.7
+    """Temperature of the normalisation samples: PPO's (PPOConfig.temperature); a round sets it
+    from its PPO settings."""
     save_every: int = 0
     """Checkpoint every N optimiser steps (0 = only at the end / on interrupt)."""
     seed: int = 0

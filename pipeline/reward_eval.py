@@ -198,11 +198,14 @@ def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_
 
 @torch.no_grad()
 def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int, device, dtype,
-                        policy_path: str = "", batch_size: int = 16, dist=None, on_progress=None) -> dict:
+                        policy_path: str = "", batch_size: int = 16, dist=None, on_progress=None,
+                        max_new_tokens: int = 48, temperature: float = 0.7) -> dict:
     """Sample one response for each of n prompts (drawn from the training pairs) from the reference
-    policy, score prompt + response exactly as PPO will (the decoded response + EOS, whether the
-    policy stopped or was cut at the length limit: pipeline/scoring.py, retokenise), and return the
-    scores' mean and std.
+    policy as PPO samples its rollouts (max_new_tokens, temperature: PPO's), score prompt + response
+    exactly as PPO will (the decoded response + EOS, whether the policy stopped or was cut at the
+    length limit: pipeline/scoring.py, retokenise), and return the scores' mean and std. (Samples of
+    another length than PPO's would shift every normalised reward when the reward model scores
+    length.)
 
     The reference policy is the base model (no adapter), or the policy folder `policy_path` when
     PPO will start from an earlier round's policy. dist (pipeline/distributed.py): each process
@@ -229,8 +232,9 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
         if on_progress is not None:
             on_progress(done, total)
 
-    gens = generate_responses(policy, tokenizer, picked, 1, GenerateConfig(k=1, seed=seed, batch_size=batch_size),
-                              on_progress=progress)
+    sampling = GenerateConfig(k=1, seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                              temperature=temperature)
+    gens = generate_responses(policy, tokenizer, picked, 1, sampling, on_progress=progress)
     progress(len(picked), len(picked))
     bar.close()
     del policy
@@ -250,6 +254,9 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
     std = all_scores.std().item() if n > 1 else 1.0
     if not math.isfinite(std) or std < 1e-6:
         std = 1.0  # constant scores: leave the scale alone rather than divide by ~0
-    eos_rate = sum(eos) / n
+    tokens = [len(g[0].token_ids) for g in gens]
+    if dist is not None and dist.world > 1:
+        tokens = sum(dist.gather_objects(tokens), [])
     return {"reward_mean": all_scores.mean().item(), "reward_std": std, "samples": n,
-            "policy": policy_path or "base model", "eos_rate": eos_rate}
+            "policy": policy_path or "base model", "eos_rate": sum(eos) / n,
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "tokens_max": max(tokens)}

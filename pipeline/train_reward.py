@@ -211,6 +211,7 @@ def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConf
     write_status(out_dir, "running", step, total, phase="normalising")
     norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
                                policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=dist,
+                               max_new_tokens=cfg.norm_max_new_tokens, temperature=cfg.norm_temperature,
                                on_progress=lambda done, n: write_status(out_dir, "running", step, total,
                                                                         phase=f"normalising: {done}/{n} samples"))
     append_metrics(out_dir, step, {"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]})

@@ -64,6 +64,10 @@ def test_a_round_trains_a_policy_whose_responses_feed_the_next_round(store, tiny
     assert store.metrics(store.get_model_version(policy.id).run_id, keys=["objective/kl"])
     # the hash the reward model recorded is the store's hash of the snapshot it trained on
     assert reward.meta["data_sha256"] == store.get_snapshot(done.snapshot_id).sha256
+    # its normalisation samples are drawn as the round's PPO draws its rollouts
+    rm_cfg = store.get_run(reward.run_id).config["reward"]
+    assert (rm_cfg["norm_max_new_tokens"], rm_cfg["norm_temperature"]) == (settings.ppo.max_new_tokens,
+                                                                           settings.ppo.temperature)
 
     # the next round picks, of 2N candidates, the N prompts the new reward model separates least
     settings.loop.strategy = "uncertain"

@@ -242,7 +242,8 @@ def test_learns_the_marker_word(tmp_path, tiny_model_cfg):
     """> 95% held-out accuracy within seconds, run directory complete."""
     data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(240))
     out = tmp_path / "run"
-    report = train_reward(str(data), str(out), dataclasses.replace(FAST, norm_samples=4), tiny_model_cfg)
+    report = train_reward(str(data), str(out), dataclasses.replace(FAST, norm_samples=4, norm_max_new_tokens=3),
+                          tiny_model_cfg)
     assert report["eval/accuracy"] > 0.95 and report["eval/pairs"] == 60
     assert 0.3 < report["eval/length_baseline_accuracy"] < 0.7
     assert json.loads((out / "status.json").read_text())["state"] == "done"
@@ -251,6 +252,8 @@ def test_learns_the_marker_word(tmp_path, tiny_model_cfg):
     assert any("eval/accuracy" in line for line in lines)
     saved = json.loads((out / "eval_report.json").read_text())
     assert len(saved["calibration"]) == 5 and saved["truncation"]["prompt_truncated"] == 0
+    # the normalisation samples are cut where PPO's rollouts are (norm_max_new_tokens)
+    assert saved["normalisation"]["max_new_tokens"] == 3 and 1 <= saved["normalisation"]["tokens_max"] <= 3
     assert json.loads((out / "config.json").read_text())["data_sha256"]
     # the checkpoint reloads with its normalisation, and scores like the trained model
     model, tok = load_scalar_model(str(out / "checkpoint"), "reward", tiny_model_cfg)

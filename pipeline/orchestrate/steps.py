@@ -235,9 +235,12 @@ def snapshot_split(trainer_cfg, snapshot):
 def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = True, round_id: int | None = None,
                   round_step: str | None = None):
     """A snapshot of every pair so far (`pairs_snapshot`) -> a train-reward job on it,
-    warm-started from the newest reward model. Returns (run, snapshot)."""
+    warm-started from the newest reward model, its normalisation sampled as the round's PPO samples
+    (length, temperature). Returns (run, snapshot)."""
     snapshot = pairs_snapshot(store, runner, settings, "reward")
-    reward_cfg = snapshot_split(settings.reward, snapshot)
+    reward_cfg = dataclasses.replace(snapshot_split(settings.reward, snapshot),
+                                     norm_max_new_tokens=settings.ppo.max_new_tokens,
+                                     norm_temperature=settings.ppo.temperature)
     policy = ensure_base_policy(store, settings.model)
     previous = latest_reward(store) if warm_start else None
     args = ["--data", snapshot.path, *to_cli_args(reward_cfg), *model_args(settings.model, policy.base_model)]
