@@ -8,7 +8,8 @@ holds what every trainer does around them, written once so a fix reaches all of 
                                without --resume; a resume continues the run's own settings on the
                                same data (returns its config.json)
     guarded(out_dir, dist)     status.json 'running' while the body runs; 'failed' with the error,
-                               or 'cancelled' on a second Ctrl-C, if it raises
+                               or 'cancelled' on a second Ctrl-C, if it raises (a Cancelled the body
+                               raises passes through: the trainer has saved and marked the run)
     recover(folder, dist)      put back the last good checkpoint after a kill mid-write; one rank
                                renames while the others wait (two renaming one folder would race)
     load_state(out_dir) / save_state(out_dir, state)
@@ -25,7 +26,8 @@ holds what every trainer does around them, written once so a fix reaches all of 
     write_report(...)          eval_report.json (the trainer's figures and the common part: time,
                                steps, data, truncation), then the run marked 'done'
 
-PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `recover`.
+PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `recover`
+and `guarded`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from tqdm.auto import tqdm
 from formats.hashing import snapshot_sha256
 from pipeline.distributed import clip_grad_norm
 from pipeline.reward_data import length_grouped_batches
-from pipeline.rundir import StopFlag, append_metrics, read_status, truncate_metrics, write_json, write_status
+from pipeline.rundir import Cancelled, StopFlag, append_metrics, read_status, truncate_metrics, write_json, write_status
 from pipeline.saving import recover_folder
 
 STATE_FILE = "trainer_state.pt"
@@ -86,6 +88,8 @@ def guarded(out_dir: Path, dist):
     progress = {"step": 0, "total": 0}
     try:
         yield progress
+    except Cancelled:
+        raise  # the trainer saved and marked the run 'cancelled' itself (PPO's loop)
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             write_status(out_dir, "cancelled", **progress, error="interrupted twice: stopped without saving")

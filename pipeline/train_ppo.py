@@ -60,7 +60,7 @@ from pipeline.rollout import (
     Rollout, episode_uniforms, gather_rollout, kl_shaped_advantages, merged_lora, prompt_order, rollout_forwards,
     write_samples,
 )
-from pipeline.run import recover
+from pipeline.run import guarded, recover
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
 from pipeline.sampling import sample
 from pipeline.saving import save_whole_policy
@@ -84,48 +84,46 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     if ckpt.is_dir() and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
     state: dict = {}
-    try:
-        with StopFlag() as stop:
-            # 0. set-up: device, models (four roles), optimisers, KL controller, resume (pipeline/ppo_state.py);
-            # training forwards go through policy_w and critic_w (gradients averaged across ranks), sampling
-            # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
-            run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
-                         critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
-            state.update(policy=run.policy, critic=run.critic, tokenizer=run.tokenizer, opts=run.opts,
-                         scheds=run.scheds, kl=run.kl, step=run.start)
-            write_status(out, "running", run.start, cfg.steps)
+    with guarded(out, dist) as progress:  # 'failed' with the error if anything below raises
+        progress["total"] = cfg.steps
+        try:
+            with StopFlag() as stop:
+                # 0. set-up: device, models (four roles), optimisers, KL controller, resume (pipeline/ppo_state.py);
+                # training forwards go through policy_w and critic_w (gradients averaged across ranks), sampling
+                # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
+                run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
+                             critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
+                state.update(policy=run.policy, critic=run.critic, tokenizer=run.tokenizer, opts=run.opts,
+                             scheds=run.scheds, kl=run.kl, step=run.start)
+                progress["step"] = run.start
+                write_status(out, "running", run.start, cfg.steps)
 
-            from tqdm import tqdm
+                from tqdm import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=run.start, desc="ppo", unit="step", dynamic_ncols=True,
-                       disable=not dist.is_main)
-            local = slice(dist.rank * cfg.batch_size // dist.world, (dist.rank + 1) * cfg.batch_size // dist.world)
-            share_prefix = not dist.sharded  # a prefix pass would run on some ranks only
-            metrics: dict = {}
-            for step in range(run.start, cfg.steps):
-                metrics = ppo_step(run, cfg, step, dist, stop, local, share_prefix, state, out)
-                write_status(out, "running", step + 1, cfg.steps)
-                bar.update(1)
-                bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
-                                beta=f"{metrics['kl/beta']:.3g}")
-            bar.close()
-            finish(run, cfg, state, out, reward, dist)
-            return metrics
-    except Cancelled as exc:
-        # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint
-        if "policy" in state:
-            save_checkpoint(ckpt, state, dist)
-        dist.barrier()
-        write_status(out, "cancelled", state.get("step", 0), cfg.steps, error=str(exc))
-        print(f"cancelled at step {state.get('step', 0)} (rank {dist.rank} of {dist.world})", flush=True)
-        dist.close()
-        raise
-    except KeyboardInterrupt:  # a second signal: stop now, keep the last checkpoint as it is
-        write_status(out, "cancelled", state.get("step", 0), cfg.steps, error="interrupted (no checkpoint saved)")
-        raise
-    except BaseException as exc:
-        write_status(out, "failed", state.get("step", 0), cfg.steps, error=dist.describe_failure(exc))
-        raise
+                bar = tqdm(total=cfg.steps, initial=run.start, desc="ppo", unit="step", dynamic_ncols=True,
+                           disable=not dist.is_main)
+                local = slice(dist.rank * cfg.batch_size // dist.world, (dist.rank + 1) * cfg.batch_size // dist.world)
+                share_prefix = not dist.sharded  # a prefix pass would run on some ranks only
+                metrics: dict = {}
+                for step in range(run.start, cfg.steps):
+                    metrics = ppo_step(run, cfg, step, dist, stop, local, share_prefix, state, out)
+                    progress["step"] = step + 1
+                    write_status(out, "running", step + 1, cfg.steps)
+                    bar.update(1)
+                    bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
+                                    beta=f"{metrics['kl/beta']:.3g}")
+                bar.close()
+                finish(run, cfg, state, out, reward, dist)
+                return metrics
+        except Cancelled as exc:
+            # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint
+            if "policy" in state:
+                save_checkpoint(ckpt, state, dist)
+            dist.barrier()
+            write_status(out, "cancelled", state.get("step", 0), cfg.steps, error=str(exc))
+            print(f"cancelled at step {state.get('step', 0)} (rank {dist.rank} of {dist.world})", flush=True)
+            dist.close()
+            raise
 
 
 def ppo_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share_prefix: bool, state: dict,
