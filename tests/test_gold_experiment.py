@@ -690,6 +690,10 @@ def test_quick_gold_seeds_runs_three_seeds_with_checkpoints_and_raw_tables(tmp_p
             g, _, kl = gain(raw[s], p["tag"])
             assert g == pytest.approx(p["eval/gold"] - entry["base"]["eval/gold"], abs=1e-9)
             assert kl == pytest.approx(p["eval/kl"], abs=1e-9)
+    # the proxy's normalisation is sampled as the arms' PPO samples (quick: 8 tokens, temperature 0.7)
+    proxies = [json.loads(p.read_text())["reward"] for p in (out / "seed0" / "runs").glob("*-train-reward/config.json")]
+    assert len(proxies) == len(results["seeds"]["0"]["proxy"]["epochs"])
+    assert all((r["norm_max_new_tokens"], r["norm_temperature"]) == (8, 0.7) for r in proxies), proxies
     sm = summary(out)
     assert sm["arms"]["adaptive"]["result"]["seeds"] == 3 and len(sm["bon"]) == 2
     report = (out / "report.md").read_text()

@@ -275,14 +275,14 @@ def train_proxy(sd: Seed, train: Path, heldout: Path) -> dict:
     """One epoch a job, each warm-started from the last, until the held-out loss stops improving."""
     from bench.reward_bench import wilson
     from pipeline.config import to_cli_args
-    from pipeline.orchestrate.steps import ensure_base_policy, model_args
+    from pipeline.orchestrate.steps import ensure_base_policy, model_args, normalised_as_ppo
 
     cfg, settings = sd.run.cfg, sd.exp.loop
     base = ensure_base_policy(sd.store, settings.model)
     epochs, best, previous = [], None, None
     for epoch in range(1, cfg.max_epochs + 1):
-        rcfg = dataclasses.replace(settings.reward, epochs=1, max_steps=0, seed=sd.seed * 1000 + epoch,
-                                   eval_data=str(heldout))
+        rcfg = dataclasses.replace(normalised_as_ppo(settings.reward, settings.ppo), epochs=1, max_steps=0,
+                                   seed=sd.seed * 1000 + epoch, eval_data=str(heldout))
         args = ["--data", str(train), *to_cli_args(rcfg), *model_args(settings.model, base.base_model)]
         if previous:
             args += ["--init-from", previous]

@@ -232,15 +232,20 @@ def snapshot_split(trainer_cfg, snapshot):
     return trainer_cfg
 
 
+def normalised_as_ppo(reward_cfg, ppo_cfg):
+    """The reward config with its normalisation sampled as PPO will sample its rollouts (length
+    limit, temperature), so that the reference's rollouts score mean 0, std 1 in PPO."""
+    return dataclasses.replace(reward_cfg, norm_max_new_tokens=ppo_cfg.max_new_tokens,
+                               norm_temperature=ppo_cfg.temperature)
+
+
 def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = True, round_id: int | None = None,
                   round_step: str | None = None):
     """A snapshot of every pair so far (`pairs_snapshot`) -> a train-reward job on it,
     warm-started from the newest reward model, its normalisation sampled as the round's PPO samples
     (length, temperature). Returns (run, snapshot)."""
     snapshot = pairs_snapshot(store, runner, settings, "reward")
-    reward_cfg = dataclasses.replace(snapshot_split(settings.reward, snapshot),
-                                     norm_max_new_tokens=settings.ppo.max_new_tokens,
-                                     norm_temperature=settings.ppo.temperature)
+    reward_cfg = normalised_as_ppo(snapshot_split(settings.reward, snapshot), settings.ppo)
     policy = ensure_base_policy(store, settings.model)
     previous = latest_reward(store) if warm_start else None
     args = ["--data", snapshot.path, *to_cli_args(reward_cfg), *model_args(settings.model, policy.base_model)]
