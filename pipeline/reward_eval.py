@@ -198,8 +198,8 @@ def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_
 
 @torch.no_grad()
 def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int, device, dtype,
-                        policy_path: str = "", batch_size: int = 16, dist=None, on_progress=None,
-                        max_new_tokens: int = 48, temperature: float = 0.7) -> dict:
+                        *, max_new_tokens: int, temperature: float, policy_path: str = "", batch_size: int = 16,
+                        dist=None, on_progress=None) -> dict:
     """Sample one response for each of n prompts (drawn from the training pairs) from the reference
     policy as PPO samples its rollouts (max_new_tokens, temperature: PPO's), score prompt + response
     exactly as PPO will (the decoded response + EOS, whether the policy stopped or was cut at the
@@ -247,16 +247,16 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
     all_scores = torch.tensor(score_rows(model, seqs, tokenizer.pad_token_id, batch_size, normalised=False,
                                          frozen=False, autocast=functools.partial(autocast, device, dtype)))  # (n,)
     model.train(was_training)
-    eos = [g[0].finish_reason == "eos" for g in gens]
+    # per sample: (raw score, ended with EOS, tokens), over every process's samples
+    rows = list(zip(all_scores.tolist(), [g[0].finish_reason == "eos" for g in gens],
+                    [len(g[0].token_ids) for g in gens]))
     if dist is not None and dist.world > 1:
-        all_scores = torch.tensor(sum(dist.gather_objects(all_scores.tolist()), []))
-        eos = sum(dist.gather_objects(eos), [])
+        rows = sum(dist.gather_objects(rows), [])
+    scores, eos, tokens = zip(*rows)
+    all_scores = torch.tensor(scores)
     std = all_scores.std().item() if n > 1 else 1.0
     if not math.isfinite(std) or std < 1e-6:
         std = 1.0  # constant scores: leave the scale alone rather than divide by ~0
-    tokens = [len(g[0].token_ids) for g in gens]
-    if dist is not None and dist.world > 1:
-        tokens = sum(dist.gather_objects(tokens), [])
     return {"reward_mean": all_scores.mean().item(), "reward_std": std, "samples": n,
             "policy": policy_path or "base model", "eos_rate": sum(eos) / n,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "tokens_max": max(tokens)}
