@@ -8,7 +8,8 @@
                                                     chat template, then response + EOS)
     make_reward(spec, tokenizer, model_cfg)         PPO's score_fn: a reward model on the rollout's
                                                     prompts and decoded responses, encoded as
-                                                    score_texts does; or a scripted reward for tests
+                                                    score_texts does; a simulated annotator's
+                                                    scorer (oracle:); or a scripted reward for tests
 
 Every path ends in `packed_score`: the same positions and fp32 head as ScalarModel.score, the head
 read at the last real token. Scores are normalised with the model's stored mean/std unless the
@@ -27,6 +28,8 @@ from pipeline.models import load_scalar_model, read_meta
 from pipeline.packing import gather_cells, hidden_states, pack
 from pipeline.rollout import attn_ratio, decode_responses
 from pipeline.text import encode_response, pad_rows, prompt_token_ids
+
+from formats.chat import messages_to_text
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -88,6 +91,7 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
     and decoded response as `score_texts` does (`retokenise`), whatever the policy's tokenizer.
     - 'script:count:<text>': occurrences of <text> in the decoded response (special tokens dropped);
     - 'script:length': response tokens, EOS excluded;
+    - 'oracle:[norm=MEAN,STD:]ORACLE': a simulated annotator's scorer (`oracle_reward`);
     - a folder saved by save_scalar_model(kind='reward'): its normalised score of prompt + response
       + EOS, the encoding it was trained on, for responses that ended and responses cut at the
       length limit alike. The reward model is frozen.
@@ -112,6 +116,8 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
 
             return length, None
         raise ValueError(f"--reward {spec!r}: unknown script; use 'script:count:<text>' or 'script:length'")
+    if spec.startswith("oracle:"):
+        return oracle_reward(spec, tokenizer), None
 
     if not Path(spec).is_dir():
         raise ValueError(f"--reward {spec}: no such folder (expected a reward model saved by "
@@ -132,6 +138,39 @@ def make_reward(spec: str, tokenizer, model_cfg, chunk: int = 16,
         return torch.cat(out)  # (B,)
 
     return score, rm
+
+
+def oracle_reward(spec: str, tokenizer) -> ScoreFn:
+    """'oracle:[norm=MEAN,STD:]ORACLE': the scorer simulated annotators rank with
+    (pipeline/oracle.py `make_oracle`: 'embedding', 'rule:length', ...) of each prompt
+    and decoded response, as (score - MEAN) / STD (default 0 and 1: its own units). The gold
+    experiment's control arm trains PPO against its judge itself, normalised on the start policy's
+    samples as a reward model is, to tell how fast PPO optimises a reward it can learn from how
+    fast it optimises a proxy of that reward."""
+    from pipeline.oracle import make_oracle
+
+    body = spec[len("oracle:"):]
+    mean, std = 0.0, 1.0
+    if body.startswith("norm="):
+        norm, _, body = body[len("norm="):].partition(":")
+        try:
+            mean, std = (float(x) for x in norm.split(","))
+        except ValueError:
+            raise ValueError(f"--reward {spec!r}: norm= takes MEAN,STD, e.g. 'oracle:norm=0.3,0.1:embedding'") from None
+        if not std > 0:
+            raise ValueError(f"--reward {spec!r}: the normalisation's STD must be > 0")
+    if not body:
+        raise ValueError(f"--reward {spec!r}: name the oracle, e.g. 'oracle:embedding'")
+    oracle = make_oracle(body)
+
+    def score(sequences, attention_mask, response_ids, response_mask, prompts=None):
+        if prompts is None:
+            raise ValueError(f"--reward {spec}: an oracle scores the prompts and the decoded responses; pass prompts")
+        texts = [p if isinstance(p, str) else messages_to_text(p) for p in prompts]
+        raw = oracle.score(texts, decode_responses(tokenizer, response_ids, response_mask))
+        return (torch.tensor(raw, dtype=torch.float32, device=sequences.device) - mean) / std  # (B,)
+
+    return score
 
 
 def retokenise(policy_tokenizer, rm_tokenizer, prompts: list, response_ids: torch.Tensor,

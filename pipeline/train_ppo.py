@@ -154,7 +154,7 @@ def ppo_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share_pre
 def finish(run, cfg: PPOConfig, state: dict, out: Path, reward: str, dist) -> None:
     """The end: a resumable checkpoint, and the policy (its meta naming the parent and the reward
     model) for the owner process to register."""
-    reward_name = reward if reward.startswith("script:") else str(Path(reward).resolve())
+    reward_name = reward if reward.startswith(("script:", "oracle:")) else str(Path(reward).resolve())
     run.policy.rlhf_meta = {**run.policy.rlhf_meta, "parent": run.parent, "reward_model": reward_name,
                             "run": str(out.resolve()), "steps": cfg.steps}
     save_checkpoint(out / CHECKPOINT, state, dist)  # rank 0 writes; every rank holds the weights or a shard
@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="starting policy: a folder saved by a previous run (its adapter keeps training) "
                              "or a base model; '' = --model")
     parser.add_argument("--reward", required=True,
-                        help="reward model folder, or 'script:count:<text>' / 'script:length' for tests and benches")
+                        help="reward model folder; 'oracle:[norm=MEAN,STD:]ORACLE' (a simulated annotator's "
+                             "scorer, e.g. oracle:embedding); 'script:count:<text>' / 'script:length' for tests")
     parser.add_argument("--critic-init", default="",
                         help="critic start: a reward/critic folder or a base model "
                              "(default: the reward model when it is a folder, else the policy's base)")

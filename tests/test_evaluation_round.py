@@ -27,7 +27,7 @@ from annotate.context import AppContext
 from pipeline.config import GenerateConfig, ModelConfig
 from pipeline.export_model import human_evaluation
 from pipeline.model_card import human_evaluation_section
-from pipeline.orchestrate.oracle import make_oracle
+from pipeline.oracle import make_oracle
 from pipeline.orchestrate.loop import make_runner
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import LoopSettings

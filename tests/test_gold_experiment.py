@@ -119,7 +119,7 @@ def _agreement(db: Path, judge) -> tuple[int, float]:
 def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, capsys):
     _require_embedding_judge()
     from bench.gold.loop import main
-    from pipeline.orchestrate.oracle import make_oracle
+    from pipeline.oracle import make_oracle
     from store import Store
 
     out = tmp_path / "gold"
@@ -668,8 +668,9 @@ def test_quick_gold_seeds_runs_three_seeds_with_checkpoints_and_raw_tables(tmp_p
 
     out = tmp_path / "seeds"
     # one round 1 and proxy for the three seeds (--share-round1: the same code as a round 1 per seed,
-    # without two more reward models), two arms, best-of-1 and -2
-    assert main(["--quick", "--seeds", "0,1,2", "--arms", "adaptive,dpo", "--checkpoints", "2", "--max-epochs", "2",
+    # without two more reward models), three arms (PPO against the judge itself a control), best-of-1 and -2
+    assert main(["--quick", "--seeds", "0,1,2", "--arms", "adaptive,dpo,judge_adaptive2", "--checkpoints", "2",
+                 "--max-epochs", "2",
                  "--bon", "1,2", "--share-round1", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     raw = json.loads((out / "raw.json").read_text())["evals"]
@@ -694,10 +695,22 @@ def test_quick_gold_seeds_runs_three_seeds_with_checkpoints_and_raw_tables(tmp_p
     proxies = [json.loads(p.read_text())["reward"] for p in (out / "seed0" / "runs").glob("*-train-reward/config.json")]
     assert len(proxies) == len(results["seeds"]["0"]["proxy"]["epochs"])
     assert all((r["norm_max_new_tokens"], r["norm_temperature"]) == (8, 0.7) for r in proxies), proxies
+    # the control trains against the judge, normalised on the start policy's samples, its critic from the proxy
+    for s, entry in results["seeds"].items():
+        config = json.loads((Path(entry["arms"]["judge_adaptive2"]["run_dir"]) / "config.json").read_text())
+        gold = [json.loads(line)["gold"] for line in (out / f"seed{s}" / "eval" / f"s{s}_bon_all.jsonl").open()]
+        mean = sum(gold) / len(gold)
+        assert config["reward"].startswith(f"oracle:norm={mean:.6g},") and config["reward"].endswith(":embedding")
+        assert Path(config["critic_init"]) == Path(entry["proxy"]["path"])
     sm = summary(out)
     assert sm["arms"]["adaptive"]["result"]["seeds"] == 3 and len(sm["bon"]) == 2
+    # its KL efficiency: its gold gain against best-of-n picking by the judge (at n = 2 above the proxy's pick)
+    assert {e["reward"] for e in sm["arms"]["judge_adaptive2"]["efficiency"]} == {"gold judge"}
+    assert {e["reward"] for e in sm["arms"]["adaptive"]["efficiency"]} == {"proxy"}
+    assert sm["bon"][0]["judge"] == pytest.approx(0.0, abs=1e-9) and sm["bon"][1]["judge"] > sm["bon"][1]["gold"]
     report = (out / "report.md").read_text()
     assert "between-seed s.e." in report and report.rstrip().splitlines()[-1].startswith("RESULT gold seeds=3 ")
+    assert "judge_adaptive2_kl_efficiency_vs_bon=" in report and "judge_adaptive2_goal" not in report
 
 
 def test_resume_may_change_what_only_the_arms_read_until_an_arm_has_run(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.orchestrate.jobs import INTERRUPTED, JobRunner
-from pipeline.orchestrate.oracle import make_oracle
+from pipeline.oracle import make_oracle
 from pipeline.orchestrate.loop import (RoundFailed, finish_round, make_runner, recover_rounds, start_round,
                                        wait_round)
 from pipeline.orchestrate.simulate import simulate_annotations

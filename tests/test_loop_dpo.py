@@ -20,7 +20,7 @@ import pytest
 from annotate import train
 from pipeline.config import DPOConfig
 from pipeline.orchestrate import loop
-from pipeline.orchestrate.oracle import make_oracle
+from pipeline.oracle import make_oracle
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import LoopSettings
 from store import Store

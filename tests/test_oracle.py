@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.orchestrate.oracle import ContainsOracle, LengthOracle, make_oracle, simulated_ranking
+from pipeline.oracle import ContainsOracle, LengthOracle, make_oracle, simulated_ranking
 
 
 def test_rule_oracles_score_by_hand():

@@ -5,7 +5,7 @@ threshold are compared on held-out pairs of unseen prompts, labelled by the trut
 
 The task is the marker task of tests/test_train_reward.py (the better response contains the word
 "Paris"); the annotators rank with the oracle `rule:contains:Paris` and a Bradley-Terry noise of
-their own (pipeline/orchestrate/oracle.simulated_ranking: 0 is exact, a huge one ranks at random).
+their own (pipeline/oracle.simulated_ranking: 0 is exact, a huge one ranks at random).
 The random annotator is the fastest (two items a turn to the others' one), as annotators who
 click without reading are: about 2 in 5 of the ranked items are theirs, so a fifth of all pairs
 are wrong.
@@ -39,7 +39,7 @@ from annotate import admin
 from annotate.context import AppContext
 from pipeline.config import LoopConfig, RewardConfig
 from pipeline.orchestrate.jobs import JobRunner
-from pipeline.orchestrate.oracle import make_oracle
+from pipeline.oracle import make_oracle
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import LoopSettings, pairs_snapshot
 from pipeline.reward_data import read_pairs

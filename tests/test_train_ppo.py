@@ -92,6 +92,26 @@ def test_scripted_rewards_count_only_real_response_tokens(tiny_tokenizer):
         make_reward("/nonexistent/reward-model", tok, ModelConfig())
 
 
+def test_oracle_reward_scores_the_decoded_response_normalised(tiny_tokenizer):
+    """'oracle:norm=MEAN,STD:ORACLE' gives (the simulated annotators' score - MEAN) / STD of each
+    prompt and decoded response: rule:contains counts the word in the text, not after EOS."""
+    tok = tiny_tokenizer
+    ids = tok(" the dog and the fox", add_special_tokens=False)["input_ids"]
+    response = torch.tensor([ids + [tok.eos_token_id] + ids, ids[:2] + [tok.pad_token_id] * (len(ids) * 2 - 1)])
+    mask = torch.tensor([[1] * (len(ids) + 1) + [0] * len(ids), [1, 1] + [0] * (len(ids) * 2 - 1)])
+    prompts = ["Tell me a story.", [{"role": "user", "content": "A story?"}]]  # text and chat prompts
+    score, rm = make_reward("oracle:norm=1,0.5:rule:contains:the", tok, ModelConfig())
+    assert rm is None
+    assert score(response, mask, response, mask, prompts=prompts).tolist() == [(2 - 1) / 0.5, (1 - 1) / 0.5]
+    raw, _ = make_reward("oracle:rule:contains:the", tok, ModelConfig())  # no norm=: its own units
+    assert raw(response, mask, response, mask, prompts=prompts).tolist() == [2.0, 1.0]
+    for spec, problem in [("oracle:norm=1:rule:length", "MEAN,STD"), ("oracle:norm=1,0:rule:length", "STD must be > 0"),
+                          ("oracle:", "name the oracle"), ("oracle:nope", "unknown oracle")]:
+        with pytest.raises(ValueError, match=problem):
+            make_reward(spec, tok, ModelConfig())
+    with pytest.raises(ValueError, match="pass prompts"):
+        score(response, mask, response, mask)
+
 def _rollout(values_tail: float, logp_tail: float) -> Rollout:
     """B=2, R=5: row 0 ends with EOS at t=2, row 1 hits the length limit. Tails hold garbage."""
     mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 1]])

@@ -21,7 +21,7 @@ import pytest
 from annotate import admin, model_admin, monitor, train
 from annotate.context import AppContext, Refused
 from pipeline.orchestrate import loop
-from pipeline.orchestrate.oracle import make_oracle
+from pipeline.oracle import make_oracle
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import held_out_prompts
 from tests.fixtures_store import seed_items

@@ -1,7 +1,7 @@
 """Does the loop make the policy better by a measure it was not trained on? A gold-judge experiment.
 
 In the style of Gao et al. 2022 ("Scaling Laws for Reward Model Overoptimization"): a fixed gold
-judge stands in for people. It is the `embedding` judge of pipeline/orchestrate/oracle.py, on the offline
+judge stands in for people. It is the `embedding` judge of pipeline/oracle.py, on the offline
 all-MiniLM-L6-v2 model: cos(response, "helpful, friendly, detailed ...") - cos(response, "rude,
 evasive, unhelpful ...") + 0.5 cos(response, prompt). The pipeline never trains on it: simulated
 annotators rank each prompt's K responses by gold score with Bradley-Terry noise (through the
@@ -156,7 +156,7 @@ def run_experiment(exp: Experiment, out: Path, prompts_file: Path = PROMPTS, log
     from bench.gold.arms import dpo_unavailable
     from bench.gold.bon import run_bon
     from bench.gold.curve import run_hh_curve, run_simulated_curve
-    from pipeline.orchestrate.oracle import make_oracle
+    from pipeline.oracle import make_oracle
 
     torch.set_num_threads(exp.threads)
     t0 = time.perf_counter()
@@ -229,7 +229,7 @@ def _describe(exp: Experiment) -> dict:
             "eval_prompts": exp.eval_prompts, "eval": dataclasses.asdict(exp.eval), "noise": exp.noise,
             "variants": {v: VARIANTS[v] for v in exp.variants}, "threads": exp.threads, "bon": exp.bon,
             "dpo": exp.dpo, "curve": dataclasses.asdict(exp.curve),
-            "judge": "embedding (all-MiniLM-L6-v2, pipeline/orchestrate/oracle.py defaults)"}
+            "judge": "embedding (all-MiniLM-L6-v2, pipeline/oracle.py defaults)"}
 
 
 # --------------------------------------------------------------------------- CLI

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 COLORS = {"adaptive": "tab:blue", "fixed": "tab:green", "beta0": "tab:red", "control": "tab:grey",
-          "dpo": "tab:purple", "bon": "tab:orange"}
+          "dpo": "tab:purple", "bon": "tab:orange", "judge_adaptive2": "tab:brown"}
 
 
 def _pyplot():

@@ -14,7 +14,9 @@ number here is recomputed from it:
   proxy rises and gold falls, each by more than 2 between-seed s.e. of the seeds' own changes over
   the segment, with every seed's proxy better than chance on its held-out pairs (95% interval above 0.5);
 - KL efficiency: along PPO's checkpoints, its proxy gain against best-of-n's at the same KL
-  (best-of-n interpolated linearly in KL between its n; beyond its largest n, that n's gain per nat).
+  (best-of-n interpolated linearly in KL between its n; beyond its largest n, that n's gain per nat);
+  for an arm rewarded by the gold judge itself (bench/gold/seeds.py JUDGE_ARMS), its gold gain
+  against best-of-n picking by the judge.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ def proxy_quality(results: dict) -> dict:
 
 
 def bon_curve(results: dict, raw: dict) -> list[dict]:
-    """Best-of-n by n: gold and proxy gains over the seeds (mean, between-seed s.e.), KL bound."""
+    """Best-of-n by n: gold and proxy gains over the seeds (mean, between-seed s.e.), KL bound;
+    `judge`: the gold gain of best-of-n picking by the judge itself (None where not stored)."""
     ns = sorted({int(m.group(1)) for s in raw.values() for t in s if (m := re.fullmatch(r"bon_n(\d+)", t))})
     rows = []
     for n in ns:
@@ -126,8 +129,10 @@ def bon_curve(results: dict, raw: dict) -> list[dict]:
         paired = [gain(raw[s], f"bon_n{n}", base="bon_all")[1] for s in seeds]
         g, gse = mean_se(gold)
         pm, pse = mean_se(proxy)
+        judged = [gain(raw[s], f"bon_judge_n{n}", base="bon_all")[0] for s in seeds if f"bon_judge_n{n}" in raw[s]]
+        jm, jse = mean_se(judged) if judged else (None, None)
         rows.append({"n": n, "kl": bon_kl(n), "seeds": len(seeds), "gold": g, "gold_se": gse, "proxy": pm,
-                     "proxy_se": pse, "gold_per_seed": gold, "paired_se": paired})
+                     "proxy_se": pse, "gold_per_seed": gold, "paired_se": paired, "judge": jm, "judge_se": jse})
     return rows
 
 
@@ -140,29 +145,39 @@ def bon_rises(bon: list[dict]) -> bool | None:
     return bool(se and mean > 2 * se)
 
 
-def bon_proxy_at(bon: list[dict], kl: float) -> float | None:
-    """Best-of-n's mean proxy gain at `kl`: linear in KL between its n, past the largest n its gain per nat."""
-    if len(bon) < 2:
+def bon_proxy_at(bon: list[dict], kl: float, key: str = "proxy") -> float | None:
+    """Best-of-n's mean gain (`key`: proxy, or judge) at `kl`: linear in KL between its n, past the
+    largest n its gain per nat."""
+    if len(bon) < 2 or any(b[key] is None for b in bon):
         return None
     for a, b in zip(bon, bon[1:]):
         if a["kl"] <= kl <= b["kl"]:
             w = (kl - a["kl"]) / (b["kl"] - a["kl"]) if b["kl"] > a["kl"] else 0.0
-            return a["proxy"] + w * (b["proxy"] - a["proxy"])
+            return a[key] + w * (b[key] - a[key])
     last = bon[-1]
-    return last["proxy"] / last["kl"] * kl if last["kl"] > 0 else None
+    return last[key] / last["kl"] * kl if last["kl"] > 0 else None
 
 
-def kl_efficiency(arm_curve: list[dict], bon: list[dict]) -> list[dict]:
-    """Along an arm's mean curve: its proxy gain per nat and best-of-n's at the same KL, and the ratio."""
+def kl_efficiency(arm_curve: list[dict], bon: list[dict], judge: bool = False) -> list[dict]:
+    """Along an arm's mean curve: the gain per nat of the reward it trains on and best-of-n's with
+    that reward at the same KL, and the ratio: the proxy, or for an arm rewarded by the gold judge
+    (`judge`) its gold gain against best-of-n picking by the judge."""
+    ours, theirs = ("gold", "judge") if judge else ("proxy", "proxy")
     rows = []
     for c in arm_curve[1:]:
-        b = bon_proxy_at(bon, max(c["kl"], 0.0))
+        b = bon_proxy_at(bon, max(c["kl"], 0.0), theirs)
         far = c["kl"] >= MIN_KL  # below it both gains are sampling noise over a tiny KL
-        rows.append({"step": c["step"], "kl": c["kl"], "proxy": c["proxy"], "bon_proxy": b,
-                     "per_nat": c["proxy"] / c["kl"] if far else None,
+        rows.append({"step": c["step"], "kl": c["kl"], "reward": "gold judge" if judge else "proxy",
+                     "proxy": c[ours], "bon_proxy": b,
+                     "per_nat": c[ours] / c["kl"] if far else None,
                      "bon_per_nat": b / c["kl"] if b is not None and far else None,
-                     "ratio": c["proxy"] / b if b and far else None})
+                     "ratio": c[ours] / b if b and far else None})
     return rows
+
+
+def judged(results: dict, arm: str) -> bool:
+    """Whether the arm's PPO reward was the gold judge itself (bench/gold/seeds.py JUDGE_ARMS)."""
+    return any(e["arms"].get(arm, {}).get("reward") == "judge" for e in results["seeds"].values())
 
 
 def hacking(per_seed: dict[str, list[dict]], chance_ok: bool) -> list[dict]:
@@ -192,7 +207,7 @@ def summary(folder: Path) -> dict:
         c = curve(per_seed)
         out["arms"][arm] = {"per_seed": per_seed, "curve": c, "result": arm_result(per_seed),
                             "hacking": hacking(per_seed, quality["better_than_chance"]),
-                            "efficiency": kl_efficiency(c, bon) if arm != "dpo" else []}
+                            "efficiency": kl_efficiency(c, bon, judged(results, arm)) if arm != "dpo" else []}
     return out
 
 
@@ -210,6 +225,11 @@ def adaptive_arms(sm: dict) -> list[str]:
     return [name for name in sm["arms"] if name.startswith("adaptive")]
 
 
+def judge_arms(sm: dict) -> list[str]:
+    """The PPO arms rewarded by the gold judge itself: controls, not RLHF from the annotators' pairs."""
+    return [name for name in sm["arms"] if judged(sm["results"], name)]
+
+
 def seeds_result_line(folder: Path, sm: dict | None = None) -> str:
     sm = sm or summary(folder)
     parts = []
@@ -225,11 +245,12 @@ def seeds_result_line(folder: Path, sm: dict | None = None) -> str:
         last = sm["bon"][-1]
         parts += [f"bon{last['n']}_gain_mean={_f(last['gold'], 4)}", f"bon{last['n']}_gain_se_seeds={_f(last['gold_se'], 4)}",
                   f"bon_rises={'yes' if sm['bon_rises'] else 'no'}"]
-    for name in adaptive_arms(sm) or ["adaptive"]:
+    for name in adaptive_arms(sm) + judge_arms(sm) or ["adaptive"]:
         ppo = sm["arms"].get(name)
         if ppo and ppo["efficiency"]:
             parts.append(f"{name}_kl_efficiency_vs_bon={_f(ppo['efficiency'][-1]['ratio'], 3)}")
-        parts.append(f"{name}_goal={'met' if ppo and ppo['result']['raised'] else 'not_met'}")
+        if name not in judge_arms(sm):
+            parts.append(f"{name}_goal={'met' if ppo and ppo['result']['raised'] else 'not_met'}")
     claimed = [f"{arm}@{h['to']}" for arm, a in sm["arms"].items() for h in a["hacking"] if h["hacking"]]
     parts.append(f"hacking={'yes:' + ','.join(claimed) if claimed else 'no'}")
     partial = "" if sm["results"].get("done") else " partial=yes"
@@ -330,7 +351,8 @@ def write_report(folder: Path) -> Path:
         per = "; ".join(f"s{sd}{' (still training)' if p.get('running') else ''}: {_f(p['gold'], 4, True)} ± "
                         f"{_f(p['gold_se'], 4)} ({_f(p['kl'], 2)})" for sd, p in r["per_seed"].items())
         z = r["gain_mean"] / r["gain_se_seeds"] if r["gain_se_seeds"] else None
-        lines.append(f"| {arm} | {r['seeds']} | {per} | {_f(r['gain_mean'], 4, True)} | {_f(r['gain_se_seeds'], 4)} | "
+        name = f"{arm} (rewarded by the judge: a control)" if arm in judge_arms(sm) else arm
+        lines.append(f"| {name} | {r['seeds']} | {per} | {_f(r['gain_mean'], 4, True)} | {_f(r['gain_se_seeds'], 4)} | "
                      f"{_f(z, 2)} | {_f(r['kl_mean'], 2)} |")
     for name in adaptive_arms(sm):
         r = sm["arms"][name]["result"]
@@ -359,20 +381,24 @@ def write_report(folder: Path) -> Path:
               + ".", ""]
     if sm["bon"]:
         lines += ["## Best-of-n with the proxy", "",
-                  "| n | KL bound | seeds | gold gain (mean ± between-seed s.e.) | proxy gain |", "|---|---|---|---|---|"]
+                  "| n | KL bound | seeds | gold gain (mean ± between-seed s.e.) | proxy gain | gold gain, picked by the "
+                  "judge itself |", "|---|---|---|---|---|---|"]
         lines += [f"| {b['n']} | {_f(b['kl'], 2)} | {b['seeds']} | {_f(b['gold'], 4, True)} ± {_f(b['gold_se'], 4)} | "
-                  f"{_f(b['proxy'], 3, True)} ± {_f(b['proxy_se'], 3)} |" for b in sm["bon"]]
+                  f"{_f(b['proxy'], 3, True)} ± {_f(b['proxy_se'], 3)} | {_f(b['judge'], 4, True)} ± "
+                  f"{_f(b['judge_se'], 4)} |" for b in sm["bon"]]
         lines += ["", f"Gold rises with n (largest n above n = 1 by more than 2 between-seed s.e.): "
                   f"**{'yes' if sm['bon_rises'] else 'no'}**.", ""]
     eff = [(arm, e) for arm, a in sm["arms"].items() for e in a["efficiency"]]
     if eff and sm["bon"]:
-        lines += ["## KL efficiency: PPO's proxy gain against best-of-n's at the same KL", "",
-                  f"Best-of-n's proxy gain interpolated in KL between its n (past n = {sm['bon'][-1]['n']}, KL "
-                  f"{_f(sm['bon'][-1]['kl'], 2)}: its gain per nat). Ratio = PPO's gain / best-of-n's.", "",
-                  "| arm | step | KL | proxy gain | per nat | best-of-n at that KL | per nat | ratio |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {arm} | {e['step']} | {_f(e['kl'], 2)} | {_f(e['proxy'], 3, True)} | {_f(e['per_nat'], 3)} | "
-                  f"{_f(e['bon_proxy'], 3, True)} | {_f(e['bon_per_nat'], 3)} | {_f(e['ratio'], 2)} |" for arm, e in eff]
+        lines += ["## KL efficiency: PPO's gain in its reward against best-of-n's at the same KL", "",
+                  f"Best-of-n's gain interpolated in KL between its n (past n = {sm['bon'][-1]['n']}, KL "
+                  f"{_f(sm['bon'][-1]['kl'], 2)}: its gain per nat), picking by the reward the arm trains on: the "
+                  "proxy, or the gold judge for an arm rewarded by it. Ratio = PPO's gain / best-of-n's.", "",
+                  "| arm | reward | step | KL | its gain | per nat | best-of-n at that KL | per nat | ratio |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {arm} | {e['reward']} | {e['step']} | {_f(e['kl'], 2)} | {_f(e['proxy'], 3, True)} | "
+                  f"{_f(e['per_nat'], 3)} | {_f(e['bon_proxy'], 3, True)} | {_f(e['bon_per_nat'], 3)} | "
+                  f"{_f(e['ratio'], 2)} |" for arm, e in eff]
         lines.append("")
     lines += ["## PPO along training (rollout metrics, mean over seeds)", "",
               "| arm | step | proxy score of the rollout | KL | beta | critic explained variance | value loss | value mean "
@@ -426,9 +452,11 @@ def goal_checks(sm: dict) -> list[str]:
         (f"DPO raises gold by more than 2 between-seed s.e. at KL <= {GOAL_KL:g}", *raised("dpo")),
         ("best-of-n with the proxy rises with n", bool(sm["bon_rises"]),
          ", ".join(f"n={b['n']}: {_f(b['gold'], 4, True)}" for b in sm["bon"]) or "not run")]
-    for name in adaptive_arms(sm) or ["adaptive"]:
+    for name in adaptive_arms(sm) + judge_arms(sm) or ["adaptive"]:
         eff = [e["ratio"] for e in arms.get(name, {}).get("efficiency", []) if e["ratio"] is not None]
-        checks.append((f"PPO ({name}) raises its proxy at least a third as fast per nat as best-of-n at the same KL "
+        what = ("(a control) raises the gold judge it is rewarded by" if name in judge_arms(sm)
+                else "raises its proxy")
+        checks.append((f"PPO ({name}) {what} at least a third as fast per nat as best-of-n at the same KL "
                        "(last checkpoint)", bool(eff) and eff[-1] >= EFFICIENCY_GOAL,
                        f"ratio {_f(eff[-1], 2)}" if eff else "no checkpoint past 0.1 nats"))
     return [f"- [{'x' if ok else ' '}] {text}: {detail}" for text, ok, detail in checks]

@@ -18,8 +18,9 @@ Per seed (bench/gold/loop.py's judge, annotators, held-out prompts and evaluatio
      --max-epochs) and the epoch with the lowest held-out loss is the proxy
   3. the start policy samples max(n) responses per held-out prompt: its evaluation, and best-of-n
      with the proxy (bench/gold/bon.py)
-  4. the arms, each from the start policy: PPO against the proxy (adaptive KL, beta = 0, ...) and
-     DPO on the proxy's very training pairs (held-out pairs as its eval data). Each job saves a
+  4. the arms, each from the start policy: PPO against the proxy (adaptive KL, beta = 0, ...),
+     DPO on the proxy's very training pairs (held-out pairs as its eval data) and, as a control,
+     PPO against the gold judge itself (JUDGE_ARMS). Each job saves a
      checkpoint every so many steps; every checkpoint is copied as it appears and evaluated on the
      held-out prompts (gold, proxy, KL): measured gold-vs-sqrt(KL) curves, start (KL 0) included
   5. results.json (settings, per seed and arm the points and PPO's training metrics) and raw.json
@@ -79,7 +80,16 @@ ARMS = {
     # (noise moves the policy, adding KL, without moving the reward); the critic's warm-up the same
     # episodes (one step of 32 = adaptive2's 4 of 8)
     "adaptive2_b32": {**ADAPTIVE, **SLOW_KL, **ZERO_CRITIC, **BIG_BATCH},
+    # adaptive2 against the gold judge itself (JUDGE_ARMS)
+    "judge_adaptive2": {**ADAPTIVE, **SLOW_KL, **ZERO_CRITIC},
 }
+JUDGE_ARMS = ("judge_adaptive2",)
+"""Arms whose PPO reward is the gold judge itself, not the proxy (pipeline/scoring.py
+`oracle_reward`), normalised by the mean and s.d. of its scores of the start policy's best-of-n
+samples (as the proxy is normalised on the start policy's samples); the critic still starts from
+the proxy. A control for KL efficiency: how fast PPO raises a reward it can learn, per nat, against
+best-of-n picking by the same judge; a proxy that ranks 60% of pairs right may reward much that no
+policy can learn from 200 episodes, while best-of-n exploits every sample's score."""
 ARM_ONLY = ("arms", "ppo", "dpo", "checkpoints", "ppo_prompts")
 """Settings only the arms read: a resumed run whose arms have not started may change them."""
 
@@ -93,6 +103,7 @@ def arm_label(settings: dict, name: str) -> str:
         label = "PPO, beta = 0" if settings["init_kl_coef"] == 0 else f"PPO, fixed beta {settings['init_kl_coef']:g}"
     label += ", critic head at 0" if settings.get("critic_head") == "zero" else ""
     label += f", {settings['batch_size']} episodes a step" if settings.get("batch_size") else ""
+    label += ", rewarded by the gold judge itself" if name in JUDGE_ARMS else ""
     return label + (f", lr ramped over {settings['lr_warmup_steps']} steps" if settings.get("lr_warmup_steps") else "")
 
 
@@ -320,23 +331,40 @@ def start_policy(sd: Seed) -> None:
     sd.run.save()
 
 
-BON_ESTIMATOR = "expected"
-"""bench/gold/bon.py expected_best_of_n. A run whose seeds record another estimator (or none: the
-first n samples, before it) is rescored from its stored samples when resumed."""
+BON_ESTIMATOR = "expected, by the proxy and by the judge"
+"""bench/gold/bon.py expected_best_of_n, picking by the proxy (raw.json bon_n<n>) and by the gold
+judge (bon_judge_n<n>: what best-of-n reaches on the reward the JUDGE_ARMS train on). A run whose
+seeds record another estimator (or none: the first n samples, before it) is rescored from its
+stored samples when resumed."""
+
+
+def bon_samples(sd: Seed) -> list[dict]:
+    """The start policy's stored best-of-n samples (eval/s<seed>_bon_all.jsonl), one row per response."""
+    path = sd.ctx.out / "eval" / f"s{sd.seed}_bon_all.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def score_bon(sd: Seed) -> None:
-    """Best-of-n with the proxy on the start policy's stored samples (eval/s<seed>_bon_all.jsonl);
+    """Best-of-n with the proxy, and with the gold judge, on the start policy's stored samples;
     gains are against the mean of those samples (raw.json: bon_all)."""
     from bench.gold.bon import bon_table, expected_best_of_n
 
-    path = sd.ctx.out / "eval" / f"s{sd.seed}_bon_all.jsonl"
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = bon_samples(sd)
     ns = sorted(set(sd.exp.bon))
     sd.entry["bon"] = bon_table([{**r, "proxy:rm1": r["proxy:proxy"]} for r in rows], ns)  # bon_table's key
     for n in ns:
         sd.run.add_raw(sd.seed, f"bon_n{n}", expected_best_of_n(rows, n, key="proxy:proxy"))
+        sd.run.add_raw(sd.seed, f"bon_judge_n{n}", expected_best_of_n(rows, n, key="gold"))
     sd.entry["bon_estimator"] = BON_ESTIMATOR
+
+
+def judge_reward(sd: Seed) -> str:
+    """train-ppo's --reward for JUDGE_ARMS: the gold judge, normalised by its scores' mean and s.d.
+    over the start policy's best-of-n samples (PPO's length and temperature, every held-out prompt)."""
+    gold = [r["gold"] for r in bon_samples(sd)]
+    mean = sum(gold) / len(gold)
+    std = math.sqrt(sum((g - mean) ** 2 for g in gold) / len(gold))
+    return f"oracle:norm={mean:.6g},{std:.6g}:embedding"
 
 
 def run_arm(sd: Seed, name: str) -> None:
@@ -354,12 +382,14 @@ def run_arm(sd: Seed, name: str) -> None:
     else:
         arm = dataclasses.replace(settings, ppo=arm_ppo(settings.ppo, cfg.arm(name), cfg.checkpoints))
         proxy = sd.store.get_model_version(sd.entry["proxy"]["version_id"])
-        run = submit_ppo(sd.store, sd.runner, arm, proxy, base, activate=False)
+        score_with = judge_reward(sd) if name in JUDGE_ARMS else ""
+        run = submit_ppo(sd.store, sd.runner, arm, proxy, base, activate=False, score_with=score_with)
         run, copies = follow_job(sd.runner, run, "checkpoint/trainer_state.pt", "checkpoint/policy", dest)
         final = sd.store.get_model_version(run.outputs["model_version_id"]).path
     end = last_step(run.run_dir)
     copies[end] = copies.get(end, final)
     entry = {"label": arm_label(cfg.arm(name), name), "settings": cfg.arm(name), "run_dir": run.run_dir, "points": [],
+             "reward": "judge" if name in JUDGE_ARMS else ("proxy" if name != "dpo" else "pairs"),
              "train": metric_rows(run.run_dir)}
     with sd.run.lock:
         sd.entry["arms"][name] = entry
@@ -400,7 +430,7 @@ def submit_dpo_job(sd: Seed, base, save_every: int):
 
 class SeedsRun:
     def __init__(self, cfg: SeedsConfig, out: Path, prompts: Path = PROMPTS, log=print, resume: bool = False):
-        from pipeline.orchestrate.oracle import make_oracle
+        from pipeline.oracle import make_oracle
 
         self.cfg, self.out, self.log, self.lock = cfg, Path(out), log, threading.RLock()
         self.out.mkdir(parents=True, exist_ok=True)
@@ -538,7 +568,7 @@ def describe(cfg: SeedsConfig) -> dict:
             "reward": dataclasses.asdict(s.reward), "ppo": dataclasses.asdict(s.ppo), "ppo_prompts": s.ppo_prompts,
             "lora_r": s.model.lora_r, "eval_prompts": e.eval_prompts, "eval": dataclasses.asdict(e.eval),
             "noise": e.noise, "bon": e.bon, "dpo": e.dpo, "threads": e.threads,
-            "judge": "embedding (all-MiniLM-L6-v2, pipeline/orchestrate/oracle.py defaults)"}
+            "judge": "embedding (all-MiniLM-L6-v2, pipeline/oracle.py defaults)"}
 
 
 # --------------------------------------------------------------------------- CLI

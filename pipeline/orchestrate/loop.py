@@ -337,7 +337,7 @@ def wait_for_rankings(store, rnd, settings: LoopSettings, log=print, poll_s: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.orchestrate.oracle import make_oracle
+    from pipeline.oracle import make_oracle
     from store import Store, default_db_path
 
     parser = argparse.ArgumentParser(prog="python -m pipeline loop", description=__doc__,

@@ -1,5 +1,5 @@
 """Simulated annotators: rank queued items through the store's API with an oracle
-(pipeline/orchestrate/oracle.py).
+(pipeline/oracle.py).
 
     python -m pipeline simulate-annotators --db data/rlhf.duckdb --oracle embedding --noise 0.1
 
@@ -16,7 +16,7 @@ import random
 import time
 import uuid
 
-from pipeline.orchestrate.oracle import make_oracle, simulated_ranking
+from pipeline.oracle import make_oracle, simulated_ranking
 
 
 def simulate_annotations(store, oracle, name: str = "sim-gold", noise: float = 0.0, limit: int | None = None,

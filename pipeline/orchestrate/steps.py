@@ -259,10 +259,12 @@ def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = T
 
 
 def submit_ppo(store, runner, settings: LoopSettings, reward, policy=None, *, activate: bool = True,
-               round_id: int | None = None, round_step: str | None = None):
+               round_id: int | None = None, round_step: str | None = None, score_with: str = ""):
     """PPO from `policy` (default: the active one) against the frozen reward model `reward`, on the
     first `settings.ppo_prompts` prompts of the pool. With `activate`, the new policy becomes the
-    active one as soon as it is registered."""
+    active one as soon as it is registered. `score_with`: train-ppo's --reward in place of the
+    reward model's folder (the gold experiment's 'oracle:...' control); `reward` then only starts
+    the critic (--critic-init)."""
     if reward is None or reward.kind != "reward" or not reward.path:
         raise ValueError("no trained reward model: train one first")
     policy = policy or ensure_base_policy(store, settings.model)
@@ -272,8 +274,10 @@ def submit_ppo(store, runner, settings: LoopSettings, reward, policy=None, *, ac
     if not prompts:
         raise ValueError("no prompts to train on: import prompts first")
     path = write_prompts(prompts, inputs_dir(runner) / f"ppo-{_stamp()}-prompts.jsonl")
-    args = ["--prompts", str(path), "--reward", reward.path, *to_cli_args(settings.ppo),
+    args = ["--prompts", str(path), "--reward", score_with or reward.path, *to_cli_args(settings.ppo),
             *model_args(settings.model, policy.base_model)]
+    if score_with:
+        args += ["--critic-init", reward.path]
     if policy.path:
         args += ["--policy", policy.path]
     return runner.submit("ppo", args, config={"ppo": to_dict(settings.ppo), "model": to_dict(settings.model)},

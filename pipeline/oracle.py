@@ -2,10 +2,13 @@
 "gold" reward; here "gold" names the store's gold items, annotations with a known answer).
 
 An oracle maps (prompt, response) to a number; `simulated_ranking` turns the scores of K responses
-into a noisy best-to-worst ranking, the way a real annotator would hand one in. The pipeline never
+into a noisy best-to-worst ranking, the way a real annotator would hand one in. The loop never
 trains on an oracle, so it can be used to measure whether the loop improves the policy by a measure
 the policy was not optimised against (Gao et al. 2022, "Scaling Laws for Reward Model
-Overoptimization").
+Overoptimization"). One deliberate exception, a control: PPO's `--reward oracle:...`
+(pipeline/scoring.py `oracle_reward`) trains against an oracle itself, to tell how fast PPO
+raises a reward it can learn. Used by the simulated annotators (orchestrate/simulate.py, the loop)
+and by that reward, so it lives below both and imports nothing of the pipeline.
 
 Oracles
 - `rule:length`           longer responses score higher (characters / 100)
