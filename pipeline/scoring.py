@@ -19,17 +19,17 @@ caller measures those statistics itself (reward_eval.normalisation_stats).
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from formats.chat import messages_to_text
 from pipeline.models import load_scalar_model, read_meta
 from pipeline.packing import gather_cells, hidden_states, pack
 from pipeline.rollout import attn_ratio, decode_responses
 from pipeline.text import encode_response, pad_rows, prompt_token_ids
-
-from formats.chat import messages_to_text
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -157,8 +157,8 @@ def oracle_reward(spec: str, tokenizer) -> ScoreFn:
             mean, std = (float(x) for x in norm.split(","))
         except ValueError:
             raise ValueError(f"--reward {spec!r}: norm= takes MEAN,STD, e.g. 'oracle:norm=0.3,0.1:embedding'") from None
-        if not std > 0:
-            raise ValueError(f"--reward {spec!r}: the normalisation's STD must be > 0")
+        if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+            raise ValueError(f"--reward {spec!r}: the normalisation's MEAN must be a number and its STD > 0")
     if not body:
         raise ValueError(f"--reward {spec!r}: name the oracle, e.g. 'oracle:embedding'")
     oracle = make_oracle(body)

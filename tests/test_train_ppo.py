@@ -105,7 +105,8 @@ def test_oracle_reward_scores_the_decoded_response_normalised(tiny_tokenizer):
     assert score(response, mask, response, mask, prompts=prompts).tolist() == [(2 - 1) / 0.5, (1 - 1) / 0.5]
     raw, _ = make_reward("oracle:rule:contains:the", tok, ModelConfig())  # no norm=: its own units
     assert raw(response, mask, response, mask, prompts=prompts).tolist() == [2.0, 1.0]
-    for spec, problem in [("oracle:norm=1:rule:length", "MEAN,STD"), ("oracle:norm=1,0:rule:length", "STD must be > 0"),
+    for spec, problem in [("oracle:norm=1:rule:length", "MEAN,STD"), ("oracle:norm=1,0:rule:length", "STD > 0"),
+                          ("oracle:norm=nan,1:rule:length", "MEAN must be a number"),
                           ("oracle:", "name the oracle"), ("oracle:nope", "unknown oracle")]:
         with pytest.raises(ValueError, match=problem):
             make_reward(spec, tok, ModelConfig())
