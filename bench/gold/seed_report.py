@@ -261,7 +261,7 @@ def plot(sm: dict, path: Path) -> Path | None:
     from bench.gold.plots import COLORS, _pyplot, _save
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5 + 0.22 * (len(sm["arms"]) + 1)))  # room for the legend below
     for arm, a in sm["arms"].items():
         c = a["curve"]
         if len(c) < 2:
@@ -280,7 +280,7 @@ def plot(sm: dict, path: Path) -> Path | None:
     ax.set_xlabel("sqrt(KL to the start policy)  [sqrt(nats)]")
     ax.set_ylabel("gold gain over the start policy")
     ax.set_title("Measured checkpoints: mean over seeds ± between-seed s.e.; thin: each seed", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)  # below: it hid points
     return _save(fig, path)
 
 
