@@ -207,6 +207,7 @@ def summary(folder: Path) -> dict:
         c = curve(per_seed)
         out["arms"][arm] = {"per_seed": per_seed, "curve": c, "result": arm_result(per_seed),
                             "hacking": hacking(per_seed, quality["better_than_chance"]),
+                            "judge": judged(results, arm),
                             "efficiency": kl_efficiency(c, bon, judged(results, arm)) if arm != "dpo" else []}
     return out
 
@@ -227,7 +228,7 @@ def adaptive_arms(sm: dict) -> list[str]:
 
 def judge_arms(sm: dict) -> list[str]:
     """The PPO arms rewarded by the gold judge itself: controls, not RLHF from the annotators' pairs."""
-    return [name for name in sm["arms"] if judged(sm["results"], name)]
+    return [name for name, a in sm["arms"].items() if a["judge"]]
 
 
 def seeds_result_line(folder: Path, sm: dict | None = None) -> str:
@@ -249,7 +250,7 @@ def seeds_result_line(folder: Path, sm: dict | None = None) -> str:
         ppo = sm["arms"].get(name)
         if ppo and ppo["efficiency"]:
             parts.append(f"{name}_kl_efficiency_vs_bon={_f(ppo['efficiency'][-1]['ratio'], 3)}")
-        if name not in judge_arms(sm):
+        if not sm["arms"].get(name, {}).get("judge"):
             parts.append(f"{name}_goal={'met' if ppo and ppo['result']['raised'] else 'not_met'}")
     claimed = [f"{arm}@{h['to']}" for arm, a in sm["arms"].items() for h in a["hacking"] if h["hacking"]]
     parts.append(f"hacking={'yes:' + ','.join(claimed) if claimed else 'no'}")
@@ -351,7 +352,7 @@ def write_report(folder: Path) -> Path:
         per = "; ".join(f"s{sd}{' (still training)' if p.get('running') else ''}: {_f(p['gold'], 4, True)} ± "
                         f"{_f(p['gold_se'], 4)} ({_f(p['kl'], 2)})" for sd, p in r["per_seed"].items())
         z = r["gain_mean"] / r["gain_se_seeds"] if r["gain_se_seeds"] else None
-        name = f"{arm} (rewarded by the judge: a control)" if arm in judge_arms(sm) else arm
+        name = f"{arm} (rewarded by the judge: a control)" if a["judge"] else arm
         lines.append(f"| {name} | {r['seeds']} | {per} | {_f(r['gain_mean'], 4, True)} | {_f(r['gain_se_seeds'], 4)} | "
                      f"{_f(z, 2)} | {_f(r['kl_mean'], 2)} |")
     for name in adaptive_arms(sm):
@@ -454,7 +455,7 @@ def goal_checks(sm: dict) -> list[str]:
          ", ".join(f"n={b['n']}: {_f(b['gold'], 4, True)}" for b in sm["bon"]) or "not run")]
     for name in adaptive_arms(sm) + judge_arms(sm) or ["adaptive"]:
         eff = [e["ratio"] for e in arms.get(name, {}).get("efficiency", []) if e["ratio"] is not None]
-        what = ("(a control) raises the gold judge it is rewarded by" if name in judge_arms(sm)
+        what = ("(a control) raises the gold judge it is rewarded by" if arms.get(name, {}).get("judge")
                 else "raises its proxy")
         checks.append((f"PPO ({name}) {what} at least a third as fast per nat as best-of-n at the same KL "
                        "(last checkpoint)", bool(eff) and eff[-1] >= EFFICIENCY_GOAL,

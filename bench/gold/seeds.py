@@ -40,6 +40,7 @@ import json
 import math
 import shlex
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -363,9 +364,7 @@ def judge_reward(sd: Seed) -> str:
     """train-ppo's --reward for JUDGE_ARMS: the gold judge, normalised by its scores' mean and s.d.
     over the start policy's best-of-n samples (PPO's length and temperature, every held-out prompt)."""
     gold = [r["gold"] for r in bon_samples(sd)]
-    mean = sum(gold) / len(gold)
-    std = math.sqrt(sum((g - mean) ** 2 for g in gold) / len(gold))
-    return f"oracle:norm={mean:.6g},{std:.6g}:embedding"
+    return f"oracle:norm={statistics.fmean(gold):.6g},{statistics.pstdev(gold):.6g}:embedding"
 
 
 def run_arm(sd: Seed, name: str) -> None:
