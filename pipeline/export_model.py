@@ -21,13 +21,13 @@ Writes a standalone Hugging Face folder that plain `transformers` loads, no proj
 
 SOURCE is a checkpoint folder (a run's policy/ or checkpoint/) or a model version's name or id in
 the store (--db, default: the app's database; the CLI opens it only then, and only when no app
-owns it). The lineage comes from the run directory beside the folder, and from the store when a
-version is named (or from --lineage, a JSON file of `version_lineage`: the app's Download action
+owns it: store/lineage.py `find_version`, the one import of `store/` from a training module). The
+lineage comes from the run directory beside the folder, and from the store when a version is named
+(or from --lineage, a JSON file of store/lineage.py `version_lineage`: the app's Download action
 writes it, as a job never opens the database). With --run-dir, OUT is a job's run directory: the
 folder goes to OUT/model, a zip of it to OUT/<name>.zip, and progress to OUT/status.json.
 
-torch, transformers and peft are imported inside the export functions only: the app imports
-`version_lineage` from this module.
+torch, transformers and peft are imported inside the export functions only.
 """
 
 from __future__ import annotations
@@ -49,39 +49,6 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 
 # --------------------------------------------------------------------------- lineage
-
-
-def version_lineage(store, mv) -> dict:
-    """What the store knows of a model version: names, the data snapshot and its hash, the run,
-    evaluation figures and comparisons. Plain JSON (a job gets it as a file)."""
-    names = {v.id: v.name for v in store.list_model_versions()}
-    reward = store.get_model_version(mv.reward_version_id) if mv.reward_version_id is not None else None
-    # a reward model and a DPO policy name their data; a PPO policy's is its reward model's
-    snapshot_id = mv.snapshot_id or (reward.snapshot_id if reward else None)
-    snap = store.get_snapshot(snapshot_id) if snapshot_id is not None else None
-    run = store.get_run(mv.run_id) if mv.run_id is not None else None
-    meta = mv.meta or {}
-    return {
-        "name": mv.name, "kind": mv.kind, "created_at": mv.created_at.isoformat(), "base_model": mv.base_model,
-        "path": mv.path, "parent": names.get(mv.parent_id), "reward_model": reward.name if reward else None,
-        "snapshot": None if snap is None else {
-            "id": snap.id, "file": Path(snap.path).name, "format": snap.format, "counts": snap.counts,
-            "sha256": snap.sha256, "created_at": snap.created_at.isoformat()},
-        "run": None if run is None else {"id": run.id, "kind": run.kind, "status": run.status},
-        "eval": meta.get("eval") or {}, "final": meta.get("final") or {},
-        "comparisons": {k.split("/", 1)[1]: v for k, v in meta.items() if k.startswith("compare/")},
-        "human_evaluation": human_evaluation(store, mv.name),
-    }
-
-
-def human_evaluation(store, name: str) -> dict | None:
-    """What people's blind rankings say of version `name` (store/evaluations.py, over every
-    evaluation): the leaderboard it is on and its win rates; None if no one has compared it."""
-    results = store.evaluation_results()
-    if not any(row["version"] == name for row in results["leaderboard"]):
-        return None
-    return {"leaderboard": results["leaderboard"], "prompts": results["prompts"],
-            "win_rates": [r for r in results["win_rates"] if name in (r["a"], r["b"])]}
 
 
 def _read_json(path: Path) -> dict:
@@ -118,30 +85,6 @@ def folder_lineage(folder: Path, meta: dict) -> dict:
         "final": {k: v for k, v in last.items() if isinstance(v, (int, float)) and k != "step"},
         "reward_model": reward_dir.parent.name if reward_dir.is_absolute() else meta.get("reward_model"),
     }
-
-
-def _from_store(source: str, db: str | None) -> tuple[dict, object]:
-    """(lineage, version) of the version named (or numbered) `source` in the store at `db`."""
-    from store import Store, StoreError, default_db_path  # only here: training modules never need it
-
-    path = Path(db) if db else default_db_path()
-    if not path.is_file():
-        raise FileNotFoundError(f"{source}: not a folder, and no store at {path} to find a model version in (--db)")
-    try:
-        store = Store(path)
-    except StoreError as exc:
-        raise ValueError(f"{exc}. Export from the app's Models tab (Download), or pass the version's folder") from None
-    try:
-        mv = store.find_model_version(source)
-        if mv is None and source.isdigit():
-            mv = next((v for v in store.list_model_versions() if v.id == int(source)), None)
-        if mv is None:
-            names = ", ".join(v.name for v in store.list_model_versions()) or "none yet"
-            raise ValueError(f"{source}: not a folder, and no model version of that name or id in {path} "
-                             f"(versions: {names})")
-        return version_lineage(store, mv), mv
-    finally:
-        store.close()
 
 
 # --------------------------------------------------------------------------- exporting
@@ -230,7 +173,9 @@ def resolve(source: str, db: str | None, lineage_file: str = "") -> tuple[Path |
     lineage = json.loads(Path(lineage_file).read_text(encoding="utf-8")) if lineage_file else {}
     folder = Path(source).expanduser()
     if not folder.is_dir():
-        lineage, mv = _from_store(source, db)
+        from store.lineage import find_version  # the CLI's --db only: no job opens the database
+
+        lineage, mv = find_version(source, db)
         if mv.path is None:
             return None, {"kind": "policy", "base_model": mv.base_model}, lineage
         folder = Path(mv.path)

@@ -25,13 +25,13 @@ from annotate import evaluation_admin as ev
 from annotate import handlers
 from annotate.context import AppContext
 from pipeline.config import GenerateConfig, ModelConfig
-from pipeline.export_model import human_evaluation
 from pipeline.model_card import human_evaluation_section
 from pipeline.oracle import make_oracle
 from pipeline.orchestrate.loop import make_runner
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import LoopSettings
 from store import Store
+from store.lineage import human_evaluation
 from tests.helpers import req
 from tests.test_ppo_learned_reward import MAX_NEW, TEMPERATURE, build_learned, run_dpo
 

@@ -211,7 +211,7 @@ def test_the_models_tab_downloads_a_version_through_a_job(trained, store, tmp_pa
 
 def test_the_app_side_of_a_download_imports_no_torch():
     """The Models tab queues the export and reads the lineage in the app process, which never loads torch."""
-    code = ("import sys, annotate.model_admin, pipeline.export_model, pipeline.orchestrate.steps; "
+    code = ("import sys, annotate.model_admin, pipeline.orchestrate.steps, store.lineage; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'peft', 'tensorboard'}))")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                           text=True, timeout=300)

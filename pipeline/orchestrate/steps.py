@@ -364,7 +364,7 @@ def submit_export(store, runner, version):
     """`version` as a standalone Hugging Face folder, zipped in the run directory (the Models tab's
     Download; pipeline/export_model.py). Its lineage is read from the store now and handed to the
     job in a file: a job never opens the database."""
-    from pipeline.export_model import version_lineage
+    from store.lineage import version_lineage
 
     if version.kind not in ("policy", "reward"):
         raise ValueError(f"{version.name} is a {version.kind}: export a policy or a reward model")
