@@ -3,7 +3,7 @@
 `version_lineage(store, mv)` gathers names, the data snapshot and its hash, the run, evaluation
 figures, comparisons and people's blind rankings (`human_evaluation`). The Models tab's Download
 writes it to a file for its export-model job (a job never opens the database), and
-`find_version(db, source)` is the export-model CLI's `--db`: a version named or numbered in the
+`find_version(source, db)` is the export-model CLI's `--db`: a version named or numbered in the
 store at that path, with its lineage. pipeline/export_model.py and pipeline/model_card.py turn it
 into a Hugging Face folder and its README.md.
 """
@@ -49,7 +49,7 @@ def human_evaluation(store, name: str) -> dict | None:
             "win_rates": [r for r in results["win_rates"] if name in (r["a"], r["b"])]}
 
 
-def find_version(source: str, db: str | None):
+def find_version(source: str, db: str | None) -> tuple[dict, object]:
     """(lineage, version) of the version named (or numbered) `source` in the store at `db`
     (default: the app's database), opened only for this and closed again."""
     path = Path(db) if db else default_db_path()
