@@ -63,7 +63,8 @@ from bench.gold.bon import DEFAULT_NS  # noqa: E402
 from bench.gold.curve import CurveConfig  # noqa: E402
 from bench.gold.eval import EvalConfig  # noqa: E402
 from bench.gold.rounds import VARIANTS, reuse_shared_round, run_variant, shared_round  # noqa: E402
-from bench.gold.steps import Context, RecordingOracle, split_prompts  # noqa: E402
+from bench.gold.prompt_sets import split_prompts  # noqa: E402
+from bench.gold.steps import Context, RecordingOracle  # noqa: E402
 
 PROMPTS = ROOT / "store" / "data" / "prompts.jsonl"  # the app's bundled pool (license: store/data/LICENSE.md)
 OUT_ROOT = ROOT / "bench" / "out" / "gold_loop"
@@ -95,7 +96,8 @@ def full_experiment(threads: int = 2) -> Experiment:
     tokens = 24
     return Experiment(
         loop=LoopSettings(
-            loop=LoopConfig(rounds=2, prompts_per_round=16, rankings_per_round=0, seed=0),
+            # no reward gate: the experiment measures PPO against whatever proxy a round trains
+            loop=LoopConfig(rounds=2, prompts_per_round=16, rankings_per_round=0, seed=0, reward_gate=False),
             model=ModelConfig(model="default", device="cpu", dtype="fp32"),
             generate=GenerateConfig(k=4, max_new_tokens=tokens, temperature=0.9, batch_size=32),
             # normalisation: 64 samples of PPO's 24 tokens (16 had given stds 0.64 and 1.02 for the
@@ -123,7 +125,8 @@ def quick_experiment(model_dir: str, threads: int = 2) -> Experiment:
     tiny_reward = RewardConfig(batch_size=4, max_length=64, norm_samples=0, lr=1e-3)
     return Experiment(
         loop=LoopSettings(
-            loop=LoopConfig(rounds=2, prompts_per_round=6, rankings_per_round=0, seed=0),
+            # no reward gate: the experiment measures PPO against whatever proxy a round trains
+            loop=LoopConfig(rounds=2, prompts_per_round=6, rankings_per_round=0, seed=0, reward_gate=False),
             model=ModelConfig(model=model_dir, device="cpu", dtype="fp32", lora_r=4, lora_alpha=8),
             generate=GenerateConfig(k=3, max_new_tokens=tokens, temperature=1.0, batch_size=18),
             reward=dataclasses.replace(tiny_reward, eval_fraction=0.25),

@@ -1,7 +1,6 @@
 """Helpers of the gold-loop experiment (bench/gold/loop.py); its round steps are pipeline/orchestrate/loop.py's own
 (start_round, train_round_reward, train_round_policy, finish_round), with the same jobs and records.
 
-- split_prompts: the fixed held-out set, and the pool file that is imported through the store
 - RecordingOracle, gold_agreement: the gold judge, and how often the simulated annotators agree with it
 - Context: what every part of the experiment shares (settings, results, the held-out evaluation,
   the wall and CPU time of each part)
@@ -15,34 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import resource
 import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-# --------------------------------------------------------------------------- phase 0: prompts
-
-
-def split_prompts(path: Path, n_eval: int, seed: int, out_dir: Path) -> tuple[list[str], Path]:
-    """(held-out prompts, pool file): a seeded sample of n_eval prompts is held out; the pool file
-    holds the rest (for store.io.import_prompts)."""
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if len(rows) <= n_eval:
-        raise ValueError(f"{path}: {len(rows)} prompts, need more than the {n_eval} held out")
-    held = set(random.Random(seed).sample(range(len(rows)), n_eval))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pool = out_dir / "pool.jsonl"
-    with open(pool, "w", encoding="utf-8") as fh:
-        for i, row in enumerate(rows):
-            if i not in held:
-                fh.write(json.dumps(row) + "\n")
-    heldout = [rows[i]["prompt"] for i in sorted(held)]
-    (out_dir / "heldout.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in heldout))
-    return heldout, pool
-
 
 class RecordingOracle:
     """The gold judge, remembering every score it gave (to measure the annotators' agreement).

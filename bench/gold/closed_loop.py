@@ -1,0 +1,363 @@
+"""The round a user starts, measured as a loop: does each round of the product's defaults make the
+policy better by the gold judge, on prompts nobody tuned on?
+
+    python bench/gold/closed_loop.py --out DIR                  # SmolLM2-135M, 3 seeds x 3 rounds (hours of CPU)
+    python bench/gold/closed_loop.py --out DIR --resume         # continue a stopped run where it stopped
+    python bench/gold/closed_loop.py --out DIR --quick          # tiny random models, end to end (a minute)
+    python bench/gold/closed_loop.py --report DIR               # report.md again from results.json and raw.json
+
+Every round is `python -m pipeline loop --oracle embedding`'s round with `default_round` settings:
+`LoopSettings()` itself but for the sizes and seeds named in SIZES (a test holds it to that). Per
+seed, with its own store, annotators' noise, prompt order, round prompts, reward models and sampling:
+  0. the pool (bench/gold/prompt_sets.py: the bundled prompts minus the development and the locked
+     test prompts) shuffled by the seed and imported, so the round prompts and PPO's prompts (the
+     first `ppo_prompts` of the store) differ between seeds; the base policy evaluated
+  1. rounds 1..R as the loop runs them: K responses per prompt from the active policy (a job), the
+     simulated annotators rank every item through the store's queue (bench/gold/loop.py's gold
+     judge, Bradley-Terry noise), a reward model learns every pair so far (warm-started from the
+     last), the reward-model gate, PPO against it; a round whose reward model the gate refuses is
+     closed without a new policy, as a user who does not click "Run PPO anyway" would leave it
+  2. each round's policy evaluated on the locked test prompts (bench/gold/eval.py: `samples`
+     responses per prompt at the generation's length and temperature; gold, KL to the base)
+  3. results.json (settings, per seed and round: the reward model's held-out accuracy and gate,
+     PPO's last KL and beta, the evaluation, CPU time) and raw.json (per evaluation and prompt: mean
+     gold and KL) rewritten after every step; report.md (bench/gold/closed_report.py) from them.
+The rounds run round-major (round 1 of every seed, then round 2 ...), so a stopped run has the same
+rounds of every seed; --resume continues a seed's round from the state its store records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.gold.eval import EvalConfig  # noqa: E402
+from bench.gold.prompt_sets import LOCKED, PROMPTS, locked_prompts, split_prompts  # noqa: E402
+from bench.gold.steps import Context, RecordingOracle, cpu_seconds, write_rows  # noqa: E402
+from pipeline.config import GenerateConfig, ModelConfig, PPOConfig, RewardConfig  # noqa: E402
+from pipeline.orchestrate.steps import LoopSettings  # noqa: E402
+
+OUT_ROOT = ROOT / "bench" / "out" / "closed_loop"
+PUBLISH = ROOT / "docs" / "results" / "closed_loop"
+
+SIZES = ("loop.rounds", "loop.prompts_per_round", "loop.seed", "generate.seed", "reward.seed", "ppo.seed",
+         "dpo.seed", "policy_step")
+"""The only settings of `default_round` that differ from LoopSettings(): the simulated team's size
+(prompts ranked a round), how many rounds, the policy step, and the seeds (one per run)."""
+
+
+@dataclass
+class Sizes:
+    seeds: list[int]
+    rounds: int = 3
+    prompts_per_round: int = 320
+    """Prompts the simulated team ranks each round (K responses each)."""
+    eval_samples: int = 4
+    """Responses per locked test prompt in each evaluation."""
+    noise: float = 0.05
+    """Bradley-Terry temperature of the simulated annotators (gold-score units; bench/gold/loop.py's)."""
+    threads: int = 2
+    policy_step: str = "ppo"
+
+
+def default_round(seed: int, sizes: Sizes) -> LoopSettings:
+    """What "Run a full round" and `python -m pipeline loop` run by default, with the sizes and seeds
+    of SIZES set: nothing else."""
+    s = LoopSettings(policy_step=sizes.policy_step)
+    s.loop.rounds, s.loop.prompts_per_round, s.loop.seed = sizes.rounds, sizes.prompts_per_round, seed
+    for part in (s.generate, s.reward, s.ppo, s.dpo):
+        part.seed = seed
+    return s
+
+
+def quick_round(seed: int, sizes: Sizes, model_dir: str) -> LoopSettings:
+    """`default_round` shrunk for tiny random models (the smoke test): a tiny model, a few steps,
+    and no reward-model gate (a tiny model's reward model is at chance)."""
+    s = default_round(seed, sizes)
+    s.loop.reward_gate = False
+    s.model = dataclasses.replace(s.model, model=model_dir, lora_r=4, lora_alpha=8)
+    s.generate = dataclasses.replace(s.generate, k=3, max_new_tokens=8, batch_size=18)
+    s.reward = dataclasses.replace(s.reward, batch_size=4, max_length=64, norm_samples=0, lr=1e-3)
+    s.ppo = dataclasses.replace(s.ppo, steps=2, batch_size=4, mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
+                                lr=1e-3, max_new_tokens=8)
+    s.ppo_prompts = 8
+    return s
+
+
+def eval_config(settings: LoopSettings, sizes: Sizes, seed: int) -> EvalConfig:
+    """Each evaluation samples as the round's generation does (what annotators are shown), one seed
+    per run seed: the base and every round of a seed are sampled alike, so a gain is the policy's."""
+    g = settings.generate
+    return EvalConfig(samples=sizes.eval_samples, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                      top_p=g.top_p, top_k=g.top_k, seed=1234 + seed)
+
+
+# --------------------------------------------------------------------------- one seed
+
+
+class Seed:
+    """One seed's store, job queue, settings and results entry."""
+
+    def __init__(self, run: "ClosedLoop", seed: int):
+        from pipeline.orchestrate.loop import make_runner
+        from store import Store
+
+        self.run, self.seed, self.folder = run, seed, run.out / f"seed{seed}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.settings = run.settings_for(seed)
+        self.eval = eval_config(self.settings, run.sizes, seed)
+        self.exp = _Exp(self.settings, self.eval, run.sizes.threads)
+        self.ctx = Context(self.exp, self.folder, run.test_prompts, run.judge, run.results, run.lock, run.log)
+        self.entry = run.results["seeds"].setdefault(str(seed), {"rounds": {}})
+        self.store = Store(self.folder / "rlhf.duckdb")
+        self.runner = make_runner(self.store, self.folder / "runs", poll_s=0.5, env=self.ctx.env())
+
+    def close(self) -> None:
+        self.runner.shutdown()
+        self.store.close()
+
+    def evaluate(self, path, tag: str) -> dict:
+        metrics, rows = self.ctx.evaluate(path, {}, f"s{self.seed}_{tag}", self.eval)
+        self.run.add_raw(self.seed, tag, rows)
+        return metrics
+
+
+@dataclass
+class _Exp:
+    """What bench/gold/steps.py's Context reads of an experiment."""
+
+    loop: LoopSettings
+    eval: EvalConfig
+    threads: int
+
+
+def start(sd: Seed, pool: Path) -> None:
+    """Step 0: the pool in the seed's order, imported once; the base policy evaluated."""
+    from pipeline.orchestrate.steps import ensure_base_policy
+    from store.io import import_prompts
+
+    if not sd.store.list_prompts(limit=1):
+        rows = [json.loads(line) for line in pool.read_text(encoding="utf-8").splitlines() if line.strip()]
+        random.Random(sd.seed).shuffle(rows)
+        import_prompts(sd.store, write_rows(sd.folder / "pool.jsonl", rows))
+    ensure_base_policy(sd.store, sd.settings.model)
+    sd.entry["base"] = sd.evaluate(None, "base")
+
+
+def play_round(sd: Seed, n: int) -> None:
+    """Step 1-2 for round n (from 1): as far as the store says it has come, then to its end."""
+    from pipeline.orchestrate.loop import RoundFailed, close_round, finish_round, start_round
+    from pipeline.orchestrate.simulate import simulate_annotations
+
+    t, cpu = time.perf_counter(), cpu_seconds()
+    rounds = sd.store.list_rounds()
+    rnd = rounds[n - 1] if len(rounds) >= n else start_round(sd.store, sd.runner, sd.settings, n - 1)
+    ranked = simulate_annotations(sd.store, sd.ctx.judge, noise=sd.run.sizes.noise, seed=sd.seed * 1000 + n)
+    gate = None
+    if sd.store.get_round(rnd.id).status != "done":
+        try:
+            rnd = finish_round(sd.store, sd.runner, sd.store.get_round(rnd.id), sd.settings, anyway=True)
+        except RoundFailed:
+            rnd = sd.store.get_round(rnd.id)
+            gate = rnd.meta.get("reward_gate")
+            if not gate or gate.get("trusted"):
+                raise
+            rnd = close_round(sd.store, rnd)  # the gate refused PPO: no new policy this round
+    rnd = sd.store.get_round(rnd.id)
+    entry = {"round_id": rnd.id, "ranked": ranked, **round_record(sd, rnd), "gate": gate}
+    policy = sd.store.get_model_version(rnd.new_policy_version_id) if rnd.new_policy_version_id else None
+    if policy is not None and policy.path:
+        entry["eval"] = sd.evaluate(policy.path, f"round{n}")
+    else:  # the round made no policy: the policy of the round before stands (its evaluation)
+        entry["eval"] = sd.entry["rounds"][str(n - 1)]["eval"] if n > 1 else sd.entry["base"]
+        sd.run.add_raw(sd.seed, f"round{n}", None, same_as=f"round{n - 1}" if n > 1 else "base")
+    entry.update(wall_s=time.perf_counter() - t, cpu_s=cpu_seconds() - cpu)
+    with sd.run.lock:
+        sd.entry["rounds"][str(n)] = entry
+
+
+def round_record(sd: Seed, rnd) -> dict:
+    """What the store recorded of a round: its items, pairs so far, the reward model's held-out
+    figures and PPO's last step."""
+    out: dict = {"items": sd.store.round_rankable(rnd.id, 1)["items"], "pairs_so_far": len(sd.store.list_pairs())}
+    reward_id = rnd.reward_version_id or (rnd.meta.get("reward_gate") or {}).get("reward_version_id")
+    if reward_id:
+        ev = sd.store.get_model_version(reward_id).meta.get("eval", {})
+        out["reward"] = {k: ev.get(k) for k in ("eval/accuracy", "eval/pairs", "eval/length_baseline_accuracy",
+                                                "eval/loss", "train/pairs")}
+    ppo = [r for r in sd.store.list_runs(kind="ppo") if r.inputs.get("round_id") == rnd.id and r.status == "done"]
+    if ppo:
+        rows = [json.loads(line) for line in (Path(ppo[-1].run_dir) / "metrics.jsonl").read_text().splitlines()
+                if line.strip()]
+        last = rows[-1] if rows else {}
+        out["ppo"] = {k: last.get(k) for k in ("step", "objective/kl", "kl/beta", "objective/score", "gen/eos_rate",
+                                               "gen/length_mean")}
+    return out
+
+
+# --------------------------------------------------------------------------- the whole run
+
+
+class ClosedLoop:
+    def __init__(self, sizes: Sizes, out: Path, quick_model: str = "", log=print, resume: bool = False):
+        from pipeline.oracle import make_oracle
+
+        self.sizes, self.out, self.quick_model, self.log = sizes, Path(out), quick_model, log
+        self.lock = threading.RLock()
+        self.out.mkdir(parents=True, exist_ok=True)
+        # the development prompts are only left out of the pool here: this run never evaluates on them
+        _, self.pool = split_prompts(PROMPTS, 24, 0, self.out / "prompts")
+        self.test_prompts = locked_prompts()
+        if quick_model:
+            self.test_prompts = self.test_prompts[:4]
+        self.judge = RecordingOracle(make_oracle("embedding"))
+        self.results = {"settings": self.describe(), "seeds": {}, "timings": {}, "commit": _commit()}
+        self.raw: dict = {}
+        self.t0, self.cpu0, self.before = time.perf_counter(), cpu_seconds(), (0.0, 0.0)
+        if resume:
+            self.resume()
+
+    def settings_for(self, seed: int) -> LoopSettings:
+        if self.quick_model:
+            return quick_round(seed, self.sizes, self.quick_model)
+        return default_round(seed, self.sizes)
+
+    def describe(self) -> dict:
+        return {"sizes": dataclasses.asdict(self.sizes), "settings": self.settings_for(0).to_dict(),
+                "sizes_differ_from_defaults": list(SIZES), "test_prompts": str(LOCKED.relative_to(ROOT)),
+                "test_prompts_n": len(self.test_prompts), "quick": bool(self.quick_model),
+                "judge": "embedding (all-MiniLM-L6-v2, pipeline/oracle.py defaults)"}
+
+    def resume(self) -> None:
+        """Continue a stopped run with the same settings; rounds that finished are kept."""
+        old = json.loads((self.out / "results.json").read_text(encoding="utf-8"))
+        before, now = dict(old["settings"]), dict(self.results["settings"])
+        for d in (before, now):  # more seeds or rounds may be asked of a resumed run
+            d["sizes"] = {k: v for k, v in d["sizes"].items() if k not in ("seeds", "rounds")}
+            d["settings"]["loop"].pop("rounds", None)
+        if before != now:
+            differ = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+            raise SystemExit(f"--resume {self.out}: its settings differ from these ({', '.join(differ)})")
+        self.raw = json.loads((self.out / "raw.json").read_text(encoding="utf-8"))["evals"]
+        self.results.update(seeds=old["seeds"], timings=old.get("timings", {}), command=old.get("command", ""),
+                            resumed=old.get("resumed", []) + [{"commit": old.get("commit"), "wall_s": old.get("wall_s"),
+                                                               "cpu_s": old.get("cpu_s")}])
+        self.before = (sum(r["wall_s"] or 0 for r in self.results["resumed"]),
+                       sum(r["cpu_s"] or 0 for r in self.results["resumed"]))
+
+    def add_raw(self, seed: int, tag: str, rows: list[dict] | None, same_as: str = "") -> None:
+        """Per prompt of one evaluation: mean gold and KL over its responses, and how many (or the
+        table of `same_as`: a round without a new policy)."""
+        with self.lock:
+            evals = self.raw.setdefault(str(seed), {})
+            if rows is None:
+                evals[tag] = evals[same_as]
+                return
+            groups: dict[str, list[dict]] = {}
+            for r in rows:
+                groups.setdefault(r["prompt"], []).append(r)
+            evals[tag] = {p: {"gold": sum(r["gold"] for r in g) / len(g), "kl": sum(r["kl"] for r in g) / len(g),
+                              "n": len(g)} for p, g in groups.items()}
+
+    def save(self) -> None:
+        with self.lock:
+            self.results["wall_s"] = self.before[0] + time.perf_counter() - self.t0
+            self.results["cpu_s"] = self.before[1] + cpu_seconds() - self.cpu0
+            (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
+            (self.out / "raw.json").write_text(json.dumps({"prompts": self.test_prompts, "evals": self.raw}, indent=0))
+
+    def run(self) -> dict:
+        import torch
+
+        torch.set_num_threads(self.sizes.threads)
+        seeds = [Seed(self, s) for s in self.sizes.seeds]
+        try:
+            for sd in seeds:
+                if "base" not in sd.entry:
+                    start(sd, self.pool)
+                    self.save()
+            for n in range(1, self.sizes.rounds + 1):
+                for sd in seeds:
+                    if str(n) not in sd.entry["rounds"]:
+                        self.log(f"seed {sd.seed}, round {n}")
+                        play_round(sd, n)
+                        self.save()
+        finally:
+            for sd in seeds:
+                sd.close()
+        self.save()
+        return self.results
+
+
+def _commit() -> str:
+    from bench.gold.seeds import _commit as commit
+
+    return commit()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--out", default="", help="results directory (default: bench/out/closed_loop/<time>)")
+    add("--seeds", type=lambda t: [int(x) for x in t.split(",") if x.strip()], default=[0, 1, 2], help="e.g. 0,1,2")
+    add("--rounds", type=int, default=3)
+    add("--prompts-per-round", type=int, default=320, help="the simulated team's size: prompts ranked a round")
+    add("--eval-samples", type=int, default=4, help="responses per locked test prompt")
+    add("--policy-step", choices=("ppo", "dpo"), default="ppo")
+    add("--threads", type=int, default=2, help="torch threads here and in every job")
+    add("--quick", action="store_true", help="tiny random models")
+    add("--resume", action="store_true", help="continue the stopped run in --out (the same options)")
+    add("--report", default="", help="only rebuild report.md of this results directory")
+    add("--publish", default=None, help="copy report and raw data here (default: docs/results/closed_loop for a "
+                                        "full run, nowhere for --quick; 'none': nowhere)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.gold.closed_report import publish, result_line, write_report
+
+    args = build_parser().parse_args(argv)
+    if args.report:
+        print(write_report(Path(args.report)))
+        print(result_line(Path(args.report)))
+        return 0
+    if args.resume and not (Path(args.out) / "results.json").is_file():
+        raise SystemExit("--resume: give the stopped run's folder as --out (it has no results.json)")
+    out = Path(args.out or OUT_ROOT / time.strftime("%Y%m%d-%H%M%S"))
+    sizes = Sizes(seeds=args.seeds, rounds=args.rounds, prompts_per_round=args.prompts_per_round,
+                  eval_samples=args.eval_samples, threads=args.threads, policy_step=args.policy_step)
+    quick_model = ""
+    if args.quick:
+        from tests.tiny import save_tiny_model_dir
+
+        quick_model = str(save_tiny_model_dir(out / "tiny_model"))
+    run = ClosedLoop(sizes, out, quick_model, resume=args.resume)
+    command = "python bench/gold/closed_loop.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    run.results["command"] = run.results.get("command", "") + (" then " if args.resume else "") + command
+    run.run()
+    print(f"report: {write_report(out)}")
+    target = args.publish if args.publish is not None else ("" if args.quick else str(PUBLISH))
+    if target and target != "none":
+        for path in publish(out, Path(target)):
+            print(f"published: {path}")
+    print(result_line(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
