@@ -25,6 +25,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.config import GenerateConfig
     from store import default_db_path
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="responses per prompt (default: %(default)s)")
     p.add_argument("--first-batch", type=int, default=16, metavar="N",
                    help="prompts to generate for on a first start, 0 = none (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=64,
+    p.add_argument("--max-new-tokens", type=int, default=GenerateConfig.max_new_tokens,
                    help="response length limit for generation (default: %(default)s)")
     p.add_argument("--no-generate", action="store_true",
                    help="no first batch on a first start: rank what is in the store")

@@ -14,6 +14,12 @@ monitor (annotate/monitor.py) follows one run: progress, plots, log tail, and Ca
 "Run a full round" on a round with fewer rankings than its threshold does not train: it returns
 the confirmation ("Round N has R of M items ranked (threshold T): finish anyway?") for the tab to
 show; Confirm sends the same form again with `confirmed`.
+
+The reward gate (pipeline/orchestrate/gate.py) stops a round before PPO when its new reward model
+is no better than chance on held-out pairs; the round's jobs decide that after the click, so the
+monitor's poll shows it: the gate's message with the figures, and "Run PPO anyway", which runs
+the round's PPO against that reward model without training another (`run_ppo_anyway`). Before a
+round, the same line says how much data a useful reward model needed, beside the store's pairs.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import gradio as gr
 from annotate import monitor
 from annotate.context import AppContext, admin
 from pipeline.config import default_ppo_lr, with_ppo_lrs
-from pipeline.orchestrate import estimate, loop
+from pipeline.orchestrate import estimate, gate, loop
 from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, ensure_base_policy, latest_reward, submit_ppo,
                                         submit_reward)
 
@@ -253,7 +259,9 @@ def run_full_round(ctx: AppContext, lora: bool, processes, epochs, rm_lr, rm_bat
         return gr.update(), gr.update(), gr.update(), gr.update(visible=True), f"**{exc}**"
     except loop.RoundFailed as exc:
         raise gr.Error(str(exc)) from None
-    how = "DPO on its pairs, no reward model" if settings.policy_step == "dpo" else "reward model, then PPO"
+    how = ("DPO on its pairs, no reward model" if settings.policy_step == "dpo" else
+           "reward model, then PPO if the reward model beats chance" if settings.loop.reward_gate else
+           "reward model, then PPO")
     what = (f"Training on round {rnd.id} ({how}), then starting the next round."
             if rnd.status != "generating" else f"Started round {rnd.id}: generating responses with the active policy.")
     return *_queued(ctx, what), gr.update(visible=False), ""
@@ -286,6 +294,47 @@ def start_next_round(ctx: AppContext, prompts_per_round, k, strategy, request: g
     return _queued(ctx, f"{closed}Started round {new.id}: generating responses with the active policy.")
 
 
+def run_ppo_anyway(ctx: AppContext, request: gr.Request):
+    """The round the reward gate stopped: PPO against the reward model it stopped at (no new reward
+    model), with the settings the round was trained with, then the next round if the round was to
+    start one. Returns (message, run choice, timer, reward-gate line, "Run PPO anyway" button)."""
+    admin(ctx, request)
+    jobs = _jobs(ctx)
+    _no_round_in_flight(ctx)
+    rnd = loop.current_round(ctx.store)
+    verdict = loop.gated(rnd) if rnd is not None else None
+    if verdict is None:
+        raise gr.Error("No round is waiting on the reward gate: nothing to run PPO for.")
+    reward = ctx.store.get_model_version(verdict["reward_version_id"])
+    settings = LoopSettings.from_dict(rnd.meta.get("settings") or {})
+    then = bool((rnd.meta.get("plan") or {}).get("next_round"))
+    try:
+        loop.train_round_policy(ctx.store, jobs, rnd, reward, settings, next_round=then, wait=False)
+    except loop.RoundFailed as exc:
+        raise gr.Error(str(exc)) from None
+    figures = (f"held-out accuracy {verdict['accuracy']:.2f} [{verdict['lo']:.2f}, {verdict['hi']:.2f}]"
+               if verdict["accuracy"] is not None else "no held-out accuracy")
+    what = f"PPO in round {rnd.id} against {reward.name} ({figures}), as asked{', then the next round' if then else ''}."
+    return (*_queued(ctx, what), *reward_gate_line(ctx, settings_of(ctx)))
+
+
+def reward_gate_line(ctx: AppContext, settings: LoopSettings):
+    """(Markdown, "Run PPO anyway" button update): a round the reward gate stopped, with the
+    gate's message and the button; else what a useful reward model needed, beside this store's
+    pairs so far, the button hidden."""
+    rnd = loop.current_round(ctx.store)
+    verdict = loop.gated(rnd) if rnd is not None else None
+    if verdict is not None:
+        return (f"**PPO did not run in round {rnd.id}.** {verdict['message']}",
+                gr.update(visible=True, interactive=ctx.jobs is not None))
+    pairs = ctx.store.counts()["pairs"]
+    rule = ("PPO runs in a round only against a reward model whose held-out accuracy beats chance "
+            f"(95% interval above {gate.CHANCE:g})" if settings.loop.reward_gate else
+            "The reward gate is off: PPO runs against whatever reward model a round trains")
+    return (f"**Reward model data:** {pairs:,} preference pairs so far. {rule}; for reference, {gate.reference()}.",
+            gr.update(visible=False))
+
+
 def _no_round_in_flight(ctx: AppContext) -> None:
     busy = [r for r in ctx.store.list_rounds() if r.status in loop.IN_FLIGHT]
     if busy:
@@ -308,16 +357,18 @@ def reward_picker(ctx: AppContext, value: str | None):
 
 def poll(ctx: AppContext, choice: str | None, reward_value: str | None, request: gr.Request):
     """Everything the monitor shows for the chosen run: (progress bar, one update per plot,
-    latest values, log tail, round status, run picker, reward picker, timer). The timer keeps
-    ticking only while a job is queued or running."""
+    latest values, log tail, round status, reward-gate line, "Run PPO anyway" button, run picker,
+    reward picker, timer). The timer keeps ticking only while a job is queued or running."""
     admin(ctx, request)
     run = monitor.resolve_run(ctx, choice)
     metrics = ctx.store.metrics(run.id) if run is not None else []
     frames = monitor.metric_frames(metrics)
     plots = [gr.update(value=df, visible=len(df) > 0) for df in frames.values()]
     in_flight = ctx.jobs is not None and ctx.jobs.busy()
+    settings = settings_of(ctx)
     return (monitor.job_bar(run), *plots, monitor.latest_values(metrics), monitor.log_tail(run),
-            monitor.round_status(ctx, settings_of(ctx)), monitor.run_picker(ctx, choice), reward_picker(ctx, reward_value),
+            monitor.round_status(ctx, settings), *reward_gate_line(ctx, settings), monitor.run_picker(ctx, choice),
+            reward_picker(ctx, reward_value),
             gr.update(active=in_flight))
 
 

@@ -50,7 +50,8 @@ def train_tab(ctx: AppContext) -> dict:
 
     started = [msg, mon.run_pick, mon.timer]
     poll_in = [mon.run_pick, ppo.reward]
-    poll_out = [mon.bar, *mon.plots, mon.latest, mon.log, rnd.round_md, mon.run_pick, ppo.reward, mon.timer]
+    poll_out = [mon.bar, *mon.plots, mon.latest, mon.log, rnd.round_md, rnd.gate_md, rnd.anyway, mon.run_pick,
+                ppo.reward, mon.timer]
     poll = dict(fn=bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
     rm.button.click(bind(t.train_reward, ctx), [lora, processes, rm.epochs, rm.lr, rm.batch, rm.warm], started,
                     api_name="train_reward", **HIDDEN).success(**poll)
@@ -64,6 +65,8 @@ def train_tab(ctx: AppContext) -> dict:
     rnd.confirm.click(bind(t.run_full_round, ctx), [*round_in, gr.State(True)], round_out,
                       api_name="run_round_confirmed", **HIDDEN).success(**poll)
     rnd.keep.click(bind(t.keep_round_open, ctx), None, [msg, rnd.confirm_row], **QUIET)
+    rnd.anyway.click(bind(t.run_ppo_anyway, ctx), None, [*started, rnd.gate_md, rnd.anyway], api_name="run_ppo_anyway",
+                     **HIDDEN).success(**poll)
     # LoRA on/off swaps the PPO learning rates between the two modes' defaults; any setting of a
     # round re-estimates its duration (and so does opening the tab: finished jobs change the figures)
     lora.input(bind(t.lora_lrs, ctx), [lora, ppo.lr, ppo.critic_lr], [ppo.lr, ppo.critic_lr], **QUIET)
@@ -148,9 +151,12 @@ def _round_panel(s, enabled: bool) -> SimpleNamespace:
             keep = gr.Button("Cancel", size="sm", elem_id="rl-round-confirm-no")
     next_btn = gr.Button("Start the next round (no training)", elem_id="rl-next-round", interactive=enabled)
     round_md = gr.Markdown(elem_id="rl-round")
+    # what a useful reward model needs; after the reward gate stopped a round, its verdict and the way on
+    gate_md = gr.Markdown(elem_id="rl-reward-gate")
+    anyway = gr.Button("Run PPO anyway", variant="stop", size="sm", visible=False, elem_id="rl-ppo-anyway")
     return SimpleNamespace(policy_step=policy_step, settings=[per_round, k, strategy], eta=eta, button=button,
                            confirm_row=confirm_row, confirm_md=confirm_md, confirm=confirm, keep=keep,
-                           next=next_btn, round_md=round_md)
+                           next=next_btn, round_md=round_md, gate_md=gate_md, anyway=anyway)
 
 
 def _monitor(enabled: bool) -> SimpleNamespace:

@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.run_all import traceback_tail, write_json  # noqa: E402
 from pipeline.config import ModelConfig, RewardConfig  # noqa: E402
+from pipeline.orchestrate.gate import wilson  # noqa: E402
 from pipeline.reward_data import collate, encode_pairs, read_pairs, split_by_prompt  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "hh_dev_pairs.jsonl"  # provenance: tests/data/README.md
@@ -184,17 +185,6 @@ def padded_tokens(spec: dict) -> tuple[int, float]:
         random_total += sum(2 * len(order[k:k + bs]) * max(lengths[i] for i in order[k:k + bs])
                             for k in range(0, len(order), bs))
     return ours, random_total / 20
-
-
-def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion correct/n (Wilson 1927): honest at small n,
-    where the normal approximation runs outside [0, 1]."""
-    if n == 0:
-        return float("nan"), float("nan")
-    p = correct / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
-    return centre - half, centre + half
 
 
 def median_result(results: list[dict]) -> dict:

@@ -168,8 +168,10 @@ class PPOConfig:
     head to 0, so its first values are the normalised rewards' mean at every token (the backbone is
     still the reward model's) and its first advantages are the returns themselves (a baseline of 0,
     not an error the size of the reward model's misreading of prefixes)."""
-    max_new_tokens: int = 48
-    """Response length limit during rollout."""
+    max_new_tokens: int = 0
+    """Response length limit during rollout; 0 = the generation's (GenerateConfig.max_new_tokens, a
+    round's own): PPO then samples at the length of the responses annotators ranked, the length its
+    reward model learned to score (`with_rollout_length`)."""
     temperature: float = 0.7
     """Rollout sampling temperature. PPO samples the whole distribution of logits / temperature (no
     top-p or top-k): its ratio, KL and entropy are computed on that distribution, and a truncated
@@ -255,6 +257,14 @@ def with_ppo_lrs(ppo: "PPOConfig", policy_lora: bool, critic_lora: bool | None =
                                critic_lr=ppo.critic_lr or default_ppo_lr(critic_lora, critic=True))
 
 
+def with_rollout_length(ppo: "PPOConfig", generate: "GenerateConfig | None" = None) -> "PPOConfig":
+    """`ppo` with a max_new_tokens of 0 (the default) set to the generation's length (`generate`, or
+    GenerateConfig's default); a length the user gave is kept."""
+    if ppo.max_new_tokens:
+        return ppo
+    return dataclasses.replace(ppo, max_new_tokens=(generate or GenerateConfig()).max_new_tokens)
+
+
 @dataclass
 class LoopConfig:
     rounds: int = 1
@@ -276,6 +286,11 @@ class LoopConfig:
     """Weight each pair of the round's snapshot by its annotator's quality (2q - 1, see
     store/export.py): the reward model and a DPO policy step train on the weights
     (RewardConfig.use_weights, DPOConfig.use_weights)."""
+    reward_gate: bool = True
+    """Run a round's PPO only against a reward model that beats chance: the Wilson interval (95
+    percent) of its held-out pairwise accuracy must lie above 0.5 (pipeline/orchestrate/gate.py).
+    Otherwise the round stops before PPO and says why. False = run PPO against whatever reward
+    model the round trained."""
 
 
 @dataclass
@@ -392,6 +407,7 @@ __all__ = [
     "DPOConfig",
     "default_ppo_lr",
     "with_ppo_lrs",
+    "with_rollout_length",
     "add_arguments",
     "from_args",
     "to_dict",

@@ -50,6 +50,7 @@ def _batches(order: list[int], need: dict[int, int], batch_size: int):
         yield batch
 
 
+@torch.no_grad()
 def generate_responses(policy, tokenizer, prompts: list, k: int, cfg: GenerateConfig,
                        on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
     """K sampled responses per prompt, in prompt order. on_progress(done, total) after each batch."""

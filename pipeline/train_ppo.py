@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args
+from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, with_rollout_length
 from pipeline.distributed import setup
 from pipeline.losses import masked_mean, masked_var
 from pipeline.ppo_state import CHECKPOINT, check_config, save_checkpoint, set_up
@@ -72,6 +72,7 @@ from pipeline.tracking import add_report_to
 def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out_dir: str | os.PathLike,
           policy: str = "", critic_init: str = "", resume: bool = False) -> dict:
     """Run PPO; returns the last step's metrics. See the module docstring for the phases."""
+    cfg = with_rollout_length(cfg)  # standalone, a length of 0 is the generation's default
     dist = setup(model_cfg.device)
     check_config(cfg, dist.world)
     if dist.sharded and model_cfg.lora:

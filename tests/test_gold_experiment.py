@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.gold.eval import distinct_n
-from bench.gold.steps import split_prompts
+from bench.gold.prompt_sets import split_prompts
 from bench.gold.verdict import gold_result_line
 from bench.run_all import build_table, last_result, parse_result_line
 
@@ -40,6 +40,19 @@ def test_held_out_prompts_are_fixed_and_never_in_the_pool(tmp_path):
     assert len(pool_prompts) == 42 and not set(heldout) & set(pool_prompts)
     with pytest.raises(ValueError, match="need more than"):
         split_prompts(src, 50, seed=0, out_dir=tmp_path / "c")
+
+
+def test_the_locked_test_set_is_the_hash_choice_and_in_no_pool(tmp_path):
+    """The committed locked prompts are exactly the hash's choice from the bundled pool (so nobody
+    picked them), disjoint from the development prompts, and never in a pool a run imports."""
+    from bench.gold.prompt_sets import PROMPTS, choose_locked, locked_prompts, read_rows
+
+    locked = locked_prompts()
+    assert locked == [r["prompt"] for r in choose_locked(read_rows(PROMPTS))] and len(locked) == 64
+    dev, pool = split_prompts(PROMPTS, 24, seed=0, out_dir=tmp_path)
+    pool_prompts = {json.loads(line)["prompt"] for line in pool.read_text(encoding="utf-8").splitlines()}
+    assert not set(locked) & set(dev) and not set(locked) & pool_prompts
+    assert len(pool_prompts) == len(read_rows(PROMPTS)) - 24 - 64
 
 
 # --------------------------------------------------------------------------- run_all's table
@@ -130,7 +143,7 @@ def test_quick_gold_loop_runs_every_phase_and_writes_report_and_plots(tmp_path, 
 
     results = json.loads((out / "results.json").read_text())
     assert set(results["variants"]) == {"adaptive", "beta0", "control", "dpo"} and results["mode"] == "quick"
-    assert results["import"]["added"] == 2205 - 4  # the bundled pool, less the 4 held-out prompts
+    assert results["import"]["added"] == 2205 - 4 - 64  # the bundled pool, less 4 held out and the locked test set
     judge = make_oracle("embedding")  # a second judge, to recompute what the run reports
 
     # every evaluation: 4 held-out prompts x 2 samples, and the reported means are the means of
@@ -741,3 +754,54 @@ def test_resume_may_change_what_only_the_arms_read_until_an_arm_has_run(tmp_path
     write()
     with pytest.raises(SystemExit, match="checkpoints, ppo"):
         SeedsRun(changed, out, resume=True)
+
+
+# --------------------------------------------------------------------------- the default round
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_the_closed_loop_experiment_runs_exactly_the_default_round():
+    """bench/gold/closed_loop.py's rounds are what "Run a full round" and `python -m pipeline loop`
+    run: LoopSettings() field by field, apart from the declared sizes and seeds."""
+    from bench.gold.closed_loop import SIZES, Sizes, default_round
+    from pipeline.orchestrate.steps import LoopSettings
+
+    sizes = Sizes(seeds=[7], rounds=5, prompts_per_round=123, policy_step="dpo")
+    ours, theirs = _flat(default_round(7, sizes).to_dict()), _flat(LoopSettings().to_dict())
+    assert ours.keys() == theirs.keys()
+    differ = {k for k in ours if ours[k] != theirs[k]}
+    assert differ == set(SIZES), differ  # every size differs here, and nothing else
+    assert ours["loop.seed"] == ours["ppo.seed"] == ours["reward.seed"] == 7
+
+
+@pytest.mark.slow
+def test_quick_closed_loop_runs_default_rounds_and_resumes(tmp_path):
+    """bench/gold/closed_loop.py end to end on tiny models: the base and each round evaluated on the
+    locked test prompts, a stopped run resumed to one more round without redoing the first."""
+    _require_embedding_judge()
+    from bench.gold.closed_loop import main
+    from bench.gold.closed_report import result_line
+    from bench.gold.prompt_sets import locked_prompts
+
+    out = tmp_path / "closed"
+    common = ["--quick", "--seeds", "0", "--prompts-per-round", "4", "--eval-samples", "2", "--threads", "1",
+              "--out", str(out)]
+    assert main(common + ["--rounds", "1"]) == 0
+    first = json.loads((out / "results.json").read_text())["seeds"]["0"]["rounds"]["1"]
+    assert first["ranked"] == 4 and first["pairs_so_far"] == 4 * 3 and first["eval"]["eval/responses"] == 4 * 2
+    assert main(common + ["--rounds", "2", "--resume"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    raw = json.loads((out / "raw.json").read_text())
+    rounds = results["seeds"]["0"]["rounds"]
+    assert rounds["1"] == first and rounds["2"]["pairs_so_far"] == 2 * 4 * 3  # every pair so far
+    assert rounds["2"]["round_id"] == 2 and rounds["2"]["ppo"]["step"] == 2 and results["resumed"]
+    assert set(raw["evals"]["0"]) == {"base", "round1", "round2"}
+    assert set(raw["evals"]["0"]["base"]) == set(locked_prompts()[:4]) == set(raw["prompts"])
+    line = result_line(out)
+    assert line.startswith("RESULT gold_loop rounds=2 seeds=1 ") and "r2_gain_mean=" in line

@@ -17,6 +17,7 @@ from pipeline.oracle import make_oracle
 from pipeline.orchestrate.loop import (RoundFailed, finish_round, make_runner, recover_rounds, start_round,
                                        wait_round)
 from pipeline.orchestrate.simulate import simulate_annotations
+from pipeline.orchestrate.steps import round_ppo
 from store import Store
 from tests.helpers import alive, tiny_settings, wait_for
 from tests.tiny import CORPUS
@@ -46,6 +47,7 @@ def test_a_round_trains_a_policy_whose_responses_feed_the_next_round(store, tiny
     add_prompts(store)
     runner = make_runner(store, tmp_path / "runs", poll_s=0.2)
     settings = tiny_settings(tiny_model_dir)
+    settings.loop.reward_gate = False  # a tiny random reward model is at chance; this test follows the lineage
 
     rnd = start_round(store, runner, settings)
     assert rnd.status == "annotating"
@@ -66,7 +68,7 @@ def test_a_round_trains_a_policy_whose_responses_feed_the_next_round(store, tiny
     assert reward.meta["data_sha256"] == store.get_snapshot(done.snapshot_id).sha256
     # its normalisation samples are drawn as the round's PPO draws its rollouts
     rm_cfg = store.get_run(reward.run_id).config["reward"]
-    assert (rm_cfg["norm_max_new_tokens"], rm_cfg["norm_temperature"]) == (settings.ppo.max_new_tokens,
+    assert (rm_cfg["norm_max_new_tokens"], rm_cfg["norm_temperature"]) == (round_ppo(settings).max_new_tokens,
                                                                            settings.ppo.temperature)
 
     # the next round picks, of 2N candidates, the N prompts the new reward model separates least
@@ -85,6 +87,7 @@ def test_a_failed_step_leaves_the_round_open_with_the_reason_and_a_retry_works(s
     add_prompts(store)
     runner = make_runner(store, tmp_path / "runs", poll_s=0.2)
     settings = tiny_settings(tiny_model_dir)
+    settings.loop.reward_gate = False  # a tiny random reward model is at chance; this test is about a failed job
     rnd = start_round(store, runner, settings)
     simulate_annotations(store, make_oracle("rule:length"))
     rankings = store.counts()["rankings"]

@@ -95,7 +95,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     (snapshot,) = store.list_snapshots()
     assert reward.run_id == run.id and reward.snapshot_id == snapshot.id and snapshot.format == "parquet"
     assert snapshot.counts["pairs"] == len(store.list_pairs()) > 0  # every pair so far (ties give none)
-    bar, *plots, latest, log, round_md, _, reward_pick, timer = train.poll(ctx, monitor.LATEST, None, boss)
+    bar, *plots, latest, log, round_md, _, _, _, reward_pick, timer = train.poll(ctx, monitor.LATEST, None, boss)
     assert 'data-status="done"' in bar and "width:100.0%" in bar
     losses = plots[list(monitor.PLOTS).index("Losses")]
     assert losses["visible"] and "train/loss" in set(losses["value"]["metric"])
@@ -110,7 +110,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert run.status == "done", run.error
     policy = store.get_model_version(run.outputs["model_version_id"])
     assert store.active_policy().id == policy.id
-    _, *plots, _, _, _, _, _, _ = train.poll(ctx, str(run.id), None, boss)
+    _, *plots, _, _, _, _, _, _, _, _ = train.poll(ctx, str(run.id), None, boss)
     by_title = dict(zip(monitor.PLOTS, plots))
     assert by_title["KL to the reference (nats)"]["visible"] and by_title["β (KL coefficient)"]["visible"]
 
@@ -148,6 +148,8 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert (recorded["win_rate"], recorded["run_id"]) == (result["win_rate"], run.id)
 
     # 8. "Run a full round" on round 2: reward model -> PPO -> round 2 done -> round 3 generated, by itself
+    # (the reward gate off: a tiny random reward model is at chance, and this test follows the loop)
+    ctx.train_settings.loop.reward_gate = False
     simulate_annotations(store, make_oracle("rule:length"))
     train.run_full_round(ctx, **FULL_ROUND_FORM, request=boss)
     ctx.jobs.wait_idle(timeout=300)
@@ -181,7 +183,7 @@ def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
     calls = [
         (train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": "reward-v1", **PPO_FORM}),
         (train.run_full_round, FULL_ROUND_FORM), (train.run_full_round, {**FULL_ROUND_FORM, "confirmed": True}),
-        (train.keep_round_open, {}), (train.start_next_round, ROUND_FORM),
+        (train.keep_round_open, {}), (train.start_next_round, ROUND_FORM), (train.run_ppo_anyway, {}),
         (train.cancel, {"choice": monitor.LATEST}), (train.poll, {"choice": monitor.LATEST, "reward_value": None}),
         (model_admin.models_table, {}), (model_admin.open_tab, {}), (model_admin.version_choices, {}),
         (model_admin.version_details, {"name": "seed-policy"}), (model_admin.set_active, {"name": "other-policy"}),
@@ -205,7 +207,7 @@ def test_without_a_job_runner_the_buttons_explain_why_and_store_nothing(store, t
     seed_items(store, 2, 3)
     calls = [(train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": None, **PPO_FORM}),
              (train.run_full_round, FULL_ROUND_FORM), (train.start_next_round, ROUND_FORM),
-             (train.cancel, {"choice": monitor.LATEST})]
+             (train.run_ppo_anyway, {}), (train.cancel, {"choice": monitor.LATEST})]
     for fn, kwargs in calls:
         with pytest.raises(gr.Error, match="without a job runner"):
             fn(ctx, **kwargs, request=req("boss"))
@@ -260,7 +262,7 @@ def test_the_monitor_shows_a_runs_progress_metrics_and_log(ctx, tmp_path):
     (run_dir / "log.txt").write_text("loading\nstep 3/10\rstep 4/10\n")
     store.add_metrics(run.id, [(1, "objective/kl", 0.1), (2, "objective/kl", 0.2), (1, "kl/beta", 0.05),
                                (2, "policy/loss", None), (2, "time/rollout", 1.5)])
-    bar, *plots, latest, log, round_md, pick, reward, timer = train.poll(ctx, monitor.LATEST, None, req("boss"))
+    bar, *plots, latest, log, round_md, _, _, pick, reward, timer = train.poll(ctx, monitor.LATEST, None, req("boss"))
     assert 'data-status="running"' in bar and "3/10" in bar and "width:30.0%" in bar and "training" in bar
     by_title = dict(zip(monitor.PLOTS, plots))
     assert list(by_title["KL to the reference (nats)"]["value"]["value"]) == [0.1, 0.2]

@@ -46,14 +46,14 @@ def snapshot_file(store, reward) -> str:
 def train_shuffled_reward(ctx, store, runner, reward1, settings) -> tuple[object, dict]:
     """Reward model 1's recipe on its pairs with shuffled labels: (the new reward version, a summary)."""
     from pipeline.config import to_cli_args
-    from pipeline.orchestrate.steps import ensure_base_policy, model_args, normalised_as_ppo
+    from pipeline.orchestrate.steps import ensure_base_policy, model_args, normalised_as_ppo, round_ppo
     from store.export import load_pairs_snapshot
 
     rows = load_pairs_snapshot(snapshot_file(store, reward1))
     shuffled, swapped = shuffle_labels(rows, ctx.exp.seed)
     data = write_rows(ctx.out / "control" / "shuffled_pairs.jsonl", [_plain(r) for r in shuffled])
     base = ensure_base_policy(store, settings.model)
-    args = ["--data", str(data), *to_cli_args(normalised_as_ppo(settings.reward, settings.ppo)),
+    args = ["--data", str(data), *to_cli_args(normalised_as_ppo(settings.reward, round_ppo(settings))),
             *model_args(settings.model, base.base_model)]
     run = run_job(store, runner, "train-reward", args, config={"label": "control reward model (shuffled labels)"},
                   inputs={"snapshot_id": None, "parent_version_id": None})

@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gold.loop import PROMPTS, Experiment, _sizes, full_experiment, quick_experiment  # noqa: E402
 from bench.gold.rounds import ADAPTIVE  # noqa: E402
-from bench.gold.steps import Context, RecordingOracle, cpu_seconds, run_job, split_prompts, write_rows  # noqa: E402
+from bench.gold.prompt_sets import split_prompts  # noqa: E402
+from bench.gold.steps import Context, RecordingOracle, cpu_seconds, run_job, write_rows  # noqa: E402
 
 OUT_ROOT = ROOT / "bench" / "out" / "gold_seeds"
 PUBLISH = ROOT / "docs" / "results" / "gold_seeds"
@@ -286,15 +287,15 @@ def round1(sd: Seed, pool: Path) -> None:
 
 def train_proxy(sd: Seed, train: Path, heldout: Path) -> dict:
     """One epoch a job, each warm-started from the last, until the held-out loss stops improving."""
-    from bench.reward_bench import wilson
+    from pipeline.orchestrate.gate import wilson
     from pipeline.config import to_cli_args
-    from pipeline.orchestrate.steps import ensure_base_policy, model_args, normalised_as_ppo
+    from pipeline.orchestrate.steps import ensure_base_policy, model_args, normalised_as_ppo, round_ppo
 
     cfg, settings = sd.run.cfg, sd.exp.loop
     base = ensure_base_policy(sd.store, settings.model)
     epochs, best, previous = [], None, None
     for epoch in range(1, cfg.max_epochs + 1):
-        rcfg = dataclasses.replace(normalised_as_ppo(settings.reward, settings.ppo), epochs=1, max_steps=0,
+        rcfg = dataclasses.replace(normalised_as_ppo(settings.reward, round_ppo(settings)), epochs=1, max_steps=0,
                                    seed=sd.seed * 1000 + epoch, eval_data=str(heldout))
         args = ["--data", str(train), *to_cli_args(rcfg), *model_args(settings.model, base.base_model)]
         if previous:

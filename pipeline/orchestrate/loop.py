@@ -4,7 +4,9 @@
     (a generate     (people, or a   (a train-reward job,      (the new policy is active; with
      job with the    simulated       then a ppo job against    `next_round`, round n+1 starts
      active policy)  annotator)      the new reward model;     generating at once)
-                                     or one train-dpo job)
+                         ▲           or one train-dpo job)
+                         └──── back from training when the reward gate finds the new reward model
+                               no better than chance: PPO does not run (see below)
 
 The policy step (LoopSettings.policy_step) is PPO or DPO. Both train on the same data: a snapshot
 of every pair so far (steps.pairs_snapshot). With PPO a reward model learns the snapshot and PPO
@@ -33,8 +35,17 @@ One failure rule: a step that fails, is cancelled or is interrupted puts its rou
 'annotating', with `meta.last_error` saying which step, which run and why. The round keeps its
 items and rankings, and the same action (train again, or start the next round) retries it.
 
+The reward gate (LoopConfig.reward_gate, pipeline/orchestrate/gate.py): after the reward step, PPO
+runs only if the reward model's held-out accuracy is above chance (95% Wilson interval). If not,
+the round goes back to 'annotating' as a failed step does, its `meta.reward_gate` holding the
+verdict (figures, reward version, advice) and `meta.last_error` its message, and `wait_round`
+raises UntrustedReward. Rank more and train again, or `train_round_policy` against the gated
+reward model (the Train tab's "Run PPO anyway"). `gated(rnd)` is the verdict while the round
+stands stopped by the gate; the round's next step clears it.
+
     python -m pipeline loop --rounds 2 --oracle embedding     # headless, simulated annotators
     python -m pipeline loop --policy-step dpo --dpo-beta 0.1 --oracle embedding
+    python -m pipeline loop --oracle embedding --reward-gate false  # PPO whatever the reward model
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from pathlib import Path
 
 from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig,
                              add_arguments, from_args)
+from pipeline.orchestrate import gate
 from pipeline.orchestrate.jobs import JobRunner
 from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, check_policy_step, ensure_base_policy,
                                         select_prompts, submit_dpo, submit_generate, submit_ppo, submit_reward)
@@ -55,6 +67,16 @@ IN_FLIGHT = ("generating", "training")
 
 class RoundFailed(RuntimeError):
     pass
+
+
+class UntrustedReward(RoundFailed):
+    """The reward gate stopped the round before PPO; `verdict` is the round's meta["reward_gate"]
+    (gate.Verdict.to_dict()), `round_id` the round, which is 'annotating' again."""
+
+    def __init__(self, rnd):
+        super().__init__(f"round {rnd.id}: {rnd.meta['reward_gate']['message']}")
+        self.round_id = rnd.id
+        self.verdict = rnd.meta["reward_gate"]
 
 
 @dataclass(frozen=True)
@@ -153,7 +175,8 @@ def finish_round(store, runner, rnd, settings: LoopSettings, *, next_round: bool
     """Train on the round: a snapshot of every pair so far -> reward model -> PPO from the round's
     policy, or DPO on the snapshot from the round's policy -> the new active policy; with
     `next_round`, then start the next round. A round with fewer rankings than its threshold
-    (`coverage`) raises UnderRanked, untouched, unless `anyway`."""
+    (`coverage`) raises UnderRanked, untouched, unless `anyway`. PPO waits on the reward gate
+    (settings.loop.reward_gate): with `wait`, a stop raises UntrustedReward."""
     step = check_policy_step(settings.policy_step)
     have = coverage(store, rnd, settings)
     if rnd.status == "annotating" and not have.enough and not anyway:
@@ -181,7 +204,9 @@ def train_round_reward(store, runner, rnd, settings: LoopSettings):
 
 def train_round_policy(store, runner, rnd, reward, settings: LoopSettings, *, next_round: bool = False,
                        wait: bool = True):
-    """Only the policy step: PPO from the round's policy against `reward`; the round ends done."""
+    """Only the policy step: PPO from the round's policy against `reward`; the round ends done.
+    Not gated: the caller chose the reward model (after the gate stopped a round, its
+    meta["reward_gate"]["reward_version_id"] is the one it stopped at)."""
     rnd = _begin(store, rnd, "training", settings, {"next_round": next_round})
     policy = store.get_model_version(rnd.policy_version_id)
     _submit(store, rnd, "policy", lambda: submit_ppo(store, runner, settings, reward, policy, round_id=rnd.id,
@@ -208,7 +233,7 @@ def _begin(store, rnd, status: str, settings: LoopSettings, plan: dict):
     if status == "training" and rnd.status != "annotating":
         raise RoundFailed(f"round {rnd.id} is {rnd.status}: only a round being annotated can be trained")
     return store.update_round(rnd.id, status=status, meta={"settings": settings.to_dict(), "plan": plan,
-                                                           "last_error": None})
+                                                           "last_error": None, "reward_gate": None})
 
 
 def _submit(store, rnd, step: str, submit):
@@ -225,6 +250,17 @@ def fail(store, round_id: int, step: str, why: str, run_id: int | None = None):
     where = f"{step} (run #{run_id})" if run_id is not None else step
     return store.update_round(round_id, status="annotating",
                               meta={"last_error": f"{where} failed: {why.strip()[:2000]}", "failed_step": step})
+
+
+def stop_at_gate(store, round_id: int, verdict: gate.Verdict):
+    """The gate's stop (module docstring): back to 'annotating', with the verdict and its message."""
+    return store.update_round(round_id, status="annotating",
+                              meta={"reward_gate": verdict.to_dict(), "last_error": verdict.message})
+
+
+def gated(rnd) -> dict | None:
+    """The gate's verdict (gate.Verdict.to_dict()) when the round stands stopped by it, else None."""
+    return rnd.meta.get("reward_gate") if rnd.status == "annotating" else None
 
 
 # ---------------------------------------------------------------------- advancing
@@ -246,6 +282,15 @@ def on_job_end(runner, run) -> None:
         store.update_round(round_id, status="annotating")
     elif step == "reward" and plan.get("policy"):
         reward = store.get_model_version(run.outputs["model_version_id"])
+        if settings.loop.reward_gate:
+            try:
+                verdict = gate.judge(reward)
+            except ValueError as exc:
+                fail(store, round_id, "policy", str(exc))
+                return
+            if not verdict.trusted:
+                stop_at_gate(store, round_id, verdict)
+                return
         policy = store.get_model_version(rnd.policy_version_id)
         try:
             submit_ppo(store, runner, settings, reward, policy, round_id=round_id, round_step="policy")
@@ -277,8 +322,8 @@ def recover_rounds(store, runner) -> int:
 
 
 def wait_round(store, rnd, timeout: float | None = None, poll_s: float = 0.2):
-    """Block until the round has settled (not generating or training); RoundFailed if a step
-    failed. Returns the round."""
+    """Block until the round has settled (not generating or training); UntrustedReward if the
+    reward gate stopped it, RoundFailed if a step failed. Returns the round."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         rnd = store.get_round(rnd.id)
@@ -287,6 +332,8 @@ def wait_round(store, rnd, timeout: float | None = None, poll_s: float = 0.2):
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"round {rnd.id} still {rnd.status} after {timeout} s")
         time.sleep(poll_s)
+    if gated(rnd):
+        raise UntrustedReward(rnd)
     if rnd.meta.get("last_error"):
         raise RoundFailed(f"round {rnd.id}: {rnd.meta['last_error']}")
     return rnd
@@ -297,7 +344,8 @@ def wait_round(store, rnd, timeout: float | None = None, poll_s: float = 0.2):
 
 def run_loop(store, runner, settings: LoopSettings, oracle=None, noise: float = 0.0, log=print) -> list:
     """R rounds headless. Rankings come from `oracle` (simulated annotator) or, without one, from
-    people: the loop waits until the round has the rankings it needs (`coverage`)."""
+    people: the loop waits until the round has the rankings it needs (`coverage`). A round the
+    reward gate stops ends the loop with UntrustedReward (unless settings.loop.reward_gate is off)."""
     from pipeline.orchestrate.simulate import simulate_annotations
 
     done = []

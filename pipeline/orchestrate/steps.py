@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, to_cli_args,
-                             to_dict)
+                             to_dict, with_rollout_length)
 
 POLICY_STEPS = ("ppo", "dpo")
 """A round's policy step: PPO against a reward model trained on the round's snapshot, or DPO on
@@ -232,6 +232,12 @@ def snapshot_split(trainer_cfg, snapshot):
     return trainer_cfg
 
 
+def round_ppo(settings: LoopSettings) -> PPOConfig:
+    """The round's PPO settings with the rollout length resolved: the generation's unless given
+    (config.with_rollout_length), so PPO samples at the length its reward model was trained on."""
+    return with_rollout_length(settings.ppo, settings.generate)
+
+
 def normalised_as_ppo(reward_cfg, ppo_cfg):
     """The reward config with its normalisation sampled as PPO will sample its rollouts (length
     limit, temperature), so that the reference's rollouts score mean 0, std 1 in PPO."""
@@ -245,7 +251,7 @@ def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = T
     warm-started from the newest reward model, its normalisation sampled as the round's PPO samples
     (length, temperature). Returns (run, snapshot)."""
     snapshot = pairs_snapshot(store, runner, settings, "reward")
-    reward_cfg = normalised_as_ppo(snapshot_split(settings.reward, snapshot), settings.ppo)
+    reward_cfg = normalised_as_ppo(snapshot_split(settings.reward, snapshot), round_ppo(settings))
     policy = ensure_base_policy(store, settings.model)
     previous = latest_reward(store) if warm_start else None
     args = ["--data", snapshot.path, *to_cli_args(reward_cfg), *model_args(settings.model, policy.base_model)]
@@ -274,13 +280,14 @@ def submit_ppo(store, runner, settings: LoopSettings, reward, policy=None, *, ac
     if not prompts:
         raise ValueError("no prompts to train on: import prompts first")
     path = write_prompts(prompts, inputs_dir(runner) / f"ppo-{_stamp()}-prompts.jsonl")
-    args = ["--prompts", str(path), "--reward", score_with or reward.path, *to_cli_args(settings.ppo),
+    ppo = round_ppo(settings)
+    args = ["--prompts", str(path), "--reward", score_with or reward.path, *to_cli_args(ppo),
             *model_args(settings.model, policy.base_model)]
     if score_with:
         args += ["--critic-init", reward.path]
     if policy.path:
         args += ["--policy", policy.path]
-    return runner.submit("ppo", args, config={"ppo": to_dict(settings.ppo), "model": to_dict(settings.model)},
+    return runner.submit("ppo", args, config={"ppo": to_dict(ppo), "model": to_dict(settings.model)},
                          inputs={"policy_version_id": policy.id, "reward_version_id": reward.id,
                                  "prompts": len(prompts), "activate": activate, "round_id": round_id,
                                  "round_step": round_step}, **settings.launch)
@@ -314,7 +321,7 @@ def submit_compare(store, runner, a, b, reward, prompts: list, settings: LoopSet
         raise ValueError("no held-out prompts to compare on")
     path = write_prompts(prompts, inputs_dir(runner) / f"compare-{_stamp()}-prompts.jsonl")
     args = ["--prompts", str(path), "--reward", reward.path,
-            "--max-new-tokens", str(settings.ppo.max_new_tokens), "--temperature", str(settings.ppo.temperature)]
+            "--max-new-tokens", str(round_ppo(settings).max_new_tokens), "--temperature", str(settings.ppo.temperature)]
     for side, v in (("a", a), ("b", b)):
         args += [f"--{side}-model", v.base_model or settings.model.model, f"--{side}-name", v.name]
         if v.path:
