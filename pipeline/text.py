@@ -3,7 +3,7 @@
 Generation, reward training, PPO and scoring all encode through these functions, so a reward model
 is trained on exactly the token layout it is later asked to score:
 
-    prompt_token_ids(tokenizer, prompt)      chat template with the assistant turn opened (or raw text)
+    prompt_token_ids(tokenizer, prompt)      chat template (SYSTEM_PROMPT first) with the assistant turn opened (or raw text)
     encode_response(tokenizer, response)     response ids + EOS, the token generation stops at
     pad_rows(rows, pad_id, left=...)         (input_ids, attention_mask), padded on either side
 """
@@ -16,6 +16,21 @@ import torch
 
 from formats.chat import prompt_messages
 from pipeline.rundir import read_jsonl
+
+SYSTEM_PROMPT = "You are a helpful assistant. Reply in at most two sentences."
+"""The system message of every prompt that has none, in every stage alike (generation, reward
+model, PPO, DPO, evaluation: all encode through `prompt_token_ids`). Without it SmolLM2's chat
+template puts in its own ("You are a helpful AI assistant named SmolLM ..."), under which the
+default model runs past the length limit on almost every answer, and annotators rank half-answers
+(the figures: GenerateConfig.max_new_tokens)."""
+
+
+def with_system_prompt(messages: list[dict]) -> list[dict]:
+    """`messages` with SYSTEM_PROMPT first, unless they open with a system message of their own."""
+    if messages and messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *messages]
+
 
 def to_messages(prompt) -> list[dict]:
     """Chat messages for a prompt: a message list as is; text as formats/chat.py `prompt_messages`
@@ -50,10 +65,11 @@ def _check_prompt_row(row) -> None:
 
 
 def prompt_token_ids(tokenizer, prompt, max_prompt_tokens: int | None = None) -> list[int]:
-    """Token ids of one prompt: the chat template with the generation prompt when the tokenizer has
-    one, else the raw text. Too long -> keep the last tokens (the end holds the question)."""
+    """Token ids of one prompt: the chat template with the generation prompt (and SYSTEM_PROMPT when
+    the prompt has no system message) when the tokenizer has one, else the raw text. Too long -> keep the last tokens (the end holds the question)."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(to_messages(prompt), add_generation_prompt=True, tokenize=False)
+        messages = with_system_prompt(to_messages(prompt))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in to_messages(prompt))
