@@ -15,6 +15,10 @@ store, or were written by a newer version (a migration this code does not know).
 `restore` checks the backup, copies it next to the database under a temporary name, checks the
 copy, and renames it into place. It refuses while the database is in use (by the app or any other
 process), and keeps the database it replaces as `<name>.before-restore-<time>`.
+
+`relocate` points the file paths a store records (model versions' folders, run directories,
+pairs snapshots, the files a run's arguments name) from one folder to another, in one
+transaction: for a store restored where its runs folder is not where it was.
 """
 
 from __future__ import annotations
@@ -196,3 +200,39 @@ def _sql_path(path: Path) -> str:
 
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+RELOCATED = (("model_versions", "path"), ("runs", "run_dir"), ("snapshots", "path"), ("runs", "config"),
+             ("runs", "inputs"), ("runs", "outputs"))
+"""The columns that hold file paths: plain paths, and JSON documents holding them (a run's
+command line, its input and output files)."""
+
+
+def relocate(store, old_root, new_root) -> dict[str, int]:
+    """Every path the store records under the folder `old_root` now under `new_root` (the same
+    relative path), in one transaction; {"table.column": rows changed}. Paths elsewhere are kept."""
+    old, new = str(old_root).rstrip("/") + "/", str(new_root).rstrip("/") + "/"
+    if old == new:
+        return {}
+    changed = {}
+    with store.write_lock:
+        cur = store.cursor()
+        cur.execute("BEGIN TRANSACTION")
+        try:
+            for table, column in RELOCATED:
+                text = f"CAST({column} AS VARCHAR)"
+                moved = f"replace({text}, ?, ?)"
+                if column in ("path", "run_dir"):  # a plain path: only its start
+                    moved = f"? || substr({column}, {len(old) + 1})"
+                    where, args = f"starts_with({column}, ?)", [new, old]
+                else:
+                    where, args = f"contains({text}, ?)", [old, new, old]
+                n = cur.execute(f"SELECT count(*) FROM {table} WHERE {where}", args[-1:]).fetchone()[0]
+                if n:
+                    cur.execute(f"UPDATE {table} SET {column} = {moved} WHERE {where}", args)
+                changed[f"{table}.{column}"] = n
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+    return changed

@@ -192,3 +192,26 @@ def test_admin_backup_action_gives_a_downloadable_copy(filled, tmp_path):
     assert "40 rankings" in summary and Path(download).is_file()
     assert check_backup(download) == store_checksums(store)
     assert len(list((tmp_path / "data" / "backups").glob("rlhf-*.duckdb"))) == 1
+
+
+def test_relocate_moves_every_recorded_path_under_a_folder_and_nothing_else(tmp_path):
+    """A store whose runs folder moved: model versions, run directories, snapshots and the files a
+    run's arguments name point to the new folder; a path outside the old folder is kept."""
+    from store.backup import relocate
+
+    old, new = tmp_path / "old", tmp_path / "moved"
+    with Store(tmp_path / "s.duckdb") as store:
+        version = store.register_model_version("policy", path=str(old / "runs" / "7" / "policy"))
+        elsewhere = store.register_model_version("reward", path="/models/rm")
+        run = store.create_run("ppo", {"args": ["--prompts", str(old / "inputs" / "p.jsonl"), "--lr", "0.1"]},
+                               run_dir=str(old / "runs" / "7"))
+        snap = store.record_snapshot(str(old / "inputs" / "pairs.parquet"), "parquet", {"pairs": 1}, {}, "ab")
+        changed = relocate(store, old, new)
+        assert changed["model_versions.path"] == 1 and changed["runs.run_dir"] == 1 and changed["runs.config"] == 1
+        assert store.get_model_version(version.id).path == str(new / "runs" / "7" / "policy")
+        assert store.get_model_version(elsewhere.id).path == "/models/rm"
+        moved = store.get_run(run.id)
+        assert moved.run_dir == str(new / "runs" / "7")
+        assert moved.config["args"] == ["--prompts", str(new / "inputs" / "p.jsonl"), "--lr", "0.1"]
+        assert store.get_snapshot(snap.id).path == str(new / "inputs" / "pairs.parquet")
+        assert relocate(store, new, new) == {}

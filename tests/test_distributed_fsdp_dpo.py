@@ -8,6 +8,7 @@ batches and rank 1 one. About 25 s on 2 cores.
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -42,7 +43,8 @@ def test_distributed_fsdp_dpo_equals_one_process_and_resumes_on_one(tmp_path, ti
     assert report_two["steps"] == report_one["steps"] == 4 and report_two["eval/pairs"] == 17
     for key in ("eval/loss", "eval/reward_accuracy", "eval/margin", "eval/rewards_chosen"):
         assert report_two[key] == pytest.approx(report_one[key], rel=1e-4, abs=1e-6), key
-    assert report_two["kl/samples"] == 6 and report_two["kl/heldout"] > 0
+    # measured: a finite k1 estimate (of 6 samples of a policy 4 steps from its reference: either sign)
+    assert report_two["kl/samples"] == 6 and math.isfinite(report_two["kl/heldout"])
     train_one = [m for m in metric_lines(one) if "train/loss" in m]
     train_two = [m for m in metric_lines(two) if "train/loss" in m]
     assert [m["step"] for m in train_two] == [1, 2, 3, 4]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -783,19 +784,24 @@ def test_the_closed_loop_experiment_runs_exactly_the_default_round():
 @pytest.mark.slow
 def test_quick_closed_loop_runs_default_rounds_and_resumes(tmp_path):
     """bench/gold/closed_loop.py end to end on tiny models: the base and each round evaluated on the
-    locked test prompts, a stopped run resumed to one more round without redoing the first."""
+    locked test prompts; a stopped run packed, unpacked in another folder and resumed to one more
+    round without redoing the first."""
     _require_embedding_judge()
     from bench.gold.closed_loop import main
     from bench.gold.closed_report import result_line
     from bench.gold.prompt_sets import locked_prompts
 
-    out = tmp_path / "closed"
-    common = ["--quick", "--seeds", "0", "--prompts-per-round", "4", "--eval-samples", "2", "--threads", "1",
-              "--out", str(out)]
-    assert main(common + ["--rounds", "1"]) == 0
-    first = json.loads((out / "results.json").read_text())["seeds"]["0"]["rounds"]["1"]
+    first_out, out, state = tmp_path / "closed", tmp_path / "elsewhere", tmp_path / "state"
+    common = ["--quick", "--seeds", "0", "--prompts-per-round", "4", "--eval-samples", "2", "--threads", "1"]
+    assert main(common + ["--rounds", "1", "--out", str(first_out)]) == 0
+    first = json.loads((first_out / "results.json").read_text())["seeds"]["0"]["rounds"]["1"]
     assert first["ranked"] == 4 and first["pairs_so_far"] == 4 * 3 and first["eval"]["eval/responses"] == 4 * 2
-    assert main(common + ["--rounds", "2", "--resume"]) == 0
+    assert main(["--out", str(first_out), "--pack", str(state)]) == 0
+    packed = "\n".join(p.read_text(errors="ignore") for p in state.rglob("*.json*"))
+    assert str(first_out) not in packed  # no path of the machine it ran on
+    shutil.rmtree(first_out)  # nothing of the first folder is needed any more
+    assert main(["--out", str(out), "--unpack", str(state)]) == 0
+    assert main(common + ["--rounds", "2", "--resume", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     raw = json.loads((out / "raw.json").read_text())
     rounds = results["seeds"]["0"]["rounds"]

@@ -24,6 +24,15 @@ seed, with its own store, annotators' noise, prompt order, round prompts, reward
      gold and KL) rewritten after every step; report.md (bench/gold/closed_report.py) from them.
 The rounds run round-major (round 1 of every seed, then round 2 ...), so a stopped run has the same
 rounds of every seed; --resume continues a seed's round from the state its store records.
+
+A run outlives the machine it started on through a packed state, small enough to commit:
+
+    python bench/gold/closed_loop.py --out DIR --pack bench/gold/closed_loop_state    # after it stopped
+    python bench/gold/closed_loop.py --out DIR2 --unpack bench/gold/closed_loop_state  # elsewhere, then --resume
+
+The pack holds results.json, raw.json, the evaluations' sample tables and per seed a backup of its
+store (paths relative to the run folder, store/backup.py `relocate`), the active policy, the
+newest reward model (the next round warm-starts from it) and the prompt files PPO trained on.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import dataclasses
 import json
 import random
 import shlex
+import shutil
 import sys
 import threading
 import time
@@ -49,6 +59,8 @@ from pipeline.config import GenerateConfig, ModelConfig, PPOConfig, RewardConfig
 from pipeline.orchestrate.steps import LoopSettings  # noqa: E402
 
 OUT_ROOT = ROOT / "bench" / "out" / "closed_loop"
+RUN = "{run}"
+"""What a packed state writes in place of the run folder's path (in its stores and results)."""
 PUBLISH = ROOT / "docs" / "results" / "closed_loop"
 
 SIZES = ("loop.rounds", "loop.prompts_per_round", "loop.seed", "generate.seed", "reward.seed", "ppo.seed",
@@ -234,7 +246,9 @@ class ClosedLoop:
         return default_round(seed, self.sizes)
 
     def describe(self) -> dict:
-        return {"sizes": dataclasses.asdict(self.sizes), "settings": self.settings_for(0).to_dict(),
+        settings = self.settings_for(0).to_dict()
+        settings["model"]["model"] = settings["model"]["model"].replace(str(self.out), RUN)  # --quick's tiny model
+        return {"sizes": dataclasses.asdict(self.sizes), "settings": settings,
                 "sizes_differ_from_defaults": list(SIZES), "test_prompts": str(LOCKED.relative_to(ROOT)),
                 "test_prompts_n": len(self.test_prompts), "quick": bool(self.quick_model),
                 "judge": "embedding (all-MiniLM-L6-v2, pipeline/oracle.py defaults)"}
@@ -306,6 +320,66 @@ def _commit() -> str:
     return commit()
 
 
+# --------------------------------------------------------------------------- a state to commit
+
+
+def pack(out: Path, state: Path) -> list[Path]:
+    """The stopped run in `out` as the resume state in `state` (module docstring); returns the files."""
+    from pipeline.orchestrate.steps import latest_reward
+    from store import Store
+    from store.backup import backup, relocate
+
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    if state.exists():
+        shutil.rmtree(state)
+    state.mkdir(parents=True)
+    results["command"] = results.get("command", "").replace(str(out), RUN)
+    (state / "results.json").write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
+    shutil.copy2(out / "raw.json", state / "raw.json")
+    for seed in results["seeds"]:
+        folder = out / f"seed{seed}"
+        keep = [folder / "eval", *sorted((folder / "runs" / "inputs").glob("*prompts.jsonl")), folder / "pool.jsonl"]
+        with Store(folder / "rlhf.duckdb") as store:
+            versions = [store.active_policy(), latest_reward(store)]
+            keep += [Path(v.path) for v in versions if v is not None and v.path]
+            backup(store, state / f"seed{seed}" / "store.db")
+        with Store(state / f"seed{seed}" / "store.db") as packed:
+            relocate(packed, out, RUN)
+        for path in keep:
+            target = state / path.relative_to(out)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if path.is_dir() else shutil.copy2)(path, target)
+    if (out / "tiny_model").is_dir():
+        shutil.copytree(out / "tiny_model", state / "tiny_model")
+    _replace_in_json(state, str(out), RUN)  # model folders name their base model (--quick: a path)
+    return sorted(p for p in state.rglob("*") if p.is_file())
+
+
+def _replace_in_json(folder: Path, old: str, new: str) -> None:
+    """In the model folders' JSON files (results.json keeps RUN: a run's results name no machine's path)."""
+    for path in folder.glob("seed*/**/*.json"):
+        text = path.read_text(encoding="utf-8")
+        if old in text:
+            path.write_text(text.replace(old, new), encoding="utf-8")
+
+
+def unpack(state: Path, out: Path) -> None:
+    """A packed state as the run folder `out`, ready for --resume."""
+    from store import Store
+    from store.backup import relocate
+
+    if (out / "results.json").exists():
+        raise SystemExit(f"--unpack: {out} already holds a run; give a new --out")
+    shutil.copytree(state, out, dirs_exist_ok=True)
+    _replace_in_json(out, RUN, str(out))
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    for seed in results["seeds"]:
+        db = out / f"seed{seed}" / "rlhf.duckdb"
+        (out / f"seed{seed}" / "store.db").rename(db)
+        with Store(db) as store:
+            relocate(store, RUN, out)
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -323,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--quick", action="store_true", help="tiny random models")
     add("--resume", action="store_true", help="continue the stopped run in --out (the same options)")
     add("--report", default="", help="only rebuild report.md of this results directory")
+    add("--pack", default="", help="only write the stopped run in --out as a resume state to this folder")
+    add("--unpack", default="", help="only unpack this resume state as the run folder --out (then --resume)")
     add("--publish", default=None, help="copy report and raw data here (default: docs/results/closed_loop for a "
                                         "full run, nowhere for --quick; 'none': nowhere)")
     return parser
@@ -335,6 +411,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         print(write_report(Path(args.report)))
         print(result_line(Path(args.report)))
+        return 0
+    if args.pack or args.unpack:
+        if not args.out:
+            raise SystemExit("--pack and --unpack need --out (the run folder)")
+        if args.pack:
+            files = pack(Path(args.out), Path(args.pack))
+            print(f"packed {len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB, in {args.pack}")
+        else:
+            unpack(Path(args.unpack), Path(args.out))
+            print(f"unpacked {args.unpack} as {args.out}: continue with --resume")
         return 0
     if args.resume and not (Path(args.out) / "results.json").is_file():
         raise SystemExit("--resume: give the stopped run's folder as --out (it has no results.json)")
