@@ -24,22 +24,28 @@ The values are those of each prompt + response run alone, up to float rounding
 
 KL to the reference (`heldout_kl`): responses sampled from the policy at temperature 1 for
 held-out prompts, each scored as the sum over its tokens of log pi - log ref, computed by packed
-forward passes (pipeline/rollout.py) of both models, so sampling-time rounding does not enter.
-Its mean is an unbiased estimate of KL(pi || ref) per response, in nats.
+forward passes of both models (pipeline/policy.py, `sampled_kl`), so sampling-time rounding does
+not enter. Its mean is an unbiased estimate of KL(pi || ref) per response, in nats.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import random
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
+from pipeline.config import GenerateConfig
 from pipeline.losses import dpo_loss, ipo_loss, logprobs_from_logits
 from pipeline.models import is_peft
 from pipeline.packing import MIN_PREFIX, attention_mask_for, cache_kwarg, choose_width, first_fit, prefix_kv
+from pipeline.policy import merged_lora, sampled_kl
 from pipeline.reward_data import EncodedPair, prompt_key
+from pipeline.sampling import sample
+from pipeline.text import encode_prompts
 
 # --------------------------------------------------------------------------- held-out split
 
@@ -198,8 +204,6 @@ def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, pad_id: int,
     whatever its weight. dist (pipeline/distributed.py): each process takes its share of the pairs;
     every process gets the totals. Under FSDP a process with fewer batches runs extra ones whose
     results it drops, so every process runs as many passes of the sharded models."""
-    from tqdm.auto import tqdm
-
     mine = dist.shard(sorted(range(len(items)), key=lambda i: items[i].length))
     size = 2 * cfg.batch_size
     sums: dict[str, float] = {"loss": 0.0, "pairs": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
@@ -227,15 +231,6 @@ def heldout_kl(model, reference, tokenizer, prompts: list, cfg, device, amp, dis
     """KL(pi || ref) per response on cfg.kl_prompts distinct held-out prompts (drawn with cfg.seed),
     cfg.kl_samples responses each of at most cfg.kl_max_new_tokens (module docstring): kl/heldout,
     its standard error kl/heldout_se, and what the samples were like."""
-    import random
-
-    from tqdm.auto import tqdm
-
-    from pipeline.config import GenerateConfig
-    from pipeline.rollout import merged_lora, sampled_kl
-    from pipeline.sampling import sample
-    from pipeline.text import encode_prompts
-
     distinct = list({prompt_key(p): p for p in prompts}.values())
     random.Random(cfg.seed).shuffle(distinct)
     mine = dist.shard(distinct[:cfg.kl_prompts])

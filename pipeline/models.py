@@ -4,6 +4,8 @@
 - reward / critic: `ScalarModel`, a backbone with a linear head giving one value per token. The
   reward is read at the last non-pad token; the critic uses every token. A critic may start from a
   reward checkpoint (InstructGPT, Ouyang et al. 2022, section 3.5).
+- `attn_ratio`: any role's figure for the packing cost model (pipeline/packing.py), read from its
+  transformer (a ScalarModel's backbone).
 
 Every saved role is a folder with `model_meta.json` (kind, base model, LoRA settings, reward
 normalisation), the tokenizer, and either the LoRA adapter only or the full weights.
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from pipeline.config import ModelConfig, default_cache_dir
+from pipeline.packing import attn_cost_ratio
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -316,6 +319,13 @@ class ScalarModel(nn.Module):
 
     def normalised_score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return (self.score(input_ids, attention_mask) - self.reward_mean) / self.reward_std
+
+
+def attn_ratio(model) -> float:
+    """Attention cost per key relative to linear cost per token (choose_width's cost model) of a
+    policy, reward model or critic: a ScalarModel's is its backbone's."""
+    backbone = model.backbone if isinstance(model, ScalarModel) else model
+    return attn_cost_ratio(backbone.config)
 
 
 @torch.no_grad()

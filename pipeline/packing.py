@@ -14,7 +14,9 @@ cost grows with the square of the row width, so the width is chosen by a small c
 `choose_width`).
 
 Outputs are read at chosen (sequence, column) cells of the original padded layout, through `flat`:
-the index of each real token in the packed rows, flattened.
+the index of each real token in the packed rows, flattened. `pack_responses` packs episodes (a
+left-padded prompt, then a right-padded response) and locates the cells that predict their response
+tokens: PPO's rollout and update, and the KL of sampled responses (pipeline/policy.py), read there.
 
 Shared prefix. Chat prompts start with the same tokens (SmolLM2's template puts a 24-token system
 prompt before every question: a third of a PPO episode's tokens). When every sequence starts with
@@ -162,6 +164,36 @@ def gather_cells(packed: Packed, rows: torch.Tensor, cols: torch.Tensor) -> torc
     return index
 
 
+@dataclass
+class PackedResponses:
+    """A batch of episodes (a prompt, then its response) packed without padding, with the N cells
+    that predict its real response tokens: the position before response token t (prompt end, then
+    the response so far) gives both its log-prob and the critic's value (state, then action)."""
+    packed: Packed
+    rows: torch.Tensor  # (N,) episode of each real response token
+    cols: torch.Tensor  # (N,) its response column t
+    index: torch.Tensor  # (N,) flat packed index of the position predicting it
+    tokens: torch.Tensor  # (N,) the token
+    shape: tuple[int, int]  # (b, R)
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(N,) per-token values -> (b, R), 0 past each episode's EOS (differentiable)."""
+        return values.new_zeros(self.shape).index_put((self.rows, self.cols), values)
+
+
+def pack_responses(sequences, attention_mask, response_ids, mask, prompt_length: int,
+                   attn_per_linear: float, share_prefix: bool = True) -> PackedResponses:
+    """Pack b episodes (sequences (b, P+R), mask (b, R)) and locate their response tokens; a
+    prefix every prompt starts with (the chat template's system prompt) runs once, unless
+    share_prefix is False (gradient checkpointing: its layers drop a KV cache)."""
+    last_prompt_token = int(attention_mask[:, :prompt_length].sum(1).min()) - 1  # must stay in the rows
+    packed = pack(sequences, attention_mask, attn_per_linear, max_prefix=last_prompt_token if share_prefix else 0)
+    rows, cols = mask.nonzero(as_tuple=True)  # (N,) each
+    index = gather_cells(packed, rows, prompt_length - 1 + cols)
+    return PackedResponses(packed=packed, rows=rows, cols=cols, index=index, tokens=response_ids[rows, cols],
+                           shape=tuple(mask.shape))
+
+
 def hidden_states(backbone, packed: Packed, frozen: str | None = None) -> torch.Tensor:
     """(n * W, H) last hidden states of a decoder backbone (no LM head) over the packed rows.
 
@@ -233,5 +265,5 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-__all__ = ["Packed", "pack", "common_prefix", "choose_width", "attn_cost_ratio", "gather_cells", "hidden_states",
-           "prefix_kv", "cache_kwarg", "MIN_PREFIX"]
+__all__ = ["Packed", "pack", "common_prefix", "choose_width", "attn_cost_ratio", "gather_cells", "PackedResponses",
+           "pack_responses", "hidden_states", "prefix_kv", "cache_kwarg", "MIN_PREFIX"]

@@ -1,4 +1,4 @@
-"""The policy and its reference: loading a causal LM (+LoRA), and its logits.
+"""The policy and its reference: loading a causal LM (+LoRA), its logits, its log-probs of responses.
 
 - policy: a causal LM, a LoRA adapter on it by default (peft), full fine-tuning as an option;
   `load_policy` reloads a folder saved by `pipeline.saving.save_policy` exactly.
@@ -7,6 +7,11 @@
   LoRA it is the same model with the adapter disabled (peft's `disable_adapter()` context: no
   second copy); with full fine-tuning frozen full weights: a copy of the policy when it starts
   from the base, else the base model loaded (`make_reference(policy, base=...)`).
+- responses, for every trainer and evaluation alike: `response_logits` / `response_logprobs` at
+  the cells of a packed batch that predict the response tokens (pipeline/packing.pack_responses);
+  `sampled_kl`, the one KL of sampled responses to the reference outside PPO's rollout (DPO's
+  held-out KL, the gold experiment's evaluation); `merged_lora`, the LoRA deltas merged for
+  sampling, the reference left bit for bit the base model.
 - a training run's start, the same for PPO and DPO: `load_starting_policy` (a saved policy or the
   base model), `starting_reference` (the reference above), `load_policy_weights` (a checkpoint's
   weights into the built policy, on --resume), `trainable`.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,9 +30,10 @@ from torch import nn
 
 from pipeline import packing
 from pipeline.config import ModelConfig
+from pipeline.losses import logprobs_from_logits
 from pipeline.models import (
-    META_FILE, _canonical_base, _fp32_trainables, _lora_config, enable_checkpointing, is_peft, load_tokenizer,
-    lora_settings, pick_device, pick_dtype, position_ids_from_mask, read_meta, resolve_model_path,
+    META_FILE, _canonical_base, _fp32_trainables, _lora_config, attn_ratio, enable_checkpointing, is_peft,
+    load_tokenizer, lora_settings, pick_device, pick_dtype, position_ids_from_mask, read_meta, resolve_model_path,
 )
 
 
@@ -126,6 +133,70 @@ def make_reference(policy: nn.Module, base: nn.Module | None = None) -> Referenc
     model, loaded by the caller when the policy's weights are an earlier round's) or a frozen copy
     of the policy made now (it is the base)."""
     return Reference(policy, base)
+
+
+# --------------------------------------------------------------------------- responses: log-probs, KL, sampling
+
+
+def response_logits(model, pr: packing.PackedResponses, reference: bool = False) -> torch.Tensor:
+    """(N, V) logits predicting the N real response tokens; the LM head runs on those cells only
+    (a 49k-vocabulary head is ~20% of a SmolLM2 forward per position)."""
+    if reference:  # a Reference: adapter disabled, or the frozen copy
+        return model.packed_logits(pr.packed, pr.index)
+    return packed_lm_logits(model, pr.packed, pr.index)
+
+
+def response_logprobs(logits: torch.Tensor, pr: packing.PackedResponses, temperature: float) -> torch.Tensor:
+    """(b, R) log-probs of the response tokens under logits / temperature, 0 past EOS."""
+    return pr.scatter(logprobs_from_logits(logits[None], pr.tokens[None], temperature)[0])
+
+
+def sampled_kl(policy, reference, sb, temperature: float, *, logprobs: torch.Tensor | None = None,
+               share_prefix: bool = True) -> torch.Tensor:
+    """(B,) k1 estimate of KL(pi || pi_ref) of each sampled response (a pipeline.sampling
+    SampleBatch), in nats: the sum over its tokens of log pi - log pi_ref, both of logits /
+    temperature, the reference's from one packed forward. log pi: `logprobs` when given (the
+    sampling pass's, sb.logprobs), else one forward of the policy."""
+    mask = sb.response_mask.float()
+    pr = packing.pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length,
+                                attn_ratio(policy), share_prefix=share_prefix)
+    ref = response_logprobs(response_logits(reference, pr, reference=True), pr, temperature)
+    logp = logprobs if logprobs is not None else response_logprobs(response_logits(policy, pr), pr, temperature)
+    return ((logp - ref) * mask).sum(1)
+
+
+@contextmanager
+def merged_lora(model):
+    """Run the body with the LoRA deltas merged into the base weights (W + s * B @ A) and the
+    adapter layers switched off, so sampling runs one plain linear per layer and decoding step
+    instead of base + adapter.
+
+    peft's merge_adapter() adds in place and unmerges by subtracting, which is not bit-exact in
+    floats, and the reference (adapter disabled) must stay the starting model bit for bit. So the
+    merged weights are new tensors and the original ones are put back afterwards: peak memory
+    grows by one copy of the adapted weights while sampling. A model without LoRA is left as is.
+    """
+    if not is_peft(model):
+        yield model
+        return
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    if any(any(layer.use_dora.values()) for layer in layers):  # DoRA's magnitude is not in the delta
+        yield model
+        return
+    originals = [layer.get_base_layer().weight.data for layer in layers]
+    with model.disable_adapter():  # the LoRA layers now run their base layer only
+        try:
+            for layer, weight in zip(layers, originals):
+                names = [n for n in layer.active_adapters if n in layer.lora_A or n in layer.lora_embedding_A]
+                if names:
+                    delta = sum(layer.get_delta_weight(n) for n in names)  # scaling s included
+                    layer.get_base_layer().weight.data = weight + delta.to(weight.dtype)
+            yield model
+        finally:
+            for layer, weight in zip(layers, originals):
+                layer.get_base_layer().weight.data = weight
 
 
 # --------------------------------------------------------------------------- a run's starting policy

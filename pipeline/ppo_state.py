@@ -36,13 +36,13 @@ from pipeline.models import (
     META_FILE, autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta,
 )
 from pipeline.policy import load_policy_weights, load_starting_policy, master_cfg, starting_reference, trainable
-from pipeline.saving import GatheredPolicy, atomic_folder, save_policy, save_scalar_model
-from pipeline.rollout import read_ptx_texts
+from pipeline.ppo_data import read_ptx_texts
+from pipeline.run import STATE_FILE
 from pipeline.rundir import truncate_metrics, write_json
+from pipeline.saving import GatheredPolicy, atomic_folder, save_policy, save_scalar_model
 from pipeline.scoring import make_reward
 from pipeline.text import read_prompts
 
-STATE_FILE = "trainer_state.pt"
 CHECKPOINT = "checkpoint"
 
 

@@ -13,9 +13,11 @@ import torch
 from pipeline.config import PPOConfig
 from pipeline.distributed import clip_grad_norm
 from pipeline.losses import entropy_from_logits, lm_loss, masked_mean, policy_loss, value_loss
-from pipeline.models import checkpointing
-from pipeline.policy import causal_lm_logits, trainable
-from pipeline.rollout import Rollout, attn_ratio, critic_values, pack_responses, ptx_batch, response_logits, response_logprobs
+from pipeline.models import attn_ratio, checkpointing
+from pipeline.packing import pack_responses
+from pipeline.policy import causal_lm_logits, response_logits, response_logprobs, trainable
+from pipeline.ppo_data import ptx_batch
+from pipeline.rollout import Rollout, critic_values
 
 
 def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, share_prefix: bool,

@@ -1,9 +1,18 @@
 """The no-grad half of a PPO step: prompts in, a `Rollout` of per-token tensors out.
 
-pipeline/train_ppo.py calls these in its numbered phases; the update phase reuses
-`pack_responses`, `response_logits`, `response_logprobs` and `critic_values`, so the training
-forward pass computes log-probs and values exactly as the rollout did (same positions, same
-temperature). Every forward pass over episodes is packed without padding (pipeline/packing.py).
+    Rollout, rollout_forwards      the rollout record; its reference log-probs, pi_old log-probs and
+                                   critic values (phase 3)
+    critic_values                  the critic's values at the response tokens (rollout and update)
+    gather_rollout                 every rank's rollout as one batch
+    kl_shaped_advantages           scores -> shaped rewards -> advantages and returns (phases 5-6)
+    write_samples                  the sample table of a step
+
+pipeline/train_ppo.py calls these in its numbered phases; the update phase (pipeline/ppo_update.py)
+reuses `critic_values`, with `pack_responses` (pipeline/packing.py) and `response_logits` /
+`response_logprobs` (pipeline/policy.py), so the training forward pass computes log-probs and values
+exactly as the rollout did (same positions, same temperature). Every forward pass over episodes is
+packed without padding. Which prompts a step's episodes get, and their sampling numbers:
+pipeline/ppo_data.py.
 
 Layout of one rollout (B episodes): `sequences` (B, P+R) is the left-padded prompt followed by the
 right-padded response; every per-token tensor is (B, R), aligned with the response tokens:
@@ -19,18 +28,16 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline.losses import gae, kl_per_token, logprobs_from_logits, masked_whiten, shaped_rewards
-from pipeline.models import ScalarModel, is_peft
-from pipeline.packing import Packed, attn_cost_ratio, gather_cells, hidden_states, pack
-from pipeline.policy import packed_lm_logits
-from pipeline.rundir import read_jsonl
-from pipeline.text import pad_rows
+from pipeline.losses import gae, kl_per_token, masked_whiten, shaped_rewards
+from pipeline.models import attn_ratio
+from pipeline.packing import PackedResponses, hidden_states, pack_responses
+from pipeline.policy import response_logits, response_logprobs
+from pipeline.text import decode_responses
 
 # --------------------------------------------------------------------------- the rollout record
 
@@ -53,70 +60,7 @@ class Rollout:
         return self.mask.sum(1).long()  # (B,)
 
 
-# --------------------------------------------------------------------------- packed forwards
-
-
-@dataclass
-class PackedResponses:
-    """A batch of episodes packed without padding (pipeline/packing.py), with the N cells that
-    predict its real response tokens: the position before response token t (prompt end, then
-    the response so far) gives both its log-prob and the critic's value (state, then action)."""
-    packed: Packed
-    rows: torch.Tensor  # (N,) episode of each real response token
-    cols: torch.Tensor  # (N,) its response column t
-    index: torch.Tensor  # (N,) flat packed index of the position predicting it
-    tokens: torch.Tensor  # (N,) the token
-    shape: tuple[int, int]  # (b, R)
-
-    def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """(N,) per-token values -> (b, R), 0 past each episode's EOS (differentiable)."""
-        return values.new_zeros(self.shape).index_put((self.rows, self.cols), values)
-
-
-def pack_responses(sequences, attention_mask, response_ids, mask, prompt_length: int,
-                   attn_per_linear: float, share_prefix: bool = True) -> PackedResponses:
-    """Pack b episodes (sequences (b, P+R), mask (b, R)) and locate their response tokens; a
-    prefix every prompt starts with (the chat template's system prompt) runs once, unless
-    share_prefix is False (gradient checkpointing: its layers drop a KV cache)."""
-    last_prompt_token = int(attention_mask[:, :prompt_length].sum(1).min()) - 1  # must stay in the rows
-    packed = pack(sequences, attention_mask, attn_per_linear, max_prefix=last_prompt_token if share_prefix else 0)
-    rows, cols = mask.nonzero(as_tuple=True)  # (N,) each
-    index = gather_cells(packed, rows, prompt_length - 1 + cols)
-    return PackedResponses(packed=packed, rows=rows, cols=cols, index=index, tokens=response_ids[rows, cols],
-                           shape=tuple(mask.shape))
-
-
-def attn_ratio(model) -> float:
-    """Attention cost per key relative to linear cost per token (choose_width's cost model)."""
-    backbone = model.backbone if isinstance(model, ScalarModel) else model
-    return attn_cost_ratio(backbone.config)
-
-
-def response_logits(model, pr: PackedResponses, reference: bool = False) -> torch.Tensor:
-    """(N, V) logits predicting the N real response tokens; the LM head runs on those cells only
-    (a 49k-vocabulary head is ~20% of a SmolLM2 forward per position)."""
-    if reference:  # pipeline.models.Reference: adapter disabled, or the frozen copy
-        return model.packed_logits(pr.packed, pr.index)
-    return packed_lm_logits(model, pr.packed, pr.index)
-
-
-def response_logprobs(logits: torch.Tensor, pr: PackedResponses, temperature: float) -> torch.Tensor:
-    """(b, R) log-probs of the response tokens under logits / temperature, 0 past EOS."""
-    return pr.scatter(logprobs_from_logits(logits[None], pr.tokens[None], temperature)[0])
-
-
-def sampled_kl(policy, reference, sb, temperature: float, *, logprobs: torch.Tensor | None = None,
-               share_prefix: bool = True) -> torch.Tensor:
-    """(B,) k1 estimate of KL(pi || pi_ref) of each sampled response (a pipeline.sampling
-    SampleBatch), in nats: the sum over its tokens of log pi - log pi_ref, both of logits /
-    temperature, the reference's from one packed forward. log pi: `logprobs` when given (the
-    sampling pass's, sb.logprobs), else one forward of the policy."""
-    mask = sb.response_mask.float()
-    pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length,
-                        attn_ratio(policy), share_prefix=share_prefix)
-    ref = response_logprobs(response_logits(reference, pr, reference=True), pr, temperature)
-    logp = logprobs if logprobs is not None else response_logprobs(response_logits(policy, pr), pr, temperature)
-    return ((logp - ref) * mask).sum(1)
+# --------------------------------------------------------------------------- packed forwards over episodes
 
 
 def critic_values(critic, pr: PackedResponses) -> torch.Tensor:
@@ -156,40 +100,6 @@ def rollout_forwards(policy, reference, critic, sequences, attention_mask, respo
                 old[rows] = response_logprobs(response_logits(policy, pr), pr, temperature)
             values[rows] = critic_values(critic, pr).float()
     return ref, old, values
-
-
-@contextmanager
-def merged_lora(model):
-    """Run the body with the LoRA deltas merged into the base weights (W + s * B @ A) and the
-    adapter layers switched off, so sampling runs one plain linear per layer and decoding step
-    instead of base + adapter.
-
-    peft's merge_adapter() adds in place and unmerges by subtracting, which is not bit-exact in
-    floats, and the reference (adapter disabled) must stay the starting model bit for bit. So the
-    merged weights are new tensors and the original ones are put back afterwards: peak memory
-    grows by one copy of the adapted weights while sampling. A model without LoRA is left as is.
-    """
-    if not is_peft(model):
-        yield model
-        return
-    from peft.tuners.lora import LoraLayer
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    if any(any(layer.use_dora.values()) for layer in layers):  # DoRA's magnitude is not in the delta
-        yield model
-        return
-    originals = [layer.get_base_layer().weight.data for layer in layers]
-    with model.disable_adapter():  # the LoRA layers now run their base layer only
-        try:
-            for layer, weight in zip(layers, originals):
-                names = [n for n in layer.active_adapters if n in layer.lora_A or n in layer.lora_embedding_A]
-                if names:
-                    delta = sum(layer.get_delta_weight(n) for n in names)  # scaling s included
-                    layer.get_base_layer().weight.data = weight + delta.to(weight.dtype)
-            yield model
-        finally:
-            for layer, weight in zip(layers, originals):
-                layer.get_base_layer().weight.data = weight
 
 
 def gather_rollout(ro: Rollout, score: torch.Tensor, dist, pad_id: int) -> tuple[Rollout, torch.Tensor]:
@@ -266,62 +176,6 @@ def kl_shaped_advantages(ro: Rollout, raw_score: torch.Tensor, cfg, beta: float)
                       returns=returns)
 
 
-# --------------------------------------------------------------------------- texts
-
-
-def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-            for ids, m in zip(response_ids, response_mask)]
-
-
-# --------------------------------------------------------------------------- prompts and PPO-ptx data
-
-
-def episode_uniforms(seed: int, step: int, episodes: range, n_tokens: int, device) -> torch.Tensor:
-    """(len(episodes), n_tokens) float64 uniforms, row i those of episode episodes[i] of the step
-    (its index in the whole batch): each episode's numbers come from its own seeded stream, so a
-    rank sampling episodes 4..7 draws exactly what one process sampling 0..7 draws for them."""
-    rows = [torch.rand(n_tokens, dtype=torch.float64,
-                       generator=torch.Generator().manual_seed((seed * 1_000_003 + step) * 100_003 + e))
-            for e in episodes]
-    return torch.stack(rows).to(device)
-
-
-
-def prompt_order(n_prompts: int, step: int, batch_size: int, seed: int) -> list[int]:
-    """Indices of the prompts for PPO step `step` (0-based): consecutive slices of a fresh
-    permutation per pass over the file, seeded by (seed, pass). Depends only on the step, so a
-    resumed run sees the prompts it would have seen."""
-    out, perms = [], {}
-    for i in range(step * batch_size, (step + 1) * batch_size):
-        epoch, pos = divmod(i, n_prompts)
-        if epoch not in perms:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-            perms[epoch] = torch.randperm(n_prompts, generator=g).tolist()
-        out.append(perms[epoch][pos])
-    return out
-
-
-def read_ptx_texts(path: str | os.PathLike) -> list[str]:
-    """Texts for the PPO-ptx term: JSONL rows with a non-empty 'text' field."""
-    texts = [row["text"] for row in read_jsonl(path, check=_check_ptx_row)]
-    if not texts:
-        raise ValueError(f"{path}: no texts for PPO-ptx")
-    return texts
-
-
-def _check_ptx_row(row) -> None:
-    if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
-        raise ValueError("field 'text' is missing or empty")
-
-
-def ptx_batch(tokenizer, texts: list[str], max_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) (b, T), right-padded, each text + EOS, cut to max_length."""
-    rows = [tokenizer(t, add_special_tokens=False)["input_ids"][: max_length - 1] + [tokenizer.eos_token_id]
-            for t in texts]
-    return pad_rows(rows, tokenizer.pad_token_id, left=False, device=device)
-
-
 # --------------------------------------------------------------------------- sample table
 
 
@@ -341,8 +195,5 @@ def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_se
     os.replace(tmp, path)
 
 
-__all__ = [
-    "Rollout", "Advantages", "kl_shaped_advantages", "gather_rollout", "PackedResponses", "pack_responses", "attn_ratio",
-    "response_logits", "response_logprobs", "sampled_kl", "critic_values", "rollout_forwards", "merged_lora", "decode_responses",
-    "prompt_order", "episode_uniforms", "read_ptx_texts", "ptx_batch", "write_samples",
-]
+__all__ = ["Rollout", "Advantages", "kl_shaped_advantages", "gather_rollout", "critic_values", "rollout_forwards",
+           "write_samples"]

@@ -26,8 +26,8 @@ holds what every trainer does around them, written once so a fix reaches all of 
     write_report(...)          eval_report.json (the trainer's figures and the common part: time,
                                steps, data, truncation), then the run marked 'done'
 
-PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `recover`
-and `guarded`.
+PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `recover`,
+`guarded` and STATE_FILE, the trainer state's file name (in PPO's checkpoint folder).
 """
 
 from __future__ import annotations

@@ -26,10 +26,9 @@ from typing import Callable
 import torch
 
 from formats.chat import messages_to_text
-from pipeline.models import load_scalar_model, read_meta
+from pipeline.models import attn_ratio, load_scalar_model, read_meta
 from pipeline.packing import gather_cells, hidden_states, pack
-from pipeline.rollout import attn_ratio, decode_responses
-from pipeline.text import encode_response, pad_rows, prompt_token_ids
+from pipeline.text import decode_responses, encode_response, pad_rows, prompt_token_ids
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -1,4 +1,5 @@
-"""Text in, token ids out: prompts files, chat formatting, prompt and response encoding, padding.
+"""Text in, token ids out (and back): prompts files, chat formatting, prompt and response encoding,
+padding, sampled responses decoded.
 
 Generation, reward training, PPO and scoring all encode through these functions, so a reward model
 is trained on exactly the token layout it is later asked to score:
@@ -6,6 +7,7 @@ is trained on exactly the token layout it is later asked to score:
     prompt_token_ids(tokenizer, prompt)      chat template (SYSTEM_PROMPT first) with the assistant turn opened (or raw text)
     encode_response(tokenizer, response)     response ids + EOS, the token generation stops at
     pad_rows(rows, pad_id, left=...)         (input_ids, attention_mask), padded on either side
+    decode_responses(tokenizer, ids, mask)   sampled responses back to text, special tokens dropped
 """
 
 from __future__ import annotations
@@ -105,3 +107,8 @@ def encode_prompts(tokenizer, prompts, max_prompt_tokens: int | None = None, dev
     """(input_ids, attention_mask) (B, P), left-padded, chat template applied when present."""
     rows = [prompt_token_ids(tokenizer, p, max_prompt_tokens) for p in prompts]
     return pad_rows(rows, tokenizer.pad_token_id, left=True, device=device)
+
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
+            for ids, m in zip(response_ids, response_mask)]

@@ -65,11 +65,10 @@ from pipeline.dpo_data import (
     PAIR_STATS, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps, sequence_logps,
 )
 from formats.hashing import snapshot_sha256
-from pipeline.models import autocast, checkpointing, pick_dtype
+from pipeline.models import attn_ratio, autocast, checkpointing, pick_dtype
 from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference, trainable
 from pipeline.saving import save_whole_policy
 from pipeline.reward_data import encode_pairs, pair_weights, train_eval_data
-from pipeline.rollout import attn_ratio
 from pipeline.run import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover, resume_from,
                           run_steps, save_state, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status

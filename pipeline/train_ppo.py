@@ -2,7 +2,7 @@
 
 One loop, read top to bottom in numbered phases (like CleanRL's ppo.py and TRL's PPOTrainer.train):
 
-  1. take a batch of prompts
+  1. take a batch of prompts (the step's seeded order; pipeline/ppo_data.py)
   2. sample responses from the policy; pi_old log-probs come from that pass (or one forward)
   3. reference log-probs, critic values (no grad; pipeline/rollout.py)
   4. score prompt+response (reward model, normalised; or a scripted reward)
@@ -16,8 +16,9 @@ One loop, read top to bottom in numbered phases (like CleanRL's ppo.py and TRL's
   9. metrics.jsonl, status.json, sample table, checkpoint
 
 Speed without changing the arithmetic (beyond float rounding): sampling runs with the LoRA deltas
-merged into a copy of the base weights (`merged_lora`), and every forward pass over episodes, in
-the rollout and in the update, packs the sequences without padding (pipeline/packing.py).
+merged into a copy of the base weights (`merged_lora`, pipeline/policy.py), and every forward pass
+over episodes, in the rollout and in the update, packs the sequences without padding
+(pipeline/packing.py).
 
 On N processes (a launcher; pipeline/distributed.py) each rank samples, scores and runs the no-grad
 forwards for its B/N prompts; the rollouts are gathered so every rank computes the same advantages,
@@ -54,12 +55,11 @@ import torch
 from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, with_rollout_length
 from pipeline.distributed import setup
 from pipeline.losses import masked_mean, masked_var
+from pipeline.policy import merged_lora
+from pipeline.ppo_data import episode_uniforms, prompt_order
 from pipeline.ppo_state import CHECKPOINT, check_config, save_checkpoint, set_up
 from pipeline.ppo_update import ppo_update
-from pipeline.rollout import (
-    Rollout, episode_uniforms, gather_rollout, kl_shaped_advantages, merged_lora, prompt_order, rollout_forwards,
-    write_samples,
-)
+from pipeline.rollout import Rollout, gather_rollout, kl_shaped_advantages, rollout_forwards, write_samples
 from pipeline.run import guarded, recover
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
 from pipeline.sampling import sample

@@ -202,10 +202,10 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-RELOCATED = (("model_versions", "path"), ("runs", "run_dir"), ("snapshots", "path"), ("runs", "config"),
-             ("runs", "inputs"), ("runs", "outputs"))
-"""The columns that hold file paths: plain paths, and JSON documents holding them (a run's
-command line, its input and output files)."""
+RELOCATED = (("model_versions", "path"), ("model_versions", "base_model"), ("runs", "run_dir"),
+             ("snapshots", "path"), ("runs", "config"), ("runs", "inputs"), ("runs", "outputs"))
+"""The columns that hold file paths: plain paths (a base model that is a local folder among them),
+and JSON documents holding them (a run's command line, its input and output files)."""
 
 
 def relocate(store, old_root, new_root) -> dict[str, int]:
@@ -222,7 +222,7 @@ def relocate(store, old_root, new_root) -> dict[str, int]:
             for table, column in RELOCATED:
                 text = f"CAST({column} AS VARCHAR)"
                 moved = f"replace({text}, ?, ?)"
-                if column in ("path", "run_dir"):  # a plain path: only its start
+                if column in ("path", "run_dir", "base_model"):  # a plain path: only its start
                     moved = f"? || substr({column}, {len(old) + 1})"
                     where, args = f"starts_with({column}, ?)", [new, old]
                 else:

@@ -281,7 +281,7 @@ def test_distributed_generate_writes_the_one_process_chunks(tmp_path, tiny_model
 
 def test_distributed_ppo_equals_one_process_and_its_checkpoint_resumes_on_one(tmp_path, tiny_model_dir):
     """The same rollouts on 1 process (8 episodes) and on 2 (4 each): every episode samples with
-    its own seeded numbers (rollout.episode_uniforms), so both runs see the same episodes, sampled
+    its own seeded numbers (ppo_data.episode_uniforms), so both runs see the same episodes, sampled
     from the whole distribution at temperature 1 (no top-k). The update's statistics (policy and value
     losses, gradient norms: sums over both ranks' micro-batches) and the rollout metrics (whole
     gathered batch) equal the 1-process ones, and so do the weights after two updates. Rank 0

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from pipeline.rollout import prompt_order
+from pipeline.ppo_data import prompt_order
 from tests.test_distributed import (
     FSDP_ENV, assert_same_ppo_runs, cancel_after, launch, log_of, metric_lines, status_of,
 )

@@ -793,7 +793,7 @@ def test_quick_closed_loop_runs_default_rounds_and_resumes(tmp_path):
 
     first_out, out, state = tmp_path / "closed", tmp_path / "elsewhere", tmp_path / "state"
     common = ["--quick", "--seeds", "0", "--prompts-per-round", "4", "--eval-samples", "2", "--threads", "1"]
-    assert main(common + ["--rounds", "1", "--out", str(first_out)]) == 0
+    assert main(common + ["--rounds", "1", "--leaderboard-prompts", "0", "--out", str(first_out)]) == 0
     first = json.loads((first_out / "results.json").read_text())["seeds"]["0"]["rounds"]["1"]
     assert first["ranked"] == 4 and first["pairs_so_far"] == 4 * 3 and first["eval"]["eval/responses"] == 4 * 2
     assert main(["--out", str(first_out), "--pack", str(state)]) == 0
@@ -801,13 +801,18 @@ def test_quick_closed_loop_runs_default_rounds_and_resumes(tmp_path):
     assert str(first_out) not in packed  # no path of the machine it ran on
     shutil.rmtree(first_out)  # nothing of the first folder is needed any more
     assert main(["--out", str(out), "--unpack", str(state)]) == 0
-    assert main(common + ["--rounds", "2", "--resume", "--out", str(out)]) == 0
+    assert main(common + ["--rounds", "2", "--leaderboard-prompts", "3", "--resume", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     raw = json.loads((out / "raw.json").read_text())
     rounds = results["seeds"]["0"]["rounds"]
-    assert rounds["1"] == first and rounds["2"]["pairs_so_far"] == 2 * 4 * 3  # every pair so far
+    assert rounds["1"] == first, (rounds["1"], first)
+    assert rounds["2"]["pairs_so_far"] == 2 * 4 * 3  # every pair so far
     assert rounds["2"]["round_id"] == 2 and rounds["2"]["ppo"]["step"] == 2 and results["resumed"]
     assert set(raw["evals"]["0"]) == {"base", "round1", "round2"}
     assert set(raw["evals"]["0"]["base"]) == set(locked_prompts()[:4]) == set(raw["prompts"])
+    # the blind evaluation after the last round: base, round 1 and round 2 ranked on 3 prompts
+    board = results["seeds"]["0"]["leaderboard"]
+    assert {r["policy"] for r in board["rows"]} == {"base", "round1", "round2"} and board["prompts"] == 3
     line = result_line(out)
     assert line.startswith("RESULT gold_loop rounds=2 seeds=1 ") and "r2_gain_mean=" in line
+    assert "leaderboard_separated=" in line and "Blind evaluation" in (out / "report.md").read_text()

@@ -7,9 +7,11 @@ import torch
 
 from pipeline.config import PPOConfig
 from pipeline.models import load_scalar_model
-from pipeline.packing import _FROZEN_PREFIXES, choose_width, common_prefix, first_fit, gather_cells, pack
-from pipeline.policy import causal_lm_logits, load_policy, make_reference, packed_lm_logits
-from pipeline.rollout import critic_values, merged_lora, pack_responses
+from pipeline.packing import (
+    _FROZEN_PREFIXES, choose_width, common_prefix, first_fit, gather_cells, pack, pack_responses,
+)
+from pipeline.policy import causal_lm_logits, load_policy, make_reference, merged_lora, packed_lm_logits
+from pipeline.rollout import critic_values
 from pipeline.sampling import sample
 from pipeline.scoring import packed_score
 from pipeline.text import encode_prompts

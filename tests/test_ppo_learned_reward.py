@@ -30,9 +30,10 @@ import torch
 
 from pipeline.config import DPOConfig, GenerateConfig, ModelConfig, PPOConfig, RewardConfig
 from pipeline.generate import generate_responses
-from pipeline.models import load_scalar_model
+from pipeline.models import attn_ratio, load_scalar_model
+from pipeline.packing import pack_responses
 from pipeline.policy import load_policy
-from pipeline.rollout import critic_values, pack_responses, attn_ratio
+from pipeline.rollout import critic_values
 from pipeline.sampling import sample
 from pipeline.scoring import load_reward_model, packed_score, score_texts
 from pipeline.text import encode_prompts

@@ -201,8 +201,8 @@ def test_packed_rollout_forwards_equal_full_forward_and_sampling_logprobs(ppo_mo
 
 def test_critic_head_scores_in_fp32_under_bf16_autocast(ppo_model_cfg):
     # as the reward head: the backbone under autocast, the head in fp32 on the fp32 hidden state
-    from pipeline.packing import hidden_states
-    from pipeline.rollout import critic_values, pack_responses
+    from pipeline.packing import hidden_states, pack_responses
+    from pipeline.rollout import critic_values
 
     critic, tok = load_scalar_model(ppo_model_cfg.model, kind="critic", cfg=ppo_model_cfg)
     with torch.no_grad():

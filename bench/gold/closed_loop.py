@@ -19,7 +19,11 @@ seed, with its own store, annotators' noise, prompt order, round prompts, reward
      closed without a new policy, as a user who does not click "Run PPO anyway" would leave it
   2. each round's policy evaluated on the locked test prompts (bench/gold/eval.py: `samples`
      responses per prompt at the generation's length and temperature; gold, KL to the base)
-  3. results.json (settings, per seed and round: the reward model's held-out accuracy and gate,
+  3. after the last round, a blind evaluation as the Models tab runs one (steps.submit_evaluation):
+     the base and every round's policy answer `leaderboard_prompts` held-out prompts of the store
+     once each, the simulated annotators rank those answers in the ordinary queue, unmarked, and
+     the store's Bradley-Terry leaderboard (with bootstrap intervals over prompts) ranks them
+  4. results.json (settings, per seed and round: the reward model's held-out accuracy and gate,
      PPO's last KL and beta, the evaluation, CPU time) and raw.json (per evaluation and prompt: mean
      gold and KL) rewritten after every step; report.md (bench/gold/closed_report.py) from them.
 The rounds run round-major (round 1 of every seed, then round 2 ...), so a stopped run has the same
@@ -77,6 +81,8 @@ class Sizes:
     """Prompts the simulated team ranks each round (K responses each)."""
     eval_samples: int = 4
     """Responses per locked test prompt in each evaluation."""
+    leaderboard_prompts: int = 64
+    """Held-out prompts of the blind evaluation after the last round (0 = none)."""
     noise: float = 0.05
     """Bradley-Terry temperature of the simulated annotators (gold-score units; bench/gold/loop.py's)."""
     threads: int = 2
@@ -199,6 +205,33 @@ def play_round(sd: Seed, n: int) -> None:
         sd.entry["rounds"][str(n)] = entry
 
 
+def blind_evaluation(sd: Seed) -> None:
+    """Step 3: the base and each round's policy ranked blind by the simulated annotators."""
+    from pipeline.orchestrate.simulate import simulate_annotations
+    from pipeline.orchestrate.steps import submit_evaluation
+
+    rounds = sd.store.list_rounds()
+    versions = [sd.store.find_model_version("base")]
+    versions += [sd.store.get_model_version(r.new_policy_version_id) for r in rounds if r.new_policy_version_id]
+    if len(versions) < 2:
+        sd.entry["leaderboard"] = {"skipped": "no round made a policy"}
+        return
+    name = f"rounds 1-{len(rounds)}"  # a run resumed with more rounds evaluates again, on new prompts
+    ev = sd.store.find_evaluation(name)
+    if ev is None:
+        run, ev = submit_evaluation(sd.store, sd.runner, name, versions, sd.run.sizes.leaderboard_prompts,
+                                    sd.settings, seed=sd.seed)
+        run = sd.runner.wait(run.id)
+        if run.status != "done":
+            raise RuntimeError(f"sample-versions job {run.id} {run.status}: {run.error}")
+    simulate_annotations(sd.store, sd.ctx.judge, noise=sd.run.sizes.noise, seed=sd.seed * 1000 + 999)
+    results = sd.store.evaluation_results(ev.id, seed=sd.seed)
+    names = {v.name: ("base" if i == 0 else f"round{i}") for i, v in enumerate(versions)}
+    sd.entry["leaderboard"] = {"rounds": len(rounds), "prompts": results["prompts"], "comparisons": results["comparisons"],
+                               "rows": [{**r, "policy": names.get(r["version"], r["version"])}
+                                        for r in results["leaderboard"]]}
+
+
 def round_record(sd: Seed, rnd) -> dict:
     """What the store recorded of a round: its items, pairs so far, the reward model's held-out
     figures and PPO's last step."""
@@ -258,7 +291,7 @@ class ClosedLoop:
         old = json.loads((self.out / "results.json").read_text(encoding="utf-8"))
         before, now = dict(old["settings"]), dict(self.results["settings"])
         for d in (before, now):  # more seeds or rounds may be asked of a resumed run
-            d["sizes"] = {k: v for k, v in d["sizes"].items() if k not in ("seeds", "rounds")}
+            d["sizes"] = {k: v for k, v in d["sizes"].items() if k not in ("seeds", "rounds", "leaderboard_prompts")}
             d["settings"]["loop"].pop("rounds", None)
         if before != now:
             differ = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
@@ -307,6 +340,11 @@ class ClosedLoop:
                         self.log(f"seed {sd.seed}, round {n}")
                         play_round(sd, n)
                         self.save()
+            for sd in seeds:
+                if self.sizes.leaderboard_prompts and sd.entry.get("leaderboard", {}).get("rounds") != self.sizes.rounds:
+                    self.log(f"seed {sd.seed}, blind evaluation")
+                    blind_evaluation(sd)
+                    self.save()
         finally:
             for sd in seeds:
                 sd.close()
@@ -392,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rounds", type=int, default=3)
     add("--prompts-per-round", type=int, default=320, help="the simulated team's size: prompts ranked a round")
     add("--eval-samples", type=int, default=4, help="responses per locked test prompt")
+    add("--leaderboard-prompts", type=int, default=64,
+        help="held-out prompts of the blind evaluation after the last round (0: none)")
     add("--policy-step", choices=("ppo", "dpo"), default="ppo")
     add("--threads", type=int, default=2, help="torch threads here and in every job")
     add("--quick", action="store_true", help="tiny random models")
@@ -426,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--resume: give the stopped run's folder as --out (it has no results.json)")
     out = Path(args.out or OUT_ROOT / time.strftime("%Y%m%d-%H%M%S"))
     sizes = Sizes(seeds=args.seeds, rounds=args.rounds, prompts_per_round=args.prompts_per_round,
-                  eval_samples=args.eval_samples, threads=args.threads, policy_step=args.policy_step)
+                  eval_samples=args.eval_samples, leaderboard_prompts=args.leaderboard_prompts, threads=args.threads,
+                  policy_step=args.policy_step)
     quick_model = ""
     if args.quick:
         from tests.tiny import save_tiny_model_dir

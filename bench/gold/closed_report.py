@@ -76,6 +76,19 @@ def rounds_table(results: dict, raw: dict) -> list[dict]:
     return out
 
 
+def leaderboard_check(results: dict) -> dict:
+    """Per seed with a blind evaluation: is the last round's policy rated above the base with
+    separated 95% intervals (its low above the base's high)?"""
+    out = {}
+    for seed, entry in results["seeds"].items():
+        rows = {r["policy"]: r for r in (entry.get("leaderboard") or {}).get("rows", [])}
+        last = max((p for p in rows if p.startswith("round")), key=lambda p: int(p[5:]), default=None)
+        if last and "base" in rows:
+            out[seed] = {"last": last, "separated": rows[last]["low"] > rows["base"]["high"],
+                         "above": rows[last]["rating"] > rows["base"]["rating"]}
+    return out
+
+
 def _f(x, digits=3, sign=False) -> str:
     if x is None:
         return "-"
@@ -92,6 +105,9 @@ def result_line(folder: Path) -> str:
         parts += [f"r{n}_gain_mean={_f(r['gain_mean'], 4)}", f"r{n}_gain_se_seeds={_f(r['gain_se'], 4)}",
                   f"r{n}_ci95_lo={_f(r['gain_lo'], 4)}", f"r{n}_ci95_hi={_f(r['gain_hi'], 4)}",
                   f"r{n}_kl={_f(r['kl_mean'], 2)}"]
+    check = leaderboard_check(results)
+    if check:
+        parts.append(f"leaderboard_separated={sum(c['separated'] for c in check.values())}/{len(check)}")
     return "RESULT gold_loop " + " ".join(parts)
 
 
@@ -118,6 +134,17 @@ def write_report(folder: Path) -> Path:
                      f"{', '.join(_f(a, 3) for a in r['rm_accuracy']) or '-'} | {r['gated']} | {_f(r['cpu_min'], 1)} |")
     if not rows:
         lines.append("| (no round measured yet) |||||||||")
+    boards = {s: e["leaderboard"] for s, e in results["seeds"].items() if e.get("leaderboard", {}).get("rows")}
+    if boards:
+        lines += ["", "## Blind evaluation (the Models tab's, ranked by the simulated annotators)", "",
+                  "| seed | policy | rating | 95% interval | comparisons |", "|---|---|---|---|---|"]
+        for seed, board in boards.items():
+            for r in board["rows"]:
+                lines.append(f"| {seed} | {r['policy']} | {r['rating']:.0f} | [{r['low']:.0f}, {r['high']:.0f}] | "
+                             f"{r['comparisons']} |")
+        check = leaderboard_check(results)
+        lines += ["", "Last round above the base with separated intervals: " +
+                  ", ".join(f"seed {s} {'yes' if c['separated'] else 'no'}" for s, c in check.items()) + "."]
     lines += ["", f"Wall {_f(results.get('wall_s', 0) / 3600, 2)} h, CPU {_f(results.get('cpu_s', 0) / 3600, 2)} h "
                   "(this process and its jobs).", "", result_line(folder), ""]
     path = folder / "report.md"

@@ -3,7 +3,7 @@
 Used by bench/gold/loop.py, in its own process (a bench may load models directly; the app never
 does). For a policy version (base model + LoRA adapter, or the base model alone):
 
-  1. load it; the reference is the same model with the adapter disabled (pipeline/models.py), so
+  1. load it; the reference is the same model with the adapter disabled (pipeline/policy.py), so
      the KL is measured against the starting policy exactly as PPO measures it
   2. sample `samples` responses per held-out prompt (temperature as in the PPO rollouts)
   3. reference log-probs of the sampled tokens (one no-grad forward)
@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.policy import load_policy, make_reference
-from pipeline.rollout import decode_responses, sampled_kl
+from pipeline.policy import load_policy, make_reference, sampled_kl
 from pipeline.sampling import sample
 from pipeline.scoring import make_reward
-from pipeline.text import encode_prompts
+from pipeline.text import decode_responses, encode_prompts
 
 
 @dataclass
