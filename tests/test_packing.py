@@ -86,8 +86,9 @@ def _episodes(tiny_model_cfg, prompts):
 
 @pytest.mark.parametrize("ratio", [0.0, 1e9])  # one row for all, and one episode per row
 def test_packed_forwards_equal_padded_forwards(episodes, ratio):
-    pr = _check_packed_equals_padded(episodes, ratio)
-    assert pr.packed.prefix is None  # no common prefix of 8 tokens in these prompts
+    # every chat prompt opens with the template's system turn: the path without a shared prefix
+    pr = _check_packed_equals_padded(episodes, ratio, share_prefix=False)
+    assert pr.packed.prefix is None
 
 
 @pytest.mark.parametrize("ratio", [0.0, 1e9])
@@ -148,10 +149,10 @@ def test_gradients_through_a_shared_prefix_equal_padded_gradients(system_episode
         assert torch.allclose(packed[name], padded[name], atol=1e-4, rtol=1e-4), name
 
 
-def _check_packed_equals_padded(episodes, ratio):
+def _check_packed_equals_padded(episodes, ratio, share_prefix: bool = True):
     policy, critic, sb, cfg, _ = episodes
     P, mask = sb.prompt_length, sb.response_mask.float()
-    pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, P, ratio)
+    pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, P, ratio, share_prefix)
     assert pr.packed.input_ids.shape[0] == (1 if ratio == 0 else len(PROMPTS))
     reference = make_reference(policy)
     m = mask.bool()
