@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 
 import gradio as gr
 
@@ -131,15 +132,41 @@ def round_settings(settings: LoopSettings, prompts_per_round, k, strategy) -> Lo
     return settings
 
 
-def full_round_settings(settings: LoopSettings, lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps,
-                        kl_control, beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss, dpo_beta, dpo_epochs,
-                        dpo_lr, prompts_per_round, k, strategy) -> LoopSettings:
-    """Every form of the tab on top of the app's settings: what "Run a full round" trains with."""
-    settings = reward_settings(settings, lora, processes, epochs, rm_lr, rm_batch)
-    settings = ppo_settings(settings, lora, processes, n_prompts, steps, kl_control, beta, kl_target, ppo_lr,
-                            critic_lr)
-    settings = dpo_settings(settings, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr)
-    return round_settings(settings, prompts_per_round, k, strategy)
+@dataclass(frozen=True)
+class RoundForm:
+    """Every setting of the tab that "Run a full round" trains with, by name. The field order is
+    the order the tab passes its components in (annotate/ui_train.py builds that list from these
+    fields, annotate/bind.py `bind_form` turns it back into this record): a setting is added here
+    and where its component is made, nowhere else."""
+
+    lora: bool
+    processes: float
+    epochs: float
+    rm_lr: float
+    rm_batch: float
+    n_prompts: float
+    steps: float
+    kl_control: str
+    beta: float
+    kl_target: float
+    ppo_lr: float
+    critic_lr: float
+    policy_step: str
+    dpo_loss: str
+    dpo_beta: float
+    dpo_epochs: float
+    dpo_lr: float
+    prompts_per_round: float
+    k: float
+    strategy: str
+
+    def settings(self, settings: LoopSettings) -> LoopSettings:
+        """The form on top of the app's settings (each field checked: gr.Error names a bad one)."""
+        settings = reward_settings(settings, self.lora, self.processes, self.epochs, self.rm_lr, self.rm_batch)
+        settings = ppo_settings(settings, self.lora, self.processes, self.n_prompts, self.steps, self.kl_control,
+                                self.beta, self.kl_target, self.ppo_lr, self.critic_lr)
+        settings = dpo_settings(settings, self.policy_step, self.dpo_loss, self.dpo_beta, self.dpo_epochs, self.dpo_lr)
+        return round_settings(settings, self.prompts_per_round, self.k, self.strategy)
 
 
 # ------------------------------------------------------------------------- defaults and the round's duration
@@ -172,17 +199,13 @@ def lora_lrs(ctx: AppContext, lora: bool, lr, critic_lr, request: gr.Request):
     return tuple(out)
 
 
-def round_duration(ctx: AppContext, lora: bool, processes, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control,
-                   beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr,
-                   prompts_per_round, k, strategy, request: gr.Request) -> str:
+def round_duration(ctx: AppContext, form: RoundForm, request: gr.Request) -> str:
     """The expected duration of "Run a full round" with the tab's current settings (the same form
-    values as run_full_round) on this machine: pipeline/orchestrate/estimate.py, from this store's
+    as run_full_round) on this machine: pipeline/orchestrate/estimate.py, from this store's
     finished runs, else the 2-core reference measurement."""
     admin(ctx, request)
     try:
-        settings = full_round_settings(settings_of(ctx), lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps,
-                                       kl_control, beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss,
-                                       dpo_beta, dpo_epochs, dpo_lr, prompts_per_round, k, strategy)
+        settings = form.settings(settings_of(ctx))
     except gr.Error as exc:  # a field being typed: say what is wrong instead of a popup
         return f"**Expected round duration:** fix the settings first ({exc.message})"
     return estimate.round_estimate(ctx.store, settings).markdown()
@@ -234,9 +257,7 @@ def run_ppo(ctx: AppContext, lora: bool, processes, reward_name: str | None, n_p
 # ------------------------------------------------------------------------- rounds
 
 
-def run_full_round(ctx: AppContext, lora: bool, processes, epochs, rm_lr, rm_batch, n_prompts, steps, kl_control,
-                   beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss, dpo_beta, dpo_epochs, dpo_lr,
-                   prompts_per_round, k, strategy, confirmed: bool, request: gr.Request):
+def run_full_round(ctx: AppContext, form: RoundForm, confirmed: bool, request: gr.Request):
     """Train on the round being annotated (snapshot -> reward model -> PPO, or snapshot -> DPO ->
     new active policy) and then start the next one; with no open round, start the first. The
     round advances as its jobs end (pipeline/orchestrate/loop.py); a failed step leaves it open,
@@ -245,9 +266,7 @@ def run_full_round(ctx: AppContext, lora: bool, processes, epochs, rm_lr, rm_bat
     row, confirmation text)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = full_round_settings(settings_of(ctx), lora, processes, epochs, rm_lr, rm_batch, n_prompts, steps,
-                                   kl_control, beta, kl_target, ppo_lr, critic_lr, policy_step, dpo_loss, dpo_beta,
-                                   dpo_epochs, dpo_lr, prompts_per_round, k, strategy)
+    settings = form.settings(settings_of(ctx))
     _no_round_in_flight(ctx)
     rnd = loop.current_round(ctx.store)
     try:

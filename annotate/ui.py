@@ -21,7 +21,7 @@ from starlette.middleware import Middleware
 
 from annotate import accounts, ui_admin
 from annotate import handlers as h
-from annotate.bind import bind
+from annotate.bind import bind, bind_form
 from annotate.context import AppContext
 from annotate.render import render_shortcuts
 from annotate.timing import TimingMiddleware
@@ -68,8 +68,9 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
         demo.unload(bind(h.leave, ctx))
         # Admin tabs load their tables when opened (only admins can see them; the handlers check).
         for tab, loads in ((data_tab, data["load"]), (train_tab, train.get("load", [])), (models_tab, models["load"])):
-            for fn, inputs, outputs in loads:
-                tab.select(bind(fn, ctx), inputs, outputs, api_visibility="private", show_progress="hidden")
+            for fn, inputs, outputs, *form in loads:
+                tab.select(bind_form(fn, ctx, *form) if form else bind(fn, ctx), inputs, outputs,
+                           api_visibility="private", show_progress="hidden")
     return demo
 
 

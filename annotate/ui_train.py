@@ -1,12 +1,14 @@
 """Layout and wiring of the Train and Models tabs (logic: annotate/train.py, annotate/model_admin.py).
 
-Each builder returns {"load": [(handler, inputs, outputs), ...]}: what to run when its tab is
-opened (annotate/ui.py wires those to the tab's select event; the handlers check the admin role).
+Each builder returns {"load": [(handler, inputs, outputs[, form class]), ...]}: what to run when its
+tab is opened (annotate/ui.py wires those to the tab's select event, with `bind_form` where a form
+class is given; the handlers check the admin role).
 Admin endpoints keep readable API names but stay out of the API docs, as on the Data tab.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import gradio as gr
@@ -16,7 +18,7 @@ from annotate import evaluation_admin as ev
 from annotate import model_admin as m
 from annotate import monitor
 from annotate import train as t
-from annotate.bind import bind
+from annotate.bind import bind, bind_form
 from annotate.context import AppContext
 
 HIDDEN = {"api_visibility": "undocumented"}
@@ -57,12 +59,14 @@ def train_tab(ctx: AppContext) -> dict:
                     api_name="train_reward", **HIDDEN).success(**poll)
     ppo.button.click(bind(t.run_ppo, ctx), [lora, processes, ppo.reward, *ppo.settings, ppo.activate], started,
                      api_name="run_ppo", **HIDDEN).success(**poll)
-    round_in = [lora, processes, rm.epochs, rm.lr, rm.batch, *ppo.settings, rnd.policy_step, *dpo.settings,
-                *rnd.settings]
+    # the round's form by name; its components in the order of t.RoundForm's fields (bind_form)
+    form = {"lora": lora, "processes": processes, "epochs": rm.epochs, "rm_lr": rm.lr, "rm_batch": rm.batch,
+            **ppo.form, "policy_step": rnd.policy_step, **dpo.form, **rnd.form}
+    round_in = [form[f.name] for f in dataclasses.fields(t.RoundForm)]
     round_out = [*started, rnd.confirm_row, rnd.confirm_md]
-    rnd.button.click(bind(t.run_full_round, ctx), [*round_in, gr.State(False)], round_out, api_name="run_round",
-                     **HIDDEN).success(**poll)
-    rnd.confirm.click(bind(t.run_full_round, ctx), [*round_in, gr.State(True)], round_out,
+    rnd.button.click(bind_form(t.run_full_round, ctx, t.RoundForm), [*round_in, gr.State(False)], round_out,
+                     api_name="run_round", **HIDDEN).success(**poll)
+    rnd.confirm.click(bind_form(t.run_full_round, ctx, t.RoundForm), [*round_in, gr.State(True)], round_out,
                       api_name="run_round_confirmed", **HIDDEN).success(**poll)
     rnd.keep.click(bind(t.keep_round_open, ctx), None, [msg, rnd.confirm_row], **QUIET)
     rnd.anyway.click(bind(t.run_ppo_anyway, ctx), None, [*started, rnd.gate_md, rnd.anyway], api_name="run_ppo_anyway",
@@ -70,16 +74,16 @@ def train_tab(ctx: AppContext) -> dict:
     # LoRA on/off swaps the PPO learning rates between the two modes' defaults; any setting of a
     # round re-estimates its duration (and so does opening the tab: finished jobs change the figures)
     lora.input(bind(t.lora_lrs, ctx), [lora, ppo.lr, ppo.critic_lr], [ppo.lr, ppo.critic_lr], **QUIET)
-    eta = dict(fn=bind(t.round_duration, ctx), inputs=round_in, outputs=[rnd.eta], **QUIET)
+    eta = dict(fn=bind_form(t.round_duration, ctx, t.RoundForm), inputs=round_in, outputs=[rnd.eta], **QUIET)
     gr.on([c.change for c in round_in], **eta)
-    rnd.next.click(bind(t.start_next_round, ctx), rnd.settings, started, api_name="next_round",
+    rnd.next.click(bind(t.start_next_round, ctx), list(rnd.form.values()), started, api_name="next_round",
                    **HIDDEN).success(**poll)
     mon.cancel.click(bind(t.cancel, ctx), [mon.run_pick], [msg], api_name="cancel_run", **HIDDEN).success(**poll)
     # .input, not .change: poll itself updates the picker, and must not trigger itself
     mon.run_pick.input(**poll)
     mon.refresh.click(**poll)
     mon.timer.tick(**poll)
-    return {"load": [(t.poll, poll_in, poll_out), (t.round_duration, round_in, [rnd.eta])]}
+    return {"load": [(t.poll, poll_in, poll_out), (t.round_duration, round_in, [rnd.eta], t.RoundForm)]}
 
 
 def _reward_panel(s, enabled: bool) -> SimpleNamespace:
@@ -93,7 +97,7 @@ def _reward_panel(s, enabled: bool) -> SimpleNamespace:
 
 
 def _ppo_panel(ctx: AppContext, s, enabled: bool) -> SimpleNamespace:
-    """`settings`: the PPO options in the order the handlers take them (prompts ... critic LR)."""
+    """`form`: the PPO options by RoundForm's names; `settings`: the same in run_ppo's order."""
     gr.Markdown("#### PPO\nFrom the active policy, against a frozen reward model. The KL reference is "
                 f"the base model `{s.model.model}` in every round, for PPO and DPO alike (LoRA: the "
                 "adapter switched off; full fine-tuning: the base weights, frozen).", elem_id="rl-ppo-intro")
@@ -113,8 +117,10 @@ def _ppo_panel(ctx: AppContext, s, enabled: bool) -> SimpleNamespace:
     gr.Markdown(t.measured_defaults_note(), elem_id="rl-ppo-defaults")
     activate = gr.Checkbox(value=True, label="Make the new policy active when done")
     button = gr.Button("Run PPO", variant="primary", elem_id="rl-run-ppo", interactive=enabled)
-    return SimpleNamespace(reward=reward, lr=lr, critic_lr=critic_lr, activate=activate, button=button,
-                           settings=[n_prompts, steps, kl_control, beta, kl_target, lr, critic_lr])
+    form = {"n_prompts": n_prompts, "steps": steps, "kl_control": kl_control, "beta": beta, "kl_target": kl_target,
+            "ppo_lr": lr, "critic_lr": critic_lr}
+    return SimpleNamespace(reward=reward, lr=lr, critic_lr=critic_lr, activate=activate, button=button, form=form,
+                           settings=list(form.values()))
 
 
 def _dpo_panel(s) -> SimpleNamespace:
@@ -127,11 +133,11 @@ def _dpo_panel(s) -> SimpleNamespace:
     with gr.Row():
         epochs = gr.Number(value=s.dpo.epochs, precision=0, minimum=1, label="DPO epochs")
         lr = gr.Number(value=s.dpo.lr, label="DPO learning rate")
-    return SimpleNamespace(settings=[loss, beta, epochs, lr])
+    return SimpleNamespace(form={"dpo_loss": loss, "dpo_beta": beta, "dpo_epochs": epochs, "dpo_lr": lr})
 
 
 def _round_panel(s, enabled: bool) -> SimpleNamespace:
-    """`settings`: the next round's prompts per round, K and prompt selection."""
+    """`form`: the next round's prompts per round, K and prompt selection (start_next_round's order)."""
     gr.Markdown("#### Loop round\nFinish the round being annotated (snapshot → reward model → PPO, or "
                 "snapshot → DPO → new active policy), then generate the next one. With fewer than "
                 f"{s.loop.rankings_per_round} rankings (or fewer than its items) it asks first.")
@@ -154,7 +160,8 @@ def _round_panel(s, enabled: bool) -> SimpleNamespace:
     # what a useful reward model needs; after the reward gate stopped a round, its verdict and the way on
     gate_md = gr.Markdown(elem_id="rl-reward-gate")
     anyway = gr.Button("Run PPO anyway", variant="stop", size="sm", visible=False, elem_id="rl-ppo-anyway")
-    return SimpleNamespace(policy_step=policy_step, settings=[per_round, k, strategy], eta=eta, button=button,
+    return SimpleNamespace(policy_step=policy_step, form={"prompts_per_round": per_round, "k": k, "strategy": strategy},
+                           eta=eta, button=button,
                            confirm_row=confirm_row, confirm_md=confirm_md, confirm=confirm, keep=keep,
                            next=next_btn, round_md=round_md, gate_md=gate_md, anyway=anyway)
 

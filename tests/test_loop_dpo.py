@@ -26,7 +26,7 @@ from pipeline.orchestrate.steps import LoopSettings
 from store import Store
 from tests.helpers import req, tiny_settings
 from tests.test_jobs import add_prompts
-from tests.test_train_ui import FULL_ROUND_FORM, make_ctx
+from tests.test_train_ui import FULL_ROUND_FORM, full_round, make_ctx
 
 TINY_DPO = DPOConfig(batch_size=4, max_length=64, lr=1e-3, eval_fraction=0.25, kl_prompts=2, kl_samples=1,
                      kl_max_new_tokens=8)
@@ -105,7 +105,7 @@ def ctx(store, tmp_path, tiny_model_dir):
 def test_bad_dpo_settings_are_refused_by_name(ctx, tiny_model_dir, change, message):
     open_round(ctx.store, tiny_model_dir)
     with pytest.raises(gr.Error, match=message):
-        train.run_full_round(ctx, **{**DPO_FORM, **change}, request=req("boss"))
+        full_round(ctx, **{**DPO_FORM, **change}, request=req("boss"))
     assert ctx.store.list_runs() == []
 
 
@@ -117,14 +117,14 @@ def test_an_under_ranked_dpo_round_asks_first_then_trains_by_dpo(ctx, tiny_model
     simulate_annotations(store, make_oracle("rule:length"), limit=3)
 
     # 1. not confirmed: the confirmation shows, nothing starts; Cancel hides it and keeps the round open
-    *_, row, text = train.run_full_round(ctx, **DPO_FORM, request=boss)
+    *_, row, text = full_round(ctx, **DPO_FORM, request=boss)
     assert row["visible"] and "Round 1 has 3 of 6 items ranked (threshold 6): finish anyway?" in text
     assert store.list_runs() == [] and store.get_round(rnd.id).status == "annotating"
     msg, row = train.keep_round_open(ctx, boss)
     assert not row["visible"] and "Round 1 stays open" in msg
 
     # 2. confirmed: a train-dpo job on the snapshot from the round's policy, with the form's settings
-    msg, _, timer, row, text = train.run_full_round(ctx, **{**DPO_FORM, "confirmed": True}, request=boss)
+    msg, _, timer, row, text = full_round(ctx, **DPO_FORM, confirmed=True, request=boss)
     assert "DPO on its pairs, no reward model" in msg and timer["active"] and not row["visible"] and text == ""
     (run,) = store.list_runs()
     assert run.kind == "train-dpo"

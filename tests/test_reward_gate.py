@@ -35,7 +35,7 @@ from store import Store
 from tests.helpers import req, tiny_settings
 from tests.test_jobs import add_prompts
 from tests.test_loop_dpo import open_round
-from tests.test_train_ui import FULL_ROUND_FORM, make_ctx
+from tests.test_train_ui import FULL_ROUND_FORM, full_round, make_ctx
 
 
 def version(**figures):
@@ -239,7 +239,7 @@ def test_the_train_tab_shows_the_gates_verdict_and_runs_ppo_anyway(ctx, tiny_mod
     assert "about 2,800 training pairs (about 640 prompts ranked at K = 4) for 0.75 held-out accuracy" in text
 
     # 2. "Run a full round": the reward model is at chance on its held-out pairs, so PPO does not run
-    msg, *_ = train.run_full_round(ctx, **FULL_ROUND_FORM, request=boss)
+    msg, *_ = full_round(ctx, **FULL_ROUND_FORM, request=boss)
     assert "then PPO if the reward model beats chance" in msg
     ctx.jobs.wait_idle(timeout=300)
     (reward,) = store.list_model_versions("reward")

@@ -21,7 +21,7 @@ import pytest
 
 from annotate import train
 from annotate.context import AppContext, Refused
-from pipeline.config import ModelConfig, PPOConfig, default_ppo_lr, to_dict, with_ppo_lrs
+from pipeline.config import GenerateConfig, ModelConfig, PPOConfig, default_ppo_lr, to_dict, with_ppo_lrs
 from pipeline.orchestrate import estimate
 from pipeline.orchestrate.steps import LoopSettings
 from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
@@ -83,17 +83,20 @@ def test_finished_runs_set_the_figures_scaled_to_the_settings(store, clock):
     reward, ppo, gen = est.parts
     assert {p.source for p in est.parts} == {"store"}
     assert ppo.seconds == pytest.approx(500.0, rel=1e-3) and ppo.runs == 1
-    assert gen.seconds == pytest.approx(40.0 * 64 * 4 / 32, rel=1e-3)
+    # (40 s for 32 x 64 tokens; the round: 64 prompts x 4 responses of the default length)
+    assert gen.seconds == pytest.approx(40.0 / (32 * 64) * 64 * 4 * GenerateConfig().max_new_tokens, rel=1e-3)
     assert reward.seconds == pytest.approx(25.0 / 100 * 64 * 6, rel=1e-3)  # 0.25 s per pair-epoch
     assert "from this store's 3 finished runs" in est.markdown()
 
     # fewer steps, shorter responses: the PPO part scales with steps x tokens
     settings = LoopSettings()
     settings.ppo.steps, settings.ppo.max_new_tokens = 10, 24
-    assert estimate.round_estimate(store, settings).parts[1].seconds == pytest.approx(125.0, rel=1e-3)
+    # (the 4-step run's rollouts: the default length, the generation's)
+    expected = 100.0 * 10 / 4 * 24 / GenerateConfig().max_new_tokens
+    assert estimate.round_estimate(store, settings).parts[1].seconds == pytest.approx(expected, rel=1e-3)
     # with LoRA off, the full fine-tuning run is the one that counts
     settings.model.lora = False
-    assert estimate.round_estimate(store, settings).parts[1].seconds == pytest.approx(5555.0 * 1.25, rel=1e-3)
+    assert estimate.round_estimate(store, settings).parts[1].seconds == pytest.approx(5555.0 / 100.0 * expected, rel=1e-3)
 
 
 def test_the_newest_runs_count(store, clock):
@@ -126,15 +129,15 @@ def ctx(store):
 
 
 def test_the_tab_shows_the_expected_round_and_follows_the_settings(ctx, clock):
-    first = train.round_duration(ctx, **FORM, request=req("boss"))
+    first = train.round_duration(ctx, train.RoundForm(**FORM), req("boss"))
     assert first.startswith("**Expected round duration: about") and "2-core" in first
     ppo_run(ctx.store, clock, 100.0, steps=4)
-    shorter = train.round_duration(ctx, **{**FORM, "steps": 4}, request=req("boss"))
+    shorter = train.round_duration(ctx, train.RoundForm(**{**FORM, "steps": 4}), req("boss"))
     assert "PPO 4 steps 2 min" in shorter
-    bad = train.round_duration(ctx, **{**FORM, "k": 1}, request=req("boss"))
+    bad = train.round_duration(ctx, train.RoundForm(**{**FORM, "k": 1}), req("boss"))
     assert bad.startswith("**Expected round duration:** fix the settings first") and "K responses" in bad
     with pytest.raises(Refused):
-        train.round_duration(ctx, **FORM, request=req("ann"))
+        train.round_duration(ctx, train.RoundForm(**FORM), req("ann"))
 
 
 def test_lora_switches_the_ppo_learning_rates(ctx):
@@ -161,8 +164,9 @@ def test_the_measured_note_is_the_measurement_file():
     assert float(got["kl_final"]) == pytest.approx(m["kl_final"], rel=1e-3)
     assert float(got["beta_final"]) == pytest.approx(m["beta_final"], rel=1e-3)
     assert float(got["ppo_wall_s"]) / 60 == pytest.approx(m["minutes"], abs=0.5)
+    # the measured step's rollouts were 48 tokens long (the default then)
     assert estimate.REFERENCE["ppo"] == pytest.approx(
-        float(got["s_per_step"]) / estimate.ppo_units(vars(PPOConfig(steps=1))), rel=1e-3)
+        float(got["s_per_step"]) / estimate.ppo_units(vars(PPOConfig(steps=1, max_new_tokens=48))), rel=1e-3)
     assert estimate.REFERENCE["generate"] == pytest.approx(
         float(timings["s_per_response"]) / int(timings["max_new_tokens"]), rel=1e-3)
     assert estimate.REFERENCE["train-reward"] == pytest.approx(float(timings["s_per_pair"]), rel=1e-3)
@@ -187,7 +191,7 @@ def test_full_fine_tuning_keeps_its_own_learning_rate():
 def test_the_form_that_starts_a_round_still_refuses_a_bad_value():
     """The estimate turns a bad field into a line of text; starting the round refuses it by name."""
     with pytest.raises(gr.Error, match="Steps"):
-        train.full_round_settings(LoopSettings(), **{**FORM, "steps": 0})
+        train.RoundForm(**{**FORM, "steps": 0}).settings(LoopSettings())
 
 
 # --------------------------------------------------------------------------- in the browser
@@ -200,13 +204,13 @@ def test_the_train_tab_shows_the_estimate_and_swaps_the_lrs_in_the_browser(store
     with serve(AppContext(store=store, auth=True)) as url:
         page = login(browser, url, "boss", "boss-password")
         page.get_by_role("tab", name="Train").click()
-        page.wait_for_selector("#rl-round-eta :text('Expected round duration: about 40 min')", timeout=20_000)
+        page.wait_for_selector("#rl-round-eta :text('Expected round duration: about 78 min')", timeout=20_000)
         assert "KL 7.2 of target 6 nats in 20 steps" in page.locator("#rl-ppo-defaults").inner_text()
         assert "The KL reference is the base model" in page.locator("#rl-ppo-intro").inner_text()
         steps = page.get_by_label("Steps", exact=True)
         steps.fill("2")
         steps.press("Enter")
-        page.wait_for_selector("#rl-round-eta :text('PPO 2 steps 2 min')", timeout=20_000)
+        page.wait_for_selector("#rl-round-eta :text('PPO 2 steps 5 min')", timeout=20_000)
         page.get_by_label("LoRA adapters", exact=False).uncheck()
         policy_lr = page.get_by_label("Policy LR", exact=True)
         page.wait_for_function("el => Number(el.value) === 1e-5", arg=policy_lr.element_handle(), timeout=20_000)

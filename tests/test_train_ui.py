@@ -35,7 +35,12 @@ PPO_FORM = dict(lora=True, processes=1, n_prompts=8, steps=2, kl_control="adapti
 ROUND_FORM = dict(prompts_per_round=6, k=3, strategy="random")
 FULL_ROUND_FORM = dict(lora=True, processes=1, epochs=1, rm_lr=1e-3, rm_batch=4, n_prompts=8, steps=2, kl_control="adaptive",
                        beta=0.05, kl_target=6.0, ppo_lr=1e-5, critic_lr=1e-5, policy_step="ppo", dpo_loss="sigmoid",
-                       dpo_beta=0.1, dpo_epochs=1, dpo_lr=5e-5, **ROUND_FORM, confirmed=False)
+                       dpo_beta=0.1, dpo_epochs=1, dpo_lr=5e-5, **ROUND_FORM)
+
+
+def full_round(ctx, *, request, confirmed: bool = False, **form):
+    """"Run a full round" as the tab calls it: the form's values by name (train.RoundForm)."""
+    return train.run_full_round(ctx, train.RoundForm(**form), confirmed, request)
 
 
 def make_ctx(store, tmp_path, model_dir, jobs=True) -> AppContext:
@@ -77,7 +82,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert f"{len(texts)} new prompts" in summary
 
     # 2. "Run a full round" with no open round starts the first one: a generate job with the base policy
-    train.run_full_round(ctx, **FULL_ROUND_FORM, request=boss)
+    full_round(ctx, **FULL_ROUND_FORM, request=boss)
     assert settled_round(ctx).status == "annotating"
     (round1,) = store.list_rounds()
     base = store.get_model_version(round1.policy_version_id)
@@ -151,7 +156,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     # (the reward gate off: a tiny random reward model is at chance, and this test follows the loop)
     ctx.train_settings.loop.reward_gate = False
     simulate_annotations(store, make_oracle("rule:length"))
-    train.run_full_round(ctx, **FULL_ROUND_FORM, request=boss)
+    full_round(ctx, **FULL_ROUND_FORM, request=boss)
     ctx.jobs.wait_idle(timeout=300)
     round2, round3 = store.list_rounds()[1:]
     assert round2.status == "done" and round2.meta["last_error"] is None
@@ -182,7 +187,7 @@ def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
     store.register_model_version("reward", "reward-v1", path=str(tmp_path), base_model="tiny")
     calls = [
         (train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": "reward-v1", **PPO_FORM}),
-        (train.run_full_round, FULL_ROUND_FORM), (train.run_full_round, {**FULL_ROUND_FORM, "confirmed": True}),
+        (full_round, FULL_ROUND_FORM), (full_round, {**FULL_ROUND_FORM, "confirmed": True}),
         (train.keep_round_open, {}), (train.start_next_round, ROUND_FORM), (train.run_ppo_anyway, {}),
         (train.cancel, {"choice": monitor.LATEST}), (train.poll, {"choice": monitor.LATEST, "reward_value": None}),
         (model_admin.models_table, {}), (model_admin.open_tab, {}), (model_admin.version_choices, {}),
@@ -206,7 +211,7 @@ def test_without_a_job_runner_the_buttons_explain_why_and_store_nothing(store, t
     ctx = make_ctx(store, tmp_path, tiny_model_dir, jobs=False)
     seed_items(store, 2, 3)
     calls = [(train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": None, **PPO_FORM}),
-             (train.run_full_round, FULL_ROUND_FORM), (train.start_next_round, ROUND_FORM),
+             (full_round, FULL_ROUND_FORM), (train.start_next_round, ROUND_FORM),
              (train.run_ppo_anyway, {}), (train.cancel, {"choice": monitor.LATEST})]
     for fn, kwargs in calls:
         with pytest.raises(gr.Error, match="without a job runner"):
@@ -489,3 +494,30 @@ def test_the_train_tab_trains_a_reward_model_on_two_processes(ctx, tmp_path):
     assert "torch.distributed.run" in command and "--nproc_per_node 2" in command
     (reward,) = store.list_model_versions("reward")
     assert reward.run_id == run.id
+
+
+SETTING_OF_FIELD = {
+    "lora": "model.lora", "processes": "processes", "epochs": "reward.epochs", "rm_lr": "reward.lr",
+    "rm_batch": "reward.batch_size", "n_prompts": "ppo_prompts", "steps": "ppo.steps", "kl_control": "ppo.kl_control",
+    "beta": "ppo.init_kl_coef", "kl_target": "ppo.kl_target", "ppo_lr": "ppo.lr", "critic_lr": "ppo.critic_lr",
+    "policy_step": "policy_step", "dpo_loss": "dpo.loss", "dpo_beta": "dpo.beta", "dpo_epochs": "dpo.epochs",
+    "dpo_lr": "dpo.lr", "prompts_per_round": "loop.prompts_per_round", "k": "generate.k", "strategy": "loop.strategy"}
+OTHER_VALUE = {"lora": False, "kl_control": "fixed", "policy_step": "dpo", "dpo_loss": "ipo", "strategy": "uncertain"}
+
+
+def test_every_field_of_the_round_form_reaches_its_setting_by_name():
+    """Each of the Train tab's round settings lands in its own LoopSettings field and no other."""
+    import dataclasses
+    import operator
+
+    from pipeline.orchestrate.steps import LoopSettings
+
+    assert [f.name for f in dataclasses.fields(train.RoundForm)] == list(SETTING_OF_FIELD)
+    form = train.RoundForm(**FULL_ROUND_FORM)
+    base = form.settings(LoopSettings())
+    for name, path in SETTING_OF_FIELD.items():
+        value = OTHER_VALUE[name] if name in OTHER_VALUE else getattr(form, name) + 3  # valid, and no other field's
+        changed = dataclasses.replace(form, **{name: value}).settings(LoopSettings())
+        assert operator.attrgetter(path)(changed) == value, name
+        differ = {p for p in SETTING_OF_FIELD.values() if operator.attrgetter(p)(changed) != operator.attrgetter(p)(base)}
+        assert differ == {path}, (name, differ)

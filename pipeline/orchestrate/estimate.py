@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.config import with_rollout_length
+from pipeline.config import GenerateConfig, with_rollout_length
 
 RECENT = 5
 """Finished runs per kind that the per-unit figure averages over (the newest: machines change)."""
@@ -120,7 +120,10 @@ def generate_units(responses: float, max_new_tokens: int) -> float:
 
 
 def ppo_units(ppo: dict) -> float:
-    return float(ppo["steps"] * ppo["batch_size"] * ppo["max_new_tokens"] * (1 + ppo["ppo_epochs"]))
+    # a length of 0 is the generation's (a standalone run's: GenerateConfig's default; a round
+    # records its own length resolved)
+    tokens = ppo["max_new_tokens"] or GenerateConfig.max_new_tokens
+    return float(ppo["steps"] * ppo["batch_size"] * tokens * (1 + ppo["ppo_epochs"]))
 
 
 def run_units(store, run) -> float | None:
