@@ -95,6 +95,7 @@ def export_policy(folder: Path | None, base_model: str, out: Path, dtype: str) -
     from pipeline.config import ModelConfig
     from pipeline.models import is_peft, pick_dtype
     from pipeline.policy import load_policy
+    from pipeline.text import template_with_system_prompt
 
     cfg = ModelConfig(model=base_model or "default", device="cpu", dtype="fp32", lora=False)
     model, tokenizer = load_policy(cfg, adapter_path=folder) if folder is not None else load_policy(cfg)
@@ -104,6 +105,8 @@ def export_policy(folder: Path | None, base_model: str, out: Path, dtype: str) -
     model.generation_config.eos_token_id = tokenizer.eos_token_id  # where our sampling stops
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(pick_dtype(dtype, model.device)).save_pretrained(out)
+    if tokenizer.chat_template:  # our system prompt, as every stage of ours encoded the prompts
+        tokenizer.chat_template = template_with_system_prompt(tokenizer.chat_template)
     tokenizer.save_pretrained(out)  # with its chat template
     return {"merged_lora": merged, "architecture": type(model).__name__}
 
@@ -130,6 +133,7 @@ def export_reward(folder: Path, out: Path, dtype: str) -> dict:
 
     from pipeline.config import ModelConfig
     from pipeline.models import load_scalar_model, pick_dtype
+    from pipeline.text import template_with_system_prompt
 
     rm, tokenizer = load_scalar_model(str(folder), "reward", ModelConfig(device="cpu", dtype="fp32"))
     backbone = rm.backbone.merge_and_unload() if rm.lora else rm.backbone
@@ -147,6 +151,8 @@ def export_reward(folder: Path, out: Path, dtype: str) -> dict:
     if added:
         model.resize_token_embeddings(len(tokenizer))
     model.to(pick_dtype(dtype, model.device)).save_pretrained(out)
+    if tokenizer.chat_template:  # our system prompt, as the reward model was trained on
+        tokenizer.chat_template = template_with_system_prompt(tokenizer.chat_template)
     tokenizer.save_pretrained(out)
     return {"architecture": type(model).__name__, "score_offset": offset, "merged_lora": bool(rm.lora),
             "pad_token": tokenizer.pad_token, "reward_mean": rm.reward_mean, "reward_std": rm.reward_std}

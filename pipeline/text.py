@@ -12,6 +12,7 @@ is trained on exactly the token layout it is later asked to score:
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -32,6 +33,14 @@ def with_system_prompt(messages: list[dict]) -> list[dict]:
     if messages and messages[0]["role"] == "system":
         return messages
     return [{"role": "system", "content": SYSTEM_PROMPT}, *messages]
+
+
+def template_with_system_prompt(template: str) -> str:
+    """A chat template that puts SYSTEM_PROMPT first when the messages have no system message, as
+    `prompt_token_ids` does: an exported model's tokenizer then lays prompts out as ours did."""
+    opening = ("{%- if not messages or messages[0]['role'] != 'system' %}{%- set messages = "
+               f"[{{'role': 'system', 'content': {json.dumps(SYSTEM_PROMPT)}}}] + messages %}}{{%- endif %}}")
+    return template if template.startswith(opening) else opening + template
 
 
 def to_messages(prompt) -> list[dict]:
