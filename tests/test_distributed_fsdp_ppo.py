@@ -35,6 +35,11 @@ def eos_model_dir(out):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tiny_tokenizer()
+    # a template that leaves system messages out (ours included): the layout SHORT and LONG were
+    # chosen on, so that which responses end at once depends on these prompts alone
+    tok.chat_template = ("{% for message in messages if message['role'] != 'system' %}"
+                         "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
