@@ -13,7 +13,7 @@ from pipeline.config import GenerateConfig
 from pipeline.generate import generate_responses
 from pipeline.policy import causal_lm_logits, load_policy
 from pipeline.sampling import _filter_logits, _sample_categorical, sample
-from pipeline.text import encode_prompts, prompt_token_ids, to_messages
+from pipeline.text import SYSTEM_PROMPT, encode_prompts, prompt_token_ids, to_messages
 from tests.tiny import build_tiny_model, build_tiny_tokenizer
 
 # the bundled default prompt pool (real HH-RLHF user turns; license in store/data/LICENSE.md)
@@ -50,10 +50,15 @@ def test_encode_prompts_left_pads_with_chat_template(tiny_tokenizer):
     assert ids.shape == mask.shape and mask[1].all() and not mask[0].all()
     assert mask[0, -1] == 1 and mask[0, 0] == 0  # left padding
     assert (ids[0][mask[0] == 0] == tiny_tokenizer.pad_token_id).all()
-    expected = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "a"}],
+    # the chat template over our system prompt and the user's message
+    expected = tiny_tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                                   {"role": "user", "content": "a"}],
                                                   add_generation_prompt=True, tokenize=False)
     assert tiny_tokenizer.decode(ids[0][mask[0] == 1]) == expected
-    assert expected.endswith("<|im_start|>assistant\n")
+    assert expected.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}") and expected.endswith("<|im_start|>assistant\n")
+    # a prompt with a system message of its own keeps it
+    own = prompt_token_ids(tiny_tokenizer, [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "a"}])
+    assert SYSTEM_PROMPT not in tiny_tokenizer.decode(own) and "Be terse." in tiny_tokenizer.decode(own)
     truncated = prompt_token_ids(tiny_tokenizer, "a much longer prompt than the first one", max_prompt_tokens=5)
     assert truncated == ids[1][-5:].tolist()  # keeps the end, where the generation prompt is
 
