@@ -105,8 +105,7 @@ def export_policy(folder: Path | None, base_model: str, out: Path, dtype: str) -
     model.generation_config.eos_token_id = tokenizer.eos_token_id  # where our sampling stops
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(pick_dtype(dtype, model.device)).save_pretrained(out)
-    if tokenizer.chat_template:  # our system prompt, as every stage of ours encoded the prompts
-        tokenizer.chat_template = template_with_system_prompt(tokenizer.chat_template)
+    tokenizer.chat_template = template_with_system_prompt(tokenizer.chat_template)  # as our stages encoded prompts
     tokenizer.save_pretrained(out)  # with its chat template
     return {"merged_lora": merged, "architecture": type(model).__name__}
 
@@ -151,8 +150,7 @@ def export_reward(folder: Path, out: Path, dtype: str) -> dict:
     if added:
         model.resize_token_embeddings(len(tokenizer))
     model.to(pick_dtype(dtype, model.device)).save_pretrained(out)
-    if tokenizer.chat_template:  # our system prompt, as the reward model was trained on
-        tokenizer.chat_template = template_with_system_prompt(tokenizer.chat_template)
+    tokenizer.chat_template = template_with_system_prompt(tokenizer.chat_template)  # as our stages encoded prompts
     tokenizer.save_pretrained(out)
     return {"architecture": type(model).__name__, "score_offset": offset, "merged_lora": bool(rm.lora),
             "pad_token": tokenizer.pad_token, "reward_mean": rm.reward_mean, "reward_std": rm.reward_std}

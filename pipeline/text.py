@@ -35,9 +35,12 @@ def with_system_prompt(messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, *messages]
 
 
-def template_with_system_prompt(template: str) -> str:
+def template_with_system_prompt(template: str | None) -> str | None:
     """A chat template that puts SYSTEM_PROMPT first when the messages have no system message, as
-    `prompt_token_ids` does: an exported model's tokenizer then lays prompts out as ours did."""
+    `prompt_token_ids` does: an exported model's tokenizer then lays prompts out as ours did. No
+    template (raw-text prompts, which never get a system prompt) stays none."""
+    if not template:
+        return template
     opening = ("{%- if not messages or messages[0]['role'] != 'system' %}{%- set messages = "
                f"[{{'role': 'system', 'content': {json.dumps(SYSTEM_PROMPT)}}}] + messages %}}{{%- endif %}}")
     return template if template.startswith(opening) else opening + template
