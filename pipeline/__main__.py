@@ -16,12 +16,13 @@ import sys
 import threading
 import time
 
-# stage name -> module with a `main(argv: list[str]) -> int`
+# stage name -> module with a `main(argv: list[str]) -> int`, or "module:function" for another entry
 STAGES = {
     "generate": "pipeline.generate",
     "train-reward": "pipeline.train_reward",
     "train-dpo": "pipeline.train_dpo",
     "ppo": "pipeline.train_ppo",
+    "rloo": "pipeline.train_ppo:main_rloo",
     "compare": "pipeline.compare",
     "sample-versions": "pipeline.sample_versions",
     "export-model": "pipeline.export_model",
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         names = "\n  ".join(STAGES)
         print(f"usage: python -m pipeline <stage> [options]\n\nstages:\n  {names}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    module = importlib.import_module(STAGES[argv[0]])
-    return int(module.main(argv[1:]) or 0)
+    module, _, entry = STAGES[argv[0]].partition(":")
+    return int(getattr(importlib.import_module(module), entry or "main")(argv[1:]) or 0)
 
 
 def run() -> int:

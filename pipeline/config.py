@@ -143,8 +143,21 @@ class RewardConfig:
 class PPOConfig:
     steps: int = 20
     """PPO iterations (one rollout + update each)."""
+    advantage_estimator: str = "gae"
+    """How a step turns scores into advantages (OpenRLHF's --advantage_estimator, verl's adv_estimator):
+    'gae': PPO with a critic (initialised from the reward model) and GAE over response tokens;
+    'rloo': REINFORCE leave-one-out (Ahmadian et al. 2024): each of a prompt's k responses gets its
+    sequence reward (score minus beta times its summed KL to the reference) minus the mean of the
+    other k - 1, on every token; 'grpo': the group-normalised reward (Shao et al. 2024), (r - mean) / std
+    over the prompt's k, the KL kept in the reward as in 'rloo'. 'rloo' and 'grpo' train no critic
+    (no value head, no value loss); every other phase (sampling, scoring, the clipped policy loss,
+    KL control, checkpoints) is PPO's. `python -m pipeline rloo` is `ppo` with 'rloo'."""
+    samples_per_prompt: int = 0
+    """Responses sampled per prompt in a step (a group; `group_size`): 0 = 1 under 'gae' and 4
+    under 'rloo' and 'grpo' (Ahmadian et al. 2024 report k = 2 and 4; TRL's RLOO default is 2,
+    its GRPO's 8). A step takes batch_size / k prompts."""
     batch_size: int = 16
-    """Prompts (episodes) per rollout."""
+    """Episodes per rollout (batch_size / samples_per_prompt prompts, each sampled that many times)."""
     mini_batch_size: int = 8
     """Episodes per optimiser step."""
     micro_batch_size: int = 8
@@ -273,6 +286,18 @@ def with_rollout_length(ppo: "PPOConfig", generate: "GenerateConfig | None" = No
     if ppo.max_new_tokens:
         return ppo
     return dataclasses.replace(ppo, max_new_tokens=(generate or GenerateConfig()).max_new_tokens)
+
+
+CRITIC_FREE = ("rloo", "grpo")
+"""The advantage estimators without a critic (PPOConfig.advantage_estimator)."""
+
+
+def group_size(ppo: "PPOConfig") -> int:
+    """Responses per prompt in a step: samples_per_prompt, or its default for the estimator (1 under
+    'gae', 4 under a critic-free one)."""
+    if ppo.samples_per_prompt:
+        return ppo.samples_per_prompt
+    return 4 if ppo.advantage_estimator in CRITIC_FREE else 1
 
 
 @dataclass
@@ -418,6 +443,8 @@ __all__ = [
     "default_ppo_lr",
     "with_ppo_lrs",
     "with_rollout_length",
+    "CRITIC_FREE",
+    "group_size",
     "add_arguments",
     "from_args",
     "to_dict",

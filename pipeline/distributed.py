@@ -260,9 +260,10 @@ class Dist:
         every rank calls it, rank 0 gets it), the optimiser's own state_dict otherwise."""
         return full_optimizer_state(model, optimizer) if self.sharded else optimizer.state_dict()
 
-    def sync(self, wrapped: nn.Module, last: bool):
-        """Context for one forward + backward: all-reduce the gradients only when `last`."""
-        if last or self.world == 1 or self.accelerator is None or self.sharded:
+    def sync(self, wrapped: nn.Module | None, last: bool):
+        """Context for one forward + backward: all-reduce the gradients only when `last` (None: a
+        role the run does not have, such as the critic of a critic-free estimator)."""
+        if wrapped is None or last or self.world == 1 or self.accelerator is None or self.sharded:
             # sharded: every backward reduce-scatters into the sharded gradients, which accumulate
             return contextlib.nullcontext()
         return self.accelerator.no_sync(wrapped)

@@ -243,6 +243,23 @@ def gae(
     return advantages, returns
 
 
+def group_advantages(rewards: torch.Tensor, k: int, estimator: str) -> torch.Tensor:
+    """Critic-free sequence advantages: rewards (B,) holds B / k groups of k consecutive responses
+    to one prompt. 'rloo': each reward minus the mean of the other k - 1 of its group (the
+    leave-one-out baseline, Kool et al. 2019, Ahmadian et al. 2024; unbiased, as no response is its
+    own baseline); 'grpo': (r - group mean) / (group s.d. + 1e-4) (Shao et al. 2024, the s.d. with
+    Bessel's correction, as TRL's). Returns (B,)."""
+    if k < 2 or rewards.numel() % k:
+        raise ValueError(f"{estimator} needs groups of k >= 2 responses per prompt; got {rewards.numel()} for k={k}")
+    groups = rewards.view(-1, k)  # (B / k, k)
+    if estimator == "rloo":
+        baseline = (groups.sum(1, keepdim=True) - groups) / (k - 1)
+        return (groups - baseline).reshape(-1)
+    if estimator == "grpo":
+        return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).reshape(-1)
+    raise ValueError(f"unknown group estimator {estimator!r}: 'rloo' or 'grpo'")
+
+
 # --------------------------------------------------------------------------- PPO losses
 
 
@@ -377,6 +394,7 @@ __all__ = [
     "last_token_index",
     "shaped_rewards",
     "gae",
+    "group_advantages",
     "policy_loss",
     "value_loss",
     "dpo_loss",

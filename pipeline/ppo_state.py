@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.config import ModelConfig, PPOConfig, to_dict, with_ppo_lrs
+from pipeline.config import CRITIC_FREE, ModelConfig, PPOConfig, group_size, to_dict, with_ppo_lrs
 from pipeline.distributed import Dist, full_state_dict, load_optimizer_state
 from pipeline.kl import make_kl_controller
 from pipeline.models import (
@@ -53,7 +53,8 @@ CHECKPOINT = "checkpoint"
 
 @dataclass
 class RunParts:
-    """What phase 0 builds: the four roles, optimisers, schedules, KL controller, inputs."""
+    """What phase 0 builds: the four roles (three without a critic: 'rloo', 'grpo'; critic, critic_w,
+    and the critic's optimiser and schedule are None then), optimisers, schedules, KL controller, inputs."""
     device: torch.device
     autocast: Callable[[], contextlib.AbstractContextManager]
     policy: torch.nn.Module
@@ -61,9 +62,9 @@ class RunParts:
     parent: str
     reference: torch.nn.Module
     score_fn: Callable
-    critic: torch.nn.Module
+    critic: torch.nn.Module | None
     policy_w: torch.nn.Module  # the policy and critic for training forwards (Dist.wrap)
-    critic_w: torch.nn.Module
+    critic_w: torch.nn.Module | None
     opts: tuple
     scheds: tuple
     kl: object
@@ -109,6 +110,19 @@ def check_config(cfg: PPOConfig, world: int = 1) -> None:
         problems.append(f"--old-logprobs {cfg.old_logprobs!r}: use 'auto', 'sample' or 'forward'")
     if cfg.ptx_coef > 0 and not cfg.ptx_data:
         problems.append("--ptx-coef > 0 needs --ptx-data (JSONL with a 'text' field)")
+    k = group_size(cfg)
+    if cfg.advantage_estimator not in ("gae", *CRITIC_FREE):
+        problems.append(f"--advantage-estimator {cfg.advantage_estimator!r}: use 'gae', 'rloo' or 'grpo'")
+    elif cfg.advantage_estimator in CRITIC_FREE:
+        if k < 2:
+            problems.append(f"--advantage-estimator {cfg.advantage_estimator} compares a prompt's responses: "
+                            f"--samples-per-prompt must be >= 2 (got {k})")
+        if cfg.critic_warmup_steps:
+            problems.append(f"--advantage-estimator {cfg.advantage_estimator} has no critic to warm up: "
+                            "--critic-warmup-steps must be 0")
+    if k < 1 or cfg.batch_size % k:
+        problems.append(f"--batch-size {cfg.batch_size} must be a multiple of --samples-per-prompt {k} "
+                        "(a step samples each of its prompts that many times)")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -141,24 +155,23 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     # the optimisers, as FSDP replaces the parameters by their shards
     policy_w = dist.wrap(policy_model)
     score_fn, rm = make_reward(reward, tokenizer, model_cfg, cfg.forward_batch_size, amp)
-    critic_src = str(ckpt / "critic") if resuming else (
-        critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
-    if dist.sharded and (Path(critic_src) / META_FILE).is_file() and read_meta(critic_src).get("lora"):
-        raise ValueError(f"under FSDP the critic is fully trained and sharded, but it would start from {critic_src}, "
-                         "a LoRA model: pass --critic-init with the base model or a fully trained reward model")
-    critic, _ = load_scalar_model(critic_src, kind="critic", cfg=master_cfg(model_cfg, critic_src, device, dtype))
-    if cfg.critic_head == "zero" and not resuming:  # before wrapping: under FSDP the head is sharded then
-        with torch.no_grad():
-            critic.head.weight.zero_()
-            critic.head.bias.zero_()
-    critic_w = dist.wrap(critic)
-    cfg = with_ppo_lrs(cfg, model_cfg.lora, is_peft(critic))  # 0 = each model's default rate
+    critic_src, critic, critic_w, critic_opt, critic_sched = "", None, None, None, None
+    if resuming and (ckpt / "critic").is_dir() == (cfg.advantage_estimator in CRITIC_FREE):
+        raise ValueError(f"{ckpt} was saved by a run {'with' if (ckpt / 'critic').is_dir() else 'without'} a critic: "
+                         "resume with the run's own --advantage-estimator")
+    if cfg.advantage_estimator not in CRITIC_FREE:
+        critic_src = str(ckpt / "critic") if resuming else (
+            critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
+        critic = _load_critic(critic_src, cfg, model_cfg, device, dtype, dist, fresh=not resuming)
+        critic_w = dist.wrap(critic)
+    cfg = with_ppo_lrs(cfg, model_cfg.lora, critic is not None and is_peft(critic))  # 0 = each model's default
     policy_opt = _adamw(trainable(policy_model), cfg.lr)
-    critic_opt = _adamw(trainable(critic), cfg.critic_lr)
     # stepped once per PPO iteration that trains the model (the policy's after the critic's warm-up)
     policy_sched = torch.optim.lr_scheduler.LambdaLR(
         policy_opt, lr_factor(cfg.steps - cfg.critic_warmup_steps, cfg.lr_decay, cfg.lr_warmup_steps))
-    critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, lr_factor(cfg.steps, cfg.lr_decay))
+    if critic is not None:
+        critic_opt = _adamw(trainable(critic), cfg.critic_lr)
+        critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, lr_factor(cfg.steps, cfg.lr_decay))
     kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
     start = 0
     if resuming:
@@ -175,6 +188,20 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w, opts=(policy_opt, critic_opt),
         scheds=(policy_sched, critic_sched), kl=kl_ctl, start=start, rows=rows, ptx_texts=ptx_texts,
         sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
+
+
+def _load_critic(src: str, cfg: PPOConfig, model_cfg: ModelConfig, device, dtype, dist: Dist, fresh: bool):
+    """The critic from `src` (a reward or critic folder, or a base model), its head zeroed on a fresh
+    start with critic_head 'zero' (before any wrapping: under FSDP the head is sharded then)."""
+    if dist.sharded and (Path(src) / META_FILE).is_file() and read_meta(src).get("lora"):
+        raise ValueError(f"under FSDP the critic is fully trained and sharded, but it would start from {src}, "
+                         "a LoRA model: pass --critic-init with the base model or a fully trained reward model")
+    critic, _ = load_scalar_model(src, kind="critic", cfg=master_cfg(model_cfg, src, device, dtype))
+    if cfg.critic_head == "zero" and fresh:
+        with torch.no_grad():
+            critic.head.weight.zero_()
+            critic.head.bias.zero_()
+    return critic
 
 
 def lr_factor(steps: int, decay: bool, warmup: int = 0):
@@ -201,39 +228,43 @@ def _adamw(params: list, lr: float) -> torch.optim.AdamW:
 
 
 def save_checkpoint(ckpt: Path, state: dict, dist: Dist) -> None:
-    """checkpoint/: policy (adapter or full), critic, optimisers, schedulers, KL controller, step.
+    """checkpoint/: policy (adapter or full), critic (when the run has one), optimisers, schedulers,
+    KL controller, step.
     Written beside the old one and swapped in (pipeline/saving.py, atomic_folder), so a kill
     mid-save leaves the previous checkpoint. Every rank calls it (sharded weights and optimiser
     states are gathered first, a collective); rank 0 writes."""
     policy, critic, (policy_opt, critic_opt) = state["policy"], state["critic"], state["opts"]
     policy_weights = full_state_dict(policy) if dist.sharded else None
-    critic_weights = full_state_dict(critic) if dist.sharded else None
-    optims = dist.optimizer_state(policy, policy_opt), dist.optimizer_state(critic, critic_opt)
+    critic_weights = full_state_dict(critic) if dist.sharded and critic is not None else None
+    optims = (dist.optimizer_state(policy, policy_opt),
+              dist.optimizer_state(critic, critic_opt) if critic is not None else None)
     if not dist.is_main:  # every rank holds the same weights (or its shard of them)
         return
 
     def write(folder: Path) -> None:
         save_policy(GatheredPolicy(policy, policy_weights) if dist.sharded else policy, state["tokenizer"],
                     folder / "policy")
-        save_scalar_model(critic, state["tokenizer"], folder / "critic", state_dict=critic_weights)
-        torch.save({"step": state["step"], "policy_optim": optims[0], "critic_optim": optims[1],
-                    "policy_sched": state["scheds"][0].state_dict(), "critic_sched": state["scheds"][1].state_dict(),
-                    "kl": state["kl"].state_dict()}, folder / STATE_FILE)
+        saved = {"step": state["step"], "policy_optim": optims[0], "policy_sched": state["scheds"][0].state_dict(),
+                 "kl": state["kl"].state_dict()}
+        if critic is not None:
+            save_scalar_model(critic, state["tokenizer"], folder / "critic", state_dict=critic_weights)
+            saved.update(critic_optim=optims[1], critic_sched=state["scheds"][1].state_dict())
+        torch.save(saved, folder / STATE_FILE)
 
     atomic_folder(ckpt, write)
 
 
 def load_checkpoint(ckpt: Path, models: tuple, opts: tuple, scheds: tuple, kl_ctl) -> int:
-    """Restore the optimisers of (policy, critic) (saved by a sharded run or not: each loads into a
+    """Restore the optimisers of (policy, critic; None without one) (saved by a sharded run or not: each loads into a
     sharded or plain one), schedules and KL controller; returns the step. The weights are loaded
     before (load_policy_weights, the critic from checkpoint/critic). The file is memory-mapped on
     the CPU (the processes of one machine share its pages, so N of them do not each hold the whole
     optimiser state), and loading moves each state to its parameter's device (sharded: its shard)."""
     state = torch.load(ckpt / STATE_FILE, map_location="cpu", mmap=True, weights_only=False)
-    for model, opt, key in zip(models, opts, ("policy_optim", "critic_optim")):
-        load_optimizer_state(model, opt, state[key])
-    for sched, key in zip(scheds, ("policy_sched", "critic_sched")):
-        sched.load_state_dict(state[key])
+    for model, opt, sched, role in zip(models, opts, scheds, ("policy", "critic")):
+        if model is not None:
+            load_optimizer_state(model, opt, state[f"{role}_optim"])
+            sched.load_state_dict(state[f"{role}_sched"])
     kl_ctl.load_state_dict(state["kl"])
     return int(state["step"])
 

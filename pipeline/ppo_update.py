@@ -2,7 +2,8 @@
 minibatches, gradients accumulated over micro-batches, one optimiser step each for policy and
 critic: the clipped policy loss on pi_theta / pi_old (never pi_theta / pi_ref), the entropy bonus
 of the distribution sampled, PPO-ptx, the clipped value loss (the value loss alone during the
-critic's warm-up)."""
+critic's warm-up). Without a critic ('rloo', 'grpo': run.critic is None) the policy's terms
+alone."""
 
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, sha
     lengths = ro.lengths.cpu()
     # gradient checkpointing acts in training mode only, and drops KV caches: no shared prefix
     # (nor under FSDP, whose backward fails on a prefix's keys and values reused by a batch)
-    recompute = checkpointing(run.policy) or checkpointing(run.critic)
+    critic = run.critic
+    recompute = checkpointing(run.policy) or (critic is not None and checkpointing(critic))
     run.policy.train(recompute)
-    run.critic.train(recompute)
+    if critic is not None:
+        critic.train(recompute)
     share_prefix = share_prefix and not recompute
     n_minibatches = 0
     for epoch in range(cfg.ppo_epochs):
@@ -59,9 +62,10 @@ def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, sha
                 stats["policy/grad_norm"] += clip_grad_norm(trainable(run.policy), cfg.max_grad_norm)
                 policy_opt.step()
                 policy_opt.zero_grad(set_to_none=True)
-            stats["val/grad_norm"] += clip_grad_norm(trainable(run.critic), cfg.max_grad_norm)
-            critic_opt.step()
-            critic_opt.zero_grad(set_to_none=True)
+            if critic is not None:
+                stats["val/grad_norm"] += clip_grad_norm(trainable(critic), cfg.max_grad_norm)
+                critic_opt.step()
+                critic_opt.zero_grad(set_to_none=True)
             n_minibatches += 1
             dist.check_stop(stop)
     return stats, n_minibatches
@@ -93,13 +97,16 @@ def micro_batch_backward(run, ro: Rollout, adv, micro: torch.Tensor, w: torch.Te
             del logits
             if first:
                 stats["policy/ratio_first"] += float(w * pg["ratio_mean"])
-        v = run.critic_w(critic_values, pr)  # (b, R)
-        # value clipping keeps the critic near its rollout-time values while the policy moves; in the
-        # warm-up the policy stands still and the critic is fitted plainly (VC-PPO's value pretraining)
-        clip = cfg.cliprange_value if train_policy else None
-        vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], adv.returns[micro], m, clip)
-    (w * dist.loss_scale * (loss + cfg.vf_coef * vf_loss)).backward()
-    for key, val in {**figures, "val/loss": vf_loss, "val/clipfrac": vf_clipfrac}.items():
+        if run.critic is not None:
+            v = run.critic_w(critic_values, pr)  # (b, R)
+            # value clipping keeps the critic near its rollout-time values while the policy moves; in the
+            # warm-up the policy stands still and the critic is fitted plainly (VC-PPO's value pretraining)
+            clip = cfg.cliprange_value if train_policy else None
+            vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], adv.returns[micro], m, clip)
+            loss = loss + cfg.vf_coef * vf_loss
+            figures.update({"val/loss": vf_loss, "val/clipfrac": vf_clipfrac})
+    (w * dist.loss_scale * loss).backward()
+    for key, val in figures.items():
         stats[key] += float(w * val.detach())
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.losses import gae, kl_per_token, masked_whiten, shaped_rewards
+from pipeline.config import CRITIC_FREE, group_size
+from pipeline.losses import gae, group_advantages, kl_per_token, masked_whiten, shaped_rewards
 from pipeline.models import attn_ratio
 from pipeline.packing import PackedResponses, hidden_states, pack_responses
 from pipeline.policy import response_logits, response_logprobs
@@ -52,7 +53,7 @@ class Rollout:
     prompt_length: int  # P
     logprobs: torch.Tensor  # (B, R) pi_old log-probs (logits / temperature)
     ref_logprobs: torch.Tensor  # (B, R) reference log-probs (logits / temperature)
-    values: torch.Tensor  # (B, R) critic values at rollout time
+    values: torch.Tensor  # (B, R) critic values at rollout time (0 without a critic)
     eos: torch.Tensor  # (B,) bool: the response ended with EOS
 
     @property
@@ -80,7 +81,8 @@ def rollout_forwards(policy, reference, critic, sequences, attention_mask, respo
                      prompt_length: int, temperature: float, chunk: int, need_old: bool,
                      autocast, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reference log-probs, pi_old log-probs (only when need_old) and critic values, all (B, R),
-    0 past each EOS. Runs in chunks of `chunk` episodes, each packed without padding.
+    0 past each EOS. Runs in chunks of `chunk` episodes, each packed without padding. Without a
+    critic (None: 'rloo', 'grpo') the values are 0.
 
     share_prefix False: no prefix pass (FSDP: whether a chunk has a common prefix, and whether a
     frozen model kept its keys and values, differs between processes, and every forward of a
@@ -98,7 +100,8 @@ def rollout_forwards(policy, reference, critic, sequences, attention_mask, respo
             ref[rows] = response_logprobs(response_logits(reference, pr, reference=True), pr, temperature)
             if need_old:
                 old[rows] = response_logprobs(response_logits(policy, pr), pr, temperature)
-            values[rows] = critic_values(critic, pr).float()
+            if critic is not None:
+                values[rows] = critic_values(critic, pr).float()
     return ref, old, values
 
 
@@ -157,8 +160,12 @@ def kl_shaped_advantages(ro: Rollout, raw_score: torch.Tensor, cfg, beta: float)
       off at the length limit (TRL's missing_eos_penalty);
     - kl_t = k1 or k3 of pi_old vs the reference, r_t = -beta * kl_t with the score added on the last
       real token (Ziegler et al. 2019), optionally whitened (TRL's whiten_rewards: scale only);
-    - GAE over real response tokens, advantages whitened (masked), returns = advantages + values
-      (the critic's targets with GAE at cfg.critic_lam when it differs from cfg.lam).
+    - 'gae': GAE over real response tokens, advantages whitened (masked), returns = advantages +
+      values (the critic's targets with GAE at cfg.critic_lam when it differs from cfg.lam);
+    - 'rloo' / 'grpo' (no critic): each episode's sequence reward, the sum of its shaped rewards
+      (score - beta * summed KL), against the other responses to its prompt (`group_advantages`;
+      the batch holds each prompt's k responses consecutively), the same advantage on every token;
+      returns are 0 (nothing learns them).
     Every position past EOS is 0 in kl, rewards and advantages, whatever the inputs hold there.
     """
     mask = ro.mask
@@ -168,10 +175,14 @@ def kl_shaped_advantages(ro: Rollout, raw_score: torch.Tensor, cfg, beta: float)
     rewards = shaped_rewards(score, kl, beta, mask)  # (B, R)
     if cfg.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
-    advantages, returns = gae(rewards, ro.values, mask, cfg.gamma, cfg.lam)  # (B, R) each
-    if cfg.critic_lam != cfg.lam:  # decoupled GAE: the critic's targets at their own lambda
-        _, returns = gae(rewards, ro.values, mask, cfg.gamma, cfg.critic_lam)
-    advantages = masked_whiten(advantages, mask) * mask
+    if cfg.advantage_estimator in CRITIC_FREE:
+        per_episode = group_advantages(rewards.sum(1), group_size(cfg), cfg.advantage_estimator)  # (B,)
+        advantages, returns = per_episode[:, None] * mask, torch.zeros_like(rewards)
+    else:
+        advantages, returns = gae(rewards, ro.values, mask, cfg.gamma, cfg.lam)  # (B, R) each
+        if cfg.critic_lam != cfg.lam:  # decoupled GAE: the critic's targets at their own lambda
+            _, returns = gae(rewards, ro.values, mask, cfg.gamma, cfg.critic_lam)
+        advantages = masked_whiten(advantages, mask) * mask
     return Advantages(score=score, kl=kl, kl_seq=kl.sum(1), rewards=rewards, advantages=advantages,
                       returns=returns)
 

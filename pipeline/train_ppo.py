@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, with_rollout_length
+from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, group_size, with_rollout_length
 from pipeline.distributed import setup
 from pipeline.losses import masked_mean, masked_var
 from pipeline.policy import merged_lora
@@ -67,6 +67,9 @@ from pipeline.saving import save_whole_policy
 from pipeline.text import encode_prompts
 from pipeline.tracking import add_report_to
 
+
+
+STAGE_NAME = {"gae": "ppo", "rloo": "rloo", "grpo": "grpo"}  # per advantage estimator, in progress and messages
 
 
 def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out_dir: str | os.PathLike,
@@ -101,7 +104,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
 
                 from tqdm import tqdm
 
-                bar = tqdm(total=cfg.steps, initial=run.start, desc="ppo", unit="step", dynamic_ncols=True,
+                bar = tqdm(total=cfg.steps, initial=run.start, desc=STAGE_NAME[cfg.advantage_estimator], unit="step", dynamic_ncols=True,
                            disable=not dist.is_main)
                 local = slice(dist.rank * cfg.batch_size // dist.world, (dist.rank + 1) * cfg.batch_size // dist.world)
                 share_prefix = not dist.sharded  # a prefix pass would run on some ranks only
@@ -146,7 +149,8 @@ def ppo_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share_pre
     state["step"] = step + 1
     # 9. metrics, sample table, checkpoint
     times.update(update=t_update, step=time.perf_counter() - t_start)
-    metrics = step_metrics(stats, n_minibatches, ro, raw_score, adv, beta, run.kl.value, lrs, times)
+    metrics = step_metrics(stats, n_minibatches, ro, raw_score, adv, beta, run.kl.value, lrs, times,
+                           critic=run.critic is not None)
     append_metrics(out, step + 1, metrics)
     keep_step(out, out / CHECKPOINT, state, cfg, step + 1, dist, ro, raw_score, adv)
     return metrics
@@ -170,9 +174,11 @@ def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share
     phase times with the step's start)."""
     t_start = time.perf_counter()
     policy_model, tokenizer, device, autocast = run.policy, run.tokenizer, run.device, run.autocast
-    B, temperature = cfg.batch_size, cfg.temperature
-    # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it)
-    batch_prompts = [run.rows[i]["prompt"] for i in prompt_order(len(run.rows), step, B, cfg.seed)][local]
+    B, temperature, k = cfg.batch_size, cfg.temperature, group_size(cfg)
+    # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it), each
+    # k times in a row: a critic-free estimator's groups
+    order = [i for i in prompt_order(len(run.rows), step, B // k, cfg.seed) for _ in range(k)]
+    batch_prompts = [run.rows[i]["prompt"] for i in order][local]
     input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
 
     # 2. sample from the current policy = pi_old, the whole distribution of logits / T; each
@@ -189,7 +195,8 @@ def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share
 
     # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
     policy_model.eval()
-    run.critic.eval()
+    if run.critic is not None:
+        run.critic.eval()
     ref_logp, old_logp, values = rollout_forwards(
         policy_model, run.reference, run.critic, sb.sequences, sb.attention_mask, sb.response_ids, mask,
         sb.prompt_length, temperature, cfg.forward_batch_size, not run.sample_logprobs, autocast, share_prefix)
@@ -220,11 +227,13 @@ def advance_schedules(run, adv, episodes: int, train_policy: bool) -> tuple[floa
     steps; a policy frozen for the critic's warm-up leaves its own two as they are. Returns the
     (policy, critic) learning rates the step trained with."""
     policy_sched, critic_sched = run.scheds
-    lrs = policy_sched.get_last_lr()[0] if train_policy else 0.0, critic_sched.get_last_lr()[0]
+    lrs = (policy_sched.get_last_lr()[0] if train_policy else 0.0,
+           critic_sched.get_last_lr()[0] if critic_sched else 0.0)
     if train_policy:
         run.kl.update(float(adv.kl_seq.mean()), episodes)
         policy_sched.step()
-    critic_sched.step()
+    if critic_sched:
+        critic_sched.step()
     return lrs
 
 
@@ -238,9 +247,9 @@ def keep_step(out: Path, ckpt: Path, state: dict, cfg: PPOConfig, done: int, dis
 
 
 def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.Tensor, adv, beta: float,
-                 beta_next: float, lrs: tuple[float, float], times: dict) -> dict:
+                 beta_next: float, lrs: tuple[float, float], times: dict, critic: bool = True) -> dict:
     """Phase 9's metrics.jsonl line: the update's averages over minibatches, then the rollout's
-    objective, value, KL-controller, generation and timing figures."""
+    objective, value (with a critic), KL-controller, generation and timing figures."""
     metrics = {key: val / n_minibatches for key, val in stats.items() if key != "policy/ratio_first"}
     if "policy/ratio_first" in stats:  # (none while the critic warms up)
         metrics["policy/ratio_first"] = stats["policy/ratio_first"]
@@ -254,26 +263,30 @@ def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.
             "objective/rlhf_reward": float((adv.score - beta * kl_seq).mean()),
             # TRL's estimate: mean over sequences of the summed -log pi_old of the sampled tokens
             "objective/entropy": float((-ro.logprobs).sum(1).mean()),
-            "val/explained_var": float(1 - masked_var(returns - ro.values, mask) / var_returns)
-            if var_returns > 0 else 0.0,
-            "val/value_mean": float(masked_mean(ro.values, mask)),
             "kl/beta": beta, "kl/beta_next": beta_next,
             "gen/length_mean": float(ro.lengths.float().mean()),
             "gen/eos_rate": float(ro.eos.float().mean()),
-            "policy/lr": lrs[0], "val/lr": lrs[1],
+            "policy/lr": lrs[0],
             "time/rollout": times["rollout"], "time/update": times["update"], "time/sample": times["sample"],
             "time/forwards": times["forwards"], "time/score": times["score"],
             "time/episodes_per_s": len(ro.prompts) / times["step"],
         })
+        if critic:
+            metrics.update({
+                "val/explained_var": float(1 - masked_var(returns - ro.values, mask) / var_returns)
+                if var_returns > 0 else 0.0,
+                "val/value_mean": float(masked_mean(ro.values, mask)), "val/lr": lrs[1]})
     return metrics
 
 
 # --------------------------------------------------------------------------- CLI
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pipeline ppo",
-                                     description="PPO on a policy with a reward model (or a scripted reward).")
+def build_parser(stage: str = "ppo") -> argparse.ArgumentParser:
+    description = {"ppo": "PPO on a policy with a reward model (or a scripted reward).",
+                   "rloo": "RLOO (PPO's loop without a critic: --advantage-estimator rloo, or grpo) on a policy "
+                           "with a reward model (or a scripted reward)."}[stage]
+    parser = argparse.ArgumentParser(prog=f"python -m pipeline {stage}", description=description)
     parser.add_argument("--policy", default="",
                         help="starting policy: a folder saved by a previous run (its adapter keeps training) "
                              "or a base model; '' = --model")
@@ -289,11 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_to(parser)
     add_arguments(parser, PPOConfig)
     add_arguments(parser, ModelConfig)
+    if stage == "rloo":
+        parser.set_defaults(advantage_estimator="rloo")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main_rloo(argv: list[str] | None = None) -> int:
+    """`python -m pipeline rloo`: this stage with --advantage-estimator rloo by default."""
+    return main(argv, stage="rloo")
+
+
+def main(argv: list[str] | None = None, stage: str = "ppo") -> int:
+    args = build_parser(stage).parse_args(argv)
     cfg, model_cfg = from_args(PPOConfig, args), from_args(ModelConfig, args)
     open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
     try:
@@ -312,4 +332,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["train", "main", "build_parser", "step_metrics"]
+__all__ = ["train", "main", "main_rloo", "build_parser", "step_metrics"]

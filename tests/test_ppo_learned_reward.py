@@ -103,6 +103,13 @@ def run_ppo(learned, out, seed: int) -> None:
           learned["policy_cfg"], prompts=learned["prompts"], reward=learned["rm_dir"], out_dir=out)
 
 
+def run_rloo(learned, out, seed: int) -> None:
+    """RLOO with every default of its own (4 responses per prompt, no critic) and PPO's step size:
+    30 steps x 16 episodes (4 prompts x 4)."""
+    train(PPOConfig(steps=30, advantage_estimator="rloo", max_new_tokens=MAX_NEW, lr=1e-2, sample_every=0, seed=seed),
+          learned["policy_cfg"], prompts=learned["prompts"], reward=learned["rm_dir"], out_dir=out)
+
+
 def run_dpo(learned, out, seed: int) -> None:
     train_dpo(learned["data"], str(out), DPOConfig(epochs=2, lr=1e-2, batch_size=8, eval_fraction=0.25, kl_prompts=4,
                                                    kl_samples=1, kl_max_new_tokens=8, seed=seed),
@@ -209,7 +216,9 @@ if __name__ == "__main__":  # the sizing above: python -m tests.test_ppo_learned
         before = held_out_scores(run)
         run_ppo(run, root / "ppo", seed)
         run_dpo(run, root / "dpo", seed)
-        ppo, dpo = held_out_scores(run, root / "ppo" / "policy"), held_out_scores(run, root / "dpo" / "policy")
-        print(f"seed {seed}: score {before[0]:+.3f} -> PPO {ppo[0]:+.3f} ({ppo[0] - before[0]:+.3f}), "
-              f"DPO {dpo[0]:+.3f} ({dpo[0] - before[0]:+.3f}); gold {before[1]:.3f} -> PPO {ppo[1]:.3f} "
-              f"(x{ppo[1] / before[1]:.2f}), DPO {dpo[1]:.3f} (x{dpo[1] / before[1]:.2f})", flush=True)
+        run_rloo(run, root / "rloo", seed)
+        after = {name: held_out_scores(run, root / name / "policy") for name in ("ppo", "dpo", "rloo")}
+        print(f"seed {seed}: score {before[0]:+.3f} -> " + ", ".join(
+            f"{name.upper()} {s:+.3f} ({s - before[0]:+.3f})" for name, (s, _) in after.items())
+            + f"; gold {before[1]:.3f} -> " + ", ".join(
+            f"{name.upper()} {g:.3f} (x{g / before[1]:.2f})" for name, (_, g) in after.items()), flush=True)

@@ -29,27 +29,15 @@ from pipeline.sampling import sample
 from pipeline.scoring import make_reward
 from pipeline.text import encode_prompts
 from pipeline.train_ppo import main, train
+from tests.fixtures_models import PPO_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ["How can I shop?", "What is the capital of France?", "Tell me about bread.", "Guitar tips?"]
+PROMPTS = PPO_PROMPTS
 METRIC_KEYS = [
     "objective/score", "objective/kl", "objective/rlhf_reward", "objective/entropy", "policy/loss",
     "policy/clipfrac", "policy/approxkl", "policy/ratio_mean", "val/loss", "val/clipfrac", "val/explained_var",
     "kl/beta", "gen/length_mean", "gen/eos_rate", "time/rollout", "time/update", "time/episodes_per_s",
 ]
-
-
-@pytest.fixture
-def ppo_model_cfg(tiny_model_dir):
-    return ModelConfig(model=str(tiny_model_dir), device="cpu", dtype="fp32", lora=True, lora_r=4, lora_alpha=8,
-                       lora_targets="q_proj,v_proj,lm_head")
-
-
-@pytest.fixture
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return path
 
 
 def small_cfg(**overrides) -> PPOConfig:
@@ -362,7 +350,7 @@ def test_critic_head_zero_starts_every_value_at_zero_then_learns(tmp_path, ppo_m
 def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts_file):
     cfg = dict(kl_control="adaptive", init_kl_coef=0.2, kl_target=0.5, kl_horizon=32, lr_decay=False,
                steps=4, lr=3e-2)
-    straight = run(tmp_path, "straight", ppo_model_cfg, prompts_file, **cfg)
+    run(tmp_path, "straight", ppo_model_cfg, prompts_file, **cfg)
     out = tmp_path / "resumed"
     train(small_cfg(**{**cfg, "steps": 2}), ppo_model_cfg, prompts=str(prompts_file), reward="script:count:e",
           out_dir=out)
@@ -373,15 +361,21 @@ def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts
         train(small_cfg(**cfg), ppo_model_cfg, prompts=str(prompts_file), reward="script:count:e", out_dir=out)
     train(small_cfg(**cfg), ppo_model_cfg, prompts=str(prompts_file), reward="script:count:e", out_dir=out,
           resume=True)
-    resumed = read_metrics(out)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(straight, resumed):  # continuing == never stopping: same beta, same updates
-        for key in ("objective/score", "objective/kl", "kl/beta", "policy/loss", "val/loss"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert_same_run(tmp_path / "straight", out, ("objective/score", "objective/kl", "kl/beta", "policy/loss", "val/loss"))
+
+
+def assert_same_run(straight: Path, resumed: Path, keys: tuple[str, ...]) -> None:
+    """A run stopped and resumed logged what the run never stopped logged, step by step, and
+    saved the same adapter: continuing == never stopping (same prompts, beta, updates)."""
     from safetensors.torch import load_file
 
-    wa = load_file(str(tmp_path / "straight" / "policy" / "adapter_model.safetensors"))
-    wb = load_file(str(out / "policy" / "adapter_model.safetensors"))
+    a_rows, b_rows = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in b_rows] == [r["step"] for r in a_rows]
+    for a, b in zip(a_rows, b_rows):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    wa = load_file(str(straight / "policy" / "adapter_model.safetensors"))
+    wb = load_file(str(resumed / "policy" / "adapter_model.safetensors"))
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
 
 
