@@ -41,6 +41,21 @@ def _names(store) -> dict[int, str]:
     return {mv.id: mv.name for mv in store.list_model_versions()}
 
 
+def trained_by(mv) -> str:
+    """How a version was trained, from what its run recorded (ingest.py): a policy's method (PPO,
+    RLOO, GRPO or DPO with its loss), a reward model's loss; '' for the base model."""
+    meta = mv.meta or {}
+    if mv.kind == "policy" and meta.get("method"):
+        method = str(meta["method"]).upper()
+        return f"{method} ({meta['loss']})" if method == "DPO" and meta.get("loss") else method
+    if mv.kind == "reward" and mv.path:
+        return REWARD_LOSSES.get(meta.get("loss") or "bt", str(meta.get("loss")))
+    return ""
+
+
+REWARD_LOSSES = {"bt": "Bradley-Terry", "plackett-luce": "Plackett-Luce"}
+
+
 def _summary(mv) -> str:
     """A version's headline numbers: held-out accuracy of a reward model; the last PPO step's
     score and KL of a policy; its latest comparison."""
@@ -76,13 +91,14 @@ def models_table(ctx: AppContext, request: gr.Request) -> pd.DataFrame:
         rows.append({
             "id": mv.id, "name": mv.name, "kind": mv.kind,
             "active": "●" if active is not None and mv.id == active.id else "",
+            "trained by": trained_by(mv),
             "parent": names.get(mv.parent_id, ""), "reward model": names.get(mv.reward_version_id, ""),
             "snapshot": f"#{snap.id} ({snap.counts.get('pairs', 0)} pairs)" if snap else "",
             "run": f"#{run.id} {run.kind}" if run else "", "metrics": _summary(mv),
             "base model": mv.base_model or "", "created": mv.created_at.strftime("%Y-%m-%d %H:%M"),
         })
-    return pd.DataFrame(rows, columns=["id", "name", "kind", "active", "parent", "reward model", "snapshot", "run",
-                                       "metrics", "base model", "created"])
+    return pd.DataFrame(rows, columns=["id", "name", "kind", "active", "trained by", "parent", "reward model",
+                                       "snapshot", "run", "metrics", "base model", "created"])
 
 
 def version_choices(ctx: AppContext, request: gr.Request):
@@ -140,7 +156,7 @@ def lineage_markdown(store, mv) -> str:
             facts.append(f"run #{run.id} {run.kind} ({run.status})")
         if v.reward_version_id is not None:
             reward = store.get_model_version(v.reward_version_id)
-            facts.append(f"PPO against **{reward.name}**" + _reward_origin(store, reward, names))
+            facts.append(f"{trained_by(v) or 'PPO'} against **{reward.name}**" + _reward_origin(store, reward, names))
         if v.snapshot_id is not None:
             facts.append(_snapshot_text(store, v.snapshot_id))
         if v.parent_id is None:

@@ -112,7 +112,7 @@ def ppo_settings(settings: LoopSettings, lora, processes, n_prompts, steps, kl_c
 def dpo_settings(settings: LoopSettings, policy_step, loss, beta, epochs, lr) -> LoopSettings:
     """The policy-step choice and the DPO form's values on top of the app's settings."""
     if policy_step not in POLICY_STEPS:
-        raise gr.Error(f"Policy step: choose PPO or DPO (got {policy_step!r}).")
+        raise gr.Error(f"Policy step: choose PPO, RLOO, GRPO or DPO (got {policy_step!r}).")
     if loss not in DPO_LOSSES:
         raise gr.Error(f"DPO loss: choose one of {', '.join(DPO_LOSSES)} (got {loss!r}).")
     settings.policy_step = policy_step
@@ -278,9 +278,10 @@ def run_full_round(ctx: AppContext, form: RoundForm, confirmed: bool, request: g
         return gr.update(), gr.update(), gr.update(), gr.update(visible=True), f"**{exc}**"
     except loop.RoundFailed as exc:
         raise gr.Error(str(exc)) from None
+    rl = settings.policy_step.upper()
     how = ("DPO on its pairs, no reward model" if settings.policy_step == "dpo" else
-           "reward model, then PPO if the reward model beats chance" if settings.loop.reward_gate else
-           "reward model, then PPO")
+           f"reward model, then {rl} if the reward model beats chance" if settings.loop.reward_gate else
+           f"reward model, then {rl}")
     what = (f"Training on round {rnd.id} ({how}), then starting the next round."
             if rnd.status != "generating" else f"Started round {rnd.id}: generating responses with the active policy.")
     return *_queued(ctx, what), gr.update(visible=False), ""

@@ -138,11 +138,13 @@ def _dpo_panel(s) -> SimpleNamespace:
 
 def _round_panel(s, enabled: bool) -> SimpleNamespace:
     """`form`: the next round's prompts per round, K and prompt selection (start_next_round's order)."""
-    gr.Markdown("#### Loop round\nFinish the round being annotated (snapshot → reward model → PPO, or "
+    gr.Markdown("#### Loop round\nFinish the round being annotated (snapshot → reward model → PPO, RLOO or GRPO, or "
                 "snapshot → DPO → new active policy), then generate the next one. With fewer than "
                 f"{s.loop.rankings_per_round} rankings (or fewer than its items) it asks first.")
-    policy_step = gr.Radio([("PPO", "ppo"), ("DPO", "dpo")], value=s.policy_step, label="Policy step",
-                           elem_id="rl-policy-step")
+    policy_step = gr.Radio([("PPO", "ppo"), ("RLOO", "rloo"), ("GRPO", "grpo"), ("DPO", "dpo")], value=s.policy_step,
+                           label="Policy step", elem_id="rl-policy-step",
+                           info="PPO: a critic; RLOO, GRPO: 4 answers per prompt compared, no critic (the PPO "
+                                "panel's settings); DPO: no reward model")
     per_round = gr.Number(value=s.loop.prompts_per_round, precision=0, minimum=1, label="Prompts per round")
     k = gr.Slider(2, 8, value=s.generate.k, step=1, label="K responses per prompt")
     strategy = gr.Radio(["random", "uncertain"], value=s.loop.strategy, label="Prompt selection",

@@ -292,6 +292,11 @@ CRITIC_FREE = ("rloo", "grpo")
 """The advantage estimators without a critic (PPOConfig.advantage_estimator)."""
 
 
+def policy_method(ppo: "PPOConfig") -> str:
+    """What the policy trainer runs, by its estimator: 'ppo' (GAE, a critic), 'rloo' or 'grpo'."""
+    return "ppo" if ppo.advantage_estimator == "gae" else ppo.advantage_estimator
+
+
 def group_size(ppo: "PPOConfig") -> int:
     """Responses per prompt in a step: samples_per_prompt, or its default for the estimator (1 under
     'gae', 4 under a critic-free one)."""
@@ -445,6 +450,7 @@ __all__ = [
     "with_rollout_length",
     "CRITIC_FREE",
     "group_size",
+    "policy_method",
     "add_arguments",
     "from_args",
     "to_dict",

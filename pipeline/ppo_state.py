@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from pipeline.config import CRITIC_FREE, ModelConfig, PPOConfig, group_size, to_dict, with_ppo_lrs
+from pipeline.config import (CRITIC_FREE, ModelConfig, PPOConfig, group_size, policy_method, to_dict,
+                             with_ppo_lrs)
 from pipeline.distributed import Dist, full_state_dict, load_optimizer_state
 from pipeline.kl import make_kl_controller
 from pipeline.models import (
@@ -180,7 +181,7 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     truncate_metrics(out, start)
     ptx_texts = read_ptx_texts(cfg.ptx_data) if cfg.ptx_coef > 0 else []
     write_json(out / "config.json", {
-        "stage": "ppo", "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
+        "stage": policy_method(cfg), "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
         "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
         "ppo": to_dict(cfg), "model": to_dict(model_cfg), "processes": dist.world, "fsdp": dist.sharded})
     return RunParts(

@@ -52,7 +52,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ModelConfig, PPOConfig, add_arguments, from_args, group_size, with_rollout_length
+from pipeline.config import (ModelConfig, PPOConfig, add_arguments, from_args, group_size, policy_method,
+                             with_rollout_length)
 from pipeline.distributed import setup
 from pipeline.losses import masked_mean, masked_var
 from pipeline.policy import merged_lora
@@ -67,9 +68,6 @@ from pipeline.saving import save_whole_policy
 from pipeline.text import encode_prompts
 from pipeline.tracking import add_report_to
 
-
-
-STAGE_NAME = {"gae": "ppo", "rloo": "rloo", "grpo": "grpo"}  # per advantage estimator, in progress and messages
 
 
 def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out_dir: str | os.PathLike,
@@ -104,7 +102,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
 
                 from tqdm import tqdm
 
-                bar = tqdm(total=cfg.steps, initial=run.start, desc=STAGE_NAME[cfg.advantage_estimator], unit="step", dynamic_ncols=True,
+                bar = tqdm(total=cfg.steps, initial=run.start, desc=policy_method(cfg), unit="step", dynamic_ncols=True,
                            disable=not dist.is_main)
                 local = slice(dist.rank * cfg.batch_size // dist.world, (dist.rank + 1) * cfg.batch_size // dist.world)
                 share_prefix = not dist.sharded  # a prefix pass would run on some ranks only

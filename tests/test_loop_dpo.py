@@ -18,11 +18,11 @@ import gradio as gr
 import pytest
 
 from annotate import train
-from pipeline.config import DPOConfig
+from pipeline.config import DPOConfig, PPOConfig
 from pipeline.orchestrate import loop
 from pipeline.oracle import make_oracle
 from pipeline.orchestrate.simulate import simulate_annotations
-from pipeline.orchestrate.steps import LoopSettings
+from pipeline.orchestrate.steps import LoopSettings, round_ppo
 from store import Store
 from tests.helpers import req, tiny_settings
 from tests.test_jobs import add_prompts
@@ -57,8 +57,13 @@ def test_settings_carry_the_policy_step_and_old_rounds_read_as_ppo():
     stored_before = {k: v for k, v in settings.to_dict().items() if k not in ("dpo", "policy_step")}
     old = LoopSettings.from_dict(stored_before)
     assert old.policy_step == "ppo" and old.dpo == DPOConfig()
-    with pytest.raises(ValueError, match="policy step must be 'ppo' or 'dpo', not 'a2c'"):
+    with pytest.raises(ValueError, match="policy step must be one of 'ppo', 'rloo', 'grpo', 'dpo', not 'a2c'"):
         LoopSettings.from_dict({**settings.to_dict(), "policy_step": "a2c"})
+    with pytest.raises(ValueError, match="choose policy step 'rloo' instead"):  # one way to choose it
+        LoopSettings(ppo=dataclasses.replace(PPOConfig(), advantage_estimator="rloo"))
+    assert round_ppo(LoopSettings(policy_step="rloo")).advantage_estimator == "rloo"
+    assert round_ppo(LoopSettings(policy_step="grpo")).advantage_estimator == "grpo"
+    assert round_ppo(LoopSettings()).advantage_estimator == "gae"
 
 
 def test_an_under_ranked_round_is_refused_untouched_and_the_threshold_follows_overlap(store, tmp_path,

@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
 import pytest
 
-from annotate import monitor, train
+from annotate import model_admin, monitor, train
 from pipeline.config import LoopConfig, add_arguments, from_args
 from pipeline.orchestrate import gate, ingest, loop
 from pipeline.oracle import make_oracle
@@ -182,7 +183,10 @@ def test_a_round_at_chance_stops_before_ppo_and_the_cli_says_why(tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_a_round_whose_reward_model_beats_chance_runs_ppo_unasked(store, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("policy_step", ["ppo", "rloo"])
+def test_a_round_whose_reward_model_beats_chance_runs_ppo_unasked(store, tiny_model_dir, tmp_path, monkeypatch,
+                                                                  policy_step):
+    """PPO, or RLOO (the same trainer without a critic), as the policy step the round names."""
     trusted = {"eval/accuracy": 0.9, "eval/pairs": 200, "eval/length_baseline_accuracy": 0.5, "train/pairs": 18}
     register = ingest.FINISHERS["train-reward"]
 
@@ -196,6 +200,7 @@ def test_a_round_whose_reward_model_beats_chance_runs_ppo_unasked(store, tiny_mo
     runner = loop.make_runner(store, tmp_path / "runs", poll_s=0.2)
     try:
         settings = tiny_settings(tiny_model_dir)
+        settings.policy_step = policy_step
         assert settings.loop.reward_gate  # the default
         rnd = loop.start_round(store, runner, settings)
         simulate_annotations(store, make_oracle("rule:length"))
@@ -205,6 +210,12 @@ def test_a_round_whose_reward_model_beats_chance_runs_ppo_unasked(store, tiny_mo
         assert gate.judge(reward).trusted and done.status == "done" and loop.gated(done) is None
         assert ppo.status == "done" and ppo.inputs["reward_version_id"] == reward.id == done.reward_version_id
         assert store.active_policy().id == done.new_policy_version_id
+        policy = store.active_policy()
+        assert policy.meta["method"] == policy_step and model_admin.trained_by(policy) == policy_step.upper()
+        run_dir = Path(policy.path).parent
+        assert json.loads((run_dir / "config.json").read_text())["ppo"]["advantage_estimator"] == \
+            {"ppo": "gae", "rloo": "rloo"}[policy_step]
+        assert (run_dir / "checkpoint" / "critic").is_dir() == (policy_step == "ppo")
     finally:
         runner.shutdown()
 

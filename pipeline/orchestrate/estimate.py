@@ -193,7 +193,7 @@ def round_estimate(store, settings) -> RoundEstimate:
         part("train-dpo", f"DPO on {pairs} pairs", _capped(pairs, vars(settings.dpo)))
     else:
         part("train-reward", f"reward model on {pairs} pairs", _capped(pairs, vars(settings.reward)))
-        part("ppo", f"PPO {settings.ppo.steps} steps", ppo_units(vars(with_rollout_length(settings.ppo, settings.generate))))
+        part("ppo", f"{settings.policy_step.upper()} {settings.ppo.steps} steps", ppo_units(vars(with_rollout_length(settings.ppo, settings.generate))))
     responses = settings.loop.prompts_per_round * k
     part("generate", f"generating {responses} responses",
          generate_units(responses, settings.generate.max_new_tokens))

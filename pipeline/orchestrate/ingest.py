@@ -109,9 +109,11 @@ def _numbers(row: dict) -> dict:
 
 
 def finish_ppo(store, run, run_dir: Path, partial: Partial) -> dict:
-    """The new policy, trained against the reward model the run names."""
+    """The new policy, trained against the reward model the run names; its method is the run's
+    ('ppo', or 'rloo' / 'grpo' without a critic)."""
     metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    return _register_policy(store, run, run_dir, {"method": "ppo", "final": _numbers(metrics[-1] if metrics else {})},
+    method = _read_json(run_dir / "config.json").get("stage", "ppo")
+    return _register_policy(store, run, run_dir, {"method": method, "final": _numbers(metrics[-1] if metrics else {})},
                             reward_version_id=run.inputs.get("reward_version_id"))
 
 

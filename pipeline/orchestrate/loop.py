@@ -8,9 +8,9 @@
                          └──── back from training when the reward gate finds the new reward model
                                no better than chance: PPO does not run (see below)
 
-The policy step (LoopSettings.policy_step) is PPO or DPO. Both train on the same data: a snapshot
-of every pair so far (steps.pairs_snapshot). With PPO a reward model learns the snapshot and PPO
-optimises against it; with DPO the policy learns the snapshot directly and the round trains no
+The policy step (LoopSettings.policy_step) is PPO (or RLOO / GRPO, PPO's loop without a critic)
+or DPO. Both train on the same data: a snapshot of every pair so far (steps.pairs_snapshot). With
+PPO a reward model learns the snapshot and PPO optimises against it; with DPO the policy learns the snapshot directly and the round trains no
 reward model: that is DPO's point (Rafailov et al. 2023), and it saves the reward job's minutes.
 The round then records the snapshot and no reward model. What still needs a reward model
 (Compare in the Models tab, 'uncertain' prompt selection) uses the newest one trained (by an
@@ -398,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", type=float, default=0.0, help="simulated annotator's Bradley-Terry noise")
     parser.add_argument("--policy-step", choices=POLICY_STEPS, default="ppo",
                         help="how a round trains its policy: ppo (a reward model on the round's snapshot, then PPO "
-                             "against it) or dpo (DPO on the snapshot, no reward model; options --dpo-*)")
+                             "against it), rloo or grpo (the same without a critic; options --ppo-*) or dpo (DPO on "
+                             "the snapshot, no reward model; options --dpo-*)")
     parser.add_argument("--ppo-prompts", type=int, default=256, help="pool prompts PPO trains on per round")
     parser.add_argument("--processes", type=int, default=1,
                         help="data-parallel processes per job, e.g. one per GPU (torchrun; default: %(default)s)")

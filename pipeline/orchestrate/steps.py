@@ -20,9 +20,13 @@ from pathlib import Path
 from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, to_cli_args,
                              to_dict, with_rollout_length)
 
-POLICY_STEPS = ("ppo", "dpo")
-"""A round's policy step: PPO against a reward model trained on the round's snapshot, or DPO on
-the snapshot itself (no reward model)."""
+POLICY_STEPS = ("ppo", "rloo", "grpo", "dpo")
+"""A round's policy step: PPO, RLOO or GRPO against a reward model trained on the round's snapshot
+(the ppo trainer with its advantage estimator: `round_ppo`), or DPO on the snapshot itself (no
+reward model)."""
+
+ESTIMATORS = {"ppo": "gae", "rloo": "rloo", "grpo": "grpo"}
+"""The ppo trainer's advantage estimator for each policy step that uses a reward model."""
 
 
 @dataclass
@@ -36,8 +40,9 @@ class LoopSettings:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     policy_step: str = "ppo"
-    """How a round trains its policy: 'ppo' (reward model on the round's snapshot, then PPO against
-    it) or 'dpo' (DPO on the same snapshot; the round trains no reward model)."""
+    """How a round trains its policy: 'ppo', 'rloo' or 'grpo' (a reward model on the round's snapshot,
+    then that online RL against it; `ppo` holds their settings) or 'dpo' (DPO on the same snapshot;
+    the round trains no reward model)."""
     ppo_prompts: int = 256
     """Prompts from the pool that PPO trains on each round."""
     processes: int = 1
@@ -48,6 +53,9 @@ class LoopSettings:
 
     def __post_init__(self):
         check_policy_step(self.policy_step)
+        if self.ppo.advantage_estimator != "gae":  # one way to choose it: the policy step
+            raise ValueError(f"a round's advantage estimator follows its policy step: choose policy step "
+                             f"{self.ppo.advantage_estimator!r} instead of ppo.advantage_estimator")
 
     def to_dict(self) -> dict:
         return {"loop": to_dict(self.loop), "model": to_dict(self.model), "generate": to_dict(self.generate),
@@ -78,7 +86,7 @@ class LoopSettings:
 
 def check_policy_step(step: str) -> str:
     if step not in POLICY_STEPS:
-        raise ValueError(f"policy step must be {' or '.join(repr(s) for s in POLICY_STEPS)}, not {step!r}")
+        raise ValueError(f"policy step must be one of {', '.join(repr(s) for s in POLICY_STEPS)}, not {step!r}")
     return step
 
 
@@ -233,9 +241,11 @@ def snapshot_split(trainer_cfg, snapshot):
 
 
 def round_ppo(settings: LoopSettings) -> PPOConfig:
-    """The round's PPO settings with the rollout length resolved: the generation's unless given
-    (config.with_rollout_length), so PPO samples at the length its reward model was trained on."""
-    return with_rollout_length(settings.ppo, settings.generate)
+    """The round's ppo-trainer settings: the policy step's advantage estimator (ESTIMATORS), and the
+    rollout length resolved, the generation's unless given (config.with_rollout_length), so PPO
+    samples at the length its reward model was trained on."""
+    ppo = dataclasses.replace(settings.ppo, advantage_estimator=ESTIMATORS.get(settings.policy_step, "gae"))
+    return with_rollout_length(ppo, settings.generate)
 
 
 def normalised_as_ppo(reward_cfg, ppo_cfg):
