@@ -82,8 +82,13 @@ class GenerateConfig:
 
 @dataclass
 class RewardConfig:
+    loss: str = "bt"
+    """'bt': Bradley-Terry on each pair, -log sigmoid(r_c - r_r) (Ouyang et al. 2022); 'plackett-luce':
+    each whole ranking once, read from the snapshot's rankings (pipeline/losses.py
+    `plackett_luce_loss`, ties by Efron's approximation), held out and evaluated on pairs exactly as
+    'bt' (the same held-out prompts). With K = 2 the two are the same loss."""
     epochs: int = 1
-    """Passes over the training pairs."""
+    """Passes over the training pairs (rankings, with 'plackett-luce')."""
     lr: float = 3e-4
     """Learning rate (AdamW, linear decay). For the default LoRA model: in the gold experiment a
     reward model on SmolLM2-135M with LoRA r16 at 3e-4 reached 0.754 held-out accuracy after one

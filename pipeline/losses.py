@@ -72,6 +72,32 @@ def pairwise_loss(
     return -F.logsigmoid(diff).mean()
 
 
+def plackett_luce_loss(scores: torch.Tensor, tiers: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of one ranking under Plackett-Luce (Plackett 1975; Luce 1959): the
+    best response is chosen from all K with probability softmax(scores), the next from the rest,
+    and so on. scores (K,) the reward model's; tiers (K,) each response's tie group, 0 = best.
+
+    Ties, Efron's approximation (Efron 1977, as Cox regression's): a tie group G of d members
+    leaving the set R (G and every group below it) costs
+        -sum_{i in G} s_i + sum_{l=0}^{d-1} log(sum_R e^s - (l / d) sum_G e^s),
+    the expected denominators of G's d choices over their orders. It is O(K), exact without ties,
+    and it asks tied responses to score alike (a tie group at the bottom costs 0 only when its
+    scores are equal), where Breslow's form would reward any split. With K = 2 and no tie it is
+    -log sigmoid(s_best - s_worst), Bradley-Terry's loss on the pair."""
+    scores = scores.float()
+    loss = scores.new_zeros(())
+    for g in sorted(set(tiers.tolist())):  # best group first
+        members = tiers == g
+        rest = tiers >= g  # G and everything below it
+        d = int(members.sum())
+        lse_rest = torch.logsumexp(scores[rest], 0)
+        lse_group = torch.logsumexp(scores[members], 0)
+        share = torch.exp(lse_group - lse_rest)  # sum_G e^s / sum_R e^s, in (0, 1]
+        l = torch.arange(d, dtype=scores.dtype, device=scores.device)
+        loss = loss - scores[members].sum() + (lse_rest + torch.log1p(-(l / d) * share)).sum()
+    return loss
+
+
 def center_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
     """Reward-centering term: mean((r_c + r_r)^2), pulling rewards towards mean 0.
 
@@ -386,6 +412,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "pairwise_loss",
+    "plackett_luce_loss",
     "center_loss",
     "lm_loss",
     "logprobs_from_logits",

@@ -151,22 +151,30 @@ def _row_to_pair(row, where: str, index: int) -> Pair:
         prompt = chosen[:-1]  # TRL implicit-prompt conversational form
         if rejected[:-1] != prompt or not prompt:
             raise PairsError(f"{where}: no 'prompt' field and the 'chosen'/'rejected' conversations differ before the last message")
+    _check_prompt(prompt, where)
+    margin = row.get("margin")
+    if margin is None:
+        margin = 0.0
+    elif not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin != margin:
+        raise PairsError(f"{where}, field 'margin': expected a number, got {margin!r}")
+    return Pair(prompt, _response_text(chosen, where, "chosen"), _response_text(rejected, where, "rejected"),
+                float(margin), index, _split(row, where), _weight(row.get("weight"), where))
+
+
+def _check_prompt(prompt, where: str) -> None:
     if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt.strip()) or not prompt:
         raise PairsError(f"{where}, field 'prompt': expected non-empty text or a list of messages")
     if isinstance(prompt, list):
         for i, m in enumerate(prompt):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise PairsError(f"{where}, field 'prompt': message {i} is not a {{role, content}} object of text")
-    margin = row.get("margin")
-    if margin is None:
-        margin = 0.0
-    elif not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin != margin:
-        raise PairsError(f"{where}, field 'margin': expected a number, got {margin!r}")
+
+
+def _split(row: dict, where: str) -> str:
     split = row.get("split") or "train"
     if split not in ("train", "test"):
         raise PairsError(f"{where}, field 'split': expected 'train' or 'test', got {split!r}")
-    return Pair(prompt, _response_text(chosen, where, "chosen"), _response_text(rejected, where, "rejected"),
-                float(margin), index, split, _weight(row.get("weight"), where))
+    return split
 
 
 def _weight(value, where: str) -> float:
@@ -205,6 +213,91 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], dict]:
     return pairs, report
 
 
+# --------------------------------------------------------------------------- rankings (Plackett-Luce)
+
+
+@dataclass
+class Ranking:
+    prompt: str | list  # as a pair's
+    responses: list[str]
+    tiers: list[int]  # each response's tie group, 0 = best (the export's `order`)
+    row: int = 0
+    split: str = "train"
+
+
+@dataclass
+class EncodedRanking:
+    prompt_ids: list[int]
+    responses: list[list[int]]  # response ids + EOS, as a pair's
+    tiers: list[int]
+
+    @property
+    def length(self) -> int:  # the longest row, prompt + response
+        return len(self.prompt_ids) + max(map(len, self.responses))
+
+
+def rankings_path(data: str | Path) -> Path:
+    """Where the rankings behind a pairs snapshot are (store/export.py's layout): `rankings/` in a
+    snapshot folder, `<stem>.rankings.<ext>` beside a pairs file; or `data` itself when it is a
+    rankings file or folder."""
+    data = Path(data)
+    for candidate in (data / "rankings", data.with_name(f"{data.stem}.rankings{data.suffix}")):
+        if candidate.exists():
+            return candidate
+    return data
+
+
+def read_rankings(data: str | Path) -> tuple[list[Ranking], dict]:
+    """(rankings, report) from a snapshot's rankings (RANKING_COLUMNS of store/export.py: prompt,
+    responses [{response_id, text, ...}], order = tie groups of response ids, best first, split).
+    Blank responses are left out (train-reward refuses them in pairs too); a ranking left with one
+    tie group says nothing about order (all tied, or one response) and is dropped; both counted."""
+    path = rankings_path(data)
+    rows = _read_rows(path)
+    rankings, all_tied, blank = [], 0, 0
+    for n, row in rows:
+        where = f"{path}, row {n}"
+        if not isinstance(row, dict) or not isinstance(row.get("responses"), list) or not isinstance(row.get("order"), list):
+            raise PairsError(f"{where}: not a ranking: expected fields 'responses' and 'order' "
+                             f"(store/export.py's rankings; fields present: {', '.join(sorted(row)) if isinstance(row, dict) else 'none'})")
+        _check_prompt(row.get("prompt"), where)
+        texts = {}
+        for r in row["responses"]:
+            if not isinstance(r, dict) or "response_id" not in r or not isinstance(r.get("text"), str):
+                raise PairsError(f"{where}, field 'responses': each must be an object with 'response_id' and 'text'")
+            texts[r["response_id"]] = r["text"]
+        responses, tiers = [], []
+        for tier, group in enumerate(row["order"]):
+            for rid in group if isinstance(group, list) else [group]:
+                if rid not in texts:
+                    raise PairsError(f"{where}, field 'order': response id {rid!r} is not among its responses")
+                if not texts[rid].strip():
+                    blank += 1
+                    continue
+                responses.append(texts[rid])
+                tiers.append(tier)
+        if len(set(tiers)) < 2:
+            all_tied += 1
+            continue
+        rankings.append(Ranking(row["prompt"], responses, tiers, n - 1, _split(row, where)))
+    if not rankings:
+        raise PairsError(f"{path}: no ranking orders two responses ({len(rows)} rows: all tied, or blank)")
+    return rankings, {"rows": len(rows), "rankings": len(rankings), "dropped_all_tied": all_tied,
+                      "blank_responses_left_out": blank, "file": str(path)}
+
+
+def encode_rankings(rankings: list[Ranking], tokenizer, max_length: int) -> tuple[list[EncodedRanking], EncodeReport]:
+    """Tokenise every ranking as pairs are (`encode_pairs`): one prompt for its responses, cut from
+    the left to fit beside the longest."""
+    report = EncodeReport()
+    out = []
+    for r in rankings:
+        prompt, responses = _fit(prompt_token_ids(tokenizer, r.prompt),
+                                 [encode_response(tokenizer, text) for text in r.responses], max_length, report, r.row)
+        out.append(EncodedRanking(prompt, responses, r.tiers))
+    return out, report
+
+
 # --------------------------------------------------------------------------- split
 
 
@@ -232,27 +325,26 @@ def split_by_prompt(pairs: list[Pair], eval_fraction: float, seed: int) -> tuple
 # --------------------------------------------------------------------------- tokenising
 
 
-def _fit(prompt_ids: list[int], chosen: list[int], rejected: list[int], max_length: int,
-         report: EncodeReport, row: int):
-    """(prompt, chosen, rejected) with prompt + the longer response <= max_length.
+def _fit(prompt_ids: list[int], responses: list[list[int]], max_length: int, report: EncodeReport, row: int):
+    """(prompt, responses) with prompt + the longest response <= max_length.
 
-    Both responses keep the same prompt (a pair compares responses in one context, and the prompt
-    then runs once for both). The prompt loses tokens from its left; it keeps at least one, so a
-    response longer than max_length - 1 keeps its last max_length - 1 tokens.
+    Every response keeps the same prompt (a pair or a ranking compares responses in one context,
+    and the prompt then runs once for all). The prompt loses tokens from its left; it keeps at
+    least one, so a response longer than max_length - 1 keeps its last max_length - 1 tokens.
     """
-    longest = max(len(chosen), len(rejected))
+    longest = max(map(len, responses))
     report.max_tokens_seen = max(report.max_tokens_seen, len(prompt_ids) + longest)
     if len(prompt_ids) + longest <= max_length:
-        return prompt_ids, chosen, rejected
+        return prompt_ids, responses
     if len(report.examples) < 10:
         report.examples.append(row)
     keep = max(max_length - longest, 1)
     if keep < len(prompt_ids):
         report.prompt_truncated += 1
     budget = max_length - keep
-    for response in (chosen, rejected):
+    for response in responses:
         report.response_truncated += len(response) > budget
-    return prompt_ids[-keep:], chosen[-budget:], rejected[-budget:]
+    return prompt_ids[-keep:], [response[-budget:] for response in responses]
 
 
 def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[EncodedPair], EncodeReport]:
@@ -267,7 +359,7 @@ def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[En
         if key not in prompt_cache:
             prompt_cache[key] = prompt_token_ids(tokenizer, pair.prompt)
         c, r = encode_response(tokenizer, pair.chosen), encode_response(tokenizer, pair.rejected)
-        p, c_fit, r_fit = _fit(prompt_cache[key], c, r, max_length, report, pair.row)
+        p, (c_fit, r_fit) = _fit(prompt_cache[key], [c, r], max_length, report, pair.row)
         out.append(EncodedPair(p, c_fit, r_fit, len(c), len(r), pair.margin, pair.weight))
     return out, report
 

@@ -27,9 +27,9 @@ from tqdm.auto import tqdm
 from pipeline.losses import last_token_index, lm_loss, pairwise_loss
 from pipeline.models import autocast, position_ids_from_mask
 from pipeline.packing import cache_kwarg
-from pipeline.reward_data import EncodedPair, Pair, collate, collate_shared
+from pipeline.reward_data import EncodedPair, EncodedRanking, Pair, collate, collate_shared
 from pipeline.rundir import is_writer
-from pipeline.text import encode_response, prompt_token_ids
+from pipeline.text import encode_response, pad_rows, prompt_token_ids
 
 
 def pair_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -110,6 +110,15 @@ def forward_pairs(model, items: list[EncodedPair], pad_id: int, device, share_pr
             logits = hidden[:n, start:] @ lm_weight.to(hidden.dtype).T  # (B, L', V)
             lm = lm_loss(logits, ids[:n, start:], batch["lm_mask"][:, start:].to(device))
     return scores[:n], scores[n:], lm, batch["margin"].to(device), tokens
+
+
+def forward_rankings(model, items: list[EncodedRanking], pad_id: int, device):
+    """One batch of rankings through the reward model, each response as a whole sequence (prompt +
+    response, one row each): (scores per ranking [(K_i,)], real tokens processed)."""
+    rows = [it.prompt_ids + response for it in items for response in it.responses]
+    ids, mask = pad_rows(rows, pad_id, left=False, device=device)  # (N, L)
+    scores, _ = pair_scores(model, ids, mask)  # (N,)
+    return list(scores.split([len(it.responses) for it in items])), int(mask.sum())
 
 
 @torch.no_grad()

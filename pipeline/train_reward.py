@@ -61,12 +61,13 @@ import torch
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
 from pipeline.distributed import Dist, full_state_dict, load_optimizer_state, setup
-from pipeline.losses import center_loss, weighted_pairwise_loss
+from pipeline.losses import center_loss, plackett_luce_loss, weighted_pairwise_loss
 from pipeline.models import (
     autocast, load_scalar_model, pick_dtype, resolve_model_path,
 )
-from pipeline.reward_data import encode_pairs, pair_weights, train_eval_data
-from pipeline.reward_eval import evaluate, forward_pairs, normalisation_stats
+from pipeline.reward_data import (encode_pairs, encode_rankings, pair_weights, prompt_key, read_rankings,
+                                  train_eval_data)
+from pipeline.reward_eval import evaluate, forward_pairs, forward_rankings, normalisation_stats
 from pipeline.run import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover, resume_from,
                           run_steps, save_state, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
@@ -76,16 +77,17 @@ from pipeline.tracking import add_report_to
 # --------------------------------------------------------------------------- helpers
 
 
-def token_chunks(idx: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Split one batch of pair indices into chunks whose padded size (2 rows per pair x longest
-    row) stays within max_tokens; a pair that alone exceeds it runs alone. 0 = one chunk."""
+def token_chunks(idx: list[int], lengths: list[int], max_tokens: int, rows: list[int] | None = None) -> list[list[int]]:
+    """Split one batch of item indices into chunks whose padded size (rows per item, 2 for a pair,
+    x longest row) stays within max_tokens; an item that alone exceeds it runs alone. 0 = one chunk."""
     if max_tokens <= 0:
         return [idx]
-    chunks, current = [], []
+    chunks, current, n_rows = [], [], 0
     for i in sorted(idx, key=lambda j: -lengths[j]):  # longest first: each chunk's width is its first
-        if current and 2 * (len(current) + 1) * lengths[current[0]] > max_tokens:
+        n_rows += rows[i] if rows else 2
+        if current and n_rows * lengths[current[0]] > max_tokens:
             chunks.append(current)
-            current = []
+            current, n_rows = [], rows[i] if rows else 2
         current.append(i)
     return chunks + [current]
 
@@ -122,6 +124,8 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
     dist = setup(model_cfg.device)
     if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1:
         raise ValueError("batch_size, grad_accum and epochs must be at least 1")
+    if cfg.loss not in ("bt", "plackett-luce"):
+        raise ValueError(f"--loss {cfg.loss!r}: use 'bt' (Bradley-Terry on pairs) or 'plackett-luce' (whole rankings)")
     # 0. Run directory (pipeline/run.py): a resume continues the run's own settings and warm start.
     saved = claim(out_dir, resume=resume, data=data, results=("checkpoint", STATE_FILE, "eval_report.json"), dist=dist)
     if saved:
@@ -133,12 +137,45 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
         return report
 
 
+def pair_loss(cfg: RewardConfig, wrapped, items: list, weights: list[float] | None, *, pad_id: int, device,
+              share_prompt: bool, lm_weight):
+    """The Bradley-Terry loss of a chunk of pairs (with margin, centering and LM terms when set):
+    (loss, each pair scored in order (b,), its score gap (b,), real tokens)."""
+    r_c, r_r, lm, margin, tokens = wrapped(  # (b,), (b,), scalar, (b,)
+        forward_pairs, items, pad_id, device, share_prompt, lm_weight)
+    w = None if weights is None else torch.tensor(weights, device=device)  # (b,)
+    loss = weighted_pairwise_loss(r_c, r_r, w, margin if cfg.margin else None)
+    if cfg.center_coef > 0:
+        loss = loss + cfg.center_coef * center_loss(r_c, r_r)
+    if lm is not None:
+        loss = loss + cfg.lm_coef * lm
+    gap = (r_c - r_r).detach()
+    return loss, (gap > 0).float(), gap, tokens
+
+
+def ranking_loss(wrapped, items: list, *, pad_id: int, device):
+    """The Plackett-Luce loss of a chunk of rankings, mean over rankings: (loss, per ranking the
+    share of its ordered pairs scored in order (b,) and their mean score gap (b,), real tokens)."""
+    scores, tokens = wrapped(forward_rankings, items, pad_id, device)
+    losses, right, gaps = [], [], []
+    for s, it in zip(scores, items):
+        tiers = torch.tensor(it.tiers, device=s.device)
+        losses.append(plackett_luce_loss(s, tiers))
+        above = tiers[:, None] < tiers[None, :]  # (K, K): i ranked above j
+        gap = (s[:, None] - s[None, :]).detach()[above]
+        right.append((gap > 0).float().mean())
+        gaps.append(gap.mean())
+    return torch.stack(losses).mean(), torch.stack(right), torch.stack(gaps), tokens
+
+
 def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: list[int], weights: list[float] | None,
                 *, pad_id: int, share_prompt: bool, lm_weight, dtype, params: list, optimizer, scheduler) -> Callable:
-    """The optimiser step run_steps calls: the Bradley-Terry loss (with margin, centering and LM
-    terms when set) over a step's micro-batches of pair indices into `items`; returns (metrics,
-    pairs, tokens)."""
+    """The optimiser step run_steps calls: the loss (`pair_loss`, or `ranking_loss` for
+    'plackett-luce') over a step's micro-batches of indices into `items` (pairs or rankings);
+    returns (metrics, items, tokens)."""
     device = dist.device
+    ranked = cfg.loss == "plackett-luce"
+    rows = [len(it.responses) for it in items] if ranked else None  # sequences per item (a pair: 2)
 
     def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
         sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
@@ -147,7 +184,7 @@ def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: li
         # and centering terms are means over pairs). With N processes each takes every N-th pair of
         # each batch, and DDP's mean over ranks undoes loss_scale.
         chunks = [(chunk, len(chunk) / len(idx) / len(micro) * dist.loss_scale)
-                  for idx in micro for chunk in token_chunks(dist.shard(idx), lengths, cfg.max_tokens) if chunk]
+                  for idx in micro for chunk in token_chunks(dist.shard(idx), lengths, cfg.max_tokens, rows) if chunk]
         if not chunks:  # fewer pairs than processes: this rank joins the all-reduce with zeros
             chunks = [(micro[0][:1], 0.0)]
         if dist.sharded:  # every layer's forward gathers across ranks: run as many as the busiest
@@ -156,20 +193,16 @@ def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: li
             b = len(chunk)
             with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
                 with autocast(device, dtype):
-                    r_c, r_r, lm, margin, tokens = wrapped(  # (b,), (b,), scalar, (b,)
-                        forward_pairs, [items[i] for i in chunk], pad_id, device, share_prompt, lm_weight)
-                    w = None if weights is None else torch.tensor([weights[i] for i in chunk], device=device)  # (b,)
-                    loss = weighted_pairwise_loss(r_c, r_r, w, margin if cfg.margin else None)
-                    if cfg.center_coef > 0:
-                        loss = loss + cfg.center_coef * center_loss(r_c, r_r)
-                    if lm is not None:
-                        loss = loss + cfg.lm_coef * lm
+                    batch = [items[i] for i in chunk]
+                    loss, right, gap, tokens = ranking_loss(wrapped, batch, pad_id=pad_id, device=device) if ranked \
+                        else pair_loss(cfg, wrapped, batch, None if weights is None else [weights[i] for i in chunk],
+                                       pad_id=pad_id, device=device, share_prompt=share_prompt, lm_weight=lm_weight)
                 (loss * weight).backward()
             if weight == 0.0:
                 continue
             sums["loss"] += loss.item() * b
-            sums["accuracy"] += (r_c > r_r).float().sum().item()
-            sums["margin"] += (r_c - r_r).sum().item()
+            sums["accuracy"] += right.sum().item()
+            sums["margin"] += gap.sum().item()
             sums["pairs"] += b
             sums["tokens"] += tokens
         sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
@@ -177,6 +210,21 @@ def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: li
                 "train/margin": sums["margin"] / n, "train/grad_norm": grad_norm}, n, sums["tokens"]
 
     return train_step
+
+
+def training_rankings(data: str, cfg: RewardConfig, eval_pairs: list, data_report: dict) -> list:
+    """The rankings Plackett-Luce trains on: the snapshot's (reward_data.read_rankings) minus those
+    of its test split and of every held-out pair's prompt; counted in data_report['rankings']."""
+    if cfg.margin or cfg.center_coef > 0 or cfg.lm_coef > 0:
+        raise ValueError("--loss plackett-luce trains on whole rankings: --margin, --center-coef and --lm-coef "
+                         "are Bradley-Terry's pair terms (use --loss bt)")
+    rankings, report = read_rankings(data)
+    held = {prompt_key(p.prompt) for p in eval_pairs}
+    train = [r for r in rankings if r.split != "test" and prompt_key(r.prompt) not in held]
+    data_report["rankings"] = {**report, "train": len(train)}
+    if not train:
+        raise ValueError(f"{report['file']}: no rankings left to train on after holding out the evaluation prompts")
+    return train
 
 
 def shares_prompt(cfg: RewardConfig, model_cfg: ModelConfig, dist: Dist) -> bool:
@@ -233,6 +281,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # 1. Data: read, drop identical pairs; held-out pairs from --eval-data, the snapshot's 'test'
     #    split, or eval_fraction of the prompts.
     train_pairs, eval_pairs, data_report = train_eval_data(data, cfg.eval_data, cfg.eval_fraction, cfg.seed)
+    #    Plackett-Luce trains on the rankings of the training pairs' prompts instead (the held-out
+    #    pairs stay the evaluation, so both losses are measured alike)
+    train_rankings = training_rankings(data, cfg, eval_pairs, data_report) if cfg.loss == "plackett-luce" else None
 
     # 2. Model: a new reward head on the base model, a previous reward model (--init-from), or this
     #    run's own checkpoint (--resume).
@@ -240,7 +291,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         recover(out_dir / "checkpoint", dist)
     source = str(out_dir / "checkpoint") if resume else (init_from or model_cfg.model)
     model, tokenizer = load_scalar_model(source, "reward", load_cfg)
-    train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
+    train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length) if train_rankings is None \
+        else encode_rankings(train_rankings, tokenizer, cfg.max_length)
     eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
     pad_id = tokenizer.pad_token_id
     lm_weight = lm_head_weight(model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None
@@ -265,7 +317,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
     lengths = [it.length for it in train_items]
-    weights = pair_weights(train_items, cfg.use_weights)  # None: the plain loss
+    weights = pair_weights(train_items, cfg.use_weights) if train_rankings is None else None  # None: the plain loss
     model.train()
 
     train_step = reward_step(cfg, dist, wrapped, train_items, lengths, weights, pad_id=pad_id,
@@ -293,7 +345,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     save(step, norm)
     dist.barrier()
     own = {**report, "calibration": calib, "normalisation": norm, "checkpoint": str(out_dir / "checkpoint"),
-           "train/pairs": len(train_items), "train/weighted": weights is not None,
+           "train/pairs": len(train_pairs), "train/weighted": weights is not None,
+           **({"train/rankings": len(train_items)} if train_rankings is not None else {}),
            "train/prompts": len({str(p.prompt) for p in train_pairs}),
            "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
     return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),

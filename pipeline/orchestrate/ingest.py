@@ -81,12 +81,13 @@ def finish_train_reward(store, run, run_dir: Path, partial: Partial) -> dict:
     ckpt = run_dir / "checkpoint"
     meta = _read_json(ckpt / "model_meta.json")
     report = _read_json(run_dir / "eval_report.json")
+    config = _read_json(run_dir / "config.json")
     version = store.register_model_version(
         "reward", parent_id=run.inputs.get("parent_version_id"), path=str(ckpt),
         base_model=meta.get("base_model"), run_id=run.id, snapshot_id=run.inputs.get("snapshot_id"),
         meta={"eval": {k: v for k, v in report.items() if not isinstance(v, (list, dict))},
               "reward_mean": meta.get("reward_mean"), "reward_std": meta.get("reward_std"),
-              "data_sha256": _read_json(run_dir / "config.json").get("data_sha256")})
+              "loss": (config.get("reward") or {}).get("loss", "bt"), "data_sha256": config.get("data_sha256")})
     return {"model_version_id": version.id}
 
 
