@@ -29,6 +29,7 @@ import pandas as pd
 from annotate import monitor, render
 from annotate.context import AppContext, admin
 from annotate.train import settings_of
+from pipeline.model_card import REWARD_LOSSES
 from pipeline.orchestrate.steps import held_out_prompts, submit_compare, submit_export
 from pipeline.rundir import read_status
 
@@ -52,8 +53,6 @@ def trained_by(mv) -> str:
         return REWARD_LOSSES.get(meta.get("loss") or "bt", str(meta.get("loss")))
     return ""
 
-
-REWARD_LOSSES = {"bt": "Bradley-Terry", "plackett-luce": "Plackett-Luce"}
 
 
 def _summary(mv) -> str:

@@ -82,8 +82,15 @@ def _number(value, name: str, *, minimum: float, integer: bool = False) -> float
     return int(x) if integer else x
 
 
-def reward_settings(settings: LoopSettings, lora, processes, epochs, lr, batch_size) -> LoopSettings:
+REWARD_LOSSES = {"bt": "Bradley-Terry (pairs)", "plackett-luce": "Plackett-Luce (whole rankings)"}
+"""The reward model's losses (RewardConfig.loss) as the Train tab names them."""
+
+
+def reward_settings(settings: LoopSettings, lora, processes, epochs, lr, batch_size, loss) -> LoopSettings:
     """The reward form's values on top of the app's settings."""
+    if loss not in REWARD_LOSSES:
+        raise gr.Error(f"Reward loss: choose Bradley-Terry or Plackett-Luce (got {loss!r}).")
+    settings.reward.loss = loss
     settings.model.lora = bool(lora)
     settings.processes = _number(processes, "Processes", minimum=1, integer=True)
     settings.reward.epochs = _number(epochs, "Epochs", minimum=1, integer=True)
@@ -144,6 +151,7 @@ class RoundForm:
     epochs: float
     rm_lr: float
     rm_batch: float
+    rm_loss: str
     n_prompts: float
     steps: float
     kl_control: str
@@ -162,7 +170,8 @@ class RoundForm:
 
     def settings(self, settings: LoopSettings) -> LoopSettings:
         """The form on top of the app's settings (each field checked: gr.Error names a bad one)."""
-        settings = reward_settings(settings, self.lora, self.processes, self.epochs, self.rm_lr, self.rm_batch)
+        settings = reward_settings(settings, self.lora, self.processes, self.epochs, self.rm_lr, self.rm_batch,
+                                   self.rm_loss)
         settings = ppo_settings(settings, self.lora, self.processes, self.n_prompts, self.steps, self.kl_control,
                                 self.beta, self.kl_target, self.ppo_lr, self.critic_lr)
         settings = dpo_settings(settings, self.policy_step, self.dpo_loss, self.dpo_beta, self.dpo_epochs, self.dpo_lr)
@@ -214,13 +223,13 @@ def round_duration(ctx: AppContext, form: RoundForm, request: gr.Request) -> str
 # ------------------------------------------------------------------------- starting jobs
 
 
-def train_reward(ctx: AppContext, lora: bool, processes, epochs, lr, batch_size, warm_start: bool,
+def train_reward(ctx: AppContext, lora: bool, processes, epochs, lr, batch_size, loss, warm_start: bool,
                  request: gr.Request):
     """Export a snapshot of every pair (Parquet, recorded in the store), then queue a
     `train-reward` job on it. Returns (message, run choice, timer)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = reward_settings(settings_of(ctx), lora, processes, epochs, lr, batch_size)
+    settings = reward_settings(settings_of(ctx), lora, processes, epochs, lr, batch_size, loss)
     try:
         run, snapshot = submit_reward(ctx.store, jobs, settings, warm_start=bool(warm_start))
     except ValueError as exc:

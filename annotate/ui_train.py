@@ -55,12 +55,13 @@ def train_tab(ctx: AppContext) -> dict:
     poll_out = [mon.bar, *mon.plots, mon.latest, mon.log, rnd.round_md, rnd.gate_md, rnd.anyway, mon.run_pick,
                 ppo.reward, mon.timer]
     poll = dict(fn=bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
-    rm.button.click(bind(t.train_reward, ctx), [lora, processes, rm.epochs, rm.lr, rm.batch, rm.warm], started,
+    rm.button.click(bind(t.train_reward, ctx), [lora, processes, rm.epochs, rm.lr, rm.batch, rm.loss, rm.warm], started,
                     api_name="train_reward", **HIDDEN).success(**poll)
     ppo.button.click(bind(t.run_ppo, ctx), [lora, processes, ppo.reward, *ppo.settings, ppo.activate], started,
                      api_name="run_ppo", **HIDDEN).success(**poll)
     # the round's form by name; its components in the order of t.RoundForm's fields (bind_form)
     form = {"lora": lora, "processes": processes, "epochs": rm.epochs, "rm_lr": rm.lr, "rm_batch": rm.batch,
+            "rm_loss": rm.loss,
             **ppo.form, "policy_step": rnd.policy_step, **dpo.form, **rnd.form}
     round_in = [form[f.name] for f in dataclasses.fields(t.RoundForm)]
     round_out = [*started, rnd.confirm_row, rnd.confirm_md]
@@ -87,11 +88,15 @@ def train_tab(ctx: AppContext) -> dict:
 
 
 def _reward_panel(s, enabled: bool) -> SimpleNamespace:
-    gr.Markdown("#### Reward model\nBradley-Terry on every pair so far (a Parquet snapshot is exported first).")
+    gr.Markdown("#### Reward model\nOn every pair so far (a Parquet snapshot is exported first, its rankings "
+                "beside it).")
     return SimpleNamespace(
+        loss=gr.Radio([(name, key) for key, name in t.REWARD_LOSSES.items()], value=s.reward.loss, label="Loss",
+                      elem_id="rl-reward-loss", info="Plackett-Luce learns each ranking once, ties as tie groups; "
+                                                     "with K = 2 the two are the same"),
         epochs=gr.Number(value=s.reward.epochs, precision=0, minimum=1, label="Epochs"),
         lr=gr.Number(value=s.reward.lr, label="Learning rate"),
-        batch=gr.Number(value=s.reward.batch_size, precision=0, minimum=1, label="Batch size (pairs)"),
+        batch=gr.Number(value=s.reward.batch_size, precision=0, minimum=1, label="Batch size (pairs or rankings)"),
         warm=gr.Checkbox(value=True, label="Warm start from the newest reward model"),
         button=gr.Button("Train reward model", variant="primary", elem_id="rl-train-reward", interactive=enabled))
 

@@ -84,6 +84,9 @@ def folder_lineage(folder: Path, meta: dict) -> dict:
         "eval": {k: v for k, v in report.items() if k.startswith("eval/") and isinstance(v, (int, float))},
         "final": {k: v for k, v in last.items() if isinstance(v, (int, float)) and k != "step"},
         "reward_model": reward_dir.parent.name if reward_dir.is_absolute() else meta.get("reward_model"),
+        # the reward model's training loss: its own run's, or that of the reward model a policy trained against
+        "reward_loss": next((c["reward"].get("loss", "bt") for c in (config, reward_config)
+                             if isinstance(c.get("reward"), dict)), None),
     }
 
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 DEFAULT_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what base model "default" is (pipeline/models.py)
+REWARD_LOSSES = {"bt": "Bradley-Terry", "plackett-luce": "Plackett-Luce"}  # RewardConfig.loss, by name
 
 
 def model_card(lineage: dict, found: dict, info: dict) -> str:
@@ -33,6 +34,7 @@ def model_card(lineage: dict, found: dict, info: dict) -> str:
              if kind == "policy" else None),
             ("Training stage", f"{stage}" + (f", {found['steps']} steps" if found.get("steps") else "")),
             ("Reward model", lineage.get("reward_model") or found.get("reward_model")),
+            ("Reward model's loss", REWARD_LOSSES.get(found.get("reward_loss"), found.get("reward_loss"))),
             ("Preference data", f"snapshot #{snap['id']} `{snap['file']}` ({snap['counts'].get('pairs', '?')} pairs)"
              if snap else None),
             ("Data SHA-256", f"`{snap.get('sha256') or found.get('data_sha256')}`"

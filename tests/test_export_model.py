@@ -156,7 +156,8 @@ def test_a_version_of_the_store_gets_its_lineage_on_the_card(trained, store, sto
     assert cli(["export-model", policy.name, "--db", str(store_path), "--out", str(tmp_path / "hf")]) == 0
     card = (tmp_path / "hf" / "README.md").read_text()
     for fact in (f"| Trained from | base |", f"| Reward model | {reward.name} |", snap.sha256, "pairs.jsonl",
-                 "(24 pairs)", "win rate vs base", '"kl_control"', "objective/score"):
+                 "(24 pairs)", "win rate vs base", '"kl_control"', "objective/score",
+                 "| Training stage | ppo, ", "| Reward model's loss | Bradley-Terry |"):
         assert fact in card, fact
 
 

@@ -183,10 +183,11 @@ def test_a_round_at_chance_stops_before_ppo_and_the_cli_says_why(tmp_path, tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy_step", ["ppo", "rloo"])
+@pytest.mark.parametrize("policy_step, reward_loss", [("ppo", "bt"), ("rloo", "plackett-luce")])
 def test_a_round_whose_reward_model_beats_chance_runs_ppo_unasked(store, tiny_model_dir, tmp_path, monkeypatch,
-                                                                  policy_step):
-    """PPO, or RLOO (the same trainer without a critic), as the policy step the round names."""
+                                                                  policy_step, reward_loss):
+    """PPO, or RLOO (the same trainer without a critic), as the policy step the round names; its
+    reward model by Bradley-Terry or Plackett-Luce (the round snapshot's rankings)."""
     trusted = {"eval/accuracy": 0.9, "eval/pairs": 200, "eval/length_baseline_accuracy": 0.5, "train/pairs": 18}
     register = ingest.FINISHERS["train-reward"]
 
@@ -200,7 +201,7 @@ def test_a_round_whose_reward_model_beats_chance_runs_ppo_unasked(store, tiny_mo
     runner = loop.make_runner(store, tmp_path / "runs", poll_s=0.2)
     try:
         settings = tiny_settings(tiny_model_dir)
-        settings.policy_step = policy_step
+        settings.policy_step, settings.reward.loss = policy_step, reward_loss
         assert settings.loop.reward_gate  # the default
         rnd = loop.start_round(store, runner, settings)
         simulate_annotations(store, make_oracle("rule:length"))
@@ -208,6 +209,8 @@ def test_a_round_whose_reward_model_beats_chance_runs_ppo_unasked(store, tiny_mo
         (reward,) = store.list_model_versions("reward")
         (ppo,) = store.list_runs(kind="ppo")
         assert gate.judge(reward).trusted and done.status == "done" and loop.gated(done) is None
+        assert reward.meta["loss"] == reward_loss and model_admin.trained_by(reward) == \
+            {"bt": "Bradley-Terry", "plackett-luce": "Plackett-Luce"}[reward_loss]
         assert ppo.status == "done" and ppo.inputs["reward_version_id"] == reward.id == done.reward_version_id
         assert store.active_policy().id == done.new_policy_version_id
         policy = store.active_policy()

@@ -29,7 +29,7 @@ from tests.helpers import req
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "round_defaults.md"
-FORM = dict(lora=True, processes=1, epochs=1, rm_lr=5e-5, rm_batch=8, n_prompts=256, steps=20, kl_control="adaptive",
+FORM = dict(lora=True, processes=1, epochs=1, rm_lr=5e-5, rm_batch=8, rm_loss="bt", n_prompts=256, steps=20, kl_control="adaptive",
             beta=0.05, kl_target=6.0, ppo_lr=3e-4, critic_lr=1e-4, policy_step="ppo", dpo_loss="sigmoid", dpo_beta=0.1,
             dpo_epochs=1, dpo_lr=5e-5, prompts_per_round=64, k=4, strategy="random")
 

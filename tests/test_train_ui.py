@@ -29,11 +29,11 @@ from tests.helpers import req, tiny_settings
 from tests.tiny import CORPUS
 
 # Form values as the Train tab sends them (the tiny settings of tests/helpers.py).
-REWARD_FORM = dict(lora=True, processes=1, epochs=1, lr=1e-3, batch_size=4, warm_start=True)
+REWARD_FORM = dict(lora=True, processes=1, epochs=1, lr=1e-3, batch_size=4, loss="bt", warm_start=True)
 PPO_FORM = dict(lora=True, processes=1, n_prompts=8, steps=2, kl_control="adaptive", beta=0.05, kl_target=6.0, lr=1e-5,
                 critic_lr=1e-5, activate=True)
 ROUND_FORM = dict(prompts_per_round=6, k=3, strategy="random")
-FULL_ROUND_FORM = dict(lora=True, processes=1, epochs=1, rm_lr=1e-3, rm_batch=4, n_prompts=8, steps=2, kl_control="adaptive",
+FULL_ROUND_FORM = dict(lora=True, processes=1, epochs=1, rm_lr=1e-3, rm_batch=4, rm_loss="bt", n_prompts=8, steps=2, kl_control="adaptive",
                        beta=0.05, kl_target=6.0, ppo_lr=1e-5, critic_lr=1e-5, policy_step="ppo", dpo_loss="sigmoid",
                        dpo_beta=0.1, dpo_epochs=1, dpo_lr=5e-5, **ROUND_FORM)
 
@@ -224,6 +224,7 @@ def test_without_a_job_runner_the_buttons_explain_why_and_store_nothing(store, t
 @pytest.mark.parametrize("change, message", [
     ({"epochs": 0}, "Epochs"), ({"epochs": 1.5}, "Epochs"), ({"lr": "fast"}, "Reward learning rate"),
     ({"batch_size": None}, "Batch size"), ({"processes": 0}, "Processes"), ({"processes": 1.5}, "Processes"),
+    ({"loss": "listnet"}, "Reward loss"),
 ])
 def test_bad_reward_settings_are_refused_by_name(ctx, change, message):
     with pytest.raises(gr.Error, match=message):
@@ -498,11 +499,12 @@ def test_the_train_tab_trains_a_reward_model_on_two_processes(ctx, tmp_path):
 
 SETTING_OF_FIELD = {
     "lora": "model.lora", "processes": "processes", "epochs": "reward.epochs", "rm_lr": "reward.lr",
-    "rm_batch": "reward.batch_size", "n_prompts": "ppo_prompts", "steps": "ppo.steps", "kl_control": "ppo.kl_control",
+    "rm_batch": "reward.batch_size", "rm_loss": "reward.loss", "n_prompts": "ppo_prompts", "steps": "ppo.steps", "kl_control": "ppo.kl_control",
     "beta": "ppo.init_kl_coef", "kl_target": "ppo.kl_target", "ppo_lr": "ppo.lr", "critic_lr": "ppo.critic_lr",
     "policy_step": "policy_step", "dpo_loss": "dpo.loss", "dpo_beta": "dpo.beta", "dpo_epochs": "dpo.epochs",
     "dpo_lr": "dpo.lr", "prompts_per_round": "loop.prompts_per_round", "k": "generate.k", "strategy": "loop.strategy"}
-OTHER_VALUE = {"lora": False, "kl_control": "fixed", "policy_step": "dpo", "dpo_loss": "ipo", "strategy": "uncertain"}
+OTHER_VALUE = {"lora": False, "kl_control": "fixed", "policy_step": "dpo", "dpo_loss": "ipo", "strategy": "uncertain",
+               "rm_loss": "plackett-luce"}
 
 
 def test_every_field_of_the_round_form_reaches_its_setting_by_name():
