@@ -56,7 +56,7 @@ class App:
         for _ in range(3):
             port = free_port()
             try:
-                self.proc = start_app(self.db, port)
+                self.proc = start_app(self.db, port, self.db.parent / f"timings-{self.generation + 1}.json")
             except RuntimeError as exc:
                 self.failed_restarts += 1
                 print(f"  restart failed: {exc}", flush=True)
@@ -117,7 +117,11 @@ def exporter(app: App, stop: threading.Event, done: list) -> None:
                     time.sleep(0.2)
                     continue
                 client = _client(app, *ADMIN)
-            client.predict("jsonl", False, True, [], "", 0.0, 0.0, api_name="/export")
+            # Data > Export's inputs in order (annotate/ui_admin.py): JSONL, no all-bad, imports in,
+            # every annotator, no date, no agreement floor, no test split, conversational, no margin,
+            # license unknown, no quality floor, no quality weights
+            client.predict("jsonl", False, True, [], "", 0.0, 0.0, "conversational", False, "unknown", 0.0, False,
+                           api_name="/export")
             done.append(1)
             time.sleep(0.5)
         except Exception:

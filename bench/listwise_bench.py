@@ -1,0 +1,223 @@
+"""Plackett-Luce against Bradley-Terry trained on the same rankings: does learning each ranking once
+beat learning its C(K, 2) pairs, and at which data sizes?
+
+    python bench/listwise_bench.py                          # tiny model, 3 sizes x 3 seeds (minutes)
+    python bench/listwise_bench.py --quick                  # one size, one seed (seconds; the suite's smoke test)
+    python bench/listwise_bench.py --sizes 50,100,200,400 --seeds 0,1,2,3,4 --json out.json
+
+The task is tests/test_ppo_learned_reward.py's, one a tiny model learns with certainty: prompts of a
+few words, K = 4 responses per prompt sampled from the starting policy (tests/tiny.py's random
+model), and a gold utility per response, its count of the letter 'e'. Simulated annotators rank
+each prompt's K responses with listwise noise: a Plackett-Luce draw with utilities gold /
+`temperature` (the best picked from all K by softmax, the next from the rest, ...), so the noise
+is in the whole ranking at once, not drawn pair by pair. Each seed draws its own prompts,
+responses, annotators' rankings, held-out set and training order.
+
+Per seed and size N (the first N rankings of the seed's pool): the rankings are written as
+store/export.py writes a snapshot (a pairs file of every ordered pair of each ranking, its
+rankings beside it), and `train-reward` runs twice on that snapshot: `--loss bt` on its pairs,
+`--loss plackett-luce` on its rankings, with the same model, learning rate and epochs and the same
+data per optimiser step (Plackett-Luce's batch is Bradley-Terry's divided by C(K, 2): the
+rankings whose pairs Bradley-Terry's batch holds). Both are evaluated on the same held-out pairs:
+every pair of a held-out prompt's responses whose gold differs, ordered by gold (no noise).
+
+Reported per size: held-out pairwise accuracy and loss of each, mean over seeds with a 95%
+Student-t interval, and the paired difference PL - BT with its own t-interval (each seed's two
+runs share their data). RESULT line: `RESULT listwise n{N}_acc_bt= n{N}_acc_pl= n{N}_diff=
+n{N}_diff_lo= n{N}_diff_hi= ... seeds=`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from itertools import combinations
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gold.closed_report import t_interval  # noqa: E402  (the one Student-t interval over seeds)
+
+K = 4
+WORDS = "bread guitar stores onions chili flour water salt chords coupons".split()
+
+
+def gold(text: str) -> float:
+    return float(text.count("e"))
+
+
+def prompts_for(seed: int, start: int, n: int) -> list[str]:
+    rng = random.Random(seed * 7919 + start)
+    return [f"Question {start + i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
+            for i in range(n)]
+
+
+def listwise_order(utilities: list[float], temperature: float, rng: random.Random) -> list[int]:
+    """A Plackett-Luce draw: indices best first, each picked from the rest by softmax(u / T)."""
+    rest, order = list(range(len(utilities))), []
+    while rest:
+        top = max(utilities[i] for i in rest) / temperature
+        weights = [math.exp(utilities[i] / temperature - top) for i in rest]
+        pick = rng.choices(rest, weights)[0]
+        order.append(pick)
+        rest.remove(pick)
+    return order
+
+
+def sample_responses(model_dir: Path, prompts: list[str], seed: int, max_new_tokens: int) -> list[list[str]]:
+    """K responses per prompt from the starting policy (the base model)."""
+    from pipeline.config import GenerateConfig, ModelConfig
+    from pipeline.generate import generate_responses
+    from pipeline.policy import load_policy
+
+    policy, tok = load_policy(ModelConfig(model=str(model_dir), device="cpu", dtype="fp32", lora=False))
+    gens = generate_responses(policy, tok, prompts, K, GenerateConfig(k=K, temperature=0.7, max_new_tokens=max_new_tokens,
+                                                                      seed=seed))
+    return [[g.text for g in gg] for gg in gens]
+
+
+def write_snapshot(folder: Path, prompts: list[str], responses: list[list[str]], orders: list[list[int]]) -> Path:
+    """A pairs file (every ordered pair of each ranking) and its rankings beside it, as a round's
+    snapshot is laid out (store/export.py: `<stem>.rankings.<ext>`). Returns the pairs file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pairs, rankings = folder / "pairs.jsonl", folder / "pairs.rankings.jsonl"
+    with open(pairs, "w", encoding="utf-8") as fp, open(rankings, "w", encoding="utf-8") as fr:
+        for n, (prompt, texts, order) in enumerate(zip(prompts, responses, orders)):
+            ids = [n * K + i for i in range(K)]
+            for a, b in combinations(order, 2):  # a is ranked above b
+                fp.write(json.dumps({"prompt": prompt, "chosen": texts[a], "rejected": texts[b]}) + "\n")
+            fr.write(json.dumps({"ranking_id": n, "prompt": prompt, "order": [[ids[i]] for i in order],
+                                 "responses": [{"response_id": ids[i], "text": texts[i]} for i in range(K)]}) + "\n")
+    return pairs
+
+
+def held_out_pairs(path: Path, prompts: list[str], responses: list[list[str]]) -> Path:
+    """Every pair of a held-out prompt's responses with different gold, the higher gold chosen."""
+    with open(path, "w", encoding="utf-8") as f:
+        for prompt, texts in zip(prompts, responses):
+            for a, b in combinations(texts, 2):
+                if gold(a) != gold(b) and a.strip() and b.strip():
+                    chosen, rejected = (a, b) if gold(a) > gold(b) else (b, a)
+                    f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return path
+
+
+def usable(texts: list[str]) -> bool:
+    """A prompt whose K responses are all non-blank and distinct (train-reward refuses blank ones
+    and drops identical pairs, which would make the two losses see different data)."""
+    return all(t.strip() for t in texts) and len({t.strip() for t in texts}) == K
+
+
+def run_seed(seed: int, sizes: list[int], model_dir: Path, work: Path, args) -> list[dict]:
+    from pipeline.config import ModelConfig, RewardConfig
+    from pipeline.train_reward import train_reward
+
+    n_pool, n_held = max(sizes), args.held_out
+    prompts = prompts_for(seed, 0, 2 * (n_pool + n_held))  # twice what is needed: some prompts are unusable
+    responses = sample_responses(model_dir, prompts, seed, args.max_new_tokens)
+    keep = [i for i, texts in enumerate(responses) if usable(texts)]
+    if len(keep) < n_pool + n_held:
+        raise SystemExit(f"seed {seed}: only {len(keep)} prompts with {K} distinct responses, "
+                         f"{n_pool + n_held} needed")
+    rng = random.Random(seed)
+    rng.shuffle(keep)
+    held, pool = keep[:n_held], keep[n_held:n_held + n_pool]
+    eval_file = held_out_pairs(work / f"s{seed}_heldout.jsonl", [prompts[i] for i in held], [responses[i] for i in held])
+    annotators = random.Random(seed * 1_000_003 + 1)
+    orders = [listwise_order([gold(t) for t in responses[i]], args.temperature, annotators) for i in pool]
+    model = ModelConfig(model=str(model_dir), device="cpu", dtype="fp32", lora=False)
+    rows = []
+    for n in sizes:
+        data = write_snapshot(work / f"s{seed}_n{n}", [prompts[i] for i in pool[:n]], [responses[i] for i in pool[:n]],
+                              orders[:n])
+        row = {"seed": seed, "rankings": n}
+        for loss, batch in (("bt", args.batch_pairs), ("plackett-luce", max(1, args.batch_pairs // math.comb(K, 2)))):
+            cfg = RewardConfig(loss=loss, epochs=args.epochs, lr=args.lr, batch_size=batch, max_length=96,
+                               eval_data=str(eval_file), norm_samples=0, seed=seed)
+            t = time.perf_counter()
+            report = train_reward(str(data), str(work / f"s{seed}_n{n}_{loss}"), cfg, model)
+            name = "bt" if loss == "bt" else "pl"
+            row.update({f"acc_{name}": report["eval/accuracy"], f"loss_{name}": report["eval/loss"],
+                        f"s_{name}": time.perf_counter() - t, "eval_pairs": report["eval/pairs"]})
+        print(f"seed {seed} n={n}: BT acc {row['acc_bt']:.3f} loss {row['loss_bt']:.3f} | PL acc {row['acc_pl']:.3f} "
+              f"loss {row['loss_pl']:.3f} ({row['eval_pairs']} held-out pairs)", flush=True)
+        rows.append(row)
+    return rows
+
+
+def _num(x) -> str:
+    return "nan" if x is None else f"{x:.4f}"
+
+
+def _ci(t: dict, sign: str = "") -> str:
+    """A mean with its 95% t interval (closed_report.t_interval); the mean alone for one seed."""
+    if t["lo"] is None:
+        return f"{t['mean']:{sign}.3f}"
+    return f"{t['mean']:{sign}.3f} [{t['lo']:{sign}.3f}, {t['hi']:{sign}.3f}]"
+
+
+def summarise(rows: list[dict], sizes: list[int]) -> tuple[list[str], str]:
+    """(the table's lines, the RESULT line)."""
+    seeds = sorted({r["seed"] for r in rows})
+    lines = ["| rankings | BT accuracy [95% t] | PL accuracy [95% t] | PL - BT [95% t] | BT loss | PL loss |",
+             "|---|---|---|---|---|---|"]
+    fields = []
+    for n in sizes:
+        at = [r for r in rows if r["rankings"] == n]
+        bt, pl = t_interval([r["acc_bt"] for r in at]), t_interval([r["acc_pl"] for r in at])
+        diff = t_interval([r["acc_pl"] - r["acc_bt"] for r in at])
+        loss_bt, loss_pl = (statistics.fmean(r[k] for r in at) for k in ("loss_bt", "loss_pl"))
+        lines.append(f"| {n} | {_ci(bt)} | {_ci(pl)} | {_ci(diff, '+')} | {loss_bt:.3f} | {loss_pl:.3f} |")
+        fields += [f"n{n}_acc_bt={bt['mean']:.4f}", f"n{n}_acc_pl={pl['mean']:.4f}", f"n{n}_diff={diff['mean']:.4f}",
+                   f"n{n}_diff_lo={_num(diff['lo'])}", f"n{n}_diff_hi={_num(diff['hi'])}",
+                   f"n{n}_loss_bt={loss_bt:.4f}", f"n{n}_loss_pl={loss_pl:.4f}"]
+    return lines, "RESULT listwise " + " ".join(fields) + f" seeds={len(seeds)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one size (40 rankings), one seed: seconds")
+    parser.add_argument("--sizes", default="50,100,200", help="rankings per training set, comma-separated")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds, comma-separated")
+    parser.add_argument("--held-out", type=int, default=100, help="held-out prompts (their pairs are the evaluation)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the annotators' Plackett-Luce temperature")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch-pairs", type=int, default=12, help="Bradley-Terry's batch in pairs (PL: / C(K, 2))")
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default="", help="write the per-seed rows and the settings here")
+    args = parser.parse_args(argv)
+    import torch
+
+    from tests.tiny import save_tiny_model_dir
+
+    torch.set_num_threads(args.threads)
+    sizes = [40] if args.quick else [int(x) for x in args.sizes.split(",")]
+    seeds = [0] if args.quick else [int(x) for x in args.seeds.split(",")]
+    if args.quick:
+        args.held_out = 20
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir = save_tiny_model_dir(work / "tiny")
+        rows = [row for seed in seeds for row in run_seed(seed, sizes, model_dir, work, args)]
+    lines, result = summarise(rows, sizes)
+    print("\n".join(lines))
+    print(result)
+    print(f"{time.perf_counter() - t0:.0f} s on {args.threads} thread(s)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "sizes": sizes, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
