@@ -1,9 +1,11 @@
-"""Our PPO (pipeline/train_ppo.py) against TRL's PPOTrainer (trl==1.12.0, `trl.experimental.ppo`).
+"""Our PPO (pipeline/train_ppo.py) against TRL's PPOTrainer (trl==1.12.0, `trl.experimental.ppo`),
+and our RLOO (the same trainer without a critic, `--advantage-estimator rloo`) beside both.
 
     python bench/ppo_bench.py            # SmolLM2-135M, batch 16, 48 new tokens, 2 PPO epochs, 5 steps, 3 reps
     python bench/ppo_bench.py --quick    # batch 8, 32 new tokens, 1 epoch, 3 steps, 3 reps (about 10 minutes)
     python bench/ppo_bench.py --device cuda --model FOLDER --json out.json   # bf16 on a GPU (bench/gpu_check.py)
     python bench/ppo_bench.py --dtype bf16 ...  # bf16 autocast on the CPU: both sides' dtype handling, no GPU
+    python bench/ppo_bench.py --quick --sides ours,rloo,trl   # our RLOO as a third side
 
 Each run is its own child process (so each peak-memory figure is its own), with the same: policy
 (the default SmolLM2-135M-Instruct or --model, LoRA r16 on all linear layers), reward model (the
@@ -36,6 +38,11 @@ plus the attention term 12 x layers x hidden x sequence length per token (PaLM, 
 (the prompt pool's mean prompt length) x batch x PPO epochs. With LoRA the frozen weights get no
 weight gradients, so the hardware does about 2/3 of this; the figure is the usual model-FLOPs
 convention, not a count of the kernels run.
+
+The `rloo` side is ours with `advantage_estimator="rloo"` and every other setting the same: the
+same episodes per step (batch / 4 prompts, each sampled 4 times), no critic loaded or trained (its
+update FLOPs are the policy's alone, so its TFLOP/s figure counts the critic's FLOPs it does not
+spend and is left out). TRL's RLOOTrainer is not a side yet.
 
 Figures: episodes/s, seconds per step split into rollout and update, peak memory (RSS on CPU; max
 allocated on CUDA) and achieved update TFLOP/s. --json is rewritten after every run, so a bench
@@ -218,11 +225,12 @@ def peak_mb(device: str) -> float:
 # --------------------------------------------------------------------------- ours
 
 
-def run_ours(s: dict, inputs: dict) -> dict:
+def run_ours(s: dict, inputs: dict, estimator: str = "gae") -> dict:
+    """Our trainer: PPO ('gae'), or RLOO ('rloo', the `rloo` side: no critic)."""
     import pipeline.train_ppo as tp
     from pipeline.config import ModelConfig, PPOConfig
 
-    run_dir = Path(s["work"]) / "ours_run"
+    run_dir = Path(s["work"]) / f"ours_{estimator}_run"
     if run_dir.exists():
         import shutil
 
@@ -231,7 +239,8 @@ def run_ours(s: dict, inputs: dict) -> dict:
                     micro_batch_size=s["micro_batch_size"], ppo_epochs=s["ppo_epochs"], lr=s["lr"],
                     critic_lr=s["lr"], max_new_tokens=s["max_new_tokens"], temperature=s["temperature"],
                     kl_control="fixed", init_kl_coef=s["kl_coef"], missing_eos_penalty=s["missing_eos_penalty"],
-                    forward_batch_size=s["batch_size"], sample_every=0, seed=s["seed"])
+                    forward_batch_size=s["batch_size"], sample_every=0, seed=s["seed"],
+                    advantage_estimator=estimator)
     model_cfg = ModelConfig(model=inputs["base"], lora=True, lora_r=s["lora_r"], lora_alpha=s["lora_alpha"],
                             device=s["device"], dtype=s["dtype"])
     # a step ends when the loop writes status.json 'running' (also written once before the first step)
@@ -245,7 +254,7 @@ def run_ours(s: dict, inputs: dict) -> dict:
 
     tp.write_status = timed_write
     tp.train(cfg, model_cfg, prompts=inputs["prompts"], reward=inputs["reward_model"], out_dir=run_dir,
-             critic_init=inputs["critic_init"])
+             critic_init=inputs["critic_init"] if estimator == "gae" else "")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = marks.steps()
     if len(steps) != len(rows):
@@ -371,7 +380,7 @@ def child(which: str, s: dict, inputs: dict) -> None:
     torch.set_num_threads(s["threads"])
     torch.manual_seed(s["seed"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = run_ours(s, inputs) if which == "ours" else run_trl(s, inputs)
+    result = {"ours": run_ours, "rloo": lambda s, i: run_ours(s, i, "rloo"), "trl": run_trl}[which](s, inputs)
     result["peak_mb"] = peak_mb(s["device"])
     print("CHILD_RESULT " + json.dumps(result), flush=True)
 
@@ -426,7 +435,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=0)
     parser.add_argument("--ppo-epochs", dest="ppo_epochs", type=int, default=0)
     parser.add_argument("--n-prompts", dest="n_prompts", type=int, default=256)
-    parser.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side only")
+    parser.add_argument("--sides", default="ours,trl", help="comma-separated sides: ours (our PPO), trl "
+                        "(TRL's PPOTrainer), rloo (our RLOO: no critic)")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                         help="both sides' precision: auto = bf16 on a GPU that has it, else fp32; bf16 on the "
                              "CPU runs CPU autocast (the GPU check's dry run)")
@@ -447,7 +457,9 @@ def main() -> int:
     inputs = prepare(s)
     flops = update_flops(inputs["base"], inputs["prompts"], s)
     print(f"settings: {json.dumps(s)}", flush=True)
-    sides = [args.only] if args.only else ["ours", "trl"]
+    sides = args.sides.split(",")
+    if not sides or set(sides) - {"ours", "trl", "rloo"}:
+        raise SystemExit(f"--sides {args.sides}: choose from ours, trl, rloo")
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     failed: dict[str, str] = {}  # side -> its exit code and traceback; a side that failed is not run again
     result = {"settings": s, "flops": flops, "runs": runs, "failed": failed, "reps": args.reps, "complete": False}
@@ -465,8 +477,8 @@ def main() -> int:
             run, why = run_child(which, inputs, sys.argv[1:])
             if run is None:
                 failed[which] = why
-            else:
-                run["update_tflops_s"] = flops["update_flops"] / run["update_s"] / 1e12
+            else:  # the FLOPs count policy and critic: our RLOO has no critic, so no figure
+                run["update_tflops_s"] = flops["update_flops"] / run["update_s"] / 1e12 if which != "rloo" else 0.0
                 runs[which].append(run)
             save()
     result["complete"] = True
@@ -496,7 +508,15 @@ def main() -> int:
     for w in done:
         line += (f" {w}_eps={med[w]['eps']:.3f} {w}_eps_min={min(col(w, 'eps')):.3f} "
                  f"{w}_eps_max={max(col(w, 'eps')):.3f}")
-    if done == sides and len(sides) == 2:
+    if "ours" in done and "rloo" in done:
+        per_rep = [a["eps"] / b["eps"] for a, b in zip(runs["rloo"], runs["ours"])]
+        rloo_ratio = med["rloo"]["eps"] / med["ours"]["eps"]
+        print(f"\nour RLOO / our PPO: episodes/s x{rloo_ratio:.2f} (per repetition {min(per_rep):.2f}-{max(per_rep):.2f}); "
+              f"update x{med['ours']['update_s'] / med['rloo']['update_s']:.2f} faster; peak memory "
+              f"x{peak['rloo'] / peak['ours']:.2f}")
+        line += (f" rloo_ratio={rloo_ratio:.2f} rloo_ratio_min={min(per_rep):.2f} rloo_ratio_max={max(per_rep):.2f}"
+                 f" rloo_peak_ratio={peak['rloo'] / peak['ours']:.2f}")
+    if "ours" in done and "trl" in done:
         ours, trl = med["ours"], med["trl"]
         ratio, ratio_cpu = ours["eps"] / trl["eps"], ours["eps_cpu"] / trl["eps_cpu"]
         per_rep = [a["eps"] / b["eps"] for a, b in zip(runs["ours"], runs["trl"])]

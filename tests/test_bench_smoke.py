@@ -1,0 +1,29 @@
+"""Smoke tests of benches that have no other test: each runs end to end on the tiny model in
+seconds, so a change that breaks a bench is seen (their figures come from full runs, not these)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_ppo_bench_runs_our_ppo_and_rloo_side_by_side(tmp_path, tiny_model_dir):
+    """bench/ppo_bench.py with our PPO and our RLOO (the TRL side needs TRL's own set-up time and
+    is exercised by the bench's full runs): both sides' runs and the RLOO / PPO ratio line."""
+    cmd = [sys.executable, "bench/ppo_bench.py", "--model", str(tiny_model_dir), "--threads", "1", "--reps", "1",
+           "--steps", "2", "--batch-size", "8", "--mini-batch-size", "8", "--micro-batch-size", "8",
+           "--max-new-tokens", "6", "--ppo-epochs", "1", "--sides", "ours,rloo", "--work", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT ppo "))
+    fields = dict(kv.split("=") for kv in result.split()[2:])
+    assert float(fields["ours_eps"]) > 0 and float(fields["rloo_eps"]) > 0 and float(fields["rloo_ratio"]) > 0
+    assert "trl_eps" not in fields and not (tmp_path / "ours_rloo_run" / "checkpoint" / "critic").exists()
