@@ -11,13 +11,17 @@ is resolved through `App.tokens.get(token)` (gradio/routes.py, get_current_user)
   exponentially growing time (1 s, 2 s, 4 s, ... capped at LOCK_CAP_S) during which the login is
   refused with HTTP 429 and a message saying how long, without even checking the password.
   A success clears the name's count; the admin's Users table shows locked names and unlocks them.
-  The counts live in the app process: a restart forgets them. The client address is the TCP
-  peer (behind a reverse proxy that is the proxy: forwarded headers are not trusted).
+  Once the app runs (`persist_in`), the counts are kept in the store too (store/sessions.py): a
+  restart keeps every lock. The client address is the TCP peer (behind a reverse proxy that is
+  the proxy: forwarded headers are not trusted).
 - **Session expiry** (`Sessions`): `App.tokens` is replaced by a table that records when each
   token was issued and forgets it `max_age_s` later, so the cookie of a session older than
   `--session-hours` counts as signed out everywhere (pages show the login form again, API calls
   get 401), each session on its own clock. Deactivating an account or resetting its password
-  ends its sessions at once (`Sessions.end`). Tokens are in memory: a restart signs everyone out.
+  ends its sessions at once (`Sessions.end`), and so does "Sign out" (`SignOutEverywhere`).
+  With a store, each session is also kept there (the SHA-256 of its token), so a restart of the
+  app, planned or after a crash, signs no one out: a token this process has not seen is looked
+  up in the store. Ages are measured on the wall clock, the one clock a restart keeps.
 
 Role and deactivation checks on every request stay in annotate/context.py (`user`, `admin`),
 which builds on this module (it holds a `Throttle` and the `Sessions`); nothing here asks who
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import secrets
 import threading
 import time
 
@@ -66,11 +71,18 @@ class Throttle:
     """Failed sign-ins per key ('name:<n>' or 'address:<a>'), and the lock they earn."""
 
     def __init__(self, *, free: int = FREE_FAILURES, free_per_address: int = FREE_FAILURES_PER_ADDRESS,
-                 base_s: float = LOCK_BASE_S, cap_s: float = LOCK_CAP_S, clock=time.monotonic):
+                 base_s: float = LOCK_BASE_S, cap_s: float = LOCK_CAP_S, clock=time.time):
         self.free, self.free_per_address, self.base_s, self.cap_s = free, free_per_address, base_s, cap_s
         self.clock = clock
         self._failures: dict[str, tuple[int, float]] = {}  # key -> (count, time of the last one)
         self._lock = threading.Lock()
+        self.store = None
+
+    def persist_in(self, store) -> None:
+        """Keep the counts in `store` from now on, starting from those it kept (a restart's)."""
+        with self._lock:
+            self.store = store
+            self._failures = {**store.login_failures(), **self._failures}
 
     def _wait(self, key: str, free: int, now: float) -> float:
         count, last = self._failures.get(key, (0, 0.0))
@@ -95,15 +107,19 @@ class Throttle:
             for key in (f"name:{name}",) + ((f"address:{address}",) if address else ()):
                 count, _ = self._failures.get(key, (0, now))
                 self._failures[key] = (count + 1, now)
+                if self.store is not None:
+                    self.store.set_login_failures(key, count + 1, now)
 
     def succeeded(self, name: str) -> None:
-        with self._lock:
-            self._failures.pop(f"name:{name}", None)
+        self.unlock(name)
 
     def unlock(self, name: str) -> bool:
         """Clear `name`'s failures; True if it had any."""
         with self._lock:
-            return self._failures.pop(f"name:{name}", None) is not None
+            had = self._failures.pop(f"name:{name}", None) is not None
+            if had and self.store is not None:
+                self.store.clear_login_failures([f"name:{name}"])
+            return had
 
     def locked_names(self) -> dict[str, float]:
         """name -> seconds its lock still lasts, for every name locked now."""
@@ -118,59 +134,126 @@ class Throttle:
         # ended a cap ago is dropped.
         if len(self._failures) < 10_000:
             return
-        self._failures = {k: v for k, v in self._failures.items() if now - v[1] < 2 * self.cap_s}
+        old = [k for k, v in self._failures.items() if now - v[1] >= 2 * self.cap_s]
+        for k in old:
+            del self._failures[k]
+        if self.store is not None:
+            self.store.clear_login_failures(old)
 
 
 class Sessions(dict):
-    """Gradio's token -> name table (App.tokens) with an age limit per token.
+    """Gradio's token -> name table (App.tokens) with an age limit per token, kept in `store` too
+    (when given) so that a restart signs no one out.
 
     Gradio reads it with .get(token), `in`, [token], and iterates it on logout; an expired token
-    disappears on its next read, whichever way it is read."""
+    disappears on its next read, whichever way it is read. The dict holds the sessions this
+    process has seen; a token it has not seen is looked up in the store (a session from before a
+    restart) and kept from then on."""
 
-    def __init__(self, max_age_s: float, clock=time.monotonic):
+    def __init__(self, max_age_s: float, store=None, clock=time.time):
         super().__init__()
         self.max_age_s = max_age_s
+        self.store = store
         self.clock = clock
         self._issued: dict[str, float] = {}
         self._lock = threading.Lock()
+        if store is not None:
+            store.expire_sessions(clock() - max_age_s)
 
     def __setitem__(self, token, name) -> None:
+        issued = self.clock()
         with self._lock:
-            self._issued[token] = self.clock()
+            self._issued[token] = issued
             super().__setitem__(token, name)
+        if self.store is not None:
+            self.store.add_session(token, name, issued)
 
-    def _expire(self, token) -> None:
+    def _refresh(self, token) -> None:
+        """Drop the token if it is too old; fetch it from the store if this process has not seen it."""
+        if not isinstance(token, str):
+            return
         issued = self._issued.get(token)
+        if issued is None and self.store is not None:
+            found = self.store.find_session(token)
+            if found is not None:
+                with self._lock:
+                    super().__setitem__(token, found[0])
+                    self._issued[token] = issued = found[1]
         if issued is not None and self.clock() - issued >= self.max_age_s:
-            with self._lock:
-                super().pop(token, None)
-                self._issued.pop(token, None)
+            self._forget(token)
 
-    def get(self, token, default=None):
-        self._expire(token)
-        return super().get(token, default)
-
-    def __getitem__(self, token):
-        self._expire(token)
-        return super().__getitem__(token)
-
-    def __contains__(self, token) -> bool:
-        self._expire(token)
-        return super().__contains__(token)
-
-    def __delitem__(self, token) -> None:
+    def _forget(self, token) -> None:
         with self._lock:
             super().pop(token, None)
             self._issued.pop(token, None)
+        if self.store is not None:
+            self.store.end_session(token)
+
+    def get(self, token, default=None):
+        self._refresh(token)
+        return super().get(token, default)
+
+    def __getitem__(self, token):
+        self._refresh(token)
+        return super().__getitem__(token)
+
+    def __contains__(self, token) -> bool:
+        self._refresh(token)
+        return super().__contains__(token)
+
+    def __delitem__(self, token) -> None:
+        self._forget(token)
 
     def end(self, name: str) -> int:
-        """Sign `name` out everywhere now; the number of sessions ended."""
+        """Sign `name` out everywhere now (also the sessions only the store knows, from before a
+        restart); the number of sessions ended."""
         with self._lock:
             tokens = [t for t, n in self.items() if n == name]
             for t in tokens:
                 super().pop(t, None)
                 self._issued.pop(t, None)
-        return len(tokens)
+        if self.store is None:
+            return len(tokens)
+        return self.store.end_sessions(name)
+
+
+def cookie_id(store) -> str:
+    """The id in the session cookie's name (Gradio's App.cookie_id, `access-token-<id>`), drawn
+    once per store and kept in its settings, so that it outlives the process."""
+    found = store.get_setting(COOKIE_ID_SETTING)
+    if found:
+        return found
+    store.set_setting(COOKIE_ID_SETTING, secrets.token_urlsafe(16))
+    return store.get_setting(COOKIE_ID_SETTING)
+
+
+COOKIE_ID_SETTING = "session_cookie_id"
+
+
+class SignOutEverywhere:
+    """ASGI middleware: "Sign out" (Gradio's GET /logout, on every device) ends the user's
+    sessions with `Sessions.end` before Gradio's route runs. Gradio's own route walks App.tokens,
+    which holds only the sessions this process has seen; sessions from before a restart live in
+    the store alone."""
+
+    def __init__(self, app, ctx):
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope, receive, send):
+        sessions = self.ctx.sessions
+        if scope["type"] == "http" and scope["path"].rstrip("/").endswith("/logout") and sessions is not None:
+            cookie_id = getattr(scope.get("app"), "cookie_id", None)
+            cookies = {}
+            for key, value in scope.get("headers", []):
+                if key == b"cookie":
+                    for part in value.decode("latin-1").split(";"):
+                        k, _, v = part.strip().partition("=")
+                        cookies[k] = v
+            for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"):
+                user = sessions.get(cookies[name]) if cookies.get(name) else None
+                if user is not None:
+                    await anyio.to_thread.run_sync(sessions.end, user)
+        await self.app(scope, receive, send)
 
 
 def password_check(ctx):

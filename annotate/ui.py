@@ -156,7 +156,7 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
     # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
     demo.queue(default_concurrency_limit=16)
-    middleware = [Middleware(accounts.ClientAddress)]
+    middleware = [Middleware(accounts.ClientAddress), Middleware(accounts.SignOutEverywhere, ctx=ctx)]
     if ctx.timings is not None:
         middleware.append(Middleware(TimingMiddleware, timings=ctx.timings))
     result = demo.launch(
@@ -168,8 +168,13 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
         max_threads=64, app_kwargs={"middleware": middleware},
     )
     # Gradio keeps its sign-in tokens in App.tokens (a plain dict, empty until the first login):
-    # swapping in a table that ages them out is what makes sessions expire.
-    ctx.sessions = accounts.Sessions(ctx.session_hours * 3600.0)
+    # swapping in a table that ages them out, kept in the store, is what makes sessions expire and
+    # survive a restart; the login throttle's counts are kept there too
+    ctx.sessions = accounts.Sessions(ctx.session_hours * 3600.0, store=ctx.store)
+    ctx.throttle.persist_in(ctx.store)
+    # the cookie's name carries a random id Gradio draws per process: the store's own, so that a
+    # cookie from before a restart is still read after it
+    demo.server_app.cookie_id = accounts.cookie_id(ctx.store)
     for token, name in list(demo.server_app.tokens.items()):  # a sign-in that came first
         ctx.sessions[token] = name
     demo.server_app.tokens = ctx.sessions

@@ -259,6 +259,23 @@ MIGRATIONS: list[tuple[str, str]] = [
         ALTER TABLE items ADD COLUMN evaluation_id BIGINT;
         """,
     ),
+    (
+        # Sign-in sessions (SHA-256 of the token) and failed sign-ins, so that a restart of the app
+        # signs no one out and forgets no lock (store/sessions.py, annotate/accounts.py).
+        "0007_sessions",
+        """
+        CREATE TABLE sessions (
+            token_sha256 VARCHAR PRIMARY KEY,
+            name VARCHAR NOT NULL,
+            issued_at DOUBLE NOT NULL
+        );
+        CREATE TABLE login_failures (
+            key VARCHAR PRIMARY KEY,
+            failures INTEGER NOT NULL,
+            last_at DOUBLE NOT NULL
+        );
+        """,
+    ),
 ]
 
 

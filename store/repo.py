@@ -26,6 +26,7 @@ from store.gold import GoldMixin
 from store.pairs import ranking_to_pairs
 from store.queue import QueueMixin
 from store.queue_rules import display_order_for
+from store.sessions import SessionsMixin
 from store.records import Item, Prompt, Response
 from store.rankings import RankingsMixin
 from store.runs import RunsMixin
@@ -64,8 +65,8 @@ def _response_row(r) -> tuple:
     return text, token_count, finish_reason, sampling or {}
 
 
-class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, VersionsMixin, RunsMixin, StatsMixin,
-            StoreBase):
+class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, SessionsMixin, VersionsMixin, RunsMixin,
+            StatsMixin, StoreBase):
     """The persistence layer. `Store(path)` opens or creates and migrates a DuckDB file."""
 
     # ------------------------------------------------------------------ prompts
