@@ -134,11 +134,27 @@ def _advance(ctx: AppContext, state: SessionState, account: Annotator, exclude_p
 
 def _current(state: SessionState | None, token: str = "") -> Showing:
     if state is None or state.current is None:
-        raise gr.Error("There is no item on screen to act on.")
+        raise gr.Error("There is no item on screen to act on (if the app restarted meanwhile, reload the page: "
+                       "your item is kept for you).")
     if token and token != state.current.token:
         # The page ranked a different showing than the one the server has (a stale tab).
         raise gr.Error("This item changed before your ranking arrived; nothing was saved. Rank it again.")
     return state.current
+
+
+def _recovered(ctx: AppContext, state: SessionState | None, account: Annotator, token: str) -> SessionState | None:
+    """The session's state, or, when this process has none for it (the app restarted since the
+    page drew its item: a gr.State lives in the process), one rebuilt from the store: the item the
+    page's token names, if the annotator still holds its lease (leases are in the store), shown
+    under that same token (so a repeated submit still stores one ranking)."""
+    if isinstance(state, SessionState) and state.current is not None:
+        return state
+    item_id = Showing.item_of(token)
+    if item_id is None or not ctx.store.holds_lease(account.id, item_id):
+        return state
+    state = state if isinstance(state, SessionState) else SessionState()
+    state.current = Showing(ctx.store.get_item(item_id, account.id), token=token, shown_at=None)
+    return state
 
 
 # ------------------------------------------------------------------------- actions
@@ -182,6 +198,7 @@ def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: b
     `strength` (optional, records.STRENGTHS): how much better the best response is than the
     second. It comes after `request` so that callers passing the request 7th keep working."""
     account = user(ctx, request)
+    state = _recovered(ctx, state, account, token)
     showing = _current(state, token)
     groups = parse_ranking(ranking, showing.k, bool(all_bad))
     strength = (strength or "").strip() or None

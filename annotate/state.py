@@ -23,18 +23,30 @@ from store.records import Item
 class Showing:
     """One showing of an item. A fresh `token` per showing identifies it to the page (the JS resets
     its ranking when the token changes) and to the store (client token: a double submit of the
-    same showing stores one ranking)."""
+    same showing stores one ranking). The token starts with the item's id ("<item id>.<random>"),
+    so a process that never saw the showing (the app restarted meanwhile) knows which item the
+    page ranked (`item_of`). `shown_at` None: not known (a showing recovered after a restart)."""
 
     item: Item
-    token: str = field(default_factory=lambda: uuid.uuid4().hex)
-    shown_at: float = field(default_factory=time.monotonic)
+    token: str = ""
+    shown_at: float | None = field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        if not self.token:
+            self.token = f"{self.item.item_id}.{uuid.uuid4().hex}"
+
+    @staticmethod
+    def item_of(token: str) -> int | None:
+        """The item id a token names, or None for a token not made by Showing."""
+        head, dot, _ = (token or "").partition(".")
+        return int(head) if dot and head.isdigit() else None
 
     @property
     def k(self) -> int:
         return len(self.item.responses)
 
-    def elapsed(self) -> float:
-        return round(time.monotonic() - self.shown_at, 3)
+    def elapsed(self) -> float | None:
+        return None if self.shown_at is None else round(time.monotonic() - self.shown_at, 3)
 
 
 @dataclass

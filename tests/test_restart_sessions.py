@@ -6,7 +6,10 @@
 - the app as a process (`python app.py`), 20 annotators signed in through the HTTP API, restarted
   once with SIGTERM and once with SIGKILL: every annotator's next request and submission is
   accepted with the cookie it had (no one signed in again), no acknowledged ranking is lost, and
-  Sign out still ends a session from before the restart.
+  Sign out still ends a session from before the restart;
+- in the browser, a ranking in progress when the app is killed is submitted as made once it is
+  back (the page's token names the item; its lease is in the store: annotate/handlers.py
+  `_recovered`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 
 from annotate.accounts import Sessions, Throttle
 from store import Store
+from tests.fixtures_browser import chromium_browser, login  # noqa: F401  (the fixture `browser`)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -123,3 +127,38 @@ def test_a_restart_under_twenty_annotators_signs_no_one_out_and_loses_nothing(tm
     with Store(db) as store:
         comments = {r[0] for r in store._cur().execute("SELECT comment FROM rankings").fetchall()}
     assert len(acked) == 3 * N and set(acked) <= comments  # every acknowledged ranking is stored
+
+
+@pytest.mark.slow
+def test_a_page_keeps_its_ranking_in_progress_across_a_kill_of_the_app(tmp_path, browser):
+    """In the browser: an annotator ranks the item on screen, the app is SIGKILLed and started again
+    before Submit; then Enter submits that ranking as made (no sign-in, no reload: the cookie and
+    the item's lease are in the store), and the next item comes."""
+    from ui_bench import free_port, seed, start_app
+
+    db = tmp_path / "rlhf.duckdb"
+    seed(db, 1, items=10, k=3)
+    port = free_port()
+    proc = start_app(db, port, tmp_path / "timings-0.json")
+    try:
+        page = login(browser, f"http://127.0.0.1:{port}/", "ann0", "bench-pass-0")
+        page.wait_for_selector("#rl-item .rl-card")
+        token = page.get_attribute("#rl-item .rl-item", "data-token")
+        for key in ("2", "3", "1"):
+            page.keyboard.press(key)
+        proc.kill()
+        proc.wait(30)
+        proc = start_app(db, port, tmp_path / "timings-1.json")
+        page.keyboard.press("Enter")
+        page.wait_for_function(
+            "old => { const it = document.querySelector('#rl-item .rl-item'); return it && it.dataset.token !== old; }",
+            arg=token, timeout=30_000)
+        assert "Saved" in page.inner_text("#rl-progress") and page.dialogs == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    with Store(db) as store:
+        (ranking,) = store.list_rankings()
+        shown = store.get_item(ranking.item_id, ranking.annotator_id).display_order
+    assert str(ranking.item_id) == token.split(".")[0]
+    assert ranking.order == [[shown[1]], [shown[2]], [shown[0]]]  # positions 2, 3, 1 as pressed
