@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.policy import load_policy, make_reference, sampled_kl
+from pipeline.policy import load_policy, make_reference, merged_lora, sampled_kl
 from pipeline.sampling import sample
 from pipeline.scoring import make_reward
 from pipeline.text import decode_responses, encode_prompts
@@ -81,13 +81,17 @@ def evaluate_policy(adapter: str | None, model_cfg: ModelConfig, prompts: list[s
     for start in range(0, len(prompts), cfg.batch_size):
         chunk = prompts[start:start + cfg.batch_size]
         input_ids, prompt_mask = encode_prompts(tokenizer, chunk, cfg.max_prompt_tokens, device)  # (b, P)
-        # 2. sample; sb.logprobs are the policy's log-probs of its tokens at cfg.temperature
-        sb = sample(policy, input_ids, prompt_mask, cfg, num_samples=cfg.samples, generator=generator,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        # 2. sample (the LoRA deltas merged into a copy of the weights, as PPO samples: one matmul
+        # per layer and token); sb.logprobs are the policy's log-probs of its tokens at cfg.temperature
+        with merged_lora(policy):
+            sb = sample(policy, input_ids, prompt_mask, cfg, num_samples=cfg.samples, generator=generator,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         mask = sb.response_mask.float()  # (B, R)
         lengths = mask.sum(1).long()  # (B,)
-        # 3. reference log-probs of the same tokens: the k1 KL, nats per sequence
-        kl = sampled_kl(policy, reference, sb, cfg.temperature, logprobs=sb.logprobs)  # (B,)
+        # 3. reference log-probs of the same tokens: the k1 KL, nats per sequence (the base model is
+        # its own reference: 0, without the forward pass)
+        kl = sampled_kl(policy, reference, sb, cfg.temperature, logprobs=sb.logprobs) if adapter \
+            else torch.zeros(len(lengths))  # (B,)
         # 4. gold judge on text, reward models on tokens
         texts = decode_responses(tokenizer, sb.response_ids, sb.response_mask)
         batch_prompts = [chunk[i] for i in sb.prompt_index.tolist()]
