@@ -816,3 +816,15 @@ def test_quick_closed_loop_runs_default_rounds_and_resumes(tmp_path):
     line = result_line(out)
     assert line.startswith("RESULT gold_loop rounds=2 seeds=1 ") and "r2_gain_mean=" in line
     assert "leaderboard_separated=" in line and "Blind evaluation" in (out / "report.md").read_text()
+
+
+def test_a_resumed_closed_loop_reads_settings_the_code_gained_since_as_their_defaults():
+    """A run recorded before PPOConfig had advantage_estimator resumes under code that has it (its
+    default ran); a setting that changed, or one the run had and the code lost, still refuses."""
+    from bench.gold.closed_loop import _as_known
+
+    before = {"ppo": {"steps": 20}, "policy_step": "ppo"}
+    now = {"ppo": {"steps": 20, "advantage_estimator": "gae"}, "policy_step": "ppo", "new_top": 1}
+    assert _as_known(now, before) == before
+    assert _as_known({"ppo": {"steps": 24, "advantage_estimator": "gae"}, "policy_step": "ppo"}, before) != before
+    assert _as_known({"policy_step": "ppo"}, before) != before

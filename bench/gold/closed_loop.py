@@ -293,6 +293,8 @@ class ClosedLoop:
         for d in (before, now):  # more seeds or rounds may be asked of a resumed run
             d["sizes"] = {k: v for k, v in d["sizes"].items() if k not in ("seeds", "rounds", "leaderboard_prompts")}
             d["settings"]["loop"].pop("rounds", None)
+        # a setting the code gained since the run started ran as its default (as LoopSettings.from_dict reads it)
+        now["settings"] = _as_known(now["settings"], before["settings"])
         if before != now:
             differ = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
             raise SystemExit(f"--resume {self.out}: its settings differ from these ({', '.join(differ)})")
@@ -350,6 +352,13 @@ class ClosedLoop:
                 sd.close()
         self.save()
         return self.results
+
+
+def _as_known(now: dict, before: dict) -> dict:
+    """`now` without the keys `before` does not have, at every level of nesting: the settings a
+    run recorded before the code gained them."""
+    return {k: _as_known(v, before[k]) if isinstance(v, dict) and isinstance(before[k], dict) else v
+            for k, v in now.items() if k in before}
 
 
 def _commit() -> str:
