@@ -18,7 +18,7 @@ is resolved through `App.tokens.get(token)` (gradio/routes.py, get_current_user)
   token was issued and forgets it `max_age_s` later, so the cookie of a session older than
   `--session-hours` counts as signed out everywhere (pages show the login form again, API calls
   get 401), each session on its own clock. Deactivating an account or resetting its password
-  ends its sessions at once (`Sessions.end`), and so does "Sign out" (`SignOutEverywhere`).
+  ends its sessions at once (`Sessions.end`), and so does "Sign out" (`SessionsMiddleware`).
   With a store, each session is also kept there (the SHA-256 of its token), so a restart of the
   app, planned or after a crash, signs no one out: a token this process has not seen is looked
   up in the store. Ages are measured on the wall clock, the one clock a restart keeps.
@@ -230,30 +230,46 @@ def cookie_id(store) -> str:
 COOKIE_ID_SETTING = "session_cookie_id"
 
 
-class SignOutEverywhere:
-    """ASGI middleware: "Sign out" (Gradio's GET /logout, on every device) ends the user's
-    sessions with `Sessions.end` before Gradio's route runs. Gradio's own route walks App.tokens,
-    which holds only the sessions this process has seen; sessions from before a restart live in
-    the store alone."""
+class SessionsMiddleware:
+    """ASGI middleware that puts `ctx.sessions` in charge of Gradio's sign-ins, before any request
+    is served:
+
+    - on the first request, Gradio's App gets the store's session table as its token table
+      (App.tokens) and the store's cookie id (App.cookie_id, `cookie_id`): Gradio makes both only
+      when it starts serving, so installing them afterwards would leave a window in which a cookie
+      from before a restart is not read (a client retrying at once would be signed out);
+    - "Sign out" (Gradio's GET /logout, on every device) ends the user's sessions with
+      `Sessions.end` before Gradio's route runs: Gradio's route walks App.tokens, which holds only
+      the sessions this process has seen, and sessions from before a restart live in the store."""
 
     def __init__(self, app, ctx):
         self.app, self.ctx = app, ctx
 
     async def __call__(self, scope, receive, send):
         sessions = self.ctx.sessions
-        if scope["type"] == "http" and scope["path"].rstrip("/").endswith("/logout") and sessions is not None:
-            cookie_id = getattr(scope.get("app"), "cookie_id", None)
-            cookies = {}
-            for key, value in scope.get("headers", []):
-                if key == b"cookie":
-                    for part in value.decode("latin-1").split(";"):
-                        k, _, v = part.strip().partition("=")
-                        cookies[k] = v
-            for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"):
-                user = sessions.get(cookies[name]) if cookies.get(name) else None
+        served = scope.get("app")
+        if scope["type"] in ("http", "websocket") and sessions is not None and served is not None:
+            if served.tokens is not sessions:
+                for token, name in list(served.tokens.items()):  # a sign-in before this (none, normally)
+                    sessions[token] = name
+                served.tokens = sessions
+                served.cookie_id = self.ctx.cookie_id or served.cookie_id
+            if scope["type"] == "http" and scope["path"].rstrip("/").endswith("/logout"):
+                user = sessions.get(_cookies(scope).get(f"access-token-{served.cookie_id}")
+                                    or _cookies(scope).get(f"access-token-unsecure-{served.cookie_id}"))
                 if user is not None:
                     await anyio.to_thread.run_sync(sessions.end, user)
         await self.app(scope, receive, send)
+
+
+def _cookies(scope) -> dict[str, str]:
+    cookies = {}
+    for key, value in scope.get("headers", []):
+        if key == b"cookie":
+            for part in value.decode("latin-1").split(";"):
+                k, _, v = part.strip().partition("=")
+                cookies[k] = v
+    return cookies
 
 
 def password_check(ctx):

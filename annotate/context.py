@@ -61,6 +61,9 @@ class AppContext:
     """A sign-in lasts this long; then the login form is shown again (annotate/accounts.py)."""
     throttle: Throttle = field(default_factory=Throttle, repr=False)
     """Failed sign-ins per name and address, and the locks they earn (annotate/accounts.py)."""
+    cookie_id: str = ""
+    """The id in the session cookie's name, the store's own (annotate/accounts.py `cookie_id`);
+    set by `launch`."""
     sessions: Sessions | None = field(default=None, repr=False)
     """Gradio's sign-in tokens with their ages, once `launch` has installed them (None before,
     and in tests that call handlers directly)."""

@@ -156,7 +156,12 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
     # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
     demo.queue(default_concurrency_limit=16)
-    middleware = [Middleware(accounts.ClientAddress), Middleware(accounts.SignOutEverywhere, ctx=ctx)]
+    # Gradio's sign-in tokens, aged and kept in the store (a restart signs no one out), with the
+    # store's own cookie id; SessionsMiddleware installs them before the first request is served
+    ctx.sessions = accounts.Sessions(ctx.session_hours * 3600.0, store=ctx.store)
+    ctx.cookie_id = accounts.cookie_id(ctx.store)
+    ctx.throttle.persist_in(ctx.store)
+    middleware = [Middleware(accounts.ClientAddress), Middleware(accounts.SessionsMiddleware, ctx=ctx)]
     if ctx.timings is not None:
         middleware.append(Middleware(TimingMiddleware, timings=ctx.timings))
     result = demo.launch(
@@ -167,17 +172,6 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
         head=f"<script>{(STATIC / 'annotate.js').read_text()}</script>",
         max_threads=64, app_kwargs={"middleware": middleware},
     )
-    # Gradio keeps its sign-in tokens in App.tokens (a plain dict, empty until the first login):
-    # swapping in a table that ages them out, kept in the store, is what makes sessions expire and
-    # survive a restart; the login throttle's counts are kept there too
-    ctx.sessions = accounts.Sessions(ctx.session_hours * 3600.0, store=ctx.store)
-    ctx.throttle.persist_in(ctx.store)
-    # the cookie's name carries a random id Gradio draws per process: the store's own, so that a
-    # cookie from before a restart is still read after it
-    demo.server_app.cookie_id = accounts.cookie_id(ctx.store)
-    for token, name in list(demo.server_app.tokens.items()):  # a sign-in that came first
-        ctx.sessions[token] = name
-    demo.server_app.tokens = ctx.sessions
     if not prevent_thread_lock:
         demo.block_thread()
     return result

@@ -4,8 +4,9 @@ The app runs as users start it (`python app.py --no-generate --db ...`, a subpro
 temporary store seeded with items. N annotator threads rank through the HTTP API with
 gradio_client, each submission carrying a unique comment; a submission counts as *acknowledged*
 when the app answered it. An admin thread exports the pairs (JSONL) over and over. The main
-thread SIGKILLs the app at random moments (uniform over `--gap` seconds) and starts it again;
-the clients sign in again (a restart ends every session) and carry on.
+thread SIGKILLs the app at random moments (uniform over `--gap` seconds) and starts it again on
+the same port; the clients carry on with the sessions they had (a restart signs no one out:
+annotate/accounts.py), fetching their item again when the app lost their page's state.
 
 At the end the store is opened and checked:
 - lost:            acknowledged rankings that are not in the store (must be 0);
@@ -13,6 +14,7 @@ At the end the store is opened and checked:
 - pairless:        rankings without all of their pairs (must be 0; each strict order of K
                    responses gives K(K-1)/2 pairs);
 - failed restarts: starts of the app that did not serve within 120 s (must be 0);
+- signed out:      requests refused as signed out (401) after a restart (must be 0);
 - half exports:    export files under their final name that do not read back whole, or whose
                    recorded hash does not match (must be 0; exports are written under a
                    temporary name and renamed).
@@ -48,26 +50,25 @@ class App:
     """The app process, killed and restarted by the main thread; clients read its URL."""
 
     def __init__(self, db: Path):
-        self.db, self.proc, self.url = db, None, None
-        self.generation = 0  # bumped at every start: clients sign in again when it moves
+        self.db, self.proc = db, None
+        self.port = free_port()  # every start on the same address: clients keep their sessions
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.generation = 0  # bumped at every start
         self.failed_restarts = 0
 
     def start(self) -> None:
         for _ in range(3):
-            port = free_port()
             try:
-                self.proc = start_app(self.db, port, self.db.parent / f"timings-{self.generation + 1}.json")
+                self.proc = start_app(self.db, self.port, self.db.parent / f"timings-{self.generation + 1}.json")
             except RuntimeError as exc:
                 self.failed_restarts += 1
                 print(f"  restart failed: {exc}", flush=True)
                 continue
-            self.url = f"http://127.0.0.1:{port}/"
             self.generation += 1
             return
         raise RuntimeError("the app failed to start three times in a row")
 
     def kill(self) -> None:
-        self.url = None
         self.proc.kill()  # SIGKILL: no clean shutdown, no checkpoint
         self.proc.wait(30)
 
@@ -78,21 +79,25 @@ def _client(app: App, name: str, password: str):
     return Client(app.url, auth=(name, password), verbose=False, ssl_verify=False, httpx_kwargs={"timeout": 30})
 
 
-def annotator(app: App, i: int, stop: threading.Event, acked: list, errors: list) -> None:
+def _signed_out(exc: Exception) -> bool:
+    return "401" in str(exc) or "Unauthorized" in str(exc)
+
+
+def annotator(app: App, i: int, stop: threading.Event, acked: list, errors: list, signed_out: list) -> None:
+    """Rank until stopped. One sign-in for the whole soak: a 401 after a restart is counted in
+    `signed_out` (then it signs in again); any other failure (the app down or starting, or a
+    restarted app without this client's state) fetches the item again."""
     rng = random.Random(i)
-    client, generation, seq, k = None, None, 0, 0
+    client, seq, k = None, 0, 0
     while not stop.is_set():
         try:
-            if client is None or generation != app.generation:
-                generation = app.generation
-                if app.url is None:
-                    time.sleep(0.2)
-                    continue
+            if client is None:
                 client = _client(app, f"ann{i}", f"bench-pass-{i}")
-                k = _k(client.predict(api_name="/refresh")[0])
             if k == 0:
-                errors.append("queue ran dry")
-                return
+                k = _k(client.predict(api_name="/refresh")[0])
+                if k == 0:
+                    errors.append("queue ran dry")
+                    return
             time.sleep(rng.uniform(0.05, 0.4))  # reading
             positions = list(range(1, k + 1))
             rng.shuffle(positions)
@@ -101,21 +106,19 @@ def annotator(app: App, i: int, stop: threading.Event, acked: list, errors: list
             html = client.predict(">".join(map(str, positions)), False, comment, "", api_name="/submit")[0]
             acked.append(comment)  # the app answered: this ranking must survive any kill
             k = _k(html)
-        except Exception:  # the app was killed under us (or is starting): sign in again
-            client = None
-            generation = None
+        except Exception as exc:  # the app was killed under us (or is starting)
+            if client is not None and _signed_out(exc):
+                signed_out.append(f"ann{i}: {str(exc)[:300]}")
+                client = None
+            k = 0
             time.sleep(0.3)
 
 
-def exporter(app: App, stop: threading.Event, done: list) -> None:
-    client, generation = None, None
+def exporter(app: App, stop: threading.Event, done: list, signed_out: list) -> None:
+    client = None
     while not stop.is_set():
         try:
-            if client is None or generation != app.generation:
-                generation = app.generation
-                if app.url is None:
-                    time.sleep(0.2)
-                    continue
+            if client is None:
                 client = _client(app, *ADMIN)
             # Data > Export's inputs in order (annotate/ui_admin.py): JSONL, no all-bad, imports in,
             # every annotator, no date, no agreement floor, no test split, conversational, no margin,
@@ -124,8 +127,10 @@ def exporter(app: App, stop: threading.Event, done: list) -> None:
                            api_name="/export")
             done.append(1)
             time.sleep(0.5)
-        except Exception:
-            client, generation = None, None
+        except Exception as exc:
+            if client is not None and _signed_out(exc):
+                signed_out.append(f"admin: {str(exc)[:300]}")
+                client = None
             time.sleep(0.3)
 
 
@@ -137,32 +142,35 @@ def _k(html: str) -> int:
 
 
 def check(db: Path, acked: list[str], k: int) -> dict:
-    """Open the store the killed app left and count what must be zero."""
-    with Store(db) as store:
-        cur = store._cur()
-        comments = {r[0] for r in cur.execute("SELECT comment FROM rankings").fetchall()}
-        orphans = cur.execute("SELECT count(*) FROM pairs p WHERE p.ranking_id IS NOT NULL AND NOT EXISTS "
-                              "(SELECT 1 FROM rankings r WHERE r.id = p.ranking_id)").fetchone()[0]
-        pairless = cur.execute("SELECT count(*) FROM rankings r WHERE (SELECT count(*) FROM pairs p "
-                               "WHERE p.ranking_id = r.id) <> ?", [k * (k - 1) // 2]).fetchone()[0]
-        rankings = len(comments)
-        snapshots = {Path(s.path).name: s.sha256 for s in store.list_snapshots()}
-    export_dir = db.parent / "exports"
-    half = 0
-    files = sorted(p for p in export_dir.glob("pairs-*.jsonl")) if export_dir.exists() else []
+    """Open the store the killed app left (through the Store, as any reader) and count what must be zero."""
+    from collections import Counter
+
     from formats.hashing import snapshot_sha256
 
-    for f in files:
+    with Store(db) as store:
+        rankings = store.list_rankings()
+        pairs_of = Counter(pair.ranking_id for pair in store.list_pairs())
+        snapshots = {Path(s.path).name: s.sha256 for s in store.list_snapshots()}
+    ids = {r.id for r in rankings}
+    comments = {r.comment for r in rankings}
+    orphans = sum(n for ranking_id, n in pairs_of.items() if ranking_id is not None and ranking_id not in ids)
+    pairless = sum(pairs_of[r.id] != k * (k - 1) // 2 for r in rankings)  # every soak ranking is a strict order
+    # Data > Export writes a folder per export (its pairs.jsonl, rankings/, card and manifest)
+    export_dir = db.parent / "exports"
+    folders = sorted(p for p in export_dir.glob("export-*") if p.is_dir()) if export_dir.exists() else []
+    half = 0
+    for folder in folders:
         try:
-            rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+            rows = [json.loads(line) for line in (folder / "pairs.jsonl").read_text(encoding="utf-8").splitlines()
+                    if line.strip()]
             whole = bool(rows) and all({"prompt", "chosen", "rejected"} <= set(r) for r in rows)
-        except (ValueError, UnicodeDecodeError):
+        except (OSError, ValueError, UnicodeDecodeError):
             whole = False
-        recorded = snapshots.get(f.name)
-        if not whole or (recorded is not None and recorded != snapshot_sha256(f)):
+        recorded = snapshots.get(folder.name)
+        if not whole or (recorded is not None and recorded != snapshot_sha256(folder)):
             half += 1
-    return {"rankings": rankings, "lost": len(set(acked) - comments), "orphans": orphans,
-            "pairless": pairless, "exports": len(files), "half_exports": half}
+    return {"rankings": len(rankings), "lost": len(set(acked) - comments), "orphans": orphans,
+            "pairless": pairless, "exports": len(folders), "half_exports": half}
 
 
 def main(argv=None) -> int:
@@ -188,15 +196,15 @@ def main(argv=None) -> int:
 
         app = App(db)
         app.start()
-        stop, acked, errors, exports = threading.Event(), [], [], []
-        threads = [threading.Thread(target=annotator, args=(app, i, stop, acked, errors), daemon=True)
+        stop, acked, errors, exports, signed_out = threading.Event(), [], [], [], []
+        threads = [threading.Thread(target=annotator, args=(app, i, stop, acked, errors, signed_out), daemon=True)
                    for i in range(args.annotators)]
-        threads.append(threading.Thread(target=exporter, args=(app, stop, exports), daemon=True))
+        threads.append(threading.Thread(target=exporter, args=(app, stop, exports, signed_out), daemon=True))
         for t in threads:
             t.start()
         try:
             for n in range(kills):
-                # let the clients sign in again and submit for a while, then kill at a random moment
+                # let the clients submit for a while, then kill at a random moment
                 time.sleep(rng.uniform(*args.gap))
                 before = len(acked)
                 app.kill()
@@ -212,7 +220,7 @@ def main(argv=None) -> int:
         result = check(db, acked, args.k)
 
     ok = all(result[key] == 0 for key in ("lost", "orphans", "pairless", "half_exports")) \
-        and app.failed_restarts == 0 and not errors
+        and app.failed_restarts == 0 and not errors and not signed_out
     print(f"\n{args.annotators} annotators, {kills} SIGKILLs, {time.time() - t_start:.0f} s in all, "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'acknowledged rankings':<34}{len(acked):>8}")
@@ -222,10 +230,14 @@ def main(argv=None) -> int:
                        ("half-written export files", "half_exports")):
         print(f"{label:<34}{result[key]:>8}")
     print(f"{'failed restarts':<34}{app.failed_restarts:>8}")
+    print(f"{'signed out by a restart':<34}{len(signed_out):>8}")
     if errors:
         print(f"annotator errors: {errors[:3]}")
+    if signed_out:
+        print(f"signed out: {signed_out[:3]}")
     print(f"RESULT soak kills={kills} acked={len(acked)} lost={result['lost']} orphans={result['orphans']} "
-          f"pairless={result['pairless']} failed_restarts={app.failed_restarts} exports={result['exports']} "
+          f"pairless={result['pairless']} failed_restarts={app.failed_restarts} signed_out={len(signed_out)} "
+          f"exports={result['exports']} "
           f"half_exports={result['half_exports']} ok={ok}")
     return 0 if ok else 1
 

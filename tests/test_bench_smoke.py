@@ -27,3 +27,12 @@ def test_ppo_bench_runs_our_ppo_and_rloo_side_by_side(tmp_path, tiny_model_dir):
     fields = dict(kv.split("=") for kv in result.split()[2:])
     assert float(fields["ours_eps"]) > 0 and float(fields["rloo_eps"]) > 0 and float(fields["rloo_ratio"]) > 0
     assert "trl_eps" not in fields and not (tmp_path / "ours_rloo_run" / "checkpoint" / "critic").exists()
+
+
+@pytest.mark.slow
+def test_soak_survives_a_kill_with_no_one_signed_out_and_nothing_lost():
+    """bench/soak.py with 2 annotators and 1 SIGKILL (the full run: 10 and 30): its checks pass."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import soak
+
+    assert soak.main(["--kills", "1", "--annotators", "2", "--gap", "2", "4"]) == 0
