@@ -105,7 +105,7 @@ def test_finishing_an_under_ranked_round_asks_first(app, browser, tiny_model_dir
     rnd, _ = open_round(store, tiny_model_dir)
     page = login(browser, url, "boss", "boss-password")
     page.get_by_role("tab", name="Train").click()
-    page.locator("#rl-policy-step").get_by_text("DPO").click()
+    page.locator("#rl-policy-step").get_by_text("DPO", exact=True).click()
     page.click("#rl-run-round")
     asked = f"Round {rnd.id} has 0 of 6 items ranked (threshold 6): finish anyway?"
     page.wait_for_selector(f"#rl-round-confirm-text :text('{asked}')", timeout=20_000)
