@@ -134,8 +134,7 @@ def _advance(ctx: AppContext, state: SessionState, account: Annotator, exclude_p
 
 def _current(state: SessionState | None, token: str = "") -> Showing:
     if state is None or state.current is None:
-        raise gr.Error("There is no item on screen to act on (if the app restarted meanwhile, reload the page: "
-                       "your item is kept for you).")
+        raise gr.Error("There is no item on screen to act on.")
     if token and token != state.current.token:
         # The page ranked a different showing than the one the server has (a stale tab).
         raise gr.Error("This item changed before your ranking arrived; nothing was saved. Rank it again.")
@@ -236,10 +235,12 @@ def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: b
     return out
 
 
-def skip(ctx: AppContext, state: SessionState | None, request: gr.Request):
-    """Skip the item on screen: this annotator will not be offered it again."""
+def skip(ctx: AppContext, state: SessionState | None, request: gr.Request, token: str = ""):
+    """Skip the item on screen: this annotator will not be offered it again. `token` (the page
+    sends it): the showing skipped, as for Submit."""
     account = user(ctx, request)
-    showing = _current(state)
+    state = _recovered(ctx, state, account, token)
+    showing = _current(state, token)
     ctx.store.skip_item(account.id, showing.item.item_id)
     state.note = "Skipped"
     _advance(ctx, state, account)
@@ -248,11 +249,12 @@ def skip(ctx: AppContext, state: SessionState | None, request: gr.Request):
     return out
 
 
-def flag(ctx: AppContext, state: SessionState | None, comment: str, request: gr.Request):
+def flag(ctx: AppContext, state: SessionState | None, comment: str, request: gr.Request, token: str = ""):
     """Flag the prompt on screen (broken, harmful, unanswerable): it leaves the queue for everyone
-    until an admin looks at it. The comment box, if filled, is the reason."""
+    until an admin looks at it. The comment box, if filled, is the reason; `token` as for skip."""
     account = user(ctx, request)
-    showing = _current(state)
+    state = _recovered(ctx, state, account, token)
+    showing = _current(state, token)
     prompt_id = showing.item.prompt.id
     ctx.store.flag_prompt(prompt_id, account.id, reason=(comment or "").strip() or "flagged while annotating")
     state.note = "Flagged"

@@ -40,6 +40,9 @@ THEME = gr.themes.Soft(
 SUBMIT_JS = """(s, r, b, c, t, g) => window.rlhf
     ? [s, window.rlhf.encode(), b, c, window.rlhf.currentToken(), window.rlhf.strength || ""]
     : [s, r, b, c, t, g]"""
+# Skip and Flag name the showing they act on too (the token), so a restarted app knows the item
+SKIP_JS = "(s, t) => window.rlhf ? [s, window.rlhf.currentToken()] : [s, t]"
+FLAG_JS = "(s, c, t) => window.rlhf ? [s, c, window.rlhf.currentToken()] : [s, c, t]"
 
 
 def build_ui(ctx: AppContext) -> gr.Blocks:
@@ -108,8 +111,8 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
     quick = dict(show_progress="hidden", trigger_mode="once")
     submit.click(bind(h.submit, ctx), [state, ranking, all_bad, comment, token, strength], outs, api_name="submit",
                  js=SUBMIT_JS, **quick)
-    skip.click(bind(h.skip, ctx), [state], outs, api_name="skip", **quick)
-    flag.click(bind(h.flag, ctx), [state, comment], outs, api_name="flag", **quick)
+    skip.click(bind(h.skip, ctx), [state, token], outs, api_name="skip", js=SKIP_JS, **quick)
+    flag.click(bind(h.flag, ctx), [state, comment, token], outs, api_name="flag", js=FLAG_JS, **quick)
     undo.click(bind(h.undo, ctx), [state], outs, api_name="undo", **quick)
     timer.tick(bind(h.refresh, ctx), [state], outs, api_name="refresh", api_visibility="undocumented",
                show_progress="hidden")

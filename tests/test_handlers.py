@@ -598,3 +598,27 @@ def test_chunks_of_a_running_generate_job_are_ingested_as_they_arrive(store, tmp
     chunk(1, ids[2:3])
     partial.poll()
     assert store.counts()["items"] == 4 and (partial.items, partial.responses) == (4, 8)
+
+
+def test_after_a_restart_submit_skip_and_flag_act_on_the_item_the_page_names(ctx):
+    """A restarted app has no state for the page (gr.State lives in the process); the page's token
+    names its item, and the annotator's lease on it is in the store: each action acts on that item.
+    A token of an item not leased to the annotator (or none) acts on nothing."""
+    seed_items(ctx.store, 4, 2)
+    state, _ = show(ctx)
+    first = state.current
+    handlers.submit(ctx, None, "2>1", False, "", first.token, req("ann"))  # as if after a restart
+    (ranking,) = ctx.store.list_rankings()
+    assert ranking.item_id == first.item.item_id and ranking.client_token == first.token
+    assert ranking.order == [[first.item.display_order[1]], [first.item.display_order[0]]]
+    state, _ = show(ctx)
+    second = state.current
+    state, *_ = handlers.skip(ctx, None, req("ann"), second.token)
+    assert state.current.item.item_id not in (first.item.item_id, second.item.item_id)
+    third = state.current
+    handlers.flag(ctx, None, "broken", req("ann"), third.token)
+    assert ctx.store.is_flagged(third.item.prompt.id)
+    for call in (lambda: handlers.skip(ctx, None, req("bea"), third.token),  # not bea's lease
+                 lambda: handlers.submit(ctx, None, "1>2", False, "", "", req("ann"))):
+        with pytest.raises(gr.Error, match="no item on screen"):
+            call()
