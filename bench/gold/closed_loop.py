@@ -389,9 +389,12 @@ def pack(out: Path, state: Path) -> list[Path]:
         with Store(folder / "rlhf.duckdb") as store:
             versions = [store.active_policy(), latest_reward(store)]
             keep += [Path(v.path) for v in versions if v is not None and v.path]
-            backup(store, state / f"seed{seed}" / "store.db")
-        with Store(state / f"seed{seed}" / "store.db") as packed:
+            backup(store, state / f"seed{seed}" / "relocating.db")
+        with Store(state / f"seed{seed}" / "relocating.db") as packed:
             relocate(packed, out, RUN)
+            # copied again into a fresh file: the relocated one keeps the old paths in freed pages
+            backup(packed, state / f"seed{seed}" / "store.db")
+        (state / f"seed{seed}" / "relocating.db").unlink()
         for path in keep:
             target = state / path.relative_to(out)
             target.parent.mkdir(parents=True, exist_ok=True)
