@@ -45,21 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gold.closed_report import t_interval  # noqa: E402  (the one Student-t interval over seeds)
+from tests.test_ppo_learned_reward import gold, prompts_for  # noqa: E402  (the task, as the test defines it)
 
 K = 4
-WORDS = "bread guitar stores onions chili flour water salt chords coupons".split()
-
-
-def gold(text: str) -> float:
-    return float(text.count("e"))
-
-
-def prompts_for(seed: int, start: int, n: int) -> list[str]:
-    rng = random.Random(seed * 7919 + start)
-    return [f"Question {start + i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
-            for i in range(n)]
-
-
 def listwise_order(utilities: list[float], temperature: float, rng: random.Random) -> list[int]:
     """A Plackett-Luce draw: indices best first, each picked from the rest by softmax(u / T)."""
     rest, order = list(range(len(utilities))), []
