@@ -33,6 +33,7 @@ import gradio as gr
 from annotate import monitor
 from annotate.context import AppContext, admin
 from pipeline.config import default_ppo_lr, with_ppo_lrs
+from pipeline.model_card import REWARD_LOSSES as LOSS_NAMES
 from pipeline.orchestrate import estimate, gate, loop
 from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, ensure_base_policy, latest_reward, submit_ppo,
                                         submit_reward)
@@ -82,7 +83,7 @@ def _number(value, name: str, *, minimum: float, integer: bool = False) -> float
     return int(x) if integer else x
 
 
-REWARD_LOSSES = {"bt": "Bradley-Terry (pairs)", "plackett-luce": "Plackett-Luce (whole rankings)"}
+REWARD_LOSSES = {key: f"{name} ({what})" for (key, name), what in zip(LOSS_NAMES.items(), ("pairs", "whole rankings"))}
 """The reward model's losses (RewardConfig.loss) as the Train tab names them."""
 
 
