@@ -39,9 +39,12 @@ chromium:
 app: setup
 	$(BIN)/python app.py
 
-# PYTEST_ARGS: more options, e.g. `make test PYTEST_ARGS="--shuffle 7"` (any order must pass)
+# WORKERS: pytest-xdist processes, each computing on one thread (tests/conftest.py); a module's tests
+# stay on one worker (--dist loadfile). PYTEST_ARGS: more options, e.g. `make test PYTEST_ARGS="--shuffle 7"`
+# (any order must pass).
+WORKERS ?= 2
 test: setup chromium
-	$(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow and not browser"

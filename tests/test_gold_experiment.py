@@ -598,7 +598,7 @@ def test_seed_report_gives_between_seed_error_of_the_last_point_within_the_kl_bu
     assert [h["hacking"] for h in sm["arms"]["adaptive"]["hacking"]] == [False, False, True]
     assert sm["bon"][-1]["gold"] == pytest.approx(0.06) and sm["bon_rises"]
     line = seeds_result_line(folder, sm)
-    assert line.startswith("RESULT gold seeds=3 ")
+    assert line.startswith("RESULT gold seeds=2 ")
     for field in ("adaptive_gain_mean=0.0300", "adaptive_gain_se_seeds=0.0058", "adaptive_seeds=3",
                   "adaptive_goal=met", "hacking=yes:adaptive@3", "bon_rises=yes"):
         assert field in line.split(), field
@@ -675,21 +675,21 @@ def test_follower_copies_each_checkpoint_once_as_the_trainer_replaces_it(tmp_pat
 
 
 @pytest.mark.slow
-def test_quick_gold_seeds_runs_three_seeds_with_checkpoints_and_raw_tables(tmp_path):
+def test_quick_gold_seeds_runs_two_seeds_with_checkpoints_and_raw_tables(tmp_path):
     _require_embedding_judge()
     from bench.gold.seed_report import gain, summary
     from bench.gold.seeds import main
 
     out = tmp_path / "seeds"
-    # one round 1 and proxy for the three seeds (--share-round1: the same code as a round 1 per seed,
-    # without two more reward models), three arms (PPO against the judge itself a control), best-of-1 and -2
-    assert main(["--quick", "--seeds", "0,1,2", "--arms", "adaptive,dpo,judge_adaptive2", "--checkpoints", "2",
+    # one round 1 and proxy for two seeds (--share-round1: the same code as a round 1 per seed,
+    # without another reward model), three arms (PPO against the judge itself a control), best-of-1 and -2
+    assert main(["--quick", "--seeds", "0,1", "--arms", "adaptive,dpo,judge_adaptive2", "--checkpoints", "2",
                  "--max-epochs", "2",
                  "--bon", "1,2", "--share-round1", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     raw = json.loads((out / "raw.json").read_text())["evals"]
-    assert set(results["seeds"]) == {"0", "1", "2"} and results["done"]
-    assert [results["seeds"][s].get("shared_round1_from") for s in "012"] == [None, 0, 0]
+    assert set(results["seeds"]) == {"0", "1"} and results["done"]
+    assert [results["seeds"][s].get("shared_round1_from") for s in "01"] == [None, 0]
     assert results["seeds"]["1"]["proxy"] == results["seeds"]["0"]["proxy"]
     for s, entry in results["seeds"].items():
         proxy = entry["proxy"]
@@ -717,13 +717,13 @@ def test_quick_gold_seeds_runs_three_seeds_with_checkpoints_and_raw_tables(tmp_p
         assert config["reward"].startswith(f"oracle:norm={mean:.6g},") and config["reward"].endswith(":embedding")
         assert Path(config["critic_init"]) == Path(entry["proxy"]["path"])
     sm = summary(out)
-    assert sm["arms"]["adaptive"]["result"]["seeds"] == 3 and len(sm["bon"]) == 2
+    assert sm["arms"]["adaptive"]["result"]["seeds"] == 2 and len(sm["bon"]) == 2
     # its KL efficiency: its gold gain against best-of-n picking by the judge (at n = 2 above the proxy's pick)
     assert {e["reward"] for e in sm["arms"]["judge_adaptive2"]["efficiency"]} == {"gold judge"}
     assert {e["reward"] for e in sm["arms"]["adaptive"]["efficiency"]} == {"proxy"}
     assert sm["bon"][0]["judge"] == pytest.approx(0.0, abs=1e-9) and sm["bon"][1]["judge"] > sm["bon"][1]["gold"]
     report = (out / "report.md").read_text()
-    assert "between-seed s.e." in report and report.rstrip().splitlines()[-1].startswith("RESULT gold seeds=3 ")
+    assert "between-seed s.e." in report and report.rstrip().splitlines()[-1].startswith("RESULT gold seeds=2 ")
     assert "judge_adaptive2_kl_efficiency_vs_bon=" in report and "judge_adaptive2_goal" not in report
 
 

@@ -162,6 +162,9 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert round2.status == "done" and round2.meta["last_error"] is None
     assert round3.status == "annotating" and round3.policy_version_id == round2.new_policy_version_id
     assert store.active_policy().id == round2.new_policy_version_id and store.round_counts(round3.id)["items"] == 6
+    # round 2 continued round 1: PPO from round 1's policy, the reward model warm-started from round 1's
+    assert store.get_model_version(round2.new_policy_version_id).parent_id == round1.new_policy_version_id
+    assert store.get_model_version(round2.reward_version_id).parent_id == round1.reward_version_id
 
 
 
