@@ -598,7 +598,7 @@ def test_seed_report_gives_between_seed_error_of_the_last_point_within_the_kl_bu
     assert [h["hacking"] for h in sm["arms"]["adaptive"]["hacking"]] == [False, False, True]
     assert sm["bon"][-1]["gold"] == pytest.approx(0.06) and sm["bon_rises"]
     line = seeds_result_line(folder, sm)
-    assert line.startswith("RESULT gold seeds=2 ")
+    assert line.startswith("RESULT gold seeds=3 ")
     for field in ("adaptive_gain_mean=0.0300", "adaptive_gain_se_seeds=0.0058", "adaptive_seeds=3",
                   "adaptive_goal=met", "hacking=yes:adaptive@3", "bon_rises=yes"):
         assert field in line.split(), field
