@@ -15,7 +15,9 @@ ROLES = ("annotator", "admin")
 MODEL_KINDS = ("policy", "reward", "critic", "external")
 RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 RUN_FINAL = ("done", "failed", "cancelled")
-ROUND_STATUSES = ("generating", "annotating", "training", "done", "failed", "cancelled")
+ROUND_STATUSES = ("generating", "annotating", "training", "done")
+"""A round never fails or is cancelled: a step that does puts it back to annotating with its
+meta["last_error"] (pipeline/orchestrate/loop.py), and the step is tried again."""
 EXPORT_FORMATS = ("jsonl", "parquet", "datasets")
 STRENGTHS = {"much better": 1.0, "better": 2 / 3, "slightly better": 1 / 3, "about the same": 0.0}
 """How much better the best response is than the second, as an annotator may say (Llama 2's

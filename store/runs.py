@@ -21,7 +21,6 @@ from store.records import ROUND_STATUSES, RUN_FINAL, RUN_STATUSES, Metric, Round
 _RUN_COLS = "id, kind, status, config, run_dir, inputs, outputs, error, created_at, started_at, finished_at"
 _ROUND_COLS = ("id, status, policy_version_id, reward_version_id, new_policy_version_id, snapshot_id, "
                "config, meta, created_at, finished_at")
-_ROUND_FINAL = ("done", "failed", "cancelled")
 
 
 def _run(row) -> Run:
@@ -162,7 +161,7 @@ class RunsMixin:
     def update_round(self, round_id: int, *, status: str | None = None, policy_version_id: int | None = None,
                      reward_version_id: int | None = None, new_policy_version_id: int | None = None,
                      snapshot_id: int | None = None, meta: dict | None = None) -> Round:
-        """Set the given fields (None = unchanged); `meta` is merged; an ended status sets finished_at."""
+        """Set the given fields (None = unchanged); `meta` is merged; "done" sets finished_at."""
         if status is not None and status not in ROUND_STATUSES:
             raise InvalidRequest(f"round status must be one of {ROUND_STATUSES}, not {status!r}")
         with self._tx() as cur:
@@ -176,7 +175,7 @@ class RunsMixin:
                 self._need(cur.execute("SELECT 1 FROM snapshots WHERE id = ?", [snapshot_id]).fetchone(),
                            f"snapshot with id {snapshot_id}")
             new_status = rnd.status if status is None else status
-            finished = row[9] if row[9] is not None or new_status not in _ROUND_FINAL else utcnow()
+            finished = row[9] if row[9] is not None or new_status != "done" else utcnow()
             cur.execute(
                 "UPDATE rounds SET status = ?, policy_version_id = ?, reward_version_id = ?, "
                 "new_policy_version_id = ?, snapshot_id = ?, meta = ?, finished_at = ? WHERE id = ?",
