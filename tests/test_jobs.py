@@ -14,8 +14,8 @@ import pytest
 
 from pipeline.orchestrate.jobs import INTERRUPTED, JobRunner
 from pipeline.oracle import make_oracle
-from pipeline.orchestrate.loop import (RoundFailed, finish_round, make_runner, recover_rounds, start_round,
-                                       wait_round)
+from pipeline.orchestrate.loop import (RoundFailed, fail, finish_round, generation_stopped, make_runner,
+                                       recover_rounds, resume_generation, start_round, wait_round)
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import round_ppo
 from store import Store
@@ -103,6 +103,28 @@ def test_a_failed_step_leaves_the_round_open_with_the_reason_and_a_retry_works(s
 
     done = finish_round(store, runner, rnd, settings)  # the same action retries it
     assert done.status == "done" and done.meta["last_error"] is None
+    runner.shutdown()
+
+
+@pytest.mark.slow
+def test_a_round_whose_generation_stopped_generates_the_rest(store, tiny_model_dir, tmp_path):
+    add_prompts(store)
+    runner = make_runner(store, tmp_path / "runs", poll_s=0.2)
+    settings = tiny_settings(tiny_model_dir)
+    broken = tiny_settings(tiny_model_dir)
+    broken.model.dtype = "fp7"  # the generate job refuses it
+    with pytest.raises(RoundFailed, match="generate"):
+        start_round(store, runner, broken)
+    (rnd,) = store.list_rounds()
+    assert generation_stopped(rnd) and store.round_counts(rnd.id)["items"] == 0
+
+    rnd = resume_generation(store, runner, rnd, settings)
+    assert rnd.status == "annotating" and not generation_stopped(rnd)
+    assert store.round_counts(rnd.id)["items"] == 6 and rnd.policy_version_id == store.active_policy().id
+    # nothing left to generate: the error is cleared and nothing is generated twice
+    rnd = resume_generation(store, runner, fail(store, rnd.id, "generate", "interrupted"), settings)
+    assert not generation_stopped(rnd) and store.round_counts(rnd.id)["items"] == 6
+    assert len(store.list_runs(kind="generate")) == 2
     runner.shutdown()
 
 

@@ -175,12 +175,15 @@ def start(sd: Seed, pool: Path) -> None:
 
 def play_round(sd: Seed, n: int) -> None:
     """Step 1-2 for round n (from 1): as far as the store says it has come, then to its end."""
-    from pipeline.orchestrate.loop import RoundFailed, close_round, finish_round, start_round
+    from pipeline.orchestrate.loop import (RoundFailed, close_round, finish_round, generation_stopped,
+                                           resume_generation, start_round)
     from pipeline.orchestrate.simulate import simulate_annotations
 
     t, cpu = time.perf_counter(), cpu_seconds()
     rounds = sd.store.list_rounds()
     rnd = rounds[n - 1] if len(rounds) >= n else start_round(sd.store, sd.runner, sd.settings, n - 1)
+    if generation_stopped(rnd):  # the run stopped while the round was generating: the rest first
+        rnd = resume_generation(sd.store, sd.runner, rnd, sd.settings)
     ranked = simulate_annotations(sd.store, sd.ctx.judge, noise=sd.run.sizes.noise, seed=sd.seed * 1000 + n)
     gate = None
     if sd.store.get_round(rnd.id).status != "done":

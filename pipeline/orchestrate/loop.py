@@ -33,7 +33,9 @@ and wait for the round to settle: the CLI and the benchmarks use those.
 
 One failure rule: a step that fails, is cancelled or is interrupted puts its round back to
 'annotating', with `meta.last_error` saying which step, which run and why. The round keeps its
-items and rankings, and the same action (train again, or start the next round) retries it.
+items and rankings, and the same action (train again, or start the next round) retries it; a
+generation that stopped part-way is finished by `resume_generation` (the headless loop does it
+when it starts again).
 
 The reward gate (LoopConfig.reward_gate, pipeline/orchestrate/gate.py): after the reward step, PPO
 runs only if the reward model's held-out accuracy is above chance (95% Wilson interval). If not,
@@ -60,7 +62,8 @@ from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig,
 from pipeline.orchestrate import gate
 from pipeline.orchestrate.jobs import JobRunner
 from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, check_policy_step, ensure_base_policy,
-                                        select_prompts, submit_dpo, submit_generate, submit_ppo, submit_reward)
+                                        read_prompt_ids, select_prompts, submit_dpo, submit_generate, submit_ppo,
+                                        submit_reward)
 
 IN_FLIGHT = ("generating", "training")
 
@@ -168,6 +171,36 @@ def start_round(store, runner, settings: LoopSettings, round_no: int | None = No
         store, runner, prompts, settings.generate, settings.model, policy, round_id=rnd.id,
         round_step="generate", select_uncertain=uncertain, label=f"round-{rnd.id}", launch=settings.launch))
     return wait_round(store, rnd) if wait else rnd
+
+
+def resume_generation(store, runner, rnd, settings: LoopSettings, *, wait: bool = True):
+    """A round whose generation stopped part-way (its generate job failed, or the owner stopped
+    while it ran) generates, with the round's policy, the prompts its jobs were given that still
+    have no responses; the items already made stay. With nothing left to generate, the round's
+    error is cleared and it stays as it is."""
+    given: set[int] = set()
+    for run in store.list_runs(kind="generate"):
+        args = run.config.get("args", [])
+        if run.inputs.get("round_id") == rnd.id and "--prompts" in args:
+            given |= read_prompt_ids(Path(args[args.index("--prompts") + 1]))
+    missing = [p for p in store.prompts_without_responses() if p.id in given]
+    keep = len(missing)
+    if settings.loop.strategy == "uncertain":  # the job was given 2N candidates to keep N of
+        keep = max(0, settings.loop.prompts_per_round - store.round_counts(rnd.id)["prompts"])
+    if not missing or not keep:
+        return store.update_round(rnd.id, meta={"last_error": None, "failed_step": None})
+    policy = store.get_model_version(rnd.policy_version_id)
+    rnd = _begin(store, rnd, "generating", settings, {})
+    _submit(store, rnd, "generate", lambda: submit_generate(
+        store, runner, missing, settings.generate, settings.model, policy, round_id=rnd.id, round_step="generate",
+        select_uncertain=keep if settings.loop.strategy == "uncertain" else 0, label=f"round-{rnd.id}",
+        launch=settings.launch))
+    return wait_round(store, rnd) if wait else rnd
+
+
+def generation_stopped(rnd) -> bool:
+    """The round's generation failed or was interrupted (`resume_generation` finishes it)."""
+    return bool(rnd.meta.get("last_error")) and rnd.meta.get("failed_step") == "generate"
 
 
 def finish_round(store, runner, rnd, settings: LoopSettings, *, next_round: bool = False, wait: bool = True,
@@ -350,6 +383,8 @@ def run_loop(store, runner, settings: LoopSettings, oracle=None, noise: float = 
 
     done = []
     rnd = current_round(store) or start_round(store, runner, settings, 0)
+    if generation_stopped(rnd):  # the loop stopped while the round was generating: finish that first
+        rnd = resume_generation(store, runner, rnd, settings)
     for n in range(settings.loop.rounds):
         log(f"round {rnd.id}: annotating")
         if oracle is not None:
