@@ -62,7 +62,7 @@ from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig,
 from pipeline.orchestrate import gate
 from pipeline.orchestrate.jobs import JobRunner
 from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, check_policy_step, ensure_base_policy,
-                                        read_prompt_ids, select_prompts, submit_dpo, submit_generate, submit_ppo,
+                                        run_prompt_ids, select_prompts, submit_dpo, submit_generate, submit_ppo,
                                         submit_reward)
 
 IN_FLIGHT = ("generating", "training")
@@ -178,11 +178,8 @@ def resume_generation(store, runner, rnd, settings: LoopSettings, *, wait: bool 
     while it ran) generates, with the round's policy, the prompts its jobs were given that still
     have no responses; the items already made stay. With nothing left to generate, the round's
     error is cleared and it stays as it is."""
-    given: set[int] = set()
-    for run in store.list_runs(kind="generate"):
-        args = run.config.get("args", [])
-        if run.inputs.get("round_id") == rnd.id and "--prompts" in args:
-            given |= read_prompt_ids(Path(args[args.index("--prompts") + 1]))
+    given = set().union(*(run_prompt_ids(run) for run in store.list_runs(kind="generate")
+                          if run.inputs.get("round_id") == rnd.id))
     missing = [p for p in store.prompts_without_responses() if p.id in given]
     keep = len(missing)
     if settings.loop.strategy == "uncertain":  # the job was given 2N candidates to keep N of

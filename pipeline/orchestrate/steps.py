@@ -141,13 +141,18 @@ def read_prompt_ids(path: Path) -> set[int]:
     return {json.loads(line).get("id") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
 
 
+def run_prompt_ids(run) -> set[int]:
+    """The prompt ids a job was given (its --prompts file; empty if it had none)."""
+    args = run.config.get("args", [])
+    return read_prompt_ids(Path(args[args.index("--prompts") + 1])) if "--prompts" in args else set()
+
+
 def prompt_pool(store, runner, limit: int | None = None) -> list:
     """Prompts with no responses that no generate job in flight is answering, oldest first (so
     two generate jobs never give one prompt two items)."""
     pending = store.evaluation_prompt_ids()  # held out for people to judge versions on
     for run in runner.in_flight(("generate",)):
-        args = run.config.get("args", [])
-        pending |= read_prompt_ids(Path(args[args.index("--prompts") + 1])) if "--prompts" in args else set()
+        pending |= run_prompt_ids(run)
     pool = [p for p in store.prompts_without_responses() if p.id not in pending]
     return pool[:limit] if limit is not None else pool
 
@@ -170,9 +175,7 @@ def held_out_prompts(store, n: int) -> list:
     so the choice is stable."""
     used = store.evaluation_prompt_ids()
     for run in store.list_runs(kind="ppo"):
-        args = run.config.get("args", [])
-        if "--prompts" in args:
-            used |= read_prompt_ids(Path(args[args.index("--prompts") + 1]))
+        used |= run_prompt_ids(run)
     pool = [p for p in store.prompts_without_responses() if p.id not in used]
     return sorted(pool, key=lambda p: -p.id)[:n]
 
