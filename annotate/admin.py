@@ -55,13 +55,16 @@ def _path(file) -> Path | None:
 
 IMPORT_ITEMS = {"items to rank": "items", "Label Studio export": "labelstudio"}
 """The Import form's kinds that are items (store/import_items.py), and the format each reads."""
-IMPORT_KINDS = ("prompts", "pairs", *IMPORT_ITEMS)
+IMPORT_EVALUATION = "a blind evaluation (items)"
+"""The kind that imports items to rank as a blind evaluation between the models they name."""
+IMPORT_KINDS = ("prompts", "pairs", *IMPORT_ITEMS, IMPORT_EVALUATION)
 
 
-def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
-    """Import an uploaded file of prompts, pairs, items to rank or a Label Studio export, all or
-    nothing. Returns (summary markdown, table of row errors). On a bad file the table lists every
-    problem and nothing is stored."""
+def import_file(ctx: AppContext, file, kind: str, evaluation: str | None, request: gr.Request):
+    """Import an uploaded file of prompts, pairs, items to rank, a Label Studio export, or items
+    of a blind evaluation (`evaluation` names it; default the file's name), all or nothing, while
+    the app runs. Returns (summary markdown, table of row errors). On a bad file the table lists
+    every problem and nothing is stored."""
     admin(ctx, request)
     path = _path(file)
     if path is None:
@@ -77,6 +80,12 @@ def import_file(ctx: AppContext, file, kind: str, request: gr.Request):
             result = store_io.import_pairs(ctx.store, path)
             summary = (f"**Imported {name}**: {result['pairs']} preference pairs "
                        f"({result['prompts_added']} new prompts).")
+        elif kind == IMPORT_EVALUATION:
+            label = (evaluation or "").strip() or path.stem
+            result = import_items(ctx.store, path, evaluation=label)
+            summary = (f"**Imported {name}** as the blind evaluation **{render.esc(label)}**: {result['items']} "
+                       f"prompts, one answer each from {render.esc(', '.join(result['models']))}, in the "
+                       "annotation queue with no model names shown. Its results: Models > Blind evaluation.")
         elif kind in IMPORT_ITEMS:
             result = import_items(ctx.store, path, fmt=IMPORT_ITEMS[kind])
             models = render.esc(", ".join(result["models"])) or "none named"

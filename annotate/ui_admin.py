@@ -67,16 +67,20 @@ def _import(ctx: AppContext) -> None:
                 "(`prompt`/`chosen`/`rejected`, or HH-RLHF transcripts) or **items to rank** (a prompt "
                 "and 2–16 `responses`, each `{text, model}`; in CSV `response_1`… with `model_1`…) as "
                 "JSONL, CSV or Parquet, or a **Label Studio export** (JSON) of a ranking project. "
-                "A file with any bad row is refused as a whole, with every problem listed.")
+                "Items whose responses each name their model can be a **blind evaluation** of those "
+                "models (APIs, production models, this store's policies), ranked by the team with no "
+                "names shown. A file with any bad row is refused as a whole, with every problem listed.")
     with gr.Row():
         kind = gr.Radio(list(a.IMPORT_KINDS), value="prompts", label="The file holds", scale=1,
                         elem_id="rl-import-kind")
         upload = gr.File(label="File", file_types=[".jsonl", ".json", ".csv", ".parquet"],
                          elem_id="rl-import-file", scale=2)
+        evaluation = gr.Textbox(label="Evaluation name", placeholder="default: the file's name", scale=1,
+                                info="for a blind evaluation", elem_id="rl-import-evaluation")
     import_btn = gr.Button("Import", variant="primary", elem_id="rl-import", size="md")
     import_msg = gr.Markdown(elem_id="rl-import-msg")
     import_errors = gr.Dataframe(label="Problems by row", interactive=False, elem_id="rl-import-errors")
-    import_btn.click(bind(a.import_file, ctx), [upload, kind], [import_msg, import_errors],
+    import_btn.click(bind(a.import_file, ctx), [upload, kind, evaluation], [import_msg, import_errors],
                      **HIDDEN, api_name="import_file")
 
 

@@ -25,7 +25,7 @@ task's row (its place in the array, from 1) and its id.
 from __future__ import annotations
 
 from store.readers import check_responses
-from store.records import ItemIn
+from store.records import ItemIn, OrderIn
 
 
 def read_tasks(rows: list[tuple[int, dict]], problems, max_chars: int, source: str) -> list[ItemIn]:
@@ -125,7 +125,7 @@ def _orders(annotations, ids: list[str], bad) -> list[list[list[int]]] | None:
                 + (f"; missing {missing}" if missing else "") + (f"; not an item {extra}" if extra else "")
                 + ("; an id appears twice" if len(order) != len(set(order)) else ""))
             return None
-        orders.append([[ids.index(x)] for x in order])
+        orders.append(OrderIn([[ids.index(x)] for x in order]))
     return orders
 
 

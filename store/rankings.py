@@ -33,6 +33,15 @@ from store.records import Item, Pair, Ranking, RankingIn
 
 _RANKING_COLS = ("id, item_id, prompt_id, annotator_id, order_groups, display_order, all_bad, "
                  "duration_s, client_token, comment, created_at, strength")
+RANKING_TYPES = {"id": pa.int64(), "item_id": pa.int64(), "prompt_id": pa.int64(), "annotator_id": pa.int64(),
+                 "order_groups": pa.list_(pa.list_(pa.int64())), "display_order": pa.list_(pa.int64()),
+                 "all_bad": pa.bool_(), "duration_s": pa.float64(), "client_token": pa.string(),
+                 "comment": pa.string(), "created_at": pa.timestamp("us"), "strength": pa.string()}
+"""The rankings table's columns as Arrow types (bulk inserts: here and Store.import_item_rows)."""
+PAIR_TYPES = {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
+              "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
+              "annotator_id": pa.int64(), "all_bad": pa.bool_(), "source": pa.string(),
+              "created_at": pa.timestamp("us")}
 _PAIR_COLS = ("id, prompt_id, item_id, chosen_id, rejected_id, margin, ranking_id, annotator_id, "
               "all_bad, source, created_at")
 
@@ -222,10 +231,7 @@ class RankingsMixin:
             "duration_s": [x.r.duration_s for x in rows], "client_token": [x.r.client_token for x in rows],
             "comment": [x.r.comment or "" for x in rows], "created_at": [now] * len(rows),
             "strength": [x.r.strength for x in rows],
-        }, {"id": pa.int64(), "item_id": pa.int64(), "prompt_id": pa.int64(), "annotator_id": pa.int64(),
-            "order_groups": pa.list_(pa.list_(pa.int64())), "display_order": pa.list_(pa.int64()),
-            "all_bad": pa.bool_(), "duration_s": pa.float64(), "client_token": pa.string(),
-            "comment": pa.string(), "created_at": pa.timestamp("us"), "strength": pa.string()})
+        }, RANKING_TYPES)
         # 3. pairs
         flat = [(rid, x, p) for rid, x in zip(ids, rows) for p in x.pairs]
         pair_ids = self._reserve_ids(cur, "pairs_id_seq", len(flat))
@@ -236,10 +242,7 @@ class RankingsMixin:
             "ranking_id": [rid for rid, _, _ in flat], "annotator_id": [x.r.annotator_id for _, x, _ in flat],
             "all_bad": [bool(x.r.all_bad) for _, x, _ in flat], "source": ["ranking"] * len(flat),
             "created_at": [now] * len(flat),
-        }, {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
-            "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
-            "annotator_id": pa.int64(), "all_bad": pa.bool_(), "source": pa.string(),
-            "created_at": pa.timestamp("us")})
+        }, PAIR_TYPES)
         # 4. leases of the ranked items
         self._with_keys(cur, [(x.r.annotator_id, x.item_id) for x in rows],
                         "DELETE FROM leases l USING {keys} k "

@@ -245,6 +245,19 @@ class RankingIn:
 
 
 @dataclass(frozen=True)
+class OrderIn:
+    """A ranking made in another tool, of an imported item (ItemIn.orders)."""
+
+    groups: list[list[int]]
+    """Tie groups of indices into the item's responses, best first; a response the annotator left
+    unsorted is in none."""
+    annotator: str | None = None
+    """Who ranked, as '<tool>:<the tool's user id or email>' (an imported annotator account), or
+    None when the file does not say."""
+    duration_s: float | None = None
+
+
+@dataclass(frozen=True)
 class ItemIn:
     """One checked row of an items file to store (`Store.import_item_rows`, store/import_items.py)."""
 
@@ -257,8 +270,8 @@ class ItemIn:
     responses: list[tuple[str, str | None]]
     """(text, model name or None) in the file's order."""
     queued: bool = True
-    orders: list[list[list[int]]] = field(default_factory=list)
-    """Rankings made in another tool: tie groups of indices into `responses`, best first."""
+    orders: list[OrderIn] = field(default_factory=list)
+    """Rankings made in another tool."""
 
 
 @dataclass(frozen=True)

@@ -28,16 +28,12 @@ from store.queue import QueueMixin
 from store.queue_rules import display_order_for
 from store.sessions import SessionsMixin
 from store.records import Item, Prompt, Response
-from store.rankings import RankingsMixin
+from store.rankings import PAIR_TYPES, RANKING_TYPES, RankingsMixin
 from store.runs import RunsMixin
 from store.stats import StatsMixin
 from store.users import UsersMixin
 from store.versions import VersionsMixin
 
-_PAIR_TYPES = {"id": pa.int64(), "prompt_id": pa.int64(), "item_id": pa.int64(), "chosen_id": pa.int64(),
-               "rejected_id": pa.int64(), "margin": pa.float64(), "ranking_id": pa.int64(),
-               "annotator_id": pa.int64(), "all_bad": pa.bool_(), "source": pa.string(),
-               "created_at": pa.timestamp("us")}
 _PROMPT_COLS = "id, text, messages, source, round_id, created_at"
 _RESPONSE_COLS = "id, prompt_id, item_id, model_version_id, text, token_count, finish_reason, sampling, created_at"
 
@@ -301,7 +297,7 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
                 "margin": [float(r[3]) for r in rows], "ranking_id": [None] * len(rows),
                 "annotator_id": [None] * len(rows), "all_bad": [False] * len(rows),
                 "source": [f"import:{file_name}"] * len(rows), "created_at": [now] * len(rows),
-            }, _PAIR_TYPES)
+            }, PAIR_TYPES)
         return {"rows": len(rows), "pairs": len(rows), "prompts_added": added,
                 "prompts_existing": len(set(prompt_ids)) - added, "model_version_id": mv_id}
 
@@ -317,10 +313,9 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
         rows, format): the items' version, and the version of every response without a model
         name. Each model name is a version of that name: an existing policy or external version,
         else a new external one. Importing the same file twice, or an item whose prompt already
-        has an item of exactly these response texts, is refused naming the row. An order (a
-        ranking made in another tool) becomes pairs like an imported pair's: no ranking, no
-        annotator, source 'import:<file name>', margin the rank gap. `evaluation`: the items are a
-        blind evaluation of that name between the rows' models (rows checked by import_items).
+        has an item of exactly these response texts, is refused naming the row. Orders (rankings
+        made in another tool) are stored by _insert_orders. `evaluation`: the items are a blind
+        evaluation of that name between the rows' models (rows checked by import_items).
         """
         file_name, now = os.path.basename(path), utcnow()
         with self._tx() as cur:
@@ -336,25 +331,60 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
                 cur, evaluation, sorted({v for vs in response_versions for v in vs}), prompt_ids)
             item_ids, resp_ids = self._insert_items(cur, file_mv, batches, None, [r.queued for r in rows],
                                                     response_versions, evaluation_id=evaluation_id)
-            pairs = [(pid, iid, rids[c], rids[j], gap)
-                     for pid, iid, rids, r in zip(prompt_ids, item_ids, resp_ids, rows)
-                     for order in r.orders for c, j, gap in ranking_to_pairs(order)]
-            self._insert_arrow(cur, "pairs", {
-                "id": self._reserve_ids(cur, "pairs_id_seq", len(pairs)), "prompt_id": [p[0] for p in pairs],
-                "item_id": [p[1] for p in pairs], "chosen_id": [p[2] for p in pairs],
-                "rejected_id": [p[3] for p in pairs], "margin": [float(p[4]) for p in pairs],
-                "ranking_id": [None] * len(pairs), "annotator_id": [None] * len(pairs),
-                "all_bad": [False] * len(pairs), "source": [f"import:{file_name}"] * len(pairs),
-                "created_at": [now] * len(pairs),
-            }, _PAIR_TYPES)
+            rankings, pairs, annotators_created = self._insert_orders(
+                cur, file_name, rows, prompt_ids, item_ids, resp_ids, now)
             new_items = [(iid, pid, rids) for iid, pid, rids, r in zip(item_ids, prompt_ids, resp_ids, rows)
                          if r.queued]
             self._queue_new_items(new_items)
         return {"rows": len(rows), "items": len(rows), "queued": len(new_items),
                 "responses": sum(len(r.responses) for r in rows), "prompts_added": added,
-                "prompts_existing": len(set(prompt_ids)) - added, "pairs": len(pairs),
+                "prompts_existing": len(set(prompt_ids)) - added, "rankings": rankings, "pairs": pairs,
+                "annotators_created": annotators_created,
                 "models": sorted(versions), "models_created": created, "model_version_id": file_mv,
                 "evaluation_id": evaluation_id}
+
+    def _insert_orders(self, cur, file_name: str, rows: list, prompt_ids: list[int], item_ids: list[int],
+                       resp_ids: list[list[int]], now) -> tuple[int, int, list[str]]:
+        """Inside a transaction: the rows' orders (records.OrderIn) as rankings and pairs, source
+        'import:<file name>', margin the rank gap. An order that says who ranked is a ranking of that
+        person's imported account (UsersMixin._imported_annotators), shown in the file's order, so it
+        counts in agreement and quality; a person's later order of the same item replaces their
+        earlier one, as a re-ranking here does. An order without an annotator is pairs alone.
+        Returns (rankings, pairs, annotators created)."""
+        named = sorted({o.annotator for r in rows for o in r.orders if o.annotator is not None})
+        accounts, created = self._imported_annotators(cur, named, now) if named else ({}, [])
+        latest = {}  # (item, annotator) -> (prompt, the item's responses, tie groups, duration)
+        anonymous = []
+        for pid, iid, rids, r in zip(prompt_ids, item_ids, resp_ids, rows):
+            for o in r.orders:
+                groups = [[rids[i] for i in g] for g in o.groups]
+                if o.annotator is None:
+                    anonymous.append((pid, iid, groups))
+                else:
+                    latest[(iid, accounts[o.annotator])] = (pid, list(rids), groups, o.duration_s)
+        keys, kept = list(latest), list(latest.values())
+        ranking_ids = self._reserve_ids(cur, "rankings_id_seq", len(kept))
+        self._insert_arrow(cur, "rankings", {
+            "id": ranking_ids, "item_id": [k[0] for k in keys], "prompt_id": [v[0] for v in kept],
+            "annotator_id": [k[1] for k in keys], "order_groups": [v[2] for v in kept],
+            "display_order": [v[1] for v in kept], "all_bad": [False] * len(kept),
+            "duration_s": [v[3] for v in kept], "client_token": [None] * len(kept), "comment": [""] * len(kept),
+            "created_at": [now] * len(kept), "strength": [None] * len(kept),
+        }, RANKING_TYPES)
+        pairs = [(pid, iid, c, j, gap, rid, aid)
+                 for rid, (iid, aid), (pid, _, groups, _) in zip(ranking_ids, keys, kept)
+                 for c, j, gap in ranking_to_pairs(groups)]
+        pairs += [(pid, iid, c, j, gap, None, None) for pid, iid, groups in anonymous
+                  for c, j, gap in ranking_to_pairs(groups)]
+        self._insert_arrow(cur, "pairs", {
+            "id": self._reserve_ids(cur, "pairs_id_seq", len(pairs)), "prompt_id": [p[0] for p in pairs],
+            "item_id": [p[1] for p in pairs], "chosen_id": [p[2] for p in pairs],
+            "rejected_id": [p[3] for p in pairs], "margin": [float(p[4]) for p in pairs],
+            "ranking_id": [p[5] for p in pairs], "annotator_id": [p[6] for p in pairs],
+            "all_bad": [False] * len(pairs), "source": [f"import:{file_name}"] * len(pairs),
+            "created_at": [now] * len(pairs),
+        }, PAIR_TYPES)
+        return len(kept), len(pairs), created
 
     def _external_versions(self, cur, path: str, rows: list, now) -> tuple[dict[str, int], list[str]]:
         """Inside a transaction: {model name: version id} for every model the rows name (an existing

@@ -353,7 +353,7 @@ def _admin_calls(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello"}\n')
     return {
-        "import_file": lambda c, r: admin.import_file(c, str(prompts), "prompts", r),
+        "import_file": lambda c, r: admin.import_file(c, str(prompts), "prompts", None, r),
         "generate": lambda c, r: admin.generate(c, 4, 4, 16, 0.7, 1.0, None, r),
         "job_poll": lambda c, r: admin.job_poll(c, r),
         "policy_choices": lambda c, r: admin.policy_choices(c, r),
@@ -390,16 +390,16 @@ def test_annotators_are_refused_every_admin_action_and_nothing_happens(ctx, tmp_
 def test_import_prompts_and_a_bad_file(ctx, tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "one"}\n')
-    msg, errors = admin.import_file(ctx, str(good), "prompts", req("boss"))
+    msg, errors = admin.import_file(ctx, str(good), "prompts", None, req("boss"))
     assert "2 new prompts" in msg and len(errors) == 0 and ctx.store.counts()["prompts"] == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "three"}\n{"text": "no prompt"}\n{"prompt": "four"}\n{"prompt": ""}\n')
-    msg, errors = admin.import_file(ctx, str(bad), "prompts", req("boss"))
+    msg, errors = admin.import_file(ctx, str(bad), "prompts", None, req("boss"))
     assert "was not imported" in msg and "Nothing from this file was stored" in msg
     assert list(errors["row"]) == ["2", "4"] and "missing 'prompt'" in errors["problem"][0]
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "five"}\nnot json\n')
-    msg, errors = admin.import_file(ctx, str(broken), "prompts", req("boss"))
+    msg, errors = admin.import_file(ctx, str(broken), "prompts", None, req("boss"))
     assert list(errors["row"]) == ["2"] and "not valid JSON" in errors["problem"][0]
     assert ctx.store.counts()["prompts"] == 2  # nothing from either bad file was stored
 
@@ -408,14 +408,14 @@ def test_import_pairs(ctx, test_data, tmp_path):
     rows = [json.loads(line) for line in (test_data / "hh_dev_pairs.jsonl").open()][:5]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    msg, errors = admin.import_file(ctx, str(path), "pairs", req("boss"))
+    msg, errors = admin.import_file(ctx, str(path), "pairs", None, req("boss"))
     assert "5 preference pairs" in msg and len(ctx.store.list_pairs()) == 5
 
 
 def test_import_items_to_rank_and_a_label_studio_export(ctx, tmp_path):
     items = tmp_path / "items.csv"
     items.write_text("prompt,response_1,model_1,response_2,model_2\nq1,a,<b>api</b>,b,ours\nq2,c,ours,d,ours\n")
-    msg, errors = admin.import_file(ctx, str(items), "items to rank", req("boss"))
+    msg, errors = admin.import_file(ctx, str(items), "items to rank", None, req("boss"))
     assert "2 items to rank (2 in the queue" in msg and "&lt;b&gt;api&lt;/b&gt;, ours" in msg and len(errors) == 0
     state, html = show(ctx)
     assert state.current is not None  # the queue serves them
@@ -425,17 +425,47 @@ def test_import_items_to_rank_and_a_label_studio_export(ctx, tmp_path):
     assert "an external model, whose responses were imported" in caption
     bad = tmp_path / "bad.csv"
     bad.write_text("prompt,response_1,response_2\nq3,x,x\n")
-    msg, errors = admin.import_file(ctx, str(bad), "items to rank", req("boss"))
+    msg, errors = admin.import_file(ctx, str(bad), "items to rank", None, req("boss"))
     assert "was not imported" in msg and list(errors["row"]) == ["1"] and "identical" in errors["problem"][0]
     ls = tmp_path / "label_studio.json"
     ls.write_text(json.dumps([{"id": 7, "data": {"prompt": "p", "items": [{"id": "a", "title": "m1", "body": "x"},
                                                                          {"id": "b", "title": "m2", "body": "y"}]},
                                "annotations": [{"result": [{"type": "ranker", "from_name": "rank", "to_name": "answers",
                                                             "value": {"ranker": {"rank": ["b", "a"]}}}]}]}]))
-    msg, errors = admin.import_file(ctx, str(ls), "Label Studio export", req("boss"))
+    msg, errors = admin.import_file(ctx, str(ls), "Label Studio export", None, req("boss"))
     assert "1 items to rank (0 in the queue" in msg and "1 pairs from its rankings" in msg
     with pytest.raises(Refused):
-        admin.import_file(ctx, str(ls), "Label Studio export", req("ann"))
+        admin.import_file(ctx, str(ls), "Label Studio export", None, req("ann"))
+
+
+def test_outside_models_are_evaluated_blind_from_the_import_form_while_the_app_runs(ctx, tmp_path):
+    """Data > Import "a blind evaluation": two outside models' answers (an API, production) become an
+    evaluation in the open store; annotators rank them in the ordinary queue with no names shown, and
+    Models > Blind evaluation gives their leaderboard."""
+    from annotate import evaluation_admin
+
+    items = tmp_path / "api-vs-prod.jsonl"
+    items.write_text("".join(json.dumps({"prompt": f"q{i}", "responses": [{"text": f"api says {i}", "model": "api"},
+                                                                         {"text": f"prod says {i}", "model": "prod"}]})
+                             + "\n" for i in range(3)))
+    msg, errors = admin.import_file(ctx, str(items), admin.IMPORT_EVALUATION, "  ", req("boss"))
+    assert "as the blind evaluation **api-vs-prod**: 3 prompts, one answer each from api, prod" in msg
+    assert len(errors) == 0
+    state, html = show(ctx, "ann")
+    ranked = 0
+    while state.current is not None:
+        assert "api" not in html.replace("api says", "")  # the models are not named
+        item = state.current.item
+        api = next(r.id for r in item.responses if r.text.startswith("api"))
+        position = 1 + item.display_order.index(api)
+        state, html, *_ = handlers.submit(ctx, state, f"{position}>{3 - position}", False, "", "", req("ann"))
+        ranked += 1
+    text, board, rates, table = evaluation_admin.results(ctx, "api-vs-prod", req("boss"))
+    assert ranked == 3 and "3 comparisons on 3 prompts" in text and list(board["version"]) == ["api", "prod"]
+    assert (rates["A"][0], rates["B"][0], rates["A wins"][0]) == ("api", "prod", "100%")
+    assert list(table["name"]) == ["api-vs-prod"] and table["rankings"][0] == 3
+    with pytest.raises(Refused):
+        admin.import_file(ctx, str(items), admin.IMPORT_EVALUATION, "x", req("ann"))
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "datasets"])

@@ -78,7 +78,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     texts = [line.split("?")[0] + "?" for line in CORPUS] + [f"Tell me about topic {i}." for i in range(24)]
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    summary, _ = admin.import_file(ctx, str(prompts), "prompts", boss)
+    summary, _ = admin.import_file(ctx, str(prompts), "prompts", None, boss)
     assert f"{len(texts)} new prompts" in summary
 
     # 2. "Run a full round" with no open round starts the first one: a generate job with the base policy
