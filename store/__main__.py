@@ -109,7 +109,9 @@ def _import_parsers(sub) -> None:
                                   "names (one response from each per row; results: the evaluations command)")
             imp.add_argument("--from", dest="items_format", choices=ITEM_FORMATS, default="items",
                              help="items (default): rows of a prompt and its responses; labelstudio: a Label "
-                                  "Studio JSON export of a ranking project (its rankings come in as pairs)")
+                                  "Studio JSON export of a ranking or pairwise project; argilla: an Argilla ranking "
+                                  "dataset's Hub export (its folder or its rows); the rankings made there come in "
+                                  "with who made them")
 
 
 def _export_parser(sub) -> None:

@@ -1,5 +1,6 @@
 """Import items to rank: a prompt and 2..16 responses per row, each response with an optional
-model (or source) name; or a Label Studio export of a ranking project (store/labelstudio.py).
+model (or source) name; or the export of another annotation tool with the rankings made there:
+Label Studio (store/labelstudio.py), Argilla (store/argilla.py).
 
 Files are read as every import file (store/readers.py) (JSON Lines, a JSON array, CSV, Parquet; chosen by extension).
 A row holds the prompt as `prompt` (text) or chat `messages` (in CSV a cell of JSON), an optional
@@ -32,7 +33,7 @@ import re
 from pathlib import Path
 
 from formats.hashing import file_sha256
-from store import labelstudio
+from store import argilla, labelstudio
 from store.errors import DataError
 from store.readers import (DEFAULT_MAX_BYTES, DEFAULT_MAX_CHARS, Problems, check_responses, prompt_of, read_rows,
                            source_of)
@@ -53,17 +54,20 @@ def import_items(store, path, *, fmt: str = "items", max_bytes: int = DEFAULT_MA
     path = Path(path)
     problems = Problems(path)
     default_source = f"import:{path.name}"
-    rows = read_rows(path, max_bytes=max_bytes)
-    if fmt == "labelstudio":
-        checked = labelstudio.read_tasks(rows, problems, max_chars, default_source)
+    if fmt == "argilla":
+        checked, sha256 = argilla.read_records(path, problems, max_chars, default_source, max_bytes)
     else:
-        checked = [item for n, row in rows
-                   if (item := _item(row, n, problems, max_chars, default_source)) is not None]
+        rows, sha256 = read_rows(path, max_bytes=max_bytes), file_sha256(path)
+        if fmt == "labelstudio":
+            checked = labelstudio.read_tasks(rows, problems, max_chars, default_source)
+        else:
+            checked = [item for n, row in rows
+                       if (item := _item(row, n, problems, max_chars, default_source)) is not None]
     _refuse_repeats(checked, problems)
     if evaluation is not None:
         _check_evaluation(checked, problems)
     problems.raise_if_any()
-    counts = store.import_item_rows(str(path), file_sha256(path), fmt, checked, evaluation=evaluation)
+    counts = store.import_item_rows(str(path), sha256, fmt, checked, evaluation=evaluation)
     return {"file": str(path), **counts}
 
 

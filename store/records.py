@@ -23,8 +23,9 @@ STRENGTHS = {"much better": 1.0, "better": 2 / 3, "slightly better": 1 / 3, "abo
 """How much better the best response is than the second, as an annotator may say (Llama 2's
 four-point scale, Touvron et al. 2023, section 3.2.1), with the margin each gives TRL's
 RewardTrainer (Llama 2's "small" margins, table 28: 1, 2/3, 1/3, 0)."""
-ITEM_FORMATS = ("items", "labelstudio")
-"""What an items file holds (store/import_items.py): rows of items, or a Label Studio JSON export."""
+ITEM_FORMATS = ("items", "labelstudio", "argilla")
+"""What an items file holds (store/import_items.py): rows of items, a Label Studio JSON export, or an
+Argilla ranking dataset (its Hub export)."""
 
 
 @dataclass(frozen=True)
