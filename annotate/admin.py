@@ -53,7 +53,7 @@ def _path(file) -> Path | None:
 # ------------------------------------------------------------------------- import
 
 
-IMPORT_ITEMS = {"items to rank": "items", "Label Studio export": "labelstudio"}
+IMPORT_ITEMS = {"items to rank": "items", "Label Studio export": "labelstudio", "Argilla export": "argilla"}
 """The Import form's kinds that are items (store/import_items.py), and the format each reads."""
 IMPORT_EVALUATION = "a blind evaluation (items)"
 """The kind that imports items to rank as a blind evaluation between the models they name."""
@@ -61,8 +61,8 @@ IMPORT_KINDS = ("prompts", "pairs", *IMPORT_ITEMS, IMPORT_EVALUATION)
 
 
 def import_file(ctx: AppContext, file, kind: str, evaluation: str | None, request: gr.Request):
-    """Import an uploaded file of prompts, pairs, items to rank, a Label Studio export, or items
-    of a blind evaluation (`evaluation` names it; default the file's name), all or nothing, while
+    """Import an uploaded file of prompts, pairs, items to rank, a Label Studio or Argilla export, or
+    items of a blind evaluation (`evaluation` names it; default the file's name), all or nothing, while
     the app runs. Returns (summary markdown, table of row errors). On a bad file the table lists
     every problem and nothing is stored."""
     admin(ctx, request)
@@ -91,7 +91,8 @@ def import_file(ctx: AppContext, file, kind: str, evaluation: str | None, reques
             models = render.esc(", ".join(result["models"])) or "none named"
             summary = (f"**Imported {name}**: {result['items']} items to rank ({result['queued']} in the queue, "
                        f"{result['responses']} responses; models: {models})"
-                       + (f", {result['pairs']} pairs from its rankings" if result["pairs"] else "") + ".")
+                       + (f", {result['pairs']} pairs from its rankings" if result["pairs"] else "")
+                       + (f" by {len(people)} people" if (people := result["annotators"]) else "") + ".")
         else:
             raise gr.Error(f"Unknown import kind {kind!r}: choose one of {', '.join(IMPORT_KINDS)}.")
     except DataError as exc:

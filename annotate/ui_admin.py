@@ -66,7 +66,9 @@ def _import(ctx: AppContext) -> None:
     gr.Markdown("Upload **prompts** (`prompt` or chat `messages` column), **preference pairs** "
                 "(`prompt`/`chosen`/`rejected`, or HH-RLHF transcripts) or **items to rank** (a prompt "
                 "and 2–16 `responses`, each `{text, model}`; in CSV `response_1`… with `model_1`…) as "
-                "JSONL, CSV or Parquet, or a **Label Studio export** (JSON) of a ranking project. "
+                "JSONL, CSV or Parquet, a **Label Studio export** (JSON) of a ranking or pairwise project, or "
+                "an **Argilla export** (the parquet of a ranking dataset's 'Export to Hub'); their rankings "
+                "come in with who made them. "
                 "Items whose responses each name their model can be a **blind evaluation** of those "
                 "models (APIs, production models, this store's policies), ranked by the team with no "
                 "names shown. A file with any bad row is refused as a whole, with every problem listed.")

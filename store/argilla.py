@@ -101,8 +101,9 @@ def _layout(path: Path, rows: list[tuple[int, dict]], settings: dict | None) -> 
                "have one (or give the export's folder, whose settings name the question)")
     options: list[str] = []
     for _, row in rows:
-        for ranking in row.get(f"{questions[0]}.responses") or []:
-            for entry in ranking or []:
+        rankings = row.get(f"{questions[0]}.responses")
+        for ranking in rankings if isinstance(rankings, list) else []:
+            for entry in ranking if isinstance(ranking, list) else []:
                 value = entry.get("value") if isinstance(entry, dict) else entry
                 if isinstance(value, str) and value not in options:
                     options.append(value)
@@ -137,7 +138,11 @@ def _record(row: dict, n: int, problems: Problems, max_chars: int, source: str, 
 def _orders(row: dict, question: str, options: list[str], bad) -> list[OrderIn] | None:
     """The record's submitted rankings, or None after recording why one is unusable."""
     col = f"{question}.responses"
-    values, users, statuses = row.get(col) or [], row.get(f"{col}.users") or [], row.get(f"{col}.status") or []
+    values, users, statuses = (row.get(c) if row.get(c) is not None else [] for c in (col, f"{col}.users",
+                                                                                      f"{col}.status"))
+    if not all(isinstance(v, list) for v in (values, users, statuses)):
+        bad(f"'{col}', '{col}.users' and '{col}.status' must be lists (one entry per user's response)")
+        return None
     if not (len(values) == len(users) == len(statuses)):
         bad(f"'{col}' has {len(values)} responses, '{col}.users' {len(users)} and '{col}.status' {len(statuses)}: "
             "one user and one status per response")
@@ -153,18 +158,19 @@ def _orders(row: dict, question: str, options: list[str], bad) -> list[OrderIn] 
         if not isinstance(user, str) or not user:
             bad(f"{at}: no user in '{col}.users'")
             return None
-        if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
+        if not isinstance(value, list) or not value or not all(isinstance(e, dict) for e in value):
             bad(f"{at}: a ranking without ranks ({value!r}): Argilla's SDK exports drop each option's rank "
                 "(argilla-io/argilla#5712), so a ranking made in its UI comes out in the options' order; "
                 "export the dataset with the UI's 'Export to Hub' instead")
             return None
         ranks = {}
         for e in value:
-            if e.get("value") not in options or (e.get("rank") is not None and not isinstance(e.get("rank"), int)):
+            rank = e.get("rank")
+            if e.get("value") not in options or (rank is not None and (type(rank) is not int or rank < 1)):
                 bad(f"{at}: {e!r} is not {{value: one of {options}, rank: a whole number or null}}")
                 return None
-            if e.get("rank") is not None:
-                ranks[options.index(e["value"])] = e["rank"]
+            if rank is not None:
+                ranks[options.index(e["value"])] = rank
         groups = [[o for o in sorted(ranks) if ranks[o] == r] for r in sorted(set(ranks.values()))]
         if groups:
             orders.append(OrderIn(groups, annotator=f"argilla:{user}"))

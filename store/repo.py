@@ -331,7 +331,7 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
                 cur, evaluation, sorted({v for vs in response_versions for v in vs}), prompt_ids)
             item_ids, resp_ids = self._insert_items(cur, file_mv, batches, None, [r.queued for r in rows],
                                                     response_versions, evaluation_id=evaluation_id)
-            rankings, pairs, annotators_created = self._insert_orders(
+            rankings, pairs, annotators, annotators_created = self._insert_orders(
                 cur, file_name, rows, prompt_ids, item_ids, resp_ids, now)
             new_items = [(iid, pid, rids) for iid, pid, rids, r in zip(item_ids, prompt_ids, resp_ids, rows)
                          if r.queued]
@@ -339,18 +339,18 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
         return {"rows": len(rows), "items": len(rows), "queued": len(new_items),
                 "responses": sum(len(r.responses) for r in rows), "prompts_added": added,
                 "prompts_existing": len(set(prompt_ids)) - added, "rankings": rankings, "pairs": pairs,
-                "annotators_created": annotators_created,
+                "annotators": annotators, "annotators_created": annotators_created,
                 "models": sorted(versions), "models_created": created, "model_version_id": file_mv,
                 "evaluation_id": evaluation_id}
 
     def _insert_orders(self, cur, file_name: str, rows: list, prompt_ids: list[int], item_ids: list[int],
-                       resp_ids: list[list[int]], now) -> tuple[int, int, list[str]]:
+                       resp_ids: list[list[int]], now) -> tuple[int, int, list[str], list[str]]:
         """Inside a transaction: the rows' orders (records.OrderIn) as rankings and pairs, source
         'import:<file name>', margin the rank gap. An order that says who ranked is a ranking of that
         person's imported account (UsersMixin._imported_annotators), shown in the file's order, so it
         counts in agreement and quality; a person's later order of the same item replaces their
         earlier one, as a re-ranking here does. An order without an annotator is pairs alone.
-        Returns (rankings, pairs, annotators created)."""
+        Returns (rankings, pairs, the annotators named, those created)."""
         named = sorted({o.annotator for r in rows for o in r.orders if o.annotator is not None})
         accounts, created = self._imported_annotators(cur, named, now) if named else ({}, [])
         latest = {}  # (item, annotator) -> (prompt, the item's responses, tie groups, duration)
@@ -384,7 +384,7 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
             "all_bad": [False] * len(pairs), "source": [f"import:{file_name}"] * len(pairs),
             "created_at": [now] * len(pairs),
         }, PAIR_TYPES)
-        return len(kept), len(pairs), created
+        return len(kept), len(pairs), named, created
 
     def _external_versions(self, cur, path: str, rows: list, now) -> tuple[dict[str, int], list[str]]:
         """Inside a transaction: {model name: version id} for every model the rows name (an existing

@@ -1,5 +1,5 @@
 """Fuzzing with hypothesis: ranking strings, the importers (JSONL, CSV, Parquet; TRL explicit and
-conversational, HH transcripts, items to rank, Label Studio exports, garbage bytes), the export filters, every admin handler, and every
+conversational, HH transcripts, items to rank, Label Studio and Argilla exports, garbage bytes), the export filters, every admin handler, and every
 HTTP endpoint with random arguments. Each bad input must get a clear error naming the problem
 (gr.Error / DataError / InvalidRequest, never a crash), and leave the store unchanged (a checksum
 of every table); an accepted file must have stored exactly the rows its result counts, and be
@@ -44,10 +44,12 @@ messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "ass
 hh = st.builds(lambda a, b: f"\n\nHuman: {a}\n\nAssistant: {b}", st.text(max_size=15), st.text(max_size=15))
 values = st.one_of(scalars, hh, messages, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=5), scalars, max_size=2))
 FIELDS = ["prompt", "messages", "chosen", "rejected", "margin", "source", "text", "responses", "response_1",
-          "response_2", "model_1", "data", "annotations"]
+          "response_2", "model_1", "data", "annotations", "ranking.responses", "ranking.responses.users",
+          "ranking.responses.status"]
 IMPORTERS = {"prompts": io.import_prompts, "pairs": io.import_pairs,
              "items": lambda store, path: import_items(store, path),
-             "labelstudio": lambda store, path: import_items(store, path, fmt="labelstudio")}
+             "labelstudio": lambda store, path: import_items(store, path, fmt="labelstudio"),
+             "argilla": lambda store, path: import_items(store, path, fmt="argilla")}
 words = st.text(alphabet="abc xyz", min_size=1, max_size=10).filter(str.strip)
 good = st.fixed_dictionaries({"prompt": words, "chosen": words, "rejected": words,
                               "responses": st.lists(words, min_size=2, max_size=3, unique=True)})

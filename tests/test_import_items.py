@@ -1,10 +1,9 @@
-"""Import of items to rank (store/import_items.py) and of a Label Studio ranking export
-(store/labelstudio.py): every layout, the queue serving them, the source model travelling into
-pairs and exports, every refusal naming its row with nothing stored."""
+"""Import of items to rank (store/import_items.py): every layout, the queue serving them, the source
+model travelling into pairs and exports, every refusal naming its row with nothing stored. (The
+annotation tools' exports: tests/test_import_labelstudio.py, tests/test_import_argilla.py.)"""
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -171,146 +170,6 @@ def test_cli_imports_and_refuses_with_the_row(tmp_path):
     refused = run(str(bad))
     assert refused.returncode == 1
     assert "nothing was stored" in refused.stderr and "row 1: 1 responses: an item has 2 to 16" in refused.stderr
-
-
-# ---------------------------------------------------------------- Label Studio
-
-# A Label Studio JSON export of an "LLM Ranker" project, written as its documentation shows it:
-# the task layout of labelstud.io/guide/task_format ("Label Studio JSON format of annotated
-# tasks"), the data of labelstud.io/templates/generative-llm-ranker ("How to create the
-# dataset"), and a Ranker result as labelstud.io/tags/ranker gives it ("Example results"), here
-# for the template's <Ranker name="rank" toName="answers"/>.
-LS_DATA = {
-    "prompt": "What caused the ancient library of Alexandria to be destroyed?",
-    "items": [
-        {"id": "llm_1", "title": "LLM 1", "body": "Wars led to library's ruin."},
-        {"id": "llm_2", "title": "LLM 2", "body": "Library's end through various wars."},
-        {"id": "llm_3", "title": "LLM 3", "body": "Ruin resulted from library wars."},
-    ],
-}
-LS_EXPORT = [
-    {
-        "id": 1,
-        "created_at": "2021-03-09T21:52:49.513742Z",
-        "updated_at": "2021-03-09T22:16:08.746926Z",
-        "project": 83,
-        "data": LS_DATA,
-        "annotations": [
-            {
-                "id": "1001",
-                "result": [
-                    {
-                        "value": {"ranker": {"rank": ["llm_2", "llm_3", "llm_1"]}},
-                        "id": "PpwBv_NMxd",
-                        "from_name": "rank",
-                        "to_name": "answers",
-                        "type": "ranker",
-                        "origin": "manual",
-                    }
-                ],
-                "was_cancelled": False,
-                "ground_truth": False,
-                "created_at": "2021-03-09T22:16:08.728353Z",
-                "updated_at": "2021-03-09T22:16:08.728378Z",
-                "lead_time": 4.288,
-                "result_count": 0,
-                "task": 1,
-                "completed_by": 10,
-            }
-        ],
-        "predictions": [],
-    },
-    {
-        "id": 2,
-        "created_at": "2021-03-09T21:52:49.513742Z",
-        "updated_at": "2021-03-09T21:52:49.513742Z",
-        "project": 83,
-        "data": {"prompt": "Who wrote the Iliad?",
-                 "items": [{"id": "llm_1", "title": "LLM 1", "body": "Homer."},
-                           {"id": "llm_2", "title": "LLM 2", "body": "Virgil."}]},
-        "annotations": [],
-        "predictions": [],
-    },
-]
-
-
-def _ls_file(tmp_path, tasks, name="project-83-at-2021-03-09.json"):
-    path = tmp_path / name
-    path.write_text(json.dumps(tasks, indent=2), encoding="utf-8")
-    return path
-
-
-def test_label_studio_export_as_documented(store, tmp_path):
-    out = import_items(store, _ls_file(tmp_path, LS_EXPORT), fmt="labelstudio")
-    assert (out["items"], out["queued"], out["responses"]) == (2, 1, 5)
-    assert out["models"] == ["LLM 1", "LLM 2", "LLM 3"] and out["pairs"] == 3
-    body = {i["id"]: i["body"] for i in LS_DATA["items"]}
-    pairs = {(store.get_response(p.chosen_id).text, store.get_response(p.rejected_id).text, p.margin)
-             for p in store.list_pairs()}
-    assert pairs == {(body["llm_2"], body["llm_3"], 1.0), (body["llm_2"], body["llm_1"], 2.0),
-                     (body["llm_3"], body["llm_1"], 1.0)}
-    assert {p.source for p in store.list_pairs()} == {"import:project-83-at-2021-03-09.json"}
-    assert all(p.annotator_id is None and p.ranking_id is None for p in store.list_pairs())
-    # the task ranked in Label Studio stays out of the queue; the unranked one is served
-    ann = store.add_annotator("ann", "ann-password-1")
-    item = store.next_item(ann.id)
-    assert item.prompt.text == "Who wrote the Iliad?" and store.next_item(ann.id, exclude=[item.item_id]) is None
-    rows = load_pairs_snapshot(export_pairs(store, tmp_path / "export", "jsonl").path)
-    assert {(r["chosen_model"], r["rejected_model"]) for r in rows} == {("LLM 2", "LLM 3"), ("LLM 2", "LLM 1"),
-                                                                        ("LLM 3", "LLM 1")}
-
-
-def test_label_studio_older_list_result_and_cancelled_annotations(store, tmp_path):
-    tasks = copy.deepcopy(LS_EXPORT[:1])
-    tasks[0]["annotations"][0]["result"][0]["value"] = {"ranker": ["llm_1", "llm_2", "llm_3"]}
-    tasks[0]["annotations"].append({"id": "1002", "result": [], "was_cancelled": True})
-    out = import_items(store, _ls_file(tmp_path, tasks), fmt="labelstudio")
-    assert out["pairs"] == 3 and out["queued"] == 0
-
-
-def _without(path: list, tasks=LS_EXPORT):
-    """A copy of the export with the field at `path` (keys and list indices) removed."""
-    tasks = copy.deepcopy(tasks)
-    parent = tasks
-    for key in path[:-1]:
-        parent = parent[key]
-    del parent[path[-1]]
-    return tasks
-
-
-@pytest.mark.parametrize("path, problem", [
-    ([0, "data"], "task 1: missing 'data'"),
-    ([0, "data", "prompt"], "task 1: missing 'data.prompt'"),
-    ([0, "data", "items"], "task 1: missing 'data.items'"),
-    ([0, "data", "items", 1, "body"], "task 1: data.items[1]: missing 'body'"),
-    ([0, "data", "items", 0, "id"], "task 1: data.items[0]: missing 'id'"),
-    ([0, "annotations", 0, "result"], "task 1: annotations[0]: missing 'result'"),
-    ([0, "annotations", 0, "result", 0, "value"], "task 1: annotations[0].result[0]: missing 'value'"),
-    ([0, "annotations", 0, "result", 0, "value", "ranker"], "task 1: annotations[0].result[0]: missing 'value.ranker'"),
-    ([0, "annotations", 0, "result", 0, "type"], "task 1: annotations[0]: no result of type 'ranker'"),
-])
-def test_label_studio_missing_field_is_refused_naming_it(store, tmp_path, path, problem):
-    data_copy = copy.deepcopy(LS_DATA)  # LS_EXPORT shares LS_DATA: _without copies it first
-    with pytest.raises(DataError) as info:
-        import_items(store, _ls_file(tmp_path, _without(path)), fmt="labelstudio")
-    (row, message), = info.value.errors
-    assert row == 1 and message.startswith(problem), message
-    assert LS_DATA == data_copy and _stored(store) == {"prompts": 0, "responses": 0, "items": 0, "pairs": 0,
-                                                       "versions": 0}
-
-
-def test_label_studio_incomplete_ranking_and_buckets_are_refused(store, tmp_path):
-    tasks = copy.deepcopy(LS_EXPORT)
-    tasks[0]["annotations"][0]["result"][0]["value"] = {"ranker": {"rank": ["llm_2", "llm_9"]}}
-    tasks[1]["annotations"] = [{"result": [{"type": "ranker", "from_name": "rank", "to_name": "answers",
-                                            "value": {"ranker": {"_": ["llm_1"], "best": ["llm_2"]}}}]}]
-    with pytest.raises(DataError) as info:
-        import_items(store, _ls_file(tmp_path, tasks), fmt="labelstudio")
-    (n1, p1), (n2, p2) = info.value.errors
-    assert n1 == 1 and "must order every item of data.items exactly once; missing ['llm_1', 'llm_3']" in p1
-    assert "not an item ['llm_9']" in p1
-    assert n2 == 2 and "task 2: annotations[0].result[0]: value.ranker holds buckets ['_', 'best']" in p2
-    assert _stored(store)["items"] == 0
 
 
 def _sha(path) -> str:
