@@ -212,9 +212,10 @@ def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: b
            request: gr.Request, trl_format: str = "conversational", margin_column: bool = False,
            license: str = "unknown", min_quality: float = 0.0,  # noqa: A002 (the dataset card's field)
            quality_weights: bool = False):
-    """Export the pairs as a snapshot (a folder: pairs, rankings, dataset card and manifest,
-    recorded in the store) and hand back its files to download: the pairs, rankings, README.md
-    and snapshot.json for jsonl and parquet, the folder zipped for datasets. min_quality > 0
+    """Export the pairs as a snapshot (a folder: pairs, rankings, demonstrations when annotators
+    wrote their own answers, dataset card and manifest, recorded in the store) and hand back its
+    files to download: the pairs, rankings, demonstrations, README.md and snapshot.json for jsonl
+    and parquet, the folder zipped for datasets. min_quality > 0
     leaves out annotators measured below it; quality_weights adds the `weight` column
     (store/export.py: annotator quality).
     `request` comes before the newer options so that callers passing it 9th keep working.
@@ -261,11 +262,14 @@ def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: b
         downloads = [_downloadable(folder)]
     else:
         layout = export_layout(folder, fmt)
-        downloads = [_downloadable(p) for p in (layout.pairs, layout.rankings, layout.card, layout.manifest)]
+        downloads = [_downloadable(p) for p in (layout.pairs, layout.rankings, layout.demonstrations, layout.card,
+                                                layout.manifest) if p.exists()]
     c = snap.counts
     summary = (f"**Snapshot #{snap.id}** · {fmt}, TRL {trl_format}{' with a margin column' if margin_column else ''} · "
                f"{c.get('pairs', 0)} pairs ({c.get('train', 0)} train, {c.get('test', 0)} test) from "
-               f"{c.get('prompts', 0)} prompts, {c.get('rankings', 0)} rankings · saved as `{folder.name}` "
+               f"{c.get('prompts', 0)} prompts, {c.get('rankings', 0)} rankings"
+               + (f", {c['demonstrations']} demonstrations (annotators' own answers)" if c.get("demonstrations") else "")
+               + f" · saved as `{folder.name}` "
                f"(with its dataset card README.md) · sha256 `{snap.sha256[:12]}`")
     if "min_quality" in snap.filters:
         left_out = snap.filters["excluded_annotators"]

@@ -22,7 +22,9 @@ responses, not screen slots.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import gradio as gr
 
@@ -31,7 +33,7 @@ from annotate.context import AppContext, user
 from annotate.state import SessionState, Showing
 from annotate.timing import span
 from store.errors import StoreError
-from store.records import STRENGTHS, Annotator
+from store.records import STRENGTHS, Annotator, EditIn
 from store.versions import GUIDELINES_KEY
 
 # ------------------------------------------------------------------------- ranking strings
@@ -192,21 +194,31 @@ def refresh(ctx: AppContext, state: SessionState | None, request: gr.Request):
 
 
 def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: bool, comment: str,
-           token: str, request: gr.Request, strength: str | None = None):
+           token: str, request: gr.Request, strength: str | None = None, edit: str | None = None,
+           edit_from: str | None = None):
     """Save the ranking of the item on screen (and its pairs), then show the next item.
     `strength` (optional, records.STRENGTHS): how much better the best response is than the
-    second. It comes after `request` so that callers passing the request 7th keep working."""
+    second. `edit` (optional): the annotator's own better answer, written from the response at
+    display position `edit_from`; the ranking names it as position K+1 where the annotator placed
+    it (else it goes just above that response). These come after `request` so that callers passing
+    the request 7th keep working."""
     account = user(ctx, request)
     state = _recovered(ctx, state, account, token)
     showing = _current(state, token)
-    groups = parse_ranking(ranking, showing.k, bool(all_bad))
+    ids = showing.item.display_order
+    own = _edit(showing, edit, edit_from)
+    if own is not None and str(showing.k + 1) in re.split(r"[>=\s]+", ranking or ""):
+        groups, place = _without_edit(parse_ranking(ranking, showing.k + 1, bool(all_bad)), showing.k + 1)
+        own = dataclasses.replace(own, place=place)
+    else:
+        groups = parse_ranking(ranking, showing.k, bool(all_bad))
     strength = (strength or "").strip() or None
     if strength is not None and strength not in STRENGTHS:
         raise gr.Error(f"Strength must be one of {', '.join(STRENGTHS)} (or none), not {strength!r}.")
-    ids = showing.item.display_order
     order = [[ids[pos - 1] for pos in g] for g in groups]
     fields = dict(all_bad=bool(all_bad), display_order=list(ids), duration_s=showing.elapsed(),
-                  client_token=showing.token, comment=(comment or "").strip(), strength=strength)
+                  client_token=showing.token, comment=(comment or "").strip(), strength=strength,
+                  edit=own)
     with state.lock:
         on_deck = state.prefetched if state.ahead is None else None
     ahead = None
@@ -221,9 +233,9 @@ def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: b
                 ctx.store.save_ranking(account.id, showing.item.prompt.id, order, **fields)
     except StoreError as exc:
         raise gr.Error(f"Not saved: {exc}") from None
-    n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:])
+    n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:]) + (own is not None) * showing.k
     state.note = (f"Saved · {n_pairs} pair{'s' if n_pairs != 1 else ''}" + (" · all bad" if all_bad else "")
-                  + (f" · the best is {strength}" if strength else ""))
+                  + (f" · the best is {strength}" if strength else "") + (" · your answer" if own else ""))
     _advance(ctx, state, account)
     if ahead is not None:
         with state.lock:
@@ -233,6 +245,34 @@ def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: b
     out = view(ctx, state, account)
     _prefetch_later(ctx, state, account)
     return out
+
+
+def _edit(showing: Showing, edit: str | None, edit_from: str | None) -> EditIn | None:
+    """The annotator's own answer (placed by submit), or None when there is none. Refuses
+    (gr.Error) an answer with no response it was made from, or one unchanged."""
+    text = (edit or "").strip()
+    if not text:
+        return None
+    k, responses = showing.k, showing.item.display_order
+    try:
+        pos = int(edit_from or 0)
+    except ValueError:
+        pos = 0
+    if not 1 <= pos <= k:
+        raise gr.Error(f"Your answer needs the response it was written from (1 to {k}): press ✎ Edit on one.")
+    source = next(r for r in showing.item.responses if r.id == responses[pos - 1])
+    if text == source.text.strip():
+        raise gr.Error(f"Your answer is response {pos} unchanged: change it, or clear it.")
+    return EditIn(text, made_from=source.id)
+
+
+def _without_edit(groups: list[list[int]], edit_pos: int) -> tuple[list[list[int]], int]:
+    """The ranking without the annotator's own answer (display position `edit_pos`), and the tie
+    group it was placed just above."""
+    at = next(g for g, group in enumerate(groups) if edit_pos in group)
+    if len(groups[at]) > 1:
+        raise gr.Error("Your answer cannot tie with a response: give it a place of its own.")
+    return groups[:at] + groups[at + 1:], at
 
 
 def skip(ctx: AppContext, state: SessionState | None, request: gr.Request, token: str = ""):

@@ -29,9 +29,9 @@ _BOLD = re.compile(r"\*\*([^*\n]+?)\*\*")
 _CODE = re.compile(r"`([^`\n]+)`")
 _ROLE_LABEL = {"human": "Human", "user": "Human", "assistant": "Assistant", "system": "System"}
 
-POSITION_KEYS = "123456789bdeghijklmnopqrvwxyz"
-"""The key of each display position: 1-9, then the letters the other shortcuts leave free (A, C, F,
-S, T and U are actions), so up to 29 responses can be ranked from the keyboard; the card shows its
+POSITION_KEYS = "123456789bdghijklmnopqrvwxyz"
+"""The key of each display position: 1-9, then the letters the other shortcuts leave free (A, C, E,
+F, S, T and U are actions), so up to 28 responses can be ranked from the keyboard; the card shows its
 key. Beyond that, cards are ranked by clicking."""
 
 
@@ -41,7 +41,7 @@ def position_key(pos: int) -> str:
 
 
 def keys_hint(k: int) -> str:
-    """How to rank k responses, in words for the page: "1–4", or "1–9, then B, D, E"."""
+    """How to rank k responses, in words for the page: "1–4", or "1–9, then B, D, G"."""
     if k <= 9:
         return f"1–{k}"
     letters = [key.upper() for key in POSITION_KEYS[9:k]]
@@ -147,7 +147,9 @@ def render_item(prompt: str | Sequence[dict], responses: Sequence, token: str, m
     """The prompt and its K responses, in the given (already shuffled) display order.
 
     `responses[i]` is shown at display position i+1 under key i+1. `token` identifies this showing
-    of the item (a fresh one each time it is shown), so the page can tell items apart.
+    of the item (a fresh one each time it is shown), so the page can tell items apart. Each card
+    holds its text verbatim too (a hidden textarea), which the page copies when the annotator writes
+    a better answer from it.
     """
     k = len(responses)
     cards = []
@@ -158,8 +160,11 @@ def render_item(prompt: str | Sequence[dict], responses: Sequence, token: str, m
         cards.append(
             f'<article class="rl-card" data-pos="{pos}" data-key="{key}" tabindex="-1">'
             f'<header class="rl-card-head">{kbd}<span class="rl-card-title">Response {pos}</span>'
-            f'<span class="rl-badge" aria-live="polite"></span></header>'
+            f'<span class="rl-badge" aria-live="polite"></span>'
+            f'<button type="button" class="rl-edit-from" data-pos="{pos}" title="Write a better answer from this one"'
+            f'>✎ Edit</button></header>'
             f'<div class="rl-text">{format_text(str(text))}</div>'
+            f'<textarea class="rl-raw" hidden aria-hidden="true">{esc(text)}</textarea>'
             f'<div class="rl-card-foot">{_response_meta(resp)}</div></article>'
         )
     return (
@@ -223,6 +228,7 @@ SHORTCUTS = [
     ("Esc", "clear the ranking"),
     ("0", "how much better the best is than the second: much better, better, slightly better, "
           "about the same, none (press again to change; K = 2, or the top two of K)"),
+    ("E", "write a better answer, from the best-ranked response (or a card's ✎ Edit); E again ranks it"),
     ("A", "all responses are bad"),
     ("C", "write a comment"),
     ("Enter", "submit"),

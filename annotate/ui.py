@@ -36,10 +36,18 @@ THEME = gr.themes.Soft(
 )
 
 
-# Before Submit reaches the server, the page script fills in the ranking and the item's token.
-SUBMIT_JS = """(s, r, b, c, t, g) => window.rlhf
-    ? [s, window.rlhf.encode(), b, c, window.rlhf.currentToken(), window.rlhf.strength || ""]
-    : [s, r, b, c, t, g]"""
+# Before Submit reaches the server, the page script fills in the ranking, the item's token, the
+# strength, and the annotator's own answer with the position of the response it was written from.
+SUBMIT_JS = """(s, r, b, c, t, g, e, f) => window.rlhf
+    ? [s, window.rlhf.encode(), b, c, window.rlhf.currentToken(), window.rlhf.strength || "",
+       window.rlhf.editText(), String(window.rlhf.editFrom || "")]
+    : [s, r, b, c, t, g, e, f]"""
+# The annotator's own answer: a plain textarea the page script owns (filled from a card's text by
+# ✎ Edit or E, emptied for each new item), ranked as one more card; Submit sends it (SUBMIT_JS).
+EDIT_BOX = ('<div class="rl-editbox"><label for="rl-edit-text">Your better answer <span class="rl-muted">'
+            '(optional) · E</span></label><div id="rl-edit-from" class="rl-muted">Press ✎ Edit on a response '
+            '(or E) to write a better one from it.</div><textarea id="rl-edit-text" rows="5" '
+            'placeholder="Your answer to the prompt"></textarea></div>')
 # Skip and Flag name the showing they act on too (the token), so a restarted app knows the item
 SKIP_JS = "(s, t) => window.rlhf ? [s, window.rlhf.currentToken()] : [s, t]"
 FLAG_JS = "(s, c, t) => window.rlhf ? [s, c, window.rlhf.currentToken()] : [s, c, t]"
@@ -89,6 +97,7 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
             all_bad = gr.Checkbox(label="All responses are bad · A", elem_id="rl-allbad")
             comment = gr.Textbox(placeholder="Comment (optional) · C", show_label=False, lines=2,
                                  max_lines=4, elem_id="rl-comment")
+            gr.HTML(EDIT_BOX, elem_id="rl-edit", js_on_load=None)
             submit = gr.Button("Submit  ⏎", variant="primary", elem_id="rl-submit", size="lg")
             with gr.Row(elem_id="rl-secondary"):
                 skip = gr.Button("Skip · S", elem_id="rl-skip", size="sm", min_width=60)
@@ -98,19 +107,21 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
                 guidelines = gr.Markdown(elem_id="rl-guidelines", sanitize_html=True)
             with gr.Accordion("Keyboard shortcuts", open=True, elem_id="rl-keys-box"):
                 gr.HTML(render_shortcuts(), js_on_load=None)
-            # Filled by the page script on Submit (never typed): the ranking, the item's token and
-            # the strength of the best response over the second.
+            # Filled by the page script on Submit (never typed): the ranking, the item's token, the
+            # strength of the best response over the second, and the annotator's own answer.
             ranking = gr.Textbox(visible="hidden", elem_id="rl-ranking")
             token = gr.Textbox(visible="hidden", elem_id="rl-token")
             strength = gr.Textbox(visible="hidden", elem_id="rl-strength")
+            edit = gr.Textbox(visible="hidden", elem_id="rl-edit-value")
+            edit_from = gr.Textbox(visible="hidden", elem_id="rl-edit-from-value")
 
     # While nothing is on screen (queue empty, generation running), look for new items; the
     # handlers switch this timer on and off (see handlers.view).
     timer = gr.Timer(3.0, active=False)
     outs = [state, item, progress, comment, all_bad, timer]
     quick = dict(show_progress="hidden", trigger_mode="once")
-    submit.click(bind(h.submit, ctx), [state, ranking, all_bad, comment, token, strength], outs, api_name="submit",
-                 js=SUBMIT_JS, **quick)
+    submit.click(bind(h.submit, ctx), [state, ranking, all_bad, comment, token, strength, edit, edit_from], outs,
+                 api_name="submit", js=SUBMIT_JS, **quick)
     skip.click(bind(h.skip, ctx), [state, token], outs, api_name="skip", js=SKIP_JS, **quick)
     flag.click(bind(h.flag, ctx), [state, comment, token], outs, api_name="flag", js=FLAG_JS, **quick)
     undo.click(bind(h.undo, ctx), [state], outs, api_name="undo", **quick)

@@ -151,7 +151,8 @@ def render(manifest: dict, facts: dict, fmt: str) -> str:
         f"- files: {fmt}, TRL format {manifest['trl_format']}\n",
         "## Counts\n",
         _table(["what", "count"], [[k, c[k]] for k in ("pairs", "train", "test", "prompts", "rankings",
-                                                       "annotators", "imported", "all_bad", "left_out_empty")
+                                                       "demonstrations", "annotators", "imported", "all_bad",
+                                                       "left_out_empty")
                                         if k in c]),
         "\n## Annotators\n",
         _table(["annotator", "rankings", "pairs", "median seconds per ranking"],
@@ -174,6 +175,11 @@ def render(manifest: dict, facts: dict, fmt: str) -> str:
         f"- `{manifest['files']['pairs']}`: one row per pair: " + ", ".join(f"`{x}`" for x in manifest["columns"]),
         f"- `{manifest['files']['rankings']}`: one row per ranking: "
         + ", ".join(f"`{x}`" for x in manifest["ranking_columns"]),
+        *([f"- `{manifest['files']['demonstrations']}`: {c['demonstrations']} demonstrations, the answers "
+           "annotators wrote themselves, each from a response it ranks above (its pairs are above, source "
+           "`edit`, model `human edit`), in TRL's SFT format (`messages`, or `prompt` and `completion`): "
+           "`python -m pipeline sft` or `trl.SFTTrainer` trains on them"]
+          if "demonstrations" in manifest["files"] else []),
         f"- `{manifest['files']['manifest']}`: the manifest (counts, filters, hash)\n",
         ("`prompt` is a list of chat messages and `chosen` / `rejected` one assistant message each: "
          "the tokenizer needs a chat template. " if conversational else

@@ -49,14 +49,19 @@ include_empty concern pairs only), one row each (RANKING_COLUMNS): the prompt (i
 the item's responses with their model versions (ids and names), the full order best -> worst as tie groups of
 response ids, the display order the annotator saw, all_bad, strength, annotator, duration, comment, round,
 created_at, and the split of its prompt. A ranking whose responses are all tied has no pair but
-is there. And a dataset card (store/card.py): counts, annotators, agreement, license, snapshot
-hash, model versions, and how to load it.
+is there. An annotator's own answer (records.EditIn) is in the pairs (source 'edit',
+`chosen_model` 'human edit' where it won; agreement 1: only its author ranked it) and, when any
+ranking has one, in the demonstrations: one row per answer, in TRL's SFT format (conversational
+`messages`, the prompt's then the answer's; text: `prompt`, `completion`), with annotator,
+prompt_id, response_id, edit_of (the response it was written from), edit_of_model, ranking_id,
+round, created_at and split. And a dataset card (store/card.py): counts, annotators, agreement,
+license, snapshot hash, model versions, and how to load it.
 
 Where it goes (export_layout): `out` ending in .jsonl (format 'jsonl') or .parquet ('parquet')
-is the pairs file, with `<stem>.rankings.<ext>`, `<out>.README.md` (the card) and
-`<out>.snapshot.json` (the manifest) beside it. Any other `out` is a folder: `pairs.<ext>` (or,
-for 'datasets', the `DatasetDict.save_to_disk` files, splits 'train' and maybe 'test'),
-`rankings/`, `README.md` and `snapshot.json`. The snapshot is the pairs file or the folder:
+is the pairs file, with `<stem>.rankings.<ext>`, `<stem>.demonstrations.jsonl`, `<out>.README.md`
+(the card) and `<out>.snapshot.json` (the manifest) beside it. Any other `out` is a folder:
+`pairs.<ext>` (or, for 'datasets', the `DatasetDict.save_to_disk` files, splits 'train' and maybe
+'test'), `rankings/`, `demonstrations.jsonl`, `README.md` and `snapshot.json`. The snapshot is the pairs file or the folder:
 train-reward reads either, and its SHA-256 (formats/hashing.py) is recorded in the store
 (Store.record_snapshot). Data is written (store/export_write.py) under temporary names and
 renamed, so a crash never leaves half an export. An export that matches no pair is refused (InvalidRequest).
@@ -81,7 +86,7 @@ from formats.hashing import snapshot_sha256
 from store import card
 from store.errors import DataError, InvalidRequest
 from store.export_select import filters_sql, quality_filter, select
-from store.export_write import prompts_table, remove, write_data, write_text
+from store.export_write import prompts_table, remove, write_data, write_demonstrations, write_text
 from store.quality import MIN_COMPARISONS, MIN_WEIGHT
 from store.records import EXPORT_FORMATS, Snapshot
 
@@ -105,6 +110,7 @@ class Layout:
     snapshot: Path  # what the store records and train-reward reads: the pairs file, or the folder
     pairs: Path  # the pairs file (or the datasets folder)
     rankings: Path
+    demonstrations: Path  # JSON Lines in every format; written only when there are some
     card: Path
     manifest: Path
     folder: bool  # True: everything is inside `snapshot`, written whole under a temporary name
@@ -115,10 +121,11 @@ def export_layout(out, fmt: str) -> Layout:
     out = Path(out)
     if fmt in _SUFFIX and out.suffix.lower() == _SUFFIX[fmt]:
         return Layout(out, out, out.with_name(f"{out.stem}.rankings{out.suffix}"),
-                      out.with_name(out.name + ".README.md"), out.with_name(out.name + ".snapshot.json"), False)
+                      out.with_name(f"{out.stem}.demonstrations.jsonl"), out.with_name(out.name + ".README.md"),
+                      out.with_name(out.name + ".snapshot.json"), False)
     pairs = out if fmt == "datasets" else out / f"pairs{_SUFFIX[fmt]}"
     rankings = out / "rankings" if fmt == "datasets" else out / "rankings" / f"rankings{_SUFFIX[fmt]}"
-    return Layout(out, pairs, rankings, out / "README.md", out / "snapshot.json", True)
+    return Layout(out, pairs, rankings, out / "demonstrations.jsonl", out / "README.md", out / "snapshot.json", True)
 
 
 def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators=None,
@@ -148,7 +155,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     if not isinstance(license, str) or not license.strip() or "\n" in license:
         raise InvalidRequest(f"license must be a one-line name such as 'cc-by-4.0', not {license!r}")
     layout = export_layout(out_path, fmt)
-    parts = [layout.snapshot] if layout.folder else [layout.pairs, layout.rankings, layout.card, layout.manifest]
+    parts = [layout.snapshot] if layout.folder else [layout.pairs, layout.rankings, layout.demonstrations,
+                                                      layout.card, layout.manifest]
     existing = [str(p) for p in parts if p.exists()]
     if existing and not overwrite:
         raise InvalidRequest(f"{', '.join(existing)} already exists (pass overwrite=True to replace it)")
@@ -173,8 +181,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
             raise InvalidRequest(f"no pairs match these filters ({recorded}): nothing was exported")
         prompts_table(cur, trl_format)
         # 2. write the data under temporary names (DuckDB streams COPY; datasets go through Arrow)
-        _write_all(cur, layout, staging, fmt, trl_format, bool(margin_column), bool(quality_weights),
-                   counts["test"] > 0)
+        counts["demonstrations"] = _write_all(cur, layout, staging, fmt, trl_format, bool(margin_column),
+                                              bool(quality_weights), counts["test"] > 0)
         facts = card.gather(store, cur)
     except BaseException:
         for tmp in staging.values():
@@ -186,7 +194,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     # 3. move into place, hash, record; then the card and the manifest
     for final, tmp in staging.items():
         remove(final)
-        os.replace(tmp, final)
+        if tmp.exists():  # (no demonstrations file when there are none)
+            os.replace(tmp, final)
     digest = snapshot_sha256(layout.snapshot)
     snap = store.record_snapshot(str(layout.snapshot), fmt, counts, recorded, digest)
     columns = COLUMNS[:4] + ["margin"] * bool(margin_column) + ["weight"] * bool(quality_weights) + COLUMNS[4:]
@@ -204,28 +213,33 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
 
 
 def _staging(layout: Layout) -> dict[Path, Path]:
-    """{final path: temporary path} of the data: the whole folder, or the two files."""
-    finals = [layout.snapshot] if layout.folder else [layout.pairs, layout.rankings]
+    """{final path: temporary path} of the data: the whole folder, or the files."""
+    finals = [layout.snapshot] if layout.folder else [layout.pairs, layout.rankings, layout.demonstrations]
     return {p: p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in finals}
 
 
 def _relative_files(layout: Layout) -> dict[str, str]:
     base = layout.snapshot if layout.folder else layout.snapshot.parent
-    return {name: os.path.relpath(getattr(layout, name), base) for name in ("pairs", "rankings", "card", "manifest")}
+    names = ("pairs", "rankings", "demonstrations", "card", "manifest")
+    return {name: os.path.relpath(getattr(layout, name), base) for name in names
+            if name != "demonstrations" or layout.demonstrations.exists()}
 
 
 def _write_all(cur, layout: Layout, staging: dict[Path, Path], fmt: str, trl_format: str,
-               margin_column: bool, weight_column: bool, has_test: bool) -> None:
-    """Pairs and rankings into their temporary paths."""
+               margin_column: bool, weight_column: bool, has_test: bool) -> int:
+    """Pairs, rankings and demonstrations into their temporary paths; returns how many
+    demonstrations."""
     if layout.folder:
         root = staging[layout.snapshot]
         pairs = root / layout.pairs.relative_to(layout.snapshot)
         rankings = root / layout.rankings.relative_to(layout.snapshot)
+        demonstrations = root / layout.demonstrations.relative_to(layout.snapshot)
         if fmt != "datasets":
             rankings.parent.mkdir(parents=True)
     else:
-        pairs, rankings = staging[layout.pairs], staging[layout.rankings]
+        pairs, rankings, demonstrations = (staging[p] for p in (layout.pairs, layout.rankings, layout.demonstrations))
     write_data(cur, pairs, rankings, fmt, trl_format, margin_column, weight_column, has_test)
+    return write_demonstrations(cur, demonstrations, trl_format)
 
 
 def load_pairs_snapshot(path, split: str | None = None) -> list[dict]:

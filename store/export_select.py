@@ -26,7 +26,8 @@ _SELECTED = """
     scored AS (
         SELECT pr.id AS pair_id, pr.prompt_id, pr.chosen_id, pr.rejected_id, pr.margin, pr.annotator_id,
                pr.ranking_id, pr.all_bad, pr.source, pr.created_at, i.round_id, i.evaluation_id,
-               CASE WHEN pr.ranking_id IS NULL OR nr.n IS NULL THEN 1.0 ELSE v.v / nr.n END AS agreement,
+               CASE WHEN pr.ranking_id IS NULL OR nr.n IS NULL OR pr.source = 'edit' THEN 1.0
+                    ELSE v.v / nr.n END AS agreement,
                CASE WHEN pr.chosen_id = k.order_groups[1][1] AND pr.rejected_id = k.order_groups[2][1]
                     THEN k.strength END AS strength,
                nullif(k.comment, '') AS rationale

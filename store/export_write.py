@@ -3,7 +3,8 @@ that joins the texts in, in TRL's conversational or text format, and the writers
 Parquet (DuckDB's COPY) and `datasets` folders (through Arrow files).
 
     _export           the selected pairs, with their split (and `weight`, with quality_weights)
-    _export_rankings  the selected rankings, with their split
+    _export_rankings  the selected rankings, with their split (their annotators' own answers are
+                      the demonstrations)
     _export_prompts   (prompt_id, prompt) every exported prompt as chat messages (conversational)
 """
 
@@ -18,7 +19,7 @@ import pyarrow as pa
 
 from formats.chat import prompt_messages
 from store.db import registered
-from store.records import STRENGTHS
+from store.records import HUMAN_EDIT, STRENGTHS
 
 _TIME = "strftime({}.created_at, '%Y-%m-%dT%H:%M:%S.%fZ') AS created_at"
 _WRITE = """
@@ -78,6 +79,39 @@ def rankings_sql(trl_format: str) -> str:
     """The query that writes the rankings (over the temporary tables export_pairs builds)."""
     prompt = "m.prompt" if trl_format == "conversational" else "p.text"
     return _WRITE_RANKINGS.format(prompt=prompt, time=_TIME.format("k"))
+
+
+_WRITE_DEMONSTRATIONS = """
+    SELECT {row}, a.name AS annotator, k.prompt_id, e.id AS response_id, s.id AS edit_of,
+           sm.name AS edit_of_model, k.ranking_id, k.round_id AS round, {time}, k.split
+    FROM _export_rankings k
+    JOIN responses e ON json_extract(e.sampling, '$.ranking_id')::BIGINT = k.ranking_id
+    JOIN responses s ON s.id = json_extract(e.sampling, '$.edit_of')::BIGINT
+    JOIN model_versions sm ON sm.id = s.model_version_id
+    JOIN prompts p ON p.id = k.prompt_id
+    LEFT JOIN annotators a ON a.id = k.annotator_id
+    LEFT JOIN _export_prompts m ON m.prompt_id = k.prompt_id
+    WHERE e.model_version_id = (SELECT id FROM model_versions WHERE name = '{human}')
+    ORDER BY k.ranking_id
+"""
+
+
+def demonstrations_sql(trl_format: str) -> str:
+    """The query that writes the demonstrations, the selected rankings' own answers (records.EditIn),
+    in TRL's SFT formats: conversational `messages` (the prompt's, then the answer), or text
+    `prompt` and `completion`."""
+    row = ("list_concat(m.prompt, [{'role': 'assistant', 'content': e.text}]) AS messages"
+           if trl_format == "conversational" else "p.text AS prompt, e.text AS completion")
+    return _WRITE_DEMONSTRATIONS.format(row=row, time=_TIME.format("e"), human=HUMAN_EDIT)
+
+
+def write_demonstrations(cur, path: Path, trl_format: str) -> int:
+    """The demonstrations as JSON Lines at `path` (any export format: TRL's SFT reads JSON Lines);
+    nothing is written when there are none. Returns how many."""
+    n = cur.execute(f"SELECT count(*) FROM ({demonstrations_sql(trl_format)})").fetchall()[0][0]
+    if n:
+        cur.execute(f"COPY ({demonstrations_sql(trl_format)}) TO '{_sql_path(path)}' (FORMAT json)")
+    return n
 
 
 def prompts_table(cur, trl_format: str) -> None:

@@ -3,7 +3,8 @@
 A ranking's order must name every response of one item of the ranking's prompt exactly once; a
 display order, when given, must be an order of the same responses (else the annotator's default
 one, store/queue_rules.py); a strength needs the best and second response alone in their tie
-groups. Every problem is an InvalidRequest naming it. store/rankings.py writes what passes.
+groups; the annotator's own answer (an edit) is text, made from a response of the item and ranked
+above it. Every problem is an InvalidRequest naming it. store/rankings.py writes what passes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from store.values import from_db_time
 from store.errors import InvalidRequest
 from store.pairs import normalize_order, ranking_to_pairs
 from store.queue_rules import display_order_for
-from store.records import STRENGTHS, Ranking, RankingIn
+from store.records import STRENGTHS, EditIn, Ranking, RankingIn
+
+MAX_EDIT_CHARS = 100_000
+"""An annotator's own answer over this many characters is refused (as an imported reply is)."""
 
 
 def _check_against_item(r: RankingIn, groups, item_id, item_prompt, item_ids: Sequence[int]) -> list[int]:
@@ -68,6 +72,15 @@ class Checked:
     display: list[int]
     pairs: list[tuple[int, int, int]]
     item_id: int
+    edit_place: int | None = None
+    """The tie group the annotator's own answer is ranked just above (r.edit), when there is one."""
+
+    def edit_pairs(self, edit_id: int) -> list[tuple[int, int, int]]:
+        """(chosen, rejected, rank gap) of the edit (stored as response `edit_id`) against each
+        response of the order: those ranked above its place beat it, the rest lose to it."""
+        place = self.edit_place
+        return ([(x, edit_id, place - g) for g, group in enumerate(self.groups[:place]) for x in group]
+                + [(edit_id, x, g - place + 1) for g, group in enumerate(self.groups) if g >= place for x in group])
 
     def record(self, ranking_id: int, now) -> Ranking:
         r = self.r
@@ -80,4 +93,23 @@ class Checked:
 def checked(r: RankingIn, groups, item_id: int, item_prompt: int, item_resp) -> Checked:
     """`r` with its order `groups` checked against its item (id, prompt, response ids), and its pairs."""
     display = _check_against_item(r, groups, item_id, item_prompt, item_resp)
-    return Checked(r, groups, display, ranking_to_pairs(groups), item_id)
+    place = None if r.edit is None else _edit_place(r.edit, groups)
+    return Checked(r, groups, display, ranking_to_pairs(groups), item_id, place)
+
+
+def _edit_place(edit: EditIn, groups: list[list[int]]) -> int:
+    """The tie group an annotator's own answer is ranked just above: its place, or the group of the
+    response it was made from; refused unless it is text made from one of the order's responses and
+    ranked above it."""
+    if not isinstance(edit.text, str) or not edit.text.strip():
+        raise InvalidRequest("your answer is empty: write it, or leave it out")
+    if len(edit.text) > MAX_EDIT_CHARS or "\x00" in edit.text:
+        raise InvalidRequest(f"your answer must be text of at most {MAX_EDIT_CHARS:,} characters")
+    source = next((g for g, group in enumerate(groups) if edit.made_from in group), None)
+    if source is None:
+        raise InvalidRequest(f"your answer is made from response {edit.made_from}, which is not one of this item's")
+    place = source if edit.place is None else int(edit.place)
+    if not 0 <= place <= source:
+        raise InvalidRequest("your answer is your better version of a response: rank it above the response it was "
+                             "made from")
+    return place

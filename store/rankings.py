@@ -9,6 +9,12 @@
 - "all bad" keeps the ranking and its pairs, marked all_bad (export leaves them out by default);
 - an optional strength (records.STRENGTHS) says how much better the best response is than the
   second; it needs both alone in their tie groups, and is stored with the ranking;
+- an optional edit (records.EditIn) is the annotator's own better answer, written from one of the
+  responses and ranked above it: it is stored as a response of its own item (never queued) of the
+  model version records.HUMAN_EDIT, its `sampling` naming the response it was made from, the
+  annotator and the ranking, and the ranking gains its pairs against every response (source
+  'edit'); exports give it in the pairs and as a demonstration. A re-ranking or an undo removes
+  the ranking's pairs, the edit's with them, and keeps the text;
 - the annotator's lease on the item is released.
 Rankings submitted at the same moment by several annotators are written in one transaction, with
 the leases of next_item calls waiting at that moment (Store._write_batch); save_rankings_bulk writes
@@ -25,11 +31,11 @@ from typing import Any
 import pyarrow as pa
 
 from store.db import registered
-from store.values import from_db_time, utcnow
+from store.values import dumps, from_db_time, utcnow
 from store.errors import InvalidRequest, NotFoundError
 from store.queue_rules import WRITE_KIND
 from store.ranking_checks import Checked, checked, order_groups
-from store.records import Item, Pair, Ranking, RankingIn
+from store.records import HUMAN_EDIT, EditIn, Item, Pair, Ranking, RankingIn
 
 _RANKING_COLS = ("id, item_id, prompt_id, annotator_id, order_groups, display_order, all_bad, "
                  "duration_s, client_token, comment, created_at, strength")
@@ -73,31 +79,34 @@ class RankingsMixin:
 
     def save_ranking(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
                      display_order: list[int] | None = None, duration_s: float | None = None,
-                     client_token: str | None = None, comment: str = "", strength: str | None = None) -> Ranking:
+                     client_token: str | None = None, comment: str = "", strength: str | None = None,
+                     edit: EditIn | None = None) -> Ranking:
         """Save one ranking and its pairs in one transaction (see the module docstring).
 
         order: tie groups of response ids, best first ([[3], [1, 2], [4]]), or a flat list.
         display_order: response ids as shown (default: the annotator's shuffle of the item).
         strength: how much better the best response is than the second (a key of
         records.STRENGTHS), which must then stand alone in the first and second tie groups.
+        edit: the annotator's own better answer (records.EditIn; module docstring).
         Raises InvalidRequest or NotFoundError (nothing stored) when the order does not fit.
         Concurrent calls are written together in one transaction (Store._combined).
         """
         r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
-                      client_token, comment or "", strength)
+                      client_token, comment or "", strength, edit)
         result = self._combined(WRITE_KIND, ("rank", (r, order_groups(order))), self._write_batch)
         return result if isinstance(result, Ranking) else self.get_ranking(result)
 
     def save_ranking_and_lease_next(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
                                     display_order: list[int] | None = None, duration_s: float | None = None,
                                     client_token: str | None = None, comment: str = "",
-                                    strength: str | None = None, *, exclude=()) -> tuple[Ranking, int | None]:
+                                    strength: str | None = None, edit: EditIn | None = None, *,
+                                    exclude=()) -> tuple[Ranking, int | None]:
         """save_ranking, and in the same transaction lease this annotator's next item as next_item
         would (not one of `exclude`): one commit per submit instead of two. Returns the ranking and
         the leased item's id (None when the queue holds nothing more for them); fetch the item with
         get_item. Nothing is leased when the ranking is refused."""
         r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
-                      client_token, comment or "", strength)
+                      client_token, comment or "", strength, edit)
         pick = self._next_request(annotator_id, None, None, exclude)
         result, picked = self._combined(WRITE_KIND, ("rank+next", ((r, order_groups(order)), pick)), self._write_batch)
         ranking = result if isinstance(result, Ranking) else self.get_ranking(result)
@@ -128,9 +137,40 @@ class RankingsMixin:
                 seen.add(key)
         else:
             written = self._write_many(cur, [x for _, x in ready], now, follow_now=True)
+        self._write_edits(cur, [(x, ranking_id) for (_, x), (ranking_id, new) in zip(ready, written) if new], now)
         for (i, x), (ranking_id, new) in zip(ready, written):
             out[i] = x.record(ranking_id, now) if new else ranking_id
         return out
+
+    def _write_edits(self, cur, written: list[tuple[Checked, int]], now) -> None:
+        """Inside the write transaction: the annotators' own answers of rankings just written (module
+        docstring), each a response of a new item of its prompt, with its pairs."""
+        edits = [(x, ranking_id) for x, ranking_id in written if x.r.edit is not None]
+        if not edits:
+            return
+        found = cur.execute("SELECT id FROM model_versions WHERE name = ?", [HUMAN_EDIT]).fetchall()
+        version = found[0][0] if found else cur.execute(
+            "INSERT INTO model_versions (id, kind, name, meta, created_at) VALUES "
+            "(nextval('model_versions_id_seq'), 'external', ?, ?, ?) RETURNING id",
+            [HUMAN_EDIT, dumps({"about": "annotators' own answers, each written from a response it ranks above"}),
+             now]).fetchone()[0]
+        for x, ranking_id in edits:
+            r = x.r
+            item_id = cur.execute(
+                "INSERT INTO items (id, prompt_id, model_version_id, round_id, n_responses, queued, created_at) "
+                "VALUES (nextval('items_id_seq'), ?, ?, NULL, 1, FALSE, ?) RETURNING id",
+                [r.prompt_id, version, now]).fetchone()[0]
+            sampling = {"edit_of": r.edit.made_from, "annotator_id": r.annotator_id, "ranking_id": ranking_id}
+            edit_id = cur.execute(
+                "INSERT INTO responses (id, item_id, prompt_id, model_version_id, text, sampling, created_at) "
+                "VALUES (nextval('responses_id_seq'), ?, ?, ?, ?, ?, ?) RETURNING id",
+                [item_id, r.prompt_id, version, r.edit.text, dumps(sampling), now]).fetchone()[0]
+            pairs = x.edit_pairs(edit_id)
+            cur.execute(
+                "INSERT INTO pairs SELECT nextval('pairs_id_seq'), ?, ?, unnest(?), unnest(?), unnest(?), "
+                "?, ?, ?, 'edit', ?",
+                [r.prompt_id, x.item_id, [p[0] for p in pairs], [p[1] for p in pairs],
+                 [float(p[2]) for p in pairs], ranking_id, r.annotator_id, bool(r.all_bad), now])
 
     def _write_one(self, cur, q, x: Checked, now, *, check_db: bool = False) -> tuple[int, bool]:
         """One ranking in the fewest statements (the common case of the UI): (id, newly written)."""
@@ -209,7 +249,10 @@ class RankingsMixin:
                 raise NotFoundError(f"no response with id {g[0][0]}")
             ready.append(checked(r, g, *lookup[g[0][0]]))
         with self._tx() as cur:
-            return [ranking_id for ranking_id, _ in self._write_many(cur, ready, utcnow())]
+            now = utcnow()
+            written = self._write_many(cur, ready, now)
+            self._write_edits(cur, [(x, ranking_id) for x, (ranking_id, new) in zip(ready, written) if new], now)
+            return [ranking_id for ranking_id, _ in written]
 
     def _write_many(self, cur, ready: list[Checked], now, *, follow_now: bool = False) -> list[tuple[int, bool]]:
         """Inside a transaction: write checked rankings with Arrow inserts, in input order.

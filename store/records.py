@@ -231,6 +231,24 @@ class Round:
 
 
 @dataclass(frozen=True)
+class EditIn:
+    """An annotator's own better answer, written from one of the item's responses and ranked with
+    them (RankingIn.edit, store/ranking_checks.py)."""
+
+    text: str
+    made_from: int
+    """The id of the response it was written from; the edit ranks above it."""
+    place: int | None = None
+    """Where the annotator ranked it: alone, just above the order's tie group of this index (0 =
+    best of all); None: just above the response it was made from."""
+
+
+HUMAN_EDIT = "human edit"
+"""The model version (kind 'external') of every annotator's own answer: exports name it in
+`chosen_model`, and the responses' `sampling` say who wrote each and from which response."""
+
+
+@dataclass(frozen=True)
 class RankingIn:
     """One ranking to save in bulk (`Store.save_rankings_bulk`); fields as in `Store.save_ranking`."""
 
@@ -243,6 +261,7 @@ class RankingIn:
     client_token: str | None = None
     comment: str = ""
     strength: str | None = None
+    edit: EditIn | None = None
 
 
 @dataclass(frozen=True)

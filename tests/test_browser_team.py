@@ -150,13 +150,13 @@ def test_twelve_responses_ranked_with_the_keyboard(tmp_path, browser):
     with team_app(tmp_path, {"rank twelve replies": [f"one of twelve: {j}" for j in range(12)]}) as (url, store):
         page = login(browser, url, "kay", "kay-password")
         page.wait_for_selector("#rl-item .rl-card >> nth=11")
-        assert page.locator("#rl-item .rl-card kbd").all_inner_texts() == list("123456789BDE")
+        assert page.locator("#rl-item .rl-card kbd").all_inner_texts() == list("123456789BDG")
         ids = shown_response_ids(page, store)
-        # E best, D tied with it (Shift), then B, 9 ... 2; the last one (1) goes last
-        for key in ["e", "Shift+d", "b", "9", "8", "7", "6", "5", "4", "3", "2"]:
+        # G best, D tied with it (Shift), then B, 9 ... 2; the last one (1) goes last
+        for key in ["g", "Shift+d", "b", "9", "8", "7", "6", "5", "4", "3", "2"]:
             page.keyboard.press(key)
         assert page.locator("#rl-item .rl-card.rl-ranked").count() == 11
-        assert page.inner_text("#rl-rankbar .rl-rank-chips").replace("\n", "").startswith("E=D›B›9")
+        assert page.inner_text("#rl-rankbar .rl-rank-chips").replace("\n", "").startswith("G=D›B›9")
         old = token(page)
         page.keyboard.press("Enter")
         wait_new_item(page, old)

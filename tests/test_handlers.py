@@ -152,6 +152,43 @@ def test_submit_refuses_bad_or_stale_rankings_and_stores_nothing(ctx):
     assert ctx.store.list_rankings() == []
 
 
+def test_an_own_answer_is_ranked_where_placed_and_refused_when_it_cannot_be(ctx):
+    """The annotator writes a better answer from response 2 and ranks it (position K+1 = 4) second:
+    its pairs join the ranking's, it beats the response it came from, and undo keeps its text."""
+    seed_items(ctx.store, 3, 3)
+    state, _ = show(ctx)
+    token, item = state.current.token, state.current.item
+    by_pos = {pos: next(r for r in item.responses if r.id == rid) for pos, rid in enumerate(item.display_order, 1)}
+    for ranking, edit, made_from, problem in [
+            ("1>2>3", "a better one", "", "the response it was written from"),
+            ("1>2>3", f"  {by_pos[2].text} ", "2", "unchanged"),
+            ("1=4>2>3", "a better one", "2", "cannot tie"),
+            ("1>2>4>3", "a better one", "2", "rank it above the response it was made from")]:
+        with pytest.raises(gr.Error, match=problem):
+            handlers.submit(ctx, state, ranking, False, "", token, req("ann"), None, edit, made_from)
+    assert ctx.store.list_rankings() == [] and ctx.store.counts()["responses"] == 9
+    state, *_ = handlers.submit(ctx, state, "1>4>2>3", False, "", token, req("ann"), None, " my better answer ", "2")
+    (ranking,) = ctx.store.list_rankings()
+    assert ranking.order == [[by_pos[1].id], [by_pos[2].id], [by_pos[3].id]]  # the item's own responses
+    edits = [p for p in ctx.store.list_pairs() if p.source == "edit"]
+    (mine,) = {p.chosen_id for p in edits if p.rejected_id == by_pos[2].id}
+    answer = ctx.store.get_response(mine)
+    assert answer.text == "my better answer" and answer.sampling["edit_of"] == by_pos[2].id
+    assert ctx.store.get_model_version(answer.model_version_id).name == "human edit"
+    assert {(p.chosen_id, p.rejected_id, p.margin) for p in edits} == {
+        (by_pos[1].id, mine, 1.0), (mine, by_pos[2].id, 1.0), (mine, by_pos[3].id, 2.0)}
+    # not ranked: it goes just above the response it was written from
+    state, *_ = handlers.submit(ctx, state, "2>1>3", False, "", state.current.token, req("ann"), None, "mine", "3")
+    second = ctx.store.list_rankings()[-1]
+    placed = [(p.chosen_id, p.rejected_id) for p in ctx.store.list_pairs(ranking_id=second.id) if p.source == "edit"]
+    new = next(c for c, r in placed if r == second.order[2][0])
+    # written from response 3, ranked last: the answer is just above it, below the other two
+    assert sorted(placed) == sorted([(second.order[0][0], new), (second.order[1][0], new), (new, second.order[2][0])])
+    handlers.undo(ctx, state, req("ann"))
+    assert not [p for p in ctx.store.list_pairs() if p.chosen_id == new or p.rejected_id == new]
+    assert ctx.store.get_response(new).text == "mine"  # what was written is kept
+
+
 def test_double_submit_of_one_showing_stores_one_ranking(ctx):
     seed_items(ctx.store, 2, 3)
     state, _ = show(ctx)

@@ -326,11 +326,11 @@ def test_cards_past_nine_are_ranked_by_the_letters_they_show():
 
     html = render.render_item("a question", [SimpleNamespace(text=f"reply {i}") for i in range(12)], token="t")
     keys = [render.position_key(p) for p in range(1, 13)]
-    assert keys == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "b", "d", "e"]
-    assert not set("acfstu") & set(render.POSITION_KEYS)  # the letters of the other shortcuts
+    assert keys == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "b", "d", "g"]
+    assert not set("acefstu") & set(render.POSITION_KEYS)  # the letters of the other shortcuts
     for pos, key in enumerate(keys, start=1):
         assert f'data-pos="{pos}" data-key="{key}"' in html and f"<kbd>{key.upper()}</kbd>" in html
-    assert "press 1–9, then B, D, E from best to worst" in html
+    assert "press 1–9, then B, D, G from best to worst" in html
     assert render.keys_hint(4) == "1–4" and render.position_key(30) == ""
 
 

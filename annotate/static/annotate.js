@@ -6,10 +6,12 @@
 // display positions, best first, e.g. [[2],[1,3],[4]], and sent with Submit as "2>1=3>4" (the
 // Submit event's `js` hook calls rlhf.encode), with the strength of the best over the second
 // (key 0 steps through it). A new token in the page (next item, undo) resets the ranking.
-// Shortcuts are ignored while typing in a field.
+// The annotator's own answer (#rl-edit-text, started from a card's verbatim text by its ✎ Edit or
+// by E) is ranked as one more card, position K+1, shown as ✎; Submit sends it with the position
+// of the response it was written from. Shortcuts are ignored while typing in a field.
 (() => {
   if (window.rlhf) return;
-  const R = (window.rlhf = { token: null, el: null, groups: [], tieNext: false, strength: "" });
+  const R = (window.rlhf = { token: null, el: null, groups: [], tieNext: false, strength: "", editFrom: 0 });
   // How much better the best response is than the second (store/records.py STRENGTHS), set with 0.
   const STRENGTHS = ["much better", "better", "slightly better", "about the same"];
 
@@ -19,9 +21,14 @@
     const it = item();
     return it ? parseInt(it.dataset.k || "0", 10) : 0;
   };
+  const editBox = () => document.querySelector("#rl-edit-text");
+  const hasEdit = () => !!editBox() && editBox().value.trim() !== "" && R.editFrom > 0;
+  const n = () => k() + (hasEdit() ? 1 : 0); // what can be ranked: the cards, and the own answer
+  R.editText = () => (hasEdit() ? editBox().value : "");
   const ranked = () => R.groups.flat();
   // The key shown on the card at a position, and the position a key ranks (0: none).
   const keyOf = (pos) => {
+    if (pos === k() + 1) return "✎";
     const card = document.querySelector(`#rl-item .rl-card[data-pos="${pos}"]`);
     return card ? (card.dataset.key || String(pos)).toUpperCase() : String(pos);
   };
@@ -44,7 +51,33 @@
       R.groups = [];
       R.tieNext = false;
       R.strength = "";
+      R.editFrom = 0;
+      if (editBox()) editBox().value = "";
     }
+    paint();
+  }
+
+  // Start the own answer from the verbatim text of the card at `pos` (kept unless already begun
+  // from it), and put the cursor in it.
+  function startEdit(pos) {
+    sync();
+    const box = editBox();
+    const raw = document.querySelector(`#rl-item .rl-card[data-pos="${pos}"] .rl-raw`);
+    if (!box || !raw) return;
+    if (R.editFrom !== pos || !box.value.trim()) box.value = raw.value;
+    R.editFrom = pos;
+    paint();
+    box.focus();
+  }
+  // E: begin an answer from the best-ranked response (or the first), or once begun, rank it.
+  function editKey() {
+    sync();
+    if (hasEdit()) pick(k() + 1, false);
+    else startEdit(ranked()[0] || 1);
+  }
+  // An emptied answer leaves the ranking.
+  function editChanged() {
+    if (!hasEdit()) R.groups = R.groups.map((g) => g.filter((p) => p <= k())).filter((g) => g.length);
     paint();
   }
 
@@ -64,7 +97,7 @@
 
   function pick(pos, tie) {
     sync();
-    if (pos < 1 || pos > k()) return;
+    if (pos < 1 || pos > n()) return;
     const at = R.groups.findIndex((g) => g.includes(pos));
     if (at >= 0) {
       // Picking a ranked response again takes it out of the ranking.
@@ -97,7 +130,7 @@
 
   function paint() {
     const it = item();
-    const n = k();
+    const total = n();
     let rank = 1;
     const rankOf = {};
     R.groups.forEach((g) => {
@@ -113,19 +146,23 @@
         card.querySelector(".rl-badge").textContent = r ? (r.tie ? "tie " : "") + ordinal(r.rank) : "";
       });
     }
+    const from = document.querySelector("#rl-edit-from");
+    const own = rankOf[k() + 1];
+    if (from) from.textContent = !hasEdit() ? "Press ✎ Edit on a response (or E) to write a better one from it." :
+      `Written from response ${R.editFrom}` + (own ? ` · ranked ${ordinal(own.rank)} (✎)` : ": press E to rank it (✎)");
     const bar = document.querySelector("#rl-rankbar");
     if (!bar) return;
-    if (!n) {
+    if (!total) {
       bar.innerHTML = "";
       return;
     }
-    const left = n - ranked().length;
+    const left = total - ranked().length;
     const chips = R.groups
       .map((g) => g.map((p) => `<span class="rl-chip">${keyOf(p)}</span>`).join('<span class="rl-eq">=</span>'))
       .join('<span class="rl-gt">›</span>');
     const empty = Array.from({ length: left }, () => '<span class="rl-chip rl-chip-empty"></span>').join("");
     let hint;
-    if (!R.groups.length) hint = `Press ${keysHint(n)} (or click) from best to worst`;
+    if (!R.groups.length) hint = `Press ${keysHint(k())}${hasEdit() ? " and E" : ""} (or click) from best to worst`;
     else if (left === 0) hint = "Ready: press Enter to submit";
     else if (left === 1) hint = "The last one goes last: press Enter to submit";
     else hint = `${left} left to rank`;
@@ -141,6 +178,11 @@
   }
 
   document.addEventListener("click", (e) => {
+    const edit = e.target.closest && e.target.closest("#rl-item .rl-edit-from");
+    if (edit) {
+      startEdit(parseInt(edit.dataset.pos, 10));
+      return;
+    }
     const card = e.target.closest && e.target.closest("#rl-item .rl-card");
     if (!card || e.target.closest("a, button, input, textarea")) return;
     if (window.getSelection && String(window.getSelection()).length) return; // selecting text
@@ -176,6 +218,7 @@
       f: () => click("#rl-flag"),
       a: () => click("#rl-allbad input"),
       c: () => document.querySelector("#rl-comment textarea, #rl-comment input")?.focus(),
+      e: editKey,
       t: () => { R.tieNext = !R.tieNext; paint(); },
       0: nextStrength,
       Backspace: () => { sync(); R.groups.length && R.groups[R.groups.length - 1].pop(); R.groups = R.groups.filter((g) => g.length); paint(); },
@@ -187,18 +230,19 @@
     }
   });
 
-  // Gradio replaces the item's HTML on every new item: watch for it.
-  // Only react when the item element itself changed: paint() mutates the DOM too, and reacting
-  // to that would loop.
+  // Gradio updates the item's HTML on every new item, sometimes in place (the same element, new
+  // attributes and children): watch for a new element or a new token. Only then: paint() mutates
+  // the DOM too, and reacting to that would loop.
   const onMutation = () => {
     const it = item();
-    if (it !== R.el) {
+    if (it !== R.el || (it ? it.dataset.token : null) !== R.token) {
       R.el = it;
       sync();
     }
   };
   const start = () => {
     new MutationObserver(onMutation).observe(document.body, { childList: true, subtree: true });
+    document.addEventListener("input", (e) => e.target && e.target.id === "rl-edit-text" && editChanged());
     sync();
   };
   if (document.body) start();
