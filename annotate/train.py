@@ -1,5 +1,5 @@
-"""Train-tab handlers: train a reward model, run PPO, run a loop round (policy step PPO or DPO),
-and watch any job.
+"""Train-tab handlers: train a reward model, run PPO, fine-tune on the annotators' own answers
+(SFT), run a loop round (policy step PPO or DPO), and watch any job.
 
 Plain functions `(ctx, inputs..., request) -> updates` that annotate/ui_train.py wires to
 components; tests call them directly. Each starts with `admin(ctx, request)`, so an annotator
@@ -36,7 +36,7 @@ from pipeline.config import default_ppo_lr, with_ppo_lrs
 from pipeline.model_card import REWARD_LOSSES as LOSS_NAMES
 from pipeline.orchestrate import estimate, gate, loop
 from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, ensure_base_policy, latest_reward, submit_ppo,
-                                        submit_reward)
+                                        submit_reward, submit_sft)
 
 NO_JOBS = ("This app runs without a job runner, so training cannot start here. Train from the "
            "command line instead (`python -m pipeline train-reward --help`, `python -m pipeline ppo "
@@ -262,6 +262,26 @@ def run_ppo(ctx: AppContext, lora: bool, processes, reward_name: str | None, n_p
     then = " It becomes the active policy when it finishes." if activate else ""
     return _queued(ctx, f"Queued **run #{run.id}** (PPO): {policy.name} against {reward.name}, "
                         f"{settings.ppo.steps} steps on {run.inputs['prompts']} prompts.{then}")
+
+
+def run_sft(ctx: AppContext, lora: bool, processes, epochs, lr, request: gr.Request):
+    """Queue an `sft` job: the active policy fine-tuned on every demonstration so far (the answers
+    annotators wrote with ✎ Edit), which becomes the active policy when it finishes, so the next
+    round samples from it. Returns (message, run choice, timer)."""
+    admin(ctx, request)
+    jobs = _jobs(ctx)
+    settings = copy.deepcopy(settings_of(ctx))
+    settings.model.lora = bool(lora)
+    settings.processes = _number(processes, "Processes per job", minimum=1, integer=True)
+    settings.sft.epochs = _number(epochs, "SFT epochs", minimum=1, integer=True)
+    settings.sft.lr = _number(lr, "SFT learning rate", minimum=1e-12)
+    try:
+        run, snapshot = submit_sft(ctx.store, jobs, settings)
+    except ValueError as exc:
+        raise gr.Error(f"Cannot fine-tune: {exc}.") from None
+    policy = ctx.store.get_model_version(run.inputs["policy_version_id"])
+    return _queued(ctx, f"Queued **run #{run.id}** (SFT): {policy.name} on {snapshot.counts['demonstrations']} "
+                        "demonstrations; it becomes the active policy when it finishes.")
 
 
 # ------------------------------------------------------------------------- rounds

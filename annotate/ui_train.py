@@ -26,8 +26,8 @@ QUIET = {"api_visibility": "private", "show_progress": "hidden"}
 
 
 def train_tab(ctx: AppContext) -> dict:
-    """Four panels (reward model, PPO, DPO, loop round) over the job monitor; the buttons start
-    jobs and the monitor follows them."""
+    """Four panels (reward model, PPO, DPO and SFT, loop round) over the job monitor; the buttons
+    start jobs and the monitor follows them."""
     s = t.settings_of(ctx)
     enabled = ctx.jobs is not None
     if not enabled:
@@ -59,6 +59,8 @@ def train_tab(ctx: AppContext) -> dict:
                     api_name="train_reward", **HIDDEN).success(**poll)
     ppo.button.click(bind(t.run_ppo, ctx), [lora, processes, ppo.reward, *ppo.settings, ppo.activate], started,
                      api_name="run_ppo", **HIDDEN).success(**poll)
+    dpo.sft.click(bind(t.run_sft, ctx), [lora, processes, dpo.sft_epochs, dpo.sft_lr], started, api_name="run_sft",
+                  **HIDDEN).success(**poll)
     # the round's form by name; its components in the order of t.RoundForm's fields (bind_form)
     form = {"lora": lora, "processes": processes, "epochs": rm.epochs, "rm_lr": rm.lr, "rm_batch": rm.batch,
             "rm_loss": rm.loss,
@@ -138,7 +140,14 @@ def _dpo_panel(s) -> SimpleNamespace:
     with gr.Row():
         epochs = gr.Number(value=s.dpo.epochs, precision=0, minimum=1, label="DPO epochs")
         lr = gr.Number(value=s.dpo.lr, label="DPO learning rate")
-    return SimpleNamespace(form={"dpo_loss": loss, "dpo_beta": beta, "dpo_epochs": epochs, "dpo_lr": lr})
+    gr.Markdown("#### Demonstrations (SFT)\nThe answers annotators wrote themselves (✎ Edit): the active "
+                "policy learns them, and the result becomes the active policy the next round samples from.")
+    with gr.Row():
+        sft_epochs = gr.Number(value=s.sft.epochs, precision=0, minimum=1, label="SFT epochs")
+        sft_lr = gr.Number(value=s.sft.lr, label="SFT learning rate")
+    sft = gr.Button("Fine-tune on demonstrations", elem_id="rl-sft")
+    return SimpleNamespace(form={"dpo_loss": loss, "dpo_beta": beta, "dpo_epochs": epochs, "dpo_lr": lr},
+                           sft=sft, sft_epochs=sft_epochs, sft_lr=sft_lr)
 
 
 def _round_panel(s, enabled: bool) -> SimpleNamespace:

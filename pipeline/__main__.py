@@ -21,6 +21,7 @@ STAGES = {
     "generate": "pipeline.generate",
     "train-reward": "pipeline.train_reward",
     "train-dpo": "pipeline.train_dpo",
+    "sft": "pipeline.train_sft",
     "ppo": "pipeline.train_ppo",
     "rloo": "pipeline.train_ppo:main_rloo",
     "compare": "pipeline.compare",

@@ -379,6 +379,28 @@ class DPOConfig:
     weight; False = every pair counts once. Data without the column trains exactly as unweighted."""
 
 
+@dataclass
+class SFTConfig:
+    epochs: int = 3
+    """Passes over the demonstrations (few, and each written by a person: several passes)."""
+    lr: float = 5e-5
+    """Learning rate (AdamW, linear decay to 0). For LoRA; full fine-tuning wants ~1e-5."""
+    batch_size: int = 8
+    """Demonstrations per forward pass (micro-batch); an optimiser step sees batch_size x grad_accum."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimiser step."""
+    max_length: int = 512
+    """Longest prompt + answer in tokens; longer ones lose the start of the prompt, then the answer's end."""
+    seed: int = 0
+    """Seed for the data order."""
+    max_steps: int = 0
+    """Stop after this many optimiser steps (0 = run all epochs); the LR schedule spans the steps run."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off)."""
+    save_every: int = 0
+    """Checkpoint every N optimiser steps (0 = only at the end / on interrupt)."""
+
+
 # --------------------------------------------------------------------------- CLI plumbing
 
 

@@ -3,7 +3,7 @@
     Partial(store, run).poll()        while a job runs: its results so far (generated responses
                                       arrive in chunk files: each chunk becomes items at once)
     finish(store, run, run_dir, p)    after it succeeded: the rest of its results, in the store
-                                      (a reward model, a policy from ppo or train-dpo, a comparison)
+                                      (a reward model, a policy from ppo, train-dpo or sft, a comparison)
 
 Each chunk, and each finisher, writes the store in one transaction, so a job that crashes or is
 killed (even with SIGKILL) leaves the store with whole chunks only and no half-registered model.
@@ -129,6 +129,16 @@ def finish_train_dpo(store, run, run_dir: Path, partial: Partial) -> dict:
         snapshot_id=run.inputs.get("snapshot_id"))
 
 
+def finish_sft(store, run, run_dir: Path, partial: Partial) -> dict:
+    """The new policy, fine-tuned on the annotators' own answers: its lineage is the starting
+    policy (parent) and the snapshot they were exported with."""
+    trained = _read_json(run_dir / "policy" / "model_meta.json")
+    report = _read_json(run_dir / "eval_report.json")
+    return _register_policy(store, run, run_dir, {"method": "sft", "data_sha256": trained.get("data_sha256"),
+                                                  "final": _numbers(report)},
+                            snapshot_id=run.inputs.get("snapshot_id"))
+
+
 def finish_compare(store, run, run_dir: Path, partial: Partial) -> dict:
     """The win rate goes on policy A's version (meta "compare/<B>"); the rows stay in result.json."""
     result = _read_json(run_dir / "result.json")
@@ -155,4 +165,4 @@ def finish_sample_versions(store, run, run_dir: Path, partial: Partial) -> dict:
 
 
 FINISHERS = {"generate": finish_generate, "train-reward": finish_train_reward, "ppo": finish_ppo,
-             "train-dpo": finish_train_dpo, "compare": finish_compare, "sample-versions": finish_sample_versions}
+             "train-dpo": finish_train_dpo, "sft": finish_sft, "compare": finish_compare, "sample-versions": finish_sample_versions}

@@ -1,4 +1,4 @@
-"""The jobs the owner can start, each built in one place: generate, train-reward, ppo, train-dpo, compare,
+"""The jobs the owner can start, each built in one place: generate, train-reward, ppo, train-dpo, sft, compare,
 sample-versions (a blind evaluation's answers), export-model.
 
 Each `submit_*` reads what it needs from the store (prompts, model versions), writes the job's
@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, to_cli_args,
-                             to_dict, with_rollout_length)
+from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig, PPOConfig, RewardConfig, SFTConfig,
+                             to_cli_args, to_dict, with_rollout_length)
 
 POLICY_STEPS = ("ppo", "rloo", "grpo", "dpo")
 """A round's policy step: PPO, RLOO or GRPO against a reward model trained on the round's snapshot
@@ -39,6 +39,7 @@ class LoopSettings:
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     policy_step: str = "ppo"
     """How a round trains its policy: 'ppo', 'rloo' or 'grpo' (a reward model on the round's snapshot,
     then that online RL against it; `ppo` holds their settings) or 'dpo' (DPO on the same snapshot;
@@ -60,7 +61,7 @@ class LoopSettings:
     def to_dict(self) -> dict:
         return {"loop": to_dict(self.loop), "model": to_dict(self.model), "generate": to_dict(self.generate),
                 "reward": to_dict(self.reward), "ppo": to_dict(self.ppo), "dpo": to_dict(self.dpo),
-                "policy_step": self.policy_step, "ppo_prompts": self.ppo_prompts, "processes": self.processes,
+                "sft": to_dict(self.sft), "policy_step": self.policy_step, "ppo_prompts": self.ppo_prompts, "processes": self.processes,
                 "accelerate_config": self.accelerate_config}
 
     @property
@@ -73,7 +74,7 @@ class LoopSettings:
         """The inverse of to_dict; fields a newer version added keep their defaults (a round stored
         before DPO existed reads as policy step 'ppo')."""
         parts = {"loop": LoopConfig, "model": ModelConfig, "generate": GenerateConfig, "reward": RewardConfig,
-                 "ppo": PPOConfig, "dpo": DPOConfig}
+                 "ppo": PPOConfig, "dpo": DPOConfig, "sft": SFTConfig}
         made = {}
         for name, cls_ in parts.items():
             known = {f.name for f in dataclasses.fields(cls_)}
@@ -321,6 +322,32 @@ def submit_dpo(store, runner, settings: LoopSettings, policy=None, *, activate: 
     run = runner.submit("train-dpo", args, config={"dpo": to_dict(dpo_cfg), "model": to_dict(settings.model)},
                         inputs={"policy_version_id": policy.id, "snapshot_id": snapshot.id, "activate": activate,
                                 "round_id": round_id, "round_step": round_step}, **settings.launch)
+    return run, snapshot
+
+
+def submit_sft(store, runner, settings: LoopSettings, policy=None, *, activate: bool = True):
+    """Supervised fine-tuning of `policy` (default: the active one) on every demonstration so far,
+    the answers annotators wrote themselves (exported beside a snapshot of the pairs, whose held-out
+    prompts are the reward model's: store/export.py). The new policy records its parent and the
+    snapshot (ingest.py); with `activate` it becomes the active one, so the next round samples from
+    it. Returns (run, snapshot)."""
+    from store.errors import StoreError
+    from store.export import export_layout
+
+    policy = policy or ensure_base_policy(store, settings.model)
+    try:
+        snapshot = pairs_snapshot(store, runner, settings)
+    except StoreError:  # no pair at all: an own answer brings pairs with it, so there is none either
+        snapshot = None
+    if snapshot is None or not snapshot.counts.get("demonstrations"):
+        raise ValueError("no demonstrations yet: annotators write their own answers with ✎ Edit in the ranking panel")
+    data = export_layout(snapshot.path, snapshot.format).demonstrations
+    args = ["--data", str(data), *to_cli_args(settings.sft), *model_args(settings.model, policy.base_model)]
+    if policy.path:
+        args += ["--policy", policy.path]
+    run = runner.submit("sft", args, config={"sft": to_dict(settings.sft), "model": to_dict(settings.model)},
+                        inputs={"policy_version_id": policy.id, "snapshot_id": snapshot.id, "activate": activate},
+                        **settings.launch)
     return run, snapshot
 
 
