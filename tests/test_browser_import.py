@@ -11,6 +11,7 @@ import time
 import pytest
 
 from store import records
+from store.queue import LEASE_SECONDS_KEY
 from tests.fixtures_browser import chromium_browser, download_export, login, served_store  # noqa: F401  (the fixture `browser`)
 
 pytestmark = pytest.mark.browser
@@ -39,10 +40,15 @@ def wait_until(condition, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+LEASE_S = 30
+
+
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    """(url, store) of the app served in this process: an admin and an annotator, no items."""
-    with served_store(tmp_path_factory.mktemp("app")) as app:
+    """(url, store) of the app served in this process: an admin and an annotator, no items, leases
+    of LEASE_S seconds (an item a closed page held goes back to the queue by then, even when the
+    server learns of the close late: a loaded machine delays it)."""
+    with served_store(tmp_path_factory.mktemp("app"), lambda store: store.set_setting(LEASE_SECONDS_KEY, LEASE_S)) as app:
         yield app
 
 
@@ -62,7 +68,7 @@ def test_imported_items_are_ranked_by_keyboard_and_exported_with_their_models(ap
     assert {mv.name: mv.kind for mv in store.list_model_versions()}.keys() >= {"alpha-model", "beta-model"}
     admin.close()  # an admin's page waiting for items takes some too (and gives them back when closed)
     boss = store.find_annotator("boss")
-    wait_until(lambda: not any(a == boss.id for _, a, _ in store.active_leases()))
+    wait_until(lambda: not any(a == boss.id for _, a, _ in store.active_leases()), timeout=3 * LEASE_S)
 
     # 2. the annotator ranks each item by keyboard: the cards in reverse display order, the best
     #    over the second by the n-th strength (0 pressed n times), and a comment on the first

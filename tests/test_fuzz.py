@@ -247,7 +247,7 @@ def test_fuzz_admin_handlers(ctx, which, args, as_):
 
 
 ENDPOINTS = {  # api name -> inputs (gr.State inputs are not part of the API)
-    "submit": 5, "skip": 1, "flag": 2, "undo": 0, "refresh": 0, "change_password": 3,
+    "submit": 7, "skip": 1, "flag": 2, "undo": 0, "refresh": 0, "change_password": 3,
     "statistics": 0, "generate": 6, "export": 12, "unflag": 1, "flagged": 0, "add_user": 3,
     "reset_password": 2, "set_role": 2, "deactivate": 1, "activate": 1, "unlock": 1, "users": 0,
     "backup": 0, "save_guidelines": 1, "save_queue": 2, "save_round": 3, "mark_gold": 1, "unmark_gold": 1,
