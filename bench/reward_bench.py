@@ -1,7 +1,7 @@
 """Pairs/s of our reward trainer (pipeline.train_reward) against TRL's RewardTrainer.
 
 Same model (default SmolLM2-135M-Instruct), same HH-RLHF pairs, the same token ids (both take the
-pairs as tokenised by pipeline.reward_data: chat template, left truncation of the prompt to
+pairs as tokenised by pipeline.pairs_data: chat template, left truncation of the prompt to
 --max-length, so TRL filters nothing out), micro-batch and gradient accumulation (4 pairs x 2 = 8
 pairs per optimiser step by default: 8 pairs of 512 tokens in one pass need about 20 GB of
 activations on CPU), one epoch, learning rate and linear decay, LoRA settings, precision and
@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.run_all import traceback_tail, write_json  # noqa: E402
 from pipeline.config import ModelConfig, RewardConfig  # noqa: E402
 from pipeline.orchestrate.gate import wilson  # noqa: E402
-from pipeline.reward_data import collate, encode_pairs, read_pairs, split_by_prompt  # noqa: E402
+from pipeline.pairs_data import collate, encode_pairs, read_pairs, split_by_prompt  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "hh_dev_pairs.jsonl"  # provenance: tests/data/README.md
 
@@ -170,7 +170,7 @@ def padded_tokens(spec: dict) -> tuple[int, float]:
     import random
 
     from pipeline.models import load_tokenizer
-    from pipeline.reward_data import length_grouped_batches
+    from pipeline.pairs_data import length_grouped_batches
 
     items, _ = encode_pairs(read_pairs(spec["train"])[0], load_tokenizer(model_path(spec["model"])), spec["max_length"])
     lengths, bs = [it.length for it in items], spec["batch_size"]

@@ -5,7 +5,7 @@
 extension, into (row number, row dict) pairs. Rows are counted from 1: JSONL by line, CSV by data
 row (header not counted), JSON arrays and Parquet by row. A file that cannot be read, in whole or
 in any row, raises one `RowsError` listing every problem (`Problems` collects them); what the rows
-mean is the caller's (store/readers.py checks them for the store, pipeline/reward_data.py for training).
+mean is the caller's (store/readers.py checks them for the store, pipeline/pairs_data.py for training).
 """
 
 from __future__ import annotations

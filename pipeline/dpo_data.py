@@ -43,7 +43,7 @@ from pipeline.losses import dpo_loss, ipo_loss, logprobs_from_logits
 from pipeline.models import is_peft
 from pipeline.packing import MIN_PREFIX, attention_mask_for, cache_kwarg, choose_width, first_fit, prefix_kv
 from pipeline.policy import merged_lora, sampled_kl
-from pipeline.reward_data import EncodedPair, prompt_key
+from pipeline.pairs_data import EncodedPair, prompt_key
 from pipeline.sampling import sample
 from pipeline.text import encode_prompts
 

@@ -38,7 +38,7 @@ from pipeline.models import (
 )
 from pipeline.policy import load_policy_weights, load_starting_policy, master_cfg, starting_reference, trainable
 from pipeline.ppo_data import read_ptx_texts
-from pipeline.run import STATE_FILE
+from pipeline.lifecycle import STATE_FILE
 from pipeline.rundir import truncate_metrics, write_json
 from pipeline.saving import GatheredPolicy, atomic_folder, save_policy, save_scalar_model
 from pipeline.scoring import make_reward

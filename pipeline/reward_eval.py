@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from pipeline.losses import last_token_index, lm_loss, pairwise_loss
 from pipeline.models import autocast, position_ids_from_mask
 from pipeline.packing import cache_kwarg
-from pipeline.reward_data import EncodedPair, EncodedRanking, Pair, collate, collate_shared
+from pipeline.pairs_data import EncodedPair, EncodedRanking, Pair, collate, collate_shared
 from pipeline.rundir import is_writer
 from pipeline.text import encode_response, pad_rows, prompt_token_ids
 

@@ -20,7 +20,7 @@ against the same model across rounds.
 
 Each prompt runs once and both responses continue from it, several pairs packed per row with no
 padding between them (pipeline/dpo_data.py); reference log-probs come from one no-grad pass over
-the same packed batch. Batches group pairs of similar length (pipeline/reward_data.py).
+the same packed batch. Batches group pairs of similar length (pipeline/pairs_data.py).
 
 Run directory (as train-reward's and ppo's; the app tails it and registers the policy):
     config.json        configs, the data file and its sha256, the starting policy, command line,
@@ -68,9 +68,9 @@ from formats.hashing import snapshot_sha256
 from pipeline.models import attn_ratio, autocast, checkpointing, pick_dtype
 from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference, trainable
 from pipeline.saving import save_whole_policy
-from pipeline.reward_data import encode_pairs, pair_weights, train_eval_data
-from pipeline.run import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover, resume_from,
-                          run_steps, save_state, write_report, write_run_config)
+from pipeline.pairs_data import encode_pairs, pair_weights, train_eval_data
+from pipeline.lifecycle import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover,
+                                resume_from, run_steps, save_state, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.tracking import add_report_to
 
@@ -101,7 +101,7 @@ def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, polic
     out_dir = Path(out)
     check_config(cfg)
     dist = setup(model_cfg.device)
-    # 0. Run directory (pipeline/run.py): a resume continues the run's own settings and starting policy.
+    # 0. Run directory (pipeline/lifecycle.py): a resume continues the run's own settings and starting policy.
     saved = claim(out_dir, resume=resume, data=data, results=("checkpoint", STATE_FILE, "policy", "eval_report.json"),
                   dist=dist)
     if saved:

@@ -61,7 +61,7 @@ from pipeline.ppo_data import episode_uniforms, prompt_order
 from pipeline.ppo_state import CHECKPOINT, check_config, save_checkpoint, set_up
 from pipeline.ppo_update import ppo_update
 from pipeline.rollout import Rollout, gather_rollout, kl_shaped_advantages, rollout_forwards, write_samples
-from pipeline.run import guarded, recover
+from pipeline.lifecycle import guarded, recover
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
 from pipeline.sampling import sample
 from pipeline.saving import save_whole_policy

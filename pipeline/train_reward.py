@@ -30,7 +30,7 @@ settings, optimiser and step. A second Ctrl-C stops at once. `--init-from` warm-
 previous reward checkpoint (the loop does this every round).
 
 Held-out pairs: --eval-data, else a snapshot's own 'test' split, else eval_fraction of the prompts.
-Bad input (pipeline/reward_data.py): an empty or unreadable file is refused naming file, row and
+Bad input (pipeline/pairs_data.py): an empty or unreadable file is refused naming file, row and
 field; pairs with chosen == rejected are dropped and counted (they carry no preference and give a
 zero gradient), and a file of nothing else is refused; texts over max_length lose prompt tokens
 from the left, counted in eval_report.json ("truncation"), never dropped.
@@ -65,11 +65,11 @@ from pipeline.losses import center_loss, plackett_luce_loss, weighted_pairwise_l
 from pipeline.models import (
     autocast, load_scalar_model, pick_dtype, resolve_model_path,
 )
-from pipeline.reward_data import (encode_pairs, encode_rankings, pair_weights, prompt_key, read_rankings,
+from pipeline.pairs_data import (encode_pairs, encode_rankings, pair_weights, prompt_key, read_rankings,
                                   train_eval_data)
 from pipeline.reward_eval import evaluate, forward_pairs, forward_rankings, normalisation_stats
-from pipeline.run import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover, resume_from,
-                          run_steps, save_state, write_report, write_run_config)
+from pipeline.lifecycle import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover,
+                                resume_from, run_steps, save_state, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
@@ -126,7 +126,7 @@ def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig,
         raise ValueError("batch_size, grad_accum and epochs must be at least 1")
     if cfg.loss not in ("bt", "plackett-luce"):
         raise ValueError(f"--loss {cfg.loss!r}: use 'bt' (Bradley-Terry on pairs) or 'plackett-luce' (whole rankings)")
-    # 0. Run directory (pipeline/run.py): a resume continues the run's own settings and warm start.
+    # 0. Run directory (pipeline/lifecycle.py): a resume continues the run's own settings and warm start.
     saved = claim(out_dir, resume=resume, data=data, results=("checkpoint", STATE_FILE, "eval_report.json"), dist=dist)
     if saved:
         cfg, init_from = RewardConfig(**saved["reward"]), saved.get("init_from", "")
@@ -213,7 +213,7 @@ def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: li
 
 
 def training_rankings(data: str, cfg: RewardConfig, eval_pairs: list, data_report: dict) -> list:
-    """The rankings Plackett-Luce trains on: the snapshot's (reward_data.read_rankings) minus those
+    """The rankings Plackett-Luce trains on: the snapshot's (pairs_data.read_rankings) minus those
     of its test split and of every held-out pair's prompt; counted in data_report['rankings']."""
     if cfg.margin or cfg.center_coef > 0 or cfg.lm_coef > 0:
         raise ValueError("--loss plackett-luce trains on whole rankings: --margin, --center-coef and --lm-coef "

@@ -45,9 +45,9 @@ from pipeline.config import ModelConfig, SFTConfig, add_arguments, from_args, to
 from pipeline.distributed import load_optimizer_state, setup
 from pipeline.models import autocast, checkpointing, pick_dtype
 from pipeline.policy import causal_lm_logits, load_policy_weights, load_starting_policy, trainable
-from pipeline.reward_data import EncodeReport
-from pipeline.run import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover, resume_from,
-                          run_steps, save_state, write_report, write_run_config)
+from pipeline.pairs_data import EncodeReport
+from pipeline.lifecycle import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover,
+                                resume_from, run_steps, save_state, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.saving import save_whole_policy
 from pipeline.text import encode_response, prompt_token_ids

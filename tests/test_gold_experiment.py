@@ -526,7 +526,7 @@ def test_every_pair_evaluation_shows_progress_and_reports_it(tiny_model_cfg, cap
     """Scoring held-out pairs prints a tqdm bar and calls on_progress after each batch, ending at
     the number of pairs; the scores are the same with or without the callback."""
     from pipeline.models import load_scalar_model
-    from pipeline.reward_data import Pair, encode_pairs
+    from pipeline.pairs_data import Pair, encode_pairs
     from pipeline.reward_eval import evaluate
 
     model, tokenizer = load_scalar_model(tiny_model_cfg.model, "reward", tiny_model_cfg)

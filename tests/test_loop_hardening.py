@@ -11,7 +11,7 @@ import pytest
 from pipeline.config import LoopConfig, RewardConfig
 from pipeline.orchestrate.jobs import JobRunner
 from pipeline.orchestrate.steps import LoopSettings, pairs_snapshot, snapshot_split
-from pipeline.reward_data import read_pairs
+from pipeline.pairs_data import read_pairs
 from pipeline.train_reward import train_reward
 from store.export import load_pairs_snapshot
 from store.export_select import held_out_hash

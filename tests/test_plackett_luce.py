@@ -13,7 +13,7 @@ import torch
 
 from pipeline.config import ModelConfig, RewardConfig
 from pipeline.losses import pairwise_loss, plackett_luce_loss
-from pipeline.reward_data import PairsError, read_pairs, read_rankings, rankings_path
+from pipeline.pairs_data import PairsError, read_pairs, read_rankings, rankings_path
 from pipeline.train_reward import main, train_reward
 from store.io import export_pairs
 from tests.fixtures_store import seed_items

@@ -42,7 +42,7 @@ from pipeline.orchestrate.jobs import JobRunner
 from pipeline.oracle import make_oracle
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import LoopSettings, pairs_snapshot
-from pipeline.reward_data import read_pairs
+from pipeline.pairs_data import read_pairs
 from pipeline.train_reward import train_reward
 from store import Store
 from store.io import export_pairs

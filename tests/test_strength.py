@@ -12,7 +12,7 @@ import pytest
 
 from annotate import handlers
 from annotate.context import AppContext
-from pipeline.reward_data import read_pairs
+from pipeline.pairs_data import read_pairs
 from store import InvalidRequest, RankingIn
 from store.export import load_pairs_snapshot
 from store.io import export_pairs

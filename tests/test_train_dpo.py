@@ -24,7 +24,7 @@ from pipeline.dpo_data import pack_pairs, preference_loss, reference_logps, sequ
 from pipeline.losses import logprobs_from_logits
 from pipeline.models import attn_ratio
 from pipeline.policy import causal_lm_logits, load_policy, make_reference
-from pipeline.reward_data import encode_pairs, read_pairs
+from pipeline.pairs_data import encode_pairs, read_pairs
 from pipeline.rundir import read_status
 from pipeline.train_dpo import main, train_dpo
 from tests.helpers import wait_for

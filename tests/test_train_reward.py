@@ -13,7 +13,7 @@ import torch
 from pipeline.config import RewardConfig
 from pipeline.text import prompt_token_ids
 from pipeline.models import checkpointing, load_scalar_model
-from pipeline.reward_data import (
+from pipeline.pairs_data import (
     PairsError, collate, collate_shared, encode_pairs, length_grouped_batches, prompt_key, read_pairs,
     split_by_prompt,
 )
@@ -221,7 +221,7 @@ def test_shared_prompt_pass_gives_the_same_scores_and_gradients(tiny_model_cfg, 
 
 
 def test_calibration_and_length_baseline_hand_values():
-    from pipeline.reward_data import EncodedPair
+    from pipeline.pairs_data import EncodedPair
     from pipeline.reward_eval import calibration, length_baseline
 
     # |diff| sorted: .1 (wrong), .2, 3 | 4 (wrong), 5 -> buckets of 3 and 2

@@ -154,7 +154,7 @@ def run_simulated_curve(ctx, pool: Path, cfg: CurveConfig) -> dict:
 
 def run_hh_curve(ctx, cfg: CurveConfig) -> dict:
     """One point per size on the HH dev pairs, beside the length baseline of the held-out pairs."""
-    from pipeline.reward_data import prompt_key
+    from pipeline.pairs_data import prompt_key
 
     folder = ctx.out / "hh_curve"
     rows = [json.loads(line) for line in Path(cfg.hh_data).read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,4 +1,4 @@
-"""One training run's lifecycle, the same for train-reward and train-dpo (and, where it applies, ppo).
+"""One training run's lifecycle, the same for train-reward, train-dpo and sft (and, where it applies, ppo).
 
 The algorithm files keep what is theirs (data, models, the loss of one step, evaluation); this file
 holds what every trainer does around them, written once so a fix reaches all of them:
@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from formats.hashing import snapshot_sha256
 from pipeline.distributed import clip_grad_norm
-from pipeline.reward_data import length_grouped_batches
+from pipeline.pairs_data import length_grouped_batches
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, read_status, truncate_metrics, write_json, write_status
 from pipeline.saving import recover_folder
 

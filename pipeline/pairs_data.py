@@ -1,4 +1,4 @@
-"""Preference pairs for reward training: read, check, split, tokenise, batch.
+"""Preference pairs for the pairs trainers (train-reward, train-dpo): read, check, split, tokenise, batch.
 
 Formats read (one pair per row, fields prompt / chosen / rejected, optional margin, weight and
 split):
