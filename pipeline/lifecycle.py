@@ -143,17 +143,46 @@ def optimizer_step(sums: dict, params, optimizer, scheduler, max_grad_norm: floa
     return sums, grad_norm, int(sums["pairs"])
 
 
-def run_steps(out_dir: Path, dist, cfg, *, lengths: list[int], steps_per_epoch: int, total: int, start: int,
-              train_step: Callable[[list[list[int]]], tuple[dict, int, int]], scheduler, save: Callable[[int], None],
-              progress: dict, on_step=None, desc: str, shown: tuple[str, str]) -> Steps:
+@dataclass
+class Schedule:
+    """A pairs trainer's optimiser and learning-rate schedule, and the steps they span
+    (adamw_schedule)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    steps_per_epoch: int
+    total: int
+
+
+@dataclass
+class StepLoop:
+    """A pairs trainer's side of run_steps: its schedule, where it starts, and what it does."""
+    schedule: Schedule
+    lengths: list[int]
+    """Each training item's length in tokens: batches group similar lengths."""
+    start: int
+    """The steps done before --resume (0 for a new run)."""
+    train_step: Callable[[list[list[int]]], tuple[dict, int, int]]
+    """A step's micro-batches (item indices) in; (its metrics, items, tokens) out, optimiser stepped."""
+    save: Callable[[int], None]
+    """Checkpoint at a step (every rank calls it)."""
+    desc: str
+    """The progress bar's name."""
+    shown: tuple[str, str]
+    """(metric key, label) the bar shows beside train/loss."""
+    on_step: Callable[[int, dict], None] | None = None
+    """Called after each step with (step, metrics)."""
+
+
+def run_steps(out_dir: Path, dist, cfg, loop: StepLoop, progress: dict) -> Steps:
     """The step loop of a pairs trainer. One optimiser step takes cfg.grad_accum batches of
-    cfg.batch_size pairs (length-grouped, reshuffled per epoch by cfg.seed); train_step(micro) runs
-    them, steps optimiser and scheduler, and returns (its metrics, pairs, tokens), to which the loop
-    adds train/lr, train/epoch, train/pairs_per_s and train/tokens. cfg also gives epochs and
-    save_every. After each step: metrics.jsonl, status.json, the bar (showing train/loss and the
-    metric named by shown: (key, label)), progress, on_step(step, metrics); a stop (any rank's
-    signal) ends the loop at that step, every rank alike."""
-    bar = tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, disable=not dist.is_main)
+    cfg.batch_size items (length-grouped, reshuffled per epoch by cfg.seed); loop.train_step(micro)
+    runs them, steps optimiser and scheduler, and returns (its metrics, items, tokens), to which the
+    loop adds train/lr, train/epoch, train/pairs_per_s and train/tokens. cfg also gives epochs and
+    save_every. After each step: metrics.jsonl, status.json, the bar, `progress` (step and total),
+    loop.on_step; a stop (any rank's signal) ends the loop at that step, every rank alike."""
+    start, total, steps_per_epoch = loop.start, loop.schedule.total, loop.schedule.steps_per_epoch
+    scheduler, shown = loop.schedule.scheduler, loop.shown
+    bar = tqdm(total=total, initial=start, desc=loop.desc, unit="step", dynamic_ncols=True, disable=not dist.is_main)
     write_status(out_dir, "running", start, total, phase="training")
     step, stopped, pairs = start, None, 0
     t_start, cpu_start = time.perf_counter(), time.process_time()
@@ -161,13 +190,13 @@ def run_steps(out_dir: Path, dist, cfg, *, lengths: list[int], steps_per_epoch: 
         for epoch in range(step // steps_per_epoch, cfg.epochs):
             if step >= total or stopped:
                 break
-            batches = length_grouped_batches(lengths, cfg.batch_size, seed=cfg.seed * 1000 + epoch)
+            batches = length_grouped_batches(loop.lengths, cfg.batch_size, seed=cfg.seed * 1000 + epoch)
             for k in range(step - epoch * steps_per_epoch, steps_per_epoch):  # skip steps done before --resume
                 if step >= total:
                     break
                 micro = batches[k * cfg.grad_accum:(k + 1) * cfg.grad_accum]
                 t0 = time.perf_counter()
-                metrics, n, tokens = train_step(micro)
+                metrics, n, tokens = loop.train_step(micro)
                 metrics.update({"train/lr": scheduler.get_last_lr()[0], "train/epoch": epoch + (k + 1) / steps_per_epoch,
                                 "train/pairs_per_s": n / (time.perf_counter() - t0), "train/tokens": int(tokens)})
                 step += 1
@@ -177,13 +206,13 @@ def run_steps(out_dir: Path, dist, cfg, *, lengths: list[int], steps_per_epoch: 
                 bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", **{shown[1]: f"{metrics[shown[0]]:.2f}"})
                 write_status(out_dir, "running", step, total, phase="training")
                 progress.update(step=step, total=total)
-                if on_step is not None:
-                    on_step(step, metrics)
+                if loop.on_step is not None:
+                    loop.on_step(step, metrics)
                 if dist.stop_requested(stop.signal):  # any rank's signal stops every rank here
                     stopped = stop.signal or "a signal to another rank"
                     break
                 if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                    save(step)
+                    loop.save(step)
     bar.close()
     return Steps(step, stopped, pairs, time.perf_counter() - t_start, time.process_time() - cpu_start)
 
@@ -197,17 +226,17 @@ def cancelled(out_dir: Path, steps: Steps, total: int, save: Callable[[int], Non
     return {"state": "cancelled", "step": steps.step, "total": total}
 
 
-def adamw_schedule(params: list, lr: float, n_items: int, cfg) -> tuple[torch.optim.Optimizer, object, int, int]:
-    """(optimiser, scheduler, steps per epoch, total steps) of a pairs trainer: AdamW without weight
-    decay, the learning rate decaying linearly to 0 over the run (TRL's default); one step =
-    cfg.grad_accum batches of cfg.batch_size, cfg.epochs epochs, at most cfg.max_steps (when > 0)."""
+def adamw_schedule(params: list, n_items: int, cfg) -> Schedule:
+    """A pairs trainer's Schedule: AdamW without weight decay, the learning rate decaying linearly
+    to 0 over the run (TRL's default); one step = cfg.grad_accum batches of cfg.batch_size,
+    cfg.epochs epochs, at most cfg.max_steps (when > 0); the peak rate cfg.lr."""
     steps_per_epoch = math.ceil(math.ceil(n_items / cfg.batch_size) / cfg.grad_accum)
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps > 0:
         total = min(total, cfg.max_steps)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
-    return optimizer, scheduler, steps_per_epoch, total
+    return Schedule(optimizer, scheduler, steps_per_epoch, total)
 
 
 def write_run_config(out_dir: Path, fields: dict, *, data, eval_data: str, data_report: dict, dist) -> None:
@@ -239,15 +268,16 @@ def write_report(out_dir: Path, report: dict, steps: Steps, total: int, data_rep
     return full
 
 
-def resume_from(out_dir: Path, scheduler, load_optimizer: Callable[[dict], None]) -> int:
+def resume_from(out_dir: Path, schedule: Schedule, load_optimizer: Callable[[dict], None]) -> int:
     """Restore optimiser (by the caller's loader: sharded or not) and scheduler from trainer_state.pt;
     the metrics logged after that save are dropped (those steps are trained again). Returns the step."""
     state = load_state(out_dir)
     load_optimizer(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    schedule.scheduler.load_state_dict(state["scheduler"])
     truncate_metrics(out_dir, state["step"])
     return state["step"]
 
 
-__all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "run_steps",
+__all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "Schedule", "StepLoop",
+           "run_steps",
            "cancelled", "resume_from", "adamw_schedule", "write_report", "write_run_config"]

@@ -69,8 +69,8 @@ from pipeline.models import attn_ratio, autocast, checkpointing, pick_dtype
 from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference, trainable
 from pipeline.saving import save_whole_policy
 from pipeline.pairs_data import encode_pairs, pair_weights, train_eval_data
-from pipeline.lifecycle import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover,
-                                resume_from, run_steps, save_state, write_report, write_run_config)
+from pipeline.lifecycle import (STATE_FILE, StepLoop, adamw_schedule, cancelled, claim, guarded, optimizer_step,
+                                recover, resume_from, run_steps, save_state, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.tracking import add_report_to
 
@@ -194,8 +194,9 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
         dist.shard_frozen(reference.frozen)
     wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
     params = trainable(model)
-    optimizer, scheduler, steps_per_epoch, total = adamw_schedule(params, cfg.lr, len(train_items), cfg)
-    step = resume_from(out_dir, scheduler, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
+    schedule = adamw_schedule(params, len(train_items), cfg)
+    optimizer, scheduler, total = schedule.optimizer, schedule.scheduler, schedule.total
+    step = resume_from(out_dir, schedule, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
 
     def save(step: int) -> None:  # every rank calls it (sharded weights are gathered), rank 0 writes
         save_whole_policy(model, tokenizer, out_dir / "checkpoint", dist)
@@ -208,9 +209,8 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
 
     train_step = dpo_step(cfg, dist, wrapped, reference, train_items, weights, pad_id=pad_id, ratio=ratio,
                           share_prefix=share_prefix, amp=amp, params=params, optimizer=optimizer, scheduler=scheduler)
-    done = run_steps(out_dir, dist, cfg, lengths=lengths, steps_per_epoch=steps_per_epoch, total=total, start=step,
-                     train_step=train_step, scheduler=scheduler, save=save, progress=progress, on_step=on_step,
-                     desc="dpo", shown=("train/reward_accuracy", "acc"))
+    done = run_steps(out_dir, dist, cfg, StepLoop(schedule, lengths, step, train_step, save, desc="dpo",
+                                                  shown=("train/reward_accuracy", "acc"), on_step=on_step), progress)
     step = done.step
 
     # 5. Interrupted: save what we have and leave.

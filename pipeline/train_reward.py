@@ -68,8 +68,8 @@ from pipeline.models import (
 from pipeline.pairs_data import (encode_pairs, encode_rankings, pair_weights, prompt_key, read_rankings,
                                   train_eval_data)
 from pipeline.reward_eval import evaluate, forward_pairs, forward_rankings, normalisation_stats
-from pipeline.lifecycle import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover,
-                                resume_from, run_steps, save_state, write_report, write_run_config)
+from pipeline.lifecycle import (STATE_FILE, StepLoop, adamw_schedule, cancelled, claim, guarded, optimizer_step,
+                                recover, resume_from, run_steps, save_state, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
@@ -304,8 +304,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
     wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler, steps_per_epoch, total = adamw_schedule(params, cfg.lr, len(train_items), cfg)
-    step = resume_from(out_dir, scheduler, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
+    schedule = adamw_schedule(params, len(train_items), cfg)
+    optimizer, scheduler, total = schedule.optimizer, schedule.scheduler, schedule.total
+    step = resume_from(out_dir, schedule, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
 
     def save(step: int, norm: dict | None = None) -> None:  # every rank calls it, rank 0 writes
         whole = full_state_dict(model) if dist.sharded else None  # every rank takes part in gathering
@@ -323,9 +324,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     train_step = reward_step(cfg, dist, wrapped, train_items, lengths, weights, pad_id=pad_id,
                              share_prompt=shares_prompt(cfg, model_cfg, dist), lm_weight=lm_weight, dtype=dtype, params=params,
                              optimizer=optimizer, scheduler=scheduler)
-    done = run_steps(out_dir, dist, cfg, lengths=lengths, steps_per_epoch=steps_per_epoch, total=total, start=step,
-                     train_step=train_step, scheduler=scheduler, save=save, progress=progress, on_step=on_step,
-                     desc="reward model", shown=("train/accuracy", "acc"))
+    done = run_steps(out_dir, dist, cfg, StepLoop(schedule, lengths, step, train_step, save, desc="reward model",
+                                                  shown=("train/accuracy", "acc"), on_step=on_step), progress)
     step = done.step
 
     # 5. Interrupted: save what we have (usable, unnormalised) and leave.

@@ -46,8 +46,8 @@ from pipeline.distributed import load_optimizer_state, setup
 from pipeline.models import autocast, checkpointing, pick_dtype
 from pipeline.policy import causal_lm_logits, load_policy_weights, load_starting_policy, trainable
 from pipeline.pairs_data import EncodeReport
-from pipeline.lifecycle import (STATE_FILE, adamw_schedule, cancelled, claim, guarded, optimizer_step, recover,
-                                resume_from, run_steps, save_state, write_report, write_run_config)
+from pipeline.lifecycle import (STATE_FILE, StepLoop, adamw_schedule, cancelled, claim, guarded, optimizer_step,
+                                recover, resume_from, run_steps, save_state, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.saving import save_whole_policy
 from pipeline.text import encode_response, prompt_token_ids
@@ -179,8 +179,9 @@ def _train(data, out_dir: Path, cfg: SFTConfig, model_cfg: ModelConfig, policy: 
                          data=data, eval_data="", data_report=data_report, dist=dist)
     wrapped = dist.wrap(model)
     params = trainable(model)
-    optimizer, scheduler, steps_per_epoch, total = adamw_schedule(params, cfg.lr, len(train_items), cfg)
-    step = resume_from(out_dir, scheduler, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
+    schedule = adamw_schedule(params, len(train_items), cfg)
+    optimizer, scheduler, total = schedule.optimizer, schedule.scheduler, schedule.total
+    step = resume_from(out_dir, schedule, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
 
     def save(step: int) -> None:
         save_whole_policy(model, tokenizer, out_dir / "checkpoint", dist)
@@ -209,9 +210,9 @@ def _train(data, out_dir: Path, cfg: SFTConfig, model_cfg: ModelConfig, policy: 
                 "train/token_accuracy": sums["correct"] / max(sums["tokens"], 1),
                 "train/grad_norm": grad_norm}, n, sums["tokens"]
 
-    done = run_steps(out_dir, dist, cfg, lengths=[len(ids) for ids, _ in train_items], steps_per_epoch=steps_per_epoch,
-                     total=total, start=step, train_step=train_step, scheduler=scheduler, save=save,
-                     progress=progress, desc="sft", shown=("train/token_accuracy", "acc"))
+    lengths = [len(ids) for ids, _ in train_items]
+    done = run_steps(out_dir, dist, cfg, StepLoop(schedule, lengths, step, train_step, save, desc="sft",
+                                                  shown=("train/token_accuracy", "acc")), progress)
     if done.stopped:
         return cancelled(out_dir, done, total, save, dist)
 
