@@ -17,7 +17,9 @@ A row holds the prompt as `prompt` (text) or chat `messages` (in CSV a cell of J
 Each model name becomes a model version of that name (store/repo.py `import_item_rows`): an
 existing policy or external version, else a new version of kind 'external'; exports name it in
 `chosen_model` / `rejected_model`. The items enter the annotation queue like generated ones (no
-round), except Label Studio tasks that were ranked there: their rankings come in as pairs instead.
+round), except a tool's tasks or records that were ranked there: their rankings come in instead,
+each as a ranking of the person who made it (an imported annotator, store/users.py), or as pairs
+alone when the file does not say who.
 
 All or nothing, as every import: a row is refused with its number and why (no prompt, fewer than
 2 or more than 16 responses, an empty or overlong text, two identical responses, a model name that
