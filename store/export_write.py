@@ -108,9 +108,9 @@ def demonstrations_sql(trl_format: str) -> str:
 def write_demonstrations(cur, path: Path, trl_format: str) -> int:
     """The demonstrations as JSON Lines at `path` (any export format: TRL's SFT reads JSON Lines);
     nothing is written when there are none. Returns how many."""
-    n = cur.execute(f"SELECT count(*) FROM ({demonstrations_sql(trl_format)})").fetchall()[0][0]
-    if n:
-        cur.execute(f"COPY ({demonstrations_sql(trl_format)}) TO '{_sql_path(path)}' (FORMAT json)")
+    n = cur.execute(f"COPY ({demonstrations_sql(trl_format)}) TO '{_sql_path(path)}' (FORMAT json)").fetchall()[0][0]
+    if not n:
+        remove(path)
     return n
 
 
