@@ -106,7 +106,7 @@ def round_status(ctx: AppContext, settings) -> str:
     """A line about the newest round: status, counts, and why its last step failed. An open round
     is counted as its threshold counts it (loop.coverage: its own rankable items, no gold or
     flagged ones), so the line and "finish anyway?" say the same numbers."""
-    from pipeline.orchestrate.loop import coverage
+    from pipeline.orchestrate.loop import coverage, generation_stopped
 
     rounds = ctx.store.list_rounds()
     if not rounds:
@@ -118,4 +118,7 @@ def round_status(ctx: AppContext, settings) -> str:
         c = ctx.store.round_counts(rnd.id)
         line = f"**Round {rnd.id}** · {rnd.status} · {c['items']} items, {c['rankings']} rankings"
     error = rnd.meta.get("last_error")
-    return line + (f" · ✗ {error.splitlines()[0][:300]} (retry with the same button)" if error else "")
+    if not error:
+        return line
+    retry = ("**Run a full round** generates the rest" if generation_stopped(rnd) else "retry with the same button")
+    return line + f" · ✗ {error.splitlines()[0][:300]} ({retry})"

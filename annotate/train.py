@@ -291,7 +291,7 @@ def run_full_round(ctx: AppContext, form: RoundForm, confirmed: bool, request: g
     """Train on the round being annotated (snapshot -> reward model -> PPO, or snapshot -> DPO ->
     new active policy) and then start the next one; with no open round, start the first. The
     round advances as its jobs end (pipeline/orchestrate/loop.py); a failed step leaves it open,
-    saying why, for another try. An under-ranked round trains only when `confirmed`; before,
+    saying why, for another try (a stopped generation is finished first, `_finish_generating`). An under-ranked round trains only when `confirmed`; before,
     nothing starts and the confirmation shows. Returns (message, run choice, timer, confirmation
     row, confirmation text)."""
     admin(ctx, request)
@@ -299,6 +299,8 @@ def run_full_round(ctx: AppContext, form: RoundForm, confirmed: bool, request: g
     settings = form.settings(settings_of(ctx))
     _no_round_in_flight(ctx)
     rnd = loop.current_round(ctx.store)
+    if rnd is not None and loop.generation_stopped(rnd):
+        return (*_finish_generating(ctx, jobs, rnd, settings), gr.update(visible=False), "")
     try:
         if rnd is not None:
             loop.finish_round(ctx.store, jobs, rnd, settings, next_round=True, wait=False, anyway=bool(confirmed))
@@ -315,6 +317,24 @@ def run_full_round(ctx: AppContext, form: RoundForm, confirmed: bool, request: g
     what = (f"Training on round {rnd.id} ({how}), then starting the next round."
             if rnd.status != "generating" else f"Started round {rnd.id}: generating responses with the active policy.")
     return *_queued(ctx, what), gr.update(visible=False), ""
+
+
+def _finish_generating(ctx: AppContext, jobs, rnd, settings: LoopSettings):
+    """The retry of a round whose generation stopped (its job failed, or the app stopped while it
+    ran): the prompts its jobs were given that have no responses yet are generated with the tab's
+    settings (a setting that failed it can be changed first); the round trains only when the
+    button is pressed again."""
+    before = ctx.store.round_counts(rnd.id)["items"]
+    try:
+        rnd = loop.resume_generation(ctx.store, jobs, rnd, settings, wait=False)
+    except loop.RoundFailed as exc:
+        raise gr.Error(str(exc)) from None
+    if rnd.status != "generating":
+        return _queued(ctx, f"Round {rnd.id} has every response its generation was given ({before} items): "
+                            "press **Run a full round** again to train on it.")
+    return _queued(ctx, f"Finishing round {rnd.id}'s generation: {before} items were made before it stopped; "
+                        "the rest are being generated with the round's policy. Press **Run a full round** "
+                        "again to train once they are ranked.")
 
 
 def keep_round_open(ctx: AppContext, request: gr.Request):

@@ -358,6 +358,30 @@ def test_work_left_in_flight_by_a_stopped_app_is_settled_at_start(store, tmp_pat
         runner.shutdown()
 
 
+@pytest.mark.slow
+def test_run_a_full_round_finishes_a_stopped_generation_and_trains_only_when_pressed_again(ctx):
+    store, boss = ctx.store, req("boss")
+    store.add_prompts([line.split("?")[0] + "?" for line in CORPUS] + [f"Tell me about topic {i}." for i in range(10)],
+                      source="test")
+    ctx.train_settings.model.dtype = "fp7"  # the generate job refuses it
+    full_round(ctx, request=boss, **FULL_ROUND_FORM)
+    with pytest.raises(loop.RoundFailed, match="fp7"):
+        settled_round(ctx)
+    rnd = store.list_rounds()[-1]
+    assert loop.generation_stopped(rnd) and store.round_counts(rnd.id)["items"] == 0
+    line = monitor.round_status(ctx, train.settings_of(ctx))
+    assert "fp7" in line and "**Run a full round** generates the rest" in line
+
+    ctx.train_settings.model.dtype = "fp32"  # the admin fixes the setting and presses the button again
+    message = full_round(ctx, request=boss, **FULL_ROUND_FORM)[0]
+    assert message.startswith(f"Finishing round {rnd.id}'s generation: 0 items were made")
+    rnd = settled_round(ctx)
+    assert rnd.status == "annotating" and not rnd.meta.get("last_error")
+    assert store.round_counts(rnd.id)["items"] == 6 and len(store.list_runs(kind="generate")) == 2
+    assert store.list_runs(kind="train-reward") == []  # nothing trained yet
+    assert "✗" not in monitor.round_status(ctx, train.settings_of(ctx))
+
+
 def test_closing_a_round_records_the_policy_trained_from_it(store, tmp_path):
     base = store.register_model_version("policy", "base", base_model="tiny")
     store.set_active_policy(base.id)
