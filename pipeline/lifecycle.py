@@ -48,10 +48,9 @@ from tqdm.auto import tqdm
 from formats.hashing import snapshot_sha256
 from pipeline.distributed import clip_grad_norm
 from pipeline.pairs_data import length_grouped_batches
-from pipeline.rundir import Cancelled, StopFlag, append_metrics, read_status, truncate_metrics, write_json, write_status
+from pipeline.rundir import (STATE_FILE, Cancelled, StopFlag, append_metrics, read_status, truncate_metrics,
+                             write_json, write_status)
 from pipeline.saving import recover_folder
-
-STATE_FILE = "trainer_state.pt"
 
 
 def claim(out_dir: Path, *, resume: bool, data: str, results: tuple[str, ...], dist) -> dict | None:

@@ -9,7 +9,9 @@ watch any of them (DESIGN.md, Process model):
     metrics.jsonl   one JSON object per step: {"step": n, "namespace/key": value, ...}
 
 Writers use `write_json`, `write_status` and `append_metrics` (and `truncate_metrics` when a run
-resumes from a checkpoint); the job runner reads with `read_status` and `MetricsTail`. A trainer
+resumes from a checkpoint); the job runner reads with `read_status` and `MetricsTail`, and
+`saved_state` tells it whether a stopped trainer left a state that `--resume` continues (STATE_FILE,
+in the run folder or, for PPO, in its checkpoint folder). A trainer
 installs a `StopFlag`: SIGTERM (the job runner's cancel) or Ctrl-C only set a flag that the loop
 checks between phases, so a cancel never interrupts a write.
 
@@ -37,6 +39,14 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.tracking import EVENTS_DIR, REPORT_TO, TensorBoardWriter
+
+STATE_FILE = "trainer_state.pt"
+"""A trainer's optimiser, scheduler and step (pipeline/lifecycle.py `save_state`), for --resume."""
+
+
+def saved_state(run_dir: Path) -> bool:
+    """Whether a trainer's run folder holds a state to continue from with --resume."""
+    return any((Path(run_dir) / sub / STATE_FILE).is_file() for sub in ("", "checkpoint"))
 
 STATES = ("running", "done", "failed", "cancelled")
 

@@ -11,13 +11,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
-from pipeline.orchestrate.jobs import INTERRUPTED, JobRunner
+from pipeline.orchestrate.jobs import JobRunner
 from pipeline.oracle import make_oracle
 from pipeline.orchestrate.loop import (RoundFailed, fail, finish_round, generation_stopped, make_runner,
                                        recover_rounds, resume_generation, start_round, wait_round)
 from pipeline.orchestrate.simulate import simulate_annotations
 from pipeline.orchestrate.steps import round_ppo
+from pipeline.rundir import STATE_FILE
 from store import Store
 from tests.helpers import alive, tiny_settings, wait_for
 from tests.tiny import CORPUS
@@ -195,8 +197,9 @@ OWNER = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_the_queue_survives_a_kill_9_of_its_owner(store_path, tiny_model_dir, tmp_path):
-    """The owner dies with one job running and one queued: the running job stops by itself, and
-    the next owner marks it interrupted and runs the queued one."""
+    """The owner dies with one job running and one queued: the running job stops by itself, saving
+    its state; the next owner queues it again, and it continues from that state (no step logged
+    twice), then the queued one runs."""
     runs = tmp_path / "runs"
     long_args = reward_job_args(tmp_path, tiny_model_dir, 500)
     short_args = reward_job_args(tmp_path, tiny_model_dir, 1)
@@ -214,9 +217,21 @@ def test_the_queue_survives_a_kill_9_of_its_owner(store_path, tiny_model_dir, tm
     assert (first.status, second.status) == ("running", "queued")
     wait_for(lambda: not alive(first.outputs["pid"]), timeout=15, what="the orphaned job to stop")
 
+    saved = torch.load(Path(first.run_dir) / STATE_FILE, weights_only=False)["step"]  # written as it stopped
     runner = make_runner(store, runs, poll_s=0.1)
     first = store.get_run(first.id)
-    assert first.status == "failed" and first.error == INTERRUPTED
+    assert first.status in ("queued", "running") and first.outputs["resume"] is True
+
+    def steps() -> list[int]:
+        lines = (Path(first.run_dir) / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["step"] for line in lines if line.strip()]
+
+    wait_for(lambda: max(steps()) > saved + 1, timeout=120, what="the resumed job's steps after its saved one")
+    assert "--resume" in (Path(first.run_dir) / "command.txt").read_text()
+    logged = steps()
+    assert logged == list(range(logged[0], logged[-1] + 1)) and saved >= 1  # continued, not started again
+    runner.cancel(first.id)
+    assert runner.wait(first.id, timeout=60).status == "cancelled"
     second = runner.wait(second.id, timeout=120)
     assert second.status == "done", second.error
     (reward,) = store.list_model_versions("reward")

@@ -16,8 +16,11 @@ under `torchrun` or `accelerate launch`): it reads files, writes only its run di
      the round state machine (loop.py) uses to start the next step.
 
 On start the runner recovers what a previous owner left: a run still 'running' is over (its job
-stops by itself when its owner dies, see `OWNER_ENV`; a survivor is terminated here) and is
-marked failed "interrupted"; queued runs stay queued and start in order.
+stops by itself when its owner dies, see `OWNER_ENV`; a survivor is terminated here). A trainer
+(RESUMABLE) saves its state when it is stopped, and every `save_every` steps: a run that left one
+goes back to the queue and continues from it (`--resume`), so a restart of the app during a long
+training loses at most the steps since its last save; any other is marked failed "interrupted".
+Queued runs stay queued and start in order.
 """
 
 from __future__ import annotations
@@ -34,13 +37,15 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.orchestrate import ingest
-from pipeline.rundir import MetricsTail, read_status
+from pipeline.rundir import MetricsTail, read_status, saved_state
 
 DEFAULT_LAUNCHER = (sys.executable, "-m", "pipeline")
 OWNER_ENV = "RLHF_LOOP_OWNER_PID"
 """Set in every job's environment: the pid of the process that owns the store. A job whose owner
 has died stops itself (pipeline/__main__.py), so a killed app leaves no job running unseen."""
 INTERRUPTED = "interrupted: the process that owned the job stopped before it finished"
+RESUMABLE = ("train-reward", "train-dpo", "sft", "ppo", "rloo")
+"""Job kinds whose trainer continues a stopped run of its own with --resume (pipeline/lifecycle.py)."""
 
 
 def launcher_from_env() -> tuple[str, ...] | None:
@@ -188,14 +193,20 @@ class JobRunner:
     # ------------------------------------------------------------------ recovery
 
     def recover(self) -> int:
-        """Runs a previous owner left 'running' are over: stop a job still alive, mark the run
-        failed "interrupted", and tell `on_end`. Returns how many."""
+        """Runs a previous owner left 'running' are over: stop a job still alive; a trainer's run
+        with a saved state is queued again to continue from it (`_run` adds --resume), any other is
+        marked failed "interrupted" and `on_end` told. Returns how many."""
         stale = self.store.list_runs(status="running")
         for run in stale:
             pid = (run.outputs or {}).get("pid")
             if pid and _alive(int(pid)):
                 _terminate(int(pid), self.grace_s, wait=True)
-            self._finish(run.id, "failed", INTERRUPTED)
+            if run.kind in RESUMABLE and run.run_dir and saved_state(Path(run.run_dir)):
+                with open(Path(run.run_dir) / "log.txt", "a", encoding="utf-8") as log:
+                    log.write("\n--- the owner stopped; queued again to continue from the saved state ---\n")
+                self.store.update_run(run.id, status="queued", outputs={"resume": True})
+            else:
+                self._finish(run.id, "failed", INTERRUPTED)
         return len(stale)
 
     # ------------------------------------------------------------------ worker
@@ -229,6 +240,7 @@ class JobRunner:
         # 1. start the subprocess in its own process group (so cancel reaches its children too)
         launcher = self.launcher or launch_command(**run.config.get("launch", {}))
         cmd = [*launcher, run.kind, *run.config.get("args", []), "--out", str(run_dir)]
+        cmd += ["--resume"] if (run.outputs or {}).get("resume") else []  # queued again by `recover`
         (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
         with open(run_dir / "log.txt", "ab") as log, self._wake:
             self._process = proc = subprocess.Popen(
