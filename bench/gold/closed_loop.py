@@ -13,7 +13,7 @@ seed, with its own store, annotators' noise, prompt order, round prompts, reward
      test prompts) shuffled by the seed and imported, so the round prompts and PPO's prompts (the
      first `ppo_prompts` of the store) differ between seeds; the base policy evaluated
   1. rounds 1..R as the loop runs them: K responses per prompt from the active policy (a job), the
-     simulated annotators rank every item through the store's queue (bench/gold/loop.py's gold
+     simulated annotators rank every item through the store's queue (the gold
      judge, Bradley-Terry noise), a reward model learns every pair so far (warm-started from the
      last), the reward-model gate, PPO against it; a round whose reward model the gate refuses is
      closed without a new policy, as a user who does not click "Run PPO anyway" would leave it
@@ -60,7 +60,6 @@ sys.path.insert(0, str(ROOT))
 from bench.gold.eval import EvalConfig  # noqa: E402
 from bench.gold.prompt_sets import LOCKED, PROMPTS, locked_prompts, split_prompts  # noqa: E402
 from bench.gold.steps import Context, RecordingOracle, cpu_seconds, write_rows  # noqa: E402
-from pipeline.config import GenerateConfig, ModelConfig, PPOConfig, RewardConfig  # noqa: E402
 from pipeline.orchestrate.steps import LoopSettings  # noqa: E402
 
 OUT_ROOT = ROOT / "bench" / "out" / "closed_loop"
@@ -78,14 +77,14 @@ SIZES = ("loop.rounds", "loop.prompts_per_round", "loop.seed", "generate.seed", 
 class Sizes:
     seeds: list[int]
     rounds: int = 3
-    prompts_per_round: int = 320
+    prompts_per_round: int = 256
     """Prompts the simulated team ranks each round (K responses each)."""
     eval_samples: int = 4
     """Responses per locked test prompt in each evaluation."""
     leaderboard_prompts: int = 64
     """Held-out prompts of the blind evaluation after the last round (0 = none)."""
     noise: float = 0.05
-    """Bradley-Terry temperature of the simulated annotators (gold-score units; bench/gold/loop.py's)."""
+    """Bradley-Terry temperature of the simulated annotators (gold-score units)."""
     threads: int = 2
     policy_step: str = "ppo"
 
@@ -176,8 +175,8 @@ def start(sd: Seed, pool: Path) -> None:
 
 def play_round(sd: Seed, n: int) -> None:
     """Step 1-2 for round n (from 1): as far as the store says it has come, then to its end."""
-    from pipeline.orchestrate.loop import (RoundFailed, close_round, finish_round, generation_stopped,
-                                           resume_generation, start_round)
+    from pipeline.orchestrate.loop import (IN_FLIGHT, RoundFailed, close_round, finish_round, generation_stopped,
+                                           resume_generation, start_round, wait_round)
     from pipeline.orchestrate.simulate import simulate_annotations
 
     t, cpu = time.perf_counter(), cpu_seconds()
@@ -187,9 +186,11 @@ def play_round(sd: Seed, n: int) -> None:
         rnd = resume_generation(sd.store, sd.runner, rnd, sd.settings)
     ranked = simulate_annotations(sd.store, sd.ctx.judge, noise=sd.run.sizes.noise, seed=sd.seed * 1000 + n)
     gate = None
-    if sd.store.get_round(rnd.id).status != "done":
-        try:
-            rnd = finish_round(sd.store, sd.runner, sd.store.get_round(rnd.id), sd.settings, anyway=True)
+    rnd = sd.store.get_round(rnd.id)
+    if rnd.status != "done":
+        try:  # a step the job queue took up again (a trainer continuing its saved state) runs to its end
+            rnd = (wait_round(sd.store, rnd) if rnd.status in IN_FLIGHT
+                   else finish_round(sd.store, sd.runner, rnd, sd.settings, anyway=True))
         except RoundFailed:
             rnd = sd.store.get_round(rnd.id)
             gate = rnd.meta.get("reward_gate")
@@ -366,9 +367,17 @@ def _as_known(now: dict, before: dict) -> dict:
 
 
 def _commit() -> str:
-    from bench.gold.seeds import _commit as commit
+    """The checkout's commit (with '+changes' when its tracked files differ from it), '' outside git."""
+    import subprocess
 
-    return commit()
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+changes" if dirty else "")
 
 
 # --------------------------------------------------------------------------- a state to commit
@@ -455,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--out", default="", help="results directory (default: bench/out/closed_loop/<time>)")
     add("--seeds", type=lambda t: [int(x) for x in t.split(",") if x.strip()], default=[0, 1, 2], help="e.g. 0,1,2")
     add("--rounds", type=int, default=3)
-    add("--prompts-per-round", type=int, default=320, help="the simulated team's size: prompts ranked a round")
+    add("--prompts-per-round", type=int, default=256, help="the simulated team's size: prompts ranked a round")
     add("--eval-samples", type=int, default=4, help="responses per locked test prompt")
     add("--leaderboard-prompts", type=int, default=64,
         help="held-out prompts of the blind evaluation after the last round (0: none)")
