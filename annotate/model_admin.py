@@ -1,6 +1,6 @@
 """Models-tab handlers: every model version with its lineage, metrics and samples; the active
 policy; comparing two policies on held-out prompts; downloading a version as a Hugging Face
-folder; the gold-loop experiment's plots.
+folder.
 
 Plain functions `(ctx, inputs..., request) -> updates`, wired by annotate/ui_train.py and called
 directly by tests. Each starts with `admin(ctx, request)` (annotate/context.py).
@@ -310,30 +310,3 @@ def served_copy(path: Path, cache_name: str) -> Path:
             shutil.copy2(path, tmp)
         os.replace(tmp, copy)
     return copy
-
-
-# ------------------------------------------------------------------------- gold-loop plots
-
-
-def gold_dir(ctx: AppContext) -> Path:
-    """Where this store's gold-loop plots go: `python bench/gold/loop.py --publish DATA_DIR/results/gold_loop`
-    (DATA_DIR: the database's folder)."""
-    return ctx.data_dir / "results" / "gold_loop"
-
-
-def gold_plots(ctx: AppContext, request: gr.Request):
-    """(gallery of (image, caption), heading and note): the gold-loop plots of this store's own runs;
-    with none the section stays hidden (the experiment is the developers', not the annotators').
-    Images are served from copies in the temp folder, so no results folder itself is exposed."""
-    admin(ctx, request)
-    folder = gold_dir(ctx)
-    pngs = sorted(folder.glob("*.png")) if folder.is_dir() else []
-    if not pngs:
-        return gr.update(value=[], visible=False), gr.update(value="", visible=False)
-    try:
-        images = [(str(served_copy(png, "rlhf-loop-gold")), png.stem) for png in pngs]
-    except OSError as exc:
-        raise gr.Error(f"Cannot read the gold-loop plots: {exc}") from None
-    return gr.update(value=images, visible=True), gr.update(visible=True, value=(
-        f"### Gold loop\nPlots of this store's `bench/gold/loop.py` runs ({len(images)}): does the policy "
-        "improve by a judge it never trained on?"))

@@ -264,8 +264,6 @@ def models_tab(ctx: AppContext) -> dict:
                             label="Win rates", elem_id="rl-eval-win-rates")
     ev_file = gr.File(label="Results", interactive=False, elem_id="rl-eval-file")
 
-    gold_note = gr.Markdown(visible=False)  # the gold-loop experiment's section: only after a run of this store's
-    gallery = gr.Gallery(label="Gold-loop plots", columns=2, height=420, elem_id="rl-gold", visible=False)
 
     opened = [table, pick, a, b, reward, lineage, meta, samples, caption]
     refresh.click(bind(m.open_tab, ctx), None, opened, api_name="models", **HIDDEN)
@@ -287,4 +285,4 @@ def models_tab(ctx: AppContext) -> dict:
     ev_pick.input(bind(ev.results, ctx), [ev_pick], ev_results, **QUIET)
     ev_download.click(bind(ev.download, ctx), [ev_pick], [ev_file], api_name="download_evaluation", **HIDDEN)
     return {"load": [(m.open_tab, None, opened), (ev.choices, None, ev_opened), (m.compare_poll, None, compare_outs),
-                     (m.export_poll, None, export_outs), (m.gold_plots, None, [gallery, gold_note])]}
+                     (m.export_poll, None, export_outs)]}

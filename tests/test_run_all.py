@@ -10,8 +10,9 @@ from bench import run_all
 
 def test_a_kept_log_gives_back_command_exit_code_output_seconds_and_run(tmp_path, monkeypatch):
     monkeypatch.setattr(run_all, "LOGS", tmp_path)
-    command = run_all.bench_command("gold_loop", False, "--ppo-steps 24 --out 'a b'")
-    assert command == "python bench/gold/loop.py --quick --ppo-steps 24 --out 'a b'"
+    command = run_all.bench_command("gold_loop", False, "--threads 1 --out 'a b'")
+    assert command == ("python bench/gold/closed_loop.py --quick --seeds 0 --rounds 2 --prompts-per-round 4 "
+                       "--eval-samples 2 --leaderboard-prompts 3 --threads 1 --out 'a b'")
     meta = {"commit": "abc1234-dirty", "date": "2026-12-01 10:30", "load": "2.1-3.4"}
     (tmp_path / "gold_loop.log").write_text(
         f"{run_all.COMMAND_PREFIX}{command}\n{run_all.SECONDS_PREFIX}42 exit=3\n"

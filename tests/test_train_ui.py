@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-import struct
-import zlib
 
 import gradio as gr
 import pytest
@@ -232,7 +230,7 @@ def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
         (model_admin.version_details, {"name": "seed-policy"}), (model_admin.set_active, {"name": "other-policy"}),
         (model_admin.compare, {"a_name": "seed-policy", "b_name": "other-policy", "reward_name": "reward-v1",
                                "n_prompts": 2}),
-        (model_admin.compare_poll, {}), (model_admin.gold_plots, {}),
+        (model_admin.compare_poll, {}),
     ]
     before = state_of(ctx)
     for fn, kwargs in calls:
@@ -461,28 +459,6 @@ def test_held_out_prompts_are_neither_annotated_nor_ppo_prompts(ctx, tmp_path):
     with pytest.raises(gr.Error, match="No held-out prompts left"):
         model_admin.compare(ctx, policy.name, other.name, reward.name, 4, req("boss"))
     assert store.list_runs(kind="compare") == []
-
-
-def _png(path):
-    """A valid 1x1 PNG."""
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
-                     + chunk(b"IDAT", zlib.compress(b"\x00\xff\x00\x00")) + chunk(b"IEND", b""))
-
-
-def test_gold_loop_plots_are_this_stores_own_served_from_a_copy(ctx):
-    gallery, note = model_admin.gold_plots(ctx, req("boss"))
-    assert not gallery["visible"] and not note["visible"]  # no bundled pictures, not even the heading
-    folder = model_admin.gold_dir(ctx)
-    _png(folder / "gold_vs_sqrt_kl.png")
-    gallery, note = model_admin.gold_plots(ctx, req("boss"))
-    ((copy, caption),) = gallery["value"]
-    assert gallery["visible"] and caption == "gold_vs_sqrt_kl"
-    assert note["visible"] and note["value"].startswith("### Gold loop") and "(1)" in note["value"]
-    assert copy != str(folder / "gold_vs_sqrt_kl.png") and open(copy, "rb").read()[:4] == b"\x89PNG"
 
 
 # --------------------------------------------------------------------------- pipeline/compare.py

@@ -1,6 +1,6 @@
 """Evaluate one policy version on held-out prompts: gold score, proxy score, KL, length, EOS, diversity.
 
-Used by bench/gold/loop.py, in its own process (a bench may load models directly; the app never
+Used by bench/gold/closed_loop.py, in its own process (a bench may load models directly; the app never
 does). For a policy version (base model + LoRA adapter, or the base model alone):
 
   1. load it; the reference is the same model with the adapter disabled (pipeline/policy.py), so

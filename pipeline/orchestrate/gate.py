@@ -43,7 +43,7 @@ def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Measured:
-    """A reward model of the gold experiment (bench/gold/seeds.py): the default model
+    """A reward model of the gold experiment (docs/results/gold_seeds*/): the default model
     (SmolLM2-135M-Instruct), simulated annotators (Bradley-Terry noise 0.05 on the embedding
     judge), responses of at most 24 tokens, the pairs of a quarter of the prompts held out."""
 

@@ -224,7 +224,7 @@ def finish_round(store, runner, rnd, settings: LoopSettings, *, next_round: bool
 
 def train_round_reward(store, runner, rnd, settings: LoopSettings):
     """Only the reward step (blocking): the round goes back to 'annotating'; returns the new
-    reward version. bench/gold/loop.py runs several PPO settings against one such model."""
+    reward version."""
     rnd = _begin(store, rnd, "training", settings, {"policy": False})
     run, _ = _submit(store, rnd, "reward", lambda: submit_reward(store, runner, settings, round_id=rnd.id,
                                                                  round_step="reward"))
