@@ -514,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         if not log.exists():
             log.write_text("", encoding="utf-8")
 
-    py, threads = sys.executable, "4" if device == "cuda" else "2"
+    # on the CPU (the dry run) every phase computes on one thread, as the suite's workers do: two
+    # threads beside another worker's would wait on each other
+    py, threads = sys.executable, "4" if device == "cuda" else "1"
     built: dict[str, tuple[Path, Path]] = {}
 
     def folders(shape: str) -> tuple[Path, Path]:
@@ -604,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def reward_cmd(shape=shape, js=js):
                 cmd = [py, "bench/reward_bench.py", *bench_args, "--model", str(folders(shape)[0]),
-                       "--threads", "4" if device == "cuda" else "1", "--json", str(js), *plan["reward"].split()]
+                       "--threads", threads, "--json", str(js), *plan["reward"].split()]
                 return cmd + ([] if run_trl else ["--only", "ours"])
 
             row, data = phase(f"reward-{shape}", plan["seconds"][f"reward-{shape}"], reward_cmd, js=js)
@@ -619,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def generate_cmd(shape=shape, batch=batch, js=js):
                 return [py, "bench/generate_bench.py", *bench_args, "--model", str(folders(shape)[1]),
-                        "--prompts-per-batch", str(batch // 4), "--threads", "4" if device == "cuda" else "1",
+                        "--prompts-per-batch", str(batch // 4), "--threads", threads,
                         "--json", str(js), *plan["generate"].split()]
 
             row, data = phase(f"generate-{shape}-b{batch}", plan["seconds"][f"generate-{shape}"], generate_cmd, js=js)

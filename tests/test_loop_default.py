@@ -54,7 +54,7 @@ LOOP_ARGS = [
     "--rm-epochs", "2", "--rm-batch-size", "4", "--rm-lr", "2e-4", "--rm-max-length", "256",
     "--rm-eval-fraction", "0.25", "--rm-norm-samples", "8",
     "--ppo-prompts", "16", "--ppo-steps", "2", "--ppo-batch-size", "4", "--ppo-mini-batch-size", "2",
-    "--ppo-micro-batch-size", "2", "--ppo-max-new-tokens", "24", "--ppo-sample-every", "1",
+    "--ppo-micro-batch-size", "2", "--ppo-ppo-epochs", "1", "--ppo-max-new-tokens", "24", "--ppo-sample-every", "1",
     "--ppo-kl-estimator", "k3",
     # a small learning rate keeps two short PPO runs near the reference, which the KL bounds below
     # check; the default (LoRA) rate's KL over a full round is measured by bench/round_defaults.py
