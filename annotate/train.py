@@ -291,9 +291,9 @@ def run_full_round(ctx: AppContext, form: RoundForm, confirmed: bool, request: g
     """Train on the round being annotated (snapshot -> reward model -> PPO, or snapshot -> DPO ->
     new active policy) and then start the next one; with no open round, start the first. The
     round advances as its jobs end (pipeline/orchestrate/loop.py); a failed step leaves it open,
-    saying why, for another try (a stopped generation is finished first, `_finish_generating`). An under-ranked round trains only when `confirmed`; before,
-    nothing starts and the confirmation shows. Returns (message, run choice, timer, confirmation
-    row, confirmation text)."""
+    saying why, for another try (a stopped generation is finished first, `_finish_generating`).
+    An under-ranked round trains only when `confirmed`; before, nothing starts and the
+    confirmation shows. Returns (message, run choice, timer, confirmation row, confirmation text)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
     settings = form.settings(settings_of(ctx))
