@@ -44,7 +44,7 @@ STATE_FILE = "trainer_state.pt"
 """A trainer's optimiser, scheduler and step (pipeline/lifecycle.py `save_state`), for --resume."""
 
 
-def saved_state(run_dir: Path) -> bool:
+def saved_state(run_dir: str | Path) -> bool:
     """Whether a trainer's run folder holds a state to continue from with --resume."""
     return any((Path(run_dir) / sub / STATE_FILE).is_file() for sub in ("", "checkpoint"))
 

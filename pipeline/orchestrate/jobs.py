@@ -201,7 +201,7 @@ class JobRunner:
             pid = (run.outputs or {}).get("pid")
             if pid and _alive(int(pid)):
                 _terminate(int(pid), self.grace_s, wait=True)
-            if run.kind in RESUMABLE and run.run_dir and saved_state(Path(run.run_dir)):
+            if run.kind in RESUMABLE and run.run_dir and saved_state(run.run_dir):
                 with open(Path(run.run_dir) / "log.txt", "a", encoding="utf-8") as log:
                     log.write("\n--- the owner stopped; queued again to continue from the saved state ---\n")
                 self.store.update_run(run.id, status="queued", outputs={"resume": True})
