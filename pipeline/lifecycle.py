@@ -21,6 +21,9 @@ holds what every trainer does around them, written once so a fix reaches all of 
                                The algorithm gives one function: a step's micro-batches in, the
                                step's metrics out (TRL's compute_loss idea, without a class).
     cancelled(...)             save, wait for rank 0, mark the run 'cancelled' (--resume continues)
+    AfterTraining(...)         the phases after a loop that ran to the end (held-out evaluation,
+                               normalisation, the final save): the trained weights saved first, so
+                               a stop in them loses no training (--resume runs only them again)
     adamw_schedule(...)        AdamW and the linear decay over the run's steps (how many: here)
     write_run_config(...)      config.json: the trainer's own fields, then the data's and the run's
     write_report(...)          eval_report.json (the trainer's figures and the common part: time,
@@ -225,6 +228,55 @@ def cancelled(out_dir: Path, steps: Steps, total: int, save: Callable[[int], Non
     return {"state": "cancelled", "step": steps.step, "total": total}
 
 
+class AfterTraining:
+    """The phases after a step loop that ran to the end (held-out evaluation, normalisation, the
+    final save) lose no training to a stop. Entering checkpoints the trained weights at the last
+    step (unless this process trained nothing: a resumed run that had finished its steps), so
+    `--resume` finds every step done and runs only these phases again. A SIGTERM or Ctrl-C while
+    they run is seen where a phase reports progress (`on_progress`, in a one-process run; a run of
+    several processes holds it until the phases end, as ranks may be at different batches): the
+    block stops there, the run is marked 'cancelled' and `result` is what the trainer returns.
+
+        with AfterTraining(out_dir, steps, total, save, dist) as after:
+            report = evaluate(..., on_progress=after.on_progress("evaluating", "held-out pairs"))
+            ...
+        if after.result:
+            return after.result
+    """
+
+    def __init__(self, out_dir: Path, steps: Steps, total: int, save: Callable[[int], None], dist):
+        self.out_dir, self.steps, self.total, self.save, self.dist = out_dir, steps, total, save, dist
+        self.result: dict | None = None
+        self._stop = StopFlag()
+
+    def __enter__(self) -> "AfterTraining":
+        self._stop.__enter__()  # from here a signal is held, not fatal: the save below is never cut short
+        if self.steps.pairs:
+            self.save(self.steps.step)
+        self.dist.barrier()
+        return self
+
+    def on_progress(self, phase: str, unit: str) -> Callable[[int, int], None]:
+        """An on_progress(done, n) for one phase, made as the phase starts: the status file shows the
+        phase and how far it got, and a stop ends the phases here."""
+        write_status(self.out_dir, "running", self.steps.step, self.total, phase=phase)
+
+        def report(done: int, n: int) -> None:
+            write_status(self.out_dir, "running", self.steps.step, self.total, phase=f"{phase}: {done}/{n} {unit}")
+            if self.dist.world == 1:
+                self._stop.check()
+        return report
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        self._stop.__exit__(kind, exc, tb)
+        if kind is not Cancelled:
+            return False
+        write_status(self.out_dir, "cancelled", self.steps.step, self.total,
+                     error=f"{exc} after the last step (the trained weights are saved); --resume evaluates")
+        self.result = {"state": "cancelled", "step": self.steps.step, "total": self.total}
+        return True
+
+
 def adamw_schedule(params: list, n_items: int, cfg) -> Schedule:
     """A pairs trainer's Schedule: AdamW without weight decay, the learning rate decaying linearly
     to 0 over the run (TRL's default); one step = cfg.grad_accum batches of cfg.batch_size,
@@ -279,4 +331,4 @@ def resume_from(out_dir: Path, schedule: Schedule, load_optimizer: Callable[[dic
 
 __all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "Schedule", "StepLoop",
            "run_steps",
-           "cancelled", "resume_from", "adamw_schedule", "write_report", "write_run_config"]
+           "cancelled", "AfterTraining", "resume_from", "adamw_schedule", "write_report", "write_run_config"]

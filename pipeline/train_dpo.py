@@ -69,8 +69,9 @@ from pipeline.models import attn_ratio, autocast, checkpointing, pick_dtype
 from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference, trainable
 from pipeline.saving import save_whole_policy
 from pipeline.pairs_data import encode_pairs, pair_weights, train_eval_data
-from pipeline.lifecycle import (STATE_FILE, StepLoop, adamw_schedule, cancelled, claim, guarded, optimizer_step,
-                                recover, resume_from, run_steps, save_state, write_report, write_run_config)
+from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, adamw_schedule, cancelled, claim, guarded,
+                                optimizer_step, recover, resume_from, run_steps, save_state, write_report,
+                                write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.tracking import add_report_to
 
@@ -217,23 +218,26 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     if done.stopped:
         return cancelled(out_dir, done, total, save, dist)
 
-    # 6. Held-out pairs (implicit-reward accuracy and margins), then KL to the reference on samples
-    #    of the trained policy for held-out prompts.
-    write_status(out_dir, "running", step, total, phase="evaluating")
-    report = evaluate_pairs(model, reference, eval_items, cfg, pad_id, ratio, share_prefix, device, amp, dist)
-    if cfg.kl_prompts > 0 and eval_pairs:
-        write_status(out_dir, "running", step, total, phase="measuring KL")
-        report.update(heldout_kl(model, reference, tokenizer, [p.prompt for p in eval_pairs], cfg, device, amp, dist))
+    # 6-7. The trained weights saved first (a stop from here on loses no training: --resume runs only
+    #      these phases again), then the held-out pairs (implicit-reward accuracy and margins), KL to
+    #      the reference on samples of the trained policy for held-out prompts, and the checkpoint and
+    #      the policy with its lineage.
+    with AfterTraining(out_dir, done, total, save, dist) as after:
+        write_status(out_dir, "running", step, total, phase="evaluating")
+        report = evaluate_pairs(model, reference, eval_items, cfg, pad_id, ratio, share_prefix, device, amp, dist)
+        if cfg.kl_prompts > 0 and eval_pairs:
+            write_status(out_dir, "running", step, total, phase="measuring KL")
+            report.update(heldout_kl(model, reference, tokenizer, [p.prompt for p in eval_pairs], cfg, device, amp, dist))
+        model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "dpo", "loss": cfg.loss, "beta": cfg.beta,
+                           "data": str(data), "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()),
+                           "steps": step}
+        save(step)
+        save_whole_policy(model, tokenizer, out_dir / "policy", dist)
+        dist.barrier()
+    if after.result:
+        return after.result
     if report:
         append_metrics(out_dir, step, report)
-
-    # 7. Save the checkpoint, the policy with its lineage, and the report.
-    model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "dpo", "loss": cfg.loss, "beta": cfg.beta,
-                       "data": str(data), "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()),
-                       "steps": step}
-    save(step)
-    save_whole_policy(model, tokenizer, out_dir / "policy", dist)
-    dist.barrier()
     own = {**report, "policy": str(out_dir / "policy"), "train/pairs": len(train_items), "train/weighted": weighted,
            "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
     return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),

@@ -68,9 +68,9 @@ from pipeline.models import (
 from pipeline.pairs_data import (encode_pairs, encode_rankings, pair_weights, prompt_key, read_rankings,
                                   train_eval_data)
 from pipeline.reward_eval import evaluate, forward_pairs, forward_rankings, normalisation_stats
-from pipeline.lifecycle import (STATE_FILE, StepLoop, adamw_schedule, cancelled, claim, guarded, optimizer_step,
+from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, adamw_schedule, cancelled, claim, guarded, optimizer_step,
                                 recover, resume_from, run_steps, save_state, write_report, write_run_config)
-from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
+from pipeline.rundir import append_metrics, is_writer, open_tracker
 from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
 
@@ -235,34 +235,22 @@ def shares_prompt(cfg: RewardConfig, model_cfg: ModelConfig, dist: Dist) -> bool
     return cfg.share_prompt and not model_cfg.gradient_checkpointing and not dist.sharded
 
 
-def _evaluate(model, eval_items: list, pad_id: int, cfg: RewardConfig, out_dir: Path, at: tuple[int, int],
-              device, dtype, dist) -> tuple[dict, list]:
-    """Phase 6: the held-out pairs' report (pipeline/reward_eval.py), logged, and its calibration
-    table apart. at: (step, total) for the status file."""
-    step, total = at
-    write_status(out_dir, "running", step, total, phase="evaluating")
+def _evaluate(model, eval_items: list, pad_id: int, cfg: RewardConfig, after: AfterTraining, device, dtype,
+              dist) -> tuple[dict, list]:
+    """Phase 6: the held-out pairs' report (pipeline/reward_eval.py) and its calibration table apart."""
     report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, dist,
-                      on_progress=lambda done, n: write_status(out_dir, "running", step, total,
-                                                               phase=f"evaluating: {done}/{n} held-out pairs"))
-    calib = report.pop("calibration", [])
-    if report:
-        append_metrics(out_dir, step, report)
-    return report, calib
+                      on_progress=after.on_progress("evaluating", "held-out pairs"))
+    return report, report.pop("calibration", [])
 
 
-def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, out_dir: Path,
-               at: tuple[int, int], device, dtype, dist) -> dict:
+def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, after: AfterTraining, device,
+               dtype, dist) -> dict:
     """Phase 7: the reward's mean and std on samples of the reference policy for the training
-    prompts (pipeline/reward_eval.py), set on the model (the checkpoint stores them) and logged.
-    at: (step, total) for the status file."""
-    step, total = at
-    write_status(out_dir, "running", step, total, phase="normalising")
+    prompts (pipeline/reward_eval.py), set on the model (the checkpoint stores them)."""
     norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
                                policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=dist,
                                max_new_tokens=cfg.norm_max_new_tokens, temperature=cfg.norm_temperature,
-                               on_progress=lambda done, n: write_status(out_dir, "running", step, total,
-                                                                        phase=f"normalising: {done}/{n} samples"))
-    append_metrics(out_dir, step, {"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]})
+                               on_progress=after.on_progress("normalising", "samples"))
     model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
     return norm
 
@@ -332,18 +320,22 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     if done.stopped:
         return cancelled(out_dir, done, total, save, dist)
 
-    # 6. Held-out evaluation: accuracy, margin, calibration, length baseline.
+    # 6-8. The trained weights saved first (a stop from here on loses no training: --resume runs only
+    #      these phases again), then the held-out evaluation (accuracy, margin, calibration, length
+    #      baseline), the reward normalisation on reference-policy samples, and the final checkpoint.
     # sharded: every rank scores every pair (the same forward passes on all ranks, as the gathers need)
     shared = None if dist.sharded else dist
-    report, calib = _evaluate(model, eval_items, pad_id, cfg, out_dir, (step, total), device, dtype, shared)
-
-    # 7. Reward normalisation on reference-policy samples, stored with the checkpoint.
-    norm = _normalise(model, train_pairs, cfg, model_cfg, out_dir, (step, total), device, dtype, shared) \
-        if cfg.norm_samples > 0 else None
-
-    # 8. Save the checkpoint and the report.
-    save(step, norm)
-    dist.barrier()
+    with AfterTraining(out_dir, done, total, save, dist) as after:
+        report, calib = _evaluate(model, eval_items, pad_id, cfg, after, device, dtype, shared)
+        norm = _normalise(model, train_pairs, cfg, model_cfg, after, device, dtype, shared) \
+            if cfg.norm_samples > 0 else None
+        save(step, norm)
+        dist.barrier()
+    if after.result:
+        return after.result
+    logged = {**report, **({"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]} if norm else {})}
+    if logged:
+        append_metrics(out_dir, step, logged)
     own = {**report, "calibration": calib, "normalisation": norm, "checkpoint": str(out_dir / "checkpoint"),
            "train/pairs": len(train_pairs), "train/weighted": weights is not None,
            **({"train/rankings": len(train_items)} if train_rankings is not None else {}),

@@ -46,8 +46,9 @@ from pipeline.distributed import load_optimizer_state, setup
 from pipeline.models import autocast, checkpointing, pick_dtype
 from pipeline.policy import causal_lm_logits, load_policy_weights, load_starting_policy, trainable
 from pipeline.pairs_data import EncodeReport
-from pipeline.lifecycle import (STATE_FILE, StepLoop, adamw_schedule, cancelled, claim, guarded, optimizer_step,
-                                recover, resume_from, run_steps, save_state, write_report, write_run_config)
+from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, adamw_schedule, cancelled, claim, guarded,
+                                optimizer_step, recover, resume_from, run_steps, save_state, write_report,
+                                write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.saving import save_whole_policy
 from pipeline.text import encode_response, prompt_token_ids
@@ -216,15 +217,21 @@ def _train(data, out_dir: Path, cfg: SFTConfig, model_cfg: ModelConfig, policy: 
     if done.stopped:
         return cancelled(out_dir, done, total, save, dist)
 
-    write_status(out_dir, "running", done.step, total, phase="evaluating")
-    report = {**_evaluate(model, train_items, pad_id, device, amp, cfg.batch_size, "train"),
-              **_evaluate(model, eval_items, pad_id, device, amp, cfg.batch_size, "eval")}
+    # The trained weights saved first (a stop from here on loses no training: --resume runs only what
+    # follows again), then the losses on the training and held-out demonstrations, the checkpoint
+    # and the policy with its lineage.
+    with AfterTraining(out_dir, done, total, save, dist) as after:
+        write_status(out_dir, "running", done.step, total, phase="evaluating")
+        report = {**_evaluate(model, train_items, pad_id, device, amp, cfg.batch_size, "train"),
+                  **_evaluate(model, eval_items, pad_id, device, amp, cfg.batch_size, "eval")}
+        model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "sft", "data": str(data),
+                           "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()), "steps": done.step}
+        save(done.step)
+        save_whole_policy(model, tokenizer, out_dir / "policy", dist)
+        dist.barrier()
+    if after.result:
+        return after.result
     append_metrics(out_dir, done.step, report)
-    model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "sft", "data": str(data),
-                       "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()), "steps": done.step}
-    save(done.step)
-    save_whole_policy(model, tokenizer, out_dir / "policy", dist)
-    dist.barrier()
     own = {**report, "policy": str(out_dir / "policy"), "train/demonstrations": len(train_items),
            "eval/demonstrations": len(eval_items)}
     return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),

@@ -289,6 +289,42 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_
         train_reward(str(data), str(out), cfg, tiny_model_cfg, resume=True)
 
 
+def test_a_stop_while_normalising_keeps_the_training_and_resume_only_evaluates(tmp_path, tiny_model_cfg, monkeypatch):
+    """The steps are done when a SIGTERM arrives in the normalisation phase: the trained weights are
+    already saved, the run is 'cancelled', and --resume runs only the phases after training, to the
+    report an uninterrupted run gives."""
+    import pipeline.train_reward as train_reward_module
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(80))
+    cfg = dataclasses.replace(FAST, lr=3e-3, norm_samples=4, norm_max_new_tokens=3)
+    full = train_reward(str(data), str(tmp_path / "full"), cfg, tiny_model_cfg)
+
+    real = train_reward_module.normalisation_stats
+
+    def stopped_as_it_starts(*args, **kwargs):  # the signal a job's cancel sends, as this phase begins
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    out = tmp_path / "cut"
+    monkeypatch.setattr(train_reward_module, "normalisation_stats", stopped_as_it_starts)
+    result = train_reward(str(data), str(out), cfg, tiny_model_cfg)
+    monkeypatch.undo()
+    status = json.loads((out / "status.json").read_text())
+    assert result == {"state": "cancelled", "step": full["steps"], "total": full["steps"]}
+    assert status["state"] == "cancelled" and "--resume" in status["error"]
+    assert torch.load(out / "trainer_state.pt", weights_only=False)["step"] == full["steps"]
+    assert not (out / "eval_report.json").exists()
+
+    resumed = train_reward(str(data), str(out), cfg, tiny_model_cfg, resume=True)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "train/loss" in line] == list(range(1, full["steps"] + 1))
+    assert sum("eval/accuracy" in line for line in lines) == 1  # the figures logged once, by the resumed run
+    assert resumed["eval/accuracy"] == full["eval/accuracy"]
+    assert resumed["eval/margin"] == pytest.approx(full["eval/margin"], rel=1e-4)
+    assert resumed["normalisation"]["reward_mean"] == pytest.approx(full["normalisation"]["reward_mean"], rel=1e-4)
+    assert json.loads((out / "status.json").read_text())["state"] == "done"
+
+
 def test_ctrl_c_also_stops_cleanly(tmp_path, tiny_model_cfg):
     data = write_jsonl(tmp_path / "pairs.jsonl", marker_pairs(40))
     result = train_reward(str(data), str(tmp_path / "run"), FAST, tiny_model_cfg,
