@@ -122,8 +122,10 @@ def test_reward_training_bf16_learns_and_reloads(tmp_path, tiny_model_dir, lora)
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in marker_pairs(160)))
     out = tmp_path / "rm"
+    # lr 3e-3: held-out accuracy 0.95-1.00 over data and training seeds 0-5, LoRA and full, on a CPU
+    # with native bf16 (AVX512-BF16); 1e-2 diverged there (LoRA: loss 5.3, accuracy 0.65)
     args = ["--data", str(data), "--out", str(out), "--model", str(tiny_model_dir), "--device", DEVICE,
-            "--dtype", "bf16", "--epochs", "3", "--lr", "1e-2", "--batch-size", "8", "--norm-samples", "0",
+            "--dtype", "bf16", "--epochs", "3", "--lr", "3e-3", "--batch-size", "8", "--norm-samples", "0",
             "--eval-fraction", "0.25", "--lora-r", "8", "--lora-alpha", "16"]
     assert main(args + ["--lora", str(lora).lower()]) == 0
     lines = read(out)
