@@ -65,7 +65,7 @@ def job_bar(run, label: str | None = None) -> str:
     elif run.error:
         detail = run.error.strip().splitlines()[0][:300]
     elif run.status == "done":
-        detail = ", ".join(f"{k}: {v}" for k, v in run.outputs.items() if k != "pid") or "finished"
+        detail = ", ".join(f"{k}: {v}" for k, v in run.outputs.items() if k not in ("pid", "start")) or "finished"
     else:
         detail = status.get("phase") or status.get("message") or ""
     title = f"Run #{run.id} · {run.kind}" + (f" · {label}" if label else "")

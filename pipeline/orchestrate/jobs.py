@@ -8,7 +8,9 @@ under `torchrun` or `accelerate launch`): it reads files, writes only its run di
   1. records each job as a run in the store, status 'queued': the queue *is* the `runs` table, so
      it survives a restart of the owner;
   2. starts the oldest queued run when the device set is free (one job at a time: the job may use
-     every device of the machine, so the whole set is one busy unit);
+     every device of the machine, so the whole set is one busy unit); a job of one process is
+     forked from a warm process that has imported torch and transformers already (warm.py: a
+     job's start without seconds of imports), any other started as a new process;
   3. while it runs, tails status.json and metrics.jsonl, copying metrics into the store, and
      ingests partial results as they appear (generated responses, chunk by chunk: ingest.py);
   4. when it ends, marks the run done / failed (with its error and log tail) / cancelled, ingests
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.orchestrate import ingest
+from pipeline.orchestrate.warm import Warm, WarmProcess
 from pipeline.rundir import MetricsTail, read_status, saved_state
 
 DEFAULT_LAUNCHER = (sys.executable, "-m", "pipeline")
@@ -90,7 +93,9 @@ class JobRunner:
         self._wake = threading.Condition()
         self._settled: set[int] = set()  # runs of this runner that ended and were ingested
         self._cancel: set[int] = set()
-        self._process: subprocess.Popen | None = None
+        self._warm = Warm(self.env, self.runs_root / "warm.log")
+        """Forks one-process jobs from a process that has imported torch already (warm.py)."""
+        self._process: subprocess.Popen | WarmProcess | None = None
         self._current: int | None = None
         self._closed = False
         self.recover()
@@ -189,6 +194,7 @@ class JobRunner:
         if cancel_running and current is not None and proc is not None and proc.poll() is None:
             self.cancel(current)
         self._worker.join(self.grace_s + 5 if cancel_running else 0.1)
+        self._warm.close()
 
     # ------------------------------------------------------------------ recovery
 
@@ -242,13 +248,12 @@ class JobRunner:
         cmd = [*launcher, run.kind, *run.config.get("args", []), "--out", str(run_dir)]
         cmd += ["--resume"] if (run.outputs or {}).get("resume") else []  # queued again by `recover`
         (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-        with open(run_dir / "log.txt", "ab") as log, self._wake:
-            self._process = proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                start_new_session=True)
-            self._current = run.id
+        proc = self._start(cmd, run_dir / "log.txt", warm=tuple(launcher) == DEFAULT_LAUNCHER)
+        with self._wake:
+            self._process, self._current = proc, run.id
             cancelled_meanwhile = run.id in self._cancel
-        self.store.update_run(run.id, status="running", outputs={"pid": proc.pid})
+        start = "warm" if isinstance(proc, WarmProcess) else "cold"
+        self.store.update_run(run.id, status="running", outputs={"pid": proc.pid, "start": start})
         if cancelled_meanwhile:  # cancelled between leaving the queue and starting
             _terminate(proc.pid, self.grace_s, wait=False, proc=proc)
         try:
@@ -275,6 +280,17 @@ class JobRunner:
         finally:
             with self._wake:
                 self._process, self._current = None, None
+
+    def _start(self, cmd: list[str], log_path: Path, warm: bool) -> subprocess.Popen | WarmProcess:
+        """The job's process, in its own process group, writing into its log: forked from the warm
+        process when `warm` (one process, `python -m pipeline`: warm.py) and it can, else started cold."""
+        if warm:
+            proc = self._warm.start(cmd[len(DEFAULT_LAUNCHER):], os.getcwd(), str(log_path), self.env)
+            if proc is not None:
+                return proc
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=self.env, start_new_session=True)
 
     def _tail(self, run, tail: MetricsTail, partial) -> None:
         rows = tail.read()
@@ -316,7 +332,7 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def _terminate(pid: int, grace_s: float, wait: bool, proc: subprocess.Popen | None = None) -> None:
+def _terminate(pid: int, grace_s: float, wait: bool, proc: subprocess.Popen | WarmProcess | None = None) -> None:
     """SIGTERM to the job's process group (it checkpoints and exits), SIGKILL after `grace_s`.
     `proc`: our own child (waited for through Popen, which reaps it); without it, a job of an
     earlier owner, watched until it is gone."""
