@@ -36,3 +36,14 @@ def test_soak_survives_a_kill_with_no_one_signed_out_and_nothing_lost():
     import soak
 
     assert soak.main(["--kills", "1", "--annotators", "2", "--gap", "2", "4"]) == 0
+
+
+@pytest.mark.slow
+def test_job_start_bench_times_cold_and_warm_jobs_side_by_side():
+    """bench/job_start_bench.py --quick: one short job on each side, the ratio line."""
+    done = subprocess.run([sys.executable, "bench/job_start_bench.py", "--quick"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT job_start "))
+    fields = dict(kv.split("=") for kv in result.split()[2:])
+    assert float(fields["cold_s"]) > 0 and float(fields["warm_s"]) > 0 and fields["jobs"] == "1"

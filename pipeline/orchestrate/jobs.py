@@ -78,9 +78,10 @@ class JobRunner:
 
     def __init__(self, store, runs_root: str | Path, launcher=None, poll_s: float = 0.5,
                  grace_s: float = 10.0, env: dict | None = None,
-                 on_end: Callable[["JobRunner", object], None] | None = None):
+                 on_end: Callable[["JobRunner", object], None] | None = None, warm_starts: bool = True):
         """on_end(runner, run): called in the worker thread after a run has ended and its results
-        are in the store (also for runs found interrupted at start)."""
+        are in the store (also for runs found interrupted at start). warm_starts=False starts every
+        job as a new process (bench/job_start_bench.py measures the difference)."""
         self.store = store
         self.runs_root = Path(runs_root)
         self.launcher = tuple(launcher) if launcher else launcher_from_env()
@@ -93,7 +94,7 @@ class JobRunner:
         self._wake = threading.Condition()
         self._settled: set[int] = set()  # runs of this runner that ended and were ingested
         self._cancel: set[int] = set()
-        self._warm = Warm(self.env, self.runs_root / "warm.log")
+        self._warm = Warm(self.env, self.runs_root / "warm.log") if warm_starts else None
         """Forks one-process jobs from a process that has imported torch already (warm.py)."""
         self._process: subprocess.Popen | WarmProcess | None = None
         self._current: int | None = None
@@ -194,7 +195,8 @@ class JobRunner:
         if cancel_running and current is not None and proc is not None and proc.poll() is None:
             self.cancel(current)
         self._worker.join(self.grace_s + 5 if cancel_running else 0.1)
-        self._warm.close()
+        if self._warm is not None:
+            self._warm.close()
 
     # ------------------------------------------------------------------ recovery
 
@@ -248,7 +250,8 @@ class JobRunner:
         cmd = [*launcher, run.kind, *run.config.get("args", []), "--out", str(run_dir)]
         cmd += ["--resume"] if (run.outputs or {}).get("resume") else []  # queued again by `recover`
         (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-        proc = self._start(cmd, run_dir / "log.txt", warm=tuple(launcher) == DEFAULT_LAUNCHER)
+        warm = self._warm is not None and tuple(launcher) == DEFAULT_LAUNCHER  # one process, python -m pipeline
+        proc = self._start(cmd, run_dir / "log.txt", warm)
         with self._wake:
             self._process, self._current = proc, run.id
             cancelled_meanwhile = run.id in self._cancel
