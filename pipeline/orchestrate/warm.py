@@ -21,6 +21,8 @@ Requests and answers are JSON lines on the warm process's stdin and stdout:
 What starts cold instead (a fresh `python -m pipeline`): a job of several processes (torchrun,
 accelerate launch), a runner given its own launcher, a CUDA build of torch (CUDA does not survive
 a fork), and any job while the warm process cannot start or has died (the next job tries again).
+A warm job runs the code the warm process imported: after updating the code, restart the app (as
+the app's own code needs anyway).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def _become_job(request: dict) -> int:
                                   write_through=True)
     os.environ.clear()
     os.environ.update(request["env"])
+    if "numpy" in sys.modules:  # fresh entropy, as a new interpreter's (the fork reseeds Python's `random`)
+        sys.modules["numpy"].random.seed()
     import pipeline.__main__ as cli
 
     sys.argv = [cli.__file__, *request["argv"]]
