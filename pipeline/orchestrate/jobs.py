@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.orchestrate import ingest
-from pipeline.orchestrate.warm import Warm, WarmProcess
+from pipeline.orchestrate.warm import WarmProcess, shared_warm
 from pipeline.rundir import MetricsTail, read_status, saved_state
 
 DEFAULT_LAUNCHER = (sys.executable, "-m", "pipeline")
@@ -94,8 +94,9 @@ class JobRunner:
         self._wake = threading.Condition()
         self._settled: set[int] = set()  # runs of this runner that ended and were ingested
         self._cancel: set[int] = set()
-        self._warm = Warm(self.env, self.runs_root / "warm.log") if warm_starts else None
-        """Forks one-process jobs from a process that has imported torch already (warm.py)."""
+        self._warm = shared_warm(self.env, self.runs_root / "warm.log") if warm_starts else None
+        """Forks one-process jobs from a process that has imported torch already (warm.py; one for
+        every runner of this process with the same job environment)."""
         self._process: subprocess.Popen | WarmProcess | None = None
         self._current: int | None = None
         self._closed = False
@@ -195,8 +196,6 @@ class JobRunner:
         if cancel_running and current is not None and proc is not None and proc.poll() is None:
             self.cancel(current)
         self._worker.join(self.grace_s + 5 if cancel_running else 0.1)
-        if self._warm is not None:
-            self._warm.close()
 
     # ------------------------------------------------------------------ recovery
 

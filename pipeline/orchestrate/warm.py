@@ -206,8 +206,24 @@ class WarmProcess:
         return self.returncode
 
 
+_SHARED: dict[tuple, "Warm"] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_warm(env: dict, log: Path) -> "Warm":
+    """The warm process of this owner process for jobs with environment `env`: one for every
+    JobRunner of the process that gives its jobs that environment (a test session makes many
+    runners), started at the first job of any of them, ended when the owner process exits.
+    log: where it writes what it prints (the first runner's)."""
+    key = tuple(sorted(env.items()))
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = Warm(env, log)
+        return _SHARED[key]
+
+
 class Warm:
-    """The runner's handle on its warm process: started at the first job, asked to fork each
+    """A runner's handle on a warm process: started at the first job, asked to fork each
     one-process job, restarted after it died. Thread-safe."""
 
     def __init__(self, env: dict, log: Path):
