@@ -233,12 +233,13 @@ class AfterTraining:
     final save) lose no training to a stop. Entering checkpoints the trained weights at the last
     step (unless this process trained nothing: a resumed run that had finished its steps), so
     `--resume` finds every step done and runs only these phases again. A SIGTERM or Ctrl-C while
-    they run is seen where a phase reports progress (`on_progress`, in a one-process run; a run of
-    several processes holds it until the phases end, as ranks may be at different batches): the
-    block stops there, the run is marked 'cancelled' and `result` is what the trainer returns.
+    they run is seen at the start of a phase (`check()`, or making a phase's `on_progress`: every
+    rank at the same point) and, in a one-process run, wherever a phase reports progress: the block
+    stops there, the run is marked 'cancelled' and `result` is what the trainer returns.
 
         with AfterTraining(out_dir, steps, total, save, dist) as after:
             report = evaluate(..., on_progress=after.on_progress("evaluating", "held-out pairs"))
+            after.check()
             ...
         if after.result:
             return after.result
@@ -256,9 +257,14 @@ class AfterTraining:
         self.dist.barrier()
         return self
 
+    def check(self) -> None:
+        """Between phases: a stop any rank saw ends the phases here (every rank calls it at the same point)."""
+        self.dist.check_stop(self._stop)
+
     def on_progress(self, phase: str, unit: str) -> Callable[[int, int], None]:
-        """An on_progress(done, n) for one phase, made as the phase starts: the status file shows the
-        phase and how far it got, and a stop ends the phases here."""
+        """An on_progress(done, n) for one phase, made as the phase starts (a `check()`): the status
+        file shows the phase and how far it got, and in a one-process run a stop ends the phases there."""
+        self.check()
         write_status(self.out_dir, "running", self.steps.step, self.total, phase=phase)
 
         def report(done: int, n: int) -> None:

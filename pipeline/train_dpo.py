@@ -223,11 +223,14 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     #      the reference on samples of the trained policy for held-out prompts, and the checkpoint and
     #      the policy with its lineage.
     with AfterTraining(out_dir, done, total, save, dist) as after:
+        after.check()
         write_status(out_dir, "running", step, total, phase="evaluating")
         report = evaluate_pairs(model, reference, eval_items, cfg, pad_id, ratio, share_prefix, device, amp, dist)
+        after.check()
         if cfg.kl_prompts > 0 and eval_pairs:
             write_status(out_dir, "running", step, total, phase="measuring KL")
             report.update(heldout_kl(model, reference, tokenizer, [p.prompt for p in eval_pairs], cfg, device, amp, dist))
+            after.check()
         model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "dpo", "loss": cfg.loss, "beta": cfg.beta,
                            "data": str(data), "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()),
                            "steps": step}

@@ -329,6 +329,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         report, calib = _evaluate(model, eval_items, pad_id, cfg, after, device, dtype, shared)
         norm = _normalise(model, train_pairs, cfg, model_cfg, after, device, dtype, shared) \
             if cfg.norm_samples > 0 else None
+        after.check()
         save(step, norm)
         dist.barrier()
     if after.result:

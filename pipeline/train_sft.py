@@ -221,9 +221,11 @@ def _train(data, out_dir: Path, cfg: SFTConfig, model_cfg: ModelConfig, policy: 
     # follows again), then the losses on the training and held-out demonstrations, the checkpoint
     # and the policy with its lineage.
     with AfterTraining(out_dir, done, total, save, dist) as after:
+        after.check()
         write_status(out_dir, "running", done.step, total, phase="evaluating")
         report = {**_evaluate(model, train_items, pad_id, device, amp, cfg.batch_size, "train"),
                   **_evaluate(model, eval_items, pad_id, device, amp, cfg.batch_size, "eval")}
+        after.check()
         model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "sft", "data": str(data),
                            "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()), "steps": done.step}
         save(done.step)

@@ -27,6 +27,7 @@ the app's own code needs anyway).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import io
 import json
@@ -37,7 +38,10 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
+
+from pipeline.rundir import read_status
 
 READY_TIMEOUT_S = 120.0
 """How long the runner waits for a new warm process to import everything (seconds)."""
@@ -61,9 +65,20 @@ def preload() -> None:
         importlib.import_module(name)
 
 
-def _become_job(request: dict) -> int:
-    """In the forked child: become `python -m pipeline ARGV` (module docstring); returns its exit status."""
-    os.setsid()
+VOLATILE = ("PYTEST_CURRENT_TEST",)
+"""Environment variables that may differ between the jobs of one warm process (nothing reads them
+at import): a job gets its own value of these, and must match the warm process's environment in
+every other."""
+
+
+def _same_environment(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k not in VOLATILE} == {k: v for k, v in b.items() if k not in VOLATILE}
+
+
+def _become_job(request: dict) -> int | str:
+    """In the forked child, after setsid: become `python -m pipeline ARGV` (module docstring).
+    Returns its exit status, or "SIGINT" for an uncaught KeyboardInterrupt (which a new
+    interpreter turns into a death by SIGINT)."""
     _name_process(f"job {request['argv'][0] if request['argv'] else ''}")
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a new interpreter
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -80,27 +95,52 @@ def _become_job(request: dict) -> int:
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
                                   write_through=True)
-    os.environ.clear()
-    os.environ.update(request["env"])
+    for key in VOLATILE:  # the rest of the environment is the warm process's own (start checks)
+        if key in request["env"]:
+            os.environ[key] = request["env"][key]
+        else:
+            os.environ.pop(key, None)
     if "numpy" in sys.modules:  # fresh entropy, as a new interpreter's (the fork reseeds Python's `random`)
         sys.modules["numpy"].random.seed()
     import pipeline.__main__ as cli
 
     sys.argv = [cli.__file__, *request["argv"]]
     try:
-        code = cli.run()
+        return int(cli.run() or 0)
     except SystemExit as exc:  # as the interpreter turns it into an exit status
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
+        if exc.code is None or isinstance(exc.code, int):
+            return int(exc.code or 0)
+        print(exc.code, file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        code = 130
-    except BaseException:  # noqa: BLE001  (printed as an uncaught exception would be)
-        import traceback
-
         traceback.print_exc()
-        code = 1
-    return int(code or 0)
+        return "SIGINT"
+    except BaseException:  # noqa: BLE001  (printed as an uncaught exception is)
+        traceback.print_exc()
+        return 1
+
+
+def _run_job(request: dict, ready: int) -> None:
+    """The forked child's whole life: a session of its own (then tell the warm process, through
+    `ready`, that a cancel can reach it), the job, and the end an interpreter has: non-daemon
+    threads joined, exit functions run, streams flushed. Never returns."""
+    code: int | str = 1
+    try:
+        os.setsid()
+        os.write(ready, b"1")
+        os.close(ready)
+        code = _become_job(request)
+    finally:
+        try:
+            threading._shutdown()  # what the interpreter does at exit: join non-daemon threads
+            atexit._run_exitfuncs()
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            if code == "SIGINT":
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+        finally:
+            os._exit(130 if code == "SIGINT" else code)
 
 
 def _name_process(name: str) -> None:
@@ -131,6 +171,24 @@ def _reap() -> None:
         _reply({"exit": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
 
+def _fork(request: dict) -> dict:
+    """Fork the request's job; the answer once the child has its own session."""
+    ready_r, ready_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        os.close(ready_r)
+        os.close(ready_w)
+        return {"id": request["id"], "error": f"fork failed: {exc}"}
+    if pid == 0:
+        os.close(ready_r)
+        _run_job(request, ready_w)
+    os.close(ready_w)
+    os.read(ready_r, 1)  # the child's setsid is done (or it died: end of file)
+    os.close(ready_r)
+    return {"id": request["id"], "pid": pid}
+
+
 def serve() -> int:
     """The warm process: import everything, say so, then fork a job per request until stdin closes
     (the runner has gone; its jobs carry on, each watching the store's owner itself)."""
@@ -150,51 +208,23 @@ def serve() -> int:
         line = sys.stdin.readline()
         if not line:
             return 0
-        request = json.loads(line)
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            _reply({"error": f"fork failed: {exc}"})
-            continue
-        if pid == 0:  # the child: never returns into this loop
-            code = 1
-            try:
-                code = _become_job(request)
-            finally:
-                _exit(code)
-        _reply({"pid": pid})
-
-
-def _exit(code: int) -> None:
-    """The end of a forked job, as the interpreter ends: other threads joined, exit functions run,
-    streams flushed; then the process exits without unwinding into the warm process's loop."""
-    import atexit
-
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(code)
+        _reply(_fork(json.loads(line)))
 
 
 # ---------------------------------------------------------------------- the runner's side
 
 
 class WarmProcess:
-    """A job forked by the warm process, seen as subprocess.Popen shows a child: pid, poll(),
+    """A job forked by a warm process, seen as subprocess.Popen shows a child: pid, poll(),
     wait(timeout), returncode (negative: the signal that ended it)."""
 
-    def __init__(self, pid: int, warm: "Warm"):
-        self.pid, self._warm, self.returncode = pid, warm, None
+    def __init__(self, pid: int, warm: "Warm", forker: subprocess.Popen, run_dir: Path):
+        self.pid, self.returncode = pid, None
+        self._warm, self._forker, self._run_dir = warm, forker, run_dir
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._warm.returncode(self.pid)
+            self.returncode = self._warm.returncode(self.pid, self._forker, self._run_dir)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -206,20 +236,22 @@ class WarmProcess:
         return self.returncode
 
 
-_SHARED: dict[tuple, "Warm"] = {}
+_SHARED: dict[str, "Warm"] = {}
 _SHARED_LOCK = threading.Lock()
 
 
 def shared_warm(env: dict, log: Path) -> "Warm":
-    """The warm process of this owner process for jobs with environment `env`: one for every
-    JobRunner of the process that gives its jobs that environment (a test session makes many
-    runners), started at the first job of any of them, ended when the owner process exits.
-    log: where it writes what it prints (the first runner's)."""
-    key = tuple(sorted(env.items()))
+    """The warm process of this owner process: one for every JobRunner of the process whose jobs
+    get the same environment (a test session makes dozens of runners), started at the first job of
+    any of them and ended when the owner process exits. A runner with another environment replaces
+    it (at most one is kept). log: where it writes what it prints (the first runner's)."""
     with _SHARED_LOCK:
-        if key not in _SHARED:
-            _SHARED[key] = Warm(env, log)
-        return _SHARED[key]
+        warm = _SHARED.get("warm")
+        if warm is None or not _same_environment(warm.env, env):
+            if warm is not None:
+                warm.close()
+            warm = _SHARED["warm"] = Warm(env, log)
+        return warm
 
 
 class Warm:
@@ -235,32 +267,47 @@ class Warm:
         self._changed = threading.Condition()
         self._exits: dict[int, int] = {}
         self._answers: list[dict] = []
+        self._requests = 0
         self.refused: str | None = None
         """Why this machine starts every job cold (a GPU build of torch), once the warm process said so."""
 
     def start(self, argv: list[str], cwd: str, log: str, env: dict) -> WarmProcess | None:
-        """Fork `python -m pipeline ARGV` from the warm process; None when it cannot (the job then
-        starts cold): no warm process, another environment than the one it imported under."""
-        if self.refused or env != self.env:
+        """Fork `python -m pipeline ARGV` from the warm process. None when nothing was started and
+        the job may start cold: a GPU build of torch, another environment than the warm process
+        imported under, no warm process, a failed fork. Raises RuntimeError when the warm process
+        did not answer: a job may have started, so it must not start a second time."""
+        if self.refused or not _same_environment(env, self.env):
             return None
         with self._lock:
             if not self._alive() and not self._spawn():
                 return None
-            answer = self._ask({"argv": list(argv), "cwd": cwd, "env": env, "log": log})
-        if not answer or "pid" not in answer:
-            return None
-        return WarmProcess(int(answer["pid"]), self)
+            self._requests += 1
+            request = {"id": self._requests, "argv": list(argv), "cwd": cwd, "env": env, "log": log}
+            try:
+                self._proc.stdin.write(json.dumps(request) + "\n")
+                self._proc.stdin.flush()
+            except (OSError, ValueError):  # it died between the check and the write: nothing forked
+                return None
+            answer, forker = self._next_answer(self._requests, 30.0), self._proc
+            if answer is None:
+                self._kill()
+                raise RuntimeError("the warm process did not answer a job's start (it was stopped); the job "
+                                   "was not started again, to never run twice")
+        if "pid" not in answer:
+            return None  # the fork failed: nothing started
+        return WarmProcess(int(answer["pid"]), self, forker, Path(log).parent)
 
-    def returncode(self, pid: int) -> int | None:
-        """The job's exit status once the warm process reported it; a job whose warm process died
-        before reporting counts as killed (-9) once it is gone."""
+    def returncode(self, pid: int, forker: subprocess.Popen, run_dir: Path) -> int | None:
+        """The job's exit status once its warm process reported it. A job whose warm process died
+        before reporting is judged, once it is gone, by its status file: 0 for 'done', 130 for
+        'cancelled', else -9 (as killed)."""
         with self._changed:
             if pid in self._exits:
                 return self._exits[pid]
-            dead = self._proc is None or self._proc.poll() is not None
-        if dead and not _alive(pid):
-            return -signal.SIGKILL
-        return None
+        if forker.poll() is None or _alive(pid):
+            return None
+        state = read_status(run_dir).get("state")
+        return {"done": 0, "cancelled": 130}.get(state, -signal.SIGKILL)
 
     def wait_for_exit(self, timeout: float) -> None:
         with self._changed:
@@ -281,15 +328,22 @@ class Warm:
     def _alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
     def _spawn(self) -> bool:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self._changed:
+            self._answers.clear()
         with open(self.log, "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "pipeline.orchestrate.warm"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=log, env=self.env, text=True, bufsize=1,
                                     start_new_session=True)
         self._proc = proc
         threading.Thread(target=self._read, args=(proc,), name="warm-reader", daemon=True).start()
-        first = self._next_answer(READY_TIMEOUT_S)
+        first = self._next_answer(None, READY_TIMEOUT_S)
         if not first or not first.get("ready"):
             self.refused = (first or {}).get("why")
             self.close()
@@ -297,23 +351,21 @@ class Warm:
             return False
         return True
 
-    def _ask(self, request: dict) -> dict | None:
-        try:
-            self._proc.stdin.write(json.dumps(request) + "\n")
-            self._proc.stdin.flush()
-        except (OSError, ValueError):
-            return None
-        return self._next_answer(30.0)
-
-    def _next_answer(self, timeout: float) -> dict | None:
+    def _next_answer(self, request_id: int | None, timeout: float) -> dict | None:
+        """The answer to request `request_id` (None: the ready line); answers to earlier requests,
+        late, are dropped."""
         deadline = time.monotonic() + timeout
+        proc = self._proc
         with self._changed:
-            while not self._answers:
+            while True:
+                while self._answers:
+                    answer = self._answers.pop(0)
+                    if answer.get("id") == request_id:
+                        return answer
                 left = deadline - time.monotonic()
-                if left <= 0 or self._proc is None or (self._proc.poll() is not None and not self._answers):
+                if left <= 0 or proc.poll() is not None:
                     return None
                 self._changed.wait(min(left, 0.5))
-            return self._answers.pop(0)
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -321,10 +373,14 @@ class Warm:
                 message = json.loads(line)
             except json.JSONDecodeError:
                 continue  # something a library printed while importing
+            if not isinstance(message, dict):
+                continue
             with self._changed:
                 if "exit" in message:
                     self._exits[int(message["exit"])] = int(message["returncode"])
                 else:
+                    if "pid" in message and "id" in message:  # a new job: an old one's pid may be reused
+                        self._exits.pop(int(message["pid"]), None)
                     self._answers.append(message)
                 self._changed.notify_all()
         with self._changed:
