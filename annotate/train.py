@@ -87,26 +87,28 @@ REWARD_LOSSES = {key: f"{name} ({what})" for (key, name), what in zip(LOSS_NAMES
 """The reward model's losses (RewardConfig.loss) as the Train tab names them."""
 
 
-def reward_settings(settings: LoopSettings, lora, processes, epochs, lr, batch_size, loss) -> LoopSettings:
+def job_settings(settings: LoopSettings, lora, processes) -> LoopSettings:
+    """The settings every job's form has (LoRA, processes per job) on top of the app's settings."""
+    settings.model.lora = bool(lora)
+    settings.processes = _number(processes, "Processes", minimum=1, integer=True)
+    return settings
+
+
+def reward_settings(settings: LoopSettings, epochs, lr, batch_size, loss) -> LoopSettings:
     """The reward form's values on top of the app's settings."""
     if loss not in REWARD_LOSSES:
         raise gr.Error(f"Reward loss: choose Bradley-Terry or Plackett-Luce (got {loss!r}).")
     settings.reward.loss = loss
-    settings.model.lora = bool(lora)
-    settings.processes = _number(processes, "Processes", minimum=1, integer=True)
     settings.reward.epochs = _number(epochs, "Epochs", minimum=1, integer=True)
     settings.reward.lr = _number(lr, "Reward learning rate", minimum=1e-12)
     settings.reward.batch_size = _number(batch_size, "Batch size", minimum=1, integer=True)
     return settings
 
 
-def ppo_settings(settings: LoopSettings, lora, processes, n_prompts, steps, kl_control, beta, kl_target, lr,
-                 critic_lr) -> LoopSettings:
+def ppo_settings(settings: LoopSettings, n_prompts, steps, kl_control, beta, kl_target, lr, critic_lr) -> LoopSettings:
     """The PPO form's values on top of the app's settings."""
     if kl_control not in KL_CONTROLS:
         raise gr.Error(f"KL control: choose one of {', '.join(KL_CONTROLS)} (got {kl_control!r}).")
-    settings.model.lora = bool(lora)
-    settings.processes = _number(processes, "Processes", minimum=1, integer=True)
     settings.ppo_prompts = _number(n_prompts, "PPO prompts", minimum=1, integer=True)
     settings.ppo.steps = _number(steps, "Steps", minimum=1, integer=True)
     settings.ppo.kl_control = kl_control
@@ -171,12 +173,50 @@ class RoundForm:
 
     def settings(self, settings: LoopSettings) -> LoopSettings:
         """The form on top of the app's settings (each field checked: gr.Error names a bad one)."""
-        settings = reward_settings(settings, self.lora, self.processes, self.epochs, self.rm_lr, self.rm_batch,
-                                   self.rm_loss)
-        settings = ppo_settings(settings, self.lora, self.processes, self.n_prompts, self.steps, self.kl_control,
-                                self.beta, self.kl_target, self.ppo_lr, self.critic_lr)
+        settings = job_settings(settings, self.lora, self.processes)
+        settings = reward_settings(settings, self.epochs, self.rm_lr, self.rm_batch, self.rm_loss)
+        settings = ppo_settings(settings, self.n_prompts, self.steps, self.kl_control, self.beta, self.kl_target,
+                                self.ppo_lr, self.critic_lr)
         settings = dpo_settings(settings, self.policy_step, self.dpo_loss, self.dpo_beta, self.dpo_epochs, self.dpo_lr)
         return round_settings(settings, self.prompts_per_round, self.k, self.strategy)
+
+
+@dataclass(frozen=True)
+class RewardForm:
+    """The reward panel's "Train reward model", by name (its components in this order: ui_train.py)."""
+
+    lora: bool
+    processes: float
+    epochs: float
+    lr: float
+    batch_size: float
+    loss: str
+    warm_start: bool
+
+    def settings(self, settings: LoopSettings) -> LoopSettings:
+        return reward_settings(job_settings(settings, self.lora, self.processes), self.epochs, self.lr,
+                               self.batch_size, self.loss)
+
+
+@dataclass(frozen=True)
+class PPOForm:
+    """The PPO panel's "Run PPO", by name (its components in this order: ui_train.py)."""
+
+    lora: bool
+    processes: float
+    reward_name: str | None
+    n_prompts: float
+    steps: float
+    kl_control: str
+    beta: float
+    kl_target: float
+    lr: float
+    critic_lr: float
+    activate: bool
+
+    def settings(self, settings: LoopSettings) -> LoopSettings:
+        return ppo_settings(job_settings(settings, self.lora, self.processes), self.n_prompts, self.steps,
+                            self.kl_control, self.beta, self.kl_target, self.lr, self.critic_lr)
 
 
 # ------------------------------------------------------------------------- defaults and the round's duration
@@ -224,15 +264,14 @@ def round_duration(ctx: AppContext, form: RoundForm, request: gr.Request) -> str
 # ------------------------------------------------------------------------- starting jobs
 
 
-def train_reward(ctx: AppContext, lora: bool, processes, epochs, lr, batch_size, loss, warm_start: bool,
-                 request: gr.Request):
+def train_reward(ctx: AppContext, form: RewardForm, request: gr.Request):
     """Export a snapshot of every pair (Parquet, recorded in the store), then queue a
     `train-reward` job on it. Returns (message, run choice, timer)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = reward_settings(settings_of(ctx), lora, processes, epochs, lr, batch_size, loss)
+    settings = form.settings(settings_of(ctx))
     try:
-        run, snapshot = submit_reward(ctx.store, jobs, settings, warm_start=bool(warm_start))
+        run, snapshot = submit_reward(ctx.store, jobs, settings, warm_start=bool(form.warm_start))
     except ValueError as exc:
         raise gr.Error(f"Cannot train a reward model yet: {exc}") from None
     parent = run.inputs.get("parent_version_id")
@@ -241,25 +280,24 @@ def train_reward(ctx: AppContext, lora: bool, processes, epochs, lr, batch_size,
                         f"{snapshot.counts.get('pairs', 0)} pairs{warm}.")
 
 
-def run_ppo(ctx: AppContext, lora: bool, processes, reward_name: str | None, n_prompts, steps, kl_control, beta,
-            kl_target, lr, critic_lr, activate: bool, request: gr.Request):
+def run_ppo(ctx: AppContext, form: PPOForm, request: gr.Request):
     """Queue a `ppo` job from the active policy against the chosen reward model (default: the
     newest). With `activate`, the new policy becomes the active one when the job succeeds.
     Returns (message, run choice, timer)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = ppo_settings(settings_of(ctx), lora, processes, n_prompts, steps, kl_control, beta, kl_target, lr,
-                            critic_lr)
+    settings = form.settings(settings_of(ctx))
+    reward_name = form.reward_name
     reward = ctx.store.find_model_version(reward_name) if reward_name else latest_reward(ctx.store)
     if reward is None or reward.kind != "reward" or not reward.path:
         raise gr.Error(f"No trained reward model named {reward_name!r}." if reward_name else
                        "No reward model yet: train one first.")
     policy = ensure_base_policy(ctx.store, settings.model)
     try:
-        run = submit_ppo(ctx.store, jobs, settings, reward, policy, activate=bool(activate))
+        run = submit_ppo(ctx.store, jobs, settings, reward, policy, activate=bool(form.activate))
     except ValueError as exc:
         raise gr.Error(f"Cannot run PPO: {exc}.") from None
-    then = " It becomes the active policy when it finishes." if activate else ""
+    then = " It becomes the active policy when it finishes." if form.activate else ""
     return _queued(ctx, f"Queued **run #{run.id}** (PPO): {policy.name} against {reward.name}, "
                         f"{settings.ppo.steps} steps on {run.inputs['prompts']} prompts.{then}")
 
@@ -270,9 +308,7 @@ def run_sft(ctx: AppContext, lora: bool, processes, epochs, lr, request: gr.Requ
     round samples from it. Returns (message, run choice, timer)."""
     admin(ctx, request)
     jobs = _jobs(ctx)
-    settings = copy.deepcopy(settings_of(ctx))
-    settings.model.lora = bool(lora)
-    settings.processes = _number(processes, "Processes per job", minimum=1, integer=True)
+    settings = job_settings(settings_of(ctx), lora, processes)
     settings.sft.epochs = _number(epochs, "SFT epochs", minimum=1, integer=True)
     settings.sft.lr = _number(lr, "SFT learning rate", minimum=1e-12)
     try:

@@ -55,17 +55,20 @@ def train_tab(ctx: AppContext) -> dict:
     poll_out = [mon.bar, *mon.plots, mon.latest, mon.log, rnd.round_md, rnd.gate_md, rnd.anyway, mon.run_pick,
                 ppo.reward, mon.timer]
     poll = dict(fn=bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
-    rm.button.click(bind(t.train_reward, ctx), [lora, processes, rm.epochs, rm.lr, rm.batch, rm.loss, rm.warm], started,
-                    api_name="train_reward", **HIDDEN).success(**poll)
-    ppo.button.click(bind(t.run_ppo, ctx), [lora, processes, ppo.reward, *ppo.settings, ppo.activate], started,
-                     api_name="run_ppo", **HIDDEN).success(**poll)
+    # each form's components by its fields' names, in the order of its fields (bind_form)
+    job = {"lora": lora, "processes": processes}
+    reward_in = inputs(t.RewardForm, {**job, "epochs": rm.epochs, "lr": rm.lr, "batch_size": rm.batch, "loss": rm.loss,
+                                      "warm_start": rm.warm})
+    rm.button.click(bind_form(t.train_reward, ctx, t.RewardForm), reward_in, started, api_name="train_reward",
+                    **HIDDEN).success(**poll)
+    ppo_in = inputs(t.PPOForm, {**job, "reward_name": ppo.reward, **ppo.form, "lr": ppo.lr, "activate": ppo.activate})
+    ppo.button.click(bind_form(t.run_ppo, ctx, t.PPOForm), ppo_in, started, api_name="run_ppo",
+                     **HIDDEN).success(**poll)
     dpo.sft.click(bind(t.run_sft, ctx), [lora, processes, dpo.sft_epochs, dpo.sft_lr], started, api_name="run_sft",
                   **HIDDEN).success(**poll)
-    # the round's form by name; its components in the order of t.RoundForm's fields (bind_form)
-    form = {"lora": lora, "processes": processes, "epochs": rm.epochs, "rm_lr": rm.lr, "rm_batch": rm.batch,
-            "rm_loss": rm.loss,
-            **ppo.form, "policy_step": rnd.policy_step, **dpo.form, **rnd.form}
-    round_in = [form[f.name] for f in dataclasses.fields(t.RoundForm)]
+    round_in = inputs(t.RoundForm, {**job, "epochs": rm.epochs, "rm_lr": rm.lr, "rm_batch": rm.batch,
+                                    "rm_loss": rm.loss, **ppo.form, "policy_step": rnd.policy_step, **dpo.form,
+                                    **rnd.form})
     round_out = [*started, rnd.confirm_row, rnd.confirm_md]
     rnd.button.click(bind_form(t.run_full_round, ctx, t.RoundForm), [*round_in, gr.State(False)], round_out,
                      api_name="run_round", **HIDDEN).success(**poll)
@@ -89,6 +92,11 @@ def train_tab(ctx: AppContext) -> dict:
     return {"load": [(t.poll, poll_in, poll_out), (t.round_duration, round_in, [rnd.eta], t.RoundForm)]}
 
 
+def inputs(form_cls, components: dict) -> list:
+    """A form's components in the order of its fields, which `bind_form` turns back into the form."""
+    return [components[f.name] for f in dataclasses.fields(form_cls)]
+
+
 def _reward_panel(s, enabled: bool) -> SimpleNamespace:
     gr.Markdown("#### Reward model\nOn every pair so far (a Parquet snapshot is exported first, its rankings "
                 "beside it).")
@@ -104,7 +112,7 @@ def _reward_panel(s, enabled: bool) -> SimpleNamespace:
 
 
 def _ppo_panel(ctx: AppContext, s, enabled: bool) -> SimpleNamespace:
-    """`form`: the PPO options by RoundForm's names; `settings`: the same in run_ppo's order."""
+    """`form`: the PPO options by RoundForm's names (PPOForm calls the policy LR `lr`)."""
     gr.Markdown("#### PPO\nFrom the active policy, against a frozen reward model. The KL reference is "
                 f"the base model `{s.model.model}` in every round, for PPO and DPO alike (LoRA: the "
                 "adapter switched off; full fine-tuning: the base weights, frozen).", elem_id="rl-ppo-intro")
@@ -126,8 +134,7 @@ def _ppo_panel(ctx: AppContext, s, enabled: bool) -> SimpleNamespace:
     button = gr.Button("Run PPO", variant="primary", elem_id="rl-run-ppo", interactive=enabled)
     form = {"n_prompts": n_prompts, "steps": steps, "kl_control": kl_control, "beta": beta, "kl_target": kl_target,
             "ppo_lr": lr, "critic_lr": critic_lr}
-    return SimpleNamespace(reward=reward, lr=lr, critic_lr=critic_lr, activate=activate, button=button, form=form,
-                           settings=list(form.values()))
+    return SimpleNamespace(reward=reward, lr=lr, critic_lr=critic_lr, activate=activate, button=button, form=form)
 
 
 def _dpo_panel(s) -> SimpleNamespace:

@@ -42,6 +42,16 @@ def full_round(ctx, *, request, confirmed: bool = False, **form):
     return train.run_full_round(ctx, train.RoundForm(**form), confirmed, request)
 
 
+def train_reward(ctx, *, request, **form):
+    """"Train reward model" as the tab calls it (train.RewardForm)."""
+    return train.train_reward(ctx, train.RewardForm(**form), request)
+
+
+def run_ppo(ctx, *, request, **form):
+    """"Run PPO" as the tab calls it (train.PPOForm)."""
+    return train.run_ppo(ctx, train.PPOForm(**form), request)
+
+
 def make_ctx(store, tmp_path, model_dir, jobs=True) -> AppContext:
     store.add_annotator("boss", "boss-password", role="admin")
     store.add_annotator("ann", "ann-password")
@@ -91,7 +101,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert simulate_annotations(store, make_oracle("rule:length")) == 6
 
     # 4. "Train reward model": a snapshot is exported, a train-reward job runs and registers the model
-    msg, pick, timer = train.train_reward(ctx, **REWARD_FORM, request=boss)
+    msg, pick, timer = train_reward(ctx, **REWARD_FORM, request=boss)
     assert "train-reward" in msg and pick["value"] == monitor.LATEST and timer["active"]
     run = ctx.jobs.wait(last_run(ctx, "train-reward").id, timeout=120)
     assert run.status == "done", run.error
@@ -109,7 +119,7 @@ def test_the_loop_through_the_handlers(ctx, tmp_path):
     assert "6 of 6 items ranked (threshold" in round_md, round_md
 
     # 5. "Run PPO" from the active (base) policy against it; the new policy becomes active
-    msg, *_ = train.run_ppo(ctx, reward_name=reward.name, **PPO_FORM, request=boss)
+    msg, *_ = run_ppo(ctx, reward_name=reward.name, **PPO_FORM, request=boss)
     run = ctx.jobs.wait(last_run(ctx, "ppo").id, timeout=120)
     assert run.status == "done", run.error
     policy = store.get_model_version(run.outputs["model_version_id"])
@@ -221,7 +231,7 @@ def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
     store.register_model_version("policy", "other-policy", base_model="tiny")
     store.register_model_version("reward", "reward-v1", path=str(tmp_path), base_model="tiny")
     calls = [
-        (train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": "reward-v1", **PPO_FORM}),
+        (train_reward, REWARD_FORM), (run_ppo, {"reward_name": "reward-v1", **PPO_FORM}),
         (train.run_sft, SFT_FORM),
         (full_round, FULL_ROUND_FORM), (full_round, {**FULL_ROUND_FORM, "confirmed": True}),
         (train.keep_round_open, {}), (train.start_next_round, ROUND_FORM), (train.run_ppo_anyway, {}),
@@ -239,14 +249,14 @@ def test_every_train_and_models_handler_refuses_an_annotator(ctx, tmp_path):
         assert state_of(ctx) == before, fn.__name__
     # and nobody signed in is refused too
     with pytest.raises(Refused, match="Not signed in"):
-        train.train_reward(ctx, **REWARD_FORM, request=None)
+        train_reward(ctx, **REWARD_FORM, request=None)
     assert store.list_runs() == []
 
 
 def test_without_a_job_runner_the_buttons_explain_why_and_store_nothing(store, tmp_path, tiny_model_dir):
     ctx = make_ctx(store, tmp_path, tiny_model_dir, jobs=False)
     seed_items(store, 2, 3)
-    calls = [(train.train_reward, REWARD_FORM), (train.run_ppo, {"reward_name": None, **PPO_FORM}), (train.run_sft, SFT_FORM),
+    calls = [(train_reward, REWARD_FORM), (run_ppo, {"reward_name": None, **PPO_FORM}), (train.run_sft, SFT_FORM),
              (full_round, FULL_ROUND_FORM), (train.start_next_round, ROUND_FORM),
              (train.run_ppo_anyway, {}), (train.cancel, {"choice": monitor.LATEST})]
     for fn, kwargs in calls:
@@ -264,7 +274,7 @@ def test_without_a_job_runner_the_buttons_explain_why_and_store_nothing(store, t
 ])
 def test_bad_reward_settings_are_refused_by_name(ctx, change, message):
     with pytest.raises(gr.Error, match=message):
-        train.train_reward(ctx, **{**REWARD_FORM, **change}, request=req("boss"))
+        train_reward(ctx, **{**REWARD_FORM, **change}, request=req("boss"))
     assert ctx.store.list_snapshots() == [] and ctx.store.list_runs() == []
 
 
@@ -275,17 +285,17 @@ def test_bad_reward_settings_are_refused_by_name(ctx, change, message):
 def test_bad_ppo_settings_are_refused_by_name(ctx, tmp_path, change, message):
     ctx.store.register_model_version("reward", "reward-v1", path=str(tmp_path), base_model="tiny")
     with pytest.raises(gr.Error, match=message):
-        train.run_ppo(ctx, reward_name="reward-v1", **{**PPO_FORM, **change}, request=req("boss"))
+        run_ppo(ctx, reward_name="reward-v1", **{**PPO_FORM, **change}, request=req("boss"))
     assert ctx.store.list_runs() == []
 
 
 def test_training_needs_pairs_and_ppo_needs_a_reward_model(ctx):
     with pytest.raises(gr.Error, match="Cannot train a reward model yet"):
-        train.train_reward(ctx, **REWARD_FORM, request=req("boss"))
+        train_reward(ctx, **REWARD_FORM, request=req("boss"))
     with pytest.raises(gr.Error, match="No reward model yet"):
-        train.run_ppo(ctx, reward_name=None, **PPO_FORM, request=req("boss"))
+        run_ppo(ctx, reward_name=None, **PPO_FORM, request=req("boss"))
     with pytest.raises(gr.Error, match="No trained reward model named 'nope'"):
-        train.run_ppo(ctx, reward_name="nope", **PPO_FORM, request=req("boss"))
+        run_ppo(ctx, reward_name="nope", **PPO_FORM, request=req("boss"))
     assert ctx.store.list_snapshots() == [] and ctx.store.list_runs() == []
 
 
@@ -526,7 +536,7 @@ def test_the_train_tab_trains_a_reward_model_on_two_processes(ctx, tmp_path):
     pairs.write_text("".join(json.dumps({"prompt": f"Question {i}?", "chosen": "Yes, gladly: here is how.",
                                          "rejected": "No."}) + "\n" for i in range(16)))
     import_pairs(store, pairs)
-    train.train_reward(ctx, **{**REWARD_FORM, "processes": 2}, request=req("boss"))
+    train_reward(ctx, **{**REWARD_FORM, "processes": 2}, request=req("boss"))
     run = ctx.jobs.wait(last_run(ctx, "train-reward").id, timeout=300)
     assert run.status == "done", run.error
     command = (Path(run.run_dir) / "command.txt").read_text()
@@ -542,22 +552,34 @@ SETTING_OF_FIELD = {
     "policy_step": "policy_step", "dpo_loss": "dpo.loss", "dpo_beta": "dpo.beta", "dpo_epochs": "dpo.epochs",
     "dpo_lr": "dpo.lr", "prompts_per_round": "loop.prompts_per_round", "k": "generate.k", "strategy": "loop.strategy"}
 OTHER_VALUE = {"lora": False, "kl_control": "fixed", "policy_step": "dpo", "dpo_loss": "ipo", "strategy": "uncertain",
-               "rm_loss": "plackett-luce"}
+               "rm_loss": "plackett-luce", "loss": "plackett-luce"}
+JOB = {"lora": "model.lora", "processes": "processes"}
+FORMS = {  # each form of the Train tab: its values, the setting each field lands in, the fields its handler reads
+    "round": (train.RoundForm, FULL_ROUND_FORM, SETTING_OF_FIELD, set()),
+    "reward": (train.RewardForm, REWARD_FORM, {**JOB, "epochs": "reward.epochs", "lr": "reward.lr",
+                                               "batch_size": "reward.batch_size", "loss": "reward.loss"}, {"warm_start"}),
+    "ppo": (train.PPOForm, {**PPO_FORM, "reward_name": None},
+            {**JOB, "n_prompts": "ppo_prompts", "steps": "ppo.steps", "kl_control": "ppo.kl_control",
+             "beta": "ppo.init_kl_coef", "kl_target": "ppo.kl_target", "lr": "ppo.lr", "critic_lr": "ppo.critic_lr"},
+            {"reward_name", "activate"}),
+}
 
 
-def test_every_field_of_the_round_form_reaches_its_setting_by_name():
-    """Each of the Train tab's round settings lands in its own LoopSettings field and no other."""
+@pytest.mark.parametrize("which", list(FORMS))
+def test_every_field_of_a_form_reaches_its_setting_by_name(which):
+    """Each of a Train tab form's settings lands in its own LoopSettings field and no other."""
     import dataclasses
     import operator
 
     from pipeline.orchestrate.steps import LoopSettings
 
-    assert [f.name for f in dataclasses.fields(train.RoundForm)] == list(SETTING_OF_FIELD)
-    form = train.RoundForm(**FULL_ROUND_FORM)
+    form_cls, values, setting_of, handler_reads = FORMS[which]
+    assert {f.name for f in dataclasses.fields(form_cls)} == set(setting_of) | handler_reads
+    form = form_cls(**values)
     base = form.settings(LoopSettings())
-    for name, path in SETTING_OF_FIELD.items():
+    for name, path in setting_of.items():
         value = OTHER_VALUE[name] if name in OTHER_VALUE else getattr(form, name) + 3  # valid, and no other field's
         changed = dataclasses.replace(form, **{name: value}).settings(LoopSettings())
         assert operator.attrgetter(path)(changed) == value, name
-        differ = {p for p in SETTING_OF_FIELD.values() if operator.attrgetter(p)(changed) != operator.attrgetter(p)(base)}
+        differ = {p for p in setting_of.values() if operator.attrgetter(p)(changed) != operator.attrgetter(p)(base)}
         assert differ == {path}, (name, differ)
