@@ -1,14 +1,21 @@
-"""Store benchmark: 100,000 rankings (K=4) in, every pair out to Parquet and a datasets folder.
+"""Store benchmark: N rankings (K=4, each item ranked by `overlap` annotators) in, the pages an
+admin opens on the full store, every pair out to Parquet, a datasets folder and JSONL, a backup.
 
-    python bench/store_bench.py            # 100,000 rankings (a few minutes on 2 cores)
-    python bench/store_bench.py --quick    # 10,000 rankings
+    python bench/store_bench.py                       # 100,000 rankings (a few minutes on 2 cores)
+    python bench/store_bench.py --quick               # 10,000 rankings
+    python bench/store_bench.py --rankings 1000000    # a team's months (an hour or more)
 
 Phases (each timed; resident memory sampled every 20 ms):
- 1. setup: N prompts, one item of K responses each (Store.add_prompts / add_responses_bulk);
- 2. bulk rankings: N rankings with some ties and "all bad" flags via Store.save_rankings_bulk;
+ 1. setup: N / overlap prompts, one item of K responses each (Store.add_prompts / add_responses_bulk);
+ 2. bulk rankings: N rankings, `overlap` by distinct annotators per item, with some ties and "all
+    bad" flags via Store.save_rankings_bulk;
  3. the single path the UI uses, on the full database: save_ranking + next_item one at a time,
     then 20 threads (simulated annotators) doing submit -> next item as fast as they can;
- 4. export every pair to Parquet, a datasets folder and JSONL (store.io.export_pairs).
+ 4. what an admin's pages compute on it: the Team tab's refresh (annotate/team.py team_tables:
+    agreement, per annotator, per item) and the Data tab's Overview (annotate/admin.py statistics),
+    each the median of 3 calls of the handler itself;
+ 5. export every pair to Parquet, a datasets folder and JSONL (store.io.export_pairs);
+ 6. a backup (store/backup.py) and the database file's size.
 The comparison ratio is bulk vs one-at-a-time rankings/s. The last line is `RESULT store ...`.
 """
 
@@ -69,17 +76,28 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def make_rankings(items, annotator_ids, rng) -> list[RankingIn]:
-    """One ranking per item: a random order, 1 in 5 with a tie of the middle two, 1 in 20 all bad."""
+def make_rankings(items, annotator_ids, rng, overlap: int = 1) -> list[RankingIn]:
+    """`overlap` rankings per item by distinct annotators: a random order, 1 in 5 with a tie of the
+    middle two, 1 in 20 all bad."""
     out = []
     for i, (prompt_id, response_ids) in enumerate(items):
-        ids = list(response_ids)
-        rng.shuffle(ids)
-        order = [[ids[0]], [ids[1], ids[2]], ids[3:]] if rng.random() < 0.2 else [[x] for x in ids]
-        out.append(RankingIn(annotator_ids[i % len(annotator_ids)], prompt_id, order,
-                             all_bad=rng.random() < 0.05, duration_s=rng.uniform(3, 30),
-                             client_token=f"bench-{i}"))
+        for copy in range(overlap):
+            ids = list(response_ids)
+            rng.shuffle(ids)
+            order = [[ids[0]], [ids[1], ids[2]], ids[3:]] if rng.random() < 0.2 else [[x] for x in ids]
+            out.append(RankingIn(annotator_ids[(i * overlap + copy) % len(annotator_ids)], prompt_id, order,
+                                 all_bad=rng.random() < 0.05, duration_s=rng.uniform(3, 30),
+                                 client_token=f"bench-{i}-{copy}"))
     return out
+
+
+def median_seconds(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -89,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4, help="responses per item")
     ap.add_argument("--chunk", type=int, default=10_000, help="rankings per bulk transaction")
     ap.add_argument("--annotators", type=int, default=20, help="simulated annotators")
+    ap.add_argument("--overlap", type=int, default=2, help="annotators per item (the queue's overlap)")
     ap.add_argument("--concurrent-seconds", type=float, default=None, help="length of the 20-thread phase")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed after)")
     args = ap.parse_args(argv)
@@ -104,9 +123,10 @@ def main(argv=None) -> int:
         # 1. setup ------------------------------------------------------------------
         t0 = time.perf_counter()
         policy = store.register_model_version("policy", "bench-policy")
-        extra = 2_000  # items left for the one-at-a-time phases
+        extra = 2_000 if n >= 10_000 else 800  # items left for the one-at-a-time phases
+        n_items = -(-n // args.overlap)
         prompt_ids = store.add_prompts([f"Prompt {i}: explain topic {i % 977} in two sentences."
-                                        for i in range(n + extra)], source="bench")
+                                        for i in range(n_items + extra)], source="bench")
         item_ids = []
         for start in tqdm(range(0, len(prompt_ids), 20_000), desc="responses", unit="chunk"):
             chunk = prompt_ids[start:start + 20_000]
@@ -121,8 +141,8 @@ def main(argv=None) -> int:
                      f"responses in {setup_s:.1f} s (peak {setup_mb:.0f} MiB)"))
 
         # 2. bulk rankings ---------------------------------------------------------------
-        bulk_items = [(prompt_ids[i], responses[item_ids[i]]) for i in range(n)]
-        todo = make_rankings(bulk_items, annotators, rng)
+        bulk_items = [(prompt_ids[i], responses[item_ids[i]]) for i in range(n_items)]
+        todo = make_rankings(bulk_items, annotators, rng, args.overlap)[:n]
         t0 = time.perf_counter()
         for start in tqdm(range(0, n, args.chunk), desc="rankings (bulk)", unit="chunk"):
             store.save_rankings_bulk(todo[start:start + args.chunk])
@@ -136,13 +156,13 @@ def main(argv=None) -> int:
         # 3. the single path on the full database ---------------------------------------------
         a = annotators[0]
         save_ms, next_ms, both_ms, cpu_ms = [], [], [], []
-        got = store.next_item(a, overlap=1)
-        for i in tqdm(range(200 if args.quick else 400), desc="save_ranking + next_item", unit="item"):
+        got = store.next_item(a, overlap=args.overlap)
+        for i in tqdm(range(200 if n <= 10_000 else 400), desc="save_ranking + next_item", unit="item"):
             t, c = time.perf_counter(), time.thread_time()
             store.save_ranking(a, got.prompt.id, [[x] for x in got.display_order], display_order=got.display_order,
                                duration_s=5.0, client_token=f"single-{i}")
             t1 = time.perf_counter()
-            got = store.next_item(a, overlap=1)
+            got = store.next_item(a, overlap=args.overlap)
             t2 = time.perf_counter()
             cpu_ms.append((time.thread_time() - c) * 1000)
             save_ms.append((t1 - t) * 1000)
@@ -162,11 +182,11 @@ def main(argv=None) -> int:
 
         def annotator_loop(aid: int):
             try:
-                item = store.next_item(aid, overlap=1)
+                item = store.next_item(aid, overlap=args.overlap)
                 while item is not None and time.perf_counter() < stop_at:
                     t = time.perf_counter()
                     store.save_ranking(aid, item.prompt.id, item.display_order, display_order=item.display_order)
-                    item = store.next_item(aid, overlap=1)
+                    item = store.next_item(aid, overlap=args.overlap)
                     with lat_lock:
                         latencies.append((time.perf_counter() - t) * 1000)
             except BaseException as exc:  # reported below
@@ -185,9 +205,21 @@ def main(argv=None) -> int:
         rows.append((f"{len(annotators)} threads: submissions/s, submit -> next p50 / p95 (ms)",
                      f"{conc_rate:.0f}/s, {pct(latencies, .5):.1f} / {pct(latencies, .95):.1f}"))
         store.release_lease(a)
-        single_mb = mem.phase_peak()
+        mem.phase_peak()  # the single path's phase ends here
 
-        # 4. export ----------------------------------------------------------------------------
+        # 4. an admin's pages on the full store -------------------------------------------------------
+        from annotate import admin as data_tab
+        from annotate import team
+        from annotate.context import AppContext
+
+        store.add_annotator("bench-admin", "bench-admin-password", role="admin")
+        ctx = AppContext(store=store, auth=False, local_user="bench-admin", data_dir=work)
+        team_s = median_seconds(lambda: team.team_tables(ctx, None))
+        overview_s = median_seconds(lambda: data_tab.statistics(ctx, None))
+        rows.append(("Team tab refresh / Data tab Overview (s, median of 3)", f"{team_s:.2f} / {overview_s:.2f}  "
+                     f"(peak {mem.phase_peak():.0f} MiB)"))
+
+        # 5. export ----------------------------------------------------------------------------
         exports = {}
         for fmt, name in (("parquet", "pairs.parquet"), ("datasets", "pairs_ds"), ("jsonl", "pairs.jsonl")):
             t0 = time.perf_counter()
@@ -196,7 +228,15 @@ def main(argv=None) -> int:
             exports[fmt] = (snap.counts["pairs"] / secs, mem.phase_peak(), secs, snap.counts["pairs"])
             rows.append((f"export {fmt}: pairs/s", f"{exports[fmt][0]:,.0f}  ({exports[fmt][3]:,} pairs in "
                          f"{secs:.1f} s, peak {exports[fmt][1]:.0f} MiB)"))
+        # 6. a backup and the file's size ------------------------------------------------------------
+        from store.backup import backup
+
+        t0 = time.perf_counter()
+        backup(store, work / "backup.duckdb")
+        backup_s = time.perf_counter() - t0
         store.close()
+        db_mb = sum(f.stat().st_size for f in work.glob("bench.duckdb*")) / 2**20
+        rows.append(("backup (s), database file (MiB)", f"{backup_s:.1f}, {db_mb:.0f}  (peak {mem.phase_peak():.0f} MiB)"))
     finally:
         mem.stop()
         if not args.dir:
@@ -207,7 +247,7 @@ def main(argv=None) -> int:
     rows.append(("bulk vs one-at-a-time rankings/s (ratio)", f"{bulk_rps:,.0f} vs {single_rps:,.0f} = {ratio:.0f}x"))
     rows.append(("peak resident memory (MiB)", f"{peak_mb:.0f}"))
     width = max(len(k) for k, _ in rows)
-    print(f"\nstore bench: {n:,} rankings, K={args.k}, {len(annotators)} annotators")
+    print(f"\nstore bench: {n:,} rankings, K={args.k}, {len(annotators)} annotators, overlap {args.overlap}")
     print("-" * (width + 40))
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -216,7 +256,9 @@ def main(argv=None) -> int:
           f"ratio={ratio:.1f} pairs={exports['parquet'][3]} parquet_pairs_per_s={exports['parquet'][0]:.0f} "
           f"datasets_pairs_per_s={exports['datasets'][0]:.0f} jsonl_pairs_per_s={exports['jsonl'][0]:.0f} "
           f"submit_next_p50_ms={pct(both_ms, .5):.1f} submit_next_p95_ms={pct(both_ms, .95):.1f} "
-          f"concurrent_p95_ms={pct(latencies, .95):.1f} concurrent_per_s={conc_rate:.0f} peak_mb={peak_mb:.0f}")
+          f"concurrent_p95_ms={pct(latencies, .95):.1f} concurrent_per_s={conc_rate:.0f} "
+          f"next_item_p95_ms={pct(next_ms, .95):.1f} team_s={team_s:.2f} overview_s={overview_s:.2f} "
+          f"backup_s={backup_s:.1f} db_mb={db_mb:.0f} overlap={args.overlap} peak_mb={peak_mb:.0f}")
     return 0
 
 

@@ -47,3 +47,17 @@ def test_job_start_bench_times_cold_and_warm_jobs_side_by_side():
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT job_start "))
     fields = dict(kv.split("=") for kv in result.split()[2:])
     assert float(fields["cold_s"]) > 0 and float(fields["warm_s"]) > 0 and fields["jobs"] == "1"
+
+
+@pytest.mark.slow
+def test_store_bench_measures_every_phase_on_a_small_store(tmp_path):
+    """bench/store_bench.py on 500 rankings by 4 annotators (overlap 2): every phase runs, the RESULT line has
+    them all."""
+    done = subprocess.run([sys.executable, "bench/store_bench.py", "--rankings", "500", "--concurrent-seconds", "1", "--annotators", "4",
+                           "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT store "))
+    fields = dict(kv.split("=") for kv in result.split()[2:])
+    assert fields["rankings"] == "500" and fields["overlap"] == "2" and int(fields["pairs"]) > 500
+    assert all(float(fields[k]) > 0 for k in ("next_item_p95_ms", "team_s", "overview_s", "parquet_pairs_per_s"))
+    assert (tmp_path / "backup.duckdb").is_file()
