@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.orchestrate import ingest
-from pipeline.orchestrate.warm import WarmProcess, shared_warm
+from pipeline.orchestrate.warm import WarmProcess, alive, shared_warm
 from pipeline.rundir import MetricsTail, read_status, saved_state
 
 DEFAULT_LAUNCHER = (sys.executable, "-m", "pipeline")
@@ -206,7 +206,7 @@ class JobRunner:
         stale = self.store.list_runs(status="running")
         for run in stale:
             pid = (run.outputs or {}).get("pid")
-            if pid and _alive(int(pid)):
+            if pid and alive(int(pid)):
                 _terminate(int(pid), self.grace_s, wait=True)
             if run.kind in RESUMABLE and run.run_dir and saved_state(run.run_dir):
                 with open(Path(run.run_dir) / "log.txt", "a", encoding="utf-8") as log:
@@ -317,16 +317,6 @@ class JobRunner:
 # ---------------------------------------------------------------------- processes
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -349,7 +339,7 @@ def _terminate(pid: int, grace_s: float, wait: bool, proc: subprocess.Popen | Wa
                 pass
         else:
             deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and _alive(pid):
+            while time.monotonic() < deadline and alive(pid):
                 time.sleep(0.1)
         _signal_group(pid, signal.SIGKILL)
 

@@ -304,7 +304,7 @@ class Warm:
         with self._changed:
             if pid in self._exits:
                 return self._exits[pid]
-        if forker.poll() is None or _alive(pid):
+        if forker.poll() is None or alive(pid):
             return None
         state = read_status(run_dir).get("state")
         return {"done": 0, "cancelled": 130}.get(state, -signal.SIGKILL)
@@ -387,7 +387,8 @@ class Warm:
             self._changed.notify_all()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a zombie counts; another user's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
