@@ -224,8 +224,13 @@ def cancelled(out_dir: Path, steps: Steps, total: int, save: Callable[[int], Non
     has, mark the run cancelled; `--resume` continues it."""
     save(steps.step)
     dist.barrier()
-    write_status(out_dir, "cancelled", steps.step, total, error=f"cancelled by {steps.stopped}; --resume continues")
-    return {"state": "cancelled", "step": steps.step, "total": total}
+    return _mark_cancelled(out_dir, steps.step, total, f"cancelled by {steps.stopped}; --resume continues")
+
+
+def _mark_cancelled(out_dir: Path, step: int, total: int, error: str) -> dict:
+    """status.json 'cancelled' with why; what a stopped trainer returns."""
+    write_status(out_dir, "cancelled", step, total, error=error)
+    return {"state": "cancelled", "step": step, "total": total}
 
 
 class AfterTraining:
@@ -277,9 +282,8 @@ class AfterTraining:
         self._stop.__exit__(kind, exc, tb)
         if kind is not Cancelled:
             return False
-        write_status(self.out_dir, "cancelled", self.steps.step, self.total,
-                     error=f"{exc} after the last step (the trained weights are saved); --resume evaluates")
-        self.result = {"state": "cancelled", "step": self.steps.step, "total": self.total}
+        self.result = _mark_cancelled(self.out_dir, self.steps.step, self.total,
+                                      f"{exc} after the last step (the trained weights are saved); --resume evaluates")
         return True
 
 

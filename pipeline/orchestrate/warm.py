@@ -236,7 +236,7 @@ class WarmProcess:
         return self.returncode
 
 
-_SHARED: dict[str, "Warm"] = {}
+_SHARED: "Warm | None" = None
 _SHARED_LOCK = threading.Lock()
 
 
@@ -245,13 +245,13 @@ def shared_warm(env: dict, log: Path) -> "Warm":
     get the same environment (a test session makes dozens of runners), started at the first job of
     any of them and ended when the owner process exits. A runner with another environment replaces
     it (at most one is kept). log: where it writes what it prints (the first runner's)."""
+    global _SHARED
     with _SHARED_LOCK:
-        warm = _SHARED.get("warm")
-        if warm is None or not _same_environment(warm.env, env):
-            if warm is not None:
-                warm.close()
-            warm = _SHARED["warm"] = Warm(env, log)
-        return warm
+        if _SHARED is None or not _same_environment(_SHARED.env, env):
+            if _SHARED is not None:
+                _SHARED.close()
+            _SHARED = Warm(env, log)
+        return _SHARED
 
 
 class Warm:
