@@ -9,11 +9,15 @@ Phases (each timed; resident memory sampled every 20 ms):
  1. setup: N / overlap prompts, one item of K responses each (Store.add_prompts / add_responses_bulk);
  2. bulk rankings: N rankings, `overlap` by distinct annotators per item, with some ties and "all
     bad" flags via Store.save_rankings_bulk;
- 3. the single path the UI uses, on the full database: save_ranking + next_item one at a time,
-    then 20 threads (simulated annotators) doing submit -> next item as fast as they can;
- 4. what an admin's pages compute on it: the Team tab's refresh (annotate/team.py team_tables:
-    agreement, per annotator, per item) and the Data tab's Overview (annotate/admin.py statistics),
-    each the median of 3 calls of the handler itself;
+ 3. the single path the UI uses, on the full database: save_ranking + next_item one at a time;
+    then 20 threads (simulated annotators) doing submit -> next item as fast as they can (the
+    store's capacity: no one ranks 4 responses in no time); then the 20 reading 1-5 s before each
+    submission (still faster than people), next item and submit timed apart;
+ 4. what an admin's pages compute on it: the agreement table brought up to date once after the
+    bulk load (store/agreement_table.py; rankings that arrive one by one cost a refresh a few
+    items each), then the Team tab's refresh (annotate/team.py team_tables: agreement, per
+    annotator, per item) and the Data tab's Overview (annotate/admin.py statistics), each the
+    median of 3 calls of the handler itself;
  5. export every pair to Parquet, a datasets folder and JSONL (store.io.export_pairs);
  6. a backup (store/backup.py) and the database file's size.
 The comparison ratio is bulk vs one-at-a-time rankings/s. The last line is `RESULT store ...`.
@@ -100,6 +104,51 @@ def median_seconds(fn, reps: int = 3) -> float:
     return statistics.median(times)
 
 
+def run_annotators(store, annotators, overlap: int, seconds: float, *, think, into, errors) -> float:
+    """Each annotator in its own thread for `seconds`: next item, (think), submit, next item...
+    think None: no pause, `into` gets each submit -> next item latency (ms); think (lo, hi): a
+    seeded uniform pause before each submission, `into` {'next': [...], 'submit': [...]} gets each
+    call's latency apart. Returns the wall time; the first error is raised."""
+    lock = threading.Lock()
+    stop_at = time.perf_counter() + seconds
+
+    def timed(fn, key):
+        t = time.perf_counter()
+        out = fn()
+        with lock:
+            into[key].append((time.perf_counter() - t) * 1000)
+        return out
+
+    def loop(aid: int):
+        rng = random.Random(aid)
+        try:
+            item = store.next_item(aid, overlap=overlap)
+            while item is not None and time.perf_counter() < stop_at:
+                if think is None:
+                    t = time.perf_counter()
+                    store.save_ranking(aid, item.prompt.id, item.display_order, display_order=item.display_order)
+                    item = store.next_item(aid, overlap=overlap)
+                    with lock:
+                        into.append((time.perf_counter() - t) * 1000)
+                    continue
+                time.sleep(rng.uniform(*think))
+                timed(lambda: store.save_ranking(aid, item.prompt.id, item.display_order,
+                                                 display_order=item.display_order), "submit")
+                item = timed(lambda: store.next_item(aid, overlap=overlap), "next")
+        except BaseException as exc:  # raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(aid,)) for aid in annotators]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10,000 rankings instead of 100,000")
@@ -108,11 +157,13 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=10_000, help="rankings per bulk transaction")
     ap.add_argument("--annotators", type=int, default=20, help="simulated annotators")
     ap.add_argument("--overlap", type=int, default=2, help="annotators per item (the queue's overlap)")
-    ap.add_argument("--concurrent-seconds", type=float, default=None, help="length of the 20-thread phase")
+    ap.add_argument("--concurrent-seconds", type=float, default=None,
+                    help="length of each phase of annotators at once (no think time; 1-5 s think time)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed after)")
     args = ap.parse_args(argv)
     n = args.rankings or (10_000 if args.quick else 100_000)
     seconds = args.concurrent_seconds or (5.0 if args.quick else 15.0)
+    think_seconds = args.concurrent_seconds or (15.0 if args.quick else 40.0)
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="store_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
@@ -175,35 +226,20 @@ def main(argv=None) -> int:
                      f"{pct(both_ms, .5):.1f} / {pct(both_ms, .95):.1f} (CPU of this thread: "
                      f"{pct(cpu_ms, .5):.1f} ms p50)"))
 
-        latencies: list[float] = []
-        lat_lock = threading.Lock()
-        stop_at = time.perf_counter() + seconds
-        errors: list[BaseException] = []
-
-        def annotator_loop(aid: int):
-            try:
-                item = store.next_item(aid, overlap=args.overlap)
-                while item is not None and time.perf_counter() < stop_at:
-                    t = time.perf_counter()
-                    store.save_ranking(aid, item.prompt.id, item.display_order, display_order=item.display_order)
-                    item = store.next_item(aid, overlap=args.overlap)
-                    with lat_lock:
-                        latencies.append((time.perf_counter() - t) * 1000)
-            except BaseException as exc:  # reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=annotator_loop, args=(aid,)) for aid in annotators]
-        t0 = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        conc_s = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
+        # 20 annotators at once, as fast as they can (no time to read: the store's capacity) ...
+        latencies, errors = [], []
+        conc_s = run_annotators(store, annotators, args.overlap, seconds, think=None, into=latencies,
+                                errors=errors)
         conc_rate = len(latencies) / conc_s
-        rows.append((f"{len(annotators)} threads: submissions/s, submit -> next p50 / p95 (ms)",
+        rows.append((f"{len(annotators)} annotators, no think time: submissions/s, submit -> next p50 / p95 (ms)",
                      f"{conc_rate:.0f}/s, {pct(latencies, .5):.1f} / {pct(latencies, .95):.1f}"))
+        # ... and reading for 1-5 s before each submission (faster than people rank 4 responses)
+        waits: dict[str, list[float]] = {"next": [], "submit": []}
+        run_annotators(store, annotators, args.overlap, think_seconds, think=(1.0, 5.0), into=waits, errors=errors)
+        rows.append((f"{len(annotators)} annotators, 1-5 s think time: next item / submit p50 / p95 (ms)",
+                     f"{pct(waits['next'], .5):.1f} / {pct(waits['next'], .95):.1f}, "
+                     f"{pct(waits['submit'], .5):.1f} / {pct(waits['submit'], .95):.1f} "
+                     f"({len(waits['submit'])} submissions)"))
         store.release_lease(a)
         mem.phase_peak()  # the single path's phase ends here
 
@@ -214,6 +250,10 @@ def main(argv=None) -> int:
 
         store.add_annotator("bench-admin", "bench-admin-password", role="admin")
         ctx = AppContext(store=store, auth=False, local_user="bench-admin", data_dir=work)
+        t0 = time.perf_counter()
+        caught_up = store.refresh_agreement()  # once after a bulk load: every item's agreement row
+        catch_up_s = time.perf_counter() - t0
+        rows.append(("agreement table after the bulk load (s, once)", f"{catch_up_s:.1f}  ({caught_up:,} items)"))
         team_s = median_seconds(lambda: team.team_tables(ctx, None))
         overview_s = median_seconds(lambda: data_tab.statistics(ctx, None))
         rows.append(("Team tab refresh / Data tab Overview (s, median of 3)", f"{team_s:.2f} / {overview_s:.2f}  "
@@ -257,7 +297,8 @@ def main(argv=None) -> int:
           f"datasets_pairs_per_s={exports['datasets'][0]:.0f} jsonl_pairs_per_s={exports['jsonl'][0]:.0f} "
           f"submit_next_p50_ms={pct(both_ms, .5):.1f} submit_next_p95_ms={pct(both_ms, .95):.1f} "
           f"concurrent_p95_ms={pct(latencies, .95):.1f} concurrent_per_s={conc_rate:.0f} "
-          f"next_item_p95_ms={pct(next_ms, .95):.1f} team_s={team_s:.2f} overview_s={overview_s:.2f} "
+          f"next_item_p95_ms={pct(next_ms, .95):.1f} think_next_p95_ms={pct(waits['next'], .95):.1f} "
+          f"think_submit_p95_ms={pct(waits['submit'], .95):.1f} catch_up_s={catch_up_s:.1f} team_s={team_s:.2f} overview_s={overview_s:.2f} "
           f"backup_s={backup_s:.1f} db_mb={db_mb:.0f} overlap={args.overlap} peak_mb={peak_mb:.0f}")
     return 0
 

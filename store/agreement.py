@@ -22,18 +22,15 @@ import itertools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from store.pairs import mid_ranks
 
 
-def krippendorff_alpha_ordinal(units: Sequence[Sequence[float]]) -> float | None:
-    """Krippendorff's alpha with the ordinal difference function.
-
-    `units`: for each unit, the values the coders gave it (missing values simply left out).
-    Units with fewer than two values are not pairable and are ignored. Returns None when alpha is
-    undefined (fewer than two pairable values, or a single distinct value).
-    """
-    # 1. coincidence matrix o[c][k]: each ordered pair of values within a unit, weighted 1/(m_u - 1)
+def coincidence(units: Sequence[Sequence[float]]) -> dict[tuple[float, float], float]:
+    """Krippendorff's coincidence matrix o[(c, k)]: each ordered pair of values within a unit,
+    weighted 1 / (m_u - 1). Units with fewer than two values are not pairable and add nothing.
+    It is a sum over units, so the matrices of parts of the data add up to the whole's."""
     o: dict[tuple[float, float], float] = defaultdict(float)
     for unit in units:
         m = len(unit)
@@ -41,6 +38,20 @@ def krippendorff_alpha_ordinal(units: Sequence[Sequence[float]]) -> float | None
             continue
         for i, j in itertools.permutations(range(m), 2):
             o[(unit[i], unit[j])] += 1.0 / (m - 1)
+    return dict(o)
+
+
+def krippendorff_alpha_ordinal(units: Sequence[Sequence[float]]) -> float | None:
+    """Krippendorff's alpha with the ordinal difference function.
+
+    `units`: for each unit, the values the coders gave it (missing values simply left out).
+    Returns None when alpha is undefined (fewer than two pairable values, or a single distinct value).
+    """
+    return alpha_from_coincidence(coincidence(units))
+
+
+def alpha_from_coincidence(o: Mapping[tuple[float, float], float]) -> float | None:
+    """Ordinal alpha from a coincidence matrix (see `coincidence`); None when undefined."""
     if not o:
         return None
     values = sorted({c for c, _ in o})
@@ -48,7 +59,7 @@ def krippendorff_alpha_ordinal(units: Sequence[Sequence[float]]) -> float | None
     n = sum(n_c.values())
     if len(values) < 2 or n <= 1:
         return None
-    # 2. ordinal distance: delta^2(c, k) = (sum of n_g for g from c to k - (n_c + n_k) / 2)^2
+    # ordinal distance: delta^2(c, k) = (sum of n_g for g from c to k - (n_c + n_k) / 2)^2
     pos = {v: i for i, v in enumerate(values)}
     cum = list(itertools.accumulate(n_c[v] for v in values))
 
@@ -57,7 +68,7 @@ def krippendorff_alpha_ordinal(units: Sequence[Sequence[float]]) -> float | None
         between = cum[hi] - (cum[lo - 1] if lo > 0 else 0.0)
         return (between - (n_c[c] + n_c[k]) / 2) ** 2
 
-    # 3. alpha = 1 - D_o / D_e = 1 - (n - 1) * sum o_ck d2 / sum n_c n_k d2
+    # alpha = 1 - D_o / D_e = 1 - (n - 1) * sum o_ck d2 / sum n_c n_k d2
     observed = sum(w * delta2(c, k) for (c, k), w in o.items())
     expected = sum(n_c[c] * n_c[k] * delta2(c, k) for c in values for k in values)
     if expected == 0:
@@ -92,59 +103,112 @@ def _strict(ranks: Mapping[int, float], i: int, j: int) -> int:
     return (d > 0) - (d < 0)
 
 
-def _item_stats(by_annotator: Mapping[int, Sequence]) -> tuple[int, int, list[float], list[list[float]]]:
-    """(agreeing comparisons, comparisons, Kendall taus, Krippendorff units) of one item's rankings
-    by two or more annotators."""
-    agree = comparisons = 0
-    taus: list[float] = []
+@dataclass
+class ItemStats:
+    """One item's share of every agreement figure, from the latest ranking of each of its (two or
+    more) annotators. Every figure of the store is a sum of these over items (store/agreement_table.py
+    keeps one per item in the database)."""
+
+    agree: int = 0
+    """Comparisons (annotator pair, response pair, both strict) where both preferred the same response."""
+    comparisons: int = 0
+    tau_sum: float = 0.0
+    """Sum of Kendall's tau-b over the annotator pairs where it is defined ..."""
+    tau_n: int = 0
+    """... and how many there are."""
+    coincidence: dict = field(default_factory=dict)
+    """The item's Krippendorff coincidences {(c, k): weight}; units are its responses."""
+    per_annotator: dict = field(default_factory=dict)
+    """{annotator: (pairwise agreeing, pairwise compared, majority agreeing, majority compared)}
+    (see annotator_agreement)."""
+
+
+def item_stats(by_annotator: Mapping[int, Sequence]) -> ItemStats:
+    """ItemStats of one item's rankings {annotator: order} by two or more annotators."""
     ranks = {a: mid_ranks(order) for a, order in by_annotator.items()}
+    s = ItemStats()
     for a, b in itertools.combinations(sorted(ranks), 2):
         ra, rb = ranks[a], ranks[b]
         for i, j in itertools.combinations(sorted(set(ra) & set(rb)), 2):
             sa, sb = _strict(ra, i, j), _strict(rb, i, j)
             if sa and sb:
-                comparisons += 1
-                agree += sa == sb
+                s.comparisons += 1
+                s.agree += sa == sb
         tau = kendall_tau_b(ra, rb)
         if tau is not None:
-            taus.append(tau)
+            s.tau_sum += tau
+            s.tau_n += 1
     values_by_response: dict[int, list[float]] = defaultdict(list)
     for r in ranks.values():
         for rid, value in r.items():
             values_by_response[rid].append(value)
-    return agree, comparisons, taus, list(values_by_response.values())
+    s.coincidence = coincidence(list(values_by_response.values()))
+    shared = sorted(set.intersection(*(set(r) for r in ranks.values())))
+    for a, ra in ranks.items():
+        pw_agree = pw_n = mj_agree = mj_n = 0
+        for i, j in itertools.combinations(shared, 2):
+            mine = _strict(ra, i, j)
+            if not mine:
+                continue
+            others = [_strict(rb, i, j) for b, rb in ranks.items() if b != a]
+            pw_n += sum(1 for o in others if o)
+            pw_agree += sum(1 for o in others if o == mine)
+            vote = sum(others)
+            if vote:
+                mj_n += 1
+                mj_agree += (vote > 0) == (mine > 0)
+        s.per_annotator[a] = (pw_agree, pw_n, mj_agree, mj_n)
+    return s
+
+
+@dataclass
+class Totals:
+    """Sums of ItemStats over items: what agreement_summary reports, from any mix of items."""
+
+    items: int = 0
+    agree: int = 0
+    comparisons: int = 0
+    tau_sum: float = 0.0
+    tau_n: int = 0
+    coincidence: dict = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, s: ItemStats) -> None:
+        self.items += 1
+        self.agree += s.agree
+        self.comparisons += s.comparisons
+        self.tau_sum += s.tau_sum
+        self.tau_n += s.tau_n
+        for ck, w in s.coincidence.items():
+            self.coincidence[ck] += w
+
+    def summary(self) -> dict:
+        """{items, comparisons, pairwise_agreement, krippendorff_alpha, kendall_tau}."""
+        return {
+            "items": self.items,
+            "comparisons": self.comparisons,
+            "pairwise_agreement": self.agree / self.comparisons if self.comparisons else None,
+            "krippendorff_alpha": alpha_from_coincidence(self.coincidence),
+            "kendall_tau": self.tau_sum / self.tau_n if self.tau_n else None,
+        }
 
 
 def agreement_summary(rankings: Mapping[int, Mapping[int, Sequence]]) -> dict:
     """{items, comparisons, pairwise_agreement, krippendorff_alpha, kendall_tau} for
     {item_id: {annotator_id: order}}."""
-    items = agree = comparisons = 0
-    taus: list[float] = []
-    units: list[list[float]] = []
+    totals = Totals()
     for by_annotator in rankings.values():
-        if len(by_annotator) < 2:
-            continue
-        items += 1
-        a, c, t, u = _item_stats(by_annotator)
-        agree, comparisons = agree + a, comparisons + c
-        taus.extend(t)
-        units.extend(u)
-    return {
-        "items": items,
-        "comparisons": comparisons,
-        "pairwise_agreement": agree / comparisons if comparisons else None,
-        "krippendorff_alpha": krippendorff_alpha_ordinal(units) if units else None,
-        "kendall_tau": sum(taus) / len(taus) if taus else None,
-    }
+        if len(by_annotator) >= 2:
+            totals.add(item_stats(by_annotator))
+    return totals.summary()
 
 
 def item_agreement(by_annotator: Mapping[int, Sequence]) -> dict:
     """{annotators, comparisons, pairwise_agreement, kendall_tau} of one item's rankings
     {annotator_id: order} (None where fewer than two annotators or no comparison)."""
-    agree, comparisons, taus, _ = _item_stats(by_annotator) if len(by_annotator) >= 2 else (0, 0, [], [])
-    return {"annotators": len(by_annotator), "comparisons": comparisons,
-            "pairwise_agreement": agree / comparisons if comparisons else None,
-            "kendall_tau": sum(taus) / len(taus) if taus else None}
+    s = item_stats(by_annotator) if len(by_annotator) >= 2 else ItemStats()
+    return {"annotators": len(by_annotator), "comparisons": s.comparisons,
+            "pairwise_agreement": s.agree / s.comparisons if s.comparisons else None,
+            "kendall_tau": s.tau_sum / s.tau_n if s.tau_n else None}
 
 
 def annotator_agreement(rankings: Mapping[int, Mapping[int, Sequence]]) -> dict[int, dict]:
@@ -152,35 +216,22 @@ def annotator_agreement(rankings: Mapping[int, Mapping[int, Sequence]]) -> dict[
     majority: (agreeing, compared)}.
 
     pairwise: the annotator's strict preferences against each other annotator's on the same
-    response pair (ties left out, as in agreement_summary). majority: against the majority of the
-    *other* annotators of the item (leave-one-out, so the annotator does not vote on their own
-    yardstick); pairs the others split evenly, or the annotator tied, are left out. With two
-    annotators on an item the majority is the other one.
+    response pair (ties left out, as in agreement_summary), over the responses every annotator of
+    the item ranked. majority: against the majority of the *other* annotators of the item
+    (leave-one-out, so the annotator does not vote on their own yardstick); pairs the others split
+    evenly, or the annotator tied, are left out. With two annotators on an item the majority is
+    the other one.
     """
-    out: dict[int, dict] = defaultdict(lambda: {"items": 0, "pairwise": (0, 0), "majority": (0, 0)})
+    out: dict[int, dict] = {}
     for by_annotator in rankings.values():
         if len(by_annotator) < 2:
             continue
-        ranks = {a: mid_ranks(order) for a, order in by_annotator.items()}
-        shared = sorted(set.intersection(*(set(r) for r in ranks.values())))
-        for a, ra in ranks.items():
-            pw_agree = pw_n = mj_agree = mj_n = 0
-            for i, j in itertools.combinations(shared, 2):
-                mine = _strict(ra, i, j)
-                if not mine:
-                    continue
-                others = [_strict(rb, i, j) for b, rb in ranks.items() if b != a]
-                pw_n += sum(1 for o in others if o)
-                pw_agree += sum(1 for o in others if o == mine)
-                vote = sum(others)
-                if vote:
-                    mj_n += 1
-                    mj_agree += (vote > 0) == (mine > 0)
-            row = out[a]
+        for a, (pa, pn, ma, mn) in item_stats(by_annotator).per_annotator.items():
+            row = out.setdefault(a, {"items": 0, "pairwise": (0, 0), "majority": (0, 0)})
             row["items"] += 1
-            row["pairwise"] = (row["pairwise"][0] + pw_agree, row["pairwise"][1] + pw_n)
-            row["majority"] = (row["majority"][0] + mj_agree, row["majority"][1] + mj_n)
-    return dict(out)
+            row["pairwise"] = (row["pairwise"][0] + pa, row["pairwise"][1] + pn)
+            row["majority"] = (row["majority"][0] + ma, row["majority"][1] + mn)
+    return out
 
 
 def gold_agreement(order: Sequence, gold: Sequence) -> tuple[float, int]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 
-from store.agreement import agreement_summary
 
 
 def gather(store, cur) -> dict:
@@ -27,10 +26,6 @@ def gather(store, cur) -> dict:
         FROM p FULL JOIN k ON k.annotator_id = p.annotator_id
         LEFT JOIN annotators a ON a.id = coalesce(p.annotator_id, k.annotator_id)
         ORDER BY a.name NULLS LAST""").fetchall()
-    by_item: dict[int, dict[int, list]] = {}
-    for item_id, annotator_id, order in cur.execute(
-            "SELECT item_id, annotator_id, order_groups FROM _export_rankings ORDER BY ranking_id").fetchall():
-        by_item.setdefault(item_id, {})[annotator_id] = [list(g) for g in order]
     mean_agreement = cur.execute(
         "SELECT avg(agreement) FROM _export WHERE ranking_id IS NOT NULL").fetchall()[0][0]
     versions = cur.execute("""
@@ -45,7 +40,7 @@ def gather(store, cur) -> dict:
         GROUP BY p.source ORDER BY count(*) DESC, p.source LIMIT 20""").fetchall()
     return {
         "annotators": [{"name": n, "rankings": k, "pairs": p, "median_s": med} for n, k, p, med in annotators],
-        "agreement": agreement_summary(by_item),
+        "agreement": store.export_agreement(cur),
         "mean_pair_agreement": mean_agreement,
         "model_versions": [{"id": i, "name": n, "kind": k, "base_model": b, "parent_id": parent, "responses": c}
                            for i, n, k, b, parent, c in versions],

@@ -276,6 +276,26 @@ MIGRATIONS: list[tuple[str, str]] = [
         );
         """,
     ),
+    (
+        # Each item's share of the agreement figures, kept up to date from the rankings when read
+        # (store/agreement_table.py), so that the Team tab does not recompute every ranking.
+        "0008_agreement_items",
+        """
+        CREATE TABLE agreement_items (
+            item_id BIGINT NOT NULL,
+            n_rankings BIGINT NOT NULL,
+            last_ranking_id BIGINT NOT NULL,
+            annotators INTEGER NOT NULL,
+            agree BIGINT NOT NULL,
+            comparisons BIGINT NOT NULL,
+            tau_sum DOUBLE NOT NULL,
+            tau_n BIGINT NOT NULL,
+            per_annotator STRUCT(annotator_id BIGINT, ranking_id BIGINT, pairwise_agree BIGINT,
+                                 pairwise_n BIGINT, majority_agree BIGINT, majority_n BIGINT)[] NOT NULL,
+            coincidence STRUCT(c DOUBLE, k DOUBLE, w DOUBLE)[] NOT NULL
+        );
+        """,
+    ),
 ]
 
 

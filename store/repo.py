@@ -21,6 +21,7 @@ from formats.chat import check_messages, messages_to_text
 from store.db import StoreBase, registered
 from store.values import dumps, from_db_time, loads, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
+from store.agreement_table import AgreementTableMixin
 from store.evaluations import EvaluationsMixin
 from store.gold import GoldMixin
 from store.pairs import ranking_to_pairs
@@ -62,7 +63,7 @@ def _response_row(r) -> tuple:
 
 
 class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, SessionsMixin, VersionsMixin, RunsMixin,
-            StatsMixin, StoreBase):
+            StatsMixin, AgreementTableMixin, StoreBase):
     """The persistence layer. `Store(path)` opens or creates and migrates a DuckDB file."""
 
     # ------------------------------------------------------------------ prompts

@@ -1,22 +1,25 @@
 """Statistics for the admin tab and `python -m store stats`: counts, per-annotator work,
 inter-annotator agreement and position bias, and a team's quality: agreement per item and per
 annotator (with the others, their majority, the gold items). The formulas are in
-store/agreement.py (pure); each method is a query or two, cheap enough to refresh live."""
+store/agreement.py (pure); the agreement figures are sums over the per-item table that
+store/agreement_table.py keeps, so each method is a query or two, cheap enough to refresh live."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from store.agreement import agreement_summary, annotator_agreement, gold_agreement, item_agreement, position_bias
+from store.agreement import gold_agreement
 from store.queue_index import local_midnight
 from store.records import Agreement, AnnotatorAgreement, AnnotatorStats, ItemAgreement, PositionBias
 
 
 class StatsMixin:
     """Statistics methods of Store. Besides the core (store/db.py) they use, declared here, the
-    queue's count of open items (store/queue.py)."""
+    queue's count of open items (store/queue.py) and the agreement table (store/agreement_table.py)."""
 
     items_remaining: Callable[..., int]
+    refresh_agreement: Callable[[], int]
+    agreement_totals: Callable[..., object]
 
     def counts(self, *, overlap: int | None = None) -> dict:
         """{prompts, prompts_in_pool, responses, items, rankings, pairs, items_remaining,
@@ -76,64 +79,61 @@ class StatsMixin:
                                pairs=r[5], skips=r[6], all_bad=r[7],
                                median_duration_s=None if r[8] is None else float(r[8])) for r in rows]
 
-    def overlapping_rankings(self, *, round_id: int | None = None) -> dict[int, dict[int, list[list[int]]]]:
-        """{item_id: {annotator_id: order}} for items ranked by >= 2 annotators (each annotator's
-        latest ranking of the item)."""
-        out: dict[int, dict[int, list[list[int]]]] = {}
-        for _, item_id, annotator_id, order in self._overlap_rows(round_id):
-            out.setdefault(item_id, {})[annotator_id] = order
-        return out
-
-    def _overlap_rows(self, round_id: int | None = None) -> list[tuple[int, int, int, list[list[int]]]]:
-        """(ranking id, item, annotator, order) of the rankings of items ranked by >= 2 annotators,
-        oldest first (so a dict keeps each annotator's latest)."""
-        sql = ("SELECT k.id, k.item_id, k.annotator_id, k.order_groups FROM rankings k "
-               "WHERE k.item_id IN (SELECT item_id FROM rankings GROUP BY item_id "
-               "                    HAVING count(DISTINCT annotator_id) >= 2)")
-        params = []
-        if round_id is not None:
-            sql += " AND k.item_id IN (SELECT id FROM items WHERE round_id = ?)"
-            params.append(round_id)
-        return [(r, i, a, [list(g) for g in o]) for r, i, a, o in self._rows(sql + " ORDER BY k.id", params)]
-
     def agreement(self, *, round_id: int | None = None) -> Agreement:
         """Pairwise agreement, Krippendorff's alpha (ordinal) and mean Kendall tau-b on items that
-        two or more annotators ranked."""
-        return Agreement(**agreement_summary(self.overlapping_rankings(round_id=round_id)))
+        two or more annotators ranked (of one round, or all)."""
+        self.refresh_agreement()
+        where, params = ("AND a.item_id IN (SELECT id FROM items WHERE round_id = ?)", [round_id]) \
+            if round_id is not None else ("", [])
+        return Agreement(**self.agreement_totals(where, params).summary())
 
     def position_bias(self) -> PositionBias:
-        """How often the response shown first was ranked best, against the no-bias rate."""
-        rows = self._rows("SELECT order_groups, display_order FROM rankings")
-        return PositionBias(**position_bias([(o, d) for o, d in rows]))
+        """How often the response shown first was ranked best, against the no-bias rate (the
+        definitions: store/agreement.py position_bias)."""
+        shown = "FROM rankings WHERE len(order_groups) > 0 AND len(display_order) > 0"
+        n, first, expected = self._one(
+            "SELECT count(*), avg(list_contains(order_groups[1], display_order[1])::INTEGER), "
+            f"avg(len(order_groups[1]) / len(flatten(order_groups))) {shown}")
+        by_position = [r[1] for r in self._rows(
+            "SELECT p, avg(list_contains(order_groups[1], display_order[p])::INTEGER) FROM "
+            f"(SELECT order_groups, display_order, unnest(range(1, len(display_order) + 1)) AS p {shown}) "
+            "GROUP BY p ORDER BY p")]
+        return PositionBias(rankings=n, first_shown_best_rate=first, expected_rate=expected,
+                            best_rate_by_position=by_position)
 
     # -- a team's quality: per item, per annotator, against gold
 
     def item_agreement(self, *, round_id: int | None = None, limit: int | None = None) -> list[ItemAgreement]:
         """Per item ranked by >= 2 annotators: how they agree, least agreement first (the items an
         admin should look at); gold items are marked."""
-        latest: dict[int, dict[int, tuple[int, list]]] = {}
-        for ranking_id, item_id, annotator_id, order in self._overlap_rows(round_id):
-            latest.setdefault(item_id, {})[annotator_id] = (ranking_id, order)
-        if not latest:
-            return []
-        info = {i: (p, r) for i, p, r in self._rows(
-            "SELECT id, prompt_id, round_id FROM items WHERE id IN (SELECT unnest(?))", [list(latest)])}
-        gold = {r[0] for r in self._rows("SELECT item_id FROM gold")}
-        out = []
-        for item_id, by in latest.items():
-            a = item_agreement({ann: order for ann, (_, order) in by.items()})
-            out.append(ItemAgreement(item_id=item_id, prompt_id=info[item_id][0], round_id=info[item_id][1],
-                                     annotators=a["annotators"], comparisons=a["comparisons"],
-                                     pairwise_agreement=a["pairwise_agreement"], kendall_tau=a["kendall_tau"],
-                                     rankings=sorted((rid, ann) for ann, (rid, _) in by.items()),
-                                     gold=item_id in gold))
-        out.sort(key=lambda x: (x.pairwise_agreement is None, x.pairwise_agreement or 0.0, -x.item_id))
-        return out if limit is None else out[:limit]
+        self.refresh_agreement()
+        rows = self._rows(
+            "SELECT a.item_id, i.prompt_id, i.round_id, a.annotators, a.comparisons, "
+            "CASE WHEN a.comparisons > 0 THEN a.agree / a.comparisons END AS pairwise, "
+            "CASE WHEN a.tau_n > 0 THEN a.tau_sum / a.tau_n END, "
+            "[(x.ranking_id, x.annotator_id) FOR x IN a.per_annotator], g.item_id IS NOT NULL "
+            "FROM agreement_items a JOIN items i ON i.id = a.item_id LEFT JOIN gold g ON g.item_id = a.item_id "
+            "WHERE a.annotators >= 2 AND (?::BIGINT IS NULL OR i.round_id = ?) "
+            "ORDER BY pairwise IS NULL, coalesce(pairwise, 0), a.item_id DESC LIMIT ?",
+            [round_id, round_id, limit])
+        return [ItemAgreement(item_id=r[0], prompt_id=r[1], round_id=r[2], annotators=r[3], comparisons=r[4],
+                              pairwise_agreement=r[5], kendall_tau=r[6], rankings=sorted(tuple(x) for x in r[7]),
+                              gold=r[8]) for r in rows]
 
     def annotator_agreement(self) -> list[AnnotatorAgreement]:
         """Every annotator with rankings: agreement with the others and with their majority,
         accuracy on gold items, and position bias (store/agreement.py has the definitions)."""
-        return self._annotator_rows(annotator_agreement(self.overlapping_rankings()), self._gold_scores())
+        return self._annotator_rows(self._per_annotator(), self._gold_scores())
+
+    def _per_annotator(self) -> dict[int, dict]:
+        """store.agreement.annotator_agreement's dict, summed from agreement_items."""
+        self.refresh_agreement()
+        rows = self._rows(
+            "SELECT x.annotator_id, count(*), sum(x.pairwise_agree), sum(x.pairwise_n), sum(x.majority_agree), "
+            "sum(x.majority_n) FROM (SELECT unnest(per_annotator) AS x FROM agreement_items WHERE annotators >= 2) "
+            "GROUP BY 1")
+        return {a: {"items": n, "pairwise": (int(pa), int(pn)), "majority": (int(ma), int(mn))}
+                for a, n, pa, pn, ma, mn in rows}
 
     def _annotator_rows(self, per: dict, gold: dict) -> list[AnnotatorAgreement]:
         """annotator_agreement's rows from the per-annotator agreement and the gold scores."""
@@ -160,7 +160,7 @@ class StatsMixin:
         the response pairs each share is over (gold's strict pairs; pairs the others' majority
         decided), so a caller can tell a measure from a handful of answers (store/quality.py
         needs MIN_COMPARISONS)."""
-        per, gold = annotator_agreement(self.overlapping_rankings()), self._gold_scores()
+        per, gold = self._per_annotator(), self._gold_scores()
         return {a.annotator_id: {"gold_accuracy": a.gold_accuracy, "majority_agreement": a.majority_agreement,
                                  "n_gold": a.gold_items, "n_ranked": a.rankings,
                                  "gold_comparisons": gold.get(a.annotator_id, (0.0, 0, 0))[1],

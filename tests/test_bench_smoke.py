@@ -59,5 +59,6 @@ def test_store_bench_measures_every_phase_on_a_small_store(tmp_path):
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT store "))
     fields = dict(kv.split("=") for kv in result.split()[2:])
     assert fields["rankings"] == "500" and fields["overlap"] == "2" and int(fields["pairs"]) > 500
-    assert all(float(fields[k]) > 0 for k in ("next_item_p95_ms", "team_s", "overview_s", "parquet_pairs_per_s"))
+    assert all(float(fields[k]) > 0 for k in ("next_item_p95_ms", "think_next_p95_ms", "think_submit_p95_ms", "team_s",
+                                              "overview_s", "parquet_pairs_per_s"))
     assert (tmp_path / "backup.duckdb").is_file()

@@ -138,3 +138,95 @@ def test_store_agreement_per_item_and_annotator_and_quality(store, store_annotat
                "n_gold": 1, "n_ranked": 2, "gold_comparisons": 3, "majority_comparisons": 3},
         b.id: {"gold_accuracy": pytest.approx(2 / 3), "majority_agreement": pytest.approx(2 / 3),
                "n_gold": 1, "n_ranked": 1, "gold_comparisons": 3, "majority_comparisons": 3}}
+
+
+def _reference(rankings) -> dict[int, dict[int, list]]:
+    """{item: {annotator: order}} of the latest ranking of each annotator, as the definitions read it."""
+    out: dict[int, dict[int, list]] = {}
+    for r in sorted(rankings, key=lambda r: r.id):
+        out.setdefault(r.item_id, {})[r.annotator_id] = r.order
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key] == (pytest.approx(b[key], rel=1e-9, abs=1e-12) if isinstance(b[key], float) else b[key]), key
+
+
+@pytest.mark.parametrize("replace", [True, False], ids=["rerankings-replace", "rerankings-kept"])
+def test_the_stored_agreement_follows_every_write_and_equals_the_definitions(tmp_path, replace):
+    """agreement_items (store/agreement_table.py) against the pure definitions over the rankings,
+    after random rankings, re-rankings, bulk saves and undos, read between writes (so the table is
+    brought up to date piece by piece), overall, per round, per item, per annotator, for an
+    export's subset of rankings, and position bias."""
+    import random
+
+    from store import RankingIn, Store
+
+    rng = random.Random(7)
+    store = Store(tmp_path / "agree.duckdb", replace_rerankings=replace)
+    rounds = [store.create_round(config={}).id for _ in range(2)]
+    items = [it for r in rounds for it in seed_items(store, 6, 4, round_id=r, prefix=f"round {r}")]
+    round_of = {it.item_id: r for r, chunk in zip(rounds, (items[:6], items[6:])) for it in chunk}
+    people = [store.add_annotator(f"p{i}", f"password-{i}").id for i in range(5)]
+
+    def order_of(it):
+        ids = list(it.response_ids)
+        rng.shuffle(ids)
+        groups, i = [], 0
+        while i < len(ids):
+            size = 2 if rng.random() < 0.25 and i + 1 < len(ids) else 1
+            groups.append(ids[i:i + size])
+            i += size
+        return groups, rng.sample(it.response_ids, len(it.response_ids))
+
+    for step in range(160):
+        roll, it, who = rng.random(), rng.choice(items), rng.choice(people)
+        if roll < 0.6:
+            order, shown = order_of(it)
+            store.save_ranking(who, it.prompt_id, order, display_order=shown)
+        elif roll < 0.8:
+            batch = []
+            for _ in range(4):
+                it = rng.choice(items)
+                order, shown = order_of(it)
+                batch.append(RankingIn(rng.choice(people), it.prompt_id, order, display_order=shown))
+            store.save_rankings_bulk(batch)
+        else:
+            store.undo_last_ranking(who)
+        if step % 20 != 19:
+            continue
+        rankings = store.list_rankings()
+        ref = _reference(rankings)
+        _same(vars(store.agreement()), agreement_summary(ref))
+        for r in rounds:
+            _same(vars(store.agreement(round_id=r)),
+                  agreement_summary({i: by for i, by in ref.items() if round_of[i] == r}))
+        stored = {x.item_id: x for x in store.item_agreement()}
+        assert stored.keys() == {i for i, by in ref.items() if len(by) >= 2}
+        for item_id, x in stored.items():
+            _same({k: getattr(x, k) for k in ("annotators", "comparisons", "pairwise_agreement", "kendall_tau")},
+                  item_agreement(ref[item_id]))
+            latest = {r.annotator_id: r.id for r in sorted(rankings, key=lambda r: r.id) if r.item_id == item_id}
+            assert x.rankings == sorted((rid, a) for a, rid in latest.items())
+        least = [x.pairwise_agreement for x in store.item_agreement(limit=3)]
+        assert least == sorted(least, key=lambda v: (v is None, v or 0.0))
+        per = annotator_agreement(ref)
+        for row in store.annotator_agreement():
+            mine = per.get(row.annotator_id, {"items": 0, "pairwise": (0, 0), "majority": (0, 0)})
+            assert row.shared_items == mine["items"]
+            assert row.pairwise_agreement == (mine["pairwise"][0] / mine["pairwise"][1] if mine["pairwise"][1]
+                                              else None)
+            assert row.majority_agreement == (mine["majority"][0] / mine["majority"][1] if mine["majority"][1]
+                                              else None)
+        _same(vars(store.position_bias()), position_bias([(r.order, r.display_order) for r in rankings]))
+        # an export of some of the rankings: the stored rows where they are whole, computed where not
+        kept = [r for r in rankings if rng.random() < 0.7]
+        cur = store.cursor()
+        cur.execute("CREATE OR REPLACE TEMP TABLE _export_rankings AS SELECT id AS ranking_id, item_id, annotator_id, "
+                    "order_groups FROM rankings WHERE id IN (SELECT unnest(?))", [[r.id for r in kept]])
+        _same(store.export_agreement(cur), agreement_summary(_reference(kept)))
+        cur.execute("DROP TABLE _export_rankings")
+    assert store.refresh_agreement() == 0  # nothing changed since the last read
+    store.close()
