@@ -26,6 +26,10 @@ from store.migrations import migrate
 from store.queue_index import read_queue_index
 
 DEFAULT_DB = Path("data") / "rlhf.duckdb"
+DEFAULT_MEMORY_LIMIT = "2GB"
+"""DuckDB's memory for one store (its own default is 80% of the machine's): the training jobs
+beside the app need the rest. Beyond it DuckDB spills sorts and joins to `<file>.tmp`; an export of
+a million rankings (bench/store_bench.py) stays under it."""
 
 
 def default_db_path() -> Path:
@@ -46,13 +50,14 @@ class StoreBase:
         *,
         replace_rerankings: bool = True,
         threads: int | None = None,
-        memory_limit: str | None = None,
+        memory_limit: str | None = DEFAULT_MEMORY_LIMIT,
     ):
         """Open or create the database at `path` (default: default_db_path()) and migrate it.
 
         replace_rerankings: when an annotator ranks an item they ranked before, the new ranking
             replaces the old one and its pairs (True), or both are kept (False).
-        threads, memory_limit: DuckDB settings (None = DuckDB's defaults).
+        threads, memory_limit: DuckDB settings (None = DuckDB's defaults; the memory limit's is
+            DEFAULT_MEMORY_LIMIT).
         Raises StoreLockedError when another process has the file open.
         """
         self.path = Path(path) if path is not None else default_db_path()
