@@ -79,26 +79,31 @@ class AgreementTableMixin:
 
     def agreement_totals(self, where: str = "", params=None, cur=None) -> Totals:
         """The sums over the rows of agreement_items of items ranked by two or more annotators that
-        `where` also keeps (SQL on the alias `a`, starting with AND). Refresh first."""
+        `where` also keeps (SQL on the alias `a`, starting with AND), in one statement (one
+        snapshot). Refresh first."""
         cur = cur or self._cur()
-        items, agree, comparisons, tau_sum, tau_n = cur.execute(
+        items, agree, comparisons, tau_sum, tau_n, o = cur.execute(
+            f"WITH a AS (SELECT * FROM agreement_items a WHERE a.annotators >= 2 {where}), "
+            "o AS (SELECT x.c, x.k, sum(x.w) AS w FROM (SELECT unnest(coincidence) AS x FROM a) GROUP BY ALL) "
             "SELECT count(*), coalesce(sum(agree), 0), coalesce(sum(comparisons), 0), coalesce(sum(tau_sum), 0), "
-            f"coalesce(sum(tau_n), 0) FROM agreement_items a WHERE a.annotators >= 2 {where}", params or []).fetchall()[0]
-        o = dict(((c, k), w) for c, k, w in cur.execute(
-            "SELECT x.c, x.k, sum(x.w) FROM (SELECT unnest(a.coincidence) AS x FROM agreement_items a "
-            f"WHERE a.annotators >= 2 {where}) GROUP BY ALL", params or []).fetchall())
-        return Totals(int(items), int(agree), int(comparisons), float(tau_sum), int(tau_n), defaultdict(float, o))
+            "coalesce(sum(tau_n), 0), (SELECT list((c, k, w)) FROM o) FROM a", params or []).fetchall()[0]
+        return Totals(int(items), int(agree), int(comparisons), float(tau_sum), int(tau_n),
+                      defaultdict(float, {(c, k): w for c, k, w in o or []}))
 
     def export_agreement(self, cur) -> dict:
         """agreement_summary of the rankings in an export's _export_rankings (on `cur`): from
         agreement_items for the items whose exported rankings are the ones it holds (an export of
         whole items, the usual case), computed from the rankings for the others."""
         self.refresh_agreement()
-        stored, computed = [], []
-        for item_id, same in cur.execute(_EXPORTED_AS_STORED).fetchall():
-            (stored if same else computed).append(item_id)
-        with registered(cur, "_stored_items", pa.table({"item_id": pa.array(stored, pa.int64())})):
-            totals = self.agreement_totals("AND a.item_id IN (SELECT item_id FROM _stored_items)", cur=cur)
+        cur.execute("BEGIN TRANSACTION")  # which items are whole and their sums: one snapshot
+        try:
+            stored, computed = [], []
+            for item_id, same in cur.execute(_EXPORTED_AS_STORED).fetchall():
+                (stored if same else computed).append(item_id)
+            with registered(cur, "_stored_items", pa.table({"item_id": pa.array(stored, pa.int64())})):
+                totals = self.agreement_totals("AND a.item_id IN (SELECT item_id FROM _stored_items)", cur=cur)
+        finally:
+            cur.execute("COMMIT")
         latest: dict[int, dict] = defaultdict(dict)
         for item_id, annotator_id, order in cur.execute(
                 "SELECT item_id, annotator_id, order_groups FROM _export_rankings "
@@ -108,7 +113,6 @@ class AgreementTableMixin:
             if len(by_annotator) >= 2:
                 totals.add(item_stats(by_annotator))
         return totals.summary()
-
 
 def _item_row(item_id: int, ranked: list[tuple[int, int, list]]) -> tuple:
     """agreement_items' row of an item from its rankings (annotator, ranking id, order), oldest first."""

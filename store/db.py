@@ -27,9 +27,10 @@ from store.queue_index import read_queue_index
 
 DEFAULT_DB = Path("data") / "rlhf.duckdb"
 DEFAULT_MEMORY_LIMIT = "2GB"
-"""DuckDB's memory for one store (its own default is 80% of the machine's): the training jobs
-beside the app need the rest. Beyond it DuckDB spills sorts and joins to `<file>.tmp`; an export of
-a million rankings (bench/store_bench.py) stays under it."""
+"""DuckDB's memory for one store unless $RLHF_LOOP_DB_MEMORY says otherwise (DuckDB's own default
+is 80% of the machine's): the training jobs beside the app need the rest. Beyond it DuckDB spills
+sorts and joins to `<file>.tmp`; an export of a million rankings (bench/store_bench.py) stays
+under it."""
 
 
 def default_db_path() -> Path:
@@ -50,14 +51,14 @@ class StoreBase:
         *,
         replace_rerankings: bool = True,
         threads: int | None = None,
-        memory_limit: str | None = DEFAULT_MEMORY_LIMIT,
+        memory_limit: str | None = None,
     ):
         """Open or create the database at `path` (default: default_db_path()) and migrate it.
 
         replace_rerankings: when an annotator ranks an item they ranked before, the new ranking
             replaces the old one and its pairs (True), or both are kept (False).
-        threads, memory_limit: DuckDB settings (None = DuckDB's defaults; the memory limit's is
-            DEFAULT_MEMORY_LIMIT).
+        threads: DuckDB's threads (None: its default, one per core).
+        memory_limit: DuckDB's memory, e.g. "8GB" (None: $RLHF_LOOP_DB_MEMORY, else DEFAULT_MEMORY_LIMIT).
         Raises StoreLockedError when another process has the file open.
         """
         self.path = Path(path) if path is not None else default_db_path()
@@ -68,8 +69,7 @@ class StoreBase:
         config = {}
         if threads:
             config["threads"] = int(threads)
-        if memory_limit:
-            config["memory_limit"] = memory_limit
+        config["memory_limit"] = memory_limit or os.environ.get("RLHF_LOOP_DB_MEMORY") or DEFAULT_MEMORY_LIMIT
         self._con = connect(self.path, config)
         self._shared = _Shared.acquire(self.path)
         self._local = threading.local()

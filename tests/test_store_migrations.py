@@ -5,6 +5,7 @@ import pytest
 
 from store import Store
 from store.migrations import MIGRATIONS, MigrationError, applied_migrations, migrate
+from tests.fixtures_store import seed_items
 
 TABLES = {"settings", "rounds", "prompts", "model_versions", "items", "responses", "annotators",
           "rankings", "pairs", "leases", "skips", "flags", "runs", "metrics", "snapshots",
@@ -83,3 +84,42 @@ def test_a_store_made_before_external_versions_and_strength_keeps_its_rows(tmp_p
     with pytest.raises(Exception, match="already exists"):
         s.register_model_version("external", "old-policy")  # names stay unique
     s.close()
+
+
+def test_a_store_from_before_the_agreement_table_reports_its_agreement(tmp_path):
+    """0008 adds agreement_items empty: the first read fills it from the rankings already stored."""
+    path = tmp_path / "old.duckdb"
+    s = Store(path)
+    (item,) = seed_items(s, 1, 3)
+    a, b = (s.add_annotator(f"old{i}", f"password-{i}").id for i in range(2))
+    x1, x2, x3 = item.response_ids
+    s.save_ranking(a, item.prompt_id, [x1, x2, x3])
+    s.save_ranking(b, item.prompt_id, [x2, x1, x3])
+    s.close()
+    con = duckdb.connect(str(path))  # as a store of the previous version left it
+    con.execute("DROP TABLE agreement_items")
+    con.execute("DELETE FROM schema_migrations WHERE name = '0008_agreement_items'")
+    con.close()
+    s = Store(path)
+    assert s.migrations_applied == ["0008_agreement_items"]
+    ag = s.agreement()
+    assert (ag.items, ag.comparisons, ag.pairwise_agreement) == (1, 3, pytest.approx(2 / 3))
+    assert s.refresh_agreement() == 0
+    s.close()
+
+
+def test_duckdb_memory_is_bounded_by_default_and_set_by_the_environment(tmp_path, monkeypatch):
+    """store/db.py DEFAULT_MEMORY_LIMIT (DuckDB's own default is 80% of the machine), or
+    $RLHF_LOOP_DB_MEMORY, or the Store's argument."""
+    def limit(**kw):
+        s = Store(tmp_path / f"mem{len(list(tmp_path.iterdir()))}.duckdb", **kw)
+        try:
+            return s.cursor().execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        finally:
+            s.close()
+
+    monkeypatch.delenv("RLHF_LOOP_DB_MEMORY", raising=False)
+    assert limit() == "1.8 GiB"  # 2 GB
+    monkeypatch.setenv("RLHF_LOOP_DB_MEMORY", "3GB")
+    assert limit() == "2.7 GiB"
+    assert limit(memory_limit="1GB") == "953.6 MiB"
