@@ -22,6 +22,8 @@ import re
 CHAT_ROLES = ("system", "user", "assistant")
 ASSISTANT_MARK = "\n\nAssistant:"
 _TURN = re.compile(r"\n\n(System|Human|Assistant):")
+TURN_START = "^\n\n(System|Human|Assistant):"
+"""_TURN at the start of a text, as a regular expression for SQL (DuckDB's RE2): an HH transcript."""
 _ROLES = {"System": "system", "Human": "user", "Assistant": "assistant"}
 
 

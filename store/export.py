@@ -189,7 +189,8 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
             remove(tmp)
         raise
     finally:
-        for table in ("_export", "_export_sel", "_export_rankings", "_export_rankings_sel", "_export_prompts"):
+        for table in ("_export", "_export_sel", "_export_rankings", "_export_rankings_sel", "_export_prompts",
+                      "_test_ids"):
             cur.execute(f"DROP TABLE IF EXISTS {table}")
     # 3. move into place, hash, record; then the card and the manifest
     for final, tmp in staging.items():

@@ -95,19 +95,14 @@ def _where(cond: list[tuple[str, list, bool]], rankings: bool) -> tuple[str, lis
     return " WHERE " + " AND ".join(sql for sql, _ in kept), [p for _, params in kept for p in params]
 
 
-def _test_prompts(prompt_ids: list[int], test_fraction: float, seed: int) -> list[int]:
-    """The prompts whose hash of (seed, prompt id), as a number in [0, 1), is below test_fraction
-    (module docstring): each prompt's side is its own, whatever other prompts there are. None
-    when that would be every prompt."""
-    if test_fraction <= 0:
-        return []
-    test = [pid for pid in prompt_ids if held_out_hash(pid, seed) < test_fraction]
-    return test if len(test) < len(prompt_ids) else []
-
-
 def held_out_hash(prompt_id: int, seed: int) -> float:
     """sha256(seed:prompt_id) as a number in [0, 1): uniform, and fixed for a prompt and seed."""
     return int(hashlib.sha256(f"{seed}:{prompt_id}".encode()).hexdigest()[:15], 16) / 16 ** 15
+
+
+HELD_OUT_SQL = f"('0x' || sha256($seed::VARCHAR || ':' || prompt_id::VARCHAR)[1:15])::BIGINT / {16 ** 15}.0"
+"""held_out_hash in DuckDB's SQL (of a column prompt_id and a parameter $seed), the same float:
+the 60-bit integer rounds to a double as Python's true division by a power of two does."""
 
 
 def quality_filter(store, cond: list, recorded: dict, min_quality: float | None,
@@ -135,13 +130,16 @@ def select(cur, cond: list, test_fraction: float, seed: int, include_empty: bool
     where, params = _where(cond, rankings=True)
     cur.execute("CREATE OR REPLACE TEMP TABLE _export_rankings_sel AS " + _SELECTED_RANKINGS + where, params)
     left_out_empty = 0 if include_empty else _drop_blank_pairs(cur)
-    prompt_ids = [r[0] for r in cur.execute("SELECT DISTINCT prompt_id FROM _export_sel").fetchall()]
-    test = _test_prompts(prompt_ids, test_fraction, seed)
-    with registered(cur, "_test_ids", pa.table({"prompt_id": pa.array(test, pa.int64())})):
-        for table in ("_export", "_export_rankings"):
-            cur.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS SELECT s.*, CASE WHEN t.prompt_id IS NULL "
-                        f"THEN 'train' ELSE 'test' END AS split FROM {table}_sel s "
-                        "LEFT JOIN _test_ids t ON t.prompt_id = s.prompt_id")
+    # whole prompts to the test split, each by its own hash; none when that would be every prompt
+    cur.execute("CREATE OR REPLACE TEMP TABLE _test_ids AS SELECT DISTINCT prompt_id FROM _export_sel "
+                f"WHERE {HELD_OUT_SQL} < $fraction", {"seed": int(seed), "fraction": float(test_fraction)})
+    if cur.execute("SELECT (SELECT count(*) FROM _test_ids) = (SELECT count(DISTINCT prompt_id) FROM _export_sel)"
+                   ).fetchall()[0][0]:
+        cur.execute("DELETE FROM _test_ids")
+    for table in ("_export", "_export_rankings"):
+        cur.execute(f"CREATE OR REPLACE TEMP TABLE {table} AS SELECT s.*, CASE WHEN t.prompt_id IS NULL "
+                    f"THEN 'train' ELSE 'test' END AS split FROM {table}_sel s "
+                    "LEFT JOIN _test_ids t ON t.prompt_id = s.prompt_id")
     if weights is not None:  # each pair its annotator's weight; imported pairs and the unmeasured 1
         _add_weights(cur, weights)
     counts = dict(zip(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from formats.chat import prompt_messages
+from formats.chat import TURN_START, prompt_messages
 from store.db import registered
 from store.records import HUMAN_EDIT, STRENGTHS
 
@@ -115,10 +115,13 @@ def write_demonstrations(cur, path: Path, trl_format: str) -> int:
 
 
 def prompts_table(cur, trl_format: str) -> None:
-    """_export_prompts(prompt_id, prompt): every exported prompt as chat messages (conversational)."""
+    """_export_prompts(prompt_id, prompt): every exported prompt as chat messages (conversational;
+    formats/chat.py prompt_messages). A prompt of one plain text (no stored messages, not an HH
+    transcript) is one user message, written by DuckDB; the others go through prompt_messages."""
     ids = "SELECT prompt_id FROM _export UNION SELECT prompt_id FROM _export_rankings"
+    plain = f"messages IS NULL AND NOT regexp_matches(ltrim(text, ' '), '{TURN_START}')"
     rows = [] if trl_format != "conversational" else cur.execute(
-        f"SELECT id, text, messages FROM prompts WHERE id IN ({ids})").fetchall()
+        f"SELECT id, text, messages FROM prompts WHERE id IN ({ids}) AND NOT ({plain})").fetchall()
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
     table = pa.table({
         "prompt_id": pa.array([r[0] for r in rows], pa.int64()),
@@ -127,6 +130,9 @@ def prompts_table(cur, trl_format: str) -> None:
     })
     with registered(cur, "_prompts_in", table):
         cur.execute("CREATE OR REPLACE TEMP TABLE _export_prompts AS SELECT * FROM _prompts_in")
+    if trl_format == "conversational":
+        cur.execute("INSERT INTO _export_prompts SELECT id, [{'role': 'user', 'content': text}] FROM prompts "
+                    f"WHERE id IN ({ids}) AND {plain}")
 
 
 def write_data(cur, pairs: Path, rankings: Path, fmt: str, trl_format: str, margin_column: bool,

@@ -119,7 +119,9 @@ def test_duckdb_memory_is_bounded_by_default_and_set_by_the_environment(tmp_path
             s.close()
 
     monkeypatch.delenv("RLHF_LOOP_DB_MEMORY", raising=False)
-    assert limit() == "1.8 GiB"  # 2 GB
+    quarter = duckdb.connect(config={"memory_limit": "25%"})
+    assert limit() == quarter.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]  # of the machine
+    quarter.close()
     monkeypatch.setenv("RLHF_LOOP_DB_MEMORY", "3GB")
     assert limit() == "2.7 GiB"
     assert limit(memory_limit="1GB") == "953.6 MiB"
