@@ -27,6 +27,8 @@ from annotate.render import render_shortcuts
 from annotate.timing import TimingMiddleware
 
 STATIC = Path(__file__).resolve().parent / "static"
+QUEUE_STATUS_SECONDS = 2.0
+"""How often Gradio tells the events waiting in its queue their place (see launch)."""
 
 # IBM Plex Sans ships with Gradio (served locally): nothing is fetched from a font CDN.
 THEME = gr.themes.Soft(
@@ -169,7 +171,10 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
     # (read when the queue is made) makes it compute it never.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
     # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
-    demo.queue(default_concurrency_limit=16)
+    # Gradio's default sends every waiting event its place in the queue whenever a job starts: with
+    # n waiting that is n messages per job, n^2 per round of them, and at 100 annotators the
+    # messages outgrew the work (bench/ui_bench.py). Places go out every QUEUE_STATUS_SECONDS instead.
+    demo.queue(default_concurrency_limit=16, status_update_rate=QUEUE_STATUS_SECONDS)
     # Gradio's sign-in tokens, aged and kept in the store (a restart signs no one out), with the
     # store's own cookie id; SessionsMiddleware installs them before the first request is served
     ctx.sessions = accounts.Sessions(ctx.session_hours * 3600.0, store=ctx.store)

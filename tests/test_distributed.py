@@ -389,11 +389,15 @@ def test_distributed_fsdp_reward_training_equals_one_process_and_resumes(tmp_pat
     w_one, w_two = load_file(str(one / "checkpoint" / "model.safetensors")), load_file(
         str(two / "checkpoint" / "model.safetensors"))
     assert w_one.keys() == w_two.keys() and len(w_one) > 10
+    # Adam divides each gradient by its running size, so a weight whose gradient is near zero moves
+    # by up to lr whichever way rounding tips it: summed in another order (two shards), such a weight
+    # can land a small share of lr apart (1.75e-5 seen at lr 1e-3 on one CPU). Gradients not averaged
+    # over the ranks would put most weights ~lr apart.
     for key in w_one:
-        torch.testing.assert_close(w_two[key], w_one[key], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w_two[key], w_one[key], rtol=1e-4, atol=1e-4)
     head_one = load_file(str(one / "checkpoint" / "scalar_head.safetensors"))
     head_two = load_file(str(two / "checkpoint" / "scalar_head.safetensors"))
-    torch.testing.assert_close(head_two["weight"], head_one["weight"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(head_two["weight"], head_one["weight"], rtol=1e-4, atol=1e-4)
 
     # as a cancel at step 3 of 5 leaves the run directory: a checkpoint, no report, status 'cancelled'
     (two / "eval_report.json").unlink()

@@ -80,3 +80,24 @@ def test_gradio_does_not_recompute_its_monitoring_summary_per_event(tmp_path, mo
     finally:
         store.close()
     assert built == []
+
+
+
+def test_gradio_tells_waiting_events_their_place_on_a_timer_not_at_every_job(tmp_path):
+    """With Gradio's default ('auto') every job start sends each waiting event its place: n
+    messages per job with n waiting, the cost that sank 100 annotators (docs/results/
+    ui_round_trip.md). The app's queue sends them every QUEUE_STATUS_SECONDS instead."""
+    from annotate.context import AppContext
+    from annotate.ui import QUEUE_STATUS_SECONDS, build_ui, launch
+    from store import Store
+
+    store = Store(tmp_path / "rlhf.duckdb")
+    ctx = AppContext(store=store, auth=False, data_dir=tmp_path)
+    demo = build_ui(ctx)
+    try:
+        launch(demo, ctx, host="127.0.0.1", port=free_port(), prevent_thread_lock=True, quiet=True)
+        assert demo._queue.live_updates is False
+        assert demo._queue.update_intervals == QUEUE_STATUS_SECONDS
+    finally:
+        demo.close()
+        store.close()
