@@ -2,6 +2,9 @@
 
 Input everywhere: {item_id: {annotator_id: order}}, where order is a list of tie groups of
 response ids, best first (see store/pairs.py). Only items with two or more annotators count.
+Every figure but position bias and gold is a sum over items: `item_stats` gives one item's share
+(ItemStats), `Totals` adds them up and turns the sums into the figures, so the store can keep the
+shares per item (store/agreement_table.py) and add up only the ones a question covers.
 
 - Pairwise agreement: over every (annotator pair, item, response pair) where *both* annotators
   gave a strict preference, the share where they preferred the same response. Pairs that either
