@@ -57,11 +57,17 @@ class AgreementTableMixin:
 
     def refresh_agreement(self) -> int:
         """Recompute the rows of the items whose rankings changed since the last refresh (all of
-        them the first time); returns how many items were recomputed."""
+        them the first time); returns how many items were recomputed. The whole table's signature
+        (count, newest id) says first whether anything changed at all: a page that reads the
+        agreement four times pays for one comparison per item, not four."""
         with self._shared.agreement_lock:
+            whole = self._one("SELECT count(*), max(id) FROM rankings")
+            if whole == self._shared.agreement_signature:
+                return 0
             changed = [r[0] for r in self._rows(_CHANGED)]
             for start in range(0, len(changed), CHUNK_ITEMS):
                 self._recompute(changed[start:start + CHUNK_ITEMS])
+            self._shared.agreement_signature = whole  # the table holds at least this state
         return len(changed)
 
     def _recompute(self, item_ids: list[int]) -> None:

@@ -329,6 +329,7 @@ class _Shared:
         self.refs = 0
         self.queue = None  # QueueIndex, built on first use
         self.agreement_lock = threading.Lock()  # one refresh of agreement_items at a time
+        self.agreement_signature = None  # (count, newest id) of the rankings it was last brought up to
         self.settings: dict[str, str | None] = {}  # key -> JSON text (None: not set)
         self.lease_gc_at = None
         # Bumped after every committed account change (role, password, active): callers that
