@@ -131,8 +131,9 @@ def select(cur, cond: list, test_fraction: float, seed: int, include_empty: bool
     cur.execute("CREATE OR REPLACE TEMP TABLE _export_rankings_sel AS " + _SELECTED_RANKINGS + where, params)
     left_out_empty = 0 if include_empty else _drop_blank_pairs(cur)
     # whole prompts to the test split, each by its own hash; none when that would be every prompt
-    cur.execute("CREATE OR REPLACE TEMP TABLE _test_ids AS SELECT DISTINCT prompt_id FROM _export_sel "
-                f"WHERE {HELD_OUT_SQL} < $fraction", {"seed": int(seed), "fraction": float(test_fraction)})
+    cur.execute("CREATE OR REPLACE TEMP TABLE _test_ids AS SELECT prompt_id FROM "
+                f"(SELECT DISTINCT prompt_id FROM _export_sel) WHERE {HELD_OUT_SQL} < $fraction",
+                {"seed": int(seed), "fraction": float(test_fraction)})
     if cur.execute("SELECT (SELECT count(*) FROM _test_ids) = (SELECT count(DISTINCT prompt_id) FROM _export_sel)"
                    ).fetchall()[0][0]:
         cur.execute("DELETE FROM _test_ids")
