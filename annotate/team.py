@@ -137,14 +137,15 @@ def team_tables(ctx: AppContext, request: gr.Request):
     summary = (f"**{ag.items}** item{'s' if ag.items != 1 else ''} ranked by 2+ annotators · pairwise agreement "
                f"**{_fmt(ag.pairwise_agreement)}** · Krippendorff's α **{_fmt(ag.krippendorff_alpha)}** · "
                f"Kendall's τ **{_fmt(ag.kendall_tau)}** · {len(ctx.store.gold_items())} gold items")
-    quality = {q["annotator_id"]: q for q in annotator_quality_table(ctx.store)}
+    agreement = ctx.store.annotator_agreement()
+    quality = {q["annotator_id"]: q for q in annotator_quality_table(ctx.store, agreement=agreement)}
     people = pd.DataFrame([{
         "annotator": a.name, "rankings": a.rankings, "shared items": a.shared_items,
         "agrees with others": _fmt(a.pairwise_agreement), "agrees with majority": _fmt(a.majority_agreement),
         "gold items": a.gold_items, "gold accuracy": _fmt(a.gold_accuracy),
         "quality (exports)": _quality(quality.get(a.annotator_id)),
         "first shown ranked best": _fmt(a.first_shown_best_rate), "without position bias": _fmt(a.expected_first_rate),
-    } for a in ctx.store.annotator_agreement()], columns=[
+    } for a in agreement], columns=[
         "annotator", "rankings", "shared items", "agrees with others", "agrees with majority", "gold items",
         "gold accuracy", "quality (exports)", "first shown ranked best", "without position bias"])
     items = ctx.store.item_agreement(limit=ITEMS_SHOWN)

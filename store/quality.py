@@ -1,6 +1,6 @@
 """Annotator quality, and the weight of an annotator's pairs in an export (store/export.py).
 
-An annotator's quality q (from Store.annotator_quality) is their accuracy on gold items when it
+An annotator's quality q (from Store.annotator_agreement's rows) is their accuracy on gold items when it
 rests on at least MIN_COMPARISONS response pairs, else their agreement with the majority of the
 others on shared items when that does; annotators with neither are not measured yet. Below
 MIN_COMPARISONS a share says little (one gold item of two responses, right or wrong, is 1.0 or
@@ -33,9 +33,10 @@ def quality_weight(quality: float | None) -> float:
     return min(1.0, max(MIN_WEIGHT, 2.0 * float(quality) - 1.0))
 
 
-def annotator_quality_table(store, min_quality: float | None = None) -> list[dict]:
+def annotator_quality_table(store, min_quality: float | None = None, agreement=None) -> list[dict]:
     """Every annotator with rankings: {annotator_id, annotator, quality, measured_by ('gold',
     'majority' or None), n_gold, comparisons, weight, excluded (measured below min_quality)}.
+    `agreement`: the store's annotator_agreement() rows when the caller has them already.
 
     Gold measures first, the majority second, each only from MIN_COMPARISONS response pairs up;
     with fewer, quality and measured_by are None (kept, weight 1) and `comparisons` says how few
@@ -43,16 +44,16 @@ def annotator_quality_table(store, min_quality: float | None = None) -> list[dic
     if min_quality is not None and not 0.0 <= float(min_quality) <= 1.0:
         raise InvalidRequest(f"min_quality must be between 0 and 1, not {min_quality}")
     rows = []
-    for annotator_id, q in sorted(store.annotator_quality().items()):
-        if q["gold_comparisons"] >= MIN_COMPARISONS:
-            measured_by, quality, comparisons = "gold", q["gold_accuracy"], q["gold_comparisons"]
-        elif q["majority_comparisons"] >= MIN_COMPARISONS:
-            measured_by, quality, comparisons = "majority", q["majority_agreement"], q["majority_comparisons"]
+    for a in sorted(store.annotator_agreement() if agreement is None else agreement, key=lambda a: a.annotator_id):
+        if a.gold_comparisons >= MIN_COMPARISONS:
+            measured_by, quality, comparisons = "gold", a.gold_accuracy, a.gold_comparisons
+        elif a.majority_comparisons >= MIN_COMPARISONS:
+            measured_by, quality, comparisons = "majority", a.majority_agreement, a.majority_comparisons
         else:
             measured_by, quality = None, None
-            comparisons = q["gold_comparisons"] if q["n_gold"] else q["majority_comparisons"]
-        rows.append({"annotator_id": annotator_id, "annotator": store.get_annotator(annotator_id).name,
-                     "quality": quality, "measured_by": measured_by, "n_gold": q["n_gold"],
+            comparisons = a.gold_comparisons if a.gold_items else a.majority_comparisons
+        rows.append({"annotator_id": a.annotator_id, "annotator": a.name,
+                     "quality": quality, "measured_by": measured_by, "n_gold": a.gold_items,
                      "comparisons": comparisons, "weight": quality_weight(quality),
                      "excluded": min_quality is not None and quality is not None and quality < float(min_quality)})
     return rows

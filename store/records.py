@@ -376,6 +376,10 @@ class AnnotatorAgreement:
     """Position bias: how often the response shown first was in their top group ..."""
     expected_first_rate: float | None
     """... against the same rate if position did not matter."""
+    gold_comparisons: int = 0
+    """The gold's strict response pairs gold_accuracy is over ..."""
+    majority_comparisons: int = 0
+    """... and the pairs the others' majority decided that majority_agreement is over."""
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,8 @@ class StatsMixin:
                 annotator_id=annotator_id, name=name, rankings=n, shared_items=mine["items"],
                 pairwise_agreement=_share(*mine["pairwise"]), majority_agreement=_share(*mine["majority"]),
                 gold_items=n_gold, gold_accuracy=_share(credit, pairs),
-                first_shown_best_rate=first_best, expected_first_rate=expected))
+                first_shown_best_rate=first_best, expected_first_rate=expected,
+                gold_comparisons=pairs, majority_comparisons=mine["majority"][1]))
         return out
 
     def annotator_quality(self) -> dict[int, dict]:
@@ -160,12 +161,11 @@ class StatsMixin:
         the response pairs each share is over (gold's strict pairs; pairs the others' majority
         decided), so a caller can tell a measure from a handful of answers (store/quality.py
         needs MIN_COMPARISONS)."""
-        per, gold = self._per_annotator(), self._gold_scores()
         return {a.annotator_id: {"gold_accuracy": a.gold_accuracy, "majority_agreement": a.majority_agreement,
                                  "n_gold": a.gold_items, "n_ranked": a.rankings,
-                                 "gold_comparisons": gold.get(a.annotator_id, (0.0, 0, 0))[1],
-                                 "majority_comparisons": per.get(a.annotator_id, {"majority": (0, 0)})["majority"][1]}
-                for a in self._annotator_rows(per, gold)}
+                                 "gold_comparisons": a.gold_comparisons,
+                                 "majority_comparisons": a.majority_comparisons}
+                for a in self.annotator_agreement()}
 
     def _gold_scores(self) -> dict[int, tuple[float, int, int]]:
         """{annotator: (credit, gold pairs, gold items)} over each annotator's latest ranking of
