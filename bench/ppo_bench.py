@@ -5,7 +5,7 @@ and our RLOO (the same trainer without a critic, `--advantage-estimator rloo`) b
     python bench/ppo_bench.py --quick    # batch 8, 32 new tokens, 1 epoch, 3 steps, 3 reps (about 10 minutes)
     python bench/ppo_bench.py --device cuda --model FOLDER --json out.json   # bf16 on a GPU (bench/gpu_check.py)
     python bench/ppo_bench.py --dtype bf16 ...  # bf16 autocast on the CPU: both sides' dtype handling, no GPU
-    python bench/ppo_bench.py --quick --sides ours,rloo,trl   # our RLOO as a third side
+    python bench/ppo_bench.py --quick --sides ours,rloo,trl,trl_rloo   # our RLOO and TRL's RLOOTrainer too
 
 Each run is its own child process (so each peak-memory figure is its own), with the same: policy
 (the default SmolLM2-135M-Instruct or --model, LoRA r16 on all linear layers), reward model (the
@@ -42,7 +42,10 @@ convention, not a count of the kernels run.
 The `rloo` side is ours with `advantage_estimator="rloo"` and every other setting the same: the
 same episodes per step (batch / 4 prompts, each sampled 4 times), no critic loaded or trained (its
 update FLOPs are the policy's alone, so its TFLOP/s figure counts the critic's FLOPs it does not
-spend and is left out). TRL's RLOOTrainer is not a side yet.
+spend and is left out). The `trl_rloo` side is TRL's RLOOTrainer on the same work as our `rloo`
+side (`run_trl_rloo`: its LoRA, reference, KL coefficient, samples per prompt, optimiser steps per
+generation batch and epochs set to ours); a step is one generation batch, its update from the end of
+TRL's generation and scoring to the batch's last optimiser step.
 
 Figures: episodes/s, seconds per step split into rollout and update, peak memory (RSS on CPU; max
 allocated on CUDA) and achieved update TFLOP/s. --json is rewritten after every run, so a bench
@@ -278,8 +281,7 @@ def run_trl(s: dict, inputs: dict) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl.experimental.ppo import PPOConfig as TRLConfig
     from trl.experimental.ppo import PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trl_ppo
@@ -299,14 +301,9 @@ def run_trl(s: dict, inputs: dict) -> dict:
     eval_ds = Dataset.from_dict({"input_ids": ids[: s["batch_size"]]})
 
     policy = AutoModelForCausalLM.from_pretrained(inputs["base"], dtype=low)
-    head = load_file(str(Path(inputs["reward_model"]) / "scalar_head.safetensors"))
 
     def scalar(dtype):
-        model = AutoModelForSequenceClassification.from_pretrained(inputs["reward_model"], num_labels=1, dtype=dtype)
-        with torch.no_grad():
-            model.score.weight.copy_(head["weight"].to(dtype))  # our head's bias is 0 (unnormalised RM)
-        model.config.pad_token_id = tokenizer.pad_token_id
-        return model
+        return trl_reward_model(inputs["reward_model"], dtype, tokenizer)
 
     reward_model = scalar(low)
     if s["critic"] == "lora":  # TRL's peft_config covers the policy only: the value model is wrapped here
@@ -371,7 +368,99 @@ def run_trl(s: dict, inputs: dict) -> dict:
     return out
 
 
+def run_trl_rloo(s: dict, inputs: dict) -> dict:
+    """TRL's RLOOTrainer on our RLOO side's work: the same prompts (our chat template and system
+    prompt, as conversations), k = 4 samples per prompt, episodes per step, minibatches (TRL's
+    optimiser steps per generation), epochs (TRL's num_iterations), response length, temperature,
+    KL coefficient (TRL's beta: the sequence KL subtracted from the reward, as ours), LoRA and
+    reference (the adapter disabled), reward model and threads. TRL has no missing-EOS penalty."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    from pipeline.config import PPOConfig as OurConfig
+    from pipeline.config import group_size
+    from pipeline.models import load_tokenizer, pick_dtype
+    from pipeline.text import read_prompts, to_messages, with_system_prompt
+
+    low = pick_dtype(s["dtype"], torch.device(s["device"]))
+    tokenizer = load_tokenizer(inputs["base"])
+    tokenizer.pad_token = "<|endoftext|>"  # as the TRL PPO side: a pad distinct from the EOS
+    prompts = [with_system_prompt(to_messages(r["prompt"])) for r in read_prompts(inputs["prompts"])]
+    per_generation = s["batch_size"] // s["mini_batch_size"]  # optimiser steps per generation batch
+    steps_per_rollout = per_generation * s["ppo_epochs"]
+    args = RLOOConfig(
+        output_dir=str(Path(s["work"]) / "trl_rloo_run"), per_device_train_batch_size=s["micro_batch_size"],
+        gradient_accumulation_steps=s["mini_batch_size"] // s["micro_batch_size"],
+        steps_per_generation=per_generation, num_iterations=s["ppo_epochs"],
+        num_generations=group_size(OurConfig(advantage_estimator="rloo")),
+        max_steps=s["steps"] * steps_per_rollout, max_completion_length=s["max_new_tokens"],
+        temperature=s["temperature"], top_k=0, top_p=1.0, beta=s["kl_coef"], learning_rate=s["lr"],
+        gradient_checkpointing=False, bf16=low == torch.bfloat16, fp16=False, use_cpu=s["device"] != "cuda",
+        report_to="none", save_strategy="no", logging_steps=1, seed=s["seed"], disable_tqdm=True,
+    )
+    peft_config = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0, task_type="CAUSAL_LM",
+                             target_modules=LORA_TARGETS)
+    trainer = RLOOTrainer(model=AutoModelForCausalLM.from_pretrained(inputs["base"], dtype=low),
+                          reward_funcs=trl_reward_model(inputs["reward_model"], low, tokenizer), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                          reward_processing_classes=tokenizer, peft_config=peft_config)
+
+    # a step is one generation batch and its optimiser steps: generation and scoring are the
+    # rollout, what follows them until the last optimiser step of the batch the update
+    marks = Marks(s["device"])
+    history: list[dict] = []
+    generate = RLOOTrainer._generate_and_score_completions
+
+    def timed_generate(self, *a, **k):
+        out = generate(self, *a, **k)
+        marks.update_start()
+        return out
+
+    RLOOTrainer._generate_and_score_completions = timed_generate
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            marks.step_end()
+
+        def on_step_end(self, args, state, control, **k):
+            if state.global_step % steps_per_rollout == 0:
+                marks.step_end()
+
+        def on_log(self, args, state, control, logs=None, **k):
+            history.append(dict(logs or {}))
+
+    trainer.add_callback(Timer())
+    trainer.train()
+    out = summary(marks.steps()[: s["steps"]], s["batch_size"])
+    last = next((entry for entry in reversed(history) if "reward" in entry), {})
+    out["reward"] = float(last.get("reward", float("nan")))
+    out["kl"] = float(last.get("kl", float("nan")))
+    return out
+
+
+def trl_reward_model(folder: str, dtype, tokenizer):
+    """Our reward model as TRL loads one: a sequence classifier with our scalar head."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    head = load_file(str(Path(folder) / "scalar_head.safetensors"))
+    model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=dtype)
+    with torch.no_grad():
+        model.score.weight.copy_(head["weight"].to(dtype))  # our head's bias is 0 (unnormalised RM)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
 # --------------------------------------------------------------------------- driver
+
+
+SIDES = {"ours": run_ours, "rloo": lambda s, i: run_ours(s, i, "rloo"), "trl": run_trl, "trl_rloo": run_trl_rloo}
+"""Each side's run; the critic-free ones (no critic FLOPs) are CRITIC_FREE_SIDES."""
+CRITIC_FREE_SIDES = ("rloo", "trl_rloo")
 
 
 def child(which: str, s: dict, inputs: dict) -> None:
@@ -380,7 +469,7 @@ def child(which: str, s: dict, inputs: dict) -> None:
     torch.set_num_threads(s["threads"])
     torch.manual_seed(s["seed"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = {"ours": run_ours, "rloo": lambda s, i: run_ours(s, i, "rloo"), "trl": run_trl}[which](s, inputs)
+    result = SIDES[which](s, inputs)
     result["peak_mb"] = peak_mb(s["device"])
     print("CHILD_RESULT " + json.dumps(result), flush=True)
 
@@ -436,7 +525,7 @@ def main() -> int:
     parser.add_argument("--ppo-epochs", dest="ppo_epochs", type=int, default=0)
     parser.add_argument("--n-prompts", dest="n_prompts", type=int, default=256)
     parser.add_argument("--sides", default="ours,trl", help="comma-separated sides: ours (our PPO), trl "
-                        "(TRL's PPOTrainer), rloo (our RLOO: no critic)")
+                        "(TRL's PPOTrainer), rloo (our RLOO: no critic), trl_rloo (TRL's RLOOTrainer)")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                         help="both sides' precision: auto = bf16 on a GPU that has it, else fp32; bf16 on the "
                              "CPU runs CPU autocast (the GPU check's dry run)")
@@ -458,8 +547,8 @@ def main() -> int:
     flops = update_flops(inputs["base"], inputs["prompts"], s)
     print(f"settings: {json.dumps(s)}", flush=True)
     sides = args.sides.split(",")
-    if not sides or set(sides) - {"ours", "trl", "rloo"}:
-        raise SystemExit(f"--sides {args.sides}: choose from ours, trl, rloo")
+    if not sides or set(sides) - set(SIDES):
+        raise SystemExit(f"--sides {args.sides}: choose from {', '.join(SIDES)}")
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     failed: dict[str, str] = {}  # side -> its exit code and traceback; a side that failed is not run again
     result = {"settings": s, "flops": flops, "runs": runs, "failed": failed, "reps": args.reps, "complete": False}
@@ -477,8 +566,9 @@ def main() -> int:
             run, why = run_child(which, inputs, sys.argv[1:])
             if run is None:
                 failed[which] = why
-            else:  # the FLOPs count policy and critic: our RLOO has no critic, so no figure
-                run["update_tflops_s"] = flops["update_flops"] / run["update_s"] / 1e12 if which != "rloo" else 0.0
+            else:  # the FLOPs count policy and critic: the RLOO sides have no critic, so no figure
+                critic = which not in CRITIC_FREE_SIDES
+                run["update_tflops_s"] = flops["update_flops"] / run["update_s"] / 1e12 if critic else 0.0
                 runs[which].append(run)
             save()
     result["complete"] = True
@@ -489,13 +579,13 @@ def main() -> int:
 
     print(f"\n{args.reps} repetitions, order alternating; median [min-max]; update FLOPs per step "
           f"{flops['update_flops'] / 1e12:.3f} TFLOP ({flops['sequence_tokens_mean']:.0f} tokens per episode)")
-    print(f"{'':6}{'episodes/s':>26}{'rollout s':>22}{'update s':>22}{'peak MB':>20}{'update TFLOP/s':>26}")
+    print(f"{'':9}{'episodes/s':>26}{'rollout s':>22}{'update s':>22}{'peak MB':>20}{'update TFLOP/s':>26}")
     for which in done:
-        print(f"{which:6}{fmt(col(which, 'eps')):>26}{fmt(col(which, 'rollout_s'), 2):>22}"
+        print(f"{which:9}{fmt(col(which, 'eps')):>26}{fmt(col(which, 'rollout_s'), 2):>22}"
               f"{fmt(col(which, 'update_s'), 2):>22}{fmt(col(which, 'peak_mb'), 0):>20}"
               f"{fmt(col(which, 'update_tflops_s'), 4):>26}")
     for which, why in failed.items():
-        print(f"{which:6}FAILED: {why.splitlines()[-1] if why.strip() else why}")
+        print(f"{which:9}FAILED: {why.splitlines()[-1] if why.strip() else why}")
     if runs.get("ours"):
         ph = runs["ours"][0]["phases"]
         print("ours, rollout phases of the first repetition (s per step): "
@@ -516,6 +606,15 @@ def main() -> int:
               f"x{peak['rloo'] / peak['ours']:.2f}")
         line += (f" rloo_ratio={rloo_ratio:.2f} rloo_ratio_min={min(per_rep):.2f} rloo_ratio_max={max(per_rep):.2f}"
                  f" rloo_peak_ratio={peak['rloo'] / peak['ours']:.2f}")
+    if "rloo" in done and "trl_rloo" in done:
+        per_rep = [a["eps"] / b["eps"] for a, b in zip(runs["rloo"], runs["trl_rloo"])]
+        ratio = med["rloo"]["eps"] / med["trl_rloo"]["eps"]
+        print(f"\nour RLOO / TRL's RLOO: episodes/s x{ratio:.2f} (per repetition {min(per_rep):.2f}-{max(per_rep):.2f}); "
+              f"rollout x{med['trl_rloo']['rollout_s'] / med['rloo']['rollout_s']:.2f} faster, update "
+              f"x{med['trl_rloo']['update_s'] / med['rloo']['update_s']:.2f} faster; peak memory "
+              f"x{peak['rloo'] / peak['trl_rloo']:.2f}")
+        line += (f" rloo_trl_ratio={ratio:.2f} rloo_trl_ratio_min={min(per_rep):.2f} "
+                 f"rloo_trl_ratio_max={max(per_rep):.2f} rloo_trl_peak_ratio={peak['rloo'] / peak['trl_rloo']:.2f}")
     if "ours" in done and "trl" in done:
         ours, trl = med["ours"], med["trl"]
         ratio, ratio_cpu = ours["eps"] / trl["eps"], ours["eps_cpu"] / trl["eps_cpu"]

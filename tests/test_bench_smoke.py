@@ -3,6 +3,7 @@ seconds, so a change that breaks a bench is seen (their figures come from full r
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,19 +15,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_ppo_bench_runs_our_ppo_and_rloo_side_by_side(tmp_path, tiny_model_dir):
-    """bench/ppo_bench.py with our PPO and our RLOO (the TRL side needs TRL's own set-up time and
-    is exercised by the bench's full runs): both sides' runs and the RLOO / PPO ratio line."""
+def test_ppo_bench_runs_our_ppo_our_rloo_and_trls_rloo_side_by_side(tmp_path, tiny_model_dir):
+    """bench/ppo_bench.py with our PPO, our RLOO and TRL's RLOOTrainer (TRL's PPOTrainer side is
+    exercised by the bench's full runs): each side's runs and the ratio lines."""
     cmd = [sys.executable, "bench/ppo_bench.py", "--model", str(tiny_model_dir), "--threads", "1", "--reps", "1",
-           "--steps", "2", "--batch-size", "8", "--mini-batch-size", "8", "--micro-batch-size", "8",
-           "--max-new-tokens", "6", "--ppo-epochs", "1", "--sides", "ours,rloo", "--work", str(tmp_path)]
+           "--steps", "3", "--batch-size", "8", "--mini-batch-size", "4", "--micro-batch-size", "4",
+           "--max-new-tokens", "6", "--ppo-epochs", "1", "--sides", "ours,rloo,trl_rloo", "--work", str(tmp_path),
+           "--json", str(tmp_path / "results.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT ppo "))
     fields = dict(kv.split("=") for kv in result.split()[2:])
-    assert float(fields["ours_eps"]) > 0 and float(fields["rloo_eps"]) > 0 and float(fields["rloo_ratio"]) > 0
+    for key in ("ours_eps", "rloo_eps", "trl_rloo_eps", "rloo_ratio", "rloo_trl_ratio", "rloo_trl_peak_ratio"):
+        assert float(fields[key]) > 0, key
     assert "trl_eps" not in fields and not (tmp_path / "ours_rloo_run" / "checkpoint" / "critic").exists()
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    # every side timed the same steps: 3, the first left out as a warm-up
+    assert {side: runs[side][0]["steps_measured"] for side in runs} == {"ours": 2, "rloo": 2, "trl_rloo": 2}
 
 
 @pytest.mark.slow
