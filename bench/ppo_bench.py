@@ -281,7 +281,7 @@ def run_trl(s: dict, inputs: dict) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl.experimental.ppo import PPOConfig as TRLConfig
     from trl.experimental.ppo import PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trl_ppo
@@ -340,7 +340,6 @@ def run_trl(s: dict, inputs: dict) -> dict:
     # the policy-and-value wrapper's forward runs only in the PPO epochs, so its first call in a
     # step starts the update; on_step_end ends the step (on_train_begin starts the first)
     marks = Marks(s["device"])
-    history: list[dict] = []
     wrapper_forward = trl_ppo.PolicyAndValueWrapper.forward
 
     def timed_forward(self, **kwargs):
@@ -348,24 +347,8 @@ def run_trl(s: dict, inputs: dict) -> dict:
         return wrapper_forward(self, **kwargs)
 
     trl_ppo.PolicyAndValueWrapper.forward = timed_forward
-
-    class Timer(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            marks.step_end()
-
-        def on_step_end(self, *a, **k):
-            marks.step_end()
-
-        def on_log(self, args, state, control, logs=None, **k):
-            history.append(dict(logs or {}))
-
-    trainer.add_callback(Timer())
-    trainer.train()
-    out = summary(marks.steps()[: s["steps"]], s["batch_size"])
-    last = next((entry for entry in reversed(history) if "objective/rlhf_reward" in entry), {})
-    out["reward"] = float(last.get("objective/rlhf_reward", float("nan")))
-    out["kl"] = float(last.get("objective/kl", float("nan")))
-    return out
+    return train_timed(trainer, marks, s, optimiser_steps_per_step=1, reward="objective/rlhf_reward",
+                       kl="objective/kl")
 
 
 def run_trl_rloo(s: dict, inputs: dict) -> dict:
@@ -377,7 +360,7 @@ def run_trl_rloo(s: dict, inputs: dict) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import RLOOConfig, RLOOTrainer
 
     from pipeline.config import PPOConfig as OurConfig
@@ -411,7 +394,6 @@ def run_trl_rloo(s: dict, inputs: dict) -> dict:
     # a step is one generation batch and its optimiser steps: generation and scoring are the
     # rollout, what follows them until the last optimiser step of the batch the update
     marks = Marks(s["device"])
-    history: list[dict] = []
     generate = RLOOTrainer._generate_and_score_completions
 
     def timed_generate(self, *a, **k):
@@ -420,13 +402,23 @@ def run_trl_rloo(s: dict, inputs: dict) -> dict:
         return out
 
     RLOOTrainer._generate_and_score_completions = timed_generate
+    return train_timed(trainer, marks, s, optimiser_steps_per_step=steps_per_rollout, reward="reward", kl="kl")
+
+
+def train_timed(trainer, marks: Marks, s: dict, optimiser_steps_per_step: int, reward: str, kl: str) -> dict:
+    """Train a TRL trainer, marking a step's end after every `optimiser_steps_per_step` of TRL's
+    optimiser steps (the first step starts at on_train_begin); the timing summary and the last
+    logged reward and KL (TRL's names for them)."""
+    from transformers import TrainerCallback
+
+    history: list[dict] = []
 
     class Timer(TrainerCallback):
         def on_train_begin(self, *a, **k):
             marks.step_end()
 
         def on_step_end(self, args, state, control, **k):
-            if state.global_step % steps_per_rollout == 0:
+            if state.global_step % optimiser_steps_per_step == 0:
                 marks.step_end()
 
         def on_log(self, args, state, control, logs=None, **k):
@@ -435,9 +427,9 @@ def run_trl_rloo(s: dict, inputs: dict) -> dict:
     trainer.add_callback(Timer())
     trainer.train()
     out = summary(marks.steps()[: s["steps"]], s["batch_size"])
-    last = next((entry for entry in reversed(history) if "reward" in entry), {})
-    out["reward"] = float(last.get("reward", float("nan")))
-    out["kl"] = float(last.get("kl", float("nan")))
+    last = next((entry for entry in reversed(history) if reward in entry), {})
+    out["reward"] = float(last.get(reward, float("nan")))
+    out["kl"] = float(last.get(kl, float("nan")))
     return out
 
 
