@@ -44,7 +44,7 @@ from pipeline.models import is_peft
 from pipeline.packing import MIN_PREFIX, attention_mask_for, cache_kwarg, choose_width, first_fit, prefix_kv
 from pipeline.policy import merged_lora, sampled_kl
 from pipeline.pairs_data import EncodedPair, prompt_key
-from pipeline.sampling import sample
+from pipeline.sampling import Decoding, sample
 from pipeline.text import encode_prompts
 
 # --------------------------------------------------------------------------- held-out split
@@ -246,8 +246,8 @@ def heldout_kl(model, reference, tokenizer, prompts: list, cfg, device, amp, dis
         ids, prompt_mask = encode_prompts(tokenizer, batch, cfg.max_length, device)
         generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + (start or 0) + 7_919 * dist.rank)
         with amp(), merged_lora(model):
-            sb = sample(model, ids, prompt_mask, gen, num_samples=cfg.kl_samples, generator=generator,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced=dist.sharded)
+            sb = sample(model, ids, prompt_mask, gen, tokenizer, num_samples=cfg.kl_samples, draws=generator,
+                        decoding=Decoding(synced=dist.sharded))
         with amp():  # log pi from a forward of the policy, as the reference's
             kl = sampled_kl(model, reference, sb, 1.0, share_prefix=not dist.sharded)  # (b,) nats per response
         if start is None:  # samples drawn only to match the other ranks' collectives

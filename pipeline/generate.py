@@ -67,7 +67,7 @@ def generate_responses(policy, tokenizer, prompts: list, k: int, cfg: GenerateCo
     # share a batch so little compute goes to padding
     order = sorted(range(len(prompts)), key=lambda i: -len(ids[i]))
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id
     results: list[list[Generation]] = [[] for _ in prompts]
     total, done = len(prompts) * k, 0
 
@@ -76,8 +76,7 @@ def generate_responses(policy, tokenizer, prompts: list, k: int, cfg: GenerateCo
         fresh: dict[int, list[Generation]] = {p: [] for p in need}
         for batch in _batches(order, need, cfg.batch_size):
             input_ids, mask = pad_rows([ids[p] for p, _ in batch], pad, left=True, device=device)
-            out = sample(policy, input_ids, mask, cfg, num_samples=[n for _, n in batch],
-                         generator=generator, eos_token_id=eos, pad_token_id=pad)
+            out = sample(policy, input_ids, mask, cfg, tokenizer, num_samples=[n for _, n in batch], draws=generator)
             lengths = out.response_mask.sum(-1).tolist()
             for row, (src, n_tok) in enumerate(zip(out.prompt_index.tolist(), lengths)):
                 token_ids = out.response_ids[row, :n_tok].tolist()

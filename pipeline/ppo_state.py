@@ -54,8 +54,12 @@ CHECKPOINT = "checkpoint"
 
 @dataclass
 class RunParts:
-    """What phase 0 builds: the four roles (three without a critic: 'rloo', 'grpo'; critic, critic_w,
-    and the critic's optimiser and schedule are None then), optimisers, schedules, KL controller, inputs."""
+    """What phase 0 builds and every later phase reads: the run's options, processes and folder, the
+    four roles (three without a critic: 'rloo', 'grpo'; critic, critic_w, and the critic's optimiser
+    and schedule are None then), optimisers, schedules, KL controller, inputs, and the steps done."""
+    cfg: PPOConfig  # the options, each model's default learning rate filled in
+    dist: Dist
+    out: Path  # RUN_DIR
     device: torch.device
     autocast: Callable[[], contextlib.AbstractContextManager]
     policy: torch.nn.Module
@@ -69,10 +73,22 @@ class RunParts:
     opts: tuple
     scheds: tuple
     kl: object
-    start: int  # the step to continue from (0, or the checkpoint's)
+    step: int  # steps done: 0 or the checkpoint's at set-up, then one more after each step
     rows: list  # prompts file rows
     ptx_texts: list
     sample_logprobs: bool  # pi_old from the sampling pass (else one forward pass)
+
+    @property
+    def local(self) -> slice:
+        """This process's episodes of a step's batch (all of them on one process)."""
+        B, dist = self.cfg.batch_size, self.dist
+        return slice(dist.rank * B // dist.world, (dist.rank + 1) * B // dist.world)
+
+    @property
+    def share_prefix(self) -> bool:
+        """Whether forwards may run a shared-prefix pass: not under FSDP, where it would run on some
+        ranks only (pipeline/train_ppo.py)."""
+        return not self.dist.sharded
 
 
 def check_config(cfg: PPOConfig, world: int = 1) -> None:
@@ -185,9 +201,9 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
         "ppo": to_dict(cfg), "model": to_dict(model_cfg), "processes": dist.world, "fsdp": dist.sharded})
     return RunParts(
-        device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer, parent=parent, reference=reference,
+        cfg=cfg, dist=dist, out=out, device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer, parent=parent, reference=reference,
         score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w, opts=(policy_opt, critic_opt),
-        scheds=(policy_sched, critic_sched), kl=kl_ctl, start=start, rows=rows, ptx_texts=ptx_texts,
+        scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start, rows=rows, ptx_texts=ptx_texts,
         sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
 
 
@@ -228,13 +244,13 @@ def _adamw(params: list, lr: float) -> torch.optim.AdamW:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(ckpt: Path, state: dict, dist: Dist) -> None:
-    """checkpoint/: policy (adapter or full), critic (when the run has one), optimisers, schedulers,
-    KL controller, step.
+def save_checkpoint(run: RunParts) -> None:
+    """RUN_DIR/checkpoint: policy (adapter or full), critic (when the run has one), optimisers,
+    schedulers, KL controller, steps done.
     Written beside the old one and swapped in (pipeline/saving.py, atomic_folder), so a kill
     mid-save leaves the previous checkpoint. Every rank calls it (sharded weights and optimiser
     states are gathered first, a collective); rank 0 writes."""
-    policy, critic, (policy_opt, critic_opt) = state["policy"], state["critic"], state["opts"]
+    dist, policy, critic, (policy_opt, critic_opt) = run.dist, run.policy, run.critic, run.opts
     policy_weights = full_state_dict(policy) if dist.sharded else None
     critic_weights = full_state_dict(critic) if dist.sharded and critic is not None else None
     optims = (dist.optimizer_state(policy, policy_opt),
@@ -243,16 +259,16 @@ def save_checkpoint(ckpt: Path, state: dict, dist: Dist) -> None:
         return
 
     def write(folder: Path) -> None:
-        save_policy(GatheredPolicy(policy, policy_weights) if dist.sharded else policy, state["tokenizer"],
+        save_policy(GatheredPolicy(policy, policy_weights) if dist.sharded else policy, run.tokenizer,
                     folder / "policy")
-        saved = {"step": state["step"], "policy_optim": optims[0], "policy_sched": state["scheds"][0].state_dict(),
-                 "kl": state["kl"].state_dict()}
+        saved = {"step": run.step, "policy_optim": optims[0], "policy_sched": run.scheds[0].state_dict(),
+                 "kl": run.kl.state_dict()}
         if critic is not None:
-            save_scalar_model(critic, state["tokenizer"], folder / "critic", state_dict=critic_weights)
-            saved.update(critic_optim=optims[1], critic_sched=state["scheds"][1].state_dict())
+            save_scalar_model(critic, run.tokenizer, folder / "critic", state_dict=critic_weights)
+            saved.update(critic_optim=optims[1], critic_sched=run.scheds[1].state_dict())
         torch.save(saved, folder / STATE_FILE)
 
-    atomic_folder(ckpt, write)
+    atomic_folder(run.out / CHECKPOINT, write)
 
 
 def load_checkpoint(ckpt: Path, models: tuple, opts: tuple, scheds: tuple, kl_ctl) -> int:

@@ -11,22 +11,23 @@ from collections import defaultdict
 
 import torch
 
-from pipeline.config import PPOConfig
 from pipeline.distributed import clip_grad_norm
 from pipeline.losses import entropy_from_logits, lm_loss, masked_mean, policy_loss, value_loss
 from pipeline.models import attn_ratio, checkpointing
 from pipeline.packing import pack_responses
 from pipeline.policy import causal_lm_logits, response_logits, response_logprobs, trainable
 from pipeline.ppo_data import ptx_batch
-from pipeline.rollout import Rollout, critic_values
+from pipeline.ppo_state import RunParts
+from pipeline.rollout import StepRollout, critic_values
 
 
-def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, share_prefix: bool,
-               train_policy: bool = True) -> tuple[dict, int]:
-    """Phase 7: cfg.ppo_epochs passes over the rollout in shuffled minibatches, one optimiser step
-    each for policy and critic (the critic's only, without train_policy). Returns the update's sums
-    (weighted by each micro-batch's token share; over N processes the per-rank sums, grad norms
-    aside) and the number of minibatches."""
+def ppo_update(run: RunParts, sr: StepRollout, stop, train_policy: bool = True) -> tuple[dict, int]:
+    """Phase 7 of step run.step: cfg.ppo_epochs passes over
+    the rollout in shuffled minibatches, one optimiser step each for policy and critic (the critic's
+    only, without train_policy). Returns the update's sums (weighted by each micro-batch's token
+    share; over N processes the per-rank sums, grad norms aside) and the number of minibatches."""
+    cfg, dist, step = run.cfg, run.dist, run.step
+    ro = sr.ro
     B, mask = len(ro.prompts), ro.mask
     stats = defaultdict(float)
     shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
@@ -38,7 +39,7 @@ def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, sha
     run.policy.train(recompute)
     if critic is not None:
         critic.train(recompute)
-    share_prefix = share_prefix and not recompute
+    share_prefix = run.share_prefix and not recompute
     n_minibatches = 0
     for epoch in range(cfg.ppo_epochs):
         for mb in torch.randperm(B, generator=shuffle).split(cfg.mini_batch_size):
@@ -52,10 +53,10 @@ def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, sha
                 w = mask[micro].sum() / mb_tokens  # token share: accumulated loss = minibatch token mean
                 last = j == len(micros) - 1  # the last backward of the step all-reduces
                 with dist.sync(run.policy_w, last and cfg.ptx_coef <= 0), dist.sync(run.critic_w, last):
-                    micro_batch_backward(run, ro, adv, micro, w, cfg, dist, share_prefix, stats,
+                    micro_batch_backward(run, sr, micro, w, share_prefix, stats,
                                          first=n_minibatches == 0, train_policy=train_policy)
             if cfg.ptx_coef > 0 and train_policy:
-                ptx_backward(run, cfg, step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches, dist, stats)
+                ptx_backward(run, step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches, stats)
             # policy and critic clipped separately (sharded: each norm is one all-reduce)
             policy_opt, critic_opt = run.opts
             if train_policy:
@@ -71,12 +72,13 @@ def ppo_update(run, ro: Rollout, adv, cfg: PPOConfig, step: int, dist, stop, sha
     return stats, n_minibatches
 
 
-def micro_batch_backward(run, ro: Rollout, adv, micro: torch.Tensor, w: torch.Tensor, cfg: PPOConfig, dist,
-                         share_prefix: bool, stats: dict, first: bool, train_policy: bool = True) -> None:
+def micro_batch_backward(run: RunParts, sr: StepRollout, micro: torch.Tensor, w: torch.Tensor, share_prefix: bool,
+                         stats: dict, first: bool, train_policy: bool = True) -> None:
     """One micro-batch's clipped policy loss (pi_theta / pi_old), entropy bonus and clipped value
     loss, backward at its token share w; its figures added to stats (first: the step's first
     minibatch, where pi_theta == pi_old and the ratio must be 1). Without train_policy the value
     loss alone (the policy runs no forward: under DDP or FSDP every rank skips it alike)."""
+    cfg, ro, adv = run.cfg, sr.ro, sr.adv
     m = ro.mask[micro]  # (b, R)
     # the micro-batch's episodes packed without padding, as in the rollout
     pr = pack_responses(ro.sequences[micro], ro.attention_mask[micro], ro.response_ids[micro], m, ro.prompt_length,
@@ -105,14 +107,15 @@ def micro_batch_backward(run, ro: Rollout, adv, micro: torch.Tensor, w: torch.Te
             vf_loss, vf_clipfrac = value_loss(v, ro.values[micro], adv.returns[micro], m, clip)
             loss = loss + cfg.vf_coef * vf_loss
             figures.update({"val/loss": vf_loss, "val/clipfrac": vf_clipfrac})
-    (w * dist.loss_scale * loss).backward()
+    (w * run.dist.loss_scale * loss).backward()
     for key, val in figures.items():
         stats[key] += float(w * val.detach())
 
 
-def ptx_backward(run, cfg: PPOConfig, n_before: int, dist, stats: dict) -> None:
+def ptx_backward(run: RunParts, n_before: int, stats: dict) -> None:
     """PPO-ptx (Ouyang et al. 2022, eq. 2): the LM loss on a batch of pretraining/SFT texts, which
     follow from the number of minibatches before this one, so a resumed run uses the same ones."""
+    cfg, dist = run.cfg, run.dist
     texts = [run.ptx_texts[(n_before * cfg.micro_batch_size + i) % len(run.ptx_texts)]
              for i in range(cfg.micro_batch_size)]
     mine = dist.shard(texts)

@@ -5,6 +5,7 @@
     critic_values                  the critic's values at the response tokens (rollout and update)
     gather_rollout                 every rank's rollout as one batch
     kl_shaped_advantages           scores -> shaped rewards -> advantages and returns (phases 5-6)
+    StepRollout                    phases 1-6's results together: what the update and the metrics read
     write_samples                  the sample table of a step
 
 pipeline/train_ppo.py calls these in its numbered phases; the update phase (pipeline/ppo_update.py)
@@ -33,11 +34,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import CRITIC_FREE, group_size
+from pipeline.config import CRITIC_FREE, PPOConfig, group_size
 from pipeline.losses import gae, group_advantages, kl_per_token, masked_whiten, shaped_rewards
 from pipeline.models import attn_ratio
 from pipeline.packing import PackedResponses, hidden_states, pack_responses
 from pipeline.policy import response_logits, response_logprobs
+from pipeline.sampling import SampleBatch
 from pipeline.text import decode_responses
 
 # --------------------------------------------------------------------------- the rollout record
@@ -76,25 +78,38 @@ def critic_values(critic, pr: PackedResponses) -> torch.Tensor:
     return pr.scatter(values)
 
 
+@dataclass
+class StepRollout:
+    """Phases 1-6 of one step: the rollout, its raw scores, advantages and KL terms, the KL
+    coefficient that shaped them, and each phase's seconds (sample, forwards, score, rollout)."""
+    ro: Rollout
+    raw_score: torch.Tensor  # (B,)
+    adv: Advantages
+    beta: float
+    times: dict
+
+
 @torch.no_grad()
-def rollout_forwards(policy, reference, critic, sequences, attention_mask, response_ids, mask,
-                     prompt_length: int, temperature: float, chunk: int, need_old: bool,
-                     autocast, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Reference log-probs, pi_old log-probs (only when need_old) and critic values, all (B, R),
-    0 past each EOS. Runs in chunks of `chunk` episodes, each packed without padding. Without a
-    critic (None: 'rloo', 'grpo') the values are 0.
+def rollout_forwards(policy, reference, critic, sb: SampleBatch, cfg: PPOConfig, need_old: bool, autocast,
+                     share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Reference log-probs, pi_old log-probs (only when need_old) and critic values of the sampled
+    batch, all (B, R), 0 past each EOS, at cfg.temperature. Runs in chunks of
+    cfg.forward_batch_size episodes, each packed without padding. Without a critic (None: 'rloo',
+    'grpo') the values are 0.
 
     share_prefix False: no prefix pass (FSDP: whether a chunk has a common prefix, and whether a
     frozen model kept its keys and values, differs between processes, and every forward of a
     sharded model must run on all of them; with B / N episodes per process each runs the same
     number of chunks)."""
+    sequences, attention_mask, response_ids = sb.sequences, sb.attention_mask, sb.response_ids
+    mask, temperature = sb.response_mask.float(), cfg.temperature
     B, R = response_ids.shape
     ref = torch.zeros(B, R, device=sequences.device)
     old = torch.zeros(B, R, device=sequences.device) if need_old else None
     values = torch.zeros(B, R, device=sequences.device)
     ratio = attn_ratio(policy)
-    for rows in torch.arange(B, device=sequences.device).split(chunk):
-        pr = pack_responses(sequences[rows], attention_mask[rows], response_ids[rows], mask[rows], prompt_length,
+    for rows in torch.arange(B, device=sequences.device).split(cfg.forward_batch_size):
+        pr = pack_responses(sequences[rows], attention_mask[rows], response_ids[rows], mask[rows], sb.prompt_length,
                             ratio, share_prefix)
         with autocast():
             ref[rows] = response_logprobs(response_logits(reference, pr, reference=True), pr, temperature)
@@ -206,5 +221,5 @@ def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_se
     os.replace(tmp, path)
 
 
-__all__ = ["Rollout", "Advantages", "kl_shaped_advantages", "gather_rollout", "critic_values", "rollout_forwards",
+__all__ = ["Rollout", "Advantages", "StepRollout", "kl_shaped_advantages", "gather_rollout", "critic_values", "rollout_forwards",
            "write_samples"]

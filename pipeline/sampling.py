@@ -92,13 +92,6 @@ def _all_done(mine: bool, device) -> bool:
     return float(flag) == 0.0
 
 
-def _eos_ids(model, eos_token_id) -> list[int]:
-    eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
-    if eos is None:
-        raise ValueError("sample: no eos_token_id given and the model's generation_config has none")
-    return [eos] if isinstance(eos, int) else list(eos)
-
-
 def _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw):
     """Run the L >= MIN_PREFIX tokens that every left-padded prompt starts with once, into `cache`
     (repeated for every row), and return the rest of the batch to prefill after it:
@@ -137,89 +130,135 @@ def _prefill(model, input_ids, attention_mask, prompt_index, cache, cache_kw: st
     return out.logits[prompt_index, -1].float(), mask[prompt_index]
 
 
-def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, num_samples=1,
-           generator: torch.Generator | None = None, eos_token_id=None, pad_token_id=None,
-           share_prefix: bool = True, check_every: int | None = None, synced: bool = False,
-           uniforms: torch.Tensor | None = None) -> SampleBatch:
-    """Sample responses for a left-padded batch of prompts with the KV cache.
+@dataclass(frozen=True)
+class Decoding:
+    """How `sample`'s loop runs; none of it changes what is sampled (beyond float rounding and, for
+    check_every, which of the generator's numbers a row draws).
 
-    cfg: anything with temperature and max_new_tokens, and optionally top_p and top_k
-    (GenerateConfig has them; PPOConfig has neither: PPO samples the whole distribution).
-    temperature 0 = greedy (log-probs then from the raw logits). num_samples: samples per input
-    row (an int, or one count per row); the prompt runs once and its cache is copied. Log-probs are
-    from the unfiltered logits / temperature (what a training forward pass can reproduce), while
-    sampling applies top-k / top-p. The model's train/eval mode is left as the caller set it.
     share_prefix: tokens that every prompt starts with (a chat template's system prompt) are run
-    once for the batch (pipeline/packing.py, "Shared prefix"). check_every: finished rows leave
-    the batch every this many tokens (default 1 on CPU, 8 on GPUs: see below); the samples do not
-    depend on it except through the random stream (each row draws one uniform per token it
-    spends in the batch).
-    uniforms: (B, cfg.max_new_tokens) numbers in [0, 1), the one each row's token t is drawn with,
-    instead of the generator's stream: a row's response then depends on its own numbers only, not on
-    which other rows share its batch (PPO draws them per episode, so N processes sample the episodes
-    one process would).
+    once for the batch (pipeline/packing.py, "Shared prefix").
+    check_every: finished rows leave the batch every this many tokens (None: 1 on CPU, 8 on GPUs:
+    dropping rows needs their count on the host, one device->host synchronisation, which on a GPU
+    stalls the queue of kernels once per token; on CPU there is no queue to stall, and dropping at
+    once keeps the random stream of a 1-process CPU run as it was). Each row draws one of the
+    generator's numbers per token it spends in the batch.
     synced: the model is sharded across the processes of a group (FSDP), so each of its forward
     passes is a collective that every process must run: the loop then steps until every process's
     rows are done (one all-reduce of "mine are done" at each check, as transformers' generate does
     with synced_gpus=True), a process whose rows all ended keeps stepping them (their tokens masked
-    to pad), and no shared prefix runs (whether there is one depends on each process's prompts).
+    to pad), and no shared prefix runs (whether there is one depends on each process's prompts)."""
+    share_prefix: bool = True
+    check_every: int | None = None
+    synced: bool = False
+
+
+def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, tokenizer, num_samples=1,
+           draws: torch.Generator | torch.Tensor | None = None, decoding: Decoding = Decoding()) -> SampleBatch:
+    """Sample responses for a left-padded batch of prompts with the KV cache.
+
+    cfg: anything with temperature and max_new_tokens, and optionally top_p and top_k
+    (GenerateConfig has them; PPOConfig has neither: PPO samples the whole distribution).
+    temperature 0 = greedy (log-probs then from the raw logits). tokenizer: its EOS ends a response
+    (else the model's generation_config's) and its pad fills the rest (else the EOS).
+    num_samples: samples per input row (an int, or one count per row); the prompt runs once and its
+    cache is copied. Log-probs are from the unfiltered logits / temperature (what a training
+    forward pass can reproduce), while sampling applies top-k / top-p. The model's train/eval mode
+    is left as the caller set it.
+    draws: where each token's uniform number comes from: a torch.Generator's stream (or the global
+    one: None), or a (B, cfg.max_new_tokens) tensor in [0, 1), the number each row's token t is
+    drawn with; a row's response then depends on its own numbers only, not on which other rows
+    share its batch (PPO draws them per episode, so N processes sample the episodes one process
+    would). decoding: how the loop runs (Decoding).
     """
     from transformers import DynamicCache
 
     device = input_ids.device
-    eos = torch.tensor(_eos_ids(model, eos_token_id), device=device)
-    pad = pad_token_id if pad_token_id is not None else model.generation_config.pad_token_id
-    pad = int(eos[0]) if pad is None else pad
+    eos, pad = _special_ids(model, tokenizer, device)
     counts = torch.as_tensor(num_samples, device=device).expand(input_ids.shape[0])
     prompt_index = torch.arange(input_ids.shape[0], device=device).repeat_interleave(counts)  # (B,)
-    B, R = prompt_index.shape[0], cfg.max_new_tokens
+    R, synced = cfg.max_new_tokens, decoding.synced
+    uniforms = draws if isinstance(draws, torch.Tensor) else None
+    generator = None if uniforms is not None else draws
+    check_every = decoding.check_every or (1 if device.type == "cpu" else 8)
 
     # 1. prefill: each distinct prompt once, its cache rows copied for its samples
     cache, cache_kw = DynamicCache(), cache_kwarg(model)
-    logits, mask = _prefill(model, input_ids, attention_mask, prompt_index, cache, cache_kw, share_prefix and not synced)
-    next_pos = mask.sum(-1)  # (B,) position of the next token: count of real tokens so far
-
-    response_ids = torch.full((B, R), pad, dtype=torch.long, device=device)
-    logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
-    lengths = torch.full((B,), R, dtype=torch.long, device=device)
-    ended = torch.zeros(B, dtype=torch.bool, device=device)
-    active = torch.arange(B, device=device)  # rows still in the batch, as indices into it
-    done = torch.zeros(B, dtype=torch.bool, device=device)  # per batch row: ended, not yet dropped
-    if check_every is None:
-        # Dropping finished rows needs their count on the host: one device->host synchronisation,
-        # which on a GPU stalls the queue of kernels once per token. There finished rows stay in the
-        # batch (their tokens masked) and are dropped every few tokens; on CPU there is no queue
-        # to stall, and dropping at once keeps the random stream of a 1-process CPU run as it was.
-        check_every = 1 if device.type == "cpu" else 8
+    logits, mask = _prefill(model, input_ids, attention_mask, prompt_index, cache, cache_kw,
+                            decoding.share_prefix and not synced)
+    rows = _Rows(prompt_index.shape[0], R, pad, mask)
     for t in range(R):
-        # 2. choose the next token of every row in the batch; record its log-prob
-        token, logp = _next_token(logits, cfg, generator, None if uniforms is None else uniforms[active, t])
-        token = token.masked_fill(done, pad)  # a row that ended keeps pad after its EOS
-        response_ids[active, t] = token
-        logprobs[active, t] = logp.gather(1, token[:, None]).squeeze(1)  # masked below where done
-        # 3. rows that produced EOS are done; every check_every tokens they leave the batch and the
-        # cache (the only host synchronisation of the loop)
-        is_eos = torch.isin(token, eos) & ~done  # (A,)
-        lengths[active] = torch.where(is_eos, t + 1, lengths[active])
-        ended[active] |= is_eos
-        done = done | is_eos
+        # 2. choose the next token of every row in the batch; record it and its log-prob
+        token, logp = _next_token(logits, cfg, generator, None if uniforms is None else uniforms[rows.active, t])
+        token = rows.record(t, token, logp, eos)
         if t == R - 1:
             break
+        # 3. every check_every tokens, rows that produced EOS leave the batch and the cache (the
+        # only host synchronisation of the loop)
         if (t + 1) % check_every == 0:
-            keep = (~done).nonzero().squeeze(1)
+            keep = (~rows.done).nonzero().squeeze(1)
             if (_all_done(keep.numel() == 0, device) if synced else keep.numel() == 0):
                 break
-            if 0 < keep.numel() < done.numel():  # (synced: a process whose rows all ended keeps them)
-                active, token, mask, next_pos, done = active[keep], token[keep], mask[keep], next_pos[keep], done[keep]
+            if 0 < keep.numel() < rows.done.numel():  # (synced: a process whose rows all ended keeps them)
+                token = rows.keep(keep, token)
                 cache.batch_select_indices(keep)
         # 4. one decoding step for the rows in the batch
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    use_cache=True, **{cache_kw: cache})
-        logits = out.logits[:, -1].float()
-        next_pos = next_pos + 1
+        logits = rows.step(model, token, cache, cache_kw)
+    return _batch(input_ids, attention_mask, prompt_index, rows)
 
-    return _batch(input_ids, attention_mask, prompt_index, response_ids, logprobs, lengths, ended)
+
+def _special_ids(model, tokenizer, device) -> tuple[torch.Tensor, int]:
+    """(the EOS ids as a tensor, the pad id): the tokenizer's, else the model's generation_config's;
+    the pad falls back to the first EOS."""
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.generation_config.eos_token_id
+    if eos is None:
+        raise ValueError("sample: neither the tokenizer nor the model's generation_config has an EOS token")
+    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos), device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else model.generation_config.pad_token_id
+    return eos, int(eos[0]) if pad is None else pad
+
+
+class _Rows:
+    """`sample`'s record of its B rows (response ids, log-probs, lengths, whether each ended on EOS)
+    and of the rows still in the batch: their indices (`active`), which of them are done (ended,
+    not yet dropped), their attention mask in the cache's layout and the position of their next token."""
+
+    def __init__(self, B: int, R: int, pad: int, mask: torch.Tensor):
+        device = mask.device
+        self.pad = pad
+        self.response_ids = torch.full((B, R), pad, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
+        self.lengths = torch.full((B,), R, dtype=torch.long, device=device)
+        self.ended = torch.zeros(B, dtype=torch.bool, device=device)
+        self.active = torch.arange(B, device=device)
+        self.done = torch.zeros(B, dtype=torch.bool, device=device)
+        self.mask = mask
+        self.next_pos = mask.sum(-1)  # (B,) count of real tokens so far
+
+    def record(self, t: int, token: torch.Tensor, logp: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+        """Token t of the rows in the batch (A,) and its log-prob (from logp (A, V)); a row that is
+        done gets pad. Returns the tokens as recorded."""
+        token = token.masked_fill(self.done, self.pad)  # a row that ended keeps pad after its EOS
+        self.response_ids[self.active, t] = token
+        self.logprobs[self.active, t] = logp.gather(1, token[:, None]).squeeze(1)  # masked where done (_batch)
+        is_eos = torch.isin(token, eos) & ~self.done  # (A,)
+        self.lengths[self.active] = torch.where(is_eos, t + 1, self.lengths[self.active])
+        self.ended[self.active] |= is_eos
+        self.done = self.done | is_eos
+        return token
+
+    def keep(self, keep: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Only the rows `keep` (indices into the batch) stay in the batch; returns their tokens."""
+        self.active, self.mask, self.next_pos, self.done = (
+            self.active[keep], self.mask[keep], self.next_pos[keep], self.done[keep])
+        return token[keep]
+
+    def step(self, model, token: torch.Tensor, cache, cache_kw: str) -> torch.Tensor:
+        """One decoding step of the rows in the batch: the logits (A, V) of their next token."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        out = model(input_ids=token[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
+                    use_cache=True, **{cache_kw: cache})
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1].float()
 
 
 def _next_token(logits: torch.Tensor, cfg, generator, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,17 +275,18 @@ def _next_token(logits: torch.Tensor, cfg, generator, u: torch.Tensor | None) ->
     return _sample_categorical(probs, generator, u=u), logp
 
 
-def _batch(input_ids, attention_mask, prompt_index, response_ids, logprobs, lengths, ended) -> SampleBatch:
+def _batch(input_ids, attention_mask, prompt_index, rows: _Rows) -> SampleBatch:
     """The samples as a SampleBatch: responses cut to the longest, masked after each row's end,
     each after a copy of its prompt."""
+    lengths = rows.lengths
     width = int(lengths.max()) if lengths.numel() else 0  # the longest response: the loop ran at least that far
-    response_ids, logprobs = response_ids[:, :width], logprobs[:, :width]
+    response_ids, logprobs = rows.response_ids[:, :width], rows.logprobs[:, :width]
     response_mask = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()  # (B, R)
     prompt_ids, prompt_mask = input_ids[prompt_index], attention_mask[prompt_index]
     return SampleBatch(
         sequences=torch.cat([prompt_ids, response_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
         response_ids=response_ids, response_mask=response_mask, logprobs=logprobs * response_mask,
-        finish_reason=["eos" if e else "length" for e in ended.tolist()],
+        finish_reason=["eos" if e else "length" for e in rows.ended.tolist()],
         prompt_index=prompt_index, prompt_length=input_ids.shape[1],
     )

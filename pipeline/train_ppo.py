@@ -28,7 +28,7 @@ minibatch, DDP averaging the gradients, and rank 0 writes the run directory.
 With FSDP (configs/accelerate/fsdp.yaml, --lora false) the policy, its reference copy and the critic
 are sharded (pipeline/ppo_state.py says which role is where, and why), and every forward pass of a
 sharded model is a collective: each rank must run the same passes, in the same order. So sampling
-steps until every rank's responses are done (`sample(synced=True)`, as transformers' synced_gpus),
+steps until every rank's responses are done (`Decoding(synced=True)`, as transformers' synced_gpus),
 each rank's B/N episodes run in the same number of chunks and micro-batches, no pass depends on a
 rank's own data (no shared-prefix pass: whether a batch has one differs between ranks), and
 checkpoints gather the whole weights on rank 0. The reward model stays whole on every rank.
@@ -58,16 +58,16 @@ from pipeline.distributed import setup
 from pipeline.losses import masked_mean, masked_var
 from pipeline.policy import merged_lora
 from pipeline.ppo_data import episode_uniforms, prompt_order
-from pipeline.ppo_state import CHECKPOINT, check_config, save_checkpoint, set_up
+from pipeline.ppo_state import CHECKPOINT, RunParts, check_config, save_checkpoint, set_up
 from pipeline.ppo_update import ppo_update
-from pipeline.rollout import Rollout, gather_rollout, kl_shaped_advantages, rollout_forwards, write_samples
+from pipeline.rollout import (Rollout, StepRollout, gather_rollout, kl_shaped_advantages, rollout_forwards,
+                              write_samples)
 from pipeline.lifecycle import guarded, recover
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
-from pipeline.sampling import sample
+from pipeline.sampling import Decoding, sample
 from pipeline.saving import save_whole_policy
 from pipeline.text import encode_prompts
 from pipeline.tracking import add_report_to
-
 
 
 def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out_dir: str | os.PathLike,
@@ -85,7 +85,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     recover(ckpt, dist)  # a kill in the middle of a checkpoint write leaves the last good one to put back
     if ckpt.is_dir() and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
-    state: dict = {}
+    run = None  # what phase 0 builds (pipeline/ppo_state.py)
     with guarded(out, dist) as progress:  # 'failed' with the error if anything below raises
         progress["total"] = cfg.steps
         try:
@@ -95,84 +95,81 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
                 run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
                              critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
-                state.update(policy=run.policy, critic=run.critic, tokenizer=run.tokenizer, opts=run.opts,
-                             scheds=run.scheds, kl=run.kl, step=run.start)
-                progress["step"] = run.start
-                write_status(out, "running", run.start, cfg.steps)
+                progress["step"] = run.step
+                write_status(out, "running", run.step, cfg.steps)
 
                 from tqdm import tqdm
 
-                bar = tqdm(total=cfg.steps, initial=run.start, desc=policy_method(cfg), unit="step", dynamic_ncols=True,
+                bar = tqdm(total=cfg.steps, initial=run.step, desc=policy_method(cfg), unit="step", dynamic_ncols=True,
                            disable=not dist.is_main)
-                local = slice(dist.rank * cfg.batch_size // dist.world, (dist.rank + 1) * cfg.batch_size // dist.world)
-                share_prefix = not dist.sharded  # a prefix pass would run on some ranks only
                 metrics: dict = {}
-                for step in range(run.start, cfg.steps):
-                    metrics = ppo_step(run, cfg, step, dist, stop, local, share_prefix, state, out)
-                    progress["step"] = step + 1
-                    write_status(out, "running", step + 1, cfg.steps)
+                while run.step < cfg.steps:
+                    metrics = ppo_step(run, stop)
+                    progress["step"] = run.step
+                    write_status(out, "running", run.step, cfg.steps)
                     bar.update(1)
                     bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
                                     beta=f"{metrics['kl/beta']:.3g}")
                 bar.close()
-                finish(run, cfg, state, out, reward, dist)
+                finish(run, reward)
                 return metrics
         except Cancelled as exc:
             # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint
-            if "policy" in state:
-                save_checkpoint(ckpt, state, dist)
+            done = run.step if run is not None else 0
+            if run is not None:
+                save_checkpoint(run)
             dist.barrier()
-            write_status(out, "cancelled", state.get("step", 0), cfg.steps, error=str(exc))
-            print(f"cancelled at step {state.get('step', 0)} (rank {dist.rank} of {dist.world})", flush=True)
+            write_status(out, "cancelled", done, cfg.steps, error=str(exc))
+            print(f"cancelled at step {done} (rank {dist.rank} of {dist.world})", flush=True)
             dist.close()
             raise
 
 
-def ppo_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share_prefix: bool, state: dict,
-             out: Path) -> dict:
-    """Phases 1-9 of one step; returns its metrics (also appended to metrics.jsonl)."""
+def ppo_step(run: RunParts, stop) -> dict:
+    """Phases 1-9 of step run.step (0-based); returns its metrics (also appended to metrics.jsonl)."""
+    cfg, dist, step = run.cfg, run.dist, run.step
+    t_start = time.perf_counter()
     # 1-6. prompts, sampling, forwards, scores, KL-shaped rewards and GAE
-    ro, raw_score, adv, beta, times = rollout_step(run, cfg, step, dist, stop, local, share_prefix)
-    t_start = times.pop("start")
+    sr = rollout_step(run, stop)
     # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches (the critic
     # alone while it warms up)
     train_policy = step >= cfg.critic_warmup_steps
-    stats, n_minibatches = ppo_update(run, ro, adv, cfg, step, dist, stop, share_prefix, train_policy)
-    t_update = time.perf_counter() - t_start - times["rollout"]
+    stats, n_minibatches = ppo_update(run, sr, stop, train_policy)
     # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
     norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm") if k in stats}
     stats = {**dist.reduce_sum(dict(stats)), **norms}
     # 8. KL controller (on the measured KL per sequence) and learning rates
-    lrs = advance_schedules(run, adv, cfg.batch_size, train_policy)
-    state["step"] = step + 1
+    lrs = advance_schedules(run, sr.adv, cfg.batch_size, train_policy)
+    run.step = step + 1
     # 9. metrics, sample table, checkpoint
-    times.update(update=t_update, step=time.perf_counter() - t_start)
-    metrics = step_metrics(stats, n_minibatches, ro, raw_score, adv, beta, run.kl.value, lrs, times,
-                           critic=run.critic is not None)
-    append_metrics(out, step + 1, metrics)
-    keep_step(out, out / CHECKPOINT, state, cfg, step + 1, dist, ro, raw_score, adv)
+    elapsed = time.perf_counter() - t_start
+    sr.times.update(update=elapsed - sr.times["rollout"], step=elapsed)
+    metrics = step_metrics(stats, n_minibatches, sr, run.kl.value, lrs, critic=run.critic is not None)
+    append_metrics(run.out, run.step, metrics)
+    keep_step(run, sr)
     return metrics
 
 
-def finish(run, cfg: PPOConfig, state: dict, out: Path, reward: str, dist) -> None:
+def finish(run: RunParts, reward: str) -> None:
     """The end: a resumable checkpoint, and the policy (its meta naming the parent and the reward
     model) for the owner process to register."""
+    cfg, dist, out = run.cfg, run.dist, run.out
     reward_name = reward if reward.startswith(("script:", "oracle:")) else str(Path(reward).resolve())
     run.policy.rlhf_meta = {**run.policy.rlhf_meta, "parent": run.parent, "reward_model": reward_name,
                             "run": str(out.resolve()), "steps": cfg.steps}
-    save_checkpoint(out / CHECKPOINT, state, dist)  # rank 0 writes; every rank holds the weights or a shard
-    save_whole_policy(run.policy, state["tokenizer"], out / "policy", dist)
+    save_checkpoint(run)  # rank 0 writes; every rank holds the weights or a shard
+    save_whole_policy(run.policy, run.tokenizer, out / "policy", dist)
     dist.barrier()  # the other ranks exit only once rank 0 has saved
     write_status(out, "done", cfg.steps, cfg.steps)
     dist.close()
 
 
-def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share_prefix: bool):
-    """Phases 1-6 of one step. Returns (rollout, raw scores, advantages, the KL coefficient used,
-    phase times with the step's start)."""
+def rollout_step(run: RunParts, stop) -> StepRollout:
+    """Phases 1-6 of step run.step."""
     t_start = time.perf_counter()
+    cfg, dist, step, local = run.cfg, run.dist, run.step, run.local
     policy_model, tokenizer, device, autocast = run.policy, run.tokenizer, run.device, run.autocast
-    B, temperature, k = cfg.batch_size, cfg.temperature, group_size(cfg)
+    B, k = cfg.batch_size, group_size(cfg)
     # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it), each
     # k times in a row: a critic-free estimator's groups
     order = [i for i in prompt_order(len(run.rows), step, B // k, cfg.seed) for _ in range(k)]
@@ -185,8 +182,8 @@ def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share
     # one matmul per layer and step
     uniforms = episode_uniforms(cfg.seed, step, range(B)[local], cfg.max_new_tokens, device)
     with torch.no_grad(), autocast(), merged_lora(policy_model):
-        sb = sample(policy_model, input_ids, prompt_mask, cfg, uniforms=uniforms,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced=dist.sharded)
+        sb = sample(policy_model, input_ids, prompt_mask, cfg, tokenizer, draws=uniforms,
+                    decoding=Decoding(synced=dist.sharded))
     mask = sb.response_mask.float()  # (B, R)
     t_sample = time.perf_counter() - t_start
     dist.check_stop(stop)
@@ -195,9 +192,8 @@ def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share
     policy_model.eval()
     if run.critic is not None:
         run.critic.eval()
-    ref_logp, old_logp, values = rollout_forwards(
-        policy_model, run.reference, run.critic, sb.sequences, sb.attention_mask, sb.response_ids, mask,
-        sb.prompt_length, temperature, cfg.forward_batch_size, not run.sample_logprobs, autocast, share_prefix)
+    ref_logp, old_logp, values = rollout_forwards(policy_model, run.reference, run.critic, sb, cfg,
+                                                  not run.sample_logprobs, autocast, run.share_prefix)
     ro = Rollout(prompts=batch_prompts, sequences=sb.sequences, attention_mask=sb.attention_mask,
                  response_ids=sb.response_ids, mask=mask, prompt_length=sb.prompt_length,
                  logprobs=(sb.logprobs if run.sample_logprobs else old_logp) * mask,
@@ -215,9 +211,8 @@ def rollout_step(run, cfg: PPOConfig, step: int, dist, stop, local: slice, share
     # 5-6. missing-EOS penalty, per-token KL, shaped rewards, GAE (pipeline/rollout.py)
     beta = run.kl.value
     adv = kl_shaped_advantages(ro, raw_score, cfg, beta)
-    times = {"start": t_start, "sample": t_sample, "forwards": t_forwards, "score": t_score,
-             "rollout": time.perf_counter() - t_start}
-    return ro, raw_score, adv, beta, times
+    times = {"sample": t_sample, "forwards": t_forwards, "score": t_score, "rollout": time.perf_counter() - t_start}
+    return StepRollout(ro, raw_score, adv, beta, times)
 
 
 def advance_schedules(run, adv, episodes: int, train_policy: bool) -> tuple[float, float]:
@@ -235,27 +230,30 @@ def advance_schedules(run, adv, episodes: int, train_policy: bool) -> tuple[floa
     return lrs
 
 
-def keep_step(out: Path, ckpt: Path, state: dict, cfg: PPOConfig, done: int, dist, ro: Rollout, raw_score, adv) -> None:
-    """Phase 9's files after `done` steps: the sample table every cfg.sample_every steps (and at
+def keep_step(run: RunParts, sr: StepRollout) -> None:
+    """Phase 9's files after run.step steps: the sample table every cfg.sample_every steps (and at
     the end; rank 0), a checkpoint every cfg.save_every (the end saves its own)."""
-    if dist.is_main and cfg.sample_every > 0 and (done % cfg.sample_every == 0 or done == cfg.steps):
-        write_samples(out / "samples" / f"step_{done}.jsonl", state["tokenizer"], ro, raw_score, adv.kl_seq)
+    cfg, done = run.cfg, run.step
+    if run.dist.is_main and cfg.sample_every > 0 and (done % cfg.sample_every == 0 or done == cfg.steps):
+        write_samples(run.out / "samples" / f"step_{done}.jsonl", run.tokenizer, sr.ro, sr.raw_score, sr.adv.kl_seq)
     if cfg.save_every > 0 and done % cfg.save_every == 0 and done < cfg.steps:
-        save_checkpoint(ckpt, state, dist)  # every rank (a sharded model is gathered), rank 0 writes
+        save_checkpoint(run)  # every rank (a sharded model is gathered), rank 0 writes
 
 
-def step_metrics(stats: dict, n_minibatches: int, ro: Rollout, raw_score: torch.Tensor, adv, beta: float,
-                 beta_next: float, lrs: tuple[float, float], times: dict, critic: bool = True) -> dict:
+def step_metrics(stats: dict, n_minibatches: int, sr: StepRollout, beta_next: float, lrs: tuple[float, float],
+                 critic: bool = True) -> dict:
     """Phase 9's metrics.jsonl line: the update's averages over minibatches, then the rollout's
-    objective, value (with a critic), KL-controller, generation and timing figures."""
+    objective, value (with a critic), KL-controller, generation and timing figures (sr.times with
+    the update's and the whole step's seconds)."""
     metrics = {key: val / n_minibatches for key, val in stats.items() if key != "policy/ratio_first"}
     if "policy/ratio_first" in stats:  # (none while the critic warms up)
         metrics["policy/ratio_first"] = stats["policy/ratio_first"]
+    ro, adv, beta, times = sr.ro, sr.adv, sr.beta, sr.times
     mask, returns, kl_seq = ro.mask, adv.returns, adv.kl_seq
     with torch.no_grad():
         var_returns = masked_var(returns, mask)
         metrics.update({
-            "objective/score": float(raw_score.mean()),
+            "objective/score": float(sr.raw_score.mean()),
             "objective/kl": float(kl_seq.mean()),
             "objective/non_score_reward": float((-beta * kl_seq).mean()),
             "objective/rlhf_reward": float((adv.score - beta * kl_seq).mean()),

@@ -12,7 +12,7 @@ from pipeline.__main__ import main as cli
 from pipeline.config import GenerateConfig
 from pipeline.generate import generate_responses
 from pipeline.policy import causal_lm_logits, load_policy
-from pipeline.sampling import _filter_logits, _sample_categorical, sample
+from pipeline.sampling import Decoding, _filter_logits, _sample_categorical, sample
 from pipeline.text import SYSTEM_PROMPT, encode_prompts, prompt_token_ids, to_messages
 from tests.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -23,9 +23,8 @@ PROMPTS = ["hello there, how are you today?", "\n\nHuman: hi\n\nAssistant: yo\n\
 
 def _sample(model, tokenizer, cfg, prompts=PROMPTS, n=8, seed=0, check_every=None):
     ids, mask = encode_prompts(tokenizer, prompts)
-    return sample(model, ids, mask, cfg, num_samples=n, generator=torch.Generator().manual_seed(seed),
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                  check_every=check_every)
+    return sample(model, ids, mask, cfg, tokenizer, num_samples=n, draws=torch.Generator().manual_seed(seed),
+                  decoding=Decoding(check_every=check_every))
 
 
 # --------------------------------------------------------------------------- prompts

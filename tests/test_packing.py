@@ -12,7 +12,7 @@ from pipeline.packing import (
 )
 from pipeline.policy import causal_lm_logits, load_policy, make_reference, merged_lora, packed_lm_logits
 from pipeline.rollout import critic_values
-from pipeline.sampling import sample
+from pipeline.sampling import Decoding, sample
 from pipeline.scoring import packed_score
 from pipeline.text import encode_prompts
 
@@ -78,9 +78,8 @@ def _episodes(tiny_model_cfg, prompts):
                 p.normal_(0, 0.5)
     critic, _ = load_scalar_model(cfg.model, kind="critic", cfg=cfg)
     ids, am = encode_prompts(tok, prompts)
-    sb = sample(policy, ids, am, PPOConfig(max_new_tokens=10, temperature=1.0),
-                generator=torch.Generator().manual_seed(1), eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id)
+    sb = sample(policy, ids, am, PPOConfig(max_new_tokens=10, temperature=1.0), tok,
+                draws=torch.Generator().manual_seed(1))
     return policy, critic, sb, cfg, tok
 
 
@@ -179,9 +178,8 @@ def test_sampling_with_merged_lora_matches_a_forward_and_restores_the_base_bit_f
         before = causal_lm_logits(policy, ids, am)
         with merged_lora(policy):
             merged = causal_lm_logits(policy, ids, am)
-            sb = sample(policy, ids, am, PPOConfig(max_new_tokens=8, temperature=0.9),
-                        generator=torch.Generator().manual_seed(0), eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id)
+            sb = sample(policy, ids, am, PPOConfig(max_new_tokens=8, temperature=0.9), tok,
+                        draws=torch.Generator().manual_seed(0))
         after = causal_lm_logits(policy, ids, am)
         P = sb.prompt_length
         full = torch.log_softmax(causal_lm_logits(policy, sb.sequences, sb.attention_mask)[:, P - 1 : -1] / 0.9, -1)
@@ -204,8 +202,8 @@ def test_sampling_runs_a_shared_system_prompt_once_with_the_same_result(system_e
     cfg = PPOConfig(max_new_tokens=8, temperature=0.9)
     try:
         with torch.no_grad():
-            runs = [sample(policy, ids, am, cfg, num_samples=2, generator=torch.Generator().manual_seed(3),
-                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, share_prefix=share)
+            runs = [sample(policy, ids, am, cfg, tok, num_samples=2, draws=torch.Generator().manual_seed(3),
+                           decoding=Decoding(share_prefix=share))
                     for share in (True, False)]
     finally:
         hook.remove()

@@ -187,8 +187,7 @@ def test_a_critic_from_the_reward_model_starts_at_its_normalised_scores(learned)
     rm = learned["rm"]
     policy, tok = load_policy(dataclasses.replace(learned["policy_cfg"], lora=False))
     ids, am = encode_prompts(tok, learned["held_out"][:4])
-    sb = sample(policy, ids, am, PPOConfig(max_new_tokens=6), generator=torch.Generator().manual_seed(0),
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    sb = sample(policy, ids, am, PPOConfig(max_new_tokens=6), tok, draws=torch.Generator().manual_seed(0))
     mask = sb.response_mask.float()
     with torch.no_grad():
         pr = pack_responses(sb.sequences, sb.attention_mask, sb.response_ids, mask, sb.prompt_length,

@@ -166,12 +166,10 @@ def test_packed_rollout_forwards_equal_full_forward_and_sampling_logprobs(ppo_mo
     reference = make_reference(policy)
     ids, am = encode_prompts(tok, PROMPTS * 2)
     cfg = PPOConfig(max_new_tokens=12, temperature=0.9)
-    sb = sample(policy, ids, am, cfg, generator=torch.Generator().manual_seed(0),
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    sb = sample(policy, ids, am, cfg, tok, draws=torch.Generator().manual_seed(0))
     mask = sb.response_mask.float()
-    ref, old, values = rollout_forwards(policy, reference, critic, sb.sequences, sb.attention_mask,
-                                        sb.response_ids, mask, sb.prompt_length, 0.9, chunk=3, need_old=True,
-                                        autocast=contextlib.nullcontext)
+    ref, old, values = rollout_forwards(policy, reference, critic, sb, dataclasses.replace(cfg, forward_batch_size=3),
+                                        need_old=True, autocast=contextlib.nullcontext)
     P, R = sb.prompt_length, sb.response_ids.shape[1]
     with torch.no_grad():
         full = torch.log_softmax(causal_lm_logits(policy, sb.sequences, sb.attention_mask)[:, P - 1 : -1] / 0.9, -1)
@@ -240,9 +238,8 @@ def test_ppo_reward_is_score_texts_of_the_decoded_response_ended_or_cut(tmp_path
     rm_dir = save_scalar_model(rm, rm_tok, tmp_path / "rm")
 
     ids, am = encode_prompts(tok, PROMPTS)
-    sb = sample(policy, ids, am, PPOConfig(max_new_tokens=24, temperature=1.0), num_samples=4,
-                generator=torch.Generator().manual_seed(1), eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id)
+    sb = sample(policy, ids, am, PPOConfig(max_new_tokens=24, temperature=1.0), tok, num_samples=4,
+                draws=torch.Generator().manual_seed(1))
     prompts = [PROMPTS[i] for i in sb.prompt_index.tolist()]
     assert {"eos", "length"} == set(sb.finish_reason)
     texts = [tok.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(sb.response_ids, sb.response_mask)]

@@ -84,8 +84,7 @@ def evaluate_policy(adapter: str | None, model_cfg: ModelConfig, prompts: list[s
         # 2. sample (the LoRA deltas merged into a copy of the weights, as PPO samples: one matmul
         # per layer and token); sb.logprobs are the policy's log-probs of its tokens at cfg.temperature
         with merged_lora(policy):
-            sb = sample(policy, input_ids, prompt_mask, cfg, num_samples=cfg.samples, generator=generator,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            sb = sample(policy, input_ids, prompt_mask, cfg, tokenizer, num_samples=cfg.samples, draws=generator)
         mask = sb.response_mask.float()  # (B, R)
         lengths = mask.sum(1).long()  # (B,)
         # 3. reference log-probs of the same tokens: the k1 KL, nats per sequence (the base model is
