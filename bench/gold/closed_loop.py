@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gold.eval import EvalConfig  # noqa: E402
 from bench.gold.prompt_sets import LOCKED, PROMPTS, locked_prompts, split_prompts  # noqa: E402
 from bench.gold.steps import Context, RecordingOracle, cpu_seconds, write_rows  # noqa: E402
-from pipeline.orchestrate.steps import LoopSettings  # noqa: E402
+from pipeline.orchestrate.steps import POLICY_STEPS, LoopSettings  # noqa: E402
 
 OUT_ROOT = ROOT / "bench" / "out" / "closed_loop"
 RUN = "{run}"
@@ -468,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--eval-samples", type=int, default=4, help="responses per locked test prompt")
     add("--leaderboard-prompts", type=int, default=64,
         help="held-out prompts of the blind evaluation after the last round (0: none)")
-    add("--policy-step", choices=("ppo", "dpo"), default="ppo")
+    add("--policy-step", choices=POLICY_STEPS, default="ppo",
+        help="the round's policy step, as the Train tab's (one run per step: an RLOO run beside a PPO run with the same seeds)")
     add("--threads", type=int, default=2, help="torch threads here and in every job")
     add("--quick", action="store_true", help="tiny random models")
     add("--resume", action="store_true", help="continue the stopped run in --out (the same options)")
