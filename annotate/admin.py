@@ -129,7 +129,7 @@ def generate(ctx: AppContext, n_prompts: float, k: float, max_new_tokens: float,
     cfg = dataclasses.replace(settings.generate, k=int(k), max_new_tokens=int(max_new_tokens),
                               temperature=float(temperature), top_p=float(top_p))
     try:
-        submit_generate(ctx.store, ctx.jobs, prompts, cfg, settings.model, mv, label="data-tab")
+        submit_generate(ctx.store, ctx.jobs, prompts, dataclasses.replace(settings, generate=cfg), mv, label="data-tab")
     except ValueError as exc:
         raise gr.Error(str(exc)) from None
     return job_poll(ctx, request)

@@ -48,5 +48,5 @@ def first_batch(store, jobs, settings, n: int) -> int:
     prompts = prompt_pool(store, jobs, limit=n)
     if not prompts:
         return 0
-    submit_generate(store, jobs, prompts, settings.generate, settings.model, label="first-batch")
+    submit_generate(store, jobs, prompts, settings, label="first-batch")
     return len(prompts)

@@ -47,10 +47,18 @@ from pipeline.pairs_data import EncodedPair, prompt_key
 from pipeline.sampling import Decoding, sample
 from pipeline.text import encode_prompts
 
-# --------------------------------------------------------------------------- held-out split
-
-
 # --------------------------------------------------------------------------- packing
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How one model's batches of pairs are packed (pack_pairs): its attention cost per linear FLOP
+    (pipeline/models.py, attn_ratio: the cost model's row width), its pad id, and whether a prefix
+    common to a batch's prompts is taken out and run once (not under gradient checkpointing, which
+    drops the KV cache it needs, nor under FSDP)."""
+    attn_per_linear: float
+    pad_id: int
+    share_prefix: bool = True
 
 
 @dataclass
@@ -68,11 +76,10 @@ class PackedPairs:
     weight: torch.Tensor | None = None  # (B,) each pair's weight in the loss; None = all count once
 
 
-def pack_pairs(items: list[EncodedPair], attn_per_linear: float, pad_id: int, share_prefix: bool = True,
-               device=None, weights: list[float] | None = None) -> PackedPairs:
-    """The packed layout of B pairs (module docstring). share_prefix False keeps the system prompt
-    in the rows (gradient checkpointing drops the KV cache a shared prefix needs). weights: one per
-    item, as the loss should count it (normalised by the caller), or None."""
+def pack_pairs(items: list[EncodedPair], packing: Packing, device=None, weights: list[float] | None = None) -> PackedPairs:
+    """The packed layout of B pairs (module docstring), as `packing` says. weights: one per item, as
+    the loss should count it (normalised by the caller), or None."""
+    attn_per_linear, pad_id, share_prefix = packing.attn_per_linear, packing.pad_id, packing.share_prefix
     b = len(items)
     if b == 0:
         raise ValueError("pack_pairs: no pairs")
@@ -197,8 +204,7 @@ def pair_stats(logps: torch.Tensor, ref: torch.Tensor, beta: float) -> dict[str,
 
 
 @torch.no_grad()
-def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, pad_id: int, attn_per_linear: float,
-                   share_prefix: bool, device, amp, dist) -> dict:
+def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, packing: Packing, amp, dist) -> dict:
     """Held-out metrics under eval/: the loss, implicit-reward accuracy, margin, mean rewards and
     log-probs, over batches of 2 x batch_size pairs of similar length; every pair counts once,
     whatever its weight. dist (pipeline/distributed.py): each process takes its share of the pairs;
@@ -211,7 +217,7 @@ def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, pad_id: int,
     spare = dist.passes(len(batches)) - len(batches)  # FSDP: as many passes as the busiest rank
     for batch in tqdm(batches + [None] * spare, desc="eval pairs", unit="batch", dynamic_ncols=True,
                       disable=not dist.is_main or not mine):
-        pp = pack_pairs([items[i] for i in batch or [0]], attn_per_linear, pad_id, share_prefix, device)
+        pp = pack_pairs([items[i] for i in batch or [0]], packing, dist.device)
         with amp():
             logps, ref = sequence_logps(model, pp), reference_logps(reference, pp)
             loss = float(preference_loss(cfg, logps, ref, pp.response_tokens))
@@ -227,13 +233,13 @@ def evaluate_pairs(model, reference, items: list[EncodedPair], cfg, pad_id: int,
 
 
 @torch.no_grad()
-def heldout_kl(model, reference, tokenizer, prompts: list, cfg, device, amp, dist, batch_prompts: int = 8) -> dict:
+def heldout_kl(model, reference, tokenizer, prompts: list, cfg, amp, dist, batch_prompts: int = 8) -> dict:
     """KL(pi || ref) per response on cfg.kl_prompts distinct held-out prompts (drawn with cfg.seed),
     cfg.kl_samples responses each of at most cfg.kl_max_new_tokens (module docstring): kl/heldout,
     its standard error kl/heldout_se, and what the samples were like."""
     distinct = list({prompt_key(p): p for p in prompts}.values())
     random.Random(cfg.seed).shuffle(distinct)
-    mine = dist.shard(distinct[:cfg.kl_prompts])
+    mine, device = dist.shard(distinct[:cfg.kl_prompts]), dist.device
     gen = GenerateConfig(temperature=1.0, max_new_tokens=cfg.kl_max_new_tokens)
     sums = {"kl": 0.0, "kl_sq": 0.0, "samples": 0, "tokens": 0, "eos": 0}
     was_training = model.training
@@ -270,5 +276,5 @@ def heldout_kl(model, reference, tokenizer, prompts: list, cfg, device, amp, dis
             "kl/eos_rate": sums["eos"] / n}
 
 
-__all__ = ["PackedPairs", "pack_pairs", "sequence_logps", "reference_logps", "preference_loss",
+__all__ = ["Packing", "PackedPairs", "pack_pairs", "sequence_logps", "reference_logps", "preference_loss",
            "pair_stats", "evaluate_pairs", "heldout_kl"]

@@ -24,7 +24,10 @@ holds what every trainer does around them, written once so a fix reaches all of 
     AfterTraining(...)         the phases after a loop that ran to the end (held-out evaluation,
                                normalisation, the final save): the trained weights saved first, so
                                a stop in them loses no training (--resume runs only them again)
-    adamw_schedule(...)        AdamW and the linear decay over the run's steps (how many: here)
+    start_training(...)        the model wrapped for N processes, AdamW and the linear decay over
+                               the run's steps (adamw_schedule: how many), restored on --resume: a
+                               Training, whose optimizer_step ends every trainer's step and whose
+                               state() is what save_state writes
     write_run_config(...)      config.json: the trainer's own fields, then the data's and the run's
     write_report(...)          eval_report.json (the trainer's figures and the common part: time,
                                steps, data, truncation), then the run marked 'done'
@@ -36,6 +39,7 @@ PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); i
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -49,7 +53,8 @@ import torch
 from tqdm.auto import tqdm
 
 from formats.hashing import snapshot_sha256
-from pipeline.distributed import clip_grad_norm
+from pipeline.distributed import clip_grad_norm, load_optimizer_state
+from pipeline.models import autocast
 from pipeline.pairs_data import length_grouped_batches
 from pipeline.rundir import (STATE_FILE, Cancelled, StopFlag, append_metrics, read_status, truncate_metrics,
                              write_json, write_status)
@@ -133,18 +138,6 @@ class Steps:
     cpu_seconds: float
 
 
-def optimizer_step(sums: dict, params, optimizer, scheduler, max_grad_norm: float, dist) -> tuple[dict, float, int]:
-    """The end of a pairs trainer's step, once its micro-batches have accumulated gradients and
-    `sums` (with "pairs"): the sums over every rank, gradients clipped (sharded: one all-reduce),
-    one optimiser and scheduler step. Returns (reduced sums, grad norm, pairs)."""
-    sums = dist.reduce_sum(sums)
-    grad_norm = clip_grad_norm(params, max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return sums, grad_norm, int(sums["pairs"])
-
-
 @dataclass
 class Schedule:
     """A pairs trainer's optimiser and learning-rate schedule, and the steps they span
@@ -153,6 +146,51 @@ class Schedule:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     steps_per_epoch: int
     total: int
+
+
+@dataclass
+class Training:
+    """A pairs trainer's training side, made once its model is loaded (`start_training`): the
+    processes, the model and its wrapper for training forwards (gradients averaged across ranks),
+    autocast, the trainable parameters, optimiser and schedule, and the steps done before a --resume."""
+    dist: object
+    model: torch.nn.Module
+    wrapped: torch.nn.Module
+    amp: Callable[[], contextlib.AbstractContextManager]
+    params: list
+    schedule: Schedule
+    start: int
+    max_grad_norm: float
+
+    def optimizer_step(self, sums: dict) -> tuple[dict, float, int]:
+        """The end of a step, once its micro-batches have accumulated gradients and `sums` (with
+        "pairs"): the sums over every rank, gradients clipped (sharded: one all-reduce), one
+        optimiser and scheduler step. Returns (reduced sums, grad norm, pairs)."""
+        sums = self.dist.reduce_sum(sums)
+        grad_norm = clip_grad_norm(self.params, self.max_grad_norm)
+        self.schedule.optimizer.step()
+        self.schedule.scheduler.step()
+        self.schedule.optimizer.zero_grad(set_to_none=True)
+        return sums, grad_norm, int(sums["pairs"])
+
+    def state(self, step: int, **extra) -> dict:
+        """trainer_state.pt's contents at `step` (save_state; every rank calls it: a sharded
+        optimiser state is gathered), with the trainer's `extra` entries."""
+        return {"optimizer": self.dist.optimizer_state(self.model, self.schedule.optimizer),
+                "scheduler": self.schedule.scheduler.state_dict(), "step": step, "total": self.schedule.total, **extra}
+
+
+def start_training(model, n_items: int, cfg, out_dir: Path, resume: bool, dist, dtype) -> Training:
+    """Wrap the model for N processes (before the optimiser: FSDP replaces the parameters by their
+    shards), build AdamW and its schedule (adamw_schedule) over `n_items` training items, and on
+    --resume restore them (resume_from). cfg gives the schedule's sizes and max_grad_norm."""
+    wrapped = dist.wrap(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    schedule = adamw_schedule(params, n_items, cfg)
+    start = resume_from(out_dir, schedule, lambda saved: load_optimizer_state(model, schedule.optimizer, saved)) \
+        if resume else 0
+    return Training(dist=dist, model=model, wrapped=wrapped, amp=functools.partial(autocast, dist.device, dtype),
+                    params=params, schedule=schedule, start=start, max_grad_norm=cfg.max_grad_norm)
 
 
 @dataclass
@@ -339,6 +377,6 @@ def resume_from(out_dir: Path, schedule: Schedule, load_optimizer: Callable[[dic
     return state["step"]
 
 
-__all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "Schedule", "StepLoop",
+__all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "Schedule", "Training", "start_training", "StepLoop",
            "run_steps",
            "cancelled", "AfterTraining", "resume_from", "adamw_schedule", "write_report", "write_run_config"]

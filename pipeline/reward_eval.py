@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 
@@ -206,21 +205,22 @@ def evaluate(model, items: list[EncodedPair], pad_id: int, device, dtype, batch_
 
 
 @torch.no_grad()
-def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int, device, dtype,
-                        *, max_new_tokens: int, temperature: float, policy_path: str = "", batch_size: int = 16,
-                        dist=None, on_progress=None) -> dict:
-    """Sample one response for each of n prompts (drawn from the training pairs) from the reference
-    policy as PPO samples its rollouts (max_new_tokens, temperature: PPO's), score prompt + response
-    exactly as PPO will (the decoded response + EOS, whether the policy stopped or was cut at the
-    length limit: pipeline/scoring.py, retokenise), and return the scores' mean and std. (Samples of
-    another length than PPO's would shift every normalised reward when the reward model scores
-    length.)
+def normalisation_stats(model, prompts: list[Pair], cfg, model_cfg, amp, dist=None, on_progress=None) -> dict:
+    """Sample one response for each of cfg.norm_samples prompts (drawn from the training pairs with
+    cfg.seed) from the reference policy as PPO samples its rollouts (cfg.norm_max_new_tokens,
+    cfg.norm_temperature: PPO's), score prompt + response exactly as PPO will (the decoded response
+    + EOS, whether the policy stopped or was cut at the length limit: pipeline/scoring.py,
+    retokenise) under `amp`, and return the scores' mean and std. (Samples of another length than
+    PPO's would shift every normalised reward when the reward model scores length.)
 
-    The reference policy is the base model (no adapter), or the policy folder `policy_path` when
-    PPO will start from an earlier round's policy. dist (pipeline/distributed.py): each process
-    samples and scores its share of the prompts; the statistics are over all of them. A tqdm bar
-    counts the responses sampled; on_progress(done, total) is called along the way.
+    cfg: a RewardConfig. The reference policy is the base model (no adapter), or the policy folder
+    cfg.norm_policy when PPO will start from an earlier round's policy. Batches of 2 x
+    cfg.batch_size. dist (pipeline/distributed.py): each process samples and scores its share of
+    the prompts; the statistics are over all of them. A tqdm bar counts the responses sampled;
+    on_progress(done, total) is called along the way.
     """
+    n, seed, policy_path, batch_size = cfg.norm_samples, cfg.seed, cfg.norm_policy, 2 * cfg.batch_size
+    max_new_tokens, temperature = cfg.norm_max_new_tokens, cfg.norm_temperature
     from pipeline.config import GenerateConfig
     from pipeline.generate import generate_responses
     from pipeline.policy import load_policy
@@ -254,7 +254,7 @@ def normalisation_stats(model, prompts: list[Pair], n: int, model_cfg, seed: int
     model.eval()
     # raw scores (the statistics are what normalises them); not frozen: this model was just trained
     all_scores = torch.tensor(score_rows(model, seqs, tokenizer.pad_token_id, batch_size, normalised=False,
-                                         frozen=False, autocast=functools.partial(autocast, device, dtype)))  # (n,)
+                                         frozen=False, autocast=amp))  # (n,)
     model.train(was_training)
     # per sample: (raw score, ended with EOS, tokens), over every process's samples
     rows = list(zip(all_scores.tolist(), [g[0].finish_reason == "eos" for g in gens],

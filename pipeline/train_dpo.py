@@ -59,19 +59,19 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import DPOConfig, ModelConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import load_optimizer_state, setup
-from pipeline.dpo_data import (
-    PAIR_STATS, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps, sequence_logps,
-)
 from formats.hashing import snapshot_sha256
-from pipeline.models import attn_ratio, autocast, checkpointing, pick_dtype
-from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference, trainable
-from pipeline.saving import save_whole_policy
+from pipeline.config import DPOConfig, ModelConfig, add_arguments, from_args, to_dict
+from pipeline.distributed import setup
+from pipeline.dpo_data import (
+    PAIR_STATS, Packing, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps,
+    sequence_logps,
+)
+from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, Training, cancelled, claim, guarded, recover,
+                                run_steps, save_state, start_training, write_report, write_run_config)
+from pipeline.models import attn_ratio, checkpointing, pick_dtype
 from pipeline.pairs_data import encode_pairs, pair_weights, train_eval_data
-from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, adamw_schedule, cancelled, claim, guarded,
-                                optimizer_step, recover, resume_from, run_steps, save_state, write_report,
-                                write_run_config)
+from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference
+from pipeline.saving import save_whole_policy
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.tracking import add_report_to
 
@@ -118,12 +118,11 @@ def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, polic
         return report
 
 
-def dpo_step(cfg: DPOConfig, dist, wrapped, reference, items: list, weights: list[float] | None, *, pad_id: int,
-             ratio, share_prefix: bool, amp, params: list, optimizer, scheduler) -> Callable:
+def dpo_step(cfg: DPOConfig, training: Training, reference, items: list, weights: list[float] | None,
+             packing: Packing) -> Callable:
     """The optimiser step run_steps calls: DPO's (or IPO's) loss over a step's micro-batches of pair
-    indices into `items`, against the reference's log-probs; returns (metrics, pairs, tokens).
-    pad_id, ratio, share_prefix: as pack_pairs takes them."""
-    device = dist.device
+    indices into `items`, against the reference's log-probs; returns (metrics, pairs, tokens)."""
+    dist, wrapped = training.dist, training.wrapped
 
     def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
         sums = {"loss": 0.0, "pairs": 0, "tokens": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
@@ -134,11 +133,11 @@ def dpo_step(cfg: DPOConfig, dist, wrapped, reference, items: list, weights: lis
             weight = len(mine) / len(idx) / len(micro) * dist.loss_scale
             if not mine:  # fewer pairs than processes: join the all-reduce with a zero loss
                 mine, weight = idx[:1], 0.0
-            pp = pack_pairs([items[i] for i in mine], ratio, pad_id, share_prefix, device,
+            pp = pack_pairs([items[i] for i in mine], packing, dist.device,
                             weights=None if weights is None else [weights[i] for i in mine])
-            with amp():
+            with training.amp():
                 ref = reference_logps(reference, pp)  # (2b,) no grad
-            with dist.sync(wrapped, last=j == len(micro) - 1), amp():
+            with dist.sync(wrapped, last=j == len(micro) - 1), training.amp():
                 logps = wrapped(sequence_logps, pp)  # (2b,)
                 loss = preference_loss(cfg, logps, ref, pp.response_tokens, pp.weight)
             (loss * weight).backward()
@@ -149,7 +148,7 @@ def dpo_step(cfg: DPOConfig, dist, wrapped, reference, items: list, weights: lis
             sums["tokens"] += pp.real_tokens
             for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
                 sums[key] += value
-        sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
+        sums, grad_norm, n = training.optimizer_step(sums)
         return {"train/loss": sums["loss"] / n,
                 **{f"train/{key}": sums[key] / n for key in sums if key not in ("loss", "pairs", "tokens")},
                 "train/grad_norm": grad_norm}, n, sums["tokens"]
@@ -176,43 +175,33 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
         load_policy_weights(model, out_dir / "checkpoint")
     train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
     eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
-    pad_id, ratio = tokenizer.pad_token_id, attn_ratio(model)
     model.train(checkpointing(model))  # no dropout (TRL's disable_dropout), but checkpointing acts in train mode
     # checkpointed layers drop the KV cache a shared prefix needs; under FSDP a prefix pass would run on
     # some ranks only, and a prefix's keys and values reused by a batch fail FSDP2's backward
-    share_prefix = not checkpointing(model) and not dist.sharded
-    amp = lambda: autocast(device, dtype)  # noqa: E731
+    packing = Packing(attn_ratio(model), tokenizer.pad_token_id, share_prefix=not checkpointing(model) and not dist.sharded)
     weights = pair_weights(train_items, cfg.use_weights)  # None: the plain loss, as train-reward's
-    weighted = weights is not None
     if not resume:
         write_run_config(out_dir, {"stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg),
                                    "policy": policy, "parent": parent, "base_model": model.rlhf_meta["base_model"],
-                                   "weighted": weighted},
+                                   "weighted": weights is not None},
                          data=data, eval_data=cfg.eval_data, data_report=data_report, dist=dist)
 
     # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
     if reference.frozen is not None:  # full fine-tuning: a copy as large as the policy, sharded alike
         dist.shard_frozen(reference.frozen)
-    wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
-    params = trainable(model)
-    schedule = adamw_schedule(params, len(train_items), cfg)
-    optimizer, scheduler, total = schedule.optimizer, schedule.scheduler, schedule.total
-    step = resume_from(out_dir, schedule, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
+    training = start_training(model, len(train_items), cfg, out_dir, resume, dist, dtype)
+    total = training.schedule.total
 
     def save(step: int) -> None:  # every rank calls it (sharded weights are gathered), rank 0 writes
         save_whole_policy(model, tokenizer, out_dir / "checkpoint", dist)
-        opt_state = dist.optimizer_state(model, optimizer)
-        save_state(out_dir, {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "total": total},
-                   dist)
+        save_state(out_dir, training.state(step), dist)
 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
     lengths = [it.length for it in train_items]
-
-    train_step = dpo_step(cfg, dist, wrapped, reference, train_items, weights, pad_id=pad_id, ratio=ratio,
-                          share_prefix=share_prefix, amp=amp, params=params, optimizer=optimizer, scheduler=scheduler)
-    done = run_steps(out_dir, dist, cfg, StepLoop(schedule, lengths, step, train_step, save, desc="dpo",
-                                                  shown=("train/reward_accuracy", "acc"), on_step=on_step), progress)
-    step = done.step
+    train_step = dpo_step(cfg, training, reference, train_items, weights, packing)
+    done = run_steps(out_dir, dist, cfg, StepLoop(training.schedule, lengths, training.start, train_step, save,
+                                                  desc="dpo", shown=("train/reward_accuracy", "acc"), on_step=on_step),
+                     progress)
 
     # 5. Interrupted: save what we have and leave.
     if done.stopped:
@@ -224,25 +213,26 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     #      the policy with its lineage.
     with AfterTraining(out_dir, done, total, save, dist) as after:
         after.check()
-        write_status(out_dir, "running", step, total, phase="evaluating")
-        report = evaluate_pairs(model, reference, eval_items, cfg, pad_id, ratio, share_prefix, device, amp, dist)
+        write_status(out_dir, "running", done.step, total, phase="evaluating")
+        report = evaluate_pairs(model, reference, eval_items, cfg, packing, training.amp, dist)
         after.check()
         if cfg.kl_prompts > 0 and eval_pairs:
-            write_status(out_dir, "running", step, total, phase="measuring KL")
-            report.update(heldout_kl(model, reference, tokenizer, [p.prompt for p in eval_pairs], cfg, device, amp, dist))
+            write_status(out_dir, "running", done.step, total, phase="measuring KL")
+            report.update(heldout_kl(model, reference, tokenizer, [p.prompt for p in eval_pairs], cfg, training.amp,
+                                     dist))
             after.check()
         model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "dpo", "loss": cfg.loss, "beta": cfg.beta,
                            "data": str(data), "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()),
-                           "steps": step}
-        save(step)
+                           "steps": done.step}
+        save(done.step)
         save_whole_policy(model, tokenizer, out_dir / "policy", dist)
         dist.barrier()
     if after.result:
         return after.result
     if report:
-        append_metrics(out_dir, step, report)
-    own = {**report, "policy": str(out_dir / "policy"), "train/pairs": len(train_items), "train/weighted": weighted,
-           "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
+        append_metrics(out_dir, done.step, report)
+    own = {**report, "policy": str(out_dir / "policy"), "train/pairs": len(train_items),
+           "train/weighted": weights is not None, "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
     return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),
                         2 * (len(train_items) + len(eval_items)))
 

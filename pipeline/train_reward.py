@@ -60,16 +60,14 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import Dist, full_state_dict, load_optimizer_state, setup
+from pipeline.distributed import Dist, full_state_dict, setup
+from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, Training, cancelled, claim, guarded, recover,
+                                run_steps, save_state, start_training, write_report, write_run_config)
 from pipeline.losses import center_loss, plackett_luce_loss, weighted_pairwise_loss
-from pipeline.models import (
-    autocast, load_scalar_model, pick_dtype, resolve_model_path,
-)
+from pipeline.models import load_scalar_model, pick_dtype, resolve_model_path
 from pipeline.pairs_data import (encode_pairs, encode_rankings, pair_weights, prompt_key, read_rankings,
                                   train_eval_data)
 from pipeline.reward_eval import evaluate, forward_pairs, forward_rankings, normalisation_stats
-from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, adamw_schedule, cancelled, claim, guarded, optimizer_step,
-                                recover, resume_from, run_steps, save_state, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker
 from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
@@ -168,13 +166,14 @@ def ranking_loss(wrapped, items: list, *, pad_id: int, device):
     return torch.stack(losses).mean(), torch.stack(right), torch.stack(gaps), tokens
 
 
-def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: list[int], weights: list[float] | None,
-                *, pad_id: int, share_prompt: bool, lm_weight, dtype, params: list, optimizer, scheduler) -> Callable:
+def reward_step(cfg: RewardConfig, training: Training, items: list, weights: list[float] | None, *, pad_id: int,
+                share_prompt: bool, lm_weight) -> Callable:
     """The optimiser step run_steps calls: the loss (`pair_loss`, or `ranking_loss` for
     'plackett-luce') over a step's micro-batches of indices into `items` (pairs or rankings);
     returns (metrics, items, tokens)."""
-    device = dist.device
+    dist, wrapped = training.dist, training.wrapped
     ranked = cfg.loss == "plackett-luce"
+    lengths = [it.length for it in items]
     rows = [len(it.responses) for it in items] if ranked else None  # sequences per item (a pair: 2)
 
     def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
@@ -192,11 +191,12 @@ def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: li
         for j, (chunk, weight) in enumerate(chunks):
             b = len(chunk)
             with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
-                with autocast(device, dtype):
+                with training.amp():
                     batch = [items[i] for i in chunk]
-                    loss, right, gap, tokens = ranking_loss(wrapped, batch, pad_id=pad_id, device=device) if ranked \
-                        else pair_loss(cfg, wrapped, batch, None if weights is None else [weights[i] for i in chunk],
-                                       pad_id=pad_id, device=device, share_prompt=share_prompt, lm_weight=lm_weight)
+                    loss, right, gap, tokens = ranking_loss(wrapped, batch, pad_id=pad_id, device=dist.device) \
+                        if ranked else pair_loss(cfg, wrapped, batch, None if weights is None else [weights[i] for i in chunk],
+                                                 pad_id=pad_id, device=dist.device, share_prompt=share_prompt,
+                                                 lm_weight=lm_weight)
                 (loss * weight).backward()
             if weight == 0.0:
                 continue
@@ -205,7 +205,7 @@ def reward_step(cfg: RewardConfig, dist: Dist, wrapped, items: list, lengths: li
             sums["margin"] += gap.sum().item()
             sums["pairs"] += b
             sums["tokens"] += tokens
-        sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
+        sums, grad_norm, n = training.optimizer_step(sums)
         return {"train/loss": sums["loss"] / n, "train/accuracy": sums["accuracy"] / n,
                 "train/margin": sums["margin"] / n, "train/grad_norm": grad_norm}, n, sums["tokens"]
 
@@ -237,19 +237,18 @@ def shares_prompt(cfg: RewardConfig, model_cfg: ModelConfig, dist: Dist) -> bool
 
 def _evaluate(model, eval_items: list, pad_id: int, cfg: RewardConfig, after: AfterTraining, device, dtype,
               dist) -> tuple[dict, list]:
-    """Phase 6: the held-out pairs' report (pipeline/reward_eval.py) and its calibration table apart."""
+    """Phase 6: the held-out pairs' report (pipeline/reward_eval.py) and its calibration table apart.
+    dist None: every process scores every pair (sharded models: the same passes on every rank)."""
     report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, dist,
                       on_progress=after.on_progress("evaluating", "held-out pairs"))
     return report, report.pop("calibration", [])
 
 
-def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, after: AfterTraining, device,
-               dtype, dist) -> dict:
+def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, after: AfterTraining,
+               training: Training, dist) -> dict:
     """Phase 7: the reward's mean and std on samples of the reference policy for the training
     prompts (pipeline/reward_eval.py), set on the model (the checkpoint stores them)."""
-    norm = normalisation_stats(model, train_pairs, cfg.norm_samples, model_cfg, cfg.seed, device, dtype,
-                               policy_path=cfg.norm_policy, batch_size=2 * cfg.batch_size, dist=dist,
-                               max_new_tokens=cfg.norm_max_new_tokens, temperature=cfg.norm_temperature,
+    norm = normalisation_stats(model, train_pairs, cfg, model_cfg, training.amp, dist=dist,
                                on_progress=after.on_progress("normalising", "samples"))
     model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
     return norm
@@ -283,38 +282,31 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         else encode_rankings(train_rankings, tokenizer, cfg.max_length)
     eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
     pad_id = tokenizer.pad_token_id
-    lm_weight = lm_head_weight(model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None
+    lm_weight = lm_head_weight(model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None  # before any sharding
     if not resume:
         write_run_config(out_dir, {"reward": to_dict(cfg), "model": to_dict(model_cfg), "init_from": init_from,
                                    "base_model": model.base_model},
                          data=data, eval_data=cfg.eval_data, data_report=data_report, dist=dist)
 
     # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
-    wrapped = dist.wrap(model)  # training forwards go through it: gradients averaged across ranks
-    params = [p for p in model.parameters() if p.requires_grad]
-    schedule = adamw_schedule(params, len(train_items), cfg)
-    optimizer, scheduler, total = schedule.optimizer, schedule.scheduler, schedule.total
-    step = resume_from(out_dir, schedule, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
+    training = start_training(model, len(train_items), cfg, out_dir, resume, dist, dtype)
+    total = training.schedule.total
 
     def save(step: int, norm: dict | None = None) -> None:  # every rank calls it, rank 0 writes
         whole = full_state_dict(model) if dist.sharded else None  # every rank takes part in gathering
-        opt_state = dist.optimizer_state(model, optimizer)
+        state = training.state(step, normalised=norm is not None)
         if dist.is_main:
             save_scalar_model(model, tokenizer, out_dir / "checkpoint", state_dict=whole)
-        save_state(out_dir, {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "total": total,
-                             "normalised": norm is not None}, dist)
+        save_state(out_dir, state, dist)
 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
-    lengths = [it.length for it in train_items]
     weights = pair_weights(train_items, cfg.use_weights) if train_rankings is None else None  # None: the plain loss
     model.train()
-
-    train_step = reward_step(cfg, dist, wrapped, train_items, lengths, weights, pad_id=pad_id,
-                             share_prompt=shares_prompt(cfg, model_cfg, dist), lm_weight=lm_weight, dtype=dtype, params=params,
-                             optimizer=optimizer, scheduler=scheduler)
-    done = run_steps(out_dir, dist, cfg, StepLoop(schedule, lengths, step, train_step, save, desc="reward model",
+    train_step = reward_step(cfg, training, train_items, weights, pad_id=pad_id,
+                             share_prompt=shares_prompt(cfg, model_cfg, dist), lm_weight=lm_weight)
+    done = run_steps(out_dir, dist, cfg, StepLoop(training.schedule, [it.length for it in train_items], training.start,
+                                                  train_step, save, desc="reward model",
                                                   shown=("train/accuracy", "acc"), on_step=on_step), progress)
-    step = done.step
 
     # 5. Interrupted: save what we have (usable, unnormalised) and leave.
     if done.stopped:
@@ -327,16 +319,15 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     shared = None if dist.sharded else dist
     with AfterTraining(out_dir, done, total, save, dist) as after:
         report, calib = _evaluate(model, eval_items, pad_id, cfg, after, device, dtype, shared)
-        norm = _normalise(model, train_pairs, cfg, model_cfg, after, device, dtype, shared) \
-            if cfg.norm_samples > 0 else None
+        norm = _normalise(model, train_pairs, cfg, model_cfg, after, training, shared) if cfg.norm_samples > 0 else None
         after.check()
-        save(step, norm)
+        save(done.step, norm)
         dist.barrier()
     if after.result:
         return after.result
     logged = {**report, **({"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]} if norm else {})}
     if logged:
-        append_metrics(out_dir, step, logged)
+        append_metrics(out_dir, done.step, logged)
     own = {**report, "calibration": calib, "normalisation": norm, "checkpoint": str(out_dir / "checkpoint"),
            "train/pairs": len(train_pairs), "train/weighted": weights is not None,
            **({"train/rankings": len(train_items)} if train_rankings is not None else {}),

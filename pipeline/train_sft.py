@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,13 +43,12 @@ import torch.nn.functional as F
 from formats.hashing import snapshot_sha256
 from formats.rows import RowsError, read_rows
 from pipeline.config import ModelConfig, SFTConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import load_optimizer_state, setup
-from pipeline.models import autocast, checkpointing, pick_dtype
-from pipeline.policy import causal_lm_logits, load_policy_weights, load_starting_policy, trainable
+from pipeline.distributed import setup
+from pipeline.models import checkpointing, pick_dtype
+from pipeline.policy import causal_lm_logits, load_policy_weights, load_starting_policy
 from pipeline.pairs_data import EncodeReport
-from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, adamw_schedule, cancelled, claim, guarded,
-                                optimizer_step, recover, resume_from, run_steps, save_state, write_report,
-                                write_run_config)
+from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, Training, cancelled, claim, guarded, recover,
+                                run_steps, save_state, start_training, write_report, write_run_config)
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
 from pipeline.saving import save_whole_policy
 from pipeline.text import encode_response, prompt_token_ids
@@ -156,6 +156,36 @@ def train_sft(data: str, out: str, cfg: SFTConfig, model_cfg: ModelConfig, polic
         return report
 
 
+def sft_step(training: Training, items: list[tuple[list[int], int]], pad_id: int) -> Callable:
+    """The optimiser step run_steps calls: the answers' NLL per token over a step's micro-batches of
+    indices into `items`; returns (metrics, demonstrations, answer tokens)."""
+    dist, wrapped = training.dist, training.wrapped
+
+    def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
+        sums = {"loss": 0.0, "pairs": 0, "tokens": 0, "correct": 0}
+        step_tokens = sum(len(items[i][0]) - items[i][1] for idx in micro for i in idx)
+        for j, idx in enumerate(micro):
+            # each rank takes every N-th demonstration; the sum over its answer tokens, scaled by the
+            # step's tokens (every rank's) and loss_scale (undoing DDP's mean), is the step's mean
+            mine, scale = dist.shard(idx), dist.loss_scale / step_tokens
+            if not mine:  # fewer demonstrations than processes: join the all-reduce with a zero loss
+                mine, scale = idx[:1], 0.0
+            with dist.sync(wrapped, last=j == len(micro) - 1), training.amp():
+                loss, tokens, correct = wrapped(answer_loss, [items[i] for i in mine], pad_id, dist.device)
+            (loss * scale).backward()
+            if scale:
+                sums["loss"] += loss.item()
+                sums["pairs"] += len(mine)
+                sums["tokens"] += tokens
+                sums["correct"] += correct
+        sums, grad_norm, n = training.optimizer_step(sums)
+        return {"train/loss": sums["loss"] / max(sums["tokens"], 1),
+                "train/token_accuracy": sums["correct"] / max(sums["tokens"], 1),
+                "train/grad_norm": grad_norm}, n, sums["tokens"]
+
+    return train_step
+
+
 def _train(data, out_dir: Path, cfg: SFTConfig, model_cfg: ModelConfig, policy: str, resume: bool, progress: dict,
            dist) -> dict:
     device = dist.device
@@ -172,47 +202,21 @@ def _train(data, out_dir: Path, cfg: SFTConfig, model_cfg: ModelConfig, policy: 
     eval_items, trunc_eval = encode([d for d in demos if d.held_out], tokenizer, cfg.max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model.train(checkpointing(model))
-    amp = lambda: autocast(device, dtype)  # noqa: E731
     data_report = {"demonstrations": len(demos), "train": len(train_items), "held_out": len(eval_items)}
     if not resume:
         write_run_config(out_dir, {"stage": "sft", "sft": to_dict(cfg), "model": to_dict(model_cfg), "policy": policy,
                                    "parent": parent, "base_model": model.rlhf_meta["base_model"]},
                          data=data, eval_data="", data_report=data_report, dist=dist)
-    wrapped = dist.wrap(model)
-    params = trainable(model)
-    schedule = adamw_schedule(params, len(train_items), cfg)
-    optimizer, scheduler, total = schedule.optimizer, schedule.scheduler, schedule.total
-    step = resume_from(out_dir, schedule, lambda saved: load_optimizer_state(model, optimizer, saved)) if resume else 0
+    training = start_training(model, len(train_items), cfg, out_dir, resume, dist, dtype)
+    total = training.schedule.total
 
     def save(step: int) -> None:
         save_whole_policy(model, tokenizer, out_dir / "checkpoint", dist)
-        save_state(out_dir, {"optimizer": dist.optimizer_state(model, optimizer), "scheduler": scheduler.state_dict(),
-                             "step": step, "total": total}, dist)
-
-    def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
-        sums = {"loss": 0.0, "pairs": 0, "tokens": 0, "correct": 0}
-        step_tokens = sum(len(train_items[i][0]) - train_items[i][1] for idx in micro for i in idx)
-        for j, idx in enumerate(micro):
-            # each rank takes every N-th demonstration; the sum over its answer tokens, scaled by the
-            # step's tokens (every rank's) and loss_scale (undoing DDP's mean), is the step's mean
-            mine, scale = dist.shard(idx), dist.loss_scale / step_tokens
-            if not mine:  # fewer demonstrations than processes: join the all-reduce with a zero loss
-                mine, scale = idx[:1], 0.0
-            with dist.sync(wrapped, last=j == len(micro) - 1), amp():
-                loss, tokens, correct = wrapped(answer_loss, [train_items[i] for i in mine], pad_id, device)
-            (loss * scale).backward()
-            if scale:
-                sums["loss"] += loss.item()
-                sums["pairs"] += len(mine)
-                sums["tokens"] += tokens
-                sums["correct"] += correct
-        sums, grad_norm, n = optimizer_step(sums, params, optimizer, scheduler, cfg.max_grad_norm, dist)
-        return {"train/loss": sums["loss"] / max(sums["tokens"], 1),
-                "train/token_accuracy": sums["correct"] / max(sums["tokens"], 1),
-                "train/grad_norm": grad_norm}, n, sums["tokens"]
+        save_state(out_dir, training.state(step), dist)
 
     lengths = [len(ids) for ids, _ in train_items]
-    done = run_steps(out_dir, dist, cfg, StepLoop(schedule, lengths, step, train_step, save, desc="sft",
+    done = run_steps(out_dir, dist, cfg, StepLoop(training.schedule, lengths, training.start,
+                                                  sft_step(training, train_items, pad_id), save, desc="sft",
                                                   shown=("train/token_accuracy", "acc")), progress)
     if done.stopped:
         return cancelled(out_dir, done, total, save, dist)
@@ -223,8 +227,8 @@ def _train(data, out_dir: Path, cfg: SFTConfig, model_cfg: ModelConfig, policy: 
     with AfterTraining(out_dir, done, total, save, dist) as after:
         after.check()
         write_status(out_dir, "running", done.step, total, phase="evaluating")
-        report = {**_evaluate(model, train_items, pad_id, device, amp, cfg.batch_size, "train"),
-                  **_evaluate(model, eval_items, pad_id, device, amp, cfg.batch_size, "eval")}
+        report = {**_evaluate(model, train_items, pad_id, device, training.amp, cfg.batch_size, "train"),
+                  **_evaluate(model, eval_items, pad_id, device, training.amp, cfg.batch_size, "eval")}
         after.check()
         model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "sft", "data": str(data),
                            "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()), "steps": done.step}

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pipeline.config import DPOConfig, ModelConfig
-from pipeline.dpo_data import pack_pairs, preference_loss, reference_logps, sequence_logps
+from pipeline.dpo_data import Packing, pack_pairs, preference_loss, reference_logps, sequence_logps
 from pipeline.losses import logprobs_from_logits
 from pipeline.models import attn_ratio
 from pipeline.policy import causal_lm_logits, load_policy, make_reference
@@ -83,7 +83,7 @@ def test_packed_pairs_give_whole_sequence_logps_and_gradients(tmp_path, dpo_mode
     # attention cost 0: every pair in one row; the tiny model's own cost model: a pair per row
     for share_prefix, attn_cost in ((True, 0.0), (False, attn_ratio(model))):
         model.zero_grad()
-        pp = pack_pairs(items, attn_cost, tok.pad_token_id, share_prefix)
+        pp = pack_pairs(items, Packing(attn_cost, tok.pad_token_id, share_prefix))
         assert (pp.prefix is not None) == share_prefix and pp.input_ids.shape[0] == (1 if attn_cost == 0 else 7)
         got = sequence_logps(model, pp)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
@@ -93,7 +93,7 @@ def test_packed_pairs_give_whole_sequence_logps_and_gradients(tmp_path, dpo_mode
         assert pp.response_tokens.tolist() == [len(it.chosen_response) for it in items] + [
             len(it.rejected_response) for it in items]
     # a batch of one prompt: all of it but its last token (which predicts each response's first) is shared
-    same = pack_pairs(items[4:], attn_ratio(model), tok.pad_token_id)
+    same = pack_pairs(items[4:], Packing(attn_ratio(model), tok.pad_token_id))
     assert len(same.prefix) == items[4].prompt_len - 1
     with torch.no_grad():
         assert torch.allclose(sequence_logps(model, same), whole_sequence_logps(model, items[4:]), rtol=1e-5, atol=1e-4)
@@ -118,7 +118,7 @@ def test_packed_pair_weights_weigh_each_pairs_loss(tmp_path, dpo_model_cfg):
                 p.normal_(0, 0.5)
     items = encode_pairs(read_pairs(write_jsonl(tmp_path / "p.jsonl", marker_pairs(5)))[0], tok, 512)[0]
     weights = [0.2, 1.8, 0.5, 1.5, 1.0]
-    pp = pack_pairs(items, 0.0, tok.pad_token_id, weights=weights)  # one row: the pairs out of file order
+    pp = pack_pairs(items, Packing(0.0, tok.pad_token_id), weights=weights)  # one row: the pairs out of file order
     with torch.no_grad():
         logps, ref = sequence_logps(model, pp), reference_logps(make_reference(model), pp)
         ratio = whole_sequence_logps(model, items) - ref  # (10,) log pi - log ref of each response
@@ -136,7 +136,7 @@ def test_packed_pair_weights_weigh_each_pairs_loss(tmp_path, dpo_model_cfg):
         # (1 / 2 beta)^2 = 25, so its weighted and plain means differ by a fraction of a percent)
         assert abs(float(got - per_pair.mean())) > 20 * 1e-4 * abs(float(got)), (loss, got, per_pair.mean())
     with pytest.raises(ValueError, match="3 weights for 5 pairs"):
-        pack_pairs(items, 0.0, tok.pad_token_id, weights=[1.0] * 3)
+        pack_pairs(items, Packing(0.0, tok.pad_token_id), weights=[1.0] * 3)
 
 
 # --------------------------------------------------------------------------- end to end

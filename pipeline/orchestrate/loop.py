@@ -61,7 +61,7 @@ from pipeline.config import (DPOConfig, GenerateConfig, LoopConfig, ModelConfig,
                              add_arguments, from_args)
 from pipeline.orchestrate import gate
 from pipeline.orchestrate.jobs import JobRunner
-from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, check_policy_step, ensure_base_policy,
+from pipeline.orchestrate.steps import (POLICY_STEPS, LoopSettings, RoundStep, check_policy_step, ensure_base_policy,
                                         run_prompt_ids, select_prompts, submit_dpo, submit_generate, submit_ppo,
                                         submit_reward)
 
@@ -168,8 +168,8 @@ def start_round(store, runner, settings: LoopSettings, round_no: int | None = No
     rnd = _begin(store, rnd, "generating", settings, {})
     uncertain = settings.loop.prompts_per_round if settings.loop.strategy == "uncertain" else 0
     _submit(store, rnd, "generate", lambda: submit_generate(
-        store, runner, prompts, settings.generate, settings.model, policy, round_id=rnd.id,
-        round_step="generate", select_uncertain=uncertain, label=f"round-{rnd.id}", launch=settings.launch))
+        store, runner, prompts, settings, policy, in_round=RoundStep(rnd.id, "generate"), select_uncertain=uncertain,
+        label=f"round-{rnd.id}"))
     return wait_round(store, rnd) if wait else rnd
 
 
@@ -189,9 +189,8 @@ def resume_generation(store, runner, rnd, settings: LoopSettings, *, wait: bool 
     policy = store.get_model_version(rnd.policy_version_id)
     rnd = _begin(store, rnd, "generating", settings, {})
     _submit(store, rnd, "generate", lambda: submit_generate(
-        store, runner, missing, settings.generate, settings.model, policy, round_id=rnd.id, round_step="generate",
-        select_uncertain=keep if settings.loop.strategy == "uncertain" else 0, label=f"round-{rnd.id}",
-        launch=settings.launch))
+        store, runner, missing, settings, policy, in_round=RoundStep(rnd.id, "generate"),
+        select_uncertain=keep if settings.loop.strategy == "uncertain" else 0, label=f"round-{rnd.id}"))
     return wait_round(store, rnd) if wait else rnd
 
 
@@ -214,11 +213,11 @@ def finish_round(store, runner, rnd, settings: LoopSettings, *, next_round: bool
     rnd = _begin(store, rnd, "training", settings, {"policy": True, "next_round": next_round})
     if step == "dpo":
         policy = store.get_model_version(rnd.policy_version_id)
-        _submit(store, rnd, "policy", lambda: submit_dpo(store, runner, settings, policy, round_id=rnd.id,
-                                                         round_step="policy"))
+        _submit(store, rnd, "policy", lambda: submit_dpo(store, runner, settings, policy,
+                                                         in_round=RoundStep(rnd.id, "policy")))
     else:
-        _submit(store, rnd, "reward", lambda: submit_reward(store, runner, settings, round_id=rnd.id,
-                                                            round_step="reward"))
+        _submit(store, rnd, "reward", lambda: submit_reward(store, runner, settings,
+                                                            in_round=RoundStep(rnd.id, "reward")))
     return wait_round(store, rnd) if wait else rnd
 
 
@@ -226,8 +225,8 @@ def train_round_reward(store, runner, rnd, settings: LoopSettings):
     """Only the reward step (blocking): the round goes back to 'annotating'; returns the new
     reward version."""
     rnd = _begin(store, rnd, "training", settings, {"policy": False})
-    run, _ = _submit(store, rnd, "reward", lambda: submit_reward(store, runner, settings, round_id=rnd.id,
-                                                                 round_step="reward"))
+    run, _ = _submit(store, rnd, "reward", lambda: submit_reward(store, runner, settings,
+                                                                 in_round=RoundStep(rnd.id, "reward")))
     wait_round(store, rnd)
     return store.get_model_version(store.get_run(run.id).outputs["model_version_id"])
 
@@ -239,8 +238,8 @@ def train_round_policy(store, runner, rnd, reward, settings: LoopSettings, *, ne
     meta["reward_gate"]["reward_version_id"] is the one it stopped at)."""
     rnd = _begin(store, rnd, "training", settings, {"next_round": next_round})
     policy = store.get_model_version(rnd.policy_version_id)
-    _submit(store, rnd, "policy", lambda: submit_ppo(store, runner, settings, reward, policy, round_id=rnd.id,
-                                                     round_step="policy"))
+    _submit(store, rnd, "policy", lambda: submit_ppo(store, runner, settings, reward, policy,
+                                                     in_round=RoundStep(rnd.id, "policy")))
     return wait_round(store, rnd) if wait else rnd
 
 
@@ -323,7 +322,7 @@ def on_job_end(runner, run) -> None:
                 return
         policy = store.get_model_version(rnd.policy_version_id)
         try:
-            submit_ppo(store, runner, settings, reward, policy, round_id=round_id, round_step="policy")
+            submit_ppo(store, runner, settings, reward, policy, in_round=RoundStep(round_id, "policy"))
         except Exception as exc:
             fail(store, round_id, "policy", str(exc))
     elif step == "reward":

@@ -184,13 +184,28 @@ def held_out_prompts(store, n: int) -> list:
 # ---------------------------------------------------------------------- the jobs
 
 
-def submit_generate(store, runner, prompts: list, gen_cfg: GenerateConfig, model_cfg: ModelConfig,
-                    version=None, *, round_id: int | None = None, round_step: str | None = None,
-                    select_uncertain: int = 0, label: str = "generate", launch: dict | None = None):
-    """K responses per prompt with `version` (default: the active policy) -> items, chunk by chunk.
+@dataclass(frozen=True)
+class RoundStep:
+    """The round a job belongs to and the step of it the job runs ('generate', 'reward', 'policy'):
+    recorded in the job's inputs, where the loop finds it when the job ends (loop.on_run_finished)."""
+    round_id: int
+    step: str
+
+
+def round_inputs(in_round: RoundStep | None) -> dict:
+    """A job's inputs naming its round and step (both None for a job outside a round)."""
+    return {"round_id": in_round.round_id if in_round else None, "round_step": in_round.step if in_round else None}
+
+
+def submit_generate(store, runner, prompts: list, settings: LoopSettings, version=None, *,
+                    in_round: RoundStep | None = None, select_uncertain: int = 0, label: str = "generate"):
+    """K responses per prompt (settings.generate, settings.model) with `version` (default: the
+    active policy) -> items, chunk by chunk. A round's job runs as the round's processes
+    (settings.launch); one outside a round (the Data tab's, the first batch) as one process.
     With `select_uncertain` = N, the job keeps the N of `prompts` the newest reward model separates
     least; with no reward model yet (a first round, or rounds whose policy step is DPO) it keeps
     the first N (`select_prompts` drew them at random)."""
+    gen_cfg, model_cfg = settings.generate, settings.model
     if gen_cfg.k < 2:
         raise ValueError(f"K={gen_cfg.k}: ranking needs at least 2 responses per prompt")
     if not prompts:
@@ -206,8 +221,8 @@ def submit_generate(store, runner, prompts: list, gen_cfg: GenerateConfig, model
     if reward is not None:
         args += ["--select-uncertain", str(select_uncertain), "--reward", reward.path]
     return runner.submit("generate", args, config={"label": label, "generate": to_dict(gen_cfg)}, inputs={
-        "model_version_id": version.id, "prompts": len(prompts), "round_id": round_id, "round_step": round_step},
-        **(launch or {}))
+        "model_version_id": version.id, "prompts": len(prompts), **round_inputs(in_round)},
+        **(settings.launch if in_round else {}))
 
 
 def pairs_snapshot(store, runner, settings: LoopSettings, trainer: str = "reward"):
@@ -259,8 +274,8 @@ def normalised_as_ppo(reward_cfg, ppo_cfg):
                                norm_temperature=ppo_cfg.temperature)
 
 
-def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = True, round_id: int | None = None,
-                  round_step: str | None = None):
+def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = True,
+                  in_round: RoundStep | None = None):
     """A snapshot of every pair so far (`pairs_snapshot`) -> a train-reward job on it,
     warm-started from the newest reward model, its normalisation sampled as the round's PPO samples
     (length, temperature). Returns (run, snapshot)."""
@@ -274,12 +289,12 @@ def submit_reward(store, runner, settings: LoopSettings, *, warm_start: bool = T
     run = runner.submit("train-reward", args,
                         config={"reward": to_dict(reward_cfg), "model": to_dict(settings.model)},
                         inputs={"snapshot_id": snapshot.id, "parent_version_id": previous.id if previous else None,
-                                "round_id": round_id, "round_step": round_step}, **settings.launch)
+                                **round_inputs(in_round)}, **settings.launch)
     return run, snapshot
 
 
 def submit_ppo(store, runner, settings: LoopSettings, reward, policy=None, *, activate: bool = True,
-               round_id: int | None = None, round_step: str | None = None, score_with: str = ""):
+               in_round: RoundStep | None = None, score_with: str = ""):
     """PPO from `policy` (default: the active one) against the frozen reward model `reward`, on the
     first `settings.ppo_prompts` prompts of the pool. With `activate`, the new policy becomes the
     active one as soon as it is registered. `score_with`: train-ppo's --reward in place of the
@@ -303,12 +318,12 @@ def submit_ppo(store, runner, settings: LoopSettings, reward, policy=None, *, ac
         args += ["--policy", policy.path]
     return runner.submit("ppo", args, config={"ppo": to_dict(ppo), "model": to_dict(settings.model)},
                          inputs={"policy_version_id": policy.id, "reward_version_id": reward.id,
-                                 "prompts": len(prompts), "activate": activate, "round_id": round_id,
-                                 "round_step": round_step}, **settings.launch)
+                                 "prompts": len(prompts), "activate": activate, **round_inputs(in_round)},
+                         **settings.launch)
 
 
 def submit_dpo(store, runner, settings: LoopSettings, policy=None, *, activate: bool = True,
-               round_id: int | None = None, round_step: str | None = None):
+               in_round: RoundStep | None = None):
     """DPO (or IPO, settings.dpo.loss) from `policy` (default: the active one) on a snapshot of every
     pair so far (`pairs_snapshot`, the data a reward model would train on), with no reward model.
     The new policy records its parent and the snapshot (ingest.py); with `activate` it becomes the
@@ -321,7 +336,7 @@ def submit_dpo(store, runner, settings: LoopSettings, policy=None, *, activate: 
         args += ["--policy", policy.path]
     run = runner.submit("train-dpo", args, config={"dpo": to_dict(dpo_cfg), "model": to_dict(settings.model)},
                         inputs={"policy_version_id": policy.id, "snapshot_id": snapshot.id, "activate": activate,
-                                "round_id": round_id, "round_step": round_step}, **settings.launch)
+                                **round_inputs(in_round)}, **settings.launch)
     return run, snapshot
 
 
