@@ -207,77 +207,105 @@ def _fmt(x) -> str:
 # ------------------------------------------------------------------------- export
 
 
-def export(ctx: AppContext, fmt: str, include_all_bad: bool, include_imported: bool,
-           annotators: list[str] | None, since: str, min_agreement: float, test_fraction: float,
-           request: gr.Request, trl_format: str = "conversational", margin_column: bool = False,
-           license: str = "unknown", min_quality: float = 0.0,  # noqa: A002 (the dataset card's field)
-           quality_weights: bool = False):
+@dataclasses.dataclass(frozen=True)
+class ExportForm:
+    """The Data tab's export options, by name. The field order is the order the tab passes its
+    components in (annotate/ui_admin.py builds that list from these fields; annotate/bind.py
+    `bind_form` turns it back into this record), and so the order of the /export API's values.
+    The defaults are what `export` does for a field not given."""
+
+    fmt: str = "jsonl"
+    include_all_bad: bool = False
+    include_imported: bool = True
+    annotators: list[str] | None = None
+    since: str = ""
+    min_agreement: float = 0.0
+    test_fraction: float = 0.0
+    trl_format: str = "conversational"
+    margin_column: bool = False
+    license: str = "unknown"  # noqa: A003 (the dataset card's field)
+    min_quality: float = 0.0
+    quality_weights: bool = False
+
+    def checked(self) -> dict:
+        """store/io.py export_pairs's options from the form; gr.Error names a bad field."""
+        if self.fmt not in ("jsonl", "parquet", "datasets"):
+            raise gr.Error(f"Unknown format {self.fmt!r}: choose jsonl, parquet or datasets.")
+        if self.trl_format not in TRL_FORMATS:
+            raise gr.Error(f"Unknown TRL format {self.trl_format!r}: choose {' or '.join(TRL_FORMATS)}.")
+        annotators = self.annotators
+        if annotators is not None and (not isinstance(annotators, (list, tuple))
+                                       or not all(isinstance(a, str) for a in annotators)):
+            raise gr.Error(f"Annotators must be a list of account names, not {annotators!r}.")
+        for flag, label in ((self.margin_column, "Margin column"),
+                            (self.quality_weights, "Weight pairs by annotator quality")):
+            if not isinstance(flag, bool):
+                raise gr.Error(f"'{label}' must be checked or not, not {flag!r}.")
+        license = form_text(self.license, "License").strip() or "unknown"  # noqa: A001
+        if "\n" in license or len(license) > 100:
+            raise gr.Error("License must be one short line, such as cc-by-4.0.")
+        return dict(annotators=list(annotators) if annotators else None, since=_date(self.since),
+                    min_agreement=_number(self.min_agreement, "Minimum agreement", 0.0, 1.0) or None,
+                    include_all_bad=bool(self.include_all_bad), include_imported=bool(self.include_imported),
+                    test_fraction=_number(self.test_fraction, "Test fraction", 0.0, 0.99), trl_format=self.trl_format,
+                    margin_column=self.margin_column, license=license,
+                    min_quality=_number(self.min_quality, "Minimum annotator quality", 0.0, 1.0) or None,
+                    quality_weights=self.quality_weights)
+
+
+def export(ctx: AppContext, form: ExportForm, request: gr.Request):
     """Export the pairs as a snapshot (a folder: pairs, rankings, demonstrations when annotators
     wrote their own answers, dataset card and manifest, recorded in the store) and hand back its
     files to download: the pairs, rankings, demonstrations, README.md and snapshot.json for jsonl
-    and parquet, the folder zipped for datasets. min_quality > 0
-    leaves out annotators measured below it; quality_weights adds the `weight` column
-    (store/export.py: annotator quality).
-    `request` comes before the newer options so that callers passing it 9th keep working.
+    and parquet, the folder zipped for datasets. A minimum quality > 0 leaves out annotators
+    measured below it; quality weights add the `weight` column (store/export.py: annotator quality).
     Returns (file paths, summary markdown)."""
     admin(ctx, request)
-    min_agreement = _number(min_agreement, "Minimum agreement", 0.0, 1.0)
-    min_quality = _number(min_quality, "Minimum annotator quality", 0.0, 1.0)
-    if not isinstance(quality_weights, bool):
-        raise gr.Error(f"'Weight pairs by annotator quality' must be checked or not, "
-                       f"not {quality_weights!r}.")
-    test_fraction = _number(test_fraction, "Test fraction", 0.0, 0.99)
-    if annotators is not None and (not isinstance(annotators, (list, tuple))
-                                   or not all(isinstance(a, str) for a in annotators)):
-        raise gr.Error(f"Annotators must be a list of account names, not {annotators!r}.")
-    if since is not None and not isinstance(since, str):
-        raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.")
-    since_date = None
-    if since and since.strip():
-        try:
-            since_date = dt.date.fromisoformat(since.strip())
-        except ValueError:
-            raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.") from None
-    if fmt not in ("jsonl", "parquet", "datasets"):
-        raise gr.Error(f"Unknown format {fmt!r}: choose jsonl, parquet or datasets.")
-    if trl_format not in TRL_FORMATS:
-        raise gr.Error(f"Unknown TRL format {trl_format!r}: choose {' or '.join(TRL_FORMATS)}.")
-    if not isinstance(margin_column, bool):
-        raise gr.Error(f"'Margin column' must be checked or not, not {margin_column!r}.")
-    license = form_text(license, "License").strip() or "unknown"
-    if "\n" in license or len(license) > 100:
-        raise gr.Error("License must be one short line, such as cc-by-4.0.")
+    options = form.checked()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     try:
-        snap = store_io.export_pairs(
-            ctx.store, ctx.export_dir / f"export-{stamp}", fmt, annotators=list(annotators) if annotators else None,
-            since=since_date, min_agreement=min_agreement or None,
-            include_all_bad=bool(include_all_bad), include_imported=bool(include_imported),
-            test_fraction=test_fraction, trl_format=trl_format, margin_column=margin_column, license=license,
-            min_quality=min_quality or None, quality_weights=quality_weights)
+        snap = store_io.export_pairs(ctx.store, ctx.export_dir / f"export-{stamp}", form.fmt, **options)
     except StoreError as exc:
         raise gr.Error(f"Export failed: {exc}") from None
     folder = Path(snap.path)
-    if fmt == "datasets":
+    if form.fmt == "datasets":
         downloads = [_downloadable(folder)]
     else:
-        layout = export_layout(folder, fmt)
+        layout = export_layout(folder, form.fmt)
         downloads = [_downloadable(p) for p in (layout.pairs, layout.rankings, layout.demonstrations, layout.card,
                                                 layout.manifest) if p.exists()]
+    return [str(p) for p in downloads], _export_summary(snap, form)
+
+
+def _export_summary(snap, form: ExportForm) -> str:
+    """The markdown line under Export: what the snapshot holds and which filters made it."""
     c = snap.counts
-    summary = (f"**Snapshot #{snap.id}** · {fmt}, TRL {trl_format}{' with a margin column' if margin_column else ''} · "
+    margin = " with a margin column" if form.margin_column else ""
+    summary = (f"**Snapshot #{snap.id}** · {form.fmt}, TRL {form.trl_format}{margin} · "
                f"{c.get('pairs', 0)} pairs ({c.get('train', 0)} train, {c.get('test', 0)} test) from "
                f"{c.get('prompts', 0)} prompts, {c.get('rankings', 0)} rankings"
                + (f", {c['demonstrations']} demonstrations (annotators' own answers)" if c.get("demonstrations") else "")
-               + f" · saved as `{folder.name}` "
+               + f" · saved as `{Path(snap.path).name}` "
                f"(with its dataset card README.md) · sha256 `{snap.sha256[:12]}`")
     if "min_quality" in snap.filters:
-        left_out = snap.filters["excluded_annotators"]
-        summary += (f" · left out below quality {min_quality:g}: {render.esc(', '.join(left_out))}" if left_out
-                    else f" · no annotator measured below quality {min_quality:g}")
-    if quality_weights:
+        left_out, quality = snap.filters["excluded_annotators"], float(form.min_quality)
+        summary += (f" · left out below quality {quality:g}: {render.esc(', '.join(left_out))}" if left_out
+                    else f" · no annotator measured below quality {quality:g}")
+    if form.quality_weights:
         summary += " · pairs weighted by annotator quality (column `weight`; see the card)"
-    return [str(p) for p in downloads], summary
+    return summary
+
+
+def _date(since) -> dt.date | None:
+    """The form's 'since' date (YYYY-MM-DD; blank: none), checked."""
+    if since is not None and not isinstance(since, str):
+        raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.")
+    if not since or not since.strip():
+        return None
+    try:
+        return dt.date.fromisoformat(since.strip())
+    except ValueError:
+        raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.") from None
 
 
 def _number(value, label: str, lo: float, hi: float) -> float:

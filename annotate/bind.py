@@ -1,6 +1,6 @@
 """`bind`: a handler `fn(ctx, *inputs, request)` as the `fn(*inputs, request)` Gradio calls;
 `bind_form`: a handler `fn(ctx, form, *inputs, request)` whose form (a dataclass) Gradio passes
-as one component per field, in the fields' order.
+as one component per field, in the fields' order, the order `form_inputs` lists the components in.
 
 Every tab's wiring uses it (ui.py, ui_admin.py, ui_train.py), so it lives apart from all of them.
 """
@@ -46,3 +46,9 @@ def bind_form(fn, ctx, form_cls):
     form = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
     bound.__signature__ = inspect.Signature(form + rest)
     return bound
+
+
+def form_inputs(form_cls, components: dict) -> list:
+    """A form's components (by field name) in the order of its fields, which `bind_form` turns
+    back into the form."""
+    return [components[f.name] for f in dataclasses.fields(form_cls)]

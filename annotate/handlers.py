@@ -193,15 +193,31 @@ def refresh(ctx: AppContext, state: SessionState | None, request: gr.Request):
     return load(ctx, state, request)
 
 
-def submit(ctx: AppContext, state: SessionState | None, ranking: str, all_bad: bool, comment: str,
-           token: str, request: gr.Request, strength: str | None = None, edit: str | None = None,
-           edit_from: str | None = None):
-    """Save the ranking of the item on screen (and its pairs), then show the next item.
-    `strength` (optional, records.STRENGTHS): how much better the best response is than the
-    second. `edit` (optional): the annotator's own better answer, written from the response at
-    display position `edit_from`; the ranking names it as position K+1 where the annotator placed
-    it (else it goes just above that response). These come after `request` so that callers passing
-    the request 7th keep working."""
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    """What Submit sends, by name. The field order is the order the page passes its components in
+    (annotate/ui.py builds that list from these fields; annotate/bind.py `bind_form` turns it back
+    into this record), and so the order of the /submit API's values.
+
+    ranking: display positions best first ("2>1=3>4"); all_bad: every response is bad; comment;
+    token: the showing the ranking is of; strength (optional, records.STRENGTHS): how much better
+    the best response is than the second; edit (optional): the annotator's own better answer,
+    written from the response at display position `edit_from`; the ranking names it as position
+    K+1 where the annotator placed it (else it goes just above that response)."""
+
+    ranking: str
+    all_bad: bool
+    comment: str
+    token: str
+    strength: str | None = None
+    edit: str | None = None
+    edit_from: str | None = None
+
+
+def submit(ctx: AppContext, form: Submission, state: SessionState | None, request: gr.Request):
+    """Save the ranking of the item on screen (and its pairs), then show the next item."""
+    ranking, all_bad, comment, token = form.ranking, form.all_bad, form.comment, form.token
+    strength, edit, edit_from = form.strength, form.edit, form.edit_from
     account = user(ctx, request)
     state = _recovered(ctx, state, account, token)
     showing = _current(state, token)

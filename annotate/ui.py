@@ -21,7 +21,7 @@ from starlette.middleware import Middleware
 
 from annotate import accounts, ui_admin
 from annotate import handlers as h
-from annotate.bind import bind, bind_form
+from annotate.bind import bind, bind_form, form_inputs
 from annotate.context import AppContext
 from annotate.render import render_shortcuts
 from annotate.timing import TimingMiddleware
@@ -40,10 +40,10 @@ THEME = gr.themes.Soft(
 
 # Before Submit reaches the server, the page script fills in the ranking, the item's token, the
 # strength, and the annotator's own answer with the position of the response it was written from.
-SUBMIT_JS = """(s, r, b, c, t, g, e, f) => window.rlhf
-    ? [s, window.rlhf.encode(), b, c, window.rlhf.currentToken(), window.rlhf.strength || "",
-       window.rlhf.editText(), String(window.rlhf.editFrom || "")]
-    : [s, r, b, c, t, g, e, f]"""
+SUBMIT_JS = """(r, b, c, t, g, e, f, s) => window.rlhf
+    ? [window.rlhf.encode(), b, c, window.rlhf.currentToken(), window.rlhf.strength || "",
+       window.rlhf.editText(), String(window.rlhf.editFrom || ""), s]
+    : [r, b, c, t, g, e, f, s]"""
 # The annotator's own answer: a plain textarea the page script owns (filled from a card's text by
 # ✎ Edit or E, emptied for each new item), ranked as one more card; Submit sends it (SUBMIT_JS).
 EDIT_BOX = ('<div class="rl-editbox"><label for="rl-edit-text">Your better answer <span class="rl-muted">'
@@ -113,17 +113,20 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
             # strength of the best response over the second, and the annotator's own answer.
             ranking = gr.Textbox(visible="hidden", elem_id="rl-ranking")
             token = gr.Textbox(visible="hidden", elem_id="rl-token")
-            strength = gr.Textbox(visible="hidden", elem_id="rl-strength")
-            edit = gr.Textbox(visible="hidden", elem_id="rl-edit-value")
-            edit_from = gr.Textbox(visible="hidden", elem_id="rl-edit-from-value")
+            # Submit's optional values start empty, so an API client may leave them out
+            strength = gr.Textbox("", visible="hidden", elem_id="rl-strength")
+            edit = gr.Textbox("", visible="hidden", elem_id="rl-edit-value")
+            edit_from = gr.Textbox("", visible="hidden", elem_id="rl-edit-from-value")
 
     # While nothing is on screen (queue empty, generation running), look for new items; the
     # handlers switch this timer on and off (see handlers.view).
     timer = gr.Timer(3.0, active=False)
     outs = [state, item, progress, comment, all_bad, timer]
     quick = dict(show_progress="hidden", trigger_mode="once")
-    submit.click(bind(h.submit, ctx), [state, ranking, all_bad, comment, token, strength, edit, edit_from], outs,
-                 api_name="submit", js=SUBMIT_JS, **quick)
+    submission = form_inputs(h.Submission, dict(ranking=ranking, all_bad=all_bad, comment=comment, token=token,
+                                                strength=strength, edit=edit, edit_from=edit_from))
+    submit.click(bind_form(h.submit, ctx, h.Submission), [*submission, state], outs, api_name="submit", js=SUBMIT_JS,
+                 **quick)
     skip.click(bind(h.skip, ctx), [state, token], outs, api_name="skip", js=SKIP_JS, **quick)
     flag.click(bind(h.flag, ctx), [state, comment, token], outs, api_name="flag", js=FLAG_JS, **quick)
     undo.click(bind(h.undo, ctx), [state], outs, api_name="undo", **quick)

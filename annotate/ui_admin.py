@@ -9,7 +9,7 @@ import gradio as gr
 from annotate import admin as a
 from annotate import admin_users as u
 from annotate import ui_team, ui_train
-from annotate.bind import bind
+from annotate.bind import bind, bind_form, form_inputs
 from annotate.context import AppContext
 
 # Admin endpoints are callable through the API (and refused there for non-admins) but not listed.
@@ -142,9 +142,12 @@ def _export(ctx: AppContext) -> list:
     export_btn = gr.Button("Export", variant="primary", elem_id="rl-export")
     export_msg = gr.Markdown(elem_id="rl-export-msg")
     export_file = gr.File(label="Download", interactive=False, file_count="multiple", elem_id="rl-export-file")
-    export_btn.click(bind(a.export, ctx), [fmt, all_bad, imported, who, since, min_agreement, test_fraction,
-                                           trl_format, margin, license_id, min_quality, quality_weights],
-                     [export_file, export_msg], **HIDDEN, api_name="export")
+    form = form_inputs(a.ExportForm, dict(
+        fmt=fmt, include_all_bad=all_bad, include_imported=imported, annotators=who, since=since,
+        min_agreement=min_agreement, test_fraction=test_fraction, trl_format=trl_format, margin_column=margin,
+        license=license_id, min_quality=min_quality, quality_weights=quality_weights))
+    export_btn.click(bind_form(a.export, ctx, a.ExportForm), form, [export_file, export_msg], **HIDDEN,
+                     api_name="export")
     return [(u.annotator_names, None, [who])]
 
 

@@ -8,7 +8,6 @@ Admin endpoints keep readable API names but stay out of the API docs, as on the 
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import gradio as gr
@@ -18,7 +17,7 @@ from annotate import evaluation_admin as ev
 from annotate import model_admin as m
 from annotate import monitor
 from annotate import train as t
-from annotate.bind import bind, bind_form
+from annotate.bind import bind, bind_form, form_inputs
 from annotate.context import AppContext
 
 HIDDEN = {"api_visibility": "undocumented"}
@@ -57,16 +56,16 @@ def train_tab(ctx: AppContext) -> dict:
     poll = dict(fn=bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
     # each form's components by its fields' names, in the order of its fields (bind_form)
     job = {"lora": lora, "processes": processes}
-    reward_in = inputs(t.RewardForm, {**job, "epochs": rm.epochs, "lr": rm.lr, "batch_size": rm.batch, "loss": rm.loss,
+    reward_in = form_inputs(t.RewardForm, {**job, "epochs": rm.epochs, "lr": rm.lr, "batch_size": rm.batch, "loss": rm.loss,
                                       "warm_start": rm.warm})
     rm.button.click(bind_form(t.train_reward, ctx, t.RewardForm), reward_in, started, api_name="train_reward",
                     **HIDDEN).success(**poll)
-    ppo_in = inputs(t.PPOForm, {**job, "reward_name": ppo.reward, **ppo.form, "lr": ppo.lr, "activate": ppo.activate})
+    ppo_in = form_inputs(t.PPOForm, {**job, "reward_name": ppo.reward, **ppo.form, "lr": ppo.lr, "activate": ppo.activate})
     ppo.button.click(bind_form(t.run_ppo, ctx, t.PPOForm), ppo_in, started, api_name="run_ppo",
                      **HIDDEN).success(**poll)
     dpo.sft.click(bind(t.run_sft, ctx), [lora, processes, dpo.sft_epochs, dpo.sft_lr], started, api_name="run_sft",
                   **HIDDEN).success(**poll)
-    round_in = inputs(t.RoundForm, {**job, "epochs": rm.epochs, "rm_lr": rm.lr, "rm_batch": rm.batch,
+    round_in = form_inputs(t.RoundForm, {**job, "epochs": rm.epochs, "rm_lr": rm.lr, "rm_batch": rm.batch,
                                     "rm_loss": rm.loss, **ppo.form, "policy_step": rnd.policy_step, **dpo.form,
                                     **rnd.form})
     round_out = [*started, rnd.confirm_row, rnd.confirm_md]
@@ -90,11 +89,6 @@ def train_tab(ctx: AppContext) -> dict:
     mon.refresh.click(**poll)
     mon.timer.tick(**poll)
     return {"load": [(t.poll, poll_in, poll_out), (t.round_duration, round_in, [rnd.eta], t.RoundForm)]}
-
-
-def inputs(form_cls, components: dict) -> list:
-    """A form's components in the order of its fields, which `bind_form` turns back into the form."""
-    return [components[f.name] for f in dataclasses.fields(form_cls)]
 
 
 def _reward_panel(s, enabled: bool) -> SimpleNamespace:

@@ -204,7 +204,7 @@ class LocalSession:
         return self.state.current.k if self.state.current is not None else 0
 
     def submit(self, ranking: str) -> None:
-        self.state = self.h.submit(self.ctx, self.state, ranking, False, "", "", self.request)[0]
+        self.state = self.h.submit(self.ctx, self.h.Submission(ranking, False, "", ""), self.state, self.request)[0]
 
 
 def annotator(target, i: int, phase: Phase, seconds: float, start: threading.Barrier,

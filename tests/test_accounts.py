@@ -102,12 +102,12 @@ def test_change_own_password(ctx):
 
 def test_deactivation_applies_to_the_next_request_and_keeps_the_rankings(ctx):
     state, *_ = handlers.load(ctx, None, req("ann"))
-    state = handlers.submit(ctx, state, "1>2", False, "", "", req("ann"))[0]  # ann's account is now cached
+    state = handlers.submit(ctx, handlers.Submission("1>2", False, "", ""), state, req("ann"))[0]  # ann's account is now cached
     assert len(ctx.store.list_rankings()) == 1
     msg, table = admin_users.deactivate(ctx, "ann", req("boss"))
     assert "deactivated" in msg and table.set_index("name").loc["ann", "active"] == "no"
     with pytest.raises(Refused, match="deactivated"):
-        handlers.submit(ctx, state, "2>1", False, "", "", req("ann"))
+        handlers.submit(ctx, handlers.Submission("2>1", False, "", ""), state, req("ann"))
     with pytest.raises(Refused, match="deactivated"):
         handlers.load(ctx, None, req("ann"))
     assert ctx.store.authenticate("ann", "ann-password") is None  # cannot sign in either

@@ -182,8 +182,9 @@ def test_fuzz_export_filters(ctx, fmt, all_bad, imported, annotators, since, min
     before = sorted(ctx.export_dir.glob("*")) if ctx.export_dir.exists() else []
     snapshots = len(ctx.store.list_snapshots())
     out = {}
-    exc = _unchanged_unless_ok(ctx, lambda: out.update(result=admin.export(
-        ctx, fmt, all_bad, imported, annotators, since, min_agreement, test_fraction, req("boss"))))
+    form = admin.ExportForm(fmt=fmt, include_all_bad=all_bad, include_imported=imported, annotators=annotators,
+                            since=since, min_agreement=min_agreement, test_fraction=test_fraction)
+    exc = _unchanged_unless_ok(ctx, lambda: out.update(result=admin.export(ctx, form, req("boss"))))
     if exc is not None:  # nothing half-written was left behind, and no snapshot recorded
         assert (sorted(ctx.export_dir.glob("*")) if ctx.export_dir.exists() else []) == before
         assert len(ctx.store.list_snapshots()) == snapshots

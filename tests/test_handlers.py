@@ -127,7 +127,7 @@ def test_submit_stores_exactly_the_ranked_pairs_and_moves_on(ctx):
     first, upcoming = state.current, state.prefetched
     assert upcoming is not None and upcoming.item_id != first.item.item_id
     order = positions_to_ids(state, "2>1=3>4")
-    out = handlers.submit(ctx, state, "2>1=3>4", False, " nice ", first.token, req("ann"))
+    out = handlers.submit(ctx, handlers.Submission("2>1=3>4", False, " nice ", first.token), state, req("ann"))
     state, html, progress, comment, all_bad, timer = out
     a = ctx.store.find_annotator("ann")
     (ranking,) = ctx.store.list_rankings(annotator_id=a.id)
@@ -146,9 +146,9 @@ def test_submit_refuses_bad_or_stale_rankings_and_stores_nothing(ctx):
     seed_items(ctx.store, 2, 3)
     state, _ = show(ctx)
     with pytest.raises(gr.Error, match="Rank all 3"):
-        handlers.submit(ctx, state, "1", False, "", state.current.token, req("ann"))
+        handlers.submit(ctx, handlers.Submission("1", False, "", state.current.token), state, req("ann"))
     with pytest.raises(gr.Error, match="changed"):
-        handlers.submit(ctx, state, "1>2>3", False, "", "another-token", req("ann"))
+        handlers.submit(ctx, handlers.Submission("1>2>3", False, "", "another-token"), state, req("ann"))
     assert ctx.store.list_rankings() == []
 
 
@@ -165,9 +165,9 @@ def test_an_own_answer_is_ranked_where_placed_and_refused_when_it_cannot_be(ctx)
             ("1=4>2>3", "a better one", "2", "cannot tie"),
             ("1>2>4>3", "a better one", "2", "rank it above the response it was made from")]:
         with pytest.raises(gr.Error, match=problem):
-            handlers.submit(ctx, state, ranking, False, "", token, req("ann"), None, edit, made_from)
+            handlers.submit(ctx, handlers.Submission(ranking, False, "", token, edit=edit, edit_from=made_from), state, req("ann"))
     assert ctx.store.list_rankings() == [] and ctx.store.counts()["responses"] == 9
-    state, *_ = handlers.submit(ctx, state, "1>4>2>3", False, "", token, req("ann"), None, " my better answer ", "2")
+    state, *_ = handlers.submit(ctx, handlers.Submission("1>4>2>3", False, "", token, edit=" my better answer ", edit_from="2"), state, req("ann"))
     (ranking,) = ctx.store.list_rankings()
     assert ranking.order == [[by_pos[1].id], [by_pos[2].id], [by_pos[3].id]]  # the item's own responses
     edits = [p for p in ctx.store.list_pairs() if p.source == "edit"]
@@ -178,7 +178,7 @@ def test_an_own_answer_is_ranked_where_placed_and_refused_when_it_cannot_be(ctx)
     assert {(p.chosen_id, p.rejected_id, p.margin) for p in edits} == {
         (by_pos[1].id, mine, 1.0), (mine, by_pos[2].id, 1.0), (mine, by_pos[3].id, 2.0)}
     # not ranked: it goes just above the response it was written from
-    state, *_ = handlers.submit(ctx, state, "2>1>3", False, "", state.current.token, req("ann"), None, "mine", "3")
+    state, *_ = handlers.submit(ctx, handlers.Submission("2>1>3", False, "", state.current.token, edit="mine", edit_from="3"), state, req("ann"))
     second = ctx.store.list_rankings()[-1]
     placed = [(p.chosen_id, p.rejected_id) for p in ctx.store.list_pairs(ranking_id=second.id) if p.source == "edit"]
     new = next(c for c, r in placed if r == second.order[2][0])
@@ -193,17 +193,17 @@ def test_double_submit_of_one_showing_stores_one_ranking(ctx):
     seed_items(ctx.store, 2, 3)
     state, _ = show(ctx)
     token, item = state.current.token, state.current.item
-    handlers.submit(ctx, state, "1>2>3", False, "", token, req("ann"))
+    handlers.submit(ctx, handlers.Submission("1>2>3", False, "", token), state, req("ann"))
     # the same showing again (a retry): same client token -> the store keeps one ranking
     state.current = Showing(item, token=token)
-    handlers.submit(ctx, state, "1>2>3", False, "", token, req("ann"))
+    handlers.submit(ctx, handlers.Submission("1>2>3", False, "", token), state, req("ann"))
     assert len(ctx.store.list_rankings()) == 1
 
 
 def test_all_bad_without_ranking(ctx):
     seed_items(ctx.store, 1, 3)
     state, _ = show(ctx)
-    handlers.submit(ctx, state, "", True, "", "", req("ann"))
+    handlers.submit(ctx, handlers.Submission("", True, "", ""), state, req("ann"))
     (r,) = ctx.store.list_rankings()
     assert r.all_bad and len(r.order) == 1 and ctx.store.list_pairs() == []
     assert state.current is None  # the queue is empty now
@@ -215,7 +215,7 @@ def test_never_shows_an_item_already_ranked(ctx):
     seen = []
     while state.current is not None:
         seen.append(state.current.item.item_id)
-        state, *_ = handlers.submit(ctx, state, "1>2", False, "", "", req("ann"))
+        state, *_ = handlers.submit(ctx, handlers.Submission("1>2", False, "", ""), state, req("ann"))
     assert len(seen) == len(set(seen)) == 4
     _, html, progress, *_ = handlers.load(ctx, state, req("ann"))
     assert "all caught up" in html and "<b>0</b> in queue" in progress
@@ -245,16 +245,16 @@ def test_undo_shows_the_last_item_again_and_deletes_its_pairs(ctx):
     seed_items(ctx.store, 3, 3)
     state, _ = show(ctx)
     first = state.current.item
-    state, *_ = handlers.submit(ctx, state, "1>2>3", False, "", "", req("ann"))
+    state, *_ = handlers.submit(ctx, handlers.Submission("1>2>3", False, "", ""), state, req("ann"))
     second = state.current.item
-    state, *_ = handlers.submit(ctx, state, "3>2>1", False, "", "", req("ann"))
+    state, *_ = handlers.submit(ctx, handlers.Submission("3>2>1", False, "", ""), state, req("ann"))
     third = state.current.item
     state, html, progress, *_ = handlers.undo(ctx, state, req("ann"))
     assert state.current.item.item_id == second.item_id and state.prefetched.item_id == third.item_id
     assert [r.item_id for r in ctx.store.list_rankings()] == [first.item_id]
     assert len(ctx.store.list_pairs()) == 3 and "Undone" in progress
     # ranking it again, then the item that was on screen comes back
-    state, *_ = handlers.submit(ctx, state, "2>1>3", False, "", "", req("ann"))
+    state, *_ = handlers.submit(ctx, handlers.Submission("2>1>3", False, "", ""), state, req("ann"))
     assert state.current.item.item_id == third.item_id
     assert len(ctx.store.list_rankings()) == 2
 
@@ -266,7 +266,7 @@ def test_a_prefetched_item_no_longer_leased_is_not_shown(ctx):
     state, _ = show(ctx)
     upcoming = state.prefetched
     ctx.store.skip_item(ctx.store.find_annotator("ann").id, upcoming.item_id)
-    state, *_ = handlers.submit(ctx, state, "1>2", False, "", "", req("ann"))
+    state, *_ = handlers.submit(ctx, handlers.Submission("1>2", False, "", ""), state, req("ann"))
     assert state.current is not None and state.current.item.item_id != upcoming.item_id
 
 
@@ -302,7 +302,7 @@ def test_no_prefetch_mode(ctx):
     ctx.prefetch = False
     state, _ = show(ctx)
     assert state.prefetched is None
-    state, *_ = handlers.submit(ctx, state, "1>2", False, "", "", req("ann"))
+    state, *_ = handlers.submit(ctx, handlers.Submission("1>2", False, "", ""), state, req("ann"))
     assert state.current is not None and state.prefetched is None
 
 
@@ -318,7 +318,7 @@ def test_leaving_gives_the_leased_items_back(ctx):
 
 def test_actions_before_any_item_was_shown(ctx):
     seed_items(ctx.store, 1, 2)
-    for call in (lambda: handlers.submit(ctx, None, "1>2", False, "", "", req("ann")),
+    for call in (lambda: handlers.submit(ctx, handlers.Submission("1>2", False, "", ""), None, req("ann")),
                  lambda: handlers.skip(ctx, None, req("ann")),
                  lambda: handlers.flag(ctx, None, "", req("ann"))):
         with pytest.raises(gr.Error, match="no item on screen"):
@@ -377,7 +377,7 @@ def test_no_auth_mode_acts_as_the_local_admin(store, tmp_path):
     ctx = AppContext(store=store, auth=False, data_dir=tmp_path)
     seed_items(store, 1, 2)
     state, *_ = handlers.load(ctx, None, None)
-    handlers.submit(ctx, state, "1>2", False, "", "", None)
+    handlers.submit(ctx, handlers.Submission("1>2", False, "", ""), state, None)
     (r,) = store.list_rankings()
     assert store.get_annotator(r.annotator_id).name == "local"
     assert len(admin_users.users_table(ctx, None)) == 1
@@ -395,7 +395,7 @@ def _admin_calls(tmp_path):
         "job_poll": lambda c, r: admin.job_poll(c, r),
         "policy_choices": lambda c, r: admin.policy_choices(c, r),
         "statistics": lambda c, r: admin.statistics(c, r),
-        "export": lambda c, r: admin.export(c, "jsonl", False, True, None, "", 0.0, 0.0, r),
+        "export": lambda c, r: admin.export(c, admin.ExportForm(), r),
         "users_table": lambda c, r: admin_users.users_table(c, r),
         "flagged_table": lambda c, r: admin.flagged_table(c, r),
         "unflag": lambda c, r: admin.unflag(c, 1, r),
@@ -495,7 +495,7 @@ def test_outside_models_are_evaluated_blind_from_the_import_form_while_the_app_r
         item = state.current.item
         api = next(r.id for r in item.responses if r.text.startswith("api"))
         position = 1 + item.display_order.index(api)
-        state, html, *_ = handlers.submit(ctx, state, f"{position}>{3 - position}", False, "", "", req("ann"))
+        state, html, *_ = handlers.submit(ctx, handlers.Submission(f"{position}>{3 - position}", False, "", ""), state, req("ann"))
         ranked += 1
     text, board, rates, table = evaluation_admin.results(ctx, "api-vs-prod", req("boss"))
     assert ranked == 3 and "3 comparisons on 3 prompts" in text and list(board["version"]) == ["api", "prod"]
@@ -511,7 +511,7 @@ def test_export_downloads_the_snapshot(ctx, fmt):
     a = ctx.store.find_annotator("ann")
     for s in seeded:
         ctx.store.save_ranking(a.id, s.prompt_id, s.response_ids)
-    paths, summary = admin.export(ctx, fmt, False, True, ["ann"], "", 0.0, 0.5, req("boss"))
+    paths, summary = admin.export(ctx, admin.ExportForm(fmt=fmt, annotators=["ann"], test_fraction=0.5), req("boss"))
     (snap,) = ctx.store.list_snapshots()
     assert f"Snapshot #{snap.id}" in summary and snap.counts["pairs"] == 12
     assert snap.filters["annotators"] == ["ann"] and Path(snap.path).parent == ctx.export_dir
@@ -530,9 +530,9 @@ def test_export_downloads_the_snapshot(ctx, fmt):
 
 def test_export_filters_and_bad_input(ctx):
     with pytest.raises(gr.Error, match="date"):
-        admin.export(ctx, "jsonl", False, True, None, "yesterday", 0.0, 0.0, req("boss"))
+        admin.export(ctx, admin.ExportForm(since="yesterday"), req("boss"))
     with pytest.raises(gr.Error, match="no annotator named"):
-        admin.export(ctx, "jsonl", False, True, ["ghost"], "", 0.0, 0.0, req("boss"))
+        admin.export(ctx, admin.ExportForm(annotators=["ghost"]), req("boss"))
     assert ctx.store.list_snapshots() == []
 
 
@@ -674,7 +674,7 @@ def test_after_a_restart_submit_skip_and_flag_act_on_the_item_the_page_names(ctx
     seed_items(ctx.store, 4, 2)
     state, _ = show(ctx)
     first = state.current
-    handlers.submit(ctx, None, "2>1", False, "", first.token, req("ann"))  # as if after a restart
+    handlers.submit(ctx, handlers.Submission("2>1", False, "", first.token), None, req("ann"))  # as if after a restart
     (ranking,) = ctx.store.list_rankings()
     assert ranking.item_id == first.item.item_id and ranking.client_token == first.token
     assert ranking.order == [[first.item.display_order[1]], [first.item.display_order[0]]]
@@ -686,6 +686,6 @@ def test_after_a_restart_submit_skip_and_flag_act_on_the_item_the_page_names(ctx
     handlers.flag(ctx, None, "broken", req("ann"), third.token)
     assert ctx.store.is_flagged(third.item.prompt.id)
     for call in (lambda: handlers.skip(ctx, None, req("bea"), third.token),  # not bea's lease
-                 lambda: handlers.submit(ctx, None, "1>2", False, "", "", req("ann"))):
+                 lambda: handlers.submit(ctx, handlers.Submission("1>2", False, "", ""), None, req("ann"))):
         with pytest.raises(gr.Error, match="no item on screen"):
             call()

@@ -162,21 +162,20 @@ def test_data_tab_export_leaves_out_and_weights(team_store, tmp_path):
     """Data > Export's two controls: a minimum quality and the weight column."""
     store = team_store
     ctx = AppContext(store=store, auth=True, data_dir=tmp_path / "data")
-    paths, summary = admin.export(ctx, "jsonl", False, True, None, "", 0.0, 0.0, req("boss"), "conversational",
-                                  False, "unknown", 0.5, True)
+    paths, summary = admin.export(ctx, admin.ExportForm(min_quality=0.5, quality_weights=True), req("boss"))
     assert "left out below quality 0.5: &lt;b&gt;bad&lt;/b&gt;" in summary and "weighted by annotator quality" in summary
     rows = [json.loads(line) for line in open(paths[0], encoding="utf-8")]
     assert {(r["annotator"], r["weight"]) for r in rows} == {("good", 1.0)}
     (snap,) = store.list_snapshots()
     assert snap.filters["min_quality"] == 0.5 and snap.filters["quality_weights"] is True
-    _, summary = admin.export(ctx, "jsonl", False, True, None, "", 0.0, 0.0, req("boss"), min_quality=0.0)
+    _, summary = admin.export(ctx, admin.ExportForm(min_quality=0.0), req("boss"))
     assert "left out" not in summary and "weighted" not in summary  # 0 keeps everyone: no filter at all
     assert "min_quality" not in store.list_snapshots()[-1].filters
     for bad_value in (1.5, "yes"):
         with pytest.raises(gr.Error, match="Minimum annotator quality"):
-            admin.export(ctx, "jsonl", False, True, None, "", 0.0, 0.0, req("boss"), min_quality=bad_value)
+            admin.export(ctx, admin.ExportForm(min_quality=bad_value), req("boss"))
     with pytest.raises(gr.Error, match="Weight pairs by annotator quality"):
-        admin.export(ctx, "jsonl", False, True, None, "", 0.0, 0.0, req("boss"), quality_weights="yes")
+        admin.export(ctx, admin.ExportForm(quality_weights="yes"), req("boss"))
 
 
 def test_a_rounds_snapshot_takes_the_loops_quality_options(team_store, tmp_path):

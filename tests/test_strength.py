@@ -79,13 +79,13 @@ def test_the_annotate_handler_takes_a_strength(store, store_annotators, tmp_path
     state, *_ = handlers.load(ctx, None, req("ann0"))
     token = state.current.token
     with pytest.raises(gr.Error, match="Strength must be one of"):
-        handlers.submit(ctx, state, "1>2", False, "", token, req("ann0"), "very much")
+        handlers.submit(ctx, handlers.Submission("1>2", False, "", token, strength="very much"), state, req("ann0"))
     with pytest.raises(gr.Error, match="Not saved: a strength"):
-        handlers.submit(ctx, state, "1=2", False, "", token, req("ann0"), "better")
+        handlers.submit(ctx, handlers.Submission("1=2", False, "", token, strength="better"), state, req("ann0"))
     assert store.list_rankings() == []
-    state, *_ = handlers.submit(ctx, state, "2>1", False, " clearer ", token, req("ann0"), "better")
+    state, *_ = handlers.submit(ctx, handlers.Submission("2>1", False, " clearer ", token, strength="better"), state, req("ann0"))
     (ranking,) = store.list_rankings()
     assert (ranking.strength, ranking.comment) == ("better", "clearer")
     assert "the best is better" in state.note
-    handlers.submit(ctx, state, "1>2", False, "", state.current.token, req("ann0"))  # none given: none stored
+    handlers.submit(ctx, handlers.Submission("1>2", False, "", state.current.token), state, req("ann0"))  # none given: none stored
     assert store.list_rankings()[-1].strength is None
