@@ -256,8 +256,7 @@ def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConf
 
 def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resume, init_from, on_step,
            progress: dict, dist: Dist) -> dict:
-    device = dist.device
-    dtype = pick_dtype(model_cfg.dtype, device)
+    device, dtype = dist.device, pick_dtype(model_cfg.dtype, dist.device)
     if dtype == torch.float16:
         raise ValueError("--dtype fp16: reward training here has no loss scaling; use bf16 (or fp32)")
     # Full fine-tuning keeps fp32 master weights and runs bf16 under autocast; with LoRA the frozen
