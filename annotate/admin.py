@@ -212,7 +212,8 @@ class ExportForm:
     """The Data tab's export options, by name. The field order is the order the tab passes its
     components in (annotate/ui_admin.py builds that list from these fields; annotate/bind.py
     `bind_form` turns it back into this record), and so the order of the /export API's values.
-    The defaults are what `export` does for a field not given."""
+    The defaults are for Python callers; the tab's and the API's come from its components (a test
+    fraction of 0.1 there)."""
 
     fmt: str = "jsonl"
     include_all_bad: bool = False

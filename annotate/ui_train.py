@@ -56,18 +56,19 @@ def train_tab(ctx: AppContext) -> dict:
     poll = dict(fn=bind(t.poll, ctx), inputs=poll_in, outputs=poll_out, **QUIET)
     # each form's components by its fields' names, in the order of its fields (bind_form)
     job = {"lora": lora, "processes": processes}
-    reward_in = form_inputs(t.RewardForm, {**job, "epochs": rm.epochs, "lr": rm.lr, "batch_size": rm.batch, "loss": rm.loss,
-                                      "warm_start": rm.warm})
+    reward_in = form_inputs(t.RewardForm, {**job, "epochs": rm.epochs, "lr": rm.lr, "batch_size": rm.batch,
+                                           "loss": rm.loss, "warm_start": rm.warm})
     rm.button.click(bind_form(t.train_reward, ctx, t.RewardForm), reward_in, started, api_name="train_reward",
                     **HIDDEN).success(**poll)
-    ppo_in = form_inputs(t.PPOForm, {**job, "reward_name": ppo.reward, **ppo.form, "lr": ppo.lr, "activate": ppo.activate})
+    ppo_in = form_inputs(t.PPOForm, {**job, "reward_name": ppo.reward, **ppo.form, "lr": ppo.lr,
+                                     "activate": ppo.activate})
     ppo.button.click(bind_form(t.run_ppo, ctx, t.PPOForm), ppo_in, started, api_name="run_ppo",
                      **HIDDEN).success(**poll)
     dpo.sft.click(bind(t.run_sft, ctx), [lora, processes, dpo.sft_epochs, dpo.sft_lr], started, api_name="run_sft",
                   **HIDDEN).success(**poll)
     round_in = form_inputs(t.RoundForm, {**job, "epochs": rm.epochs, "rm_lr": rm.lr, "rm_batch": rm.batch,
-                                    "rm_loss": rm.loss, **ppo.form, "policy_step": rnd.policy_step, **dpo.form,
-                                    **rnd.form})
+                                         "rm_loss": rm.loss, **ppo.form, "policy_step": rnd.policy_step, **dpo.form,
+                                         **rnd.form})
     round_out = [*started, rnd.confirm_row, rnd.confirm_md]
     rnd.button.click(bind_form(t.run_full_round, ctx, t.RoundForm), [*round_in, gr.State(False)], round_out,
                      api_name="run_round", **HIDDEN).success(**poll)

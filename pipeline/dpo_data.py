@@ -239,7 +239,8 @@ def heldout_kl(model, reference, tokenizer, prompts: list, cfg, amp, dist, batch
     its standard error kl/heldout_se, and what the samples were like."""
     distinct = list({prompt_key(p): p for p in prompts}.values())
     random.Random(cfg.seed).shuffle(distinct)
-    mine, device = dist.shard(distinct[:cfg.kl_prompts]), dist.device
+    mine = dist.shard(distinct[:cfg.kl_prompts])
+    device = dist.device
     gen = GenerateConfig(temperature=1.0, max_new_tokens=cfg.kl_max_new_tokens)
     sums = {"kl": 0.0, "kl_sq": 0.0, "samples": 0, "tokens": 0, "eos": 0}
     was_training = model.training

@@ -53,7 +53,7 @@ import torch
 from tqdm.auto import tqdm
 
 from formats.hashing import snapshot_sha256
-from pipeline.distributed import clip_grad_norm, load_optimizer_state
+from pipeline.distributed import Dist, clip_grad_norm, load_optimizer_state
 from pipeline.models import autocast
 from pipeline.pairs_data import length_grouped_batches
 from pipeline.rundir import (STATE_FILE, Cancelled, StopFlag, append_metrics, read_status, truncate_metrics,
@@ -153,7 +153,7 @@ class Training:
     """A pairs trainer's training side, made once its model is loaded (`start_training`): the
     processes, the model and its wrapper for training forwards (gradients averaged across ranks),
     autocast, the trainable parameters, optimiser and schedule, and the steps done before a --resume."""
-    dist: object
+    dist: Dist
     model: torch.nn.Module
     wrapped: torch.nn.Module
     amp: Callable[[], contextlib.AbstractContextManager]
@@ -377,6 +377,5 @@ def resume_from(out_dir: Path, schedule: Schedule, load_optimizer: Callable[[dic
     return state["step"]
 
 
-__all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "Schedule", "Training", "start_training", "StepLoop",
-           "run_steps",
-           "cancelled", "AfterTraining", "resume_from", "adamw_schedule", "write_report", "write_run_config"]
+__all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "Schedule", "Training",
+           "start_training", "StepLoop", "run_steps", "cancelled", "AfterTraining", "resume_from", "adamw_schedule", "write_report", "write_run_config"]

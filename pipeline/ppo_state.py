@@ -201,8 +201,8 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
         "ppo": to_dict(cfg), "model": to_dict(model_cfg), "processes": dist.world, "fsdp": dist.sharded})
     return RunParts(
-        cfg=cfg, dist=dist, out=out, device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer, parent=parent, reference=reference,
-        score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w, opts=(policy_opt, critic_opt),
+        cfg=cfg, dist=dist, out=out, device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer,
+        parent=parent, reference=reference, score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w, opts=(policy_opt, critic_opt),
         scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start, rows=rows, ptx_texts=ptx_texts,
         sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
 

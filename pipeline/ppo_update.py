@@ -8,6 +8,7 @@ alone."""
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,14 +18,15 @@ from pipeline.models import attn_ratio, checkpointing
 from pipeline.packing import pack_responses
 from pipeline.policy import causal_lm_logits, response_logits, response_logprobs, trainable
 from pipeline.ppo_data import ptx_batch
-from pipeline.ppo_state import RunParts
 from pipeline.rollout import StepRollout, critic_values
+
+if TYPE_CHECKING:
+    from pipeline.ppo_state import RunParts
 
 
 def ppo_update(run: RunParts, sr: StepRollout, stop, train_policy: bool = True) -> tuple[dict, int]:
-    """Phase 7 of step run.step: cfg.ppo_epochs passes over
-    the rollout in shuffled minibatches, one optimiser step each for policy and critic (the critic's
-    only, without train_policy). Returns the update's sums (weighted by each micro-batch's token
+    """Phase 7 of step run.step: cfg.ppo_epochs passes over the rollout in shuffled minibatches,
+    one optimiser step each for policy and critic (the critic's only, without train_policy). Returns the update's sums (weighted by each micro-batch's token
     share; over N processes the per-rank sums, grad norms aside) and the number of minibatches."""
     cfg, dist, step = run.cfg, run.dist, run.step
     ro = sr.ro

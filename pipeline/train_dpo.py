@@ -178,7 +178,8 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     model.train(checkpointing(model))  # no dropout (TRL's disable_dropout), but checkpointing acts in train mode
     # checkpointed layers drop the KV cache a shared prefix needs; under FSDP a prefix pass would run on
     # some ranks only, and a prefix's keys and values reused by a batch fail FSDP2's backward
-    packing = Packing(attn_ratio(model), tokenizer.pad_token_id, share_prefix=not checkpointing(model) and not dist.sharded)
+    packing = Packing(attn_ratio(model), tokenizer.pad_token_id,
+                      share_prefix=not checkpointing(model) and not dist.sharded)
     weights = pair_weights(train_items, cfg.use_weights)  # None: the plain loss, as train-reward's
     if not resume:
         write_run_config(out_dir, {"stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg),

@@ -135,6 +135,7 @@ def ppo_step(run: RunParts, stop) -> dict:
     # alone while it warms up)
     train_policy = step >= cfg.critic_warmup_steps
     stats, n_minibatches = ppo_update(run, sr, stop, train_policy)
+    t_update = time.perf_counter() - t_start - sr.times["rollout"]
     # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
     norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm") if k in stats}
     stats = {**dist.reduce_sum(dict(stats)), **norms}
@@ -142,8 +143,7 @@ def ppo_step(run: RunParts, stop) -> dict:
     lrs = advance_schedules(run, sr.adv, cfg.batch_size, train_policy)
     run.step = step + 1
     # 9. metrics, sample table, checkpoint
-    elapsed = time.perf_counter() - t_start
-    sr.times.update(update=elapsed - sr.times["rollout"], step=elapsed)
+    sr.times.update(update=t_update, step=time.perf_counter() - t_start)
     metrics = step_metrics(stats, n_minibatches, sr, run.kl.value, lrs, critic=run.critic is not None)
     append_metrics(run.out, run.step, metrics)
     keep_step(run, sr)

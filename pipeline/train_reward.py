@@ -244,11 +244,11 @@ def _evaluate(model, eval_items: list, pad_id: int, cfg: RewardConfig, after: Af
     return report, report.pop("calibration", [])
 
 
-def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, after: AfterTraining,
-               training: Training, dist) -> dict:
+def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, after: AfterTraining, amp,
+               dist) -> dict:
     """Phase 7: the reward's mean and std on samples of the reference policy for the training
     prompts (pipeline/reward_eval.py), set on the model (the checkpoint stores them)."""
-    norm = normalisation_stats(model, train_pairs, cfg, model_cfg, training.amp, dist=dist,
+    norm = normalisation_stats(model, train_pairs, cfg, model_cfg, amp, dist=dist,
                                on_progress=after.on_progress("normalising", "samples"))
     model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
     return norm
@@ -318,7 +318,8 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     shared = None if dist.sharded else dist
     with AfterTraining(out_dir, done, total, save, dist) as after:
         report, calib = _evaluate(model, eval_items, pad_id, cfg, after, device, dtype, shared)
-        norm = _normalise(model, train_pairs, cfg, model_cfg, after, training, shared) if cfg.norm_samples > 0 else None
+        norm = _normalise(model, train_pairs, cfg, model_cfg, after, training.amp, shared) if cfg.norm_samples > 0 \
+            else None
         after.check()
         save(done.step, norm)
         dist.barrier()
