@@ -76,7 +76,8 @@ class PackedPairs:
     weight: torch.Tensor | None = None  # (B,) each pair's weight in the loss; None = all count once
 
 
-def pack_pairs(items: list[EncodedPair], packing: Packing, device=None, weights: list[float] | None = None) -> PackedPairs:
+def pack_pairs(items: list[EncodedPair], packing: Packing, device=None,
+               weights: list[float] | None = None) -> PackedPairs:
     """The packed layout of B pairs (module docstring), as `packing` says. weights: one per item, as
     the loss should count it (normalised by the caller), or None."""
     attn_per_linear, pad_id, share_prefix = packing.attn_per_linear, packing.pad_id, packing.share_prefix

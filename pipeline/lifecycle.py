@@ -378,4 +378,5 @@ def resume_from(out_dir: Path, schedule: Schedule, load_optimizer: Callable[[dic
 
 
 __all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "Schedule", "Training",
-           "start_training", "StepLoop", "run_steps", "cancelled", "AfterTraining", "resume_from", "adamw_schedule", "write_report", "write_run_config"]
+           "start_training", "StepLoop", "run_steps", "cancelled", "AfterTraining", "resume_from", "adamw_schedule",
+           "write_report", "write_run_config"]

@@ -53,7 +53,7 @@ CHECKPOINT = "checkpoint"
 
 
 @dataclass
-class RunParts:
+class PPORun:
     """What phase 0 builds and every later phase reads: the run's options, processes and folder, the
     four roles (three without a critic: 'rloo', 'grpo'; critic, critic_w, and the critic's optimiser
     and schedule are None then), optimisers, schedules, KL controller, inputs, and the steps done."""
@@ -145,7 +145,7 @@ def check_config(cfg: PPOConfig, world: int = 1) -> None:
 
 
 def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out: Path, policy: str,
-           critic_init: str, resuming: bool, dist: Dist) -> RunParts:
+           critic_init: str, resuming: bool, dist: Dist) -> PPORun:
     """Phase 0: load the four roles, wrap (or shard) the trained ones, build optimisers and schedules,
     restore a checkpoint when resuming (metrics after its step are dropped), and write config.json."""
     ckpt = out / CHECKPOINT
@@ -200,10 +200,11 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         "stage": policy_method(cfg), "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
         "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
         "ppo": to_dict(cfg), "model": to_dict(model_cfg), "processes": dist.world, "fsdp": dist.sharded})
-    return RunParts(
+    return PPORun(
         cfg=cfg, dist=dist, out=out, device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer,
-        parent=parent, reference=reference, score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w, opts=(policy_opt, critic_opt),
-        scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start, rows=rows, ptx_texts=ptx_texts,
+        parent=parent, reference=reference, score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w,
+        opts=(policy_opt, critic_opt), scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start, rows=rows,
+        ptx_texts=ptx_texts,
         sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
 
 
@@ -244,13 +245,13 @@ def _adamw(params: list, lr: float) -> torch.optim.AdamW:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(run: RunParts) -> None:
+def save_checkpoint(ppo: PPORun) -> None:
     """RUN_DIR/checkpoint: policy (adapter or full), critic (when the run has one), optimisers,
     schedulers, KL controller, steps done.
     Written beside the old one and swapped in (pipeline/saving.py, atomic_folder), so a kill
     mid-save leaves the previous checkpoint. Every rank calls it (sharded weights and optimiser
     states are gathered first, a collective); rank 0 writes."""
-    dist, policy, critic, (policy_opt, critic_opt) = run.dist, run.policy, run.critic, run.opts
+    dist, policy, critic, (policy_opt, critic_opt) = ppo.dist, ppo.policy, ppo.critic, ppo.opts
     policy_weights = full_state_dict(policy) if dist.sharded else None
     critic_weights = full_state_dict(critic) if dist.sharded and critic is not None else None
     optims = (dist.optimizer_state(policy, policy_opt),
@@ -259,16 +260,16 @@ def save_checkpoint(run: RunParts) -> None:
         return
 
     def write(folder: Path) -> None:
-        save_policy(GatheredPolicy(policy, policy_weights) if dist.sharded else policy, run.tokenizer,
+        save_policy(GatheredPolicy(policy, policy_weights) if dist.sharded else policy, ppo.tokenizer,
                     folder / "policy")
-        saved = {"step": run.step, "policy_optim": optims[0], "policy_sched": run.scheds[0].state_dict(),
-                 "kl": run.kl.state_dict()}
+        saved = {"step": ppo.step, "policy_optim": optims[0], "policy_sched": ppo.scheds[0].state_dict(),
+                 "kl": ppo.kl.state_dict()}
         if critic is not None:
-            save_scalar_model(critic, run.tokenizer, folder / "critic", state_dict=critic_weights)
-            saved.update(critic_optim=optims[1], critic_sched=run.scheds[1].state_dict())
+            save_scalar_model(critic, ppo.tokenizer, folder / "critic", state_dict=critic_weights)
+            saved.update(critic_optim=optims[1], critic_sched=ppo.scheds[1].state_dict())
         torch.save(saved, folder / STATE_FILE)
 
-    atomic_folder(run.out / CHECKPOINT, write)
+    atomic_folder(ppo.out / CHECKPOINT, write)
 
 
 def load_checkpoint(ckpt: Path, models: tuple, opts: tuple, scheds: tuple, kl_ctl) -> int:
@@ -286,4 +287,4 @@ def load_checkpoint(ckpt: Path, models: tuple, opts: tuple, scheds: tuple, kl_ct
     return int(state["step"])
 
 
-__all__ = ["RunParts", "set_up", "save_checkpoint", "load_checkpoint", "CHECKPOINT"]
+__all__ = ["PPORun", "set_up", "save_checkpoint", "load_checkpoint", "CHECKPOINT"]

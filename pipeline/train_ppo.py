@@ -58,7 +58,7 @@ from pipeline.distributed import setup
 from pipeline.losses import masked_mean, masked_var
 from pipeline.policy import merged_lora
 from pipeline.ppo_data import episode_uniforms, prompt_order
-from pipeline.ppo_state import CHECKPOINT, RunParts, check_config, save_checkpoint, set_up
+from pipeline.ppo_state import CHECKPOINT, PPORun, check_config, save_checkpoint, set_up
 from pipeline.ppo_update import ppo_update
 from pipeline.rollout import (Rollout, StepRollout, gather_rollout, kl_shaped_advantages, rollout_forwards,
                               write_samples)
@@ -85,7 +85,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     recover(ckpt, dist)  # a kill in the middle of a checkpoint write leaves the last good one to put back
     if ckpt.is_dir() and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
-    run = None  # what phase 0 builds (pipeline/ppo_state.py)
+    ppo = None  # what phase 0 builds (pipeline/ppo_state.py)
     with guarded(out, dist) as progress:  # 'failed' with the error if anything below raises
         progress["total"] = cfg.steps
         try:
@@ -93,31 +93,31 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 # 0. set-up: device, models (four roles), optimisers, KL controller, resume (pipeline/ppo_state.py);
                 # training forwards go through policy_w and critic_w (gradients averaged across ranks), sampling
                 # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
-                run = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
+                ppo = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
                              critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
-                progress["step"] = run.step
-                write_status(out, "running", run.step, cfg.steps)
+                progress["step"] = ppo.step
+                write_status(out, "running", ppo.step, cfg.steps)
 
                 from tqdm import tqdm
 
-                bar = tqdm(total=cfg.steps, initial=run.step, desc=policy_method(cfg), unit="step", dynamic_ncols=True,
+                bar = tqdm(total=cfg.steps, initial=ppo.step, desc=policy_method(cfg), unit="step", dynamic_ncols=True,
                            disable=not dist.is_main)
                 metrics: dict = {}
-                while run.step < cfg.steps:
-                    metrics = ppo_step(run, stop)
-                    progress["step"] = run.step
-                    write_status(out, "running", run.step, cfg.steps)
+                while ppo.step < cfg.steps:
+                    metrics = ppo_step(ppo, stop)
+                    progress["step"] = ppo.step
+                    write_status(out, "running", ppo.step, cfg.steps)
                     bar.update(1)
                     bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
                                     beta=f"{metrics['kl/beta']:.3g}")
                 bar.close()
-                finish(run, reward)
+                finish(ppo, reward)
                 return metrics
         except Cancelled as exc:
             # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint
-            done = run.step if run is not None else 0
-            if run is not None:
-                save_checkpoint(run)
+            done = ppo.step if ppo is not None else 0
+            if ppo is not None:
+                save_checkpoint(ppo)
             dist.barrier()
             write_status(out, "cancelled", done, cfg.steps, error=str(exc))
             print(f"cancelled at step {done} (rank {dist.rank} of {dist.world})", flush=True)
@@ -125,55 +125,55 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             raise
 
 
-def ppo_step(run: RunParts, stop) -> dict:
-    """Phases 1-9 of step run.step (0-based); returns its metrics (also appended to metrics.jsonl)."""
-    cfg, dist, step = run.cfg, run.dist, run.step
+def ppo_step(ppo: PPORun, stop) -> dict:
+    """Phases 1-9 of step ppo.step (0-based); returns its metrics (also appended to metrics.jsonl)."""
+    cfg, dist, step = ppo.cfg, ppo.dist, ppo.step
     t_start = time.perf_counter()
     # 1-6. prompts, sampling, forwards, scores, KL-shaped rewards and GAE
-    sr = rollout_step(run, stop)
+    sr = rollout_step(ppo, stop)
     # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches (the critic
     # alone while it warms up)
     train_policy = step >= cfg.critic_warmup_steps
-    stats, n_minibatches = ppo_update(run, sr, stop, train_policy)
+    stats, n_minibatches = ppo_update(ppo, sr, stop, train_policy)
     t_update = time.perf_counter() - t_start - sr.times["rollout"]
     # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
     norms = {k: stats.pop(k) for k in ("policy/grad_norm", "val/grad_norm") if k in stats}
     stats = {**dist.reduce_sum(dict(stats)), **norms}
     # 8. KL controller (on the measured KL per sequence) and learning rates
-    lrs = advance_schedules(run, sr.adv, cfg.batch_size, train_policy)
-    run.step = step + 1
+    lrs = advance_schedules(ppo, sr.adv, cfg.batch_size, train_policy)
+    ppo.step = step + 1
     # 9. metrics, sample table, checkpoint
     sr.times.update(update=t_update, step=time.perf_counter() - t_start)
-    metrics = step_metrics(stats, n_minibatches, sr, run.kl.value, lrs, critic=run.critic is not None)
-    append_metrics(run.out, run.step, metrics)
-    keep_step(run, sr)
+    metrics = step_metrics(stats, n_minibatches, sr, ppo.kl.value, lrs, critic=ppo.critic is not None)
+    append_metrics(ppo.out, ppo.step, metrics)
+    keep_step(ppo, sr)
     return metrics
 
 
-def finish(run: RunParts, reward: str) -> None:
+def finish(ppo: PPORun, reward: str) -> None:
     """The end: a resumable checkpoint, and the policy (its meta naming the parent and the reward
     model) for the owner process to register."""
-    cfg, dist, out = run.cfg, run.dist, run.out
+    cfg, dist, out = ppo.cfg, ppo.dist, ppo.out
     reward_name = reward if reward.startswith(("script:", "oracle:")) else str(Path(reward).resolve())
-    run.policy.rlhf_meta = {**run.policy.rlhf_meta, "parent": run.parent, "reward_model": reward_name,
+    ppo.policy.rlhf_meta = {**ppo.policy.rlhf_meta, "parent": ppo.parent, "reward_model": reward_name,
                             "run": str(out.resolve()), "steps": cfg.steps}
-    save_checkpoint(run)  # rank 0 writes; every rank holds the weights or a shard
-    save_whole_policy(run.policy, run.tokenizer, out / "policy", dist)
+    save_checkpoint(ppo)  # rank 0 writes; every rank holds the weights or a shard
+    save_whole_policy(ppo.policy, ppo.tokenizer, out / "policy", dist)
     dist.barrier()  # the other ranks exit only once rank 0 has saved
     write_status(out, "done", cfg.steps, cfg.steps)
     dist.close()
 
 
-def rollout_step(run: RunParts, stop) -> StepRollout:
-    """Phases 1-6 of step run.step."""
+def rollout_step(ppo: PPORun, stop) -> StepRollout:
+    """Phases 1-6 of step ppo.step."""
     t_start = time.perf_counter()
-    cfg, dist, step, local = run.cfg, run.dist, run.step, run.local
-    policy_model, tokenizer, device, autocast = run.policy, run.tokenizer, run.device, run.autocast
+    cfg, dist, step, local = ppo.cfg, ppo.dist, ppo.step, ppo.local
+    policy_model, tokenizer, device, autocast = ppo.policy, ppo.tokenizer, ppo.device, ppo.autocast
     B, k = cfg.batch_size, group_size(cfg)
     # 1. a batch of prompts (the order depends only on seed and step, so --resume continues it), each
     # k times in a row: a critic-free estimator's groups
-    order = [i for i in prompt_order(len(run.rows), step, B // k, cfg.seed) for _ in range(k)]
-    batch_prompts = [run.rows[i]["prompt"] for i in order][local]
+    order = [i for i in prompt_order(len(ppo.rows), step, B // k, cfg.seed) for _ in range(k)]
+    batch_prompts = [ppo.rows[i]["prompt"] for i in order][local]
     input_ids, prompt_mask = encode_prompts(tokenizer, batch_prompts, cfg.max_prompt_tokens, device)
 
     # 2. sample from the current policy = pi_old, the whole distribution of logits / T; each
@@ -190,54 +190,54 @@ def rollout_step(run: RunParts, stop) -> StepRollout:
 
     # 3. reference log-probs, critic values (and pi_old by one forward, when configured)
     policy_model.eval()
-    if run.critic is not None:
-        run.critic.eval()
-    ref_logp, old_logp, values = rollout_forwards(policy_model, run.reference, run.critic, sb, cfg,
-                                                  not run.sample_logprobs, autocast, run.share_prefix)
+    if ppo.critic is not None:
+        ppo.critic.eval()
+    ref_logp, old_logp, values = rollout_forwards(policy_model, ppo.reference, ppo.critic, sb, cfg,
+                                                  not ppo.sample_logprobs, autocast, ppo.share_prefix)
     ro = Rollout(prompts=batch_prompts, sequences=sb.sequences, attention_mask=sb.attention_mask,
                  response_ids=sb.response_ids, mask=mask, prompt_length=sb.prompt_length,
-                 logprobs=(sb.logprobs if run.sample_logprobs else old_logp) * mask,
+                 logprobs=(sb.logprobs if ppo.sample_logprobs else old_logp) * mask,
                  ref_logprobs=ref_logp * mask, values=values * mask,
                  eos=torch.tensor([f == "eos" for f in sb.finish_reason], device=device))
     t_forwards = time.perf_counter() - t_start - t_sample
 
     # 4. score prompt+response: reward model (normalised) or scripted
-    raw_score = run.score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask, prompts=batch_prompts)  # (B,)
+    raw_score = ppo.score_fn(ro.sequences, ro.attention_mask, ro.response_ids, ro.mask, prompts=batch_prompts)  # (B,)
     # N processes: every rank gets the whole batch (rank 0's episodes first), so phases 5-6
     # and the KL controller see the same numbers everywhere
     ro, raw_score = gather_rollout(ro, raw_score, dist, tokenizer.pad_token_id)
     t_score = time.perf_counter() - t_start - t_sample - t_forwards
 
     # 5-6. missing-EOS penalty, per-token KL, shaped rewards, GAE (pipeline/rollout.py)
-    beta = run.kl.value
+    beta = ppo.kl.value
     adv = kl_shaped_advantages(ro, raw_score, cfg, beta)
     times = {"sample": t_sample, "forwards": t_forwards, "score": t_score, "rollout": time.perf_counter() - t_start}
     return StepRollout(ro, raw_score, adv, beta, times)
 
 
-def advance_schedules(run, adv, episodes: int, train_policy: bool) -> tuple[float, float]:
+def advance_schedules(ppo, adv, episodes: int, train_policy: bool) -> tuple[float, float]:
     """Phase 8: the KL controller sees the step's KL per sequence, and each learning-rate schedule
     steps; a policy frozen for the critic's warm-up leaves its own two as they are. Returns the
     (policy, critic) learning rates the step trained with."""
-    policy_sched, critic_sched = run.scheds
+    policy_sched, critic_sched = ppo.scheds
     lrs = (policy_sched.get_last_lr()[0] if train_policy else 0.0,
            critic_sched.get_last_lr()[0] if critic_sched else 0.0)
     if train_policy:
-        run.kl.update(float(adv.kl_seq.mean()), episodes)
+        ppo.kl.update(float(adv.kl_seq.mean()), episodes)
         policy_sched.step()
     if critic_sched:
         critic_sched.step()
     return lrs
 
 
-def keep_step(run: RunParts, sr: StepRollout) -> None:
-    """Phase 9's files after run.step steps: the sample table every cfg.sample_every steps (and at
+def keep_step(ppo: PPORun, sr: StepRollout) -> None:
+    """Phase 9's files after ppo.step steps: the sample table every cfg.sample_every steps (and at
     the end; rank 0), a checkpoint every cfg.save_every (the end saves its own)."""
-    cfg, done = run.cfg, run.step
-    if run.dist.is_main and cfg.sample_every > 0 and (done % cfg.sample_every == 0 or done == cfg.steps):
-        write_samples(run.out / "samples" / f"step_{done}.jsonl", run.tokenizer, sr.ro, sr.raw_score, sr.adv.kl_seq)
+    cfg, done = ppo.cfg, ppo.step
+    if ppo.dist.is_main and cfg.sample_every > 0 and (done % cfg.sample_every == 0 or done == cfg.steps):
+        write_samples(ppo.out / "samples" / f"step_{done}.jsonl", ppo.tokenizer, sr.ro, sr.raw_score, sr.adv.kl_seq)
     if cfg.save_every > 0 and done % cfg.save_every == 0 and done < cfg.steps:
-        save_checkpoint(run)  # every rank (a sharded model is gathered), rank 0 writes
+        save_checkpoint(ppo)  # every rank (a sharded model is gathered), rank 0 writes
 
 
 def step_metrics(stats: dict, n_minibatches: int, sr: StepRollout, beta_next: float, lrs: tuple[float, float],
