@@ -4,7 +4,8 @@ beat learning its C(K, 2) pairs, and at which data sizes?
     python bench/listwise_bench.py                          # tiny model, 3 sizes x 3 seeds (minutes)
     python bench/listwise_bench.py --quick                  # one size, one seed (seconds; the suite's smoke test)
     python bench/listwise_bench.py --sizes 50,100,200,400 --seeds 0,1,2,3,4 --json out.json
-    python bench/listwise_bench.py --model default --lr 3e-4 --epochs 1   # SmolLM2-135M with LoRA (hours)
+    python bench/listwise_bench.py --model default --lr 3e-4 --epochs 1 --json out.json   # SmolLM2-135M with LoRA (hours)
+    python bench/listwise_bench.py ... --json out.json --resume   # the same run after a stop: the seeds done are kept
 
 The task is tests/test_ppo_learned_reward.py's, one a tiny model learns with certainty: prompts of a
 few words, K = 4 responses per prompt sampled from the starting policy (tests/tiny.py's random
@@ -187,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default="tiny", help="'tiny' (tests/tiny.py's random model), 'default' "
                         "(SmolLM2-135M-Instruct) or a model folder")
-    parser.add_argument("--json", default="", help="write the per-seed rows and the settings here")
+    parser.add_argument("--json", default="", help="write the per-seed rows and the settings here (after each seed)")
+    parser.add_argument("--resume", action="store_true", help="keep the seeds --json already holds (a run with the "
+                        "same settings stopped part-way) and run the others")
     args = parser.parse_args(argv)
     import torch
 
@@ -199,18 +202,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.held_out = 20
     t0 = time.perf_counter()
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "resume")}
+    rows = resumed_rows(args, settings) if args.resume else []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = save_tiny_model_dir(work / "tiny") if args.model == "tiny" else args.model
-        rows = [row for seed in seeds for row in run_seed(seed, sizes, model_dir, work, args)]
+        for seed in seeds:
+            if any(r["seed"] == seed for r in rows):
+                continue
+            rows += run_seed(seed, sizes, model_dir, work, args)
+            if args.json:  # after every seed: a stopped run keeps the seeds it finished (--resume)
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"settings": settings, "sizes": sizes, "rows": rows}, indent=1))
     lines, result = summarise(rows, sizes)
     print("\n".join(lines))
     print(result)
     print(f"{time.perf_counter() - t0:.0f} s on {args.threads} thread(s)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "sizes": sizes, "rows": rows}, indent=1))
     return 0
+
+
+def resumed_rows(args, settings: dict) -> list[dict]:
+    """The rows of the seeds a stopped run's --json holds; refused when it ran other settings."""
+    if not args.json or not Path(args.json).is_file():
+        raise SystemExit("--resume needs --json naming the stopped run's file")
+    saved = json.loads(Path(args.json).read_text())
+    if saved["settings"] != settings:
+        differ = sorted(k for k in settings.keys() | saved["settings"].keys()
+                        if settings.get(k) != saved["settings"].get(k))
+        raise SystemExit(f"--resume: {args.json} was run with other settings ({', '.join(differ)})")
+    return saved["rows"]
 
 
 if __name__ == "__main__":

@@ -245,9 +245,12 @@ def _evaluate(model, eval_items: list, pad_id: int, cfg: RewardConfig, after: Af
 
 
 def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, after: AfterTraining, amp,
-               dist) -> dict:
+               dist) -> dict | None:
     """Phase 7: the reward's mean and std on samples of the reference policy for the training
-    prompts (pipeline/reward_eval.py), set on the model (the checkpoint stores them)."""
+    prompts (pipeline/reward_eval.py), set on the model (the checkpoint stores them); None, and
+    the model left unnormalised, with cfg.norm_samples 0."""
+    if cfg.norm_samples <= 0:
+        return None
     norm = normalisation_stats(model, train_pairs, cfg, model_cfg, amp, dist=dist,
                                on_progress=after.on_progress("normalising", "samples"))
     model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
@@ -318,8 +321,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     shared = None if dist.sharded else dist
     with AfterTraining(out_dir, done, total, save, dist) as after:
         report, calib = _evaluate(model, eval_items, pad_id, cfg, after, device, dtype, shared)
-        norm = _normalise(model, train_pairs, cfg, model_cfg, after, training.amp, shared) if cfg.norm_samples > 0 \
-            else None
+        norm = _normalise(model, train_pairs, cfg, model_cfg, after, training.amp, shared)
         after.check()
         save(done.step, norm)
         dist.barrier()

@@ -30,3 +30,9 @@ def test_the_quick_bench_runs_end_to_end(tmp_path, capsys):
     fields = dict(kv.split("=") for kv in result.split()[2:])
     assert fields["seeds"] == "1" and 0 <= float(fields["n40_acc_bt"]) <= 1 and 0 <= float(fields["n40_acc_pl"]) <= 1
     assert (tmp_path / "out.json").is_file()
+    # resumed, the seed the file holds is not run again, and the same result is reported
+    assert listwise_bench.main(["--quick", "--json", str(tmp_path / "out.json"), "--resume"]) == 0
+    again = capsys.readouterr().out
+    assert result in again.splitlines() and "seed 0 n=40" not in again
+    with pytest.raises(SystemExit, match="other settings .*epochs"):
+        listwise_bench.main(["--quick", "--epochs", "3", "--json", str(tmp_path / "out.json"), "--resume"])
