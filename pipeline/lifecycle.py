@@ -195,12 +195,11 @@ def start_training(model, n_items: int, cfg, out_dir: Path, resume: bool, dist, 
 
 @dataclass
 class StepLoop:
-    """A pairs trainer's side of run_steps: its schedule, where it starts, and what it does."""
-    schedule: Schedule
+    """A pairs trainer's side of run_steps: its training side (processes, schedule, the steps done
+    before --resume) and what it does."""
+    training: Training
     lengths: list[int]
     """Each training item's length in tokens: batches group similar lengths."""
-    start: int
-    """The steps done before --resume (0 for a new run)."""
     train_step: Callable[[list[list[int]]], tuple[dict, int, int]]
     """A step's micro-batches (item indices) in; (its metrics, items, tokens) out, optimiser stepped."""
     save: Callable[[int], None]
@@ -213,15 +212,15 @@ class StepLoop:
     """Called after each step with (step, metrics)."""
 
 
-def run_steps(out_dir: Path, dist, cfg, loop: StepLoop, progress: dict) -> Steps:
+def run_steps(out_dir: Path, cfg, loop: StepLoop, progress: dict) -> Steps:
     """The step loop of a pairs trainer. One optimiser step takes cfg.grad_accum batches of
     cfg.batch_size items (length-grouped, reshuffled per epoch by cfg.seed); loop.train_step(micro)
     runs them, steps optimiser and scheduler, and returns (its metrics, items, tokens), to which the
     loop adds train/lr, train/epoch, train/pairs_per_s and train/tokens. cfg also gives epochs and
     save_every. After each step: metrics.jsonl, status.json, the bar, `progress` (step and total),
     loop.on_step; a stop (any rank's signal) ends the loop at that step, every rank alike."""
-    start, total, steps_per_epoch = loop.start, loop.schedule.total, loop.schedule.steps_per_epoch
-    scheduler, shown = loop.schedule.scheduler, loop.shown
+    dist, schedule, start = loop.training.dist, loop.training.schedule, loop.training.start
+    total, steps_per_epoch, scheduler, shown = schedule.total, schedule.steps_per_epoch, schedule.scheduler, loop.shown
     bar = tqdm(total=total, initial=start, desc=loop.desc, unit="step", dynamic_ncols=True, disable=not dist.is_main)
     write_status(out_dir, "running", start, total, phase="training")
     step, stopped, pairs = start, None, 0

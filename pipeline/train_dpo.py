@@ -200,9 +200,8 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
     lengths = [it.length for it in train_items]
     train_step = dpo_step(cfg, training, reference, train_items, weights, packing)
-    done = run_steps(out_dir, dist, cfg, StepLoop(training.schedule, lengths, training.start, train_step, save,
-                                                  desc="dpo", shown=("train/reward_accuracy", "acc"), on_step=on_step),
-                     progress)
+    done = run_steps(out_dir, cfg, StepLoop(training, lengths, train_step, save, desc="dpo",
+                                            shown=("train/reward_accuracy", "acc"), on_step=on_step), progress)
 
     # 5. Interrupted: save what we have and leave.
     if done.stopped:

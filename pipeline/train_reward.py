@@ -306,9 +306,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
     model.train()
     train_step = reward_step(cfg, training, train_items, weights, pad_id=pad_id,
                              share_prompt=shares_prompt(cfg, model_cfg, dist), lm_weight=lm_weight)
-    done = run_steps(out_dir, dist, cfg, StepLoop(training.schedule, [it.length for it in train_items], training.start,
-                                                  train_step, save, desc="reward model",
-                                                  shown=("train/accuracy", "acc"), on_step=on_step), progress)
+    done = run_steps(out_dir, cfg, StepLoop(training, [it.length for it in train_items], train_step, save,
+                                            desc="reward model", shown=("train/accuracy", "acc"), on_step=on_step),
+                     progress)
 
     # 5. Interrupted: save what we have (usable, unnormalised) and leave.
     if done.stopped:

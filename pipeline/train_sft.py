@@ -215,9 +215,8 @@ def _train(data, out_dir: Path, cfg: SFTConfig, model_cfg: ModelConfig, policy: 
         save_state(out_dir, training.state(step), dist)
 
     lengths = [len(ids) for ids, _ in train_items]
-    done = run_steps(out_dir, dist, cfg, StepLoop(training.schedule, lengths, training.start,
-                                                  sft_step(training, train_items, pad_id), save, desc="sft",
-                                                  shown=("train/token_accuracy", "acc")), progress)
+    done = run_steps(out_dir, cfg, StepLoop(training, lengths, sft_step(training, train_items, pad_id), save,
+                                            desc="sft", shown=("train/token_accuracy", "acc")), progress)
     if done.stopped:
         return cancelled(out_dir, done, total, save, dist)
 
