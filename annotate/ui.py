@@ -159,6 +159,21 @@ def _settle_matplotlib() -> None:
     import matplotlib.pyplot  # noqa: F401  (imported now, not inside the first event)
 
 
+def queue_events(demo: gr.Blocks) -> None:
+    """Gradio's queue as the app runs it (bench/ui_bench.py runs a no-op app with the same)."""
+    # Gradio recomputes a summary of its last 10,000 events with pandas after every event, for a
+    # monitoring page this app does not enable: 1.6 ms of CPU per action at 500 events served, 5 ms
+    # from 10,000 on (a quarter of the CPU at full load; bench/ui_bench.py). Its cache setting
+    # (read when the queue is made) makes it compute it never.
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
+    # Submit, skip, ... of different annotators run in parallel (16 at once); the store serialises
+    # the writes. Gradio's default sends every waiting event its place in the queue whenever a job
+    # starts: with n waiting that is n messages per job, n^2 per round of them, and at 100
+    # annotators the messages outgrew the work (bench/ui_bench.py). Places go out every
+    # QUEUE_STATUS_SECONDS instead.
+    demo.queue(default_concurrency_limit=16, status_update_rate=QUEUE_STATUS_SECONDS)
+
+
 def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: int = 7860,
            prevent_thread_lock: bool = False, quiet: bool = False):
     """Serve the app. With ctx.auth, Gradio's login page checks passwords against the store (scrypt
@@ -168,16 +183,7 @@ def launch(demo: gr.Blocks, ctx: AppContext, *, host: str = "127.0.0.1", port: i
     _settle_matplotlib()
     if ctx.background is None:  # the next item is fetched ahead by these threads (handlers.prefetch)
         ctx.background = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prefetch")
-    # Gradio recomputes a summary of its last 10,000 events with pandas after every event, for a
-    # monitoring page this app does not enable: 1.6 ms of CPU per action at 500 events served, 5 ms
-    # from 10,000 on (a quarter of the CPU at full load; bench/ui_bench.py). Its cache setting
-    # (read when the queue is made) makes it compute it never.
-    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(2**62))
-    # Submit, skip, ... of different annotators run in parallel; the store serialises the writes.
-    # Gradio's default sends every waiting event its place in the queue whenever a job starts: with
-    # n waiting that is n messages per job, n^2 per round of them, and at 100 annotators the
-    # messages outgrew the work (bench/ui_bench.py). Places go out every QUEUE_STATUS_SECONDS instead.
-    demo.queue(default_concurrency_limit=16, status_update_rate=QUEUE_STATUS_SECONDS)
+    queue_events(demo)
     # Gradio's sign-in tokens, aged and kept in the store (a restart signs no one out), with the
     # store's own cookie id; SessionsMiddleware installs them before the first request is served
     ctx.sessions = accounts.Sessions(ctx.session_hours * 3600.0, store=ctx.store)

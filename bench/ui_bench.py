@@ -18,7 +18,11 @@ Phases, N threads each:
 - http:            the app as users run it, measured with the stock gradio_client: the headline;
 - http, woken client: the same with gradio_client's 50 ms result poll woken on arrival (below);
 - http, no prefetch: the app started with --no-prefetch: each Submit asks the queue itself;
-- http, saturated: no think time.
+- http, saturated: no think time;
+- http, no-op (only when asked for): the same clients against a Gradio app with the same
+                   queue and sign-in whose handlers do nothing (serve_noop): what Gradio and
+                   gradio_client cost on this machine whatever the handlers do, the floor under the
+                   headline.
 The ratio rows show what HTTP + Gradio + gradio_client add, and what prefetching buys. The load
 average of the machine is printed too: on a shared machine the figures move with it.
 
@@ -85,11 +89,19 @@ def free_port() -> int:
 def start_app(db: Path, port: int, timings: Path, prefetch: bool = True) -> subprocess.Popen:
     """`python app.py` on the seeded file, recording its server-side timings to `timings` (written
     when it stops); its output goes to app.log beside it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "app.py"), "--db", str(db), "--port", str(port), "--no-generate",
            "--timings", str(timings)]
-    cmd += [] if prefetch else ["--no-prefetch"]
-    log = db.parent / "app.log"
+    return start_server(cmd + ([] if prefetch else ["--no-prefetch"]), port, db.parent / "app.log")
+
+
+def start_noop_app(port: int, log: Path) -> subprocess.Popen:
+    """The no-op app (serve_noop) as its own process."""
+    return start_server([sys.executable, str(Path(__file__).resolve()), "--serve-noop", str(port)], port, log)
+
+
+def start_server(cmd: list[str], port: int, log: Path) -> subprocess.Popen:
+    """Run `cmd` (its output to `log`) and wait until it answers on `port`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
@@ -105,6 +117,26 @@ def start_app(db: Path, port: int, timings: Path, prefetch: bool = True) -> subp
     raise RuntimeError("the app did not start within 120 s")
 
 
+def serve_noop(port: int) -> None:
+    """Gradio's own cost, the floor under any handler: an app with the annotation app's queue
+    (annotate/ui.py queue_events) and a sign-in page, whose /refresh and /submit take the same
+    values and return an item's HTML at once, touching no store (the `http, no-op` phase)."""
+    import gradio as gr
+
+    from annotate.ui import queue_events
+
+    html = '<div class="item" data-k="4">an item</div>'
+    with gr.Blocks() as demo:
+        shown, note = gr.HTML(html), gr.HTML("")
+        ranking, all_bad, comment, strength = gr.Textbox(), gr.Checkbox(), gr.Textbox(), gr.Textbox()
+        gr.Button("refresh").click(lambda: (html, ""), None, [shown, note], api_name="refresh")
+        gr.Button("submit").click(lambda *values: (html, ""), [ranking, all_bad, comment, strength],
+                                  [shown, note], api_name="submit")
+    queue_events(demo)
+    demo.launch(server_name="127.0.0.1", server_port=port, auth=lambda user, password: True,
+                ssr_mode=False, quiet=True)
+
+
 @dataclass(frozen=True)
 class Phase:
     name: str
@@ -112,6 +144,7 @@ class Phase:
     prefetch: bool
     think_s: float
     woken: bool = False  # gradio_client's result poll woken on arrival (wake_client_on_messages)
+    noop: bool = False  # against the no-op app (serve_noop), not the annotation app
     annotators: int | None = None  # None: --annotators
 
 
@@ -208,7 +241,7 @@ class LocalSession:
 
 
 def annotator(target, i: int, phase: Phase, seconds: float, start: threading.Barrier,
-              latencies: list, errors: list) -> None:
+              latencies: list, errors: list, done: list) -> None:
     rng = random.Random(i)
     try:
         session = HttpSession(target, i) if phase.http else LocalSession(target, i)
@@ -239,15 +272,19 @@ def annotator(target, i: int, phase: Phase, seconds: float, start: threading.Bar
         except Exception as exc:  # counted, not fatal: the table shows them
             errors.append(f"{type(exc).__name__}: {exc}")
             continue
+        done.append(t0)
         if t0 >= warm:
             latencies.append(time.perf_counter() - t0)
 
 
-def run_phase(target, n: int, seconds: float, phase: Phase) -> dict:
+def run_phase(target, n: int, seconds: float, phase: Phase, server_pid: int | None = None) -> dict:
+    """Run one phase; besides the latencies, the CPU each submission took in the server process
+    (server_pid) and in this one (the clients), over the whole phase."""
     latencies: list[float] = []
     errors: list[str] = []
+    done: list[float] = []
     barrier = threading.Barrier(n + 1)
-    threads = [threading.Thread(target=annotator, args=(target, i, phase, seconds, barrier, latencies, errors),
+    threads = [threading.Thread(target=annotator, args=(target, i, phase, seconds, barrier, latencies, errors, done),
                                 daemon=True) for i in range(n)]
     for t in threads:
         t.start()
@@ -256,12 +293,25 @@ def run_phase(target, n: int, seconds: float, phase: Phase) -> dict:
     except threading.BrokenBarrierError:
         raise RuntimeError(f"the annotators could not all connect: {errors[:3]}") from None
     t0, counted_from = time.perf_counter(), time.time() + min(5.0, 0.2 * seconds)
+    cpu0 = (cpu_seconds(server_pid), time.process_time())
     for t in threads:
         t.join(seconds + 120)
+    server_cpu, client_cpu = cpu_seconds(server_pid) - cpu0[0], time.process_time() - cpu0[1]
     wall = time.perf_counter() - t0 - min(5.0, 0.2 * seconds)  # the counted part of the phase
     print(f"  {phase.name}: {len(latencies)} submissions", flush=True)
+    per = 1000 / max(len(done), 1)
     return {"submissions": len(latencies), "per_s": len(latencies) / wall, **percentiles(latencies),
+            "server_cpu_ms": server_cpu * per, "client_cpu_ms": client_cpu * per,
             "errors": len(errors), "first_error": errors[0] if errors else "", "counted_from": counted_from}
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU seconds (user + system, all threads) a process has used: Linux's /proc; NaN elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def percentiles(seconds: list[float]) -> dict:
@@ -295,17 +345,23 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--phases", default=None,
                    help="comma-separated phases to run, of handlers, http, http-woken, http-no-prefetch, "
-                        "saturated, http-50 (default: all; --quick: all but http-50; e.g. --annotators 50 "
-                        "--seconds 300 --phases http for a long load run)")
+                        "saturated, http-50, http-no-op (default: all but http-no-op; --quick: nor http-50; "
+                        "e.g. --annotators 50 --seconds 300 --phases http for a long load run)")
+    p.add_argument("--serve-noop", type=int, metavar="PORT", help=argparse.SUPPRESS)  # start_noop_app
     args = p.parse_args(argv)
+    if args.serve_noop:
+        serve_noop(args.serve_noop)
+        return 0
     seconds = args.seconds or (10.0 if args.quick else 60.0)
     n = args.annotators
     every = {"handlers": Phase("handlers", False, True, args.think), "http": Phase("http", True, True, args.think),
              "http-woken": Phase("http, woken client", True, True, args.think, woken=True),
              "http-no-prefetch": Phase("http, no prefetch", True, False, args.think),
              "saturated": Phase("http, saturated", True, True, 0.0),
-             "http-50": Phase("http, 50 annotators", True, True, args.think, annotators=50)}
-    chosen = (args.phases or ",".join(x for x in every if not (args.quick and x == "http-50"))).split(",")
+             "http-50": Phase("http, 50 annotators", True, True, args.think, annotators=50),
+             "http-no-op": Phase("http, no-op", True, True, args.think, noop=True)}
+    default = [x for x in every if x != "http-no-op" and not (args.quick and x == "http-50")]
+    chosen = (args.phases or ",".join(default)).split(",")
     unknown = [x for x in chosen if x not in every]
     if unknown:
         p.error(f"unknown phases {unknown}: choose from {', '.join(every)}")
@@ -338,10 +394,12 @@ def main(argv=None) -> int:
         # 2. the app as its own process, through the HTTP API (a fresh start per setting)
         for i, phase in enumerate(ph for ph in phases if ph.http):
             port, timings = free_port(), Path(tmp) / f"timings-{i}.json"
-            proc = start_app(db, port, timings, prefetch=phase.prefetch)
+            proc = (start_noop_app(port, Path(tmp) / f"noop-{i}.log") if phase.noop
+                    else start_app(db, port, timings, prefetch=phase.prefetch))
             restore = wake_client_on_messages() if phase.woken else None
             try:
-                results[phase.name] = run_phase(f"http://127.0.0.1:{port}/", phase.annotators or n, seconds, phase)
+                results[phase.name] = run_phase(f"http://127.0.0.1:{port}/", phase.annotators or n, seconds, phase,
+                                                server_pid=proc.pid)
             finally:
                 if restore is not None:
                     restore()
@@ -357,11 +415,13 @@ def main(argv=None) -> int:
           f"{load_after:.1f} after; gradio_client as it ships (its 50 ms result poll) except in 'woken client'; "
           f"target p95 <= {TARGET_P95_MS:.0f} ms at {n} annotators")
     print(f"{'phase':<22}{'annotators':>11}{'think s':>8}{'submissions':>12}{'per s':>8}{'p50 ms':>9}{'p95 ms':>9}"
-          f"{'p99 ms':>9}{'errors':>7}")
+          f"{'p99 ms':>9}{'errors':>7}{'server cpu ms':>14}{'client cpu ms':>14}")
     for phase in phases:
         r = results[phase.name]
         print(f"{phase.name:<22}{phase.annotators or n:>11}{phase.think_s:>8.1f}{r['submissions']:>12}"
-              f"{r['per_s']:>8.1f}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['errors']:>7}")
+              f"{r['per_s']:>8.1f}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['errors']:>7}"
+              f"{r['server_cpu_ms']:>14.1f}{r['client_cpu_ms']:>14.1f}")
+    print("(cpu ms: CPU per submission over the whole phase, in the app's process and in this one's clients)")
     for name, r in results.items():
         if r["first_error"]:
             print(f"first error ({name}): {r['first_error']}")
@@ -374,7 +434,8 @@ def main(argv=None) -> int:
                   f"seconds={seconds:.0f} think_s={phase.think_s} submissions={r['submissions']} "
                   f"submissions_per_s={r['per_s']:.1f} p50_ms={r['p50_ms']:.1f} p95_ms={r['p95_ms']:.1f} "
                   f"p99_ms={r['p99_ms']:.1f} server_p95_ms={server.get('server', {}).get('p95_ms', float('nan')):.1f} "
-                  f"errors={r['errors']} load_avg={load_before:.1f} client={'woken' if phase.woken else 'stock'}")
+                  f"errors={r['errors']} server_cpu_ms={r['server_cpu_ms']:.1f} client_cpu_ms={r['client_cpu_ms']:.1f} "
+                  f"load_avg={load_before:.1f} client={'woken' if phase.woken else 'stock'}")
         return 0 if all(r["errors"] == 0 for r in results.values()) else 1
     h, a, w, b, sat = (results[every[x].name] for x in ("handlers", "http", "http-woken", "http-no-prefetch",
                                                        "saturated"))

@@ -68,3 +68,18 @@ def test_store_bench_measures_every_phase_on_a_small_store(tmp_path):
     assert all(float(fields[k]) > 0 for k in ("next_item_p95_ms", "think_next_p95_ms", "think_submit_p95_ms", "team_s",
                                               "overview_s", "parquet_pairs_per_s"))
     assert (tmp_path / "backup.duckdb").is_file()
+
+
+@pytest.mark.slow
+def test_ui_bench_times_the_app_and_gradios_floor_over_http():
+    """bench/ui_bench.py with 2 annotators for 4 s: the app through HTTP and the no-op Gradio app
+    (the floor under it) each serve submissions without error, with their CPU per submission."""
+    done = subprocess.run([sys.executable, "bench/ui_bench.py", "--annotators", "2", "--seconds", "4", "--think", "0.2",
+                           "--phases", "http,http-no-op"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = [dict(kv.split("=", 1) for kv in line.split()[2:])
+               for line in done.stdout.splitlines() if line.startswith("RESULT ui ")]
+    assert [r["phase"] for r in results] == ["http", "http-no-op"]
+    for r in results:
+        assert int(r["submissions"]) > 0 and r["errors"] == "0"
+        assert float(r["server_cpu_ms"]) > 0 and float(r["client_cpu_ms"]) > 0
