@@ -15,7 +15,9 @@ peft_config covers the policy only; `--critic full`: fully trained, TRL's defaul
 prompts (the bundled pool, store/data/prompts.jsonl, with the same chat template), batch size,
 minibatches, micro-batch size, response length, PPO epochs, temperature, fixed KL coefficient,
 missing-EOS penalty, precision and threads.
-Differences left as each library has them: TRL takes one learning rate for policy and critic and,
+Differences left as each library has them: ours points the frozen weights of the reward model and
+the LoRA critic, equal here to the policy's base, at the policy's (one base in memory; TRL loads
+each role whole); TRL takes one learning rate for policy and critic and,
 with gradient accumulation over minibatches, steps its optimiser once per epoch; gradient
 checkpointing is turned off in TRL (its default is on) because ours does not checkpoint; in bf16
 TRL's LoRA critic keeps its trainable `score` head in the backbone's dtype, as TRL needs (it scores

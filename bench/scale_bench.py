@@ -118,7 +118,9 @@ def memory_rows(archs: dict, tokens: int = 4096) -> list[dict]:
     AdamW's two fp32 moments (16 B/param); LoRA: a bf16 base + the adapters at 16 B/param. PPO:
     policy + reference (LoRA: the adapter disabled, no memory; full: a frozen fp32 copy, as
     pipeline/policy.py deep-copies the fp32 master) + reward model (bf16, frozen) + critic (a
-    trained model of the same size). Activations for `tokens` tokens per micro-batch, plus the
+    trained model of the same size); with LoRA, the reward model and critic are LoRA models of the
+    policy's base (train-reward's default), whose frozen weights are the policy's
+    (pipeline/models.py share_frozen_weights). Activations for `tokens` tokens per micro-batch, plus the
     (tokens, V) bf16 logits. FSDP over N: the weight and optimiser terms divided by N (ZeRO-3),
     except `whole_gb`, kept whole on every process: PPO's reward model under FSDP (frozen, not
     sharded: pipeline/ppo_state.py)."""
@@ -128,7 +130,7 @@ def memory_rows(archs: dict, tokens: int = 4096) -> list[dict]:
         act = {gc: activation_bytes(c, gc) * tokens + 2 * tokens * c["vocab_size"] for gc in (False, True)}
         states = {
             ("reward", "lora"): 2 * P + 16 * Pl, ("reward", "full"): 16 * P,
-            ("ppo", "lora"): 3 * 2 * P + 2 * 16 * Pl,  # policy base, reward, critic base (+ adapters)
+            ("ppo", "lora"): 2 * P + 2 * 16 * Pl,  # one base: reward and critic LoRA on the policy's (+ adapters)
             ("ppo", "full"): 16 * P + 4 * P + 2 * P + 16 * P,  # policy, reference, reward, critic
         }
         whole = {("ppo", "full"): 2 * P}  # the reward model, not sharded under FSDP

@@ -328,6 +328,41 @@ def attn_ratio(model) -> float:
     return attn_cost_ratio(backbone.config)
 
 
+def _body(model: nn.Module) -> nn.Module:
+    """The transformer body (embeddings and decoder layers) of a policy, reward model or critic,
+    under any peft wrapper and without an LM or scalar head: what the roles' weights have in common."""
+    model = model.backbone if isinstance(model, ScalarModel) else model
+    if is_peft(model):
+        model = model.get_base_model()
+    return getattr(model, getattr(model, "base_model_prefix", ""), model)
+
+
+@torch.no_grad()
+def share_frozen_weights(source: nn.Module, target: nn.Module) -> int:
+    """Point each frozen weight of `target`'s transformer at `source`'s frozen tensor of the same
+    name where the two are equal (shape, dtype, device and every value): a reward model or critic
+    trained with LoRA on the policy's base model then holds no second copy of that base (TRL's old
+    PPOTrainer offered the same as a reward adapter on the policy's model). Returns the bytes freed.
+
+    Sound because no role changes a frozen tensor in place: LoRA trains only the adapters and
+    heads, and sampling's merged weights are new tensors swapped in and out (policy.merged_lora).
+    Weights that differ (a fully trained reward model, another base) stay the target's own."""
+    def frozen(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {name.replace(".base_layer", ""): p for name, p in _body(model).named_parameters()
+                if not p.requires_grad and "lora_" not in name}
+
+    theirs = frozen(source)
+    freed = 0
+    for name, p in frozen(target).items():
+        q = theirs.get(name)
+        if (q is None or q.data_ptr() == p.data_ptr() or q.shape != p.shape or q.dtype != p.dtype
+                or q.device != p.device or not torch.equal(q, p)):
+            continue
+        p.data = q.data
+        freed += p.numel() * p.element_size()
+    return freed
+
+
 @torch.no_grad()
 def fold_normalisation(head: nn.Linear, mean: float, std: float) -> None:
     """head(h) becomes (head(h) - mean) / std: w / std and (b - mean) / std, in place."""

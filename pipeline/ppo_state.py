@@ -2,7 +2,9 @@
 
 `check_config` refuses inconsistent options before anything loads; `set_up` loads the four roles (policy, reference, reward, critic), wraps the trained ones for N
 processes, builds optimisers, schedules and the KL controller, and restores a checkpoint when
-resuming. A checkpoint is written as a new folder that replaces the old one in two renames, so a
+resuming. With LoRA the roles hold one copy of the base model: the reference is the policy with its
+adapter disabled, and a reward model or critic trained with LoRA on the same base has its frozen
+weights pointed at the policy's (`models.share_frozen_weights`). A checkpoint is written as a new folder that replaces the old one in two renames, so a
 kill mid-save leaves the previous one (the rest of the run directory: pipeline/rundir.py).
 
 Under FSDP (configs/accelerate/fsdp.yaml, full fine-tuning; docs/scaling.md) the roles are placed so:
@@ -34,7 +36,7 @@ from pipeline.config import (CRITIC_FREE, ModelConfig, PPOConfig, group_size, po
 from pipeline.distributed import Dist, full_state_dict, load_optimizer_state
 from pipeline.kl import make_kl_controller
 from pipeline.models import (
-    META_FILE, autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta,
+    META_FILE, autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta, share_frozen_weights,
 )
 from pipeline.policy import load_policy_weights, load_starting_policy, master_cfg, starting_reference, trainable
 from pipeline.ppo_data import read_ptx_texts
@@ -172,6 +174,8 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     # the optimisers, as FSDP replaces the parameters by their shards
     policy_w = dist.wrap(policy_model)
     score_fn, rm = make_reward(reward, tokenizer, model_cfg, cfg.forward_batch_size, amp)
+    if rm is not None:  # a reward model on the policy's frozen base holds no copy of it
+        share_frozen_weights(policy_model, rm)
     critic_src, critic, critic_w, critic_opt, critic_sched = "", None, None, None, None
     if resuming and (ckpt / "critic").is_dir() == (cfg.advantage_estimator in CRITIC_FREE):
         raise ValueError(f"{ckpt} was saved by a run {'with' if (ckpt / 'critic').is_dir() else 'without'} a critic: "
@@ -180,6 +184,7 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         critic_src = str(ckpt / "critic") if resuming else (
             critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
         critic = _load_critic(critic_src, cfg, model_cfg, device, dtype, dist, fresh=not resuming)
+        share_frozen_weights(policy_model, critic)  # nor a LoRA critic (before wrapping)
         critic_w = dist.wrap(critic)
     cfg = with_ppo_lrs(cfg, model_cfg.lora, critic is not None and is_peft(critic))  # 0 = each model's default
     policy_opt = _adamw(trainable(policy_model), cfg.lr)

@@ -10,10 +10,10 @@ import torch
 
 from pipeline import models
 from pipeline.models import (
-    ScalarModel, load_scalar_model, pick_device, pick_dtype, resolve_model_path,
+    ScalarModel, load_scalar_model, pick_device, pick_dtype, resolve_model_path, share_frozen_weights,
 )
 from pipeline.saving import save_policy, save_scalar_model
-from pipeline.policy import causal_lm_logits, load_policy, make_reference
+from pipeline.policy import causal_lm_logits, load_policy, make_reference, merged_lora
 
 
 def _batch(tokenizer, texts, side="left"):
@@ -174,6 +174,44 @@ def test_critic_values_per_token_and_normalised_score(tiny_model_cfg):
         torch.testing.assert_close(critic.normalised_score(ids, mask), (critic.score(ids, mask) - 0.5) / 2.0)
     with pytest.raises(ValueError, match="kind='value'"):
         ScalarModel(critic.backbone, kind="value")
+
+
+def test_a_reward_model_and_critic_on_the_policys_base_share_its_frozen_weights(tiny_model_cfg):
+    """LoRA reward model and critic of the policy's base: their transformer's weights become the
+    policy's own tensors (freed bytes reported), with the same scores and values, unchanged by the
+    policy's training and by sampling's merged weights; a weight that differs stays their own."""
+    torch.manual_seed(0)
+    policy, tokenizer = load_policy(tiny_model_cfg)
+    rm, _ = load_scalar_model(tiny_model_cfg.model, "reward", tiny_model_cfg)
+    rm.requires_grad_(False)
+    critic, _ = load_scalar_model(tiny_model_cfg.model, "critic", tiny_model_cfg)
+    with torch.no_grad():
+        critic.backbone.get_base_model().layers[0].mlp.down_proj.base_layer.weight.add_(1e-3)  # no longer the base
+    ids, mask = _batch(tokenizer, ["hello there, how are you?", "a dog"])
+    with torch.no_grad():
+        scores, values = rm.score(ids, mask), critic(ids, mask)
+    body = {n.replace(".base_layer", ""): p for n, p in policy.get_base_model().model.named_parameters()}
+    weights = sum(p.numel() * p.element_size() for n, p in body.items() if "lora_" not in n)
+    assert share_frozen_weights(policy, rm) == weights
+    down = body["layers.0.mlp.down_proj.weight"].numel() * 4
+    assert share_frozen_weights(policy, critic) == weights - down
+    for name, p in rm.backbone.get_base_model().named_parameters():
+        if "lora_" not in name:
+            assert p.data_ptr() == body[name.replace(".base_layer", "")].data_ptr(), name
+    assert (critic.backbone.get_base_model().layers[0].mlp.down_proj.base_layer.weight.data_ptr()
+            != body["layers.0.mlp.down_proj.weight"].data_ptr())
+    assert share_frozen_weights(policy, rm) == 0  # shared already
+    _train_step(policy, ids, mask)
+    with torch.no_grad(), merged_lora(policy):  # the policy's base weights swapped for merged ones
+        assert torch.equal(rm.score(ids, mask), scores)
+    with torch.no_grad():
+        assert torch.equal(rm.score(ids, mask), scores) and torch.equal(critic(ids, mask), values)
+
+
+def test_a_fully_trained_policy_shares_nothing(tiny_model_cfg):
+    policy, _ = load_policy(dataclasses.replace(tiny_model_cfg, lora=False))
+    rm, _ = load_scalar_model(tiny_model_cfg.model, "reward", tiny_model_cfg)
+    assert share_frozen_weights(policy, rm) == 0  # its weights train: none is frozen
 
 
 # --------------------------------------------------------------------------- save and reload
