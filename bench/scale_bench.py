@@ -123,7 +123,8 @@ def memory_rows(archs: dict, tokens: int = 4096) -> list[dict]:
     (pipeline/models.py share_frozen_weights). Activations for `tokens` tokens per micro-batch, plus the
     (tokens, V) bf16 logits. FSDP over N: the weight and optimiser terms divided by N (ZeRO-3),
     except `whole_gb`, kept whole on every process: PPO's reward model under FSDP (frozen, not
-    sharded: pipeline/ppo_state.py)."""
+    sharded: pipeline/ppo_state.py). `sampling_gb`: what sampling holds instead of the activations,
+    PPO with LoRA's merged copy of the adapted matrices (pipeline/policy.py merged_lora)."""
     rows = []
     for name, c in archs.items():
         P, Pl = param_counts(c)
@@ -134,17 +135,23 @@ def memory_rows(archs: dict, tokens: int = 4096) -> list[dict]:
             ("ppo", "full"): 16 * P + 4 * P + 2 * P + 16 * P,  # policy, reference, reward, critic
         }
         whole = {("ppo", "full"): 2 * P}  # the reward model, not sharded under FSDP
+        h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+        kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+        merged = 2 * L * (2 * h * h + 2 * h * kv + 3 * h * i)  # PPO with LoRA samples with the adapted matrices merged
         for (stage, mode), weights in states.items():
             rows.append({"model": name, "params": P, "lora_params": Pl, "stage": stage, "mode": mode,
                          "weights_gb": weights / GB, "whole_gb": whole.get((stage, mode), 0) / GB,
+                         "sampling_gb": (merged if (stage, mode) == ("ppo", "lora") else 0) / GB,
                          "act_gb": act[False] / GB, "act_gc_gb": act[True] / GB})
     return rows
 
 
-def fits(weights_gb: float, act_gb: float, card_gb: float, shards: int = 1, whole_gb: float = 0.0) -> bool:
+def fits(weights_gb: float, act_gb: float, card_gb: float, shards: int = 1, whole_gb: float = 0.0,
+         sampling_gb: float = 0.0) -> bool:
     """With 10% of the card left for the CUDA context, allocator slack and sampling's KV cache;
-    `whole_gb` of the weights is not sharded (held by every process)."""
-    return (weights_gb - whole_gb) / shards + whole_gb + act_gb <= 0.9 * card_gb
+    `whole_gb` of the weights is not sharded (held by every process); sampling holds `sampling_gb`
+    where training holds the activations."""
+    return (weights_gb - whole_gb) / shards + whole_gb + max(act_gb, sampling_gb) <= 0.9 * card_gb
 
 
 def memory_table(tokens: int = 4096) -> str:
@@ -156,9 +163,10 @@ def memory_table(tokens: int = 4096) -> str:
              f"({tokens} tokens) | with checkpointing | 1 GPU: 24 / 80 / 141 GB | FSDP over 8: 24 / 80 / 141 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in memory_rows(archs, tokens):
-        one = " / ".join("yes" if fits(r["weights_gb"], r["act_gc_gb"], g) else "no" for g in (24, 80, 141))
-        eight = " / ".join("yes" if fits(r["weights_gb"], r["act_gc_gb"], g, 8, r["whole_gb"]) else "no"
-                           for g in (24, 80, 141))
+        one = " / ".join("yes" if fits(r["weights_gb"], r["act_gc_gb"], g, sampling_gb=r["sampling_gb"]) else "no"
+                         for g in (24, 80, 141))
+        eight = " / ".join("yes" if fits(r["weights_gb"], r["act_gc_gb"], g, 8, r["whole_gb"], r["sampling_gb"])
+                           else "no" for g in (24, 80, 141))
         lines.append(f"| {r['model']} | {r['params'] / 1e9:.3g}B | {r['lora_params'] / 1e6:.3g}M | {r['stage']} | "
                      f"{r['mode']} | {r['weights_gb']:.1f} | {r['act_gb']:.1f} | {r['act_gc_gb']:.1f} | {one} | "
                      f"{eight} |")

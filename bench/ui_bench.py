@@ -278,8 +278,10 @@ def annotator(target, i: int, phase: Phase, seconds: float, start: threading.Bar
 
 
 def run_phase(target, n: int, seconds: float, phase: Phase, server_pid: int | None = None) -> dict:
-    """Run one phase; besides the latencies, the CPU each submission took in the server process
-    (server_pid) and in this one (the clients), over the whole phase."""
+    """Run one phase; besides the latencies, the CPU each submission took over the whole phase
+    (warm-up included) in the server process (server_pid) and in this one (the clients); without
+    a server process (the handlers phase) this process's CPU is the server's, and the clients' is
+    not told apart (NaN)."""
     latencies: list[float] = []
     errors: list[str] = []
     done: list[float] = []
@@ -297,9 +299,11 @@ def run_phase(target, n: int, seconds: float, phase: Phase, server_pid: int | No
     for t in threads:
         t.join(seconds + 120)
     server_cpu, client_cpu = cpu_seconds(server_pid) - cpu0[0], time.process_time() - cpu0[1]
+    if server_pid is None:
+        server_cpu, client_cpu = client_cpu, float("nan")
     wall = time.perf_counter() - t0 - min(5.0, 0.2 * seconds)  # the counted part of the phase
     print(f"  {phase.name}: {len(latencies)} submissions", flush=True)
-    per = 1000 / max(len(done), 1)
+    per = 1000 / len(done) if done else float("nan")
     return {"submissions": len(latencies), "per_s": len(latencies) / wall, **percentiles(latencies),
             "server_cpu_ms": server_cpu * per, "client_cpu_ms": client_cpu * per,
             "errors": len(errors), "first_error": errors[0] if errors else "", "counted_from": counted_from}
@@ -307,6 +311,8 @@ def run_phase(target, n: int, seconds: float, phase: Phase, server_pid: int | No
 
 def cpu_seconds(pid: int | None) -> float:
     """CPU seconds (user + system, all threads) a process has used: Linux's /proc; NaN elsewhere."""
+    if pid is None:
+        return float("nan")
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -421,21 +427,25 @@ def main(argv=None) -> int:
         print(f"{phase.name:<22}{phase.annotators or n:>11}{phase.think_s:>8.1f}{r['submissions']:>12}"
               f"{r['per_s']:>8.1f}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['errors']:>7}"
               f"{r['server_cpu_ms']:>14.1f}{r['client_cpu_ms']:>14.1f}")
-    print("(cpu ms: CPU per submission over the whole phase, in the app's process and in this one's clients)")
+    print("(cpu ms: CPU per submission over the whole phase, warm-up included, in the app's process and in this "
+          "one's clients; the handlers phase's is this process's, handlers and clients together)")
     for name, r in results.items():
         if r["first_error"]:
             print(f"first error ({name}): {r['first_error']}")
     print_breakdown([ph for ph in phases if ph.http], results)
-    if not all(x in chosen for x in ("handlers", "http", "http-woken", "http-no-prefetch", "saturated")):
-        for phase in phases:  # a partial run: a result line per phase, no ratios between phases
-            r = results[phase.name]
-            server = r.get("server", {})
-            print(f"RESULT ui phase={phase.name.replace(' ', '').replace(',', '-')} annotators={phase.annotators or n} "
-                  f"seconds={seconds:.0f} think_s={phase.think_s} submissions={r['submissions']} "
-                  f"submissions_per_s={r['per_s']:.1f} p50_ms={r['p50_ms']:.1f} p95_ms={r['p95_ms']:.1f} "
-                  f"p99_ms={r['p99_ms']:.1f} server_p95_ms={server.get('server', {}).get('p95_ms', float('nan')):.1f} "
-                  f"errors={r['errors']} server_cpu_ms={r['server_cpu_ms']:.1f} client_cpu_ms={r['client_cpu_ms']:.1f} "
-                  f"load_avg={load_before:.1f} client={'woken' if phase.woken else 'stock'}")
+    full = all(x in chosen for x in ("handlers", "http", "http-woken", "http-no-prefetch", "saturated"))
+    # a partial run: a result line per phase, no ratios between phases; a full run: its own line
+    # (below), and one for each phase outside it
+    for phase in [ph for ph in phases if not full or ph.noop]:
+        r = results[phase.name]
+        server = r.get("server", {})
+        print(f"RESULT ui phase={phase.name.replace(' ', '').replace(',', '-')} annotators={phase.annotators or n} "
+              f"seconds={seconds:.0f} think_s={phase.think_s} submissions={r['submissions']} "
+              f"submissions_per_s={r['per_s']:.1f} p50_ms={r['p50_ms']:.1f} p95_ms={r['p95_ms']:.1f} "
+              f"p99_ms={r['p99_ms']:.1f} server_p95_ms={server.get('server', {}).get('p95_ms', float('nan')):.1f} "
+              f"errors={r['errors']} server_cpu_ms={r['server_cpu_ms']:.1f} client_cpu_ms={r['client_cpu_ms']:.1f} "
+              f"load_avg={load_before:.1f} client={'woken' if phase.woken else 'stock'}")
+    if not full:
         return 0 if all(r["errors"] == 0 for r in results.values()) else 1
     h, a, w, b, sat = (results[every[x].name] for x in ("handlers", "http", "http-woken", "http-no-prefetch",
                                                        "saturated"))

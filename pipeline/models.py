@@ -344,9 +344,11 @@ def share_frozen_weights(source: nn.Module, target: nn.Module) -> int:
     trained with LoRA on the policy's base model then holds no second copy of that base (TRL's old
     PPOTrainer offered the same as a reward adapter on the policy's model). Returns the bytes freed.
 
-    Sound because no role changes a frozen tensor in place: LoRA trains only the adapters and
-    heads, and sampling's merged weights are new tensors swapped in and out (policy.merged_lora).
-    Weights that differ (a fully trained reward model, another base) stay the target's own."""
+    Sound because no role changes a frozen tensor's values: LoRA trains only the adapters and
+    heads, sampling's merged weights are new tensors swapped in and out (policy.merged_lora), and
+    DDP's start-up broadcast writes every rank's identical values over themselves. Trained weights
+    are never shared, and weights that differ (a fully trained reward model, another base) stay the
+    target's own."""
     def frozen(model: nn.Module) -> dict[str, torch.Tensor]:
         return {name.replace(".base_layer", ""): p for name, p in _body(model).named_parameters()
                 if not p.requires_grad and "lora_" not in name}

@@ -24,6 +24,7 @@ sharded or not.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,9 @@ class PPORun:
     rows: list  # prompts file rows
     ptx_texts: list
     sample_logprobs: bool  # pi_old from the sampling pass (else one forward pass)
+    saved: int | None = None  # the steps done of the checkpoint on disk (None: none yet)
+    mid_step: bool = False  # inside a step's update: the weights may be part-updated
+    before_update: list | None = None  # what the update in progress changes, as it was (remember_update)
 
     @property
     def local(self) -> slice:
@@ -174,8 +178,8 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     # the optimisers, as FSDP replaces the parameters by their shards
     policy_w = dist.wrap(policy_model)
     score_fn, rm = make_reward(reward, tokenizer, model_cfg, cfg.forward_batch_size, amp)
-    if rm is not None:  # a reward model on the policy's frozen base holds no copy of it
-        share_frozen_weights(policy_model, rm)
+    # a reward model and a LoRA critic on the policy's frozen base hold no copy of it (bytes freed)
+    shared = {"reward": share_frozen_weights(policy_model, rm) if rm is not None else 0, "critic": 0}
     critic_src, critic, critic_w, critic_opt, critic_sched = "", None, None, None, None
     if resuming and (ckpt / "critic").is_dir() == (cfg.advantage_estimator in CRITIC_FREE):
         raise ValueError(f"{ckpt} was saved by a run {'with' if (ckpt / 'critic').is_dir() else 'without'} a critic: "
@@ -184,7 +188,7 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         critic_src = str(ckpt / "critic") if resuming else (
             critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
         critic = _load_critic(critic_src, cfg, model_cfg, device, dtype, dist, fresh=not resuming)
-        share_frozen_weights(policy_model, critic)  # nor a LoRA critic (before wrapping)
+        shared["critic"] = share_frozen_weights(policy_model, critic)  # before wrapping
         critic_w = dist.wrap(critic)
     cfg = with_ppo_lrs(cfg, model_cfg.lora, critic is not None and is_peft(critic))  # 0 = each model's default
     policy_opt = _adamw(trainable(policy_model), cfg.lr)
@@ -204,13 +208,15 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     write_json(out / "config.json", {
         "stage": policy_method(cfg), "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
         "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
-        "ppo": to_dict(cfg), "model": to_dict(model_cfg), "processes": dist.world, "fsdp": dist.sharded})
+        "ppo": to_dict(cfg), "model": to_dict(model_cfg), "processes": dist.world, "fsdp": dist.sharded,
+        "shared_base_bytes": shared})
     return PPORun(
         cfg=cfg, dist=dist, out=out, device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer,
         parent=parent, reference=reference, score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w,
         opts=(policy_opt, critic_opt), scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start, rows=rows,
         ptx_texts=ptx_texts,
-        sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
+        sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32),
+        saved=start if resuming else None)
 
 
 def _load_critic(src: str, cfg: PPOConfig, model_cfg: ModelConfig, device, dtype, dist: Dist, fresh: bool):
@@ -250,6 +256,37 @@ def _adamw(params: list, lr: float) -> torch.optim.AdamW:
 # --------------------------------------------------------------------------- checkpoints
 
 
+def _trained_roles(ppo: PPORun) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    return [(model, opt) for model, opt in zip((ppo.policy, ppo.critic), ppo.opts) if model is not None]
+
+
+def remember_update(ppo: PPORun) -> None:
+    """Before a step's update: keep a copy of what it changes (the trained weights and the
+    optimisers' states), so that a stop inside it can put them back (`undo_update`) and the
+    checkpoint then saved is the state the step started from. Copied only where the trained
+    weights are a small part of each model (LoRA: a few MB); with full fine-tuning or FSDP the copy
+    would be as large as the model, and a stop inside the update keeps the last checkpoint instead."""
+    roles = _trained_roles(ppo)
+    small = all(4 * sum(p.numel() for p in trainable(m)) < sum(p.numel() for p in m.parameters()) for m, _ in roles)
+    ppo.mid_step = True
+    ppo.before_update = None if ppo.dist.sharded or not small else [
+        ([p.detach().clone() for p in trainable(m)], copy.deepcopy(opt.state_dict())) for m, opt in roles]
+
+
+def undo_update(ppo: PPORun) -> bool:
+    """Put back what remember_update kept: the step is then as if its update never ran. False
+    when nothing was kept."""
+    if ppo.before_update is None:
+        return False
+    with torch.no_grad():
+        for (model, opt), (weights, state) in zip(_trained_roles(ppo), ppo.before_update):
+            for p, w in zip(trainable(model), weights):
+                p.copy_(w)
+            opt.load_state_dict(state)
+    ppo.mid_step, ppo.before_update = False, None
+    return True
+
+
 def save_checkpoint(ppo: PPORun) -> None:
     """RUN_DIR/checkpoint: policy (adapter or full), critic (when the run has one), optimisers,
     schedulers, KL controller, steps done.
@@ -257,6 +294,7 @@ def save_checkpoint(ppo: PPORun) -> None:
     mid-save leaves the previous checkpoint. Every rank calls it (sharded weights and optimiser
     states are gathered first, a collective); rank 0 writes."""
     dist, policy, critic, (policy_opt, critic_opt) = ppo.dist, ppo.policy, ppo.critic, ppo.opts
+    ppo.saved = ppo.step
     policy_weights = full_state_dict(policy) if dist.sharded else None
     critic_weights = full_state_dict(critic) if dist.sharded and critic is not None else None
     optims = (dist.optimizer_state(policy, policy_opt),

@@ -40,7 +40,10 @@ metrics.jsonl (one JSON object per step; the same as TensorBoard events in tenso
 status.json, samples/step_N.jsonl, checkpoint/ (policy, critic, optimisers, KL controller) and,
 when done, policy/ (model_meta.json names the parent policy and the reward model; the owner
 process registers it). SIGTERM or Ctrl-C saves a checkpoint and marks the run cancelled;
-`--resume` continues from it.
+`--resume` continues from it. A stop seen inside an update, after some of its optimiser steps,
+puts back the weights and optimiser states the step started from before saving (with full
+fine-tuning, too large to keep a copy of, it keeps the last checkpoint instead): a resume repeats
+that step whole, so a resumed run is the run never stopped.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ from pipeline.distributed import setup
 from pipeline.losses import masked_mean, masked_var
 from pipeline.policy import merged_lora
 from pipeline.ppo_data import episode_uniforms, prompt_order
-from pipeline.ppo_state import CHECKPOINT, PPORun, check_config, save_checkpoint, set_up
+from pipeline.ppo_state import (CHECKPOINT, PPORun, check_config, remember_update, save_checkpoint, set_up,
+                                undo_update)
 from pipeline.ppo_update import ppo_update
 from pipeline.rollout import (Rollout, StepRollout, gather_rollout, kl_shaped_advantages, rollout_forwards,
                               write_samples)
@@ -114,10 +118,20 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 finish(ppo, reward)
                 return metrics
         except Cancelled as exc:
-            # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint
-            done = ppo.step if ppo is not None else 0
-            if ppo is not None:
+            # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint of
+            # the weights as the last step left them. A stop inside an update, after some of its
+            # optimiser steps, first undoes them (ppo_state.remember_update); where they could not
+            # be kept (full fine-tuning) it saves nothing and the last checkpoint stands. Either
+            # way a resume repeats the step from its start, as a run never stopped took it
+            done = 0
+            if ppo is not None and ppo.mid_step and undo_update(ppo):
+                print(f"stopped inside step {ppo.step + 1}'s update: its optimiser steps undone", flush=True)
+            if ppo is not None and not ppo.mid_step:
                 save_checkpoint(ppo)
+                done = ppo.step
+            elif ppo is not None:
+                done = ppo.saved or 0
+                print(f"stopped inside step {ppo.step + 1}'s update: kept the checkpoint of step {done}", flush=True)
             dist.barrier()
             write_status(out, "cancelled", done, cfg.steps, error=str(exc))
             print(f"cancelled at step {done} (rank {dist.rank} of {dist.world})", flush=True)
@@ -134,6 +148,7 @@ def ppo_step(ppo: PPORun, stop) -> dict:
     # 7. PPO epochs over shuffled minibatches, gradients accumulated over micro-batches (the critic
     # alone while it warms up)
     train_policy = step >= cfg.critic_warmup_steps
+    remember_update(ppo)  # a stop inside the update puts back what it changed (train)
     stats, n_minibatches = ppo_update(ppo, sr, stop, train_policy)
     t_update = time.perf_counter() - t_start - sr.times["rollout"]
     # the update's sums over every rank's micro-batches (grad norms: the same on every rank)
@@ -141,7 +156,7 @@ def ppo_step(ppo: PPORun, stop) -> dict:
     stats = {**dist.reduce_sum(dict(stats)), **norms}
     # 8. KL controller (on the measured KL per sequence) and learning rates
     lrs = advance_schedules(ppo, sr.adv, cfg.batch_size, train_policy)
-    ppo.step = step + 1
+    ppo.step, ppo.mid_step, ppo.before_update = step + 1, False, None
     # 9. metrics, sample table, checkpoint
     sr.times.update(update=t_update, step=time.perf_counter() - t_start)
     metrics = step_metrics(stats, n_minibatches, sr, ppo.kl.value, lrs, critic=ppo.critic is not None)

@@ -82,4 +82,21 @@ def test_ui_bench_times_the_app_and_gradios_floor_over_http():
     assert [r["phase"] for r in results] == ["http", "http-no-op"]
     for r in results:
         assert int(r["submissions"]) > 0 and r["errors"] == "0"
-        assert float(r["server_cpu_ms"]) > 0 and float(r["client_cpu_ms"]) > 0
+        if Path("/proc/self/stat").is_file():  # the app's CPU is read from Linux's /proc
+            assert float(r["server_cpu_ms"]) > 0 and float(r["client_cpu_ms"]) > 0
+
+
+def test_scale_bench_memory_table_counts_one_base_and_sampling_copy():
+    """PPO with LoRA holds one base for its four roles (2P + 2 adapters' training state), and while
+    sampling a bf16 copy of the adapted matrices: Llama-2-7B then needs more than a 24 GB card."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import scale_bench
+
+    rows = {(r["model"], r["stage"], r["mode"]): r for r in scale_bench.memory_rows(scale_bench.ARCHS)}
+    ppo, reward = rows["Llama-2-7B", "ppo", "lora"], rows["Llama-2-7B", "reward", "lora"]
+    P, Pl = ppo["params"], ppo["lora_params"]
+    assert ppo["weights_gb"] * scale_bench.GB == pytest.approx(2 * P + 32 * Pl)
+    assert ppo["weights_gb"] - reward["weights_gb"] == pytest.approx(16 * Pl / scale_bench.GB)
+    assert 12 < ppo["sampling_gb"] < 2 * P / scale_bench.GB
+    assert not scale_bench.fits(ppo["weights_gb"], ppo["act_gc_gb"], 24, sampling_gb=ppo["sampling_gb"])
+    assert scale_bench.fits(ppo["weights_gb"], ppo["act_gc_gb"], 80, sampling_gb=ppo["sampling_gb"])

@@ -208,10 +208,15 @@ def test_a_reward_model_and_critic_on_the_policys_base_share_its_frozen_weights(
         assert torch.equal(rm.score(ids, mask), scores) and torch.equal(critic(ids, mask), values)
 
 
-def test_a_fully_trained_policy_shares_nothing(tiny_model_cfg):
-    policy, _ = load_policy(dataclasses.replace(tiny_model_cfg, lora=False))
+def test_trained_weights_are_never_shared(tiny_model_cfg):
+    """A fully trained policy has no frozen weights to lend; a fully trained critic keeps its own
+    (else its training would move the policy's base and the reference with it)."""
+    full_policy, _ = load_policy(dataclasses.replace(tiny_model_cfg, lora=False))
     rm, _ = load_scalar_model(tiny_model_cfg.model, "reward", tiny_model_cfg)
-    assert share_frozen_weights(policy, rm) == 0  # its weights train: none is frozen
+    assert share_frozen_weights(full_policy, rm) == 0
+    policy, _ = load_policy(tiny_model_cfg)
+    full_critic, _ = load_scalar_model(tiny_model_cfg.model, "critic", dataclasses.replace(tiny_model_cfg, lora=False))
+    assert share_frozen_weights(policy, full_critic) == 0
 
 
 # --------------------------------------------------------------------------- save and reload

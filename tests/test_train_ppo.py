@@ -361,6 +361,51 @@ def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts
     assert_same_run(tmp_path / "straight", out, ("objective/score", "objective/kl", "kl/beta", "policy/loss", "val/loss"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_stop_inside_an_update_saves_the_step_start_and_resume_equals_never_stopped(
+        tmp_path, ppo_model_cfg, prompts_file, monkeypatch, lora):
+    """SIGTERM during step 2's update, seen after its first optimiser step: with LoRA its optimiser
+    steps are undone and the checkpoint saved is step 1's end (no periodic checkpoint here); with
+    full fine-tuning (no copy kept) the periodic checkpoint of step 1 stands. Either way the resumed
+    run is the run never stopped."""
+    from pipeline import ppo_update
+    from pipeline.rundir import Cancelled
+
+    model_cfg = dataclasses.replace(ppo_model_cfg, lora=lora)
+    cfg = dict(steps=3, save_every=0 if lora else 1, lr_decay=False, lr=3e-2 if lora else 1e-3,
+               critic_lr=3e-2 if lora else 1e-3)
+    train(small_cfg(**cfg), model_cfg, prompts=str(prompts_file), reward="script:count:e",
+          out_dir=tmp_path / "straight")
+    backward, seen = ppo_update.micro_batch_backward, []
+
+    def signalled_in_step_2(ppo, *args, **kwargs):
+        backward(ppo, *args, **kwargs)
+        seen.append(ppo.step)
+        if seen.count(1) == 1 and ppo.step == 1:  # step 2's first micro-batch
+            os.kill(os.getpid(), signal.SIGTERM)  # the job runner's cancel
+
+    monkeypatch.setattr(ppo_update, "micro_batch_backward", signalled_in_step_2)
+    out = tmp_path / "stopped"
+    with pytest.raises(Cancelled):
+        train(small_cfg(**cfg), model_cfg, prompts=str(prompts_file), reward="script:count:e", out_dir=out)
+    assert seen.count(1) == 1  # stopped after that micro-batch's optimiser step, before the next
+    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 1
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "cancelled" and status["step"] == 1
+    monkeypatch.undo()
+    train(small_cfg(**cfg), model_cfg, prompts=str(prompts_file), reward="script:count:e", out_dir=out,
+          resume=True)
+    keys = ("objective/score", "objective/kl", "policy/loss", "val/loss")
+    if lora:
+        assert_same_run(tmp_path / "straight", out, keys)
+    else:  # a full policy's weights are saved whole: compare the logged figures
+        a_rows, b_rows = read_metrics(tmp_path / "straight"), read_metrics(out)
+        assert [r["step"] for r in b_rows] == [1, 2, 3]
+        for a, b in zip(a_rows, b_rows):
+            assert all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in keys), a["step"]
+
+
 def assert_same_run(straight: Path, resumed: Path, keys: tuple[str, ...]) -> None:
     """A run stopped and resumed logged what the run never stopped logged, step by step, and
     saved the same adapter: continuing == never stopping (same prompts, beta, updates)."""
@@ -424,6 +469,8 @@ def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, pro
     assert main(argv) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["critic_init"] == str(rm_dir)  # the critic starts from the reward model
+    # both LoRA models of the policy's base: their frozen weights are the policy's (models.share_frozen_weights)
+    assert config["shared_base_bytes"]["reward"] == config["shared_base_bytes"]["critic"] > 0
     assert config["ppo"]["lr"] == default_ppo_lr(True)  # LoRA (the default) keeps the LoRA rate
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
