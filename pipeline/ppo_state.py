@@ -37,7 +37,7 @@ from pipeline.config import (CRITIC_FREE, ModelConfig, PPOConfig, group_size, po
 from pipeline.distributed import Dist, full_state_dict, load_optimizer_state
 from pipeline.kl import make_kl_controller
 from pipeline.models import (
-    META_FILE, autocast, is_peft, load_scalar_model, pick_device, pick_dtype, read_meta, share_frozen_weights,
+    META_FILE, autocast, load_scalar_model, pick_device, pick_dtype, read_meta, share_frozen_weights,
 )
 from pipeline.policy import load_policy_weights, load_starting_policy, master_cfg, starting_reference, trainable
 from pipeline.ppo_data import read_ptx_texts
@@ -80,7 +80,6 @@ class PPORun:
     rows: list  # prompts file rows
     ptx_texts: list
     sample_logprobs: bool  # pi_old from the sampling pass (else one forward pass)
-    saved: int | None = None  # the steps done of the checkpoint on disk (None: none yet)
     mid_step: bool = False  # inside a step's update: the weights may be part-updated
     before_update: list | None = None  # what the update in progress changes, as it was (remember_update)
 
@@ -190,7 +189,7 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         critic = _load_critic(critic_src, cfg, model_cfg, device, dtype, dist, fresh=not resuming)
         shared["critic"] = share_frozen_weights(policy_model, critic)  # before wrapping
         critic_w = dist.wrap(critic)
-    cfg = with_ppo_lrs(cfg, model_cfg.lora, critic is not None and is_peft(critic))  # 0 = each model's default
+    cfg = with_ppo_lrs(cfg, model_cfg.lora, critic is not None and bool(critic.lora))  # 0 = each model's default
     policy_opt = _adamw(trainable(policy_model), cfg.lr)
     # stepped once per PPO iteration that trains the model (the policy's after the critic's warm-up)
     policy_sched = torch.optim.lr_scheduler.LambdaLR(
@@ -215,8 +214,7 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
         parent=parent, reference=reference, score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w,
         opts=(policy_opt, critic_opt), scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start, rows=rows,
         ptx_texts=ptx_texts,
-        sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32),
-        saved=start if resuming else None)
+        sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
 
 
 def _load_critic(src: str, cfg: PPOConfig, model_cfg: ModelConfig, device, dtype, dist: Dist, fresh: bool):
@@ -265,7 +263,7 @@ def remember_update(ppo: PPORun) -> None:
     optimisers' states), so that a stop inside it can put them back (`undo_update`) and the
     checkpoint then saved is the state the step started from. Copied only where the trained
     weights are a small part of each model (LoRA: a few MB); with full fine-tuning or FSDP the copy
-    would be as large as the model, and a stop inside the update keeps the last checkpoint instead."""
+    would be as large as the model, and the update runs to its end before a stop is seen."""
     roles = _trained_roles(ppo)
     small = all(4 * sum(p.numel() for p in trainable(m)) < sum(p.numel() for p in m.parameters()) for m, _ in roles)
     ppo.mid_step = True
@@ -294,7 +292,6 @@ def save_checkpoint(ppo: PPORun) -> None:
     mid-save leaves the previous checkpoint. Every rank calls it (sharded weights and optimiser
     states are gathered first, a collective); rank 0 writes."""
     dist, policy, critic, (policy_opt, critic_opt) = ppo.dist, ppo.policy, ppo.critic, ppo.opts
-    ppo.saved = ppo.step
     policy_weights = full_state_dict(policy) if dist.sharded else None
     critic_weights = full_state_dict(critic) if dist.sharded and critic is not None else None
     optims = (dist.optimizer_state(policy, policy_opt),

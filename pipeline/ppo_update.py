@@ -43,6 +43,7 @@ def ppo_update(ppo: PPORun, sr: StepRollout, stop, train_policy: bool = True) ->
         critic.train(recompute)
     share_prefix = ppo.share_prefix and not recompute
     n_minibatches = 0
+    total = cfg.ppo_epochs * -(-B // cfg.mini_batch_size)
     for epoch in range(cfg.ppo_epochs):
         for mb in torch.randperm(B, generator=shuffle).split(cfg.mini_batch_size):
             # sorting by length inside the minibatch groups similar rows into a micro-batch (packs
@@ -70,7 +71,10 @@ def ppo_update(ppo: PPORun, sr: StepRollout, stop, train_policy: bool = True) ->
                 critic_opt.step()
                 critic_opt.zero_grad(set_to_none=True)
             n_minibatches += 1
-            dist.check_stop(stop)
+            # a stop between minibatches, when what they changed can be put back (train_ppo: the
+            # step's start is saved); else, and after the last, the next step's start sees it
+            if ppo.before_update is not None and n_minibatches < total:
+                dist.check_stop(stop)
     return stats, n_minibatches
 
 

@@ -42,8 +42,8 @@ when done, policy/ (model_meta.json names the parent policy and the reward model
 process registers it). SIGTERM or Ctrl-C saves a checkpoint and marks the run cancelled;
 `--resume` continues from it. A stop seen inside an update, after some of its optimiser steps,
 puts back the weights and optimiser states the step started from before saving (with full
-fine-tuning, too large to keep a copy of, it keeps the last checkpoint instead): a resume repeats
-that step whole, so a resumed run is the run never stopped.
+fine-tuning, too large to keep a copy of, the update finishes first): a resumed run is the run
+never stopped.
 """
 
 from __future__ import annotations
@@ -119,19 +119,16 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 return metrics
         except Cancelled as exc:
             # every rank agreed to stop at this step (dist.check_stop): rank 0 saves one checkpoint of
-            # the weights as the last step left them. A stop inside an update, after some of its
-            # optimiser steps, first undoes them (ppo_state.remember_update); where they could not
-            # be kept (full fine-tuning) it saves nothing and the last checkpoint stands. Either
-            # way a resume repeats the step from its start, as a run never stopped took it
-            done = 0
+            # the weights as the last step left them. A stop inside an update, seen between its
+            # minibatches only where what they changed was kept (LoRA: ppo_state.remember_update),
+            # first puts that back: a resume repeats the step from its start, as a run never
+            # stopped took it. Without such a copy (full fine-tuning) the update runs to its end and
+            # the next step's start sees the stop.
             if ppo is not None and ppo.mid_step and undo_update(ppo):
                 print(f"stopped inside step {ppo.step + 1}'s update: its optimiser steps undone", flush=True)
-            if ppo is not None and not ppo.mid_step:
+            done = ppo.step if ppo is not None else 0
+            if ppo is not None:
                 save_checkpoint(ppo)
-                done = ppo.step
-            elif ppo is not None:
-                done = ppo.saved or 0
-                print(f"stopped inside step {ppo.step + 1}'s update: kept the checkpoint of step {done}", flush=True)
             dist.barrier()
             write_status(out, "cancelled", done, cfg.steps, error=str(exc))
             print(f"cancelled at step {done} (rank {dist.rank} of {dist.world})", flush=True)
@@ -142,6 +139,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
 def ppo_step(ppo: PPORun, stop) -> dict:
     """Phases 1-9 of step ppo.step (0-based); returns its metrics (also appended to metrics.jsonl)."""
     cfg, dist, step = ppo.cfg, ppo.dist, ppo.step
+    dist.check_stop(stop)  # a stop since the last step's update: its end is saved (train)
     t_start = time.perf_counter()
     # 1-6. prompts, sampling, forwards, scores, KL-shaped rewards and GAE
     sr = rollout_step(ppo, stop)

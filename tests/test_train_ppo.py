@@ -363,18 +363,18 @@ def test_resume_restores_optimiser_and_kl_state(tmp_path, ppo_model_cfg, prompts
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False])
-def test_a_stop_inside_an_update_saves_the_step_start_and_resume_equals_never_stopped(
+def test_a_stop_inside_an_update_saves_a_step_end_and_resume_equals_never_stopped(
         tmp_path, ppo_model_cfg, prompts_file, monkeypatch, lora):
-    """SIGTERM during step 2's update, seen after its first optimiser step: with LoRA its optimiser
-    steps are undone and the checkpoint saved is step 1's end (no periodic checkpoint here); with
-    full fine-tuning (no copy kept) the periodic checkpoint of step 1 stands. Either way the resumed
-    run is the run never stopped."""
+    """SIGTERM during step 2's update, after its first micro-batch (no periodic checkpoints): with
+    LoRA the stop is seen after that optimiser step, which is undone, and the checkpoint is step 1's
+    end; with full fine-tuning (no copy kept) the update runs to its end and the checkpoint is
+    step 2's. Either way the resumed run is the run never stopped."""
     from pipeline import ppo_update
     from pipeline.rundir import Cancelled
 
     model_cfg = dataclasses.replace(ppo_model_cfg, lora=lora)
-    cfg = dict(steps=3, save_every=0 if lora else 1, lr_decay=False, lr=3e-2 if lora else 1e-3,
-               critic_lr=3e-2 if lora else 1e-3)
+    lr = 3e-2 if lora else 1e-3
+    cfg = dict(steps=3, save_every=0, lr_decay=False, lr=lr, critic_lr=lr)
     train(small_cfg(**cfg), model_cfg, prompts=str(prompts_file), reward="script:count:e",
           out_dir=tmp_path / "straight")
     backward, seen = ppo_update.micro_batch_backward, []
@@ -389,21 +389,16 @@ def test_a_stop_inside_an_update_saves_the_step_start_and_resume_equals_never_st
     out = tmp_path / "stopped"
     with pytest.raises(Cancelled):
         train(small_cfg(**cfg), model_cfg, prompts=str(prompts_file), reward="script:count:e", out_dir=out)
-    assert seen.count(1) == 1  # stopped after that micro-batch's optimiser step, before the next
-    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 1
+    per_step = seen.count(0)  # micro-batches of a whole update
+    assert seen.count(1) == (1 if lora else per_step) and 2 not in seen
+    done = 1 if lora else 2
+    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == done
     status = json.loads((out / "status.json").read_text())
-    assert status["state"] == "cancelled" and status["step"] == 1
+    assert status["state"] == "cancelled" and status["step"] == done
     monkeypatch.undo()
     train(small_cfg(**cfg), model_cfg, prompts=str(prompts_file), reward="script:count:e", out_dir=out,
           resume=True)
-    keys = ("objective/score", "objective/kl", "policy/loss", "val/loss")
-    if lora:
-        assert_same_run(tmp_path / "straight", out, keys)
-    else:  # a full policy's weights are saved whole: compare the logged figures
-        a_rows, b_rows = read_metrics(tmp_path / "straight"), read_metrics(out)
-        assert [r["step"] for r in b_rows] == [1, 2, 3]
-        for a, b in zip(a_rows, b_rows):
-            assert all(a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6) for k in keys), a["step"]
+    assert_same_run(tmp_path / "straight", out, ("objective/score", "objective/kl", "policy/loss", "val/loss"))
 
 
 def assert_same_run(straight: Path, resumed: Path, keys: tuple[str, ...]) -> None:
@@ -416,9 +411,11 @@ def assert_same_run(straight: Path, resumed: Path, keys: tuple[str, ...]) -> Non
     for a, b in zip(a_rows, b_rows):
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    wa = load_file(str(straight / "policy" / "adapter_model.safetensors"))
-    wb = load_file(str(resumed / "policy" / "adapter_model.safetensors"))
-    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    files = sorted(p.name for p in (straight / "policy").glob("*.safetensors"))  # the adapter, or full weights
+    assert files and files == sorted(p.name for p in (resumed / "policy").glob("*.safetensors"))
+    for name in files:
+        wa, wb = load_file(str(straight / "policy" / name)), load_file(str(resumed / "policy" / name))
+        assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa), name
 
 
 def test_reference_is_unchanged_by_training(tmp_path, ppo_model_cfg, prompts_file, tiny_model_dir):
@@ -472,6 +469,7 @@ def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, pro
     # both LoRA models of the policy's base: their frozen weights are the policy's (models.share_frozen_weights)
     assert config["shared_base_bytes"]["reward"] == config["shared_base_bytes"]["critic"] > 0
     assert config["ppo"]["lr"] == default_ppo_lr(True)  # LoRA (the default) keeps the LoRA rate
+    assert config["ppo"]["critic_lr"] == default_ppo_lr(True, critic=True)  # a LoRA critic's own rate
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
