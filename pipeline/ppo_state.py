@@ -4,8 +4,10 @@
 processes, builds optimisers, schedules and the KL controller, and restores a checkpoint when
 resuming. With LoRA the roles hold one copy of the base model: the reference is the policy with its
 adapter disabled, and a reward model or critic trained with LoRA on the same base has its frozen
-weights pointed at the policy's (`models.share_frozen_weights`). A checkpoint is written as a new folder that replaces the old one in two renames, so a
-kill mid-save leaves the previous one (the rest of the run directory: pipeline/rundir.py).
+weights pointed at the policy's (`models.share_frozen_weights`). A checkpoint is written as a new
+folder that replaces the old one in two renames, so a kill mid-save leaves the previous one (the
+rest of the run directory: pipeline/rundir.py); a stop inside an update first puts back what the
+update changed (`remember_update`, `undo_update`).
 
 Under FSDP (configs/accelerate/fsdp.yaml, full fine-tuning; docs/scaling.md) the roles are placed so:
 - policy and critic: trained, so sharded (FSDP2, one unit per decoder layer): their weights,
