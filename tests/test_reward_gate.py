@@ -271,7 +271,10 @@ def test_the_train_tab_shows_the_gates_verdict_and_runs_ppo_anyway(ctx, tiny_mod
     (ppo,) = store.list_runs(kind="ppo")
     assert (ppo.inputs["round_id"], ppo.inputs["reward_version_id"]) == (rnd.id, reward.id)
     ctx.jobs.wait_idle(timeout=300)
-    round1, round2 = store.list_rounds()
+    rounds = store.list_rounds()
+    assert len(rounds) == 2, ([(r.status, r.meta) for r in rounds],
+                              [(run.kind, run.status, (run.error or "")[-800:]) for run in store.list_runs()])
+    round1, round2 = rounds
     assert round1.status == "done" and round1.meta["last_error"] is None, round1.meta
     assert (round1.reward_version_id, store.get_model_version(round1.new_policy_version_id).parent_id) == \
         (reward.id, start.id)
