@@ -82,8 +82,7 @@ class PPORun:
     rows: list  # prompts file rows
     ptx_texts: list
     sample_logprobs: bool  # pi_old from the sampling pass (else one forward pass)
-    mid_step: bool = False  # inside a step's update: the weights may be part-updated
-    before_update: list | None = None  # what the update in progress changes, as it was (remember_update)
+    before_update: list | None = None  # inside an update: what it changes, as it was (remember_update)
 
     @property
     def local(self) -> slice:
@@ -268,7 +267,6 @@ def remember_update(ppo: PPORun) -> None:
     would be as large as the model, and the update runs to its end before a stop is seen."""
     roles = _trained_roles(ppo)
     small = all(4 * sum(p.numel() for p in trainable(m)) < sum(p.numel() for p in m.parameters()) for m, _ in roles)
-    ppo.mid_step = True
     ppo.before_update = None if ppo.dist.sharded or not small else [
         ([p.detach().clone() for p in trainable(m)], copy.deepcopy(opt.state_dict())) for m, opt in roles]
 
@@ -283,7 +281,7 @@ def undo_update(ppo: PPORun) -> bool:
             for p, w in zip(trainable(model), weights):
                 p.copy_(w)
             opt.load_state_dict(state)
-    ppo.mid_step, ppo.before_update = False, None
+    ppo.before_update = None
     return True
 
 

@@ -124,7 +124,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
             # first puts that back: a resume repeats the step from its start, as a run never
             # stopped took it. Without such a copy (full fine-tuning) the update runs to its end and
             # the next step's start sees the stop.
-            if ppo is not None and ppo.mid_step and undo_update(ppo):
+            if ppo is not None and undo_update(ppo):
                 print(f"stopped inside step {ppo.step + 1}'s update: its optimiser steps undone", flush=True)
             done = ppo.step if ppo is not None else 0
             if ppo is not None:
@@ -154,7 +154,7 @@ def ppo_step(ppo: PPORun, stop) -> dict:
     stats = {**dist.reduce_sum(dict(stats)), **norms}
     # 8. KL controller (on the measured KL per sequence) and learning rates
     lrs = advance_schedules(ppo, sr.adv, cfg.batch_size, train_policy)
-    ppo.step, ppo.mid_step, ppo.before_update = step + 1, False, None
+    ppo.step, ppo.before_update = step + 1, None
     # 9. metrics, sample table, checkpoint
     sr.times.update(update=t_update, step=time.perf_counter() - t_start)
     metrics = step_metrics(stats, n_minibatches, sr, ppo.kl.value, lrs, critic=ppo.critic is not None)
