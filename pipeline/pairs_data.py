@@ -56,6 +56,7 @@ class Pair:
     row: int = 0  # 0-based row in the source file, for error messages and reports
     split: str = "train"  # a snapshot's own split ('train' / 'test'), when it has one
     weight: float = 1.0  # the pair's weight in the Bradley-Terry loss (an export's `weight` column)
+    ranking: str = ""  # the ranking it came from (an export's `ranking_id`), "" when the file has none
 
 
 @dataclass
@@ -157,8 +158,10 @@ def _row_to_pair(row, where: str, index: int) -> Pair:
         margin = 0.0
     elif not isinstance(margin, (int, float)) or isinstance(margin, bool) or margin != margin:
         raise PairsError(f"{where}, field 'margin': expected a number, got {margin!r}")
+    ranking = row.get("ranking_id")
     return Pair(prompt, _response_text(chosen, where, "chosen"), _response_text(rejected, where, "rejected"),
-                float(margin), index, _split(row, where), _weight(row.get("weight"), where))
+                float(margin), index, _split(row, where), _weight(row.get("weight"), where),
+                "" if ranking is None else str(ranking))
 
 
 def _check_prompt(prompt, where: str) -> None:
@@ -362,6 +365,102 @@ def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[En
         p, (c_fit, r_fit) = _fit(prompt_cache[key], [c, r], max_length, report, pair.row)
         out.append(EncodedPair(p, c_fit, r_fit, len(c), len(r), pair.margin, pair.weight))
     return out, report
+
+
+# --------------------------------------------------------------------------- groups (one forward per response)
+
+
+@dataclass
+class PairGroup:
+    """The pairs of one ranking: its prompt once, each distinct response (by its stripped text) once,
+    and every pair as indices into `responses`, with the pair's own margin and weight. InstructGPT
+    (Ouyang et al. 2022, sec. 3.5) trains "all (K choose 2) comparisons from each prompt as a single
+    batch element": one forward pass per response instead of one per pair it is in."""
+    prompt: str | list
+    responses: list[str]
+    chosen: list[int]  # (n,) per pair, the index of its chosen response
+    rejected: list[int]  # (n,) and of its rejected one
+    margins: list[float]
+    weights: list[float]
+    split: str = "train"
+
+
+def group_pairs(pairs: list[Pair]) -> list[PairGroup]:
+    """Pairs grouped by the ranking they came from (their `ranking` id: an annotator's own answer's
+    `edit` pairs carry its ranking's id, so the answer is one more response of that group), or, for
+    pairs without one, by prompt (`prompt_key`); within a group a response text appears once. Groups
+    keep the order of their first pair, and a group's pairs their file order."""
+    groups: dict[tuple[str, str], PairGroup] = {}
+    index: dict[tuple[str, str], dict[str, int]] = {}
+    for p in pairs:
+        key = ("ranking", p.ranking) if p.ranking else ("prompt", prompt_key(p.prompt))
+        if key not in groups:
+            groups[key], index[key] = PairGroup(p.prompt, [], [], [], [], [], p.split), {}
+        g, seen = groups[key], index[key]
+        for text, side in ((p.chosen, g.chosen), (p.rejected, g.rejected)):
+            k = text.strip()
+            if k not in seen:
+                seen[k] = len(g.responses)
+                g.responses.append(text)
+            side.append(seen[k])
+        g.margins.append(p.margin)
+        g.weights.append(p.weight)
+    return list(groups.values())
+
+
+@dataclass
+class EncodedGroup:
+    prompt_ids: list[int]  # shared by every response (truncated once, from the left)
+    responses: list[list[int]]  # response ids + EOS
+    response_tokens: list[int]  # untruncated response lengths, for the length baseline
+    chosen: list[int]
+    rejected: list[int]
+    margins: list[float]
+    weights: list[float]
+
+    @property
+    def length(self) -> int:  # the longest row, prompt + response
+        return len(self.prompt_ids) + max(map(len, self.responses))
+
+    @property
+    def n_pairs(self) -> int:
+        return len(self.chosen)
+
+    def pairs(self) -> list[EncodedPair]:
+        """The group's pairs as pairs (each with the group's prompt, as truncated for the group)."""
+        return [EncodedPair(self.prompt_ids, self.responses[c], self.responses[r], self.response_tokens[c],
+                            self.response_tokens[r], m, w)
+                for c, r, m, w in zip(self.chosen, self.rejected, self.margins, self.weights)]
+
+
+def encode_groups(groups: list[PairGroup], tokenizer, max_length: int) -> tuple[list[EncodedGroup], EncodeReport]:
+    """Tokenise every group as pairs are (`encode_pairs`): one prompt for all its responses, cut from
+    the left to fit beside the group's longest (so a group's prompt may lose more than each of its
+    pairs alone would; the same where nothing is truncated)."""
+    if max_length < 2:
+        raise ValueError(f"max_length must be at least 2, got {max_length}")
+    report = EncodeReport()
+    prompt_cache: dict[str, list[int]] = {}
+    out = []
+    for i, g in enumerate(groups):
+        key = g.prompt if isinstance(g.prompt, str) else json.dumps(g.prompt)
+        if key not in prompt_cache:
+            prompt_cache[key] = prompt_token_ids(tokenizer, g.prompt)
+        full = [encode_response(tokenizer, text) for text in g.responses]
+        prompt, responses = _fit(prompt_cache[key], full, max_length, report, i)
+        out.append(EncodedGroup(prompt, responses, [len(r) for r in full], list(g.chosen), list(g.rejected),
+                                list(g.margins), list(g.weights)))
+    return out, report
+
+
+def group_weights(items: list[EncodedGroup], use_weights: bool) -> list[list[float]] | None:
+    """Each training pair's weight over the mean of all training pairs' (as `pair_weights`), per
+    group; None for the plain loss."""
+    flat = [w for g in items for w in g.weights]
+    if not use_weights or len(set(flat)) == 1:
+        return None
+    mean_w = sum(flat) / len(flat)
+    return [[w / mean_w for w in g.weights] for g in items]
 
 
 def train_eval_pairs(pairs: list[Pair], data_report: dict, eval_data: str, eval_fraction: float,
