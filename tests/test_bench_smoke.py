@@ -100,3 +100,23 @@ def test_scale_bench_memory_table_counts_one_base_and_sampling_copy():
     assert 12 < ppo["sampling_gb"] < 2 * P / scale_bench.GB
     assert not scale_bench.fits(ppo["weights_gb"], ppo["act_gc_gb"], 24, sampling_gb=ppo["sampling_gb"])
     assert scale_bench.fits(ppo["weights_gb"], ppo["act_gc_gb"], 80, sampling_gb=ppo["sampling_gb"])
+
+
+@pytest.mark.slow
+def test_round_cost_times_every_part_of_a_round_on_both_revisions(tmp_path, tiny_model_dir):
+    """bench/round_cost.py with this revision on both sides (HEAD's tree from git archive): every
+    part timed on each side, the table's round line and a RESULT line whose ratio is the totals'."""
+    cmd = [sys.executable, "bench/round_cost.py", "--quick", "--before", "HEAD", "--model", str(tiny_model_dir),
+           "--threads", "1", "--work", str(tmp_path), "--json", str(tmp_path / "cost.json")]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT round_cost "))
+    fields = dict(kv.split("=", 1) for kv in result.split()[2:])
+    cost = json.loads((tmp_path / "cost.json").read_text())
+    assert set(cost["before_parts"]) == set(cost["after_parts"]) == {
+        "generate", "reward", "reward normalisation", "ppo (once)", "ppo (per step)", "evaluation"}
+    for side in ("before_parts", "after_parts"):
+        assert all(p["cpu_s"] > 0 for name, p in cost[side].items() if name != "reward normalisation"), cost[side]
+    assert float(fields["ratio"]) == pytest.approx(float(fields["after_cpu_s"]) / float(fields["before_cpu_s"]), rel=1e-2)
+    assert cost["after_parts"]["generate"]["scale"] == 2.0 and cost["after_parts"]["ppo (per step)"]["scale"] == 2.0
