@@ -383,6 +383,7 @@ class PairGroup:
     margins: list[float]
     weights: list[float]
     split: str = "train"
+    row: int = 0  # its first pair's row in the source file, for reports
 
 
 def group_pairs(pairs: list[Pair]) -> list[PairGroup]:
@@ -395,7 +396,7 @@ def group_pairs(pairs: list[Pair]) -> list[PairGroup]:
     for p in pairs:
         key = ("ranking", p.ranking) if p.ranking else ("prompt", prompt_key(p.prompt))
         if key not in groups:
-            groups[key], index[key] = PairGroup(p.prompt, [], [], [], [], [], p.split), {}
+            groups[key], index[key] = PairGroup(p.prompt, [], [], [], [], [], p.split, p.row), {}
         g, seen = groups[key], index[key]
         for text, side in ((p.chosen, g.chosen), (p.rejected, g.rejected)):
             k = text.strip()
@@ -442,12 +443,12 @@ def encode_groups(groups: list[PairGroup], tokenizer, max_length: int) -> tuple[
     report = EncodeReport()
     prompt_cache: dict[str, list[int]] = {}
     out = []
-    for i, g in enumerate(groups):
+    for g in groups:
         key = g.prompt if isinstance(g.prompt, str) else json.dumps(g.prompt)
         if key not in prompt_cache:
             prompt_cache[key] = prompt_token_ids(tokenizer, g.prompt)
         full = [encode_response(tokenizer, text) for text in g.responses]
-        prompt, responses = _fit(prompt_cache[key], full, max_length, report, i)
+        prompt, responses = _fit(prompt_cache[key], full, max_length, report, g.row)
         out.append(EncodedGroup(prompt, responses, [len(r) for r in full], list(g.chosen), list(g.rejected),
                                 list(g.margins), list(g.weights)))
     return out, report
