@@ -372,7 +372,7 @@ def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[En
 
 @dataclass
 class PairGroup:
-    """The pairs of one ranking: its prompt once, each distinct response (by its stripped text) once,
+    """The pairs of one ranking: its prompt once, each distinct response (by its text) once,
     and every pair as indices into `responses`, with the pair's own margin and weight. InstructGPT
     (Ouyang et al. 2022, sec. 3.5) trains "all (K choose 2) comparisons from each prompt as a single
     batch element": one forward pass per response instead of one per pair it is in."""
@@ -389,21 +389,22 @@ class PairGroup:
 def group_pairs(pairs: list[Pair]) -> list[PairGroup]:
     """Pairs grouped by the ranking they came from (their `ranking` id: an annotator's own answer's
     `edit` pairs carry its ranking's id, so the answer is one more response of that group), or, for
-    pairs without one, by prompt (`prompt_key`); within a group a response text appears once. Groups
-    keep the order of their first pair, and a group's pairs their file order."""
+    pairs without one, by prompt; within a group a response text appears once. Prompts and responses
+    are matched by their exact text, so every pair keeps the tokens it has alone (`encode_pairs`).
+    Groups keep the order of their first pair, and a group's pairs their file order."""
     groups: dict[tuple[str, str], PairGroup] = {}
     index: dict[tuple[str, str], dict[str, int]] = {}
     for p in pairs:
-        key = ("ranking", p.ranking) if p.ranking else ("prompt", prompt_key(p.prompt))
+        key = ("ranking", p.ranking) if p.ranking else (
+            "prompt", p.prompt if isinstance(p.prompt, str) else json.dumps(p.prompt, sort_keys=True))
         if key not in groups:
             groups[key], index[key] = PairGroup(p.prompt, [], [], [], [], [], p.split, p.row), {}
         g, seen = groups[key], index[key]
         for text, side in ((p.chosen, g.chosen), (p.rejected, g.rejected)):
-            k = text.strip()
-            if k not in seen:
-                seen[k] = len(g.responses)
+            if text not in seen:
+                seen[text] = len(g.responses)
                 g.responses.append(text)
-            side.append(seen[k])
+            side.append(seen[text])
         g.margins.append(p.margin)
         g.weights.append(p.weight)
     return list(groups.values())
