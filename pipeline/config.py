@@ -349,8 +349,17 @@ class DPOConfig:
     """Passes over the training pairs."""
     lr: float = 5e-5
     """Learning rate (AdamW, linear decay to 0). For LoRA; full fine-tuning wants ~1e-6 (TRL's default)."""
-    batch_size: int = 8
-    """Pairs per forward pass (micro-batch); an optimiser step sees batch_size x grad_accum pairs."""
+    grouped: bool = True
+    """Train each ranking's pairs as one batch element (InstructGPT's "all (K choose 2) comparisons
+    from each prompt as a single batch element"): its prompt and each distinct response run once,
+    the ranking's loss is the mean over its pairs and a batch's the mean over rankings, so a ranking
+    counts once whatever its K (pairs without a ranking id group by prompt). False = pair by pair:
+    each pair's prompt and both responses run for that pair, the loss the mean over pairs. The
+    held-out figures are per pair either way."""
+    batch_size: int = 2
+    """Rankings (groups) per forward pass (micro-batch): about 12 pairs at K = 4, so a round takes a
+    number of optimiser steps similar to 8 pairs a batch with --grouped false, where it counts
+    pairs. An optimiser step sees batch_size x grad_accum of them."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimiser step."""
     max_length: int = 512

@@ -1,7 +1,7 @@
 """DPO (or IPO) on preference pairs: pairs file in, policy out, no reward model.
 
     python -m pipeline train-dpo --data pairs.parquet --out runs/dpo-1 [--policy POLICY_DIR
-        --loss sigmoid|ipo --beta 0.1 --epochs 1 --lr 5e-5 --batch-size 8 --grad-accum 1 ...]
+        --loss sigmoid|ipo --beta 0.1 --epochs 1 --lr 5e-5 --batch-size 2 --grad-accum 1 --grouped true ...]
 
 Direct Preference Optimization (Rafailov et al. 2023) trains the policy on the same pairs a reward
 model would learn from: loss -log sigmoid(beta * ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) -
@@ -18,9 +18,14 @@ as in PPO (pipeline/policy.py, starting_reference; docs/DESIGN.md, "The four PPO
 adapter disabled (LoRA, no second copy), or frozen full weights of the base, so KL is measured
 against the same model across rounds.
 
-Each prompt runs once and both responses continue from it, several pairs packed per row with no
-padding between them (pipeline/dpo_data.py); reference log-probs come from one no-grad pass over
-the same packed batch. Batches group pairs of similar length (pipeline/pairs_data.py).
+A ranking's pairs train together as one batch element (--grouped, the default; InstructGPT's "all
+(K choose 2) comparisons from each prompt as a single batch element"): its prompt runs once and
+each distinct response once, continuing from it, and the loss of every pair of the ranking is read
+from those K sums; a ranking's loss is the mean over its pairs and a batch's the mean over its
+rankings, so a ranking counts once whatever its K. --batch-size counts rankings (pairs with
+--grouped false, where each pair is its own group of two responses). Several groups are packed per
+row with no padding between them (pipeline/dpo_data.py); reference log-probs come from one no-grad
+pass over the same packed batch. Batches group rankings of similar length (pipeline/pairs_data.py).
 
 Run directory (as train-reward's and ppo's; the app tails it and registers the policy):
     config.json        configs, the data file and its sha256, the starting policy, command line,
@@ -35,7 +40,7 @@ Run directory (as train-reward's and ppo's; the app tails it and registers the p
     policy/            the trained policy when done; model_meta.json names its parent, the data's
                        sha256, "method": "dpo", the loss and beta
     eval_report.json   held-out implicit-reward accuracy and margins (every held-out pair counts once),
-                       KL to the reference, timings, train/weighted
+                       KL to the reference, timings, train/pairs and train/groups, train/weighted
 
 KL to the reference on held-out prompts (kl/heldout, nats per response): kl_samples responses per
 held-out prompt sampled from the trained policy at temperature 1, each scored as the sum over its
@@ -63,13 +68,13 @@ from formats.hashing import snapshot_sha256
 from pipeline.config import DPOConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.distributed import setup
 from pipeline.dpo_data import (
-    PAIR_STATS, Packing, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss, reference_logps,
-    sequence_logps,
+    PAIR_STATS, Packing, encode_dpo, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss,
+    reference_logps, sequence_logps,
 )
 from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, Training, cancelled, claim, guarded, recover,
                                 run_steps, save_state, start_training, write_report, write_run_config)
 from pipeline.models import attn_ratio, checkpointing, pick_dtype
-from pipeline.pairs_data import encode_pairs, pair_weights, train_eval_data
+from pipeline.pairs_data import group_weights, train_eval_data
 from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference
 from pipeline.saving import save_whole_policy
 from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
@@ -105,8 +110,8 @@ def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, polic
     # 0. Run directory (pipeline/lifecycle.py): a resume continues the run's own settings and starting policy.
     saved = claim(out_dir, resume=resume, data=data, results=("checkpoint", STATE_FILE, "policy", "eval_report.json"),
                   dist=dist)
-    if saved:
-        cfg, policy = DPOConfig(**saved["dpo"]), saved["policy"]
+    if saved:  # a run whose settings have no `grouped` trained pair by pair
+        cfg, policy = DPOConfig(**{"grouped": False, **saved["dpo"]}), saved["policy"]
         model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
     if dist.sharded and model_cfg.lora:  # after a resume's own settings replaced the command line's
         resumed = " (the run being resumed trains LoRA)" if resume else ""
@@ -118,39 +123,41 @@ def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, polic
         return report
 
 
-def dpo_step(cfg: DPOConfig, training: Training, reference, items: list, weights: list[float] | None,
+def dpo_step(cfg: DPOConfig, training: Training, reference, items: list, weights: list[list[float]] | None,
              packing: Packing) -> Callable:
-    """The optimiser step run_steps calls: DPO's (or IPO's) loss over a step's micro-batches of pair
-    indices into `items`, against the reference's log-probs; returns (metrics, pairs, tokens)."""
+    """The optimiser step run_steps calls: DPO's (or IPO's) loss over a step's micro-batches of group
+    indices into `items` (weights: each group's pairs' weights, or None), against the reference's
+    log-probs; returns (metrics, pairs, tokens). train/loss is the mean over the step's groups, the
+    implicit-reward figures are means over its pairs."""
     dist, wrapped = training.dist, training.wrapped
 
     def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
-        sums = {"loss": 0.0, "pairs": 0, "tokens": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
+        sums = {"loss": 0.0, "groups": 0, "pairs": 0, "tokens": 0, **dict.fromkeys(PAIR_STATS, 0.0)}
         for j, idx in enumerate(micro):
-            # each rank takes every N-th pair; a loss weighted by its share of the step's pairs makes
-            # DDP's mean over ranks (undone by loss_scale) the step's mean over pairs
+            # each rank takes every N-th group; a loss weighted by its share of the step's groups makes
+            # DDP's mean over ranks (undone by loss_scale) the step's mean over groups
             mine = dist.shard(idx)
             weight = len(mine) / len(idx) / len(micro) * dist.loss_scale
-            if not mine:  # fewer pairs than processes: join the all-reduce with a zero loss
+            if not mine:  # fewer groups than processes: join the all-reduce with a zero loss
                 mine, weight = idx[:1], 0.0
             pp = pack_pairs([items[i] for i in mine], packing, dist.device,
-                            weights=None if weights is None else [weights[i] for i in mine])
+                            weights=None if weights is None else [w for i in mine for w in weights[i]])
             with training.amp():
-                ref = reference_logps(reference, pp)  # (2b,) no grad
+                ref = reference_logps(reference, pp)  # (R,) no grad
             with dist.sync(wrapped, last=j == len(micro) - 1), training.amp():
-                logps = wrapped(sequence_logps, pp)  # (2b,)
-                loss = preference_loss(cfg, logps, ref, pp.response_tokens, pp.weight)
+                logps = wrapped(sequence_logps, pp)  # (R,)
+                loss = preference_loss(cfg, logps, ref, pp)
             (loss * weight).backward()
             if weight == 0.0:
                 continue
-            sums["loss"] += loss.item() * pp.pairs
+            sums["loss"] += loss.item() * pp.groups
+            sums["groups"] += pp.groups
             sums["pairs"] += pp.pairs
             sums["tokens"] += pp.real_tokens
-            for key, value in pair_stats(logps.detach(), ref, cfg.beta).items():
+            for key, value in pair_stats(logps.detach(), ref, pp, cfg.beta).items():
                 sums[key] += value
         sums, grad_norm, n = training.optimizer_step(sums)
-        return {"train/loss": sums["loss"] / n,
-                **{f"train/{key}": sums[key] / n for key in sums if key not in ("loss", "pairs", "tokens")},
+        return {"train/loss": sums["loss"] / sums["groups"], **{f"train/{key}": sums[key] / n for key in PAIR_STATS},
                 "train/grad_norm": grad_norm}, n, sums["tokens"]
 
     return train_step
@@ -173,14 +180,15 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
     if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
         recover(out_dir / "checkpoint", dist)
         load_policy_weights(model, out_dir / "checkpoint")
-    train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length)
-    eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
+    # a ranking's pairs as one group (each pair a group of its own with --grouped false)
+    train_items, trunc_train = encode_dpo(train_pairs, tokenizer, cfg.max_length, cfg.grouped)
+    eval_items, trunc_eval = encode_dpo(eval_pairs, tokenizer, cfg.max_length, cfg.grouped)
     model.train(checkpointing(model))  # no dropout (TRL's disable_dropout), but checkpointing acts in train mode
     # checkpointed layers drop the KV cache a shared prefix needs; under FSDP a prefix pass would run on
     # some ranks only, and a prefix's keys and values reused by a batch fail FSDP2's backward
     packing = Packing(attn_ratio(model), tokenizer.pad_token_id,
                       share_prefix=not checkpointing(model) and not dist.sharded)
-    weights = pair_weights(train_items, cfg.use_weights)  # None: the plain loss, as train-reward's
+    weights = group_weights(train_items, cfg.use_weights)  # None: the plain loss, as train-reward's
     if not resume:
         write_run_config(out_dir, {"stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg),
                                    "policy": policy, "parent": parent, "base_model": model.rlhf_meta["base_model"],
@@ -197,7 +205,7 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
         save_whole_policy(model, tokenizer, out_dir / "checkpoint", dist)
         save_state(out_dir, training.state(step), dist)
 
-    # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
+    # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size groups.
     lengths = [it.length for it in train_items]
     train_step = dpo_step(cfg, training, reference, train_items, weights, packing)
     done = run_steps(out_dir, cfg, StepLoop(training, lengths, train_step, save, desc="dpo",
@@ -231,10 +239,11 @@ def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: 
         return after.result
     if report:
         append_metrics(out_dir, done.step, report)
-    own = {**report, "policy": str(out_dir / "policy"), "train/pairs": len(train_items),
-           "train/weighted": weights is not None, "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
+    own = {**report, "policy": str(out_dir / "policy"), "train/pairs": sum(g.n_pairs for g in train_items),
+           "train/groups": len(train_items), "train/weighted": weights is not None,
+           "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
     return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),
-                        2 * (len(train_items) + len(eval_items)))
+                        sum(len(g.responses) for g in train_items + eval_items))
 
 
 # --------------------------------------------------------------------------- CLI

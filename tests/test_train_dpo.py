@@ -47,10 +47,11 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def whole_sequence_logps(model, items) -> torch.Tensor:
-    """(2B,) the same log-probs, each prompt + response run alone: chosen rows, then rejected."""
+    """(2B,) the same log-probs, each prompt + response run alone, in the packing's order: each
+    pair's chosen, then its rejected."""
     out = []
-    for responses in ([it.chosen_response for it in items], [it.rejected_response for it in items]):
-        for it, response in zip(items, responses):
+    for it in items:
+        for response in (it.chosen_response, it.rejected_response):
             ids = torch.tensor([it.prompt_ids + response])
             logits = causal_lm_logits(model, ids, torch.ones_like(ids))[:, it.prompt_len - 1:-1]  # predicts the response
             out.append(logprobs_from_logits(logits, torch.tensor([response]))[0].sum())
@@ -90,8 +91,8 @@ def test_packed_pairs_give_whole_sequence_logps_and_gradients(tmp_path, dpo_mode
         (got * torch.linspace(-1, 1, len(got))).sum().backward()
         assert all((p.grad - g).abs().max() <= 1e-5 * g.abs().max() for p, g in zip(params, want_grads))
         assert pp.real_tokens < whole_tokens
-        assert pp.response_tokens.tolist() == [len(it.chosen_response) for it in items] + [
-            len(it.rejected_response) for it in items]
+        assert pp.response_tokens.tolist() == [len(r) for it in items for r in (it.chosen_response,
+                                                                                 it.rejected_response)]
     # a batch of one prompt: all of it but its last token (which predicts each response's first) is shared
     same = pack_pairs(items[4:], Packing(attn_ratio(model), tok.pad_token_id))
     assert len(same.prefix) == items[4].prompt_len - 1
@@ -122,15 +123,15 @@ def test_packed_pair_weights_weigh_each_pairs_loss(tmp_path, dpo_model_cfg):
     with torch.no_grad():
         logps, ref = sequence_logps(model, pp), reference_logps(make_reference(model), pp)
         ratio = whole_sequence_logps(model, items) - ref  # (10,) log pi - log ref of each response
-    margin = ratio[:5] - ratio[5:]  # (5,) each pair's margin
+    margin = ratio[0::2] - ratio[1::2]  # (5,) each pair's margin
     dpo = torch.nn.functional.softplus(-0.1 * margin)  # -log sigmoid(beta x), pair by pair
     n_c = torch.tensor([len(it.chosen_response) for it in items])
     n_r = torch.tensor([len(it.rejected_response) for it in items])
-    ipo = (ratio[:5] / n_c - ratio[5:] / n_r - 1 / (2 * 0.1)) ** 2
+    ipo = (ratio[0::2] / n_c - ratio[1::2] / n_r - 1 / (2 * 0.1)) ** 2
     w = torch.tensor(weights)
     for loss, per_pair in (("sigmoid", dpo), ("ipo", ipo)):
         cfg = dataclasses.replace(FAST, loss=loss)
-        got = preference_loss(cfg, logps, ref, pp.response_tokens, pp.weight)
+        got = preference_loss(cfg, logps, ref, pp)
         assert torch.allclose(got, (w * per_pair).mean(), rtol=1e-4)
         # the weights do change it, by far more than that tolerance (IPO's losses share a constant
         # (1 / 2 beta)^2 = 25, so its weighted and plain means differ by a fraction of a percent)
