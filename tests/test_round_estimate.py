@@ -118,6 +118,20 @@ def test_a_dpo_round_without_a_dpo_run_says_it_cannot_tell(store, clock):
     assert est.seconds is not None and "partly from this store's finished runs" in est.markdown()
 
 
+def test_max_steps_caps_a_grouped_run_at_its_rankings_pairs(store, clock):
+    """A step of a grouped run holds batch_size x grad_accum rankings, each of its pairs (here
+    120 pairs of 20 rankings: 6 each); pair by pair, that many pairs."""
+    snap = store.record_snapshot("pairs.parquet", "parquet", {"pairs": 120, "rankings": 20}, {}, "0" * 64)
+    dpo = {"epochs": 1, "max_steps": 3, "batch_size": 2, "grad_accum": 2}
+    for grouped, units in ((True, 3 * 2 * 2 * 6), (False, 3 * 2 * 2)):
+        run = finished(store, clock, "train-dpo", 60.0, config={"dpo": {**dpo, "grouped": grouped}},
+                       inputs={"snapshot_id": snap.id})
+        assert estimate.run_units(store, run) == units
+    settings = LoopSettings(policy_step="dpo")  # k = 4: 6 pairs a ranking
+    settings.dpo.max_steps = 1
+    assert estimate.round_estimate(store, settings).parts[0].units == settings.dpo.batch_size * 6
+
+
 # --------------------------------------------------------------------------- the Train tab
 
 

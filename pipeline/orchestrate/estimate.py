@@ -105,13 +105,15 @@ def duration(seconds: float | None) -> str:
 # ---------------------------------------------------------------------- units of work
 
 
-def _capped(pairs: float, cfg: dict) -> float:
+def _capped(pairs: float, cfg: dict, pairs_per_group: float = 1.0) -> float:
     """Pair-epochs of a train-reward or train-dpo run: all its pairs each epoch, or max_steps
-    optimiser steps of batch_size x grad_accum pairs when that is fewer."""
+    optimiser steps of batch_size x grad_accum batch elements when that is fewer: pairs, or with
+    `grouped` rankings of about pairs_per_group pairs each."""
     units = pairs * int(cfg.get("epochs", 1))
     steps = int(cfg.get("max_steps", 0) or 0)
     if steps > 0:
-        units = min(units, steps * int(cfg.get("batch_size", 8)) * int(cfg.get("grad_accum", 1)))
+        per_element = pairs_per_group if cfg.get("grouped") else 1.0
+        units = min(units, steps * int(cfg.get("batch_size", 8)) * int(cfg.get("grad_accum", 1)) * per_element)
     return float(units)
 
 
@@ -135,8 +137,10 @@ def run_units(store, run) -> float | None:
         if run.kind == "ppo":
             return ppo_units(cfg["ppo"])
         if run.kind in ("train-reward", "train-dpo"):
-            pairs = store.get_snapshot(run.inputs["snapshot_id"]).counts.get("pairs", 0)
-            return _capped(pairs, cfg["reward" if run.kind == "train-reward" else "dpo"])
+            counts = store.get_snapshot(run.inputs["snapshot_id"]).counts
+            pairs = counts.get("pairs", 0)
+            return _capped(pairs, cfg["reward" if run.kind == "train-reward" else "dpo"],
+                           pairs / max(counts.get("rankings") or pairs, 1))
     except (KeyError, TypeError, LookupError):
         return None
     return None
@@ -189,10 +193,11 @@ def round_estimate(store, settings) -> RoundEstimate:
         per_unit, source, runs = seconds_per_unit(store, kind, model, lora)
         parts.append(Part(kind, what, units, per_unit, source, runs))
 
+    per_ranking = k * (k - 1) / 2  # a ranking without ties
     if settings.policy_step == "dpo":
-        part("train-dpo", f"DPO on {pairs} pairs", _capped(pairs, vars(settings.dpo)))
+        part("train-dpo", f"DPO on {pairs} pairs", _capped(pairs, vars(settings.dpo), per_ranking))
     else:
-        part("train-reward", f"reward model on {pairs} pairs", _capped(pairs, vars(settings.reward)))
+        part("train-reward", f"reward model on {pairs} pairs", _capped(pairs, vars(settings.reward), per_ranking))
         part("ppo", f"{settings.policy_step.upper()} {settings.ppo.steps} steps", ppo_units(vars(with_rollout_length(settings.ppo, settings.generate))))
     responses = settings.loop.prompts_per_round * k
     part("generate", f"generating {responses} responses",
