@@ -4,7 +4,9 @@
 tokens. The PPO trainer uses it for rollouts and pipeline/generate.py for K responses per prompt.
 It is our own KV-cache loop rather than `model.generate`: it computes log-probs as it samples, runs
 the prompt once for its K samples (the cache is copied K times after the prefill), and drops
-finished rows from the batch (bench/generate_bench.py).
+finished rows from the batch (bench/generate_bench.py). After the prefill the keys and values live
+in tensors allocated once for the whole response (pipeline/kv_cache.py): a step writes one column
+where a DynamicCache would concatenate every layer's keys and values anew.
 """
 
 from __future__ import annotations
@@ -116,18 +118,28 @@ def _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw):
 
 
 @torch.no_grad()
-def _prefill(model, input_ids, attention_mask, prompt_index, cache, cache_kw: str, share_prefix: bool):
-    """Run the prompts into `cache` (a prefix common to all of them once when share_prefix, then
-    each prompt's other tokens once) and copy each prompt's cache rows for its samples
-    (prompt_index). Returns the first token's logits (B, V) and the attention mask of the cache's
-    layout (B, cache length), which later tokens extend."""
+def _prefill(model, input_ids, attention_mask, prompt_index, R: int, cache_kw: str, decoding: "Decoding"):
+    """Run the prompts into a DynamicCache (a prefix common to all of them once when
+    decoding.share_prefix, then each prompt's other tokens once) and copy each prompt's cache rows
+    for its samples (prompt_index): into a ColumnCache with room for the R - 1 tokens fed back
+    (decoding.preallocated_cache; the last sampled token is never run), else within the
+    DynamicCache. Returns (the cache, the first token's logits (B, V), the attention mask of the
+    cache's layout (B, n): n = the cache's length)."""
+    from transformers import DynamicCache
+
+    from pipeline.kv_cache import ColumnCache
+
+    cache = DynamicCache()
     ids, mask, offset = input_ids, attention_mask, 0
-    if share_prefix:
+    if decoding.share_prefix and not decoding.synced:
         ids, mask, offset = _prefill_prefix(model, input_ids, attention_mask, cache, cache_kw)
     out = model(input_ids=ids, attention_mask=mask, position_ids=offset + position_ids_from_mask(mask[:, offset:]),
                 use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-    cache.batch_select_indices(prompt_index)
-    return out.logits[prompt_index, -1].float(), mask[prompt_index]
+    if decoding.preallocated_cache:
+        cache = ColumnCache.from_prefill(cache, prompt_index, max(R - 1, 0))
+    else:
+        cache.batch_select_indices(prompt_index)
+    return cache, out.logits[prompt_index, -1].float(), mask[prompt_index]
 
 
 @dataclass(frozen=True)
@@ -146,10 +158,15 @@ class Decoding:
     passes is a collective that every process must run: the loop then steps until every process's
     rows are done (one all-reduce of "mine are done" at each check, as transformers' generate does
     with synced_gpus=True), a process whose rows all ended keeps stepping them (their tokens masked
-    to pad), and no shared prefix runs (whether there is one depends on each process's prompts)."""
+    to pad), and no shared prefix runs (whether there is one depends on each process's prompts).
+    preallocated_cache: after the prefill, keys and values live in tensors allocated once for the
+    batch, (B, kv_heads, n + R - 1, head_dim) per layer, each step writing one column
+    (pipeline/kv_cache.py); False: transformers' DynamicCache, which concatenates each step (the
+    same tokens, log-probs equal up to float rounding: tests/test_generate.py)."""
     share_prefix: bool = True
     check_every: int | None = None
     synced: bool = False
+    preallocated_cache: bool = True
 
 
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, tokenizer, num_samples=1,
@@ -170,8 +187,6 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, to
     share its batch (PPO draws them per episode, so N processes sample the episodes one process
     would). decoding: how the loop runs (Decoding).
     """
-    from transformers import DynamicCache
-
     device = input_ids.device
     eos, pad = _special_ids(model, tokenizer, device)
     counts = torch.as_tensor(num_samples, device=device).expand(input_ids.shape[0])
@@ -182,9 +197,8 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, to
     check_every = decoding.check_every or (1 if device.type == "cpu" else 8)
 
     # 1. prefill: each distinct prompt once, its cache rows copied for its samples
-    cache, cache_kw = DynamicCache(), cache_kwarg(model)
-    logits, mask = _prefill(model, input_ids, attention_mask, prompt_index, cache, cache_kw,
-                            decoding.share_prefix and not synced)
+    cache_kw = cache_kwarg(model)
+    cache, logits, mask = _prefill(model, input_ids, attention_mask, prompt_index, R, cache_kw, decoding)
     rows = _Rows(prompt_index.shape[0], R, pad, mask)
     for t in range(R):
         # 2. choose the next token of every row in the batch; record it and its log-prob
@@ -220,7 +234,11 @@ def _special_ids(model, tokenizer, device) -> tuple[torch.Tensor, int]:
 class _Rows:
     """`sample`'s record of its B rows (response ids, log-probs, lengths, whether each ended on EOS)
     and of the rows still in the batch: their indices (`active`), which of them are done (ended,
-    not yet dropped), their attention mask in the cache's layout and the position of their next token."""
+    not yet dropped), their attention mask in the cache's layout and the position of their next token.
+
+    The mask is allocated once, (B, n + R - 1): the prefill's n columns, then ones for the tokens
+    fed back (a row that is done still feeds pad tokens, attended as its others are: they only
+    shape logits nobody records); a step passes its first `width` + 1 columns."""
 
     def __init__(self, B: int, R: int, pad: int, mask: torch.Tensor):
         device = mask.device
@@ -231,7 +249,8 @@ class _Rows:
         self.ended = torch.zeros(B, dtype=torch.bool, device=device)
         self.active = torch.arange(B, device=device)
         self.done = torch.zeros(B, dtype=torch.bool, device=device)
-        self.mask = mask
+        self.mask = torch.cat([mask, mask.new_ones((B, max(R - 1, 0)))], dim=1)  # (B, n + R - 1)
+        self.width = mask.shape[1]  # the cache's length: the mask's columns in use
         self.next_pos = mask.sum(-1)  # (B,) count of real tokens so far
 
     def record(self, t: int, token: torch.Tensor, logp: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
@@ -254,9 +273,9 @@ class _Rows:
 
     def step(self, model, token: torch.Tensor, cache, cache_kw: str) -> torch.Tensor:
         """One decoding step of the rows in the batch: the logits (A, V) of their next token."""
-        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
-                    use_cache=True, **{cache_kw: cache})
+        self.width += 1
+        out = model(input_ids=token[:, None], attention_mask=self.mask[:, :self.width],
+                    position_ids=self.next_pos[:, None], use_cache=True, **{cache_kw: cache})
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1].float()
 

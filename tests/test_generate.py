@@ -174,6 +174,58 @@ def test_greedy_and_top_k_1_agree_and_repeat(tiny_model, tiny_tokenizer):
         torch.testing.assert_close(late.logprobs, greedy.logprobs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("draws,check_every,share_prefix,temperature", [
+    ("generator", None, True, 1.0),  # finished rows dropped at once, the prompts' system prompt run once
+    ("generator", 3, False, 1.0),  # rows dropped every 3 tokens, no shared prefix
+    ("uniforms", None, True, 1.0),  # each row's own numbers
+    ("generator", None, True, 0.0),  # greedy
+])
+def test_kv_cache_allocated_once_samples_as_the_dynamic_cache(tiny_model, tiny_tokenizer, draws, check_every,
+                                                              share_prefix, temperature):
+    # a ColumnCache (keys/values written column by column into tensors allocated once) against
+    # transformers' DynamicCache (concatenated each step): the same tokens for the same draws, the
+    # same log-probs up to fp32 rounding; 3 prompts x 16 samples, 48 tokens: rows end all along
+    ids, mask = encode_prompts(tiny_tokenizer, PROMPTS)
+    cfg = GenerateConfig(temperature=temperature, top_p=0.95, max_new_tokens=48)
+    uniforms = torch.rand((3 * 16, 48), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for preallocated in (True, False):
+        source = uniforms if draws == "uniforms" else torch.Generator().manual_seed(11)
+        outs.append(sample(tiny_model, ids, mask, cfg, tiny_tokenizer, num_samples=16, draws=source,
+                           decoding=Decoding(share_prefix=share_prefix, check_every=check_every,
+                                             preallocated_cache=preallocated)))
+    new, old = outs
+    assert temperature == 0 or {"eos", "length"} <= set(old.finish_reason)  # rows left the batch early
+    assert torch.equal(new.sequences, old.sequences) and torch.equal(new.response_mask, old.response_mask)
+    assert new.finish_reason == old.finish_reason
+    torch.testing.assert_close(new.logprobs, old.logprobs, atol=1e-5, rtol=0)
+
+
+def test_kv_cache_allocated_once_holds_the_prompt_and_every_token_fed_back(tiny_model, tiny_tokenizer):
+    from transformers import DynamicCache
+
+    from pipeline.kv_cache import ColumnCache
+    from pipeline.packing import cache_kwarg
+
+    ids, mask = encode_prompts(tiny_tokenizer, PROMPTS[:2])  # (2, P)
+    P = ids.shape[1]
+    with torch.no_grad():
+        prefill = DynamicCache()
+        tiny_model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(tiny_model): prefill})
+        cache = ColumnCache.from_prefill(prefill, torch.tensor([0, 0, 1]), extra=2)  # (3, kv_heads, P + 2, head_dim)
+        assert cache.layers[0].keys.shape[0] == 3 and cache.layers[0].keys.shape[2] == P + 2
+        assert cache.get_seq_length() == P and cache.get_max_length() == P + 2
+        assert torch.equal(cache.layers[0].keys[:, :, :P], prefill.layers[0].keys[[0, 0, 1]])
+        k = torch.ones(3, *cache.layers[0].keys.shape[1:2], 2, cache.layers[0].keys.shape[-1])
+        keys, values = cache.layers[0].update(k, 2 * k)  # views of the P + 2 columns written
+        assert keys.shape[2] == P + 2 and (keys[:, :, P:] == 1).all() and (values[:, :, P:] == 2).all()
+        assert cache.layers[0].get_mask_sizes(1) == (P + 3, 0)
+        with pytest.raises(ValueError, match="do not fit"):
+            cache.layers[0].update(k[:, :, :1], k[:, :, :1])
+        cache.batch_select_indices(torch.tensor([2]))  # rows 0 and 1 leave the batch
+        assert torch.equal(cache.layers[1].keys[0, :, :P], prefill.layers[1].keys[1])
+
+
 # --------------------------------------------------------------------------- K responses per prompt
 
 
