@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
+from pipeline.models import pick_device
 from pipeline.rundir import run_job, write_json
+from pipeline.sampling import decode_batch_size
 from pipeline.scoring import load_reward_model, score_texts
 from pipeline.text import read_prompts
 
@@ -43,10 +45,19 @@ class CompareConfig:
     """Response length limit for both policies."""
     temperature: float = 0.7
     """Sampling temperature for both policies."""
-    batch_size: int = 16
-    """Sequences per sampling / scoring batch."""
+    batch_size: int = 0
+    """Sequences per sampling batch (0 = the device's measured default, pipeline/sampling.py
+    decode_batch_size)."""
+    score_batch_size: int = 16
+    """Sequences per reward-model scoring batch."""
     seed: int = 1234
     """The same seed for both policies."""
+
+
+def sampling_batch(cfg: CompareConfig, model_cfg: ModelConfig) -> int:
+    """Sequences per sampling batch: cfg.batch_size, else the decode default of model_cfg's device
+    (what a policy loaded with model_cfg runs on); progress counts these batches."""
+    return cfg.batch_size or decode_batch_size(pick_device(model_cfg.device))
 
 
 @dataclass(frozen=True)
@@ -68,7 +79,7 @@ def sample_policy(spec: PolicySpec, prompts: list, model_cfg: ModelConfig, cfg: 
     policy, tokenizer = load_policy(dataclasses.replace(model_cfg, model=spec.base_model, lora=False),
                                     adapter_path=spec.adapter)
     gen_cfg = GenerateConfig(k=1, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                             batch_size=cfg.batch_size, seed=cfg.seed, max_resample=0)
+                             batch_size=sampling_batch(cfg, model_cfg), seed=cfg.seed, max_resample=0)
     out = generate_responses(policy, tokenizer, prompts, 1, gen_cfg, on_progress=lambda done, total: on_step())
     del policy
     return [gens[0] for gens in out]
@@ -91,7 +102,7 @@ def compare_policies(a: PolicySpec, b: PolicySpec, reward_path: str, prompts: li
     if not prompts:
         raise ValueError("no prompts to compare on")
     cfg = cfg or CompareConfig()
-    batches = math.ceil(len(prompts) / cfg.batch_size)
+    batches = math.ceil(len(prompts) / sampling_batch(cfg, model_cfg))
     total, done = 2 * batches + 1, 0
 
     def step(detail: str):
@@ -106,8 +117,8 @@ def compare_policies(a: PolicySpec, b: PolicySpec, reward_path: str, prompts: li
     texts_b = [g.text for g in sample_policy(b, prompts, model_cfg, cfg, lambda: step(f"sampling with {b.name}"))]
     done = 2 * batches
     rm, tokenizer = load_reward_model(reward_path, model_cfg)
-    scores_a = score_texts(rm, tokenizer, prompts, texts_a, cfg.batch_size)
-    scores_b = score_texts(rm, tokenizer, prompts, texts_b, cfg.batch_size)
+    scores_a = score_texts(rm, tokenizer, prompts, texts_a, cfg.score_batch_size)
+    scores_b = score_texts(rm, tokenizer, prompts, texts_b, cfg.score_batch_size)
     del rm
     step("scored")
     rate, stderr = win_rate(scores_a, scores_b)

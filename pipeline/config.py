@@ -70,8 +70,10 @@ class GenerateConfig:
     128 (mean length of those that end: 51 tokens). Prompts asking for "a few sentences" or "three
     sentences" ended 62-72% at 128. A cut-off answer is a weak thing to rank, and a reward model
     trained on them learns to score fragments."""
-    batch_size: int = 16
-    """Sequences per forward pass (prompts x k are flattened, then batched)."""
+    batch_size: int = 0
+    """Sequences per forward pass (prompts x k are flattened, then batched); 0 = the device's
+    measured default (pipeline/sampling.py decode_batch_size: 64 on CPU, 256 on a GPU). The
+    responses of a seed depend on the batch: the same seed and batch give the same responses."""
     seed: int = 0
     """Seed for sampling; the same seed gives the same responses on CPU."""
     max_resample: int = 3

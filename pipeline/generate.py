@@ -1,8 +1,9 @@
 """Batched sampling of K responses per prompt, and the `python -m pipeline generate` CLI.
 
 `generate_responses(policy, tokenizer, prompts, k, cfg)`: prompts in, K `Generation`s per prompt
-out, through `pipeline.sampling.sample`; chat template (pipeline/text.py), length-sorted batching,
-seeding, and re-sampling of duplicates so annotators never rank two identical responses.
+out, through `pipeline.sampling.sample`; chat template (pipeline/text.py), length-sorted batching
+(at the device's decode batch unless GenerateConfig.batch_size names one), seeding, and
+re-sampling of duplicates so annotators never rank two identical responses.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_arg
 from pipeline.distributed import setup
 from pipeline.policy import load_policy
 from pipeline.rundir import write_json, write_jsonl, write_status
-from pipeline.sampling import sample
+from pipeline.sampling import decode_batch_size, sample
 from pipeline.text import pad_rows, prompt_token_ids, read_prompts
 
 # --------------------------------------------------------------------------- K responses per prompt
@@ -53,10 +54,12 @@ def _batches(order: list[int], need: dict[int, int], batch_size: int):
 @torch.no_grad()
 def generate_responses(policy, tokenizer, prompts: list, k: int, cfg: GenerateConfig,
                        on_progress: Callable[[int, int], None] | None = None) -> list[list[Generation]]:
-    """K sampled responses per prompt, in prompt order. on_progress(done, total) after each batch."""
+    """K sampled responses per prompt, in prompt order, in batches of cfg.batch_size sequences (0: the
+    device's decode_batch_size). on_progress(done, total) after each batch."""
     if k < 1:
         raise ValueError(f"k={k}: need at least one response per prompt")
     device = next(policy.parameters()).device
+    batch_size = cfg.batch_size or decode_batch_size(device)
     ids = []
     for i, prompt in enumerate(prompts):
         try:
@@ -74,7 +77,7 @@ def generate_responses(policy, tokenizer, prompts: list, k: int, cfg: GenerateCo
     def run(need: dict[int, int]) -> dict[int, list[Generation]]:
         nonlocal done
         fresh: dict[int, list[Generation]] = {p: [] for p in need}
-        for batch in _batches(order, need, cfg.batch_size):
+        for batch in _batches(order, need, batch_size):
             input_ids, mask = pad_rows([ids[p] for p, _ in batch], pad, left=True, device=device)
             out = sample(policy, input_ids, mask, cfg, tokenizer, num_samples=[n for _, n in batch], draws=generator)
             lengths = out.response_mask.sum(-1).tolist()

@@ -214,8 +214,9 @@ def normalisation_stats(model, prompts: list[Pair], cfg, model_cfg, amp, dist=No
     PPO's would shift every normalised reward when the reward model scores length.)
 
     cfg: a RewardConfig. The reference policy is the base model (no adapter), or the policy folder
-    cfg.norm_policy when PPO will start from an earlier round's policy. Batches of 2 x
-    cfg.batch_size. dist (pipeline/distributed.py): each process samples and scores its share of
+    cfg.norm_policy when PPO will start from an earlier round's policy. Sampled at the device's
+    decode batch (pipeline/sampling.py decode_batch_size), scored in batches of 2 x cfg.batch_size.
+    dist (pipeline/distributed.py): each process samples and scores its share of
     the prompts; the statistics are over all of them. A tqdm bar counts the responses sampled;
     on_progress(done, total) is called along the way.
     """
@@ -241,8 +242,7 @@ def normalisation_stats(model, prompts: list[Pair], cfg, model_cfg, amp, dist=No
         if on_progress is not None:
             on_progress(done, total)
 
-    sampling = GenerateConfig(k=1, seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                              temperature=temperature)
+    sampling = GenerateConfig(k=1, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature)
     gens = generate_responses(policy, tokenizer, picked, 1, sampling, on_progress=progress)
     progress(len(picked), len(picked))
     bar.close()

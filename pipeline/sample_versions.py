@@ -23,7 +23,7 @@ import math
 import sys
 from pathlib import Path
 
-from pipeline.compare import CompareConfig, PolicySpec, sample_policy
+from pipeline.compare import CompareConfig, PolicySpec, sample_policy, sampling_batch
 from pipeline.config import ModelConfig, add_arguments, from_args, to_dict
 from pipeline.rundir import run_job, write_json, write_jsonl
 from pipeline.text import read_prompts
@@ -47,7 +47,7 @@ def sample_versions(versions: list[dict], prompts: list[dict], model_cfg: ModelC
                     on_progress=None) -> list[dict]:
     """The samples.jsonl rows (module docstring) for `prompts` ({"id", "prompt"} each)."""
     texts = [p["prompt"] for p in prompts]
-    batches = math.ceil(len(texts) / cfg.batch_size)
+    batches = math.ceil(len(texts) / sampling_batch(cfg, model_cfg))
     total, done = batches * len(versions), 0
     sampling = {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
     rows = []
