@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def generate_cmd(shape=shape, batch=batch, js=js):
                 return [py, "bench/generate_bench.py", *bench_args, "--model", str(folders(shape)[1]),
-                        "--prompts-per-batch", str(batch // 4), "--threads", threads,
+                        "--batches", str(batch), "--threads", threads,
                         "--json", str(js), *plan["generate"].split()]
 
             row, data = phase(f"generate-{shape}-b{batch}", plan["seconds"][f"generate-{shape}"], generate_cmd, js=js)

@@ -62,6 +62,8 @@ ROWS = [
         ratio_key="ratio", spread="ratio"),
     Row("generate", "sampling tokens/s with log-probs", "ours_tok_s", "HF generate + log-probs",
         "hf_logprobs_tok_s", ratio_key="ratio_logprobs"),
+    Row("generate", "sampling tokens/s at the decode default batch", "ours_tok_s", "ours at batch 16",
+        "ours_base_tok_s", ratio_key="batch_gain", spread="ratio"),
     Row("reward", "reward-model training pairs/s", "ours_pairs_s", "TRL RewardTrainer", "trl_pairs_s",
         ratio_key="ratio", spread="minmax"),
     Row("reward", "reward-model training pairs/s", "ours_pairs_s", "TRL RewardTrainer, group_by_length",

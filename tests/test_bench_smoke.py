@@ -120,3 +120,26 @@ def test_round_cost_times_every_part_of_a_round_on_both_revisions(tmp_path, tiny
         assert all(p["cpu_s"] > 0 for name, p in cost[side].items() if name != "reward normalisation"), cost[side]
     assert float(fields["ratio"]) == pytest.approx(float(fields["after_cpu_s"]) / float(fields["before_cpu_s"]), rel=1e-2)
     assert cost["after_parts"]["generate"]["scale"] == 2.0 and cost["after_parts"]["ppo (per step)"]["scale"] == 2.0
+
+
+@pytest.mark.slow
+def test_generate_bench_compares_our_sampler_and_hf_generate_at_two_batches(tmp_path):
+    """bench/generate_bench.py on the tiny model at batches 8 and 16: every method at both, the
+    table's ratios in the JSON and a RESULT line with the last batch's figures and the batch gain."""
+    cmd = [sys.executable, "bench/generate_bench.py", "--model", "tiny", "--device", "cpu", "--quick", "--rounds", "2",
+           "--batches", "8,16", "--max-new-tokens", "8", "--json", str(tmp_path / "generate.json")]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT generate "))
+    fields = dict(kv.split("=") for kv in result.split()[2:])
+    assert (fields["batch"], fields["base_batch"], fields["rounds"]) == ("16", "8", "2")
+    for key in ("ours_tok_s", "hf_tok_s", "hf_logprobs_tok_s", "ours_base_tok_s", "hf_base_tok_s", "batch_gain"):
+        assert float(fields[key]) > 0, key
+    data = json.loads((tmp_path / "generate.json").read_text())
+    assert data["complete"] and set(data["figures"]["batches"]) == {"8", "16"}
+    at = data["figures"]["batches"]
+    assert float(fields["ratio"]) == pytest.approx(at["16"]["ours"]["tok_s"] / at["16"]["hf generate"]["tok_s"], abs=0.01)
+    assert float(fields["batch_gain"]) == pytest.approx(at["16"]["ours"]["tok_s"] / at["8"]["ours"]["tok_s"], abs=0.01)
+    # every method sampled the same prompts at both batches: 2 rounds x 4 prompts x K=4 responses
+    assert all(len(run) == 6 for run in data["runs"]) and data["figures"]["methods"] == at["16"]
