@@ -109,6 +109,38 @@ def center_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tenso
     return ((r_chosen + r_rejected) ** 2).mean()
 
 
+def group_mean(values: torch.Tensor, group_of_pair: torch.Tensor) -> torch.Tensor:
+    """Mean over groups of each group's mean: values (P,) one per pair, group_of_pair (P,) each
+    pair's group id in 0..G-1 (every id in that range has at least one pair). A group counts once
+    whatever its number of pairs; with one pair per group, or G groups of equal size, it is
+    values.mean()."""
+    counts = torch.bincount(group_of_pair)  # (G,)
+    if (counts == 0).any():
+        raise ValueError(f"group_mean: group ids must run 0..G-1 with a pair each, got counts {counts.tolist()}")
+    sums = torch.zeros(len(counts), dtype=values.dtype, device=values.device).index_add(0, group_of_pair, values)
+    return (sums / counts.to(values.dtype)).mean()
+
+
+def grouped_pairwise_loss(scores: torch.Tensor, chosen_idx: torch.Tensor, rejected_idx: torch.Tensor,
+                          group_of_pair: torch.Tensor, weights: torch.Tensor | None = None,
+                          margin: torch.Tensor | None = None) -> torch.Tensor:
+    """Bradley-Terry over every pair of each ranking, each ranking one batch element (Ouyang et al.
+    2022, eq. 1 and sec. 3.5: "all (K choose 2) comparisons from each prompt as a single batch
+    element"): the loss of group g is (1 / n_g) sum_{pairs of g} w * -log sigmoid(s_c - s_r - margin),
+    the batch's the mean over groups.
+
+    scores (N,): one per distinct response of the batch; chosen_idx, rejected_idx (P,): indices
+    into scores; group_of_pair (P,): group ids 0..G-1 (`group_mean`); weights, margin (P,) or None.
+    With one pair per group it is `weighted_pairwise_loss`."""
+    diff = scores[chosen_idx] - scores[rejected_idx]  # (P,)
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff)  # (P,)
+    if weights is not None:
+        loss = loss * weights
+    return group_mean(loss, group_of_pair)
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy averaged over the masked label positions.
 

@@ -270,6 +270,35 @@ def test_weighted_pairwise_loss_hand_values():
     assert close(rc.grad, [-0.089402, -0.125])
 
 
+def test_grouped_pairwise_loss_hand_values():
+    from pipeline.losses import group_mean, grouped_pairwise_loss
+
+    # group 0: responses a, b, c scored 2, 0, 1 and pairs a>b, a>c, c>b; group 1: d, e scored 0, 0.5, pair e>d
+    scores = torch.tensor([2.0, 0.0, 1.0, 0.0, 0.5])
+    chosen, rejected, group = torch.tensor([0, 0, 2, 4]), torch.tensor([1, 2, 1, 3]), torch.tensor([0, 0, 0, 1])
+    # -log sigmoid(d) = log(1 + e^-d): d = 2: 0.126928, d = 1: 0.313262, d = 0.5: 0.474077
+    # group 0: (0.126928 + 0.313262 + 0.313262) / 3 = 0.251150; group 1: 0.474077; mean 0.362614
+    assert close(grouped_pairwise_loss(scores, chosen, rejected, group), 0.362614)
+    # weights (1.5, 0.5, 1, 2): (1.5 * 0.126928 + 0.5 * 0.313262 + 0.313262) / 3 = 0.220095, 2 * 0.474077
+    weights = torch.tensor([1.5, 0.5, 1.0, 2.0])
+    assert close(grouped_pairwise_loss(scores, chosen, rejected, group, weights), (0.220095 + 0.948154) / 2)
+    # margin 1 on the first pair: d = 1, so group 0 is (1.5 + 0.5 + 1) * 0.313262 / 3 = 0.313262
+    margin = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert close(grouped_pairwise_loss(scores, chosen, rejected, group, weights, margin), (0.313262 + 0.948154) / 2)
+    # a ranking counts once: group 0's three pairs weigh as much as group 1's one
+    assert close(group_mean(torch.tensor([1.0, 2.0, 3.0, 10.0]), group), (2.0 + 10.0) / 2)
+    # one pair per group is the pairwise loss
+    one = torch.arange(4)
+    assert close(grouped_pairwise_loss(scores, chosen, rejected, one, weights),
+                 torch.mean(weights * -torch.nn.functional.logsigmoid(scores[chosen] - scores[rejected])))
+    # the gradient at a: -(sigmoid(-2) + sigmoid(-1)) / 3 / 2 = -(0.119203 + 0.268941) / 6 = -0.064691
+    s = scores.clone().requires_grad_()
+    grouped_pairwise_loss(s, chosen, rejected, group).backward()
+    assert close(s.grad[0], -0.064691)
+    with pytest.raises(ValueError, match="group ids must run 0..G-1"):
+        group_mean(torch.ones(2), torch.tensor([0, 2]))
+
+
 def test_dpo_and_ipo_weights_hand_values():
     w = torch.tensor([1.5, 0.5])  # mean 1, as the trainer normalises them
     # DPO: (1.5 * 0.598139 + 0.5 * 1.037488) / 2 = (0.897209 + 0.518744) / 2 = 0.707976
