@@ -96,8 +96,17 @@ class RewardConfig:
     reward model on SmolLM2-135M with LoRA r16 at 3e-4 reached 0.754 held-out accuracy after one
     epoch of 2,838 pairs (its second epoch over-fitted: docs/results/gold_seeds_big_proxy); a LoRA
     adapter starts at zero and needs a rate well above full fine-tuning's (~1e-5)."""
-    batch_size: int = 8
-    """Pairs per forward pass (micro-batch); an optimiser step sees batch_size x grad_accum pairs."""
+    grouped: bool = True
+    """'bt': train each ranking's pairs as one batch element (InstructGPT's "all (K choose 2)
+    comparisons from each prompt as a single batch element"): its prompt and each distinct response
+    run once, the ranking's loss is the mean over its pairs and a batch's the mean over rankings,
+    so a ranking counts once whatever its K (pairs without a ranking id group by prompt). False =
+    pair by pair: each pair's prompt and both responses run for that pair, the loss the mean over
+    pairs. The held-out figures are per pair either way."""
+    batch_size: int = 2
+    """Rankings (groups) per forward pass (micro-batch): about 12 pairs at K = 4, so a round takes a
+    number of optimiser steps similar to 8 pairs a batch with --grouped false, where it counts
+    pairs (rankings with 'plackett-luce'). An optimiser step sees batch_size x grad_accum of them."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimiser step."""
     max_length: int = 512
@@ -128,12 +137,13 @@ class RewardConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 = off); 1.0 as TRL's default."""
     share_prompt: bool = True
-    """Run each pair's prompt once and continue chosen and rejected from its KV cache (prefix
-    sharing; same scores, far fewer tokens when prompts are long). False = whole sequences."""
+    """Run each pair's (with grouped, each ranking's) prompt once and continue its responses from its
+    KV cache (prefix sharing; same scores, far fewer tokens when prompts are long). False = whole
+    sequences."""
     max_tokens: int = 4096
-    """Most tokens (chosen + rejected rows x padded length) per forward pass: longer batches run in
-    chunks whose gradients add up to the batch's, capping activation memory (about 10 GB for
-    SmolLM2-135M in fp32 at 4096; 0 = no cap)."""
+    """Most tokens (response rows: a pair's 2, a ranking's K; x padded length) per forward pass:
+    longer batches run in chunks, never splitting a pair or ranking, whose gradients add up to the
+    batch's, capping activation memory (about 10 GB for SmolLM2-135M in fp32 at 4096; 0 = no cap)."""
     eval_data: str = ""
     """Pairs file to evaluate on instead of holding out eval_fraction of the prompts ('' = hold out)."""
     norm_policy: str = ""

@@ -555,3 +555,34 @@ def collate_shared(items: list[EncodedPair], pad_id: int) -> dict[str, torch.Ten
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
             "response_mask": response_mask,
             "margin": torch.tensor([it.margin for it in items], dtype=torch.float32)}  # (B,)
+
+
+def collate_groups(items: list[EncodedGroup], pad_id: int, shared: bool) -> dict[str, torch.Tensor]:
+    """Every response of every group once, group after group (N rows in all), and every pair as
+    indices into those rows.
+
+    shared (the shared-prefix forward pass): prompt_ids, prompt_mask (G, P), left-padded as in
+    `collate_shared`; response_ids, response_mask (N, R), right-padded; prompt_of_row (N,), the
+    prompt row each response continues. Else input_ids, attention_mask (N, L), prompt + response
+    right-padded as in `collate`, and prompt_len (N,). Both: chosen, rejected (n,) row indices of each
+    pair's responses, group (n,) its group's position in `items`, margin (n,), and chosen_count (N,),
+    the number of pairs in which each row is the chosen response (the LM term's weight per row).
+    """
+    sizes = [len(it.responses) for it in items]
+    offsets = [sum(sizes[:g]) for g in range(len(items))]
+    chosen = [o + c for it, o in zip(items, offsets) for c in it.chosen]
+    rejected = [o + r for it, o in zip(items, offsets) for r in it.rejected]
+    batch = {"chosen": torch.tensor(chosen), "rejected": torch.tensor(rejected),  # (n,)
+             "group": torch.tensor([g for g, it in enumerate(items) for _ in it.chosen]),  # (n,)
+             "margin": torch.tensor([m for it in items for m in it.margins], dtype=torch.float32),  # (n,)
+             "chosen_count": torch.bincount(torch.tensor(chosen), minlength=sum(sizes))}  # (N,)
+    if shared:
+        batch["prompt_ids"], batch["prompt_mask"] = pad_rows([it.prompt_ids for it in items], pad_id, left=True)  # (G, P)
+        batch["response_ids"], batch["response_mask"] = pad_rows(
+            [r for it in items for r in it.responses], pad_id, left=False)  # (N, R)
+        batch["prompt_of_row"] = torch.arange(len(items)).repeat_interleave(torch.tensor(sizes))  # (N,)
+    else:
+        batch["input_ids"], batch["attention_mask"] = pad_rows(
+            [it.prompt_ids + r for it in items for r in it.responses], pad_id, left=False)  # (N, L)
+        batch["prompt_len"] = torch.tensor([len(it.prompt_ids) for it in items for _ in it.responses])  # (N,)
+    return batch

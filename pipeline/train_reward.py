@@ -1,7 +1,7 @@
 """Train a reward model on preference pairs: pairs file in, run directory out.
 
     python -m pipeline train-reward --data pairs.parquet --out runs/rm-1 [--epochs 1 --lr 5e-5
-        --batch-size 8 --grad-accum 1 --max-length 512 --lora true --model default ...]
+        --batch-size 2 --grad-accum 1 --max-length 512 --lora true --model default ...]
 
 The model is `load_scalar_model(kind="reward")` on the policy's base model (SmolLM2-135M-Instruct
 by default), LoRA or full fine-tuning. Loss: Bradley-Terry -log sigmoid(r_c - r_r [- margin])
@@ -9,10 +9,18 @@ by default), LoRA or full fine-tuning. Loss: Bradley-Terry -log sigmoid(r_c - r_
 (Askell et al. 2021). With a `weight` column (an export's quality_weights, from its annotators'
 quality) each pair's Bradley-Terry term counts by its weight over the training pairs' mean
 weight (--use-weights false ignores the column; data without one trains on the plain loss).
-Each pair's prompt runs once and its chosen and rejected responses continue from its KV cache
-together in one forward pass (--share-prompt false: whole sequences, chosen and rejected rows in
-one pass); batches group pairs of similar length and are padded only to their own longest row;
-long batches are split into chunks of at most --max-tokens.
+
+A batch element is a ranking's pairs (--grouped, the default; InstructGPT sec. 3.5: "all (K choose
+2) comparisons from each prompt as a single batch element"; pairs_data.group_pairs: by ranking id,
+else by prompt): its prompt runs once and each distinct response once, continuing from the
+prompt's KV cache in one forward pass (reward_eval.forward_groups), and every pair's gap is read
+from those scores; a ranking's loss is the mean over its pairs, a batch's the mean over rankings
+(losses.grouped_pairwise_loss), and --batch-size counts rankings. --grouped false trains pair by
+pair: each pair's prompt once and its chosen and rejected responses from its KV cache
+(forward_pairs), --batch-size counting pairs. --share-prompt false: whole sequences, one row per
+response. Batches group items of similar length and are padded only to their own longest row;
+long batches are split into chunks of at most --max-tokens, never splitting a pair or a ranking.
+Train metrics and the held-out figures are per pair either way.
 
 Run directory (written only here; the app tails it and registers the model):
     config.json        configs, input file and its sha256, command line
@@ -36,7 +44,7 @@ zero gradient), and a file of nothing else is refused; texts over max_length los
 from the left, counted in eval_report.json ("truncation"), never dropped.
 
 Reference run, SmolLM2-135M-Instruct on the HH dev pairs, 1,601 pairs for training and 399 held
-out (split by prompt):
+out (split by prompt; one pair per prompt, so each group is a pair and a batch 8 pairs):
 
     python -m pipeline train-reward --data tests/data/hh_dev_pairs.jsonl --out runs/rm-hh \\
         --eval-fraction 0.2 --epochs 1 --batch-size 8 --lr 1e-4 --max-length 512 --norm-samples 16
@@ -63,11 +71,11 @@ from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args,
 from pipeline.distributed import Dist, full_state_dict, setup
 from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, Training, cancelled, claim, guarded, recover,
                                 run_steps, save_state, start_training, write_report, write_run_config)
-from pipeline.losses import center_loss, plackett_luce_loss, weighted_pairwise_loss
+from pipeline.losses import center_loss, group_mean, grouped_pairwise_loss, plackett_luce_loss, weighted_pairwise_loss
 from pipeline.models import load_scalar_model, pick_dtype, resolve_model_path
-from pipeline.pairs_data import (encode_pairs, encode_rankings, pair_weights, prompt_key, read_rankings,
-                                  train_eval_data)
-from pipeline.reward_eval import evaluate, forward_pairs, forward_rankings, normalisation_stats
+from pipeline.pairs_data import (encode_groups, encode_pairs, encode_rankings, group_pairs, group_weights, pair_weights,
+                                  prompt_key, read_rankings, train_eval_data)
+from pipeline.reward_eval import evaluate, forward_groups, forward_pairs, forward_rankings, normalisation_stats
 from pipeline.rundir import append_metrics, is_writer, open_tracker
 from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
@@ -76,8 +84,9 @@ from pipeline.tracking import add_report_to
 
 
 def token_chunks(idx: list[int], lengths: list[int], max_tokens: int, rows: list[int] | None = None) -> list[list[int]]:
-    """Split one batch of item indices into chunks whose padded size (rows per item, 2 for a pair,
-    x longest row) stays within max_tokens; an item that alone exceeds it runs alone. 0 = one chunk."""
+    """Split one batch of item indices into chunks whose padded size (rows per item: 2 for a pair
+    (rows None), a group's or ranking's response count; x longest row) stays within max_tokens; an
+    item is never split, and one that alone exceeds it runs alone. 0 = one chunk."""
     if max_tokens <= 0:
         return [idx]
     chunks, current, n_rows = [], [], 0
@@ -151,6 +160,25 @@ def pair_loss(cfg: RewardConfig, wrapped, items: list, weights: list[float] | No
     return loss, (gap > 0).float(), gap, tokens
 
 
+def group_loss(cfg: RewardConfig, wrapped, items: list, weights: list[list[float]] | None, *, pad_id: int, device,
+               share_prompt: bool, lm_weight):
+    """The Bradley-Terry loss of a chunk of groups, each group's responses scored once
+    (`forward_groups`): per group the mean over its pairs of the weighted pair loss (margin when
+    set) plus center_coef (r_c + r_r)^2, the chunk's the mean over groups (`grouped_pairwise_loss`),
+    plus lm_coef times the LM term on the chosen responses. weights: per group, each pair's (or
+    None). Returns (loss, each pair scored in order (n,), its score gap (n,), real tokens)."""
+    scores, batch, lm, tokens = wrapped(forward_groups, items, pad_id, device, share_prompt, lm_weight)  # (N,)
+    c, r, g = batch["chosen"], batch["rejected"], batch["group"]  # (n,)
+    w = None if weights is None else torch.tensor([x for ws in weights for x in ws], device=device)  # (n,)
+    loss = grouped_pairwise_loss(scores, c, r, g, w, batch["margin"] if cfg.margin else None)
+    if cfg.center_coef > 0:
+        loss = loss + cfg.center_coef * group_mean((scores[c] + scores[r]) ** 2, g)
+    if lm is not None:
+        loss = loss + cfg.lm_coef * lm
+    gap = (scores[c] - scores[r]).detach()
+    return loss, (gap > 0).float(), gap, tokens
+
+
 def ranking_loss(wrapped, items: list, *, pad_id: int, device):
     """The Plackett-Luce loss of a chunk of rankings, mean over rankings: (loss, per ranking the
     share of its ordered pairs scored in order (b,) and their mean score gap (b,), real tokens)."""
@@ -166,47 +194,54 @@ def ranking_loss(wrapped, items: list, *, pad_id: int, device):
     return torch.stack(losses).mean(), torch.stack(right), torch.stack(gaps), tokens
 
 
-def reward_step(cfg: RewardConfig, training: Training, items: list, weights: list[float] | None, *, pad_id: int,
+def reward_step(cfg: RewardConfig, training: Training, items: list, weights: list | None, *, pad_id: int,
                 share_prompt: bool, lm_weight) -> Callable:
-    """The optimiser step run_steps calls: the loss (`pair_loss`, or `ranking_loss` for
-    'plackett-luce') over a step's micro-batches of indices into `items` (pairs or rankings);
-    returns (metrics, items, tokens)."""
+    """The optimiser step run_steps calls: the loss (`pair_loss` on pairs, `group_loss` on groups,
+    `ranking_loss` on rankings for 'plackett-luce') over a step's micro-batches of indices into
+    `items`; returns (metrics, pairs, tokens). train/loss is the mean over items (pairs, groups or
+    rankings, as the loss counts them), train/accuracy and train/margin over pairs (rankings: the
+    share of each ranking's ordered pairs, per ranking)."""
     dist, wrapped = training.dist, training.wrapped
     ranked = cfg.loss == "plackett-luce"
+    grouped = not ranked and cfg.grouped
     lengths = [it.length for it in items]
-    rows = [len(it.responses) for it in items] if ranked else None  # sequences per item (a pair: 2)
+    rows = [len(it.responses) for it in items] if ranked or grouped else None  # sequences per item (a pair: 2)
+
+    def chunk_loss(chunk: list[int]):
+        batch = [items[i] for i in chunk]
+        if ranked:
+            return ranking_loss(wrapped, batch, pad_id=pad_id, device=dist.device)
+        loss_of = group_loss if grouped else pair_loss
+        return loss_of(cfg, wrapped, batch, None if weights is None else [weights[i] for i in chunk],
+                       pad_id=pad_id, device=dist.device, share_prompt=share_prompt, lm_weight=lm_weight)
 
     def train_step(micro: list[list[int]]) -> tuple[dict, int, int]:
-        sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0, "tokens": 0}
-        # A long batch runs as several forward passes of at most max_tokens tokens; each chunk's
-        # loss is weighted by its share of the batch, so the gradient is the batch's own (pairwise
-        # and centering terms are means over pairs). With N processes each takes every N-th pair of
+        sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "items": 0, "pairs": 0, "tokens": 0}
+        # A long batch runs as several forward passes of at most max_tokens tokens, never splitting an
+        # item; each chunk's loss is weighted by its share of the batch's items, so the gradient is the
+        # batch's own (the loss is a mean over items). With N processes each takes every N-th item of
         # each batch, and DDP's mean over ranks undoes loss_scale.
         chunks = [(chunk, len(chunk) / len(idx) / len(micro) * dist.loss_scale)
                   for idx in micro for chunk in token_chunks(dist.shard(idx), lengths, cfg.max_tokens, rows) if chunk]
-        if not chunks:  # fewer pairs than processes: this rank joins the all-reduce with zeros
+        if not chunks:  # fewer items than processes: this rank joins the all-reduce with zeros
             chunks = [(micro[0][:1], 0.0)]
         if dist.sharded:  # every layer's forward gathers across ranks: run as many as the busiest
             chunks += [(micro[0][:1], 0.0)] * (max(dist.gather_objects(len(chunks))) - len(chunks))
         for j, (chunk, weight) in enumerate(chunks):
-            b = len(chunk)
             with dist.sync(wrapped, last=j == len(chunks) - 1):  # one all-reduce per step
                 with training.amp():
-                    batch = [items[i] for i in chunk]
-                    loss, right, gap, tokens = ranking_loss(wrapped, batch, pad_id=pad_id, device=dist.device) \
-                        if ranked else pair_loss(cfg, wrapped, batch, None if weights is None else [weights[i] for i in chunk],
-                                                 pad_id=pad_id, device=dist.device, share_prompt=share_prompt,
-                                                 lm_weight=lm_weight)
+                    loss, right, gap, tokens = chunk_loss(chunk)
                 (loss * weight).backward()
             if weight == 0.0:
                 continue
-            sums["loss"] += loss.item() * b
+            sums["loss"] += loss.item() * len(chunk)
+            sums["items"] += len(chunk)
             sums["accuracy"] += right.sum().item()
             sums["margin"] += gap.sum().item()
-            sums["pairs"] += b
+            sums["pairs"] += len(right)
             sums["tokens"] += tokens
         sums, grad_norm, n = training.optimizer_step(sums)
-        return {"train/loss": sums["loss"] / n, "train/accuracy": sums["accuracy"] / n,
+        return {"train/loss": sums["loss"] / sums["items"], "train/accuracy": sums["accuracy"] / n,
                 "train/margin": sums["margin"] / n, "train/grad_norm": grad_norm}, n, sums["tokens"]
 
     return train_step
@@ -225,6 +260,24 @@ def training_rankings(data: str, cfg: RewardConfig, eval_pairs: list, data_repor
     if not train:
         raise ValueError(f"{report['file']}: no rankings left to train on after holding out the evaluation prompts")
     return train
+
+
+def encode_items(pairs: list, tokenizer, cfg: RewardConfig, data_report: dict, side: str):
+    """(items, truncation report) of the training or held-out pairs (`side`): groups
+    (pairs_data.group_pairs, a ranking's pairs as one item) with cfg.grouped, counted in
+    data_report['groups'][side], else the pairs themselves."""
+    if not cfg.grouped:
+        return encode_pairs(pairs, tokenizer, cfg.max_length)
+    groups = group_pairs(pairs)
+    data_report.setdefault("groups", {})[side] = {
+        "groups": len(groups), "responses": sum(len(g.responses) for g in groups),
+        "pairs_max": max((len(g.chosen) for g in groups), default=0)}
+    return encode_groups(groups, tokenizer, cfg.max_length)
+
+
+def sequences(items: list) -> int:
+    """Sequences (prompt + response) the items hold: a pair's two, a group's or a ranking's responses."""
+    return sum(len(it.responses) if hasattr(it, "responses") else 2 for it in items)
 
 
 def shares_prompt(cfg: RewardConfig, model_cfg: ModelConfig, dist: Dist) -> bool:
@@ -280,9 +333,9 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
         recover(out_dir / "checkpoint", dist)
     source = str(out_dir / "checkpoint") if resume else (init_from or model_cfg.model)
     model, tokenizer = load_scalar_model(source, "reward", load_cfg)
-    train_items, trunc_train = encode_pairs(train_pairs, tokenizer, cfg.max_length) if train_rankings is None \
-        else encode_rankings(train_rankings, tokenizer, cfg.max_length)
-    eval_items, trunc_eval = encode_pairs(eval_pairs, tokenizer, cfg.max_length)
+    train_items, trunc_train = encode_rankings(train_rankings, tokenizer, cfg.max_length) if train_rankings is not None \
+        else encode_items(train_pairs, tokenizer, cfg, data_report, "train")
+    eval_items, trunc_eval = encode_items(eval_pairs, tokenizer, cfg, data_report, "eval")
     pad_id = tokenizer.pad_token_id
     lm_weight = lm_head_weight(model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None  # before any sharding
     if not resume:
@@ -301,8 +354,10 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
             save_scalar_model(model, tokenizer, out_dir / "checkpoint", state_dict=whole)
         save_state(out_dir, state, dist)
 
-    # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size pairs.
-    weights = pair_weights(train_items, cfg.use_weights) if train_rankings is None else None  # None: the plain loss
+    # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size items (groups,
+    #    pairs with --grouped false, rankings with plackett-luce).
+    weights = None if train_rankings is not None else group_weights(train_items, cfg.use_weights) if cfg.grouped \
+        else pair_weights(train_items, cfg.use_weights)  # None: the plain loss
     model.train()
     train_step = reward_step(cfg, training, train_items, weights, pad_id=pad_id,
                              share_prompt=shares_prompt(cfg, model_cfg, dist), lm_weight=lm_weight)
@@ -336,7 +391,7 @@ def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resum
            "train/prompts": len({str(p.prompt) for p in train_pairs}),
            "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
     return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),
-                        2 * (len(train_items) + len(eval_items)))
+                        sequences(train_items) + sequences(eval_items))
 
 
 # --------------------------------------------------------------------------- CLI

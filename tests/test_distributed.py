@@ -215,18 +215,21 @@ FAIL_ON_RANK_1 = """
 import os, sys
 from pipeline import __main__ as entry, train_reward
 
-real, calls = train_reward.forward_pairs, [0]
+calls = [0]
 
 
-def failing(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == 3:
-        raise RuntimeError("injected failure on rank 1")
-    return real(*args, **kwargs)
+def failing(real):
+    def forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected failure on rank 1")
+        return real(*args, **kwargs)
+    return forward
 
 
-if os.environ["RANK"] == "1":
-    train_reward.forward_pairs = failing
+if os.environ["RANK"] == "1":  # a training forward of groups (the default) or pairs
+    for name in ("forward_groups", "forward_pairs"):
+        setattr(train_reward, name, failing(getattr(train_reward, name)))
 sys.argv[0] = "pipeline"
 sys.exit(entry.run())
 """
