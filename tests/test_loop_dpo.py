@@ -66,6 +66,16 @@ def test_settings_carry_the_policy_step_and_old_rounds_read_as_ppo():
     assert round_ppo(LoopSettings()).advantage_estimator == "gae"
 
 
+def test_settings_stored_before_grouped_training_keep_their_pairwise_batches():
+    stored = LoopSettings().to_dict()
+    for part in ("reward", "dpo"):
+        stored[part] = {k: v for k, v in stored[part].items() if k != "grouped"} | {"batch_size": 8}
+    old = LoopSettings.from_dict(stored)
+    assert not old.reward.grouped and not old.dpo.grouped and old.reward.batch_size == 8
+    assert LoopSettings.from_dict(LoopSettings().to_dict()) == LoopSettings()
+    assert LoopSettings.from_dict({}).reward.grouped and LoopSettings.from_dict({}).dpo.grouped
+
+
 def test_an_under_ranked_round_is_refused_untouched_and_the_threshold_follows_overlap(store, tmp_path,
                                                                                    tiny_model_dir):
     rnd, _ = open_round(store, tiny_model_dir, n_items=4)

@@ -72,13 +72,18 @@ class LoopSettings:
     @classmethod
     def from_dict(cls, data: dict) -> "LoopSettings":
         """The inverse of to_dict; fields a newer version added keep their defaults (a round stored
-        before DPO existed reads as policy step 'ppo')."""
+        before DPO existed reads as policy step 'ppo'), except `grouped`: settings stored before the
+        reward model and DPO trained on rankings counted their batch in pairs, so they read as
+        grouped=False."""
         parts = {"loop": LoopConfig, "model": ModelConfig, "generate": GenerateConfig, "reward": RewardConfig,
                  "ppo": PPOConfig, "dpo": DPOConfig, "sft": SFTConfig}
         made = {}
         for name, cls_ in parts.items():
             known = {f.name for f in dataclasses.fields(cls_)}
-            made[name] = cls_(**{k: v for k, v in (data.get(name) or {}).items() if k in known})
+            stored = {k: v for k, v in (data.get(name) or {}).items() if k in known}
+            if name in ("reward", "dpo") and data.get(name) and "grouped" not in stored:
+                stored["grouped"] = False
+            made[name] = cls_(**stored)
         return cls(**made, policy_step=str(data.get("policy_step", cls.policy_step)),
                    ppo_prompts=int(data.get("ppo_prompts", cls.ppo_prompts)),
                    processes=int(data.get("processes", cls.processes)),
