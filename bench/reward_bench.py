@@ -1,9 +1,11 @@
 """Pairs/s of our reward trainer (pipeline.train_reward) against TRL's RewardTrainer.
 
-Same model (default SmolLM2-135M-Instruct), same HH-RLHF pairs, the same token ids (both take the
+Same model (default SmolLM2-135M-Instruct), the same pairs (--data k4, the default: rankings of
+K = 4 responses as a round makes them, tests/data/k4_rankings.jsonl, 6 pairs each; --data hh:
+HH-RLHF's 2-response pairs), the same token ids (both take the
 pairs as tokenised by pipeline.pairs_data: chat template, left truncation of the prompt to
---max-length, so TRL filters nothing out), micro-batch and gradient accumulation (4 pairs x 2 = 8
-pairs per optimiser step by default: 8 pairs of 512 tokens in one pass need about 20 GB of
+--max-length, so TRL filters nothing out), the same pairs per optimiser step (the pairs sides: 6
+pairs x 2 accumulated on k4, 4 x 2 on hh; 8 pairs of 512 tokens in one pass need about 20 GB of
 activations on CPU), one epoch, learning rate and linear decay, LoRA settings, precision and
 threads. Each trainer runs in its own subprocess, one after the
 other, so peak RSS is each one's own; --rounds repeats them, the order rotating each round, and
@@ -24,13 +26,18 @@ TRL settings that are not its defaults, and why:
   model looks for the last token that is not the pad id, which would score TRL one token early.
 - save_strategy='no', report_to=[], logging every 10 steps: no checkpoint I/O in the timing.
 
-Where ours gains: each pair's prompt runs once and both responses continue from its KV cache
+Three sides of ours and TRL's: `ours` (the default: each ranking's pairs as one batch element, its
+prompt once and each of its responses once, a step's rankings in one micro-batch), `ours_pairs`
+(`--grouped false`: pair by pair, as TRL), and the two TRL baselines.
+
+Where ours gains: each ranking's (or pair's) prompt runs once and its responses continue from its KV cache
 (in HH-RLHF pairs the prompt, with SmolLM2's system prompt, is about 80% of the tokens), and
 length-grouped batches (pairs of similar length share a batch, so dynamic padding pads little;
 TRL samples batches at random). The bench prints the tokens each one pushes through the model.
 
-    python bench/reward_bench.py            # 400 train / 400 held-out pairs, max length 512, 2 rounds
-    python bench/reward_bench.py --quick    # 32 / 16 pairs, 2 rounds
+    python bench/reward_bench.py            # k4: 240 train / 240 held-out pairs, max length 512, 2 rounds
+    python bench/reward_bench.py --data hh  # HH-RLHF: 400 / 400
+    python bench/reward_bench.py --quick    # 36 / 18 pairs (hh: 32 / 16), 2 rounds
     python bench/reward_bench.py --model FOLDER --device cuda --json out.json   # a GPU (bench/gpu_check.py)
     python bench/reward_bench.py --quick --model tiny --threads 1   # smoke test of the bench (seconds)
 
@@ -64,6 +71,7 @@ from pipeline.orchestrate.gate import wilson  # noqa: E402
 from pipeline.pairs_data import collate, encode_pairs, read_pairs, split_by_prompt  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "hh_dev_pairs.jsonl"  # provenance: tests/data/README.md
+K4 = DATA.with_name("k4_rankings.jsonl")  # rankings of K = 4 as a round makes them (tests/data/README.md)
 
 
 def peak_rss_mb() -> float:
@@ -79,10 +87,15 @@ def model_path(name: str) -> str:
 # --------------------------------------------------------------------------- workers (subprocesses)
 
 
-def worker_ours(spec: dict) -> dict:
+def worker_ours(spec: dict, grouped: bool = True) -> dict:
+    """Our trainer: each ranking's pairs as one batch element (the default; a step of the rankings
+    whose pairs the pairs sides' step holds, in one micro-batch), or pair by pair (grouped False)."""
     from pipeline.train_reward import train_reward
 
-    cfg = RewardConfig(epochs=1, lr=spec["lr"], batch_size=spec["batch_size"], grad_accum=spec["grad_accum"],
+    batch, accum = spec["batch_size"], spec["grad_accum"]
+    if grouped:
+        batch, accum = max(1, batch * accum // spec["pairs_per_ranking"]), 1
+    cfg = RewardConfig(epochs=1, lr=spec["lr"], batch_size=batch, grad_accum=accum, grouped=grouped,
                        max_length=spec["max_length"], max_tokens=0, norm_samples=0, eval_data=spec["eval"],
                        seed=spec["seed"])
     model_cfg = ModelConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"], lora=spec["lora"],
@@ -90,7 +103,7 @@ def worker_ours(spec: dict) -> dict:
     # a new run directory per round: train_reward refuses to overwrite a finished run
     out = tempfile.mkdtemp(prefix="ours-", dir=spec["workdir"])
     report = train_reward(spec["train"], out, cfg, model_cfg)
-    return {"pairs_per_s": report["train/pairs_per_s"], "seconds": report["train/seconds"],
+    return {"pairs_per_s": report["train/pairs"] / report["train/seconds"], "seconds": report["train/seconds"],
             "cpu_seconds": report["train/cpu_seconds"],
             "pairs": report["train/pairs"], "accuracy": report["eval/accuracy"],
             "length_baseline": report["eval/length_baseline_accuracy"]}
@@ -239,9 +252,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="32 train / 16 held-out pairs")
     parser.add_argument("--model", default="default", help="'default', a model folder, or 'tiny' (smoke test)")
-    parser.add_argument("--train-pairs", type=int, default=400)
-    parser.add_argument("--eval-pairs", type=int, default=400)
-    parser.add_argument("--batch-size", type=int, default=4, help="pairs per forward pass (micro-batch)")
+    parser.add_argument("--data", default="k4", choices=["k4", "hh"],
+                        help="k4: rankings of K = 4 (tests/data/k4_rankings.jsonl, 6 pairs each); hh: HH-RLHF's pairs")
+    parser.add_argument("--train-pairs", type=int, default=0, help="default: 240 (k4), 400 (hh)")
+    parser.add_argument("--eval-pairs", type=int, default=0, help="default: 240 (k4), 400 (hh)")
+    parser.add_argument("--batch-size", type=int, default=0, help="pairs per forward pass (micro-batch) of the "
+                        "pairs sides; default: 6 (k4), 4 (hh). ours: the step's rankings in one micro-batch")
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimiser step")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -254,7 +270,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each trainer, the order rotating each round")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off by default here")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
-    parser.add_argument("--only", default="", help="comma-separated trainers to run, of ours, trl, trl_grouped")
+    parser.add_argument("--only", default="", help="comma-separated trainers to run, of " + ", ".join(SIDES))
     parser.add_argument("--worker", choices=list(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -263,22 +279,30 @@ def main() -> int:
         report_worker(SIDES[args.worker], Path(args.spec))
         return 0
 
+    k4 = args.data == "k4"
+    per_ranking = 6 if k4 else 1  # a step's pairs are whole rankings: cut every size to a multiple
+    args.batch_size = args.batch_size or (6 if k4 else 4)
     if args.quick:  # at 512 tokens almost nothing is truncated (at 256, half the pairs would be)
-        args.train_pairs, args.eval_pairs = 32, 16
-    if not DATA.is_file():
-        sys.exit(f"{DATA} is missing: the benchmark needs the HH dev pairs (tests/data/)")
+        args.train_pairs, args.eval_pairs = (36, 18) if k4 else (32, 16)
+    args.train_pairs = args.train_pairs or (240 if k4 else 400)
+    args.eval_pairs = args.eval_pairs or (240 if k4 else 400)
+    args.train_pairs -= args.train_pairs % per_ranking
+    data = K4 if k4 else DATA
+    if not data.is_file():
+        sys.exit(f"{data} is missing: the benchmark needs it (tests/data/)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    pairs, _ = read_pairs(DATA)
-    # a quarter of the prompts held out: about 500 of the 2000 HH dev pairs, so 400 fit
+    pairs, _ = read_pairs(data)
+    # a quarter of the prompts held out: about 500 of the 2000 HH dev pairs, so 400 fit; 240 of k4's 960
     train, held = split_by_prompt(pairs, 0.25, seed=args.seed)
     if len(held) < args.eval_pairs or len(train) < args.train_pairs:
-        sys.exit(f"{DATA} splits into {len(train)} train / {len(held)} held-out pairs: fewer than asked")
+        sys.exit(f"{data} splits into {len(train)} train / {len(held)} held-out pairs: fewer than asked")
     train, held = train[: args.train_pairs], held[: args.eval_pairs]
     with tempfile.TemporaryDirectory(prefix="reward-bench-") as work:
         work = Path(work)
         for name, rows in (("train", train), ("eval", held)):
             (work / f"{name}.jsonl").write_text("".join(
-                json.dumps({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}) + "\n" for p in rows))
+                json.dumps({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected,
+                            **({"ranking_id": p.ranking} if p.ranking else {})}) + "\n" for p in rows))
         model = args.model
         if model == "tiny":  # a random tiny model: a smoke test of the bench itself, not a measurement
             from tests.tiny import save_tiny_model_dir
@@ -288,10 +312,10 @@ def main() -> int:
                 "workdir": str(work), "batch_size": args.batch_size, "grad_accum": args.grad_accum,
                 "max_length": args.max_length,
                 "lr": args.lr, "lora": args.lora, "lora_r": args.lora_r, "threads": args.threads,
-                "device": args.device, "dtype": args.dtype, "seed": args.seed,
+                "device": args.device, "dtype": args.dtype, "seed": args.seed, "pairs_per_ranking": per_ranking,
                 "trl_gradient_checkpointing": args.trl_gradient_checkpointing}
         (work / "spec.json").write_text(json.dumps(spec))
-        print(f"reward bench: {len(train)} train / {len(held)} held-out HH pairs, batch {args.batch_size} pairs x "
+        print(f"reward bench: {len(train)} train / {len(held)} held-out {args.data} pairs, batch {args.batch_size} pairs x "
               f"{args.grad_accum} accumulated, "
               f"max length {args.max_length}, LoRA {args.lora} (r={args.lora_r}), {args.threads} threads, "
               f"device {args.device}, TRL gradient checkpointing {args.trl_gradient_checkpointing}, "
@@ -338,28 +362,32 @@ def main() -> int:
         if args.json:
             write_json(args.json, output)
         return 1 if failed else 0
-    ours, trl, grouped = res["ours"], res["trl"], res["trl_grouped"]
+    ours, pairwise, trl, grouped = res["ours"], res["ours_pairs"], res["trl"], res["trl_grouped"]
     report(res, args, n_eval)
     ratio = ours["pairs_per_s"] / trl["pairs_per_s"]
     ratio_grouped = ours["pairs_per_s"] / grouped["pairs_per_s"]
+    ratio_pairs = ours["pairs_per_s"] / pairwise["pairs_per_s"]
     ratio_cpu = trl["cpu_seconds"] / ours["cpu_seconds"]  # pairs per CPU-second, same pairs
     print(f"ratio ours/trl pairs/s: {ratio:.2f}x wall clock, {ratio_cpu:.2f}x per CPU-second; against TRL with "
-          f"group_by_length {ratio_grouped:.2f}x; longer-response baseline accuracy {ours['length_baseline']:.3f}")
+          f"group_by_length {ratio_grouped:.2f}x; against our pair-by-pair path {ratio_pairs:.2f}x; "
+          f"longer-response baseline accuracy {ours['length_baseline']:.3f}")
     print("(on a machine shared with other work, wall-clock pairs/s follow the load; CPU seconds much less so)")
-    print(f"tokens per epoch incl. padding: ours {tokens_ours} (prompt once, length-grouped), TRL about "
+    print(f"tokens per epoch incl. padding: ours pair by pair {tokens_ours} (prompt once, length-grouped), TRL about "
           f"{tokens_random:.0f} (whole sequences, random batches): {tokens_random / tokens_ours:.2f}x")
     peak = "gpu" if "peak_gpu_mb" in ours else "rss"
     line = (f"RESULT reward ours_pairs_s={ours['pairs_per_s']:.3f} ours_pairs_s_min={ours['pairs_per_s_min']:.3f} "
             f"ours_pairs_s_max={ours['pairs_per_s_max']:.3f} trl_pairs_s={trl['pairs_per_s']:.3f} "
             f"trl_pairs_s_min={trl['pairs_per_s_min']:.3f} trl_pairs_s_max={trl['pairs_per_s_max']:.3f} "
-            f"trl_grouped_pairs_s={grouped['pairs_per_s']:.3f} ratio={ratio:.2f} ratio_grouped={ratio_grouped:.2f} "
+            f"trl_grouped_pairs_s={grouped['pairs_per_s']:.3f} ours_pairs_pairs_s={pairwise['pairs_per_s']:.3f} "
+            f"ratio={ratio:.2f} ratio_grouped={ratio_grouped:.2f} ratio_pairs={ratio_pairs:.2f} "
             f"ratio_cpu={ratio_cpu:.2f} n_eval={n_eval} ours_acc={ours['accuracy']:.3f} "
             f"ours_acc_lo={ours['acc_lo']:.3f} ours_acc_hi={ours['acc_hi']:.3f} trl_acc={trl['accuracy']:.3f} "
             f"trl_acc_lo={trl['acc_lo']:.3f} trl_acc_hi={trl['acc_hi']:.3f} "
-            f"ours_peak_mb={ours[f'peak_{peak}_mb']:.0f} trl_peak_mb={trl[f'peak_{peak}_mb']:.0f} peak={peak} "
-            f"length_baseline={ours['length_baseline']:.3f} rounds={args.rounds}")
+            f"ours_peak_mb={ours[f'peak_{peak}_mb']:.0f} trl_peak_mb={trl[f'peak_{peak}_mb']:.0f} "
+            f"ours_pairs_peak_mb={pairwise[f'peak_{peak}_mb']:.0f} peak={peak} "
+            f"length_baseline={ours['length_baseline']:.3f} data={args.data} rounds={args.rounds}")
     print(line)
-    output.update(ratio=ratio, ratio_grouped=ratio_grouped, result_line=line)
+    output.update(ratio=ratio, ratio_grouped=ratio_grouped, ratio_pairs=ratio_pairs, result_line=line)
     if args.json:
         write_json(args.json, output)
     return 0
@@ -378,7 +406,8 @@ def report(res: dict, args, n_eval: int) -> None:
               f"{r['accuracy']:>10.3f} [{r['acc_lo']:.3f}, {r['acc_hi']:.3f}]")
 
 
-SIDES = {"ours": worker_ours, "trl": worker_trl, "trl_grouped": lambda spec: worker_trl(spec, grouped=True)}
+SIDES = {"ours": worker_ours, "ours_pairs": lambda spec: worker_ours(spec, grouped=False), "trl": worker_trl,
+         "trl_grouped": lambda spec: worker_trl(spec, grouped=True)}
 
 
 if __name__ == "__main__":

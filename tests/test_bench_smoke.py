@@ -123,6 +123,40 @@ def test_round_cost_times_every_part_of_a_round_on_both_revisions(tmp_path, tiny
 
 
 @pytest.mark.slow
+def test_reward_bench_times_grouped_pairwise_and_trl_on_rankings_of_four(tmp_path):
+    """bench/reward_bench.py --quick on the tiny model with the K = 4 rankings: every side trains
+    the same 36 pairs (6 rankings) and the RESULT line has each one's pairs/s and the ratios."""
+    cmd = [sys.executable, "bench/reward_bench.py", "--quick", "--model", "tiny", "--threads", "1", "--rounds", "1",
+           "--max-length", "128", "--json", str(tmp_path / "reward.json")]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT reward "))
+    fields = dict(kv.split("=", 1) for kv in result.split()[2:])
+    assert fields["data"] == "k4"
+    for key in ("ours_pairs_s", "ours_pairs_pairs_s", "trl_pairs_s", "ratio", "ratio_pairs"):
+        assert float(fields[key]) > 0, key
+    results = json.loads((tmp_path / "reward.json").read_text())["results"]
+    assert {side: r["pairs"] for side, r in results.items()} == {"ours": 36, "ours_pairs": 36, "trl": 36, "trl_grouped": 36}
+
+
+@pytest.mark.slow
+def test_dpo_bench_times_grouped_pairwise_and_trl_on_rankings_of_four(tmp_path):
+    """bench/dpo_bench.py --quick (a small random model) on the K = 4 rankings: ours grouped, ours
+    pair by pair and TRL's DPOTrainer on the same 36 pairs, and the ratios in the RESULT line."""
+    cmd = [sys.executable, "bench/dpo_bench.py", "--quick", "--threads", "1", "--rounds", "1", "--max-length", "128",
+           "--json", str(tmp_path / "dpo.json")]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT dpo "))
+    fields = dict(kv.split("=", 1) for kv in result.split()[2:])
+    assert fields["data"] == "k4" and fields["pairs"] == "36"
+    for key in ("ours_pairs_s", "ours_pairs_pairs_s", "trl_pairs_s", "ratio", "ratio_pairs"):
+        assert float(fields[key]) > 0, key
+
+
+@pytest.mark.slow
 def test_generate_bench_compares_our_sampler_and_hf_generate_at_two_batches(tmp_path):
     """bench/generate_bench.py on the tiny model at batches 8 and 16: every method at both, the
     table's ratios in the JSON and a RESULT line with the last batch's figures and the batch gain."""
