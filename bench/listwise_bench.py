@@ -1,5 +1,6 @@
-"""Plackett-Luce against Bradley-Terry trained on the same rankings: does learning each ranking once
-beat learning its C(K, 2) pairs, and at which data sizes?
+"""Three ways to learn the same rankings: Bradley-Terry on their C(K, 2) pairs one by one, Bradley-
+Terry on each ranking's pairs as one batch element, and Plackett-Luce on each ranking once. Which
+generalises best, and at which data sizes?
 
     python bench/listwise_bench.py                          # tiny model, 3 sizes x 3 seeds (minutes)
     python bench/listwise_bench.py --quick                  # one size, one seed (seconds; the suite's smoke test)
@@ -17,16 +18,21 @@ responses, annotators' rankings, held-out set and training order.
 
 Per seed and size N (the first N rankings of the seed's pool): the rankings are written as
 store/export.py writes a snapshot (a pairs file of every ordered pair of each ranking, its
-rankings beside it), and `train-reward` runs twice on that snapshot: `--loss bt` on its pairs,
-`--loss plackett-luce` on its rankings, with the same model, learning rate and epochs and the same
-data per optimiser step (Plackett-Luce's batch is Bradley-Terry's divided by C(K, 2): the
-rankings whose pairs Bradley-Terry's batch holds). Both are evaluated on the same held-out pairs:
-every pair of a held-out prompt's responses whose gold differs, ordered by gold (no noise).
+rankings beside it), and `train-reward` runs once per arm (--arms) on that snapshot:
 
-Reported per size: held-out pairwise accuracy and loss of each, mean over seeds with a 95%
-Student-t interval, and the paired difference PL - BT with its own t-interval (each seed's two
-runs share their data). RESULT line: `RESULT listwise n{N}_acc_bt= n{N}_acc_pl= n{N}_diff=
-n{N}_diff_lo= n{N}_diff_hi= ... seeds=`.
+    bt        --loss bt --grouped false: its pairs, shuffled one by one, batches of --batch-pairs
+    grouped   --loss bt (the default): each ranking's pairs as one batch element, its responses
+              forwarded once, batches of --batch-pairs / C(K, 2) rankings
+    pl        --loss plackett-luce: its rankings, batches of --batch-pairs / C(K, 2)
+
+with the same model, learning rate and epochs and the same data per optimiser step (the rankings
+whose pairs bt's batch holds), so the same number of steps. All are evaluated on the same held-out
+pairs: every pair of a held-out prompt's responses whose gold differs, ordered by gold (no noise).
+
+Reported per size: held-out pairwise accuracy and loss of each arm, mean over seeds with a 95%
+Student-t interval, and each arm's paired difference from bt with its own t-interval (each seed's
+runs share their data). RESULT line: `RESULT listwise n{N}_acc_bt= n{N}_acc_grouped= n{N}_acc_pl=
+n{N}_grouped_diff= n{N}_grouped_diff_lo= n{N}_grouped_diff_hi= n{N}_pl_diff= ... seeds=`.
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ from bench.gold.closed_report import t_interval  # noqa: E402  (the one Student-
 from tests.test_ppo_learned_reward import gold, prompts_for  # noqa: E402  (the task, as the test defines it)
 
 K = 4
+ARMS = {"bt": ("bt", False, "pairs"), "grouped": ("bt", True, "rankings"), "pl": ("plackett-luce", False, "rankings")}
+"""Each arm's (RewardConfig.loss, RewardConfig.grouped, what its batch counts)."""
+
+
 def listwise_order(utilities: list[float], temperature: float, rng: random.Random) -> list[int]:
     """A Plackett-Luce draw: indices best first, each picked from the rest by softmax(u / T)."""
     rest, order = list(range(len(utilities))), []
@@ -82,7 +92,7 @@ def write_snapshot(folder: Path, prompts: list[str], responses: list[list[str]],
         for n, (prompt, texts, order) in enumerate(zip(prompts, responses, orders)):
             ids = [n * K + i for i in range(K)]
             for a, b in combinations(order, 2):  # a is ranked above b
-                fp.write(json.dumps({"prompt": prompt, "chosen": texts[a], "rejected": texts[b]}) + "\n")
+                fp.write(json.dumps({"prompt": prompt, "chosen": texts[a], "rejected": texts[b], "ranking_id": n}) + "\n")
             fr.write(json.dumps({"ranking_id": n, "prompt": prompt, "order": [[ids[i]] for i in order],
                                  "responses": [{"response_id": ids[i], "text": texts[i]} for i in range(K)]}) + "\n")
     return pairs
@@ -130,17 +140,20 @@ def run_seed(seed: int, sizes: list[int], model_dir: Path, work: Path, args) -> 
         data = write_snapshot(work / f"s{seed}_n{n}", [prompts[i] for i in pool[:n]], [responses[i] for i in pool[:n]],
                               orders[:n])
         row = {"seed": seed, "rankings": n}
-        for loss, batch in (("bt", args.batch_pairs), ("plackett-luce", max(1, args.batch_pairs // math.comb(K, 2)))):
-            cfg = RewardConfig(loss=loss, epochs=args.epochs, lr=args.lr, batch_size=batch,
+        per_ranking = max(1, args.batch_pairs // math.comb(K, 2))
+        for name in args.arms.split(","):
+            loss, grouped, batch = ARMS[name]
+            cfg = RewardConfig(loss=loss, grouped=grouped, epochs=args.epochs, lr=args.lr,
+                               batch_size=args.batch_pairs if batch == "pairs" else per_ranking,
                                max_length=96 if args.model == "tiny" else 256,
                                eval_data=str(eval_file), norm_samples=0, seed=seed)
             t = time.perf_counter()
-            report = train_reward(str(data), str(work / f"s{seed}_n{n}_{loss}"), cfg, model)
-            name = "bt" if loss == "bt" else "pl"
+            report = train_reward(str(data), str(work / f"s{seed}_n{n}_{name}"), cfg, model)
             row.update({f"acc_{name}": report["eval/accuracy"], f"loss_{name}": report["eval/loss"],
                         f"s_{name}": time.perf_counter() - t, "eval_pairs": report["eval/pairs"]})
-        print(f"seed {seed} n={n}: BT acc {row['acc_bt']:.3f} loss {row['loss_bt']:.3f} | PL acc {row['acc_pl']:.3f} "
-              f"loss {row['loss_pl']:.3f} ({row['eval_pairs']} held-out pairs)", flush=True)
+        print(f"seed {seed} n={n}: " + " | ".join(f"{name} acc {row['acc_' + name]:.3f} loss {row['loss_' + name]:.3f}"
+                                                  for name in args.arms.split(","))
+              + f" ({row['eval_pairs']} held-out pairs)", flush=True)
         rows.append(row)
     return rows
 
@@ -156,21 +169,26 @@ def _ci(t: dict, sign: str = "") -> str:
     return f"{t['mean']:{sign}.3f} [{t['lo']:{sign}.3f}, {t['hi']:{sign}.3f}]"
 
 
-def summarise(rows: list[dict], sizes: list[int]) -> tuple[list[str], str]:
-    """(the table's lines, the RESULT line)."""
+def summarise(rows: list[dict], sizes: list[int], arms: list[str]) -> tuple[list[str], str]:
+    """(the table's lines, the RESULT line); differences are from bt, when it is an arm."""
     seeds = sorted({r["seed"] for r in rows})
-    lines = ["| rankings | BT accuracy [95% t] | PL accuracy [95% t] | PL - BT [95% t] | BT loss | PL loss |",
-             "|---|---|---|---|---|---|"]
+    others = [a for a in arms if a != "bt"] if "bt" in arms else []
+    lines = ["| rankings | " + " | ".join(f"{a} accuracy [95% t]" for a in arms) + "".join(
+        f" | {a} - bt [95% t]" for a in others) + " | " + " | ".join(f"{a} loss" for a in arms) + " |",
+        "|---|" + "---|" * (2 * len(arms) + len(others))]
     fields = []
     for n in sizes:
         at = [r for r in rows if r["rankings"] == n]
-        bt, pl = t_interval([r["acc_bt"] for r in at]), t_interval([r["acc_pl"] for r in at])
-        diff = t_interval([r["acc_pl"] - r["acc_bt"] for r in at])
-        loss_bt, loss_pl = (statistics.fmean(r[k] for r in at) for k in ("loss_bt", "loss_pl"))
-        lines.append(f"| {n} | {_ci(bt)} | {_ci(pl)} | {_ci(diff, '+')} | {loss_bt:.3f} | {loss_pl:.3f} |")
-        fields += [f"n{n}_acc_bt={bt['mean']:.4f}", f"n{n}_acc_pl={pl['mean']:.4f}", f"n{n}_diff={diff['mean']:.4f}",
-                   f"n{n}_diff_lo={_num(diff['lo'])}", f"n{n}_diff_hi={_num(diff['hi'])}",
-                   f"n{n}_loss_bt={loss_bt:.4f}", f"n{n}_loss_pl={loss_pl:.4f}"]
+        acc = {a: t_interval([r["acc_" + a] for r in at]) for a in arms}
+        diff = {a: t_interval([r["acc_" + a] - r["acc_bt"] for r in at]) for a in others}
+        loss = {a: statistics.fmean(r["loss_" + a] for r in at) for a in arms}
+        lines.append(f"| {n} | " + " | ".join(_ci(acc[a]) for a in arms) + "".join(f" | {_ci(diff[a], '+')}" for a in others)
+                     + " | " + " | ".join(f"{loss[a]:.3f}" for a in arms) + " |")
+        fields += [f"n{n}_acc_{a}={acc[a]['mean']:.4f}" for a in arms]
+        for a in others:
+            fields += [f"n{n}_{a}_diff={diff[a]['mean']:.4f}", f"n{n}_{a}_diff_lo={_num(diff[a]['lo'])}",
+                       f"n{n}_{a}_diff_hi={_num(diff[a]['hi'])}"]
+        fields += [f"n{n}_loss_{a}={loss[a]:.4f}" for a in arms]
     return lines, "RESULT listwise " + " ".join(fields) + f" seeds={len(seeds)}"
 
 
@@ -183,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0, help="the annotators' Plackett-Luce temperature")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--batch-pairs", type=int, default=12, help="Bradley-Terry's batch in pairs (PL: / C(K, 2))")
+    parser.add_argument("--batch-pairs", type=int, default=12,
+                        help="bt's batch in pairs (grouped and pl: / C(K, 2) rankings)")
+    parser.add_argument("--arms", default="bt,grouped,pl", help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default="tiny", help="'tiny' (tests/tiny.py's random model), 'default' "
@@ -192,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="keep the seeds --json already holds (a run with the "
                         "same settings stopped part-way) and run the others")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.arms.split(",")) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms: unknown {', '.join(unknown)} (known: {', '.join(ARMS)})")
     import torch
 
     from tests.tiny import save_tiny_model_dir
@@ -214,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:  # after every seed: a stopped run keeps the seeds it finished (--resume)
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps({"settings": settings, "sizes": sizes, "rows": rows}, indent=1))
-    lines, result = summarise(rows, sizes)
+    lines, result = summarise(rows, sizes, args.arms.split(","))
     print("\n".join(lines))
     print(result)
     print(f"{time.perf_counter() - t0:.0f} s on {args.threads} thread(s)")

@@ -28,7 +28,9 @@ def test_the_quick_bench_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     result = next(line for line in out.splitlines() if line.startswith("RESULT listwise "))
     fields = dict(kv.split("=") for kv in result.split()[2:])
-    assert fields["seeds"] == "1" and 0 <= float(fields["n40_acc_bt"]) <= 1 and 0 <= float(fields["n40_acc_pl"]) <= 1
+    assert fields["seeds"] == "1" and all(0 <= float(fields[f"n40_acc_{arm}"]) <= 1 for arm in ("bt", "grouped", "pl"))
+    assert float(fields["n40_grouped_diff"]) == pytest.approx(float(fields["n40_acc_grouped"]) - float(fields["n40_acc_bt"]),
+                                                              abs=2e-4)
     assert (tmp_path / "out.json").is_file()
     # resumed, the seed the file holds is not run again, and the same result is reported
     assert listwise_bench.main(["--quick", "--json", str(tmp_path / "out.json"), "--resume"]) == 0
