@@ -33,7 +33,7 @@ from annotate.context import AppContext, user
 from annotate.state import SessionState, Showing
 from annotate.timing import span
 from store.errors import StoreError
-from store.records import STRENGTHS, Annotator, EditIn
+from store.records import STRENGTHS, Annotator, EditIn, RankingIn
 from store.versions import GUIDELINES_KEY
 
 # ------------------------------------------------------------------------- ranking strings
@@ -232,9 +232,9 @@ def submit(ctx: AppContext, form: Submission, state: SessionState | None, reques
     if strength is not None and strength not in STRENGTHS:
         raise gr.Error(f"Strength must be one of {', '.join(STRENGTHS)} (or none), not {strength!r}.")
     order = [[ids[pos - 1] for pos in g] for g in groups]
-    fields = dict(all_bad=bool(all_bad), display_order=list(ids), duration_s=showing.elapsed(),
-                  client_token=showing.token, comment=(comment or "").strip(), strength=strength,
-                  edit=own)
+    submitted = RankingIn(account.id, showing.item.prompt.id, order, all_bad=bool(all_bad), display_order=list(ids),
+                          duration_s=showing.elapsed(), client_token=showing.token,
+                          comment=(comment or "").strip(), strength=strength, edit=own)
     with state.lock:
         on_deck = state.prefetched if state.ahead is None else None
     ahead = None
@@ -243,10 +243,9 @@ def submit(ctx: AppContext, form: Submission, state: SessionState | None, reques
             if ctx.prefetch and on_deck is not None:
                 # the item after the prefetched one is leased in the ranking's own transaction (one
                 # commit per submit, not two); its content is loaded in the background (`prefetch`)
-                _, ahead = ctx.store.save_ranking_and_lease_next(
-                    account.id, showing.item.prompt.id, order, exclude=[on_deck.item_id], **fields)
+                _, ahead = ctx.store.save_ranking_and_lease_next(submitted, exclude=[on_deck.item_id])
             else:
-                ctx.store.save_ranking(account.id, showing.item.prompt.id, order, **fields)
+                ctx.store.save_ranking(submitted)
     except StoreError as exc:
         raise gr.Error(f"Not saved: {exc}") from None
     n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:]) + (own is not None) * showing.k

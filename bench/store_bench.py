@@ -18,7 +18,7 @@ Phases (each timed; resident memory sampled every 20 ms):
     items each), then the Team tab's refresh (annotate/team.py team_tables: agreement, per
     annotator, per item) and the Data tab's Overview (annotate/admin.py statistics), each the
     median of 3 calls of the handler itself;
- 5. export every pair to Parquet, a datasets folder and JSONL (store.io.export_dataset);
+ 5. export every pair to Parquet, a datasets folder and JSONL (store.io.export_pairs);
  6. a backup (store/backup.py) and the database file's size.
 The comparison ratio is bulk vs one-at-a-time rankings/s. The last line is `RESULT store ...`.
 """
@@ -41,7 +41,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from store import RankingIn, Store  # noqa: E402
-from store.io import ExportOptions, export_dataset  # noqa: E402
+from store.io import export_pairs  # noqa: E402
 
 
 class RssSampler:
@@ -126,14 +126,15 @@ def run_annotators(store, annotators, overlap: int, seconds: float, *, think, in
             while item is not None and time.perf_counter() < stop_at:
                 if think is None:
                     t = time.perf_counter()
-                    store.save_ranking(aid, item.prompt.id, item.display_order, display_order=item.display_order)
+                    store.save_ranking(RankingIn(aid, item.prompt.id, item.display_order,
+                                                 display_order=item.display_order))
                     item = store.next_item(aid, overlap=overlap)
                     with lock:
                         into.append((time.perf_counter() - t) * 1000)
                     continue
                 time.sleep(rng.uniform(*think))
-                timed(lambda: store.save_ranking(aid, item.prompt.id, item.display_order,
-                                                 display_order=item.display_order), "submit")
+                timed(lambda: store.save_ranking(RankingIn(aid, item.prompt.id, item.display_order,
+                                                           display_order=item.display_order)), "submit")
                 item = timed(lambda: store.next_item(aid, overlap=overlap), "next")
         except BaseException as exc:  # raised below
             errors.append(exc)
@@ -210,8 +211,9 @@ def main(argv=None) -> int:
         got = store.next_item(a, overlap=args.overlap)
         for i in tqdm(range(200 if n <= 10_000 else 400), desc="save_ranking + next_item", unit="item"):
             t, c = time.perf_counter(), time.thread_time()
-            store.save_ranking(a, got.prompt.id, [[x] for x in got.display_order], display_order=got.display_order,
-                               duration_s=5.0, client_token=f"single-{i}")
+            store.save_ranking(RankingIn(a, got.prompt.id, [[x] for x in got.display_order],
+                                         display_order=got.display_order,
+                                         duration_s=5.0, client_token=f"single-{i}"))
             t1 = time.perf_counter()
             got = store.next_item(a, overlap=args.overlap)
             t2 = time.perf_counter()
@@ -263,7 +265,7 @@ def main(argv=None) -> int:
         exports = {}
         for fmt, name in (("parquet", "pairs.parquet"), ("datasets", "pairs_ds"), ("jsonl", "pairs.jsonl")):
             t0 = time.perf_counter()
-            snap = export_dataset(store, work / name, ExportOptions(format=fmt, include_all_bad=True, test_fraction=0.05))
+            snap = export_pairs(store, work / name, fmt, include_all_bad=True, test_fraction=0.05)
             secs = time.perf_counter() - t0
             exports[fmt] = (snap.counts["pairs"] / secs, mem.phase_peak(), secs, snap.counts["pairs"])
             rows.append((f"export {fmt}: pairs/s", f"{exports[fmt][0]:,.0f}  ({exports[fmt][3]:,} pairs in "

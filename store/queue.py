@@ -2,7 +2,8 @@
 team's settings (overlap, round priority, gold rate).
 
 An *item* is one generation call's K >= 2 responses to one prompt (Store.add_responses); imported
-pairs are items too but are never queued. `next_item` hands an annotator an item that
+pairs are items too but are never queued. `next_item` (store/rankings.py, which writes a lease in
+the transaction that writes rankings) hands an annotator an item that
 - is queued, and its prompt is not flagged,
 - this annotator has not ranked or skipped (an annotator never sees an item twice),
 - has fewer than its overlap in rankings plus live leases held by *other* annotators. An item's
@@ -25,24 +26,20 @@ so an abandoned item returns to the queue by itself.
 The choice is made in memory (store/queue_index.py explains why, store/queue_rules.py holds the
 rules) and the lease is written to the `leases` table in the same transaction; next_item and
 save_ranking calls made at the same moment by several annotators share one transaction
-(Store._write_batch).
+(Store._write_batch, store/rankings.py). This file holds the rest: the settings, what is left and
+who holds what, giving a lease back, skips and flags.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-import pyarrow as pa
-
-from store.db import registered
 from store.values import from_db_time, utcnow
 from store.errors import InvalidRequest
-from store.queue_index import QueueIndex, local_midnight, read_queue_index
-from store.queue_rules import WRITE_KIND
-from store.records import Item, Progress, Prompt
+from store.queue_index import QueueIndex, local_midnight, place_new_items, read_queue_index
+from store.records import Progress, Prompt
 
 OVERLAP_KEY = "queue_overlap"
 LEASE_SECONDS_KEY = "queue_lease_seconds"
@@ -56,12 +53,9 @@ MAX_PRIORITY = 1000
 class QueueMixin:
     """Queue methods of Store.
 
-    Besides the core (store/db.py), these use methods of the Store's other parts, declared here:
-    the rankings written in a combined batch (store/rankings.py), items and prompts (store/repo.py)
-    and settings (store/versions.py)."""
+    Besides the core (store/db.py), these use public methods of the Store's other parts, declared
+    here: prompts (store/repo.py) and settings (store/versions.py)."""
 
-    _save_ranking_batch: Callable[[Any, list], list]
-    get_item: Callable[..., Item]
     get_prompt: Callable[[int], Prompt]
     get_setting: Callable[..., Any]
     set_setting: Callable[[str, Any], None]
@@ -105,108 +99,6 @@ class QueueMixin:
         return {r: (o, p) for r, o, p in self._rows("SELECT round_id, overlap, priority FROM round_queue ORDER BY round_id")}
 
     # -- the queue
-
-    def next_item(self, annotator_id: int, *, overlap: int | None = None,
-                  lease_seconds: float | None = None, exclude=()) -> Item | None:
-        """The next item for this annotator, leased to them for `lease_seconds`; None when the
-        queue holds nothing for them. `exclude`: item ids not to return (e.g. the one on screen,
-        when prefetching the next). Concurrent calls share one transaction (Store._write_batch)."""
-        picked = self._combined(WRITE_KIND, ("next", self._next_request(annotator_id, overlap, lease_seconds, exclude)),
-                                self._write_batch)
-        if picked is None:
-            return None
-        item_id, expires = picked
-        item = self.get_item(item_id, annotator_id)
-        return dataclasses.replace(item, lease_expires_at=from_db_time(expires))
-
-    def _next_request(self, annotator_id: int, overlap, lease_seconds, exclude) -> tuple:
-        overlap = None if overlap is None else int(overlap)
-        lease_seconds = self.lease_seconds() if lease_seconds is None else float(lease_seconds)
-        return annotator_id, overlap, lease_seconds, frozenset(int(i) for i in exclude)
-
-    def _write_batch(self, cur, requests) -> list:
-        """One transaction for the save_ranking and next_item requests that arrived together
-        (Store._combined): the rankings first, then the picks, which see them. A commit costs
-        DuckDB about 4 ms (it syncs its log to disk) and holds the write lock, so under load
-        annotators' rankings and leases share one. Requests are ("rank", ranking), ("next", pick)
-        or ("rank+next", (ranking, pick)) (Store.save_ranking_and_lease_next: the pick is made
-        only if the ranking is stored). Returns one result or exception per request."""
-        out: list = [None] * len(requests)
-        # 1. the rankings
-        ranks = [i for i, (kind, _) in enumerate(requests) if kind != "next"]
-        if ranks:
-            rankings = [req if kind == "rank" else req[0] for kind, req in (requests[i] for i in ranks)]
-            for i, result in zip(ranks, self._save_ranking_batch(cur, rankings)):
-                out[i] = result
-        # 2. the picks: of next_item, and of each save_ranking_and_lease_next whose ranking was stored
-        picks = [i for i, (kind, _) in enumerate(requests)
-                 if kind == "next" or (kind == "rank+next" and not isinstance(out[i], BaseException))]
-        if picks:
-            wanted = [req if kind == "next" else req[1] for kind, req in (requests[i] for i in picks)]
-            for i, picked in zip(picks, self._next_item_batch(cur, wanted)):
-                out[i] = picked if requests[i][0] == "next" else (out[i], picked)
-        return out
-
-    def _next_item_batch(self, cur, requests) -> list:
-        """Inside the write transaction: pick an item for each queued next_item request, in order,
-        and write their leases. Each pick sees the leases of the picks before it (the index is
-        updated at once; Store._combined drops the index if the transaction fails)."""
-        q = self._shared.queue
-        now = utcnow()
-        self._collect_expired_leases(cur, q, now)
-        self._place_new_items(cur, q)
-        default, gold_rate = self.queue_overlap(), self.gold_rate()
-        out, leases, renewed = [], {}, set()
-        for annotator_id, overlap, lease_seconds, exclude in requests:
-            item_id = q.pick(annotator_id, overlap, default, now, exclude, gold_rate)
-            if item_id is None:
-                out.append(None)
-                continue
-            expires = now + timedelta(seconds=lease_seconds)
-            key = (item_id, annotator_id)
-            if key not in leases and q.has_lease_row(item_id, annotator_id):
-                renewed.add(key)  # the table holds a row for it already (a reload, an expired lease)
-            leases[key] = expires
-            q.set_lease(item_id, annotator_id, expires)
-            out.append((item_id, expires))
-        self._write_leases(cur, {k: e for k, e in leases.items() if k not in renewed},
-                           {k: leases[k] for k in renewed})
-        return out
-
-    @staticmethod
-    def _write_leases(cur, new: dict, renewed: dict) -> None:
-        """Write lease rows: {(item, annotator): expires} of rows the table lacks (one INSERT),
-        and of rows it holds (UPDATE). The queue index knows which is which; a plain INSERT costs
-        DuckDB a fifth of an INSERT OR REPLACE (which checks the key and rewrites the row)."""
-        for (item_id, annotator_id), expires in renewed.items():
-            cur.execute("UPDATE leases SET expires_at = ? WHERE item_id = ? AND annotator_id = ?",
-                        [expires, item_id, annotator_id])
-        if 0 < len(new) <= 64:
-            cur.execute("INSERT INTO leases VALUES " + ", ".join(["(?, ?, ?)"] * len(new)),
-                        [x for (i, a), e in new.items() for x in (i, a, e)])
-        elif new:
-            tbl = pa.table({"item_id": pa.array([k[0] for k in new], pa.int64()),
-                            "annotator_id": pa.array([k[1] for k in new], pa.int64()),
-                            "expires_at": pa.array(list(new.values()), pa.timestamp("us"))})
-            with registered(cur, "_new_leases", tbl):
-                cur.execute("INSERT INTO leases SELECT item_id, annotator_id, expires_at FROM _new_leases")
-
-    def _collect_expired_leases(self, cur, q, now: datetime) -> None:
-        """Delete expired leases at most once a minute (they are ignored anyway; this keeps the
-        table and the index small)."""
-        last = self._shared.lease_gc_at
-        if last is None or (now - last).total_seconds() > 60:
-            cur.execute("DELETE FROM leases WHERE expires_at <= ?", [now])
-            q.drop_expired(now)  # at once, like the picks (Store._combined drops the index on failure)
-            self._shared.lease_gc_at = now
-
-    @staticmethod
-    def _place_new_items(cur, q) -> None:
-        """Read the rounds of the items added since the index was built (QueueIndex.add_item)."""
-        if q.unplaced:
-            ids = sorted(q.unplaced)
-            q.place(dict.fromkeys(ids) | dict(cur.execute(
-                "SELECT id, round_id FROM items WHERE id IN (SELECT unnest(?))", [ids]).fetchall()))
 
     def _queue_index(self) -> QueueIndex:
         """The queue index for the progress queries, which read it under its own lock rather than
@@ -308,7 +200,7 @@ class QueueMixin:
         since = local_midnight()
         with self._queue_locked() as q:
             cur = self._cur()
-            self._place_new_items(cur, q)  # as the next pick would
+            place_new_items(cur, q)  # as the next pick would
             live = q.snapshot(since)
             cur.execute("BEGIN TRANSACTION")
             try:

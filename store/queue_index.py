@@ -20,7 +20,8 @@ first needed and rebuilt if an update ever fails; a test compares a live index w
 (`remaining`, `ranking_counts`, `holds_lease`, `open_items`) run without it, so a progress line
 never waits for another annotator's transaction: `lock` keeps them from reading a half-made
 update. The only SQL here is `read_queue_index`, the read it is built from (inside the caller's
-transaction, by the core, store/db.py, when first needed).
+transaction, by the core, store/db.py, when first needed), and `place_new_items`, the rounds of
+items added since.
 """
 
 from __future__ import annotations
@@ -329,6 +330,15 @@ def local_midnight() -> datetime:
     """The start of today on this machine's clock, as the naive UTC the database stores."""
     midnight = datetime.now().astimezone().replace(hour=0, minute=0, second=0, microsecond=0)
     return midnight.astimezone(timezone.utc).replace(tzinfo=None)
+
+
+def place_new_items(cur, q: QueueIndex) -> None:
+    """Read the rounds of the items added since the index was built (QueueIndex.add_item), inside
+    the caller's transaction."""
+    if q.unplaced:
+        ids = sorted(q.unplaced)
+        q.place(dict.fromkeys(ids) | dict(cur.execute(
+            "SELECT id, round_id FROM items WHERE id IN (SELECT unnest(?))", [ids]).fetchall()))
 
 
 def read_queue_index(cur) -> QueueIndex:

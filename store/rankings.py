@@ -1,6 +1,10 @@
-"""Rankings and their pairs: save (one or in bulk), undo, list.
+"""Rankings and their pairs, and the leases written with them: save (one or in bulk), lease the
+next item, undo, list.
 
-`save_ranking` writes a ranking and its pairs (store/pairs.py) in one transaction:
+An annotator's submit is one transaction, and this file writes all of it (Store._write_batch): the
+ranking (a records.RankingIn), its pairs (store/pairs.py), the pairs of the annotator's own answer
+(an edit), the end of their lease on the item and, with save_ranking_and_lease_next, the lease of
+their next item. `save_ranking`'s rules:
 - the order must name every response of one item of the given prompt exactly once;
 - the same (annotator, client_token) submitted twice stores one ranking and returns it
   (idempotent: a double click or a network retry is harmless);
@@ -16,26 +20,29 @@
   'edit'); exports give it in the pairs and as a demonstration. A re-ranking or an undo removes
   the ranking's pairs, the edit's with them, and keeps the text;
 - the annotator's lease on the item is released.
-Rankings submitted at the same moment by several annotators are written in one transaction, with
-the leases of next_item calls waiting at that moment (Store._write_batch); save_rankings_bulk writes
-many at once for imports, simulations and benches.
+`next_item` leases an item by the queue's rules (store/queue.py, store/queue_rules.py) in the same
+kind of transaction: rankings and next_item calls submitted at the same moment by several
+annotators are written in one, the rankings first, so the picks see them. save_rankings_bulk
+writes many rankings at once for imports, simulations and benches; undo_last_ranking deletes the
+latest and leases its item back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from datetime import timedelta
-from typing import Any
+from datetime import datetime, timedelta
 
 import pyarrow as pa
 
 from store.db import registered
 from store.values import dumps, from_db_time, utcnow
 from store.errors import InvalidRequest, NotFoundError
+from store.queue_index import place_new_items
 from store.queue_rules import WRITE_KIND
 from store.ranking_checks import Checked, checked, order_groups
-from store.records import HUMAN_EDIT, EditIn, Item, Pair, Ranking, RankingIn
+from store.records import HUMAN_EDIT, Item, Pair, Ranking, RankingIn
+
 
 _RANKING_COLS = ("id, item_id, prompt_id, annotator_id, order_groups, display_order, all_bad, "
                  "duration_s, client_token, comment, created_at, strength")
@@ -66,51 +73,78 @@ def _pair(row) -> Pair:
 
 
 class RankingsMixin:
-    """Ranking methods of Store.
+    """Ranking methods of Store, and the leases written in their transaction.
 
-    Besides the core (store/db.py), these use methods of the Store's other parts, declared here:
-    items (store/repo.py), and the queue's leases and combined write batch (store/queue.py)."""
+    Besides the core (store/db.py), these use public methods of the Store's other parts, declared
+    here: items (store/repo.py) and the queue's settings (store/queue.py)."""
 
     get_item: Callable[..., Item]
     lease_seconds: Callable[[], int]
-    _next_request: Callable[..., tuple]
-    _write_batch: Callable[[Any, list], list]
-    _write_leases: Callable[[Any, dict, dict], None]
+    queue_overlap: Callable[[], int]
+    gold_rate: Callable[[], float]
 
-    def save_ranking(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
-                     display_order: list[int] | None = None, duration_s: float | None = None,
-                     client_token: str | None = None, comment: str = "", strength: str | None = None,
-                     edit: EditIn | None = None) -> Ranking:
-        """Save one ranking and its pairs in one transaction (see the module docstring).
+    # -- a submit: the ranking, its pairs, an edit's answer, the lease's end and the next lease
 
-        order: tie groups of response ids, best first ([[3], [1, 2], [4]]), or a flat list.
-        display_order: response ids as shown (default: the annotator's shuffle of the item).
-        strength: how much better the best response is than the second (a key of
-        records.STRENGTHS), which must then stand alone in the first and second tie groups.
-        edit: the annotator's own better answer (records.EditIn; module docstring).
-        Raises InvalidRequest or NotFoundError (nothing stored) when the order does not fit.
-        Concurrent calls are written together in one transaction (Store._combined).
-        """
-        r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
-                      client_token, comment or "", strength, edit)
-        result = self._combined(WRITE_KIND, ("rank", (r, order_groups(order))), self._write_batch)
+    def save_ranking(self, ranking: RankingIn) -> Ranking:
+        """Save one ranking (records.RankingIn) and its pairs in one transaction (see the module
+        docstring). Raises InvalidRequest or NotFoundError (nothing stored) when the order does not
+        fit. Concurrent calls are written together in one transaction (Store._combined)."""
+        result = self._combined(WRITE_KIND, ("rank", (ranking, order_groups(ranking.order))), self._write_batch)
         return result if isinstance(result, Ranking) else self.get_ranking(result)
 
-    def save_ranking_and_lease_next(self, annotator_id: int, prompt_id: int, order, all_bad: bool = False,
-                                    display_order: list[int] | None = None, duration_s: float | None = None,
-                                    client_token: str | None = None, comment: str = "",
-                                    strength: str | None = None, edit: EditIn | None = None, *,
-                                    exclude=()) -> tuple[Ranking, int | None]:
+    def save_ranking_and_lease_next(self, ranking: RankingIn, *, exclude=()) -> tuple[Ranking, int | None]:
         """save_ranking, and in the same transaction lease this annotator's next item as next_item
         would (not one of `exclude`): one commit per submit instead of two. Returns the ranking and
         the leased item's id (None when the queue holds nothing more for them); fetch the item with
         get_item. Nothing is leased when the ranking is refused."""
-        r = RankingIn(annotator_id, prompt_id, order, bool(all_bad), display_order, duration_s,
-                      client_token, comment or "", strength, edit)
-        pick = self._next_request(annotator_id, None, None, exclude)
-        result, picked = self._combined(WRITE_KIND, ("rank+next", ((r, order_groups(order)), pick)), self._write_batch)
-        ranking = result if isinstance(result, Ranking) else self.get_ranking(result)
-        return ranking, None if picked is None else picked[0]
+        pick = self._next_request(ranking.annotator_id, None, None, exclude)
+        result, picked = self._combined(WRITE_KIND, ("rank+next", ((ranking, order_groups(ranking.order)), pick)),
+                                        self._write_batch)
+        saved = result if isinstance(result, Ranking) else self.get_ranking(result)
+        return saved, None if picked is None else picked[0]
+
+    def next_item(self, annotator_id: int, *, overlap: int | None = None,
+                  lease_seconds: float | None = None, exclude=()) -> Item | None:
+        """The next item for this annotator, leased to them for `lease_seconds`; None when the
+        queue holds nothing for them. `exclude`: item ids not to return (e.g. the one on screen,
+        when prefetching the next). Concurrent calls share one transaction (Store._write_batch)."""
+        picked = self._combined(WRITE_KIND, ("next", self._next_request(annotator_id, overlap, lease_seconds, exclude)),
+                                self._write_batch)
+        if picked is None:
+            return None
+        item_id, expires = picked
+        item = self.get_item(item_id, annotator_id)
+        return dataclasses.replace(item, lease_expires_at=from_db_time(expires))
+
+    def _next_request(self, annotator_id: int, overlap, lease_seconds, exclude) -> tuple:
+        overlap = None if overlap is None else int(overlap)
+        lease_seconds = self.lease_seconds() if lease_seconds is None else float(lease_seconds)
+        return annotator_id, overlap, lease_seconds, frozenset(int(i) for i in exclude)
+
+    def _write_batch(self, cur, requests) -> list:
+        """One transaction for the save_ranking and next_item requests that arrived together
+        (Store._combined): the rankings first, then the picks, which see them. A commit costs
+        DuckDB about 4 ms (it syncs its log to disk) and holds the write lock, so under load
+        annotators' rankings and leases share one. Requests are ("rank", ranking), ("next", pick)
+        or ("rank+next", (ranking, pick)) (Store.save_ranking_and_lease_next: the pick is made
+        only if the ranking is stored). Returns one result or exception per request."""
+        out: list = [None] * len(requests)
+        # 1. the rankings
+        ranks = [i for i, (kind, _) in enumerate(requests) if kind != "next"]
+        if ranks:
+            rankings = [req if kind == "rank" else req[0] for kind, req in (requests[i] for i in ranks)]
+            for i, result in zip(ranks, self._save_ranking_batch(cur, rankings)):
+                out[i] = result
+        # 2. the picks: of next_item, and of each save_ranking_and_lease_next whose ranking was stored
+        picks = [i for i, (kind, _) in enumerate(requests)
+                 if kind == "next" or (kind == "rank+next" and not isinstance(out[i], BaseException))]
+        if picks:
+            wanted = [req if kind == "next" else req[1] for kind, req in (requests[i] for i in picks)]
+            for i, picked in zip(picks, self._next_item_batch(cur, wanted)):
+                out[i] = picked if requests[i][0] == "next" else (out[i], picked)
+        return out
+
+    # -- 1. the rankings of a write batch
 
     def _save_ranking_batch(self, cur, requests) -> list:
         """Inside the write transaction (Store._write_batch): check and write queued save_ranking
@@ -229,6 +263,63 @@ class RankingsMixin:
         if not rows:
             raise NotFoundError(f"no response with id {response_id}")
         return rows[0][0], rows[0][1], tuple(x[2] for x in rows)
+
+    # -- 2. the picks of a write batch, and their leases
+
+    def _next_item_batch(self, cur, requests) -> list:
+        """Inside the write transaction: pick an item for each queued next_item request, in order,
+        and write their leases. Each pick sees the leases of the picks before it (the index is
+        updated at once; Store._combined drops the index if the transaction fails)."""
+        q = self._shared.queue
+        now = utcnow()
+        self._collect_expired_leases(cur, q, now)
+        place_new_items(cur, q)
+        default, gold_rate = self.queue_overlap(), self.gold_rate()
+        out, leases, renewed = [], {}, set()
+        for annotator_id, overlap, lease_seconds, exclude in requests:
+            item_id = q.pick(annotator_id, overlap, default, now, exclude, gold_rate)
+            if item_id is None:
+                out.append(None)
+                continue
+            expires = now + timedelta(seconds=lease_seconds)
+            key = (item_id, annotator_id)
+            if key not in leases and q.has_lease_row(item_id, annotator_id):
+                renewed.add(key)  # the table holds a row for it already (a reload, an expired lease)
+            leases[key] = expires
+            q.set_lease(item_id, annotator_id, expires)
+            out.append((item_id, expires))
+        self._write_leases(cur, {k: e for k, e in leases.items() if k not in renewed},
+                           {k: leases[k] for k in renewed})
+        return out
+
+    @staticmethod
+    def _write_leases(cur, new: dict, renewed: dict) -> None:
+        """Write lease rows: {(item, annotator): expires} of rows the table lacks (one INSERT),
+        and of rows it holds (UPDATE). The queue index knows which is which; a plain INSERT costs
+        DuckDB a fifth of an INSERT OR REPLACE (which checks the key and rewrites the row)."""
+        for (item_id, annotator_id), expires in renewed.items():
+            cur.execute("UPDATE leases SET expires_at = ? WHERE item_id = ? AND annotator_id = ?",
+                        [expires, item_id, annotator_id])
+        if 0 < len(new) <= 64:
+            cur.execute("INSERT INTO leases VALUES " + ", ".join(["(?, ?, ?)"] * len(new)),
+                        [x for (i, a), e in new.items() for x in (i, a, e)])
+        elif new:
+            tbl = pa.table({"item_id": pa.array([k[0] for k in new], pa.int64()),
+                            "annotator_id": pa.array([k[1] for k in new], pa.int64()),
+                            "expires_at": pa.array(list(new.values()), pa.timestamp("us"))})
+            with registered(cur, "_new_leases", tbl):
+                cur.execute("INSERT INTO leases SELECT item_id, annotator_id, expires_at FROM _new_leases")
+
+    def _collect_expired_leases(self, cur, q, now: datetime) -> None:
+        """Delete expired leases at most once a minute (they are ignored anyway; this keeps the
+        table and the index small)."""
+        last = self._shared.lease_gc_at
+        if last is None or (now - last).total_seconds() > 60:
+            cur.execute("DELETE FROM leases WHERE expires_at <= ?", [now])
+            q.drop_expired(now)  # at once, like the picks (Store._combined drops the index on failure)
+            self._shared.lease_gc_at = now
+
+    # -- many rankings at once
 
     def save_rankings_bulk(self, rankings: Sequence[RankingIn]) -> list[int]:
         """Save many rankings in one transaction with Arrow inserts; same rules as save_ranking,
@@ -385,6 +476,8 @@ class RankingsMixin:
         with registered(cur, "_keys", tbl):
             result = cur.execute(sql.format(keys="_keys"))
             return result.fetchall() if sql.lstrip().upper().startswith("SELECT") else []
+
+    # -- undo
 
     def undo_last_ranking(self, annotator_id: int, *, lease_seconds: float | None = None) -> Item | None:
         """Delete the annotator's latest ranking and its pairs (one transaction) and lease its item

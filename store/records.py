@@ -250,18 +250,26 @@ HUMAN_EDIT = "human edit"
 
 @dataclass(frozen=True)
 class RankingIn:
-    """One ranking to save in bulk (`Store.save_rankings_bulk`); fields as in `Store.save_ranking`."""
+    """One ranking to save (`Store.save_ranking`, `save_ranking_and_lease_next`,
+    `save_rankings_bulk`; the rules are store/rankings.py's)."""
 
     annotator_id: int
     prompt_id: int
     order: list[list[int]]
+    """Tie groups of response ids, best first ([[3], [1, 2], [4]]), or a flat list."""
     all_bad: bool = False
     display_order: list[int] | None = None
+    """Response ids as shown (None: the annotator's shuffle of the item, store/queue_rules.py)."""
     duration_s: float | None = None
     client_token: str | None = None
+    """Saving the same token again for the same annotator stores nothing and returns the first
+    ranking (a double click, a retry)."""
     comment: str = ""
     strength: str | None = None
+    """How much better the best response is than the second (a key of STRENGTHS); both must
+    then stand alone in the first and second tie groups."""
     edit: EditIn | None = None
+    """The annotator's own better answer."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import pytest
 
 from annotate import admin
 from annotate.context import AppContext
-from store import Store, StoreLockedError
+from store import RankingIn, Store, StoreLockedError
 from store.backup import BackupError, backup, check_backup, restore, store_checksums, table_checksums
 from tests.fixtures_store import open_copy, seed_items
 from tests.helpers import req
@@ -33,7 +33,7 @@ def filled_db(tmp_path_factory) -> Path:
         items = seed_items(s, 300, 3)
         for it in items[:40]:
             r0, r1, r2 = it.response_ids
-            s.save_ranking(annotators[0].id, it.prompt_id, [[r1], [r0, r2]])  # as the burst ranks: 2 pairs
+            s.save_ranking(RankingIn(annotators[0].id, it.prompt_id, [[r1], [r0, r2]]))  # as the burst ranks: 2 pairs
     return path
 
 
@@ -52,7 +52,7 @@ def _rank_until(store, annotator, stop: threading.Event, done: list, errors: lis
             if item is None:
                 return
             ids = [r.id for r in item.responses]
-            store.save_ranking(annotator.id, item.prompt.id, [[ids[1]], [ids[0], ids[2]]])
+            store.save_ranking(RankingIn(annotator.id, item.prompt.id, [[ids[1]], [ids[0], ids[2]]]))
             done.append(1)
     except Exception as exc:  # the test fails on any
         errors.append(exc)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from store import RankingIn
 from tests.fixtures_browser import chromium_browser, download_export, login, served_store  # noqa: F401  (the fixture `browser`)
 
 pytestmark = pytest.mark.browser
@@ -107,7 +108,8 @@ def test_admin_imports_and_downloads_a_jsonl_export(app, browser, tmp_path):
     url, store = app
     # pairs to export whichever of this module's tests ran before: one ranking of the admin's own
     seeded = [p for p in store.list_prompts(limit=100) if store.prompt_responses(p.id)]
-    store.save_ranking(store.find_annotator("boss").id, seeded[-1].id, [r.id for r in store.prompt_responses(seeded[-1].id)])
+    store.save_ranking(RankingIn(store.find_annotator("boss").id, seeded[-1].id,
+                                 [r.id for r in store.prompt_responses(seeded[-1].id)]))
     page = login(browser, url, "boss", "boss-password")
     page.get_by_role("tab", name="Data").click()
     page.get_by_role("tab", name="Import").click()

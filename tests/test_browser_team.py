@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from store import RankingIn
 from tests.fixtures_browser import chromium_browser, login, served_store  # noqa: F401  (the fixture `browser`)
 from tests.test_browser import shown_response_ids, token, wait_new_item
 
@@ -119,7 +120,7 @@ def test_a_gold_item_is_served_unmarked_and_scored(tmp_path, browser):
         ann = store.find_annotator("ann")
         item = store.next_item(ann.id)
         best, *others = item.display_order
-        reference = store.save_ranking(ann.id, item.prompt.id, [[best], others])
+        reference = store.save_ranking(RankingIn(ann.id, item.prompt.id, [[best], others]))
         admin = open_team_tab(browser, url)
         admin.fill("#rl-gold-ranking input", str(reference.id))
         admin.click("#rl-gold-mark")

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
+from store import RankingIn
 from store.errors import InvalidRequest, NotFoundError
-from store.export import export_dataset
-from store.export_options import ExportOptions
+from store.export import export_pairs
 from store.leaderboard import SCALE, Comparison, bradley_terry, leaderboard, win_rates
 
 
@@ -125,8 +125,8 @@ def test_evaluation_items_are_ranked_blind_scored_and_kept_out_of_training(store
         by_version = {r.model_version_id: r.id for r in item.responses}
         first = new.id if ranked < 5 else base.id
         second = base.id if first == new.id else new.id
-        store.save_ranking(ann.id, item.prompt.id, [[by_version[first]], [by_version[second]]],
-                           display_order=item.display_order)
+        store.save_ranking(RankingIn(ann.id, item.prompt.id, [[by_version[first]], [by_version[second]]],
+                                     display_order=item.display_order))
         ranked += 1
     assert ranked == 6 and store.get_evaluation(ev.id).rankings == 6
 
@@ -140,10 +140,10 @@ def test_evaluation_items_are_ranked_blind_scored_and_kept_out_of_training(store
     # exports (and so training snapshots) leave its pairs out unless asked for
     store.add_responses_bulk(base.id, [(other, [("a", 1, "eos", {}), ("b", 1, "eos", {})])])
     train_item = store.next_item(ann.id)
-    store.save_ranking(ann.id, other, [[train_item.responses[0].id], [train_item.responses[1].id]])
-    snap = export_dataset(store, tmp_path / "pairs.jsonl")
+    store.save_ranking(RankingIn(ann.id, other, [[train_item.responses[0].id], [train_item.responses[1].id]]))
+    snap = export_pairs(store, tmp_path / "pairs.jsonl")
     assert snap.counts["pairs"] == 1 and snap.counts["rankings"] == 1
-    both = export_dataset(store, tmp_path / "all.jsonl", ExportOptions(include_evaluations=True))
+    both = export_pairs(store, tmp_path / "all.jsonl", include_evaluations=True)
     assert both.counts["pairs"] == 7 and both.filters["include_evaluations"] is True
 
 
@@ -176,7 +176,7 @@ def test_the_command_lines_start_an_evaluation_and_print_its_results(tmp_path, t
     while (item := store.next_item(ann.id)) is not None:  # "new" preferred every time
         new = [r.id for r in item.responses if store.get_model_version(r.model_version_id).name == "new"]
         old = [r.id for r in item.responses if r.id not in new]
-        store.save_ranking(ann.id, item.prompt.id, [new, old])
+        store.save_ranking(RankingIn(ann.id, item.prompt.id, [new, old]))
     store.close()
     out = tmp_path / "results.json"
     assert store_cli(["--db", str(db), "evaluations", "old vs new", "--json", str(out)]) == 0
@@ -219,6 +219,6 @@ def test_items_imported_as_an_evaluation_compare_their_named_models(store, tmp_p
     ann = store.add_annotator("ann", "password-ann")
     while (item := store.next_item(ann.id)) is not None:
         api = [r.id for r in item.responses if r.text.startswith("api")]
-        store.save_ranking(ann.id, item.prompt.id, [api, [r.id for r in item.responses if r.id not in api]])
+        store.save_ranking(RankingIn(ann.id, item.prompt.id, [api, [r.id for r in item.responses if r.id not in api]]))
     (rate,) = store.evaluation_results(ev.id)["win_rates"]
     assert (rate["a"], rate["b"], rate["win_rate"], rate["comparisons"]) == ("api", "prod", 1.0, 4)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from annotate import admin, admin_users, handlers
 from annotate.context import AppContext
-from store import Store, io
+from store import RankingIn, Store, io
 from store.backup import store_checksums
 from store.errors import DataError, StoreError
 from store.export import load_pairs_snapshot
@@ -66,7 +66,7 @@ def ctx(tmp_path_factory):
     s.add_annotator("boss", "boss-password", role="admin")
     ann = s.add_annotator("ann", "ann-password")
     for it in seed_items(s, 6, 3)[:3]:
-        s.save_ranking(ann.id, it.prompt_id, [[r] for r in it.response_ids])
+        s.save_ranking(RankingIn(ann.id, it.prompt_id, [[r] for r in it.response_ids]))
     yield AppContext(store=s, auth=True, data_dir=root / "data")
     s.close()
 

@@ -15,7 +15,7 @@ from annotate import admin, admin_users, bootstrap, handlers, model_admin, rende
 from annotate.context import AppContext, Refused
 from annotate.handlers import parse_ranking
 from annotate.state import Showing
-from store import Store
+from store import RankingIn, Store
 from tests.fixtures_store import open_copy, seed_items
 from tests.helpers import req
 
@@ -510,7 +510,7 @@ def test_export_downloads_the_snapshot(ctx, fmt):
     seeded = seed_items(ctx.store, 4, 3)
     a = ctx.store.find_annotator("ann")
     for s in seeded:
-        ctx.store.save_ranking(a.id, s.prompt_id, s.response_ids)
+        ctx.store.save_ranking(RankingIn(a.id, s.prompt_id, s.response_ids))
     paths, summary = admin.export(ctx, admin.ExportForm(fmt=fmt, annotators=["ann"], test_fraction=0.5), req("boss"))
     (snap,) = ctx.store.list_snapshots()
     assert f"Snapshot #{snap.id}" in summary and snap.counts["pairs"] == 12
@@ -583,8 +583,8 @@ def test_statistics(ctx):
     seeded = seed_items(ctx.store, 2, 3)
     ann, bea = ctx.store.find_annotator("ann"), ctx.store.find_annotator("bea")
     for s in seeded:
-        ctx.store.save_ranking(ann.id, s.prompt_id, s.response_ids, duration_s=4.0)
-    ctx.store.save_ranking(bea.id, seeded[0].prompt_id, seeded[0].response_ids, duration_s=6.0)
+        ctx.store.save_ranking(RankingIn(ann.id, s.prompt_id, s.response_ids, duration_s=4.0))
+    ctx.store.save_ranking(RankingIn(bea.id, seeded[0].prompt_id, seeded[0].response_ids, duration_s=6.0))
     counts, people, agreement, bias, per_annotator, by_position = admin.statistics(ctx, req("boss"))
     c = dict(zip(counts["what"], counts["count"]))
     assert c["rankings"] == 3 and c["pairs"] == 9 and c["prompts"] == 2

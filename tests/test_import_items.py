@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from store import DataError
+from store import DataError, RankingIn
 from store.export import load_pairs_snapshot
 from store.import_items import import_items
-from store.io import ExportOptions, export_dataset
+from store.io import export_pairs
 
 TWO_MODELS = [
     {"prompt": "Name a prime number.", "responses": [{"text": "7 is prime.", "model": "gpt-4o"},
@@ -56,11 +56,11 @@ def test_items_from_two_models_are_queued_ranked_and_exported_with_their_models(
     while (item := store.next_item(ann.id)) is not None:
         assert len(item.responses) in (2, 3)
         order = sorted(item.responses, key=lambda r: best_first[r.text])
-        store.save_ranking(ann.id, item.prompt.id, [r.id for r in order])
+        store.save_ranking(RankingIn(ann.id, item.prompt.id, [r.id for r in order]))
         ranked += 1
     assert ranked == 2 and len(store.list_pairs()) == 1 + 3
 
-    snap = export_dataset(store, tmp_path / "export", ExportOptions(format="jsonl"))
+    snap = export_pairs(store, tmp_path / "export", "jsonl")
     rows = load_pairs_snapshot(snap.path)
     assert len(rows) == 4
     for r in rows:

@@ -13,6 +13,7 @@ from pipeline.orchestrate.jobs import JobRunner
 from pipeline.orchestrate.steps import LoopSettings, pairs_snapshot, snapshot_split
 from pipeline.pairs_data import read_pairs
 from pipeline.train_reward import train_reward
+from store import RankingIn
 from store.export import load_pairs_snapshot
 from store.export_select import held_out_hash
 
@@ -32,7 +33,7 @@ def rank_round(store, annotator_id: int, n_prompts: int, answers: list[str]) -> 
                                    source="test")
     item_ids = store.add_responses_bulk(policy.id, [(pid, list(answers)) for pid in prompt_ids], round_id=rnd.id)
     for pid, item_id in zip(prompt_ids, item_ids):
-        store.save_ranking(annotator_id, pid, [r.id for r in store.item_responses(item_id)])
+        store.save_ranking(RankingIn(annotator_id, pid, [r.id for r in store.item_responses(item_id)]))
     return prompt_ids
 
 
@@ -125,8 +126,8 @@ def test_quality_needs_enough_comparisons_before_it_excludes_or_weights(store, r
     def rank_gold(n: int) -> None:
         for it in seed_items(store, n, 2, prefix=f"gold {len(store.gold_items())}"):
             store.set_gold(it.item_id, [[r] for r in it.response_ids])  # the first response is best
-            store.save_ranking(right.id, it.prompt_id, it.response_ids)
-            store.save_ranking(wrong.id, it.prompt_id, list(reversed(it.response_ids)))
+            store.save_ranking(RankingIn(right.id, it.prompt_id, it.response_ids))
+            store.save_ranking(RankingIn(wrong.id, it.prompt_id, list(reversed(it.response_ids))))
 
     rank_gold(1)
     trusted = LoopSettings(loop=LoopConfig(min_quality=0.5, quality_weights=True))
@@ -166,7 +167,7 @@ def test_the_threshold_counts_the_rounds_rankable_items_and_a_stuck_loop_says_so
         store.set_gold(it.item_id, [[r] for r in it.response_ids])
     ann = store.ensure_annotator("ann")
     for it in gold + [flagged, regular[0]]:
-        store.save_ranking(ann.id, it.prompt_id, it.response_ids)
+        store.save_ranking(RankingIn(ann.id, it.prompt_id, it.response_ids))
     store.flag_prompt(flagged.prompt_id, ann.id, "broken")  # ranked, then flagged: out of the queue
     for it in regular[1:]:
         store.skip_item(ann.id, it.item_id)
@@ -188,7 +189,7 @@ def test_the_threshold_counts_the_rounds_rankable_items_and_a_stuck_loop_says_so
     assert loop.coverage(store, rnd, settings).stuck
     cy = store.ensure_annotator("cy")
     for it in regular[1:]:
-        store.save_ranking(cy.id, it.prompt_id, it.response_ids)
+        store.save_ranking(RankingIn(cy.id, it.prompt_id, it.response_ids))
     assert loop.wait_for_rankings(store, rnd, settings, said.append, poll_s=0.01).enough
 
     # two rankings an item: 6 needed, 3 made; bea can still rank items 0 and 2, cy item 0: 5 at most

@@ -15,7 +15,8 @@ from pipeline.config import ModelConfig, RewardConfig
 from pipeline.losses import pairwise_loss, plackett_luce_loss
 from pipeline.pairs_data import PairsError, read_pairs, read_rankings, rankings_path
 from pipeline.train_reward import main, train_reward
-from store.io import ExportOptions, export_dataset
+from store import RankingIn
+from store.io import export_pairs
 from tests.fixtures_store import seed_items
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -76,9 +77,9 @@ def exported(store, store_annotators, tmp_path):
         order = [[r[0]], [r[1], r[2]], [r[3]]] if i % 2 else [[r[3]], [r[2]], [r[1]], [r[0]]]
         if i == 4:
             order = [r]  # all four tied: no order, no pair
-        store.save_ranking(a.id, it.prompt_id, order)
+        store.save_ranking(RankingIn(a.id, it.prompt_id, order))
         orders.append(order)
-    snap = export_dataset(store, tmp_path / "pairs-1.parquet", ExportOptions(format="parquet"))
+    snap = export_pairs(store, tmp_path / "pairs-1.parquet", "parquet")
     return store, items, orders, snap
 
 

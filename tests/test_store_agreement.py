@@ -3,6 +3,7 @@ hand-computed numbers, through the pure functions and the Store."""
 
 import pytest
 
+from store import RankingIn
 from store.agreement import (
     agreement_summary,
     annotator_agreement,
@@ -67,9 +68,9 @@ def test_store_statistics(store, store_annotators):
     it1, it2 = seed_items(store, 2, 3)
     a, b = store_annotators
     x1, x2, x3 = it1.response_ids
-    store.save_ranking(a.id, it1.prompt_id, [x1, x2, x3], display_order=[x1, x2, x3], duration_s=2.0)
-    store.save_ranking(b.id, it1.prompt_id, [x2, x1, x3], display_order=[x1, x2, x3], duration_s=6.0)
-    store.save_ranking(a.id, it2.prompt_id, it2.response_ids, all_bad=True, duration_s=4.0)
+    store.save_ranking(RankingIn(a.id, it1.prompt_id, [x1, x2, x3], display_order=[x1, x2, x3], duration_s=2.0))
+    store.save_ranking(RankingIn(b.id, it1.prompt_id, [x2, x1, x3], display_order=[x1, x2, x3], duration_s=6.0))
+    store.save_ranking(RankingIn(a.id, it2.prompt_id, it2.response_ids, all_bad=True, duration_s=4.0))
     store.skip_item(b.id, it2.item_id)
     ag = store.agreement()
     assert (ag.items, ag.comparisons) == (1, 3)
@@ -116,11 +117,11 @@ def test_store_agreement_per_item_and_annotator_and_quality(store, store_annotat
     a, b = store_annotators
     x1, x2, x3 = it1.response_ids
     y1, y2, y3 = it2.response_ids
-    ra = store.save_ranking(a.id, it1.prompt_id, [x1, x2, x3], display_order=[x1, x2, x3])
-    rb = store.save_ranking(b.id, it1.prompt_id, [x2, x1, x3], display_order=[x1, x2, x3])
+    ra = store.save_ranking(RankingIn(a.id, it1.prompt_id, [x1, x2, x3], display_order=[x1, x2, x3]))
+    rb = store.save_ranking(RankingIn(b.id, it1.prompt_id, [x2, x1, x3], display_order=[x1, x2, x3]))
     store.set_gold_from_ranking(ra.id)  # a made the reference of it1: only b is scored on it
     store.set_gold(it2.item_id, [[y1], [y2], [y3]])
-    store.save_ranking(a.id, it2.prompt_id, [[y1], [y2, y3]], display_order=[y1, y2, y3])
+    store.save_ranking(RankingIn(a.id, it2.prompt_id, [[y1], [y2, y3]], display_order=[y1, y2, y3]))
     (item,) = store.item_agreement()
     assert (item.item_id, item.annotators, item.gold, item.rankings) == (
         it1.item_id, 2, True, sorted([(ra.id, a.id), (rb.id, b.id)]))
@@ -162,7 +163,7 @@ def test_the_stored_agreement_follows_every_write_and_equals_the_definitions(tmp
     export's subset of rankings, and position bias."""
     import random
 
-    from store import RankingIn, Store
+    from store import Store
 
     rng = random.Random(7)
     store = Store(tmp_path / "agree.duckdb", replace_rerankings=replace)
@@ -185,7 +186,7 @@ def test_the_stored_agreement_follows_every_write_and_equals_the_definitions(tmp
         roll, it, who = rng.random(), rng.choice(items), rng.choice(people)
         if roll < 0.6:
             order, shown = order_of(it)
-            store.save_ranking(who, it.prompt_id, order, display_order=shown)
+            store.save_ranking(RankingIn(who, it.prompt_id, order, display_order=shown))
         elif roll < 0.8:
             batch = []
             for _ in range(4):

@@ -3,7 +3,7 @@
 import duckdb
 import pytest
 
-from store import Store
+from store import RankingIn, Store
 from store.migrations import MIGRATIONS, MigrationError, applied_migrations, migrate
 from tests.fixtures_store import seed_items
 
@@ -93,8 +93,8 @@ def test_a_store_from_before_the_agreement_table_reports_its_agreement(tmp_path)
     (item,) = seed_items(s, 1, 3)
     a, b = (s.add_annotator(f"old{i}", f"password-{i}").id for i in range(2))
     x1, x2, x3 = item.response_ids
-    s.save_ranking(a, item.prompt_id, [x1, x2, x3])
-    s.save_ranking(b, item.prompt_id, [x2, x1, x3])
+    s.save_ranking(RankingIn(a, item.prompt_id, [x1, x2, x3]))
+    s.save_ranking(RankingIn(b, item.prompt_id, [x2, x1, x3]))
     s.close()
     con = duckdb.connect(str(path))  # as a store of the previous version left it
     con.execute("DROP TABLE agreement_items")

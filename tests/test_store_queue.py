@@ -21,7 +21,7 @@ def test_next_item_prefers_items_needing_annotations_and_respects_overlap(store,
     # a takes item 0 and ranks it; with overlap 2, b is offered the unranked items first
     got = store.next_item(a.id, overlap=2)
     assert got.item_id == ids[0]
-    store.save_ranking(a.id, got.prompt.id, got.display_order)
+    store.save_ranking(RankingIn(a.id, got.prompt.id, got.display_order))
     assert store.next_item(b.id, overlap=2).item_id == ids[1]
     assert store.next_item(c.id, overlap=2).item_id == ids[2]
     # now every item is ranked or leased once: c (holding item 2) still gets item 2 back first
@@ -55,7 +55,7 @@ def test_never_the_same_item_twice_to_one_annotator(store, store_annotators):
     seen = []
     while (got := store.next_item(a.id, overlap=3)) is not None:
         seen.append(got.item_id)
-        store.save_ranking(a.id, got.prompt.id, got.display_order)
+        store.save_ranking(RankingIn(a.id, got.prompt.id, got.display_order))
     assert sorted(seen) == [x.item_id for x in items]
     assert store.remaining_count(a.id, overlap=3) == 0
     assert store.items_remaining(overlap=3) == 4 and store.items_remaining(overlap=1) == 0
@@ -102,7 +102,7 @@ def test_display_order_is_shuffled_per_annotator_and_stable(store, store_annotat
 def test_progress_line(store, store_annotators):
     items = seed_items(store, 3, 2)
     a = store_annotators[0]
-    store.save_ranking(a.id, items[0].prompt_id, items[0].response_ids)
+    store.save_ranking(RankingIn(a.id, items[0].prompt_id, items[0].response_ids))
     p = store.progress(a.id)
     assert (p.today, p.total, p.remaining) == (1, 1, 2)
 
@@ -120,7 +120,7 @@ def test_index_follows_random_operations(store, store_annotators):
         if op < 0.4:
             got = store.next_item(a, overlap=2)
             if got is not None:
-                store.save_ranking(a, got.prompt.id, [got.display_order[:2], got.display_order[2:]])
+                store.save_ranking(RankingIn(a, got.prompt.id, [got.display_order[:2], got.display_order[2:]]))
         elif op < 0.5:
             store.undo_last_ranking(a)
         elif op < 0.6:
@@ -173,8 +173,9 @@ def test_eight_threads_submitting_at_once_lose_nothing(store_path):
                 while (got := s.next_item(annotator_id, overlap=2)) is not None:
                     with lock:
                         handed[got.item_id].add(annotator_id)
-                    s.save_ranking(annotator_id, got.prompt.id, got.display_order,
-                                   display_order=got.display_order, client_token=f"{annotator_id}-{got.item_id}")
+                    s.save_ranking(RankingIn(annotator_id, got.prompt.id, got.display_order,
+                                             display_order=got.display_order,
+                                             client_token=f"{annotator_id}-{got.item_id}"))
             except Exception as exc:  # surfaced below
                 errors.append(exc)
 
@@ -209,7 +210,7 @@ def test_concurrent_submissions_of_preassigned_rankings(store_path):
             try:
                 barrier.wait()
                 for it in items:
-                    s.save_ranking(a.id, it.prompt_id, it.response_ids)
+                    s.save_ranking(RankingIn(a.id, it.prompt_id, it.response_ids))
             except Exception as exc:
                 errors.append(exc)
 
@@ -246,8 +247,8 @@ def test_progress_counts_come_from_the_index_and_match_the_database(store, store
     items = seed_items(store, 4, 2)
     a, b = store_annotators
     for it in items[:3]:
-        store.save_ranking(a.id, it.prompt_id, it.response_ids)
-    store.save_ranking(b.id, items[3].prompt_id, items[3].response_ids)
+        store.save_ranking(RankingIn(a.id, it.prompt_id, it.response_ids))
+    store.save_ranking(RankingIn(b.id, items[3].prompt_id, items[3].response_ids))
     assert (store.progress(a.id).today, store.progress(a.id).total) == (3, 3)
     # two of a's rankings were made two days ago (as in a database that has been in use for a while)
     store._cur().execute("UPDATE rankings SET created_at = created_at - INTERVAL 2 DAY "
@@ -257,7 +258,8 @@ def test_progress_counts_come_from_the_index_and_match_the_database(store, store
     assert (p.today, p.total, p.remaining) == (1, 3, 0)
     store.undo_last_ranking(a.id)  # today's ranking
     assert (store.progress(a.id).today, store.progress(a.id).total) == (0, 2)
-    store.save_ranking(a.id, items[0].prompt_id, list(reversed(items[0].response_ids)))  # replaces an old one
+    # replaces an old one
+    store.save_ranking(RankingIn(a.id, items[0].prompt_id, list(reversed(items[0].response_ids))))
     assert (store.progress(a.id).today, store.progress(a.id).total) == (1, 2)
     assert (store.progress(b.id).today, store.progress(b.id).total) == (1, 1)
     live, fresh = store._check_queue_index()
@@ -273,7 +275,7 @@ def test_holds_lease_follows_every_way_a_lease_ends(store, store_annotators, sto
         got.append(store.next_item(a.id, lease_seconds=60 if i == 3 else None, exclude=[g.item_id for g in got]))
     assert [g.item_id for g in got] == [it1.item_id, it2.item_id, it3.item_id, it4.item_id]
     assert all(store.holds_lease(a.id, g.item_id) for g in got) and not store.holds_lease(b.id, it1.item_id)
-    store.save_ranking(a.id, it1.prompt_id, it1.response_ids)
+    store.save_ranking(RankingIn(a.id, it1.prompt_id, it1.response_ids))
     store.skip_item(a.id, it2.item_id)
     store.flag_prompt(it3.prompt_id, b.id)
     assert store.holds_lease(a.id, it4.item_id)
@@ -289,7 +291,7 @@ def test_undo_of_an_item_outside_the_queue_leases_nothing(store, store_annotator
     (it,) = seed_items(store, 1, 2)
     a = store_annotators[0]
     (loose,) = store.add_responses_bulk(store_policy.id, [(it.prompt_id, ["x", "y"])], queued=False)
-    store.save_ranking(a.id, it.prompt_id, store.response_ids_by_item([loose])[loose])
+    store.save_ranking(RankingIn(a.id, it.prompt_id, store.response_ids_by_item([loose])[loose]))
     assert store.undo_last_ranking(a.id).item_id == loose
     assert store.active_leases() == [] and store.list_rankings() == []
     assert store._check_queue_index()[0] == store._check_queue_index()[1]
@@ -300,13 +302,14 @@ def test_save_ranking_and_lease_next_in_one_transaction(store, store_annotators)
     a, b = store_annotators
     first = store.next_item(a.id)
     on_deck = store.next_item(a.id, exclude=[first.item_id])
-    ranking, ahead = store.save_ranking_and_lease_next(a.id, first.prompt.id, first.display_order,
+    ranking, ahead = store.save_ranking_and_lease_next(RankingIn(a.id, first.prompt.id, first.display_order),
                                                        exclude=[on_deck.item_id])
     assert ranking.item_id == first.item_id and ahead not in (first.item_id, on_deck.item_id, None)
     assert sorted(i for i, ann, _ in store.active_leases() if ann == a.id) == sorted([on_deck.item_id, ahead])
     # a refused ranking leases nothing
     with pytest.raises(InvalidRequest):
-        store.save_ranking_and_lease_next(a.id, on_deck.prompt.id, on_deck.display_order[:1], exclude=[ahead])
+        store.save_ranking_and_lease_next(RankingIn(a.id, on_deck.prompt.id, on_deck.display_order[:1]),
+                                          exclude=[ahead])
     assert len(store.active_leases()) == 2
     # a ranking and a pick of the same annotator written together: the pick sees the ranking
     (last,) = [x for x in items if x.item_id not in (first.item_id, on_deck.item_id, ahead)]

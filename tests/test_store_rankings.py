@@ -20,7 +20,7 @@ def test_ranking_stores_every_strict_pair(store, store_annotators, k):
     (it,) = seed_items(store, 1, k)
     a = store_annotators[0]
     order = list(reversed(it.response_ids))
-    r = store.save_ranking(a.id, it.prompt_id, order, duration_s=4.5)
+    r = store.save_ranking(RankingIn(a.id, it.prompt_id, order, duration_s=4.5))
     assert r.order == [[x] for x in order] and r.item_id == it.item_id
     pairs = _pairs(store, ranking_id=r.id)
     assert len(pairs) == comb(k, 2)
@@ -34,12 +34,12 @@ def test_ties_and_display_order_are_recorded(store, store_annotators):
     r1, r2, r3, r4 = it.response_ids
     a = store_annotators[0]
     shown = [r2, r4, r1, r3]
-    r = store.save_ranking(a.id, it.prompt_id, [[r3], [r1, r2], [r4]], display_order=shown)
+    r = store.save_ranking(RankingIn(a.id, it.prompt_id, [[r3], [r1, r2], [r4]], display_order=shown))
     assert r.display_order == shown
     assert _pairs(store) == sorted([(r3, r1, 1.0), (r3, r2, 1.0), (r3, r4, 2.0), (r1, r4, 1.0), (r2, r4, 1.0)])
     # without a display order, the annotator's deterministic shuffle is recorded
     (it2,) = seed_items(store, 1, 4, prefix="other")
-    r = store.save_ranking(a.id, it2.prompt_id, it2.response_ids)
+    r = store.save_ranking(RankingIn(a.id, it2.prompt_id, it2.response_ids))
     assert sorted(r.display_order) == it2.response_ids
     assert r.display_order == store.get_item(it2.item_id, a.id).display_order
 
@@ -47,8 +47,8 @@ def test_ties_and_display_order_are_recorded(store, store_annotators):
 def test_same_client_token_stores_one_ranking(store, store_annotators):
     (it,) = seed_items(store, 1, 3)
     a = store_annotators[0]
-    first = store.save_ranking(a.id, it.prompt_id, it.response_ids, client_token="tok-1")
-    again = store.save_ranking(a.id, it.prompt_id, list(reversed(it.response_ids)), client_token="tok-1")
+    first = store.save_ranking(RankingIn(a.id, it.prompt_id, it.response_ids, client_token="tok-1"))
+    again = store.save_ranking(RankingIn(a.id, it.prompt_id, list(reversed(it.response_ids)), client_token="tok-1"))
     assert again == first
     assert len(store.list_rankings()) == 1 and len(store.list_pairs()) == 3
 
@@ -56,9 +56,9 @@ def test_same_client_token_stores_one_ranking(store, store_annotators):
 def test_reranking_replaces_earlier_ranking(store, store_annotators):
     (it,) = seed_items(store, 1, 3)
     a, b = store_annotators[:2]
-    store.save_ranking(a.id, it.prompt_id, it.response_ids)
-    store.save_ranking(b.id, it.prompt_id, it.response_ids)
-    new = store.save_ranking(a.id, it.prompt_id, list(reversed(it.response_ids)))
+    store.save_ranking(RankingIn(a.id, it.prompt_id, it.response_ids))
+    store.save_ranking(RankingIn(b.id, it.prompt_id, it.response_ids))
+    new = store.save_ranking(RankingIn(a.id, it.prompt_id, list(reversed(it.response_ids))))
     mine = store.list_rankings(annotator_id=a.id)
     assert [r.id for r in mine] == [new.id]
     assert len(store.list_pairs(annotator_id=a.id)) == 3  # no duplicate pairs
@@ -71,8 +71,8 @@ def test_keep_both_rankings_when_configured(store_path):
     try:
         (it,) = seed_items(s, 1, 3)
         a = s.add_annotator("solo", "password-x")
-        s.save_ranking(a.id, it.prompt_id, it.response_ids)
-        s.save_ranking(a.id, it.prompt_id, list(reversed(it.response_ids)))
+        s.save_ranking(RankingIn(a.id, it.prompt_id, it.response_ids))
+        s.save_ranking(RankingIn(a.id, it.prompt_id, list(reversed(it.response_ids))))
         assert len(s.list_rankings()) == 2 and len(s.list_pairs()) == 6
     finally:
         s.close()
@@ -80,7 +80,8 @@ def test_keep_both_rankings_when_configured(store_path):
 
 def test_all_bad_keeps_pairs_marked(store, store_annotators):
     (it,) = seed_items(store, 1, 3)
-    r = store.save_ranking(store_annotators[0].id, it.prompt_id, it.response_ids, all_bad=True, comment="all wrong")
+    r = store.save_ranking(RankingIn(store_annotators[0].id, it.prompt_id, it.response_ids, all_bad=True,
+                                     comment="all wrong"))
     assert r.all_bad and r.comment == "all wrong"
     pairs = store.list_pairs(ranking_id=r.id)
     assert len(pairs) == 3 and all(p.all_bad for p in pairs)
@@ -95,7 +96,8 @@ def test_all_bad_keeps_pairs_marked(store, store_annotators):
 def test_bad_rankings_store_nothing(store, store_annotators, order_of, message):
     it, other = seed_items(store, 2, 3)
     with pytest.raises(InvalidRequest, match=message):
-        store.save_ranking(store_annotators[0].id, it.prompt_id, order_of(it.response_ids, other.response_ids))
+        store.save_ranking(RankingIn(store_annotators[0].id, it.prompt_id,
+                                     order_of(it.response_ids, other.response_ids)))
     assert store.list_rankings() == [] and store.list_pairs() == []
 
 
@@ -103,21 +105,21 @@ def test_wrong_prompt_unknown_annotator_and_bad_display_order(store, store_annot
     it, other = seed_items(store, 2, 3)
     a = store_annotators[0]
     with pytest.raises(InvalidRequest, match="answers prompt"):
-        store.save_ranking(a.id, other.prompt_id, it.response_ids)
+        store.save_ranking(RankingIn(a.id, other.prompt_id, it.response_ids))
     with pytest.raises(NotFoundError, match="annotator"):
-        store.save_ranking(9999, it.prompt_id, it.response_ids)
+        store.save_ranking(RankingIn(9999, it.prompt_id, it.response_ids))
     with pytest.raises(InvalidRequest, match="display_order"):
-        store.save_ranking(a.id, it.prompt_id, it.response_ids, display_order=it.response_ids[:2])
+        store.save_ranking(RankingIn(a.id, it.prompt_id, it.response_ids, display_order=it.response_ids[:2]))
     with pytest.raises(NotFoundError, match="response"):
-        store.save_ranking(a.id, it.prompt_id, [123456, 123457])
+        store.save_ranking(RankingIn(a.id, it.prompt_id, [123456, 123457]))
     assert store.list_rankings() == []
 
 
 def test_undo_last_ranking_returns_item_and_removes_pairs(store, store_annotators):
     it1, it2 = seed_items(store, 2, 3)
     a = store_annotators[0]
-    store.save_ranking(a.id, it1.prompt_id, it1.response_ids)
-    store.save_ranking(a.id, it2.prompt_id, it2.response_ids)
+    store.save_ranking(RankingIn(a.id, it1.prompt_id, it1.response_ids))
+    store.save_ranking(RankingIn(a.id, it2.prompt_id, it2.response_ids))
     back = store.undo_last_ranking(a.id)
     assert back.item_id == it2.item_id and back.prompt.id == it2.prompt_id
     assert back.display_order == store.get_item(it2.item_id, a.id).display_order
@@ -148,7 +150,7 @@ def test_bulk_matches_single_path(tmp_path):
             RankingIn(a.id, items[2].prompt_id, list(reversed(ids[2]))),  # replaces the previous one
         ]
         if name == "single":
-            out = [s.save_ranking(**vars_of(r)).id for r in todo]
+            out = [s.save_ranking(r).id for r in todo]
         else:
             out = s.save_rankings_bulk(todo)
         rows = [(r.item_id, r.annotator_id, r.order, r.display_order, r.all_bad) for r in s.list_rankings()]
@@ -161,11 +163,6 @@ def test_bulk_matches_single_path(tmp_path):
     assert rows1 == rows2 and pairs1 == pairs2
     assert out2[3] == out2[0]  # the repeated token maps to the first ranking
     assert len(rows2) == 4 and len(pairs2) == 5 + 6 + 6 + 6  # the first order has a tie: 5 pairs
-
-
-def vars_of(r: RankingIn) -> dict:
-    return {f: getattr(r, f) for f in ("annotator_id", "prompt_id", "order", "all_bad", "display_order",
-                                       "duration_s", "client_token", "comment")}
 
 
 def test_concurrent_submissions_written_together_follow_the_same_rules(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from annotate import team
 from annotate.context import AppContext, Refused
-from store import Store
+from store import RankingIn, Store
 from store.errors import InvalidRequest, NotFoundError
 from store.__main__ import main
 from tests.fixtures_store import open_copy, seed_items
@@ -60,7 +60,7 @@ def rank_all(store, annotator_id, *, limit=1000) -> list[int]:
     """Let the annotator rank what the queue hands them (first response best); their item ids in order."""
     got = []
     while len(got) < limit and (item := store.next_item(annotator_id)) is not None:
-        store.save_ranking(annotator_id, item.prompt.id, item.display_order)
+        store.save_ranking(RankingIn(annotator_id, item.prompt.id, item.display_order))
         got.append(item.item_id)
     return got
 
@@ -110,7 +110,7 @@ def test_the_newest_rounds_items_come_first_unless_an_admin_orders_otherwise(cre
     store, (a, b, c, _) = crew
     store.set_queue_overlap(2)
     leftovers = [x.item_id for x in seed_items(store, 3, 2, prefix="old")]
-    store.save_ranking(c.id, *_first_order(store, leftovers[0]))  # the index exists before the rounds' items
+    store.save_ranking(RankingIn(c.id, *_first_order(store, leftovers[0])))  # the index exists before the rounds' items
     r1 = store.create_round(status="annotating")
     first = [x.item_id for x in seed_items(store, 2, 2, round_id=r1.id, prefix="r1")]
     r2 = store.create_round(status="annotating")
@@ -163,7 +163,7 @@ def test_gold_items_are_mixed_in_at_the_rate_for_everyone_whatever_the_overlap(c
     for _ in range(10):  # four annotators take turns, ten items each
         for a in anns:
             item = store.next_item(a.id)
-            store.save_ranking(a.id, item.prompt.id, item.display_order)
+            store.save_ranking(RankingIn(a.id, item.prompt.id, item.display_order))
             got[a.id].append(item.item_id)
     n_gold = [sum(i in gold for i in items) for items in got.values()]
     assert 4 <= sum(n_gold) <= 16  # 40 draws at rate 0.25: 10 expected; the draws are fixed, not random
@@ -187,7 +187,7 @@ def test_gold_items_are_mixed_in_at_the_rate_for_everyone_whatever_the_overlap(c
 def test_a_gold_reference_from_a_ranking_and_back_to_the_regular_queue(crew):
     store, (a, b, *_) = crew
     it1, it2 = seed_items(store, 2, 3)
-    ranking = store.save_ranking(a.id, it1.prompt_id, [[it1.response_ids[2]], it1.response_ids[:2]])
+    ranking = store.save_ranking(RankingIn(a.id, it1.prompt_id, [[it1.response_ids[2]], it1.response_ids[:2]]))
     gold = store.set_gold_from_ranking(ranking.id)
     assert (gold.item_id, gold.order, gold.ranking_id, gold.annotator_id) == (
         it1.item_id, ranking.order, ranking.id, a.id)
@@ -244,8 +244,8 @@ def test_agreement_and_gold_tables_follow_the_rankings(ctx, tmp_path):
     x1, x2, x3 = it1.response_ids
     summary, people, items, gold = team.team_tables(ctx, boss)
     assert summary.startswith("**0** items") and len(people) == 0 and len(items) == 0 and len(gold) == 0
-    ra = store.save_ranking(ann, it1.prompt_id, [x1, x2, x3], display_order=[x1, x2, x3])
-    rb = store.save_ranking(bea, it1.prompt_id, [x2, x1, x3], display_order=[x3, x2, x1])
+    ra = store.save_ranking(RankingIn(ann, it1.prompt_id, [x1, x2, x3], display_order=[x1, x2, x3]))
+    rb = store.save_ranking(RankingIn(bea, it1.prompt_id, [x2, x1, x3], display_order=[x3, x2, x1]))
     summary, people, items, gold = team.team_tables(ctx, boss)
     assert summary.startswith("**1** item ranked by 2+ annotators · pairwise agreement **0.667**")
     assert items.to_dict("records") == [{
@@ -283,7 +283,7 @@ def test_agreement_and_gold_tables_follow_the_rankings(ctx, tmp_path):
 def test_annotators_are_refused_every_team_action(ctx):
     store, ann = ctx.store, req("ann")
     (it,) = seed_items(store, 1, 2)
-    r = store.save_ranking(store.find_annotator("bea").id, it.prompt_id, it.response_ids)
+    r = store.save_ranking(RankingIn(store.find_annotator("bea").id, it.prompt_id, it.response_ids))
     calls = [(team.save_queue, (3, 1.0)), (team.save_round, (1, 2, 2)), (team.mark_gold, (r.id,)),
              (team.unmark_gold, (it.item_id,)), (team.import_gold, ("gold.jsonl",)), (team.team_tables, ()),
              (team.queue_form, ()), (team.go_live, ())]

@@ -12,8 +12,8 @@ import pytest
 
 from pipeline.config import ModelConfig, SFTConfig
 from pipeline.train_sft import main, read_demonstrations, train_sft
-from store.io import ExportOptions, export_dataset
-from store.records import EditIn
+from store.io import export_pairs
+from store.records import EditIn, RankingIn
 from tests.fixtures_store import seed_items
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: tests/fixtures_models.py
@@ -30,10 +30,9 @@ def exported_demonstrations(store, folder: Path, n: int = 10) -> Path:
     ann = store.add_annotator("ann", "ann-password-1")
     for i, item in enumerate(seed_items(store, n, 2)):
         first, second = item.response_ids
-        store.save_ranking(ann.id, item.prompt_id, [[first], [second]],
-                           edit=EditIn(f"answer {i} is yes", made_from=first))
-    # holds out 2 of the 10
-    snap = export_dataset(store, folder / "export", ExportOptions(format="jsonl", test_fraction=0.2, seed=2))
+        store.save_ranking(RankingIn(ann.id, item.prompt_id, [[first], [second]],
+                                     edit=EditIn(f"answer {i} is yes", made_from=first)))
+    snap = export_pairs(store, folder / "export", "jsonl", test_fraction=0.2, seed=2)  # holds out 2 of the 10
     assert snap.counts["demonstrations"] == n
     return folder / "export" / "demonstrations.jsonl"
 

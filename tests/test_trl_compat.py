@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from store import Store
+from store import RankingIn, Store
 from store.export import load_pairs_snapshot
-from store.io import ExportOptions, export_dataset, import_pairs
+from store.io import export_pairs, import_pairs
 from tests.fixtures_store import seed_items
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -24,10 +24,10 @@ def ranked(store, store_annotators, store_policy, tmp_path):
     a, b = store_annotators
     for i, it in enumerate(seed_items(store, 6, 3, model_version_id=store_policy.id)):
         r = it.response_ids
-        store.save_ranking(a.id, it.prompt_id, [[r[0]], [r[1], r[2]]] if i == 0 else r, duration_s=2.0 + i)
+        store.save_ranking(RankingIn(a.id, it.prompt_id, [[r[0]], [r[1], r[2]]] if i == 0 else r, duration_s=2.0 + i))
     (pid,) = store.add_prompts([{"messages": CHAT}])
     responses = store.add_responses(pid, store_policy.id, ["Red.", "Blue, I think.", "Colours are hard."])
-    store.save_ranking(b.id, pid, [r.id for r in responses])
+    store.save_ranking(RankingIn(b.id, pid, [r.id for r in responses]))
     hh = tmp_path / "hh.jsonl"
     hh.write_text(json.dumps({"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant: 4",
                               "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant: 5"}) + "\n")
@@ -52,8 +52,7 @@ def test_reward_trainer_trains_on_an_export(ranked, tmp_path, tiny_model_dir, tr
     from transformers import AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
-    snap = export_dataset(ranked, tmp_path / "export",
-                          ExportOptions(format="jsonl", trl_format=trl_format, margin_column=margin_column))
+    snap = export_pairs(ranked, tmp_path / "export", "jsonl", trl_format=trl_format, margin_column=margin_column)
     dataset = _load(tmp_path / "export" / "pairs.jsonl", tmp_path)
     assert len(dataset) == snap.counts["pairs"] == 6 * 3 - 1 + 3 + 1  # the tie gives no pair
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -86,7 +85,7 @@ def test_dpo_trainer_trains_on_an_export(ranked, tmp_path, tiny_model_dir, trl_f
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    export_dataset(ranked, tmp_path / "pairs.parquet", ExportOptions(format="parquet", trl_format=trl_format))
+    export_pairs(ranked, tmp_path / "pairs.parquet", "parquet", trl_format=trl_format)
     import datasets
 
     dataset = datasets.load_dataset("parquet", data_files=str(tmp_path / "pairs.parquet"), split="train",
@@ -112,13 +111,13 @@ def test_dpo_trainer_trains_on_an_export(ranked, tmp_path, tiny_model_dir, trl_f
 @pytest.mark.parametrize("fmt, out, trl_format", [("jsonl", "export", "conversational"),
                                                  ("parquet", "pairs.parquet", "text")])
 def test_an_export_imported_into_a_fresh_store_exports_the_same_pairs(ranked, tmp_path, fmt, out, trl_format):
-    first = export_dataset(ranked, tmp_path / out, ExportOptions(format=fmt, trl_format=trl_format))
+    first = export_pairs(ranked, tmp_path / out, fmt, trl_format=trl_format)
     pairs_file = tmp_path / out / "pairs.jsonl" if fmt == "jsonl" else tmp_path / out
     fresh = Store(tmp_path / "fresh.duckdb")
     try:
         imported = import_pairs(fresh, pairs_file)
         assert imported["pairs"] == first.counts["pairs"]
-        again = export_dataset(fresh, tmp_path / f"again-{out}", ExportOptions(format=fmt, trl_format=trl_format))
+        again = export_pairs(fresh, tmp_path / f"again-{out}", fmt, trl_format=trl_format)
         keys = ("prompt", "chosen", "rejected", "rank_gap")
 
         def rows(snap):

@@ -22,6 +22,8 @@ from pipeline.oracle import make_oracle, simulated_ranking
 def simulate_annotations(store, oracle, name: str = "sim-gold", noise: float = 0.0, limit: int | None = None,
                          seed: int = 0, on_progress=None) -> int:
     """Rank up to `limit` items as annotator `name` (created if missing); returns how many."""
+    from store import RankingIn
+
     annotator = store.ensure_annotator(name)
     rng = random.Random(seed)
     done = 0
@@ -34,9 +36,9 @@ def simulate_annotations(store, oracle, name: str = "sim-gold", noise: float = 0
         scores = oracle.score([item.prompt.text] * len(texts), texts)
         groups = simulated_ranking(scores, noise=noise, rng=rng)
         order = [[item.responses[i].id for i in group] for group in groups]
-        store.save_ranking(annotator.id, item.prompt.id, order, display_order=item.display_order,
-                           duration_s=time.perf_counter() - started, client_token=uuid.uuid4().hex,
-                           comment=f"simulated by {oracle.name}")
+        store.save_ranking(RankingIn(annotator.id, item.prompt.id, order, display_order=item.display_order,
+                                     duration_s=time.perf_counter() - started, client_token=uuid.uuid4().hex,
+                                     comment=f"simulated by {oracle.name}"))
         done += 1
         if on_progress is not None:
             on_progress(done)
