@@ -29,7 +29,8 @@ from pipeline.orchestrate.steps import prompt_pool, submit_generate
 from store import backup as store_backup
 from store import io as store_io
 from store.errors import DataError, StoreError
-from store.export import TRL_FORMATS, export_layout
+from store.export import export_layout
+from store.export_options import ExportOptions, InvalidOption
 from store.import_items import import_items
 from store.versions import GUIDELINES_KEY
 
@@ -209,11 +210,12 @@ def _fmt(x) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ExportForm:
-    """The Data tab's export options, by name. The field order is the order the tab passes its
-    components in (annotate/ui_admin.py builds that list from these fields; annotate/bind.py
-    `bind_form` turns it back into this record), and so the order of the /export API's values.
-    The defaults are for Python callers; the tab's and the API's come from its components (a test
-    fraction of 0.1 there)."""
+    """The Data tab's export form, by name: its controls' values as Gradio passes them, which
+    `options()` reads into the export's ExportOptions (store/export_options.py). The field order
+    is the order the tab passes its components in (annotate/ui_admin.py builds that list from these
+    fields; annotate/bind.py `bind_form` turns it back into this record), and so the order of the
+    /export API's values. The defaults are for Python callers; the tab's and the API's come from
+    its components (a test fraction of 0.1 there)."""
 
     fmt: str = "jsonl"
     include_all_bad: bool = False
@@ -228,30 +230,43 @@ class ExportForm:
     min_quality: float = 0.0
     quality_weights: bool = False
 
-    def checked(self) -> dict:
-        """store/io.py export_pairs's options from the form; gr.Error names a bad field."""
-        if self.fmt not in ("jsonl", "parquet", "datasets"):
-            raise gr.Error(f"Unknown format {self.fmt!r}: choose jsonl, parquet or datasets.")
-        if self.trl_format not in TRL_FORMATS:
-            raise gr.Error(f"Unknown TRL format {self.trl_format!r}: choose {' or '.join(TRL_FORMATS)}.")
-        annotators = self.annotators
-        if annotators is not None and (not isinstance(annotators, (list, tuple))
-                                       or not all(isinstance(a, str) for a in annotators)):
-            raise gr.Error(f"Annotators must be a list of account names, not {annotators!r}.")
-        for flag, label in ((self.margin_column, "Margin column"),
-                            (self.quality_weights, "Weight pairs by annotator quality")):
-            if not isinstance(flag, bool):
-                raise gr.Error(f"'{label}' must be checked or not, not {flag!r}.")
-        license = form_text(self.license, "License").strip() or "unknown"  # noqa: A001
-        if "\n" in license or len(license) > 100:
-            raise gr.Error("License must be one short line, such as cc-by-4.0.")
-        return dict(annotators=list(annotators) if annotators else None, since=_date(self.since),
-                    min_agreement=_number(self.min_agreement, "Minimum agreement", 0.0, 1.0) or None,
-                    include_all_bad=bool(self.include_all_bad), include_imported=bool(self.include_imported),
-                    test_fraction=_number(self.test_fraction, "Test fraction", 0.0, 0.99), trl_format=self.trl_format,
-                    margin_column=self.margin_column, license=license,
-                    min_quality=_number(self.min_quality, "Minimum annotator quality", 0.0, 1.0) or None,
-                    quality_weights=self.quality_weights)
+    def options(self) -> ExportOptions:
+        """The export's options from the form: a blank field, no annotator chosen and a minimum at
+        0 set no filter, a blank license is 'unknown'. ExportOptions checks them; gr.Error says
+        its problem under the field's label."""
+        test_fraction, license = _blank_as_none(self.test_fraction), _blank_as_none(self.license)  # noqa: A001
+        try:
+            return ExportOptions(
+                format=self.fmt, trl_format=self.trl_format, annotators=self.annotators or None,
+                since=_blank_as_none(self.since), min_agreement=_zero_as_none(self.min_agreement),
+                include_all_bad=self.include_all_bad, include_imported=self.include_imported,
+                test_fraction=0.0 if test_fraction is None else test_fraction, margin_column=self.margin_column,
+                license="unknown" if license is None else license, min_quality=_zero_as_none(self.min_quality),
+                quality_weights=self.quality_weights)
+        except InvalidOption as exc:
+            raise gr.Error(f"{EXPORT_LABELS.get(exc.field, exc.field)} {exc.problem}.") from None
+
+
+EXPORT_LABELS = {"format": "Format", "trl_format": "TRL format", "annotators": "Annotators", "since": "Since",
+                 "min_agreement": "Minimum agreement", "include_all_bad": "Include 'all bad' rankings",
+                 "include_imported": "Include imported pairs", "test_fraction": "Test fraction",
+                 "margin_column": "Margin column", "license": "License", "min_quality": "Minimum annotator quality",
+                 "quality_weights": "Weight pairs by annotator quality"}
+"""How the Data tab's messages name each export option (its controls' labels, annotate/ui_admin.py)."""
+
+
+def _blank_as_none(value):
+    """A form's value with blank text (or None) as None, other text stripped."""
+    return (value.strip() or None) if isinstance(value, str) else value
+
+
+def _zero_as_none(value):
+    """A form's minimum with 0 (or blank) as None: a slider at 0 sets no filter."""
+    value = _blank_as_none(value)
+    try:
+        return None if not isinstance(value, bool) and float(value) == 0 else value
+    except (TypeError, ValueError):
+        return value  # (ExportOptions refuses it, naming the field)
 
 
 def export(ctx: AppContext, form: ExportForm, request: gr.Request):
@@ -262,64 +277,39 @@ def export(ctx: AppContext, form: ExportForm, request: gr.Request):
     measured below it; quality weights add the `weight` column (store/export.py: annotator quality).
     Returns (file paths, summary markdown)."""
     admin(ctx, request)
-    options = form.checked()
+    options = form.options()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     try:
-        snap = store_io.export_pairs(ctx.store, ctx.export_dir / f"export-{stamp}", form.fmt, **options)
+        snap = store_io.export_dataset(ctx.store, ctx.export_dir / f"export-{stamp}", options)
     except StoreError as exc:
         raise gr.Error(f"Export failed: {exc}") from None
     folder = Path(snap.path)
-    if form.fmt == "datasets":
+    if options.format == "datasets":
         downloads = [_downloadable(folder)]
     else:
-        layout = export_layout(folder, form.fmt)
+        layout = export_layout(folder, options.format)
         downloads = [_downloadable(p) for p in (layout.pairs, layout.rankings, layout.demonstrations, layout.card,
                                                 layout.manifest) if p.exists()]
-    return [str(p) for p in downloads], _export_summary(snap, form)
+    return [str(p) for p in downloads], _export_summary(snap, options)
 
 
-def _export_summary(snap, form: ExportForm) -> str:
+def _export_summary(snap, options: ExportOptions) -> str:
     """The markdown line under Export: what the snapshot holds and which filters made it."""
     c = snap.counts
-    margin = " with a margin column" if form.margin_column else ""
-    summary = (f"**Snapshot #{snap.id}** · {form.fmt}, TRL {form.trl_format}{margin} · "
+    margin = " with a margin column" if options.margin_column else ""
+    summary = (f"**Snapshot #{snap.id}** · {options.format}, TRL {options.trl_format}{margin} · "
                f"{c.get('pairs', 0)} pairs ({c.get('train', 0)} train, {c.get('test', 0)} test) from "
                f"{c.get('prompts', 0)} prompts, {c.get('rankings', 0)} rankings"
                + (f", {c['demonstrations']} demonstrations (annotators' own answers)" if c.get("demonstrations") else "")
                + f" · saved as `{Path(snap.path).name}` "
                f"(with its dataset card README.md) · sha256 `{snap.sha256[:12]}`")
     if "min_quality" in snap.filters:
-        left_out, quality = snap.filters["excluded_annotators"], float(form.min_quality)
+        left_out, quality = snap.filters["excluded_annotators"], options.min_quality
         summary += (f" · left out below quality {quality:g}: {render.esc(', '.join(left_out))}" if left_out
                     else f" · no annotator measured below quality {quality:g}")
-    if form.quality_weights:
+    if options.quality_weights:
         summary += " · pairs weighted by annotator quality (column `weight`; see the card)"
     return summary
-
-
-def _date(since) -> dt.date | None:
-    """The form's 'since' date (YYYY-MM-DD; blank: none), checked."""
-    if since is not None and not isinstance(since, str):
-        raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.")
-    if not since or not since.strip():
-        return None
-    try:
-        return dt.date.fromisoformat(since.strip())
-    except ValueError:
-        raise gr.Error(f"'Since' must be a date like 2024-06-01, not {since!r}.") from None
-
-
-def _number(value, label: str, lo: float, hi: float) -> float:
-    """A form's number, checked: gr.Error naming the field unless lo <= value <= hi (None = lo)."""
-    if value is None or value == "":
-        return lo
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        x = float("nan")
-    if isinstance(value, bool) or not lo <= x <= hi:  # NaN fails the comparison too
-        raise gr.Error(f"{label} must be a number from {lo:g} to {hi:g}, not {value!r}.")
-    return x
 
 
 def _downloadable(path: Path) -> Path:

@@ -18,7 +18,7 @@ Phases (each timed; resident memory sampled every 20 ms):
     items each), then the Team tab's refresh (annotate/team.py team_tables: agreement, per
     annotator, per item) and the Data tab's Overview (annotate/admin.py statistics), each the
     median of 3 calls of the handler itself;
- 5. export every pair to Parquet, a datasets folder and JSONL (store.io.export_pairs);
+ 5. export every pair to Parquet, a datasets folder and JSONL (store.io.export_dataset);
  6. a backup (store/backup.py) and the database file's size.
 The comparison ratio is bulk vs one-at-a-time rankings/s. The last line is `RESULT store ...`.
 """
@@ -41,7 +41,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from store import RankingIn, Store  # noqa: E402
-from store.io import export_pairs  # noqa: E402
+from store.io import ExportOptions, export_dataset  # noqa: E402
 
 
 class RssSampler:
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
         exports = {}
         for fmt, name in (("parquet", "pairs.parquet"), ("datasets", "pairs_ds"), ("jsonl", "pairs.jsonl")):
             t0 = time.perf_counter()
-            snap = export_pairs(store, work / name, fmt, include_all_bad=True, test_fraction=0.05)
+            snap = export_dataset(store, work / name, ExportOptions(format=fmt, include_all_bad=True, test_fraction=0.05))
             secs = time.perf_counter() - t0
             exports[fmt] = (snap.counts["pairs"] / secs, mem.phase_peak(), secs, snap.counts["pairs"])
             rows.append((f"export {fmt}: pairs/s", f"{exports[fmt][0]:,.0f}  ({exports[fmt][3]:,} pairs in "

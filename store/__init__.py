@@ -5,8 +5,8 @@
     item = store.next_item(annotator_id)        # a prompt and its K responses, leased to you
     store.save_ranking(RankingIn(annotator_id, item.prompt.id, [[r3], [r1, r2], [r4]]))
 
-Import and export of files: store.io (import_prompts, import_pairs, export_pairs,
-load_pairs_snapshot), store.import_items (items to rank; Label Studio exports). Command line: `python -m store --help`.
+Import and export of files: store.io (import_prompts, import_pairs, export_dataset with
+its ExportOptions, load_pairs_snapshot), store.import_items (items to rank; Label Studio exports). Command line: `python -m store --help`.
 """
 
 from store.db import default_db_path

@@ -29,6 +29,7 @@ Exit status: 0 done, 1 refused input (nothing stored), 2 the database is in use 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import getpass
 import json
 import sys
@@ -37,7 +38,7 @@ from pathlib import Path
 from store.db import default_db_path
 from store.errors import DataError, InvalidRequest, NotFoundError, StoreLockedError
 from store.records import EXPORT_FORMATS, ITEM_FORMATS, ROLES
-from store.export import TRL_FORMATS
+from store.export_options import TRL_FORMATS, ExportOptions
 from store.quality import MIN_WEIGHT
 from store.users import MIN_PASSWORD_CHARS, generate_password
 
@@ -115,6 +116,7 @@ def _import_parsers(sub) -> None:
 
 
 def _export_parser(sub) -> None:
+    """`export`: each option's dest is the ExportOptions field it sets (store/export_options.py)."""
     exp = sub.add_parser(
         "export", help="export pairs (TRL preference format), rankings and a dataset card; record the snapshot",
         description="Export the preference pairs as a TRL preference dataset, the rankings behind them, a "
@@ -142,7 +144,7 @@ def _export_parser(sub) -> None:
     exp.add_argument("--since", help="pairs created at or after this UTC date/time (ISO)")
     exp.add_argument("--until", help="pairs created before this UTC date/time (ISO)")
     exp.add_argument("--include-all-bad", action="store_true", help="also pairs from 'all bad' rankings")
-    exp.add_argument("--no-imported", action="store_true", help="leave out imported pairs")
+    exp.add_argument("--no-imported", dest="include_imported", action="store_false", help="leave out imported pairs")
     exp.add_argument("--min-quality", type=float,
                      help="leave out annotators whose quality (gold accuracy, else agreement with the majority; "
                           "see `stats`) is below this (0-1); annotators not measured yet are kept")
@@ -153,6 +155,12 @@ def _export_parser(sub) -> None:
     exp.add_argument("--test-fraction", type=float, default=0.0, help="share of prompts held out as 'test'")
     exp.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     exp.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+
+def options_from_args(args: argparse.Namespace) -> ExportOptions:
+    """The options of `export`'s command line (an option's dest is the field it sets)."""
+    return ExportOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ExportOptions)
+                            if hasattr(args, f.name)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,13 +230,7 @@ def _run(store, args) -> int:
             result = fn(store, args.file, **limit)
         print(json.dumps(result, indent=2))
     elif args.command == "export":
-        snap = io.export_pairs(
-            store, args.out, args.format, rounds=args.rounds, annotators=args.annotators,
-            min_agreement=args.min_agreement, since=args.since, until=args.until,
-            include_all_bad=args.include_all_bad, include_imported=not args.no_imported,
-            test_fraction=args.test_fraction, seed=args.seed, trl_format=args.trl_format,
-            margin_column=args.margin_column, license=args.license, min_quality=args.min_quality,
-            quality_weights=args.quality_weights, overwrite=args.overwrite)
+        snap = io.export_dataset(store, args.out, options_from_args(args))
         print(f"snapshot {snap.id}: {snap.counts['pairs']} pairs, {snap.counts['rankings']} rankings -> "
               f"{snap.path} (sha256 {snap.sha256[:16]}...)")
         print(json.dumps(snap.counts))

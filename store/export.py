@@ -1,7 +1,9 @@
-"""Export preference pairs and the rankings behind them as a versioned snapshot, with a dataset
-card; read snapshots back without a Store.
+"""Export preference pairs, the rankings behind them and the annotators' own answers as a versioned
+snapshot, with a dataset card and a manifest; read snapshots back without a Store.
 
-`export_pairs` writes every pair that passes the filters as one of TRL's preference datasets:
+`export_dataset(store, out, options)` takes what to select and how to write it as one
+ExportOptions (store/export_options.py: its fields, checked when it is built; the names below are
+its fields). It writes every pair that passes the filters as one of TRL's preference datasets:
 
     prompt, chosen, rejected             trl_format 'conversational' (the default): the prompt
                                          as chat messages [{role, content}] (formats/chat.py), chosen
@@ -85,12 +87,12 @@ from pathlib import Path
 from formats.hashing import snapshot_sha256
 from store import card
 from store.errors import DataError, InvalidRequest
+from store.export_options import ExportOptions
 from store.export_select import filters_sql, quality_filter, select
 from store.export_write import prompts_table, remove, write_data, write_demonstrations, write_text
 from store.quality import MIN_COMPARISONS, MIN_WEIGHT
-from store.records import EXPORT_FORMATS, Snapshot
+from store.records import Snapshot
 
-TRL_FORMATS = ("conversational", "text")
 COLUMNS = ["prompt", "chosen", "rejected", "rank_gap", "strength", "rationale", "annotator", "prompt_id", "chosen_id",
            "rejected_id", "chosen_model_version", "rejected_model_version", "chosen_model", "rejected_model",
            "pair_id", "ranking_id", "all_bad", "agreement", "source", "round", "created_at", "split"]
@@ -128,44 +130,18 @@ def export_layout(out, fmt: str) -> Layout:
     return Layout(out, pairs, rankings, out / "demonstrations.jsonl", out / "README.md", out / "snapshot.json", True)
 
 
-def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators=None,
-                 min_agreement: float | None = None, since=None, until=None,
-                 include_all_bad: bool = False, include_imported: bool = True, include_evaluations: bool = False,
-                 test_fraction: float = 0.0, seed: int = 0, trl_format: str = "conversational",
-                 margin_column: bool = False, license: str = "unknown",  # noqa: A002 (the card's field)
-                 min_quality: float | None = None, quality_weights: bool = False,
-                 include_empty: bool = True, overwrite: bool = False) -> Snapshot:
-    """Write the pairs (and rankings, and card) that pass the filters and record the snapshot.
-
-    rounds: round id(s) whose items to take; annotators: names or ids; min_agreement: in [0, 1];
-    since/until: creation time range [since, until) (datetime, date or ISO string, UTC);
-    include_all_bad: also "all bad" rankings and their pairs; include_imported: also imported
-    pairs; include_evaluations: also the rankings of blind evaluation items (store/evaluations.py),
-    which are left out so that no model trains on the prompts it is judged on; trl_format: 'conversational' or 'text'; margin_column: add TRL's `margin` column;
-    license: the card's license field (an SPDX-like id, e.g. 'cc-by-4.0'); min_quality: in [0, 1],
-    leave out annotators measured below it; quality_weights: add the `weight` column (annotator
-    quality, see the module docstring); include_empty: False leaves out pairs with a blank side.
-    """
-    if fmt not in EXPORT_FORMATS:
-        raise InvalidRequest(f"format must be one of {EXPORT_FORMATS}, not {fmt!r}")
-    if trl_format not in TRL_FORMATS:
-        raise InvalidRequest(f"trl_format must be one of {TRL_FORMATS}, not {trl_format!r}")
-    if not 0.0 <= float(test_fraction) < 1.0:
-        raise InvalidRequest(f"test_fraction must be in [0, 1), not {test_fraction}")
-    if not isinstance(license, str) or not license.strip() or "\n" in license:
-        raise InvalidRequest(f"license must be a one-line name such as 'cc-by-4.0', not {license!r}")
-    layout = export_layout(out_path, fmt)
-    parts = [layout.snapshot] if layout.folder else [layout.pairs, layout.rankings, layout.demonstrations,
-                                                      layout.card, layout.manifest]
-    existing = [str(p) for p in parts if p.exists()]
-    if existing and not overwrite:
-        raise InvalidRequest(f"{', '.join(existing)} already exists (pass overwrite=True to replace it)")
-    cond, recorded = filters_sql(store, rounds, annotators, min_agreement, since, until,
-                                  include_all_bad, include_imported, include_evaluations)
-    quality = quality_filter(store, cond, recorded, min_quality, quality_weights)
-    recorded.update(test_fraction=float(test_fraction), seed=int(seed), trl_format=trl_format,
-                    margin_column=bool(margin_column), quality_weights=bool(quality_weights))
-    if not include_empty:
+def export_dataset(store, out, options: ExportOptions = ExportOptions()) -> Snapshot:
+    """Write the pairs, rankings and demonstrations that pass the options' filters to `out` (see
+    export_layout), with the dataset card and the manifest, and record the snapshot. The options
+    are checked when they are built (store/export_options.py); an existing export at `out` is
+    refused unless options.overwrite, and so is an export that matches no pair (InvalidRequest)."""
+    layout = export_layout(out, options.format)
+    _refuse_existing(layout, options.overwrite)
+    cond, recorded = filters_sql(store, options)
+    quality = quality_filter(store, cond, recorded, options)
+    recorded.update(test_fraction=options.test_fraction, seed=options.seed, trl_format=options.trl_format,
+                    margin_column=options.margin_column, quality_weights=options.quality_weights)
+    if not options.include_empty:
         recorded["include_empty"] = False
     layout.snapshot.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging(layout)
@@ -175,14 +151,12 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
     cur = store.cursor()
     try:
         # 1. select the pairs and rankings (ids and metadata only) into temporary tables, with their split
-        counts = select(cur, cond, float(test_fraction), int(seed), include_empty,
-                         quality if quality_weights else None)
+        counts = select(cur, cond, options, quality if options.quality_weights else None)
         if counts["pairs"] == 0:
             raise InvalidRequest(f"no pairs match these filters ({recorded}): nothing was exported")
-        prompts_table(cur, trl_format)
+        prompts_table(cur, options.trl_format)
         # 2. write the data under temporary names (DuckDB streams COPY; datasets go through Arrow)
-        counts["demonstrations"] = _write_all(cur, layout, staging, fmt, trl_format, bool(margin_column),
-                                              bool(quality_weights), counts["test"] > 0)
+        counts["demonstrations"] = _write_all(cur, layout, staging, options, counts["test"] > 0)
         facts = card.gather(store, cur)
     except BaseException:
         for tmp in staging.values():
@@ -197,20 +171,36 @@ def export_pairs(store, out_path, fmt: str = "jsonl", *, rounds=None, annotators
         remove(final)
         if tmp.exists():  # (no demonstrations file when there are none)
             os.replace(tmp, final)
-    digest = snapshot_sha256(layout.snapshot)
-    snap = store.record_snapshot(str(layout.snapshot), fmt, counts, recorded, digest)
-    columns = COLUMNS[:4] + ["margin"] * bool(margin_column) + ["weight"] * bool(quality_weights) + COLUMNS[4:]
-    manifest = {"snapshot_id": snap.id, "format": fmt, "trl_format": trl_format, "counts": counts,
-                "filters": recorded, "sha256": digest, "license": license.strip(), "columns": columns,
+    snap = store.record_snapshot(str(layout.snapshot), options.format, counts, recorded,
+                                 snapshot_sha256(layout.snapshot))
+    manifest = _manifest(snap, options, layout, counts, recorded, quality)
+    write_text(layout.card, card.render(manifest, facts, options.format))
+    write_text(layout.manifest, json.dumps(manifest, indent=2) + "\n")
+    return snap
+
+
+def _refuse_existing(layout: Layout, overwrite: bool) -> None:
+    parts = [layout.snapshot] if layout.folder else [layout.pairs, layout.rankings, layout.demonstrations,
+                                                      layout.card, layout.manifest]
+    existing = [str(p) for p in parts if p.exists()]
+    if existing and not overwrite:
+        raise InvalidRequest(f"{', '.join(existing)} already exists (pass overwrite=True to replace it)")
+
+
+def _manifest(snap: Snapshot, options: ExportOptions, layout: Layout, counts: dict, recorded: dict,
+              quality: list[dict] | None) -> dict:
+    """snapshot.json: what was exported, how, and where its files are (the card says it in prose)."""
+    columns = (COLUMNS[:4] + ["margin"] * options.margin_column + ["weight"] * options.quality_weights
+               + COLUMNS[4:])
+    manifest = {"snapshot_id": snap.id, "format": options.format, "trl_format": options.trl_format, "counts": counts,
+                "filters": recorded, "sha256": snap.sha256, "license": options.license, "columns": columns,
                 "ranking_columns": RANKING_COLUMNS, "files": _relative_files(layout),
                 "created_at": snap.created_at.isoformat()}
     if quality is not None:
         manifest["annotator_quality"] = [{k: v for k, v in q.items() if k != "annotator_id"} for q in quality]
         manifest["min_weight"] = MIN_WEIGHT
         manifest["min_comparisons"] = MIN_COMPARISONS
-    write_text(layout.card, card.render(manifest, facts, fmt))
-    write_text(layout.manifest, json.dumps(manifest, indent=2) + "\n")
-    return snap
+    return manifest
 
 
 def _staging(layout: Layout) -> dict[Path, Path]:
@@ -226,8 +216,7 @@ def _relative_files(layout: Layout) -> dict[str, str]:
             if name != "demonstrations" or layout.demonstrations.exists()}
 
 
-def _write_all(cur, layout: Layout, staging: dict[Path, Path], fmt: str, trl_format: str,
-               margin_column: bool, weight_column: bool, has_test: bool) -> int:
+def _write_all(cur, layout: Layout, staging: dict[Path, Path], options: ExportOptions, has_test: bool) -> int:
     """Pairs, rankings and demonstrations into their temporary paths; returns how many
     demonstrations."""
     if layout.folder:
@@ -235,12 +224,12 @@ def _write_all(cur, layout: Layout, staging: dict[Path, Path], fmt: str, trl_for
         pairs = root / layout.pairs.relative_to(layout.snapshot)
         rankings = root / layout.rankings.relative_to(layout.snapshot)
         demonstrations = root / layout.demonstrations.relative_to(layout.snapshot)
-        if fmt != "datasets":
+        if options.format != "datasets":
             rankings.parent.mkdir(parents=True)
     else:
         pairs, rankings, demonstrations = (staging[p] for p in (layout.pairs, layout.rankings, layout.demonstrations))
-    write_data(cur, pairs, rankings, fmt, trl_format, margin_column, weight_column, has_test)
-    return write_demonstrations(cur, demonstrations, trl_format)
+    write_data(cur, pairs, rankings, options, has_test)
+    return write_demonstrations(cur, demonstrations, options.trl_format)
 
 
 def load_pairs_snapshot(path, split: str | None = None) -> list[dict]:
@@ -279,3 +268,4 @@ def load_pairs_snapshot(path, split: str | None = None) -> list[dict]:
     if split is not None:
         rows = [r for r in rows if r.get("split", "train") == split]
     return rows
+

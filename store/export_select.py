@@ -1,6 +1,7 @@
-"""Which pairs and rankings an export takes (store/export.py writes them): the filters as SQL over
-the pairs with their agreement, annotator quality's exclusions and weights, and the split by
-prompt. `select` leaves them in the temporary tables _export and _export_rankings of a cursor.
+"""Which pairs and rankings an export takes (store/export.py writes them): the filters of its
+ExportOptions (store/export_options.py) as SQL over the pairs with their agreement, annotator
+quality's exclusions and weights, and the split by prompt. `select` leaves them in the temporary
+tables _export and _export_rankings of a cursor.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import hashlib
 import pyarrow as pa
 
 from store.db import registered
-from store.values import to_db_time
 from store.errors import InvalidRequest
+from store.export_options import ExportOptions
 from store.quality import annotator_quality_table
 
 BLANK = r"[\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]*"
@@ -47,45 +48,42 @@ _SELECTED_RANKINGS = """
         FROM rankings k JOIN items i ON i.id = k.item_id)
 """
 
-def filters_sql(store, rounds, annotators, min_agreement, since, until, include_all_bad,
-                 include_imported, include_evaluations) -> tuple[list[tuple[str, list, bool]], dict]:
-    """The filters as (SQL condition, parameters, concerns pairs only) over the columns of
+def filters_sql(store, options: ExportOptions) -> tuple[list[tuple[str, list, bool]], dict]:
+    """The options' filters as (SQL condition, parameters, concerns pairs only) over the columns of
     _SELECTED and _SELECTED_RANKINGS, and the filters as recorded."""
     cond, recorded = [], {}
-    if rounds is not None:
-        rounds = [int(r) for r in ([rounds] if isinstance(rounds, int) else rounds)]
-        cond.append(("list_contains(?, round_id)", [rounds], False))
-        recorded["rounds"] = rounds
-    if annotators is not None:
-        names = [annotators] if isinstance(annotators, (str, int)) else list(annotators)
-        ids = []
-        for a in names:
-            found = store.get_annotator(a) if isinstance(a, int) else store.find_annotator(a)
-            if found is None:
-                raise InvalidRequest(f"no annotator named {a!r}")
-            ids.append(found.id)
+    if options.rounds is not None:
+        cond.append(("list_contains(?, round_id)", [list(options.rounds)], False))
+        recorded["rounds"] = list(options.rounds)
+    if options.annotators is not None:
+        ids = [_annotator_id(store, a) for a in options.annotators]
         cond.append(("list_contains(?, annotator_id)", [ids], False))
         recorded["annotators"] = [store.get_annotator(i).name for i in ids]
-    if min_agreement is not None:
-        if not 0.0 <= float(min_agreement) <= 1.0:
-            raise InvalidRequest(f"min_agreement must be between 0 and 1, not {min_agreement}")
-        cond.append(("agreement >= ?", [float(min_agreement)], True))
-        recorded["min_agreement"] = float(min_agreement)
-    for name, value, op in (("since", since, ">="), ("until", until, "<")):
+    if options.min_agreement is not None:
+        cond.append(("agreement >= ?", [options.min_agreement], True))
+        recorded["min_agreement"] = options.min_agreement
+    for name, op, value in (("since", ">=", options.since), ("until", "<", options.until)):
         if value is not None:
-            cond.append((f"created_at {op} ?", [to_db_time(value)], False))
-            recorded[name] = to_db_time(value).isoformat() + "Z"
-    if not include_all_bad:
+            cond.append((f"created_at {op} ?", [value], False))
+            recorded[name] = value.isoformat() + "Z"
+    if not options.include_all_bad:
         cond.append(("NOT all_bad", [], False))
-    if not include_imported:
+    if not options.include_imported:
         cond.append(("ranking_id IS NOT NULL", [], True))
-    if not include_evaluations:
+    if not options.include_evaluations:
         cond.append(("evaluation_id IS NULL", [], False))
-    recorded["include_all_bad"] = bool(include_all_bad)
-    recorded["include_imported"] = bool(include_imported)
-    if include_evaluations:
+    recorded["include_all_bad"] = options.include_all_bad
+    recorded["include_imported"] = options.include_imported
+    if options.include_evaluations:
         recorded["include_evaluations"] = True
     return cond, recorded
+
+
+def _annotator_id(store, annotator: str | int) -> int:
+    found = store.get_annotator(annotator) if isinstance(annotator, int) else store.find_annotator(annotator)
+    if found is None:
+        raise InvalidRequest(f"no annotator named {annotator!r}")
+    return found.id
 
 
 def _where(cond: list[tuple[str, list, bool]], rankings: bool) -> tuple[str, list]:
@@ -105,35 +103,35 @@ HELD_OUT_SQL = f"('0x' || sha256($seed::VARCHAR || ':' || prompt_id::VARCHAR)[1:
 the 60-bit integer rounds to a double as Python's true division by a power of two does."""
 
 
-def quality_filter(store, cond: list, recorded: dict, min_quality: float | None,
-                    quality_weights: bool) -> list[dict] | None:
-    """The annotator quality table when min_quality or quality_weights needs it (store/quality.py);
-    min_quality's exclusion is added to `cond` and recorded."""
-    if min_quality is None and not quality_weights:
+def quality_filter(store, cond: list, recorded: dict, options: ExportOptions) -> list[dict] | None:
+    """The annotator quality table when the options' min_quality or quality_weights needs it
+    (store/quality.py); min_quality's exclusion is added to `cond` and recorded."""
+    if options.min_quality is None and not options.quality_weights:
         return None
-    quality = annotator_quality_table(store, min_quality)
-    if min_quality is not None:
+    quality = annotator_quality_table(store, options.min_quality)
+    if options.min_quality is not None:
         excluded = [q["annotator_id"] for q in quality if q["excluded"]]
         if excluded:
             cond.append(("(annotator_id IS NULL OR NOT list_contains(?, annotator_id))", [excluded], False))
-        recorded.update(min_quality=float(min_quality),
+        recorded.update(min_quality=options.min_quality,
                         excluded_annotators=[q["annotator"] for q in quality if q["excluded"]])
     return quality
 
 
-def select(cur, cond: list, test_fraction: float, seed: int, include_empty: bool, weights: list[dict] | None) -> dict:
+def select(cur, cond: list, options: ExportOptions, weights: list[dict] | None) -> dict:
     """The pairs and rankings that pass `cond` into the temporary tables _export and
-    _export_rankings, each row with its prompt's split (and with `weights`, the quality table, each
-    pair's weight); returns the counts the manifest records."""
+    _export_rankings, each row with its prompt's split (the options' test_fraction and seed; and
+    with `weights`, the quality table, each pair's weight); the options' include_empty=False
+    leaves out the pairs with a blank side. Returns the counts the manifest records."""
     where, params = _where(cond, rankings=False)
     cur.execute("CREATE OR REPLACE TEMP TABLE _export_sel AS " + _SELECTED + where, params)
     where, params = _where(cond, rankings=True)
     cur.execute("CREATE OR REPLACE TEMP TABLE _export_rankings_sel AS " + _SELECTED_RANKINGS + where, params)
-    left_out_empty = 0 if include_empty else _drop_blank_pairs(cur)
+    left_out_empty = 0 if options.include_empty else _drop_blank_pairs(cur)
     # whole prompts to the test split, each by its own hash; none when that would be every prompt
     cur.execute("CREATE OR REPLACE TEMP TABLE _test_ids AS SELECT prompt_id FROM "
                 f"(SELECT DISTINCT prompt_id FROM _export_sel) WHERE {HELD_OUT_SQL} < $fraction",
-                {"seed": int(seed), "fraction": float(test_fraction)})
+                {"seed": options.seed, "fraction": options.test_fraction})
     if cur.execute("SELECT (SELECT count(*) FROM _test_ids) = (SELECT count(DISTINCT prompt_id) FROM _export_sel)"
                    ).fetchall()[0][0]:
         cur.execute("DELETE FROM _test_ids")
@@ -150,7 +148,7 @@ def select(cur, cond: list, test_fraction: float, seed: int, include_empty: bool
                     "count(DISTINCT annotator_id), count(*) FILTER (WHERE ranking_id IS NULL), "
                     "count(*) FILTER (WHERE all_bad) FROM _export").fetchall()[0]))
     counts["rankings"] = cur.execute("SELECT count(*) FROM _export_rankings").fetchall()[0][0]
-    if not include_empty:
+    if not options.include_empty:
         counts["left_out_empty"] = left_out_empty
     return counts
 

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from formats.chat import TURN_START, prompt_messages
 from store.db import registered
+from store.export_options import ExportOptions
 from store.records import HUMAN_EDIT, STRENGTHS
 
 _TIME = "strftime({}.created_at, '%Y-%m-%dT%H:%M:%S.%fZ') AS created_at"
@@ -67,7 +68,7 @@ def _reply(column: str, trl_format: str) -> str:
 
 
 def pairs_sql(trl_format: str, margin_column: bool, where: str = "", weight_column: bool = False) -> str:
-    """The query that writes the pairs (over the temporary tables export_pairs builds)."""
+    """The query that writes the pairs (over the temporary tables export_dataset builds)."""
     prompt = "m.prompt" if trl_format == "conversational" else "p.text"
     return _WRITE.format(prompt=prompt, chosen=_reply("c.text", trl_format),
                          rejected=_reply("r.text", trl_format), time=_TIME.format("s"),
@@ -76,7 +77,7 @@ def pairs_sql(trl_format: str, margin_column: bool, where: str = "", weight_colu
 
 
 def rankings_sql(trl_format: str) -> str:
-    """The query that writes the rankings (over the temporary tables export_pairs builds)."""
+    """The query that writes the rankings (over the temporary tables export_dataset builds)."""
     prompt = "m.prompt" if trl_format == "conversational" else "p.text"
     return _WRITE_RANKINGS.format(prompt=prompt, time=_TIME.format("k"))
 
@@ -135,25 +136,25 @@ def prompts_table(cur, trl_format: str) -> None:
                     f"WHERE id IN ({ids}) AND {plain}")
 
 
-def write_data(cur, pairs: Path, rankings: Path, fmt: str, trl_format: str, margin_column: bool,
-               weight_column: bool, has_test: bool) -> None:
+def write_data(cur, pairs: Path, rankings: Path, options: ExportOptions, has_test: bool) -> None:
     """The pairs and the rankings (tables _export, _export_rankings, _export_prompts) to these
-    paths: DuckDB streams COPY for jsonl and parquet; `datasets` folders go through Arrow files."""
-    if fmt == "datasets":
+    paths in the options' format, TRL format and columns: DuckDB streams COPY for jsonl and
+    parquet; `datasets` folders go through Arrow files."""
+    trl_format, margin, weight = options.trl_format, options.margin_column, options.quality_weights
+    if options.format == "datasets":
         import datasets  # imported here: it is slow to import and only this format needs it
 
         splits = ("train", "test") if has_test else ("train",)
         with _ArrowStaging(pairs.with_name(pairs.name + ".arrow")) as arrow:
-            parts = {split: arrow(cur, pairs_sql(trl_format, margin_column, f"WHERE s.split = '{split}'",
-                                                 weight_column))
+            parts = {split: arrow(cur, pairs_sql(trl_format, margin, f"WHERE s.split = '{split}'", weight))
                      for split in splits}
             datasets.DatasetDict(parts).save_to_disk(str(pairs))
             arrow(cur, rankings_sql(trl_format)).save_to_disk(str(rankings))
             del parts
         return
-    options = "FORMAT json" if fmt == "jsonl" else "FORMAT parquet, COMPRESSION zstd"
-    cur.execute(f"COPY ({pairs_sql(trl_format, margin_column, '', weight_column)}) TO '{_sql_path(pairs)}' ({options})")
-    cur.execute(f"COPY ({rankings_sql(trl_format)}) TO '{_sql_path(rankings)}' ({options})")
+    copy = "FORMAT json" if options.format == "jsonl" else "FORMAT parquet, COMPRESSION zstd"
+    cur.execute(f"COPY ({pairs_sql(trl_format, margin, '', weight)}) TO '{_sql_path(pairs)}' ({copy})")
+    cur.execute(f"COPY ({rankings_sql(trl_format)}) TO '{_sql_path(rankings)}' ({copy})")
 
 
 class _ArrowStaging:

@@ -34,11 +34,12 @@ from pathlib import Path
 
 from formats.chat import messages_to_text, pair_from_messages, split_hh
 from formats.hashing import file_sha256
-from store.export import export_pairs, load_pairs_snapshot, snapshot_sha256  # noqa: F401 (re-exported)
+from store.export import export_dataset, load_pairs_snapshot, snapshot_sha256  # noqa: F401 (re-exported)
+from store.export_options import ExportOptions  # noqa: F401 (re-exported)
 from store.readers import (DEFAULT_MAX_BYTES, DEFAULT_MAX_CHARS, Problems, prompt_of, read_rows, source_of,
                            text_field)
 
-__all__ = ["import_prompts", "import_pairs", "export_pairs", "load_pairs_snapshot", "read_rows",
+__all__ = ["import_prompts", "import_pairs", "export_dataset", "ExportOptions", "load_pairs_snapshot", "read_rows",
            "snapshot_sha256", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_CHARS"]
 
 

@@ -128,7 +128,7 @@ class VersionsMixin:
     # ------------------------------------------------------------------ export snapshots
 
     def record_snapshot(self, path: str, fmt: str, counts: dict, filters: dict, sha256: str) -> Snapshot:
-        """Record an export's manifest (store.export.export_pairs calls this)."""
+        """Record an export's manifest (store.export.export_dataset calls this)."""
         if fmt not in EXPORT_FORMATS:
             raise InvalidRequest(f"format must be one of {EXPORT_FORMATS}, not {fmt!r}")
         with self._tx() as cur:

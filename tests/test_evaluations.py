@@ -11,7 +11,8 @@ import pytest
 
 from store import RankingIn
 from store.errors import InvalidRequest, NotFoundError
-from store.export import export_pairs
+from store.export import export_dataset
+from store.export_options import ExportOptions
 from store.leaderboard import SCALE, Comparison, bradley_terry, leaderboard, win_rates
 
 
@@ -141,9 +142,9 @@ def test_evaluation_items_are_ranked_blind_scored_and_kept_out_of_training(store
     store.add_responses_bulk(base.id, [(other, [("a", 1, "eos", {}), ("b", 1, "eos", {})])])
     train_item = store.next_item(ann.id)
     store.save_ranking(RankingIn(ann.id, other, [[train_item.responses[0].id], [train_item.responses[1].id]]))
-    snap = export_pairs(store, tmp_path / "pairs.jsonl")
+    snap = export_dataset(store, tmp_path / "pairs.jsonl")
     assert snap.counts["pairs"] == 1 and snap.counts["rankings"] == 1
-    both = export_pairs(store, tmp_path / "all.jsonl", include_evaluations=True)
+    both = export_dataset(store, tmp_path / "all.jsonl", ExportOptions(include_evaluations=True))
     assert both.counts["pairs"] == 7 and both.filters["include_evaluations"] is True
 
 

@@ -14,7 +14,7 @@ import pytest
 from store import DataError
 from store.export import load_pairs_snapshot
 from store.import_items import import_items
-from store.io import export_pairs
+from store.io import ExportOptions, export_dataset
 from store.quality import annotator_quality_table
 
 DATA = Path(__file__).parent / "data" / "argilla"
@@ -84,7 +84,7 @@ def test_agreement_and_quality_count_the_imported_annotators(store):
     table = {USERS[r["annotator"].split(":", 1)[1]]: r for r in annotator_quality_table(store)}
     assert set(table) == {"alice", "bob"}
     # the export says who ranked: an exported pair names its annotator
-    rows = load_pairs_snapshot(export_pairs(store, store.path.parent / "export", "jsonl").path)
+    rows = load_pairs_snapshot(export_dataset(store, store.path.parent / "export", ExportOptions(format="jsonl")).path)
     assert len(rows) == 17 and {r["annotator"] for r in rows} == {f"argilla:{_user_id(n)}" for n in ("alice", "bob")}
 
 

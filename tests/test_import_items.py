@@ -15,7 +15,7 @@ import pytest
 from store import DataError, RankingIn
 from store.export import load_pairs_snapshot
 from store.import_items import import_items
-from store.io import export_pairs
+from store.io import ExportOptions, export_dataset
 
 TWO_MODELS = [
     {"prompt": "Name a prime number.", "responses": [{"text": "7 is prime.", "model": "gpt-4o"},
@@ -60,7 +60,7 @@ def test_items_from_two_models_are_queued_ranked_and_exported_with_their_models(
         ranked += 1
     assert ranked == 2 and len(store.list_pairs()) == 1 + 3
 
-    snap = export_pairs(store, tmp_path / "export", "jsonl")
+    snap = export_dataset(store, tmp_path / "export", ExportOptions(format="jsonl"))
     rows = load_pairs_snapshot(snap.path)
     assert len(rows) == 4
     for r in rows:

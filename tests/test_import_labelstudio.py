@@ -15,7 +15,7 @@ import pytest
 from store import DataError
 from store.export import load_pairs_snapshot
 from store.import_items import import_items
-from store.io import export_pairs
+from store.io import ExportOptions, export_dataset
 
 DATA = Path(__file__).parent / "data" / "labelstudio"
 RANKER = json.loads((DATA / "llm_ranker_export.json").read_text())
@@ -75,7 +75,7 @@ def test_the_pairwise_rlhf_template_and_who_made_each_choice(store, tmp_path):
                              ("labelstudio:1", "left", "right", 1.0)} and len(store.list_pairs()) == 3
     agreement = store.agreement()
     assert (agreement.items, agreement.comparisons, agreement.pairwise_agreement) == (1, 1, 0.0)
-    rows = load_pairs_snapshot(export_pairs(store, tmp_path / "export", "jsonl").path)
+    rows = load_pairs_snapshot(export_dataset(store, tmp_path / "export", ExportOptions(format="jsonl")).path)
     assert sorted(r["annotator"] for r in rows) == ["labelstudio:1", "labelstudio:1", "labelstudio:2"]
 
 

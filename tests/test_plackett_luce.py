@@ -16,7 +16,7 @@ from pipeline.losses import pairwise_loss, plackett_luce_loss
 from pipeline.pairs_data import PairsError, read_pairs, read_rankings, rankings_path
 from pipeline.train_reward import main, train_reward
 from store import RankingIn
-from store.io import export_pairs
+from store.io import ExportOptions, export_dataset
 from tests.fixtures_store import seed_items
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,7 +79,7 @@ def exported(store, store_annotators, tmp_path):
             order = [r]  # all four tied: no order, no pair
         store.save_ranking(RankingIn(a.id, it.prompt_id, order))
         orders.append(order)
-    snap = export_pairs(store, tmp_path / "pairs-1.parquet", "parquet")
+    snap = export_dataset(store, tmp_path / "pairs-1.parquet", ExportOptions(format="parquet"))
     return store, items, orders, snap
 
 

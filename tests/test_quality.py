@@ -45,7 +45,7 @@ from pipeline.orchestrate.steps import LoopSettings, pairs_snapshot
 from pipeline.pairs_data import read_pairs
 from pipeline.train_reward import train_reward
 from store import RankingIn, Store
-from store.io import export_pairs
+from store.io import ExportOptions, export_dataset
 from tests.fixtures_store import open_copy, seed_items
 from tests.helpers import req
 from tests.test_train_reward import marker_pairs, write_jsonl
@@ -101,7 +101,7 @@ def measure(store, tmp_path, model_cfg, seed: int) -> dict:
     cfg = dataclasses.replace(CFG, seed=seed, eval_data=str(held_out(tmp_path, seed)))
     out = {"rankings": rankings}
     for name, options in EXPORTS.items():
-        snap = export_pairs(store, tmp_path / f"{name}.parquet", "parquet", **options)
+        snap = export_dataset(store, tmp_path / f"{name}.parquet", ExportOptions(format="parquet", **options))
         report = train_reward(snap.path, str(tmp_path / f"run-{name}"), cfg, model_cfg)
         manifest = json.loads((tmp_path / f"{name}.parquet.snapshot.json").read_text())
         out[name] = {"accuracy": report["eval/accuracy"], "loss": report["eval/loss"], "pairs": snap.counts["pairs"],

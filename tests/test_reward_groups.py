@@ -161,7 +161,7 @@ def test_pairs_without_ranking_ids_group_by_prompt_with_each_response_once(tmp_p
 def test_ties_and_an_own_answer_group_as_the_store_exports_them(store, store_annotators, tmp_path):
     """A ranking with a tie and an annotator's own answer, exported by the store: one group, the
     answer one more response, the pairs exactly the export's (none between the tied responses)."""
-    from store.io import export_pairs
+    from store.io import ExportOptions, export_dataset
     from store.records import EditIn, RankingIn
     from tests.fixtures_store import seed_items
 
@@ -170,7 +170,7 @@ def test_ties_and_an_own_answer_group_as_the_store_exports_them(store, store_ann
     ann, _ = store_annotators
     store.save_ranking(RankingIn(ann.id, item.prompt_id, [[r[0]], [r[1], r[2]], [r[3]]],
                                  edit=EditIn("my own answer", made_from=r[1])))
-    snap = export_pairs(store, tmp_path / "export.jsonl", "jsonl")
+    snap = export_dataset(store, tmp_path / "export.jsonl", ExportOptions(format="jsonl"))
     pairs, _ = read_pairs(snap.path)
     assert len({p.ranking for p in pairs}) == 1 and pairs[0].ranking  # the answer's pairs carry its ranking's id
     [group] = group_pairs(pairs)

@@ -9,7 +9,7 @@ import pytest
 from store import InvalidRequest, RankingIn
 from store.export import COLUMNS, RANKING_COLUMNS, load_pairs_snapshot, snapshot_sha256
 from store.export_select import held_out_hash
-from store.io import export_pairs, import_pairs
+from store.io import ExportOptions, export_dataset, import_pairs
 from tests.fixtures_store import seed_items
 
 
@@ -36,7 +36,7 @@ def _jsonl(path):
 
 def test_conversational_rows_with_ids(store, ranked, tmp_path):
     rnd, items = ranked
-    snap = export_pairs(store, tmp_path / "out.jsonl", "jsonl")
+    snap = export_dataset(store, tmp_path / "out.jsonl", ExportOptions(format="jsonl"))
     rows = _jsonl(tmp_path / "out.jsonl")
     assert list(rows[0]) == COLUMNS and "margin" not in rows[0]
     # 6 rankings x 3 pairs, minus the all-bad ranking's 3, plus 1 imported
@@ -66,14 +66,15 @@ def test_chat_prompts_become_messages(store, store_annotators, store_policy, tmp
     (pid,) = store.add_prompts([{"messages": chat}])
     responses = store.add_responses(pid, store_policy.id, ["Red.", "Blue, I think."])
     store.save_ranking(RankingIn(store_annotators[0].id, pid, [r.id for r in responses]))
-    rows = {r["prompt_id"]: r for r in load_pairs_snapshot(export_pairs(store, tmp_path / "c.jsonl", "jsonl").path)}
+    snap = export_dataset(store, tmp_path / "c.jsonl", ExportOptions(format="jsonl"))
+    rows = {r["prompt_id"]: r for r in load_pairs_snapshot(snap.path)}
     hh_row = next(r for r in rows.values() if r["ranking_id"] is None)
     assert hh_row["prompt"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
                                 {"role": "user", "content": "2+2?"}]
     assert hh_row["chosen"] == [{"role": "assistant", "content": " 4"}]
     assert rows[pid]["prompt"] == chat and rows[pid]["rejected"] == [{"role": "assistant", "content": "Blue, I think."}]
     text_rows = {r["prompt_id"]: r for r in load_pairs_snapshot(
-        export_pairs(store, tmp_path / "t.jsonl", "jsonl", trl_format="text").path)}
+        export_dataset(store, tmp_path / "t.jsonl", ExportOptions(format="jsonl", trl_format="text")).path)}
     assert text_rows[pid]["prompt"] == store.get_prompt(pid).text and text_rows[pid]["chosen"] == "Red."
     assert text_rows[hh_row["prompt_id"]]["prompt"] == "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: 2+2?\n\nAssistant:"
 
@@ -99,14 +100,15 @@ def test_the_trainer_reads_a_transcript_back_as_its_messages(test_data):
 
 
 def test_margin_only_when_asked(store, ranked, tmp_path):
-    rows = load_pairs_snapshot(export_pairs(store, tmp_path / "m.parquet", "parquet", margin_column=True).path)
+    snap = export_dataset(store, tmp_path / "m.parquet", ExportOptions(format="parquet", margin_column=True))
+    rows = load_pairs_snapshot(snap.path)
     assert list(rows[0])[:5] == ["prompt", "chosen", "rejected", "rank_gap", "margin"]
     assert all(r["margin"] == r["rank_gap"] for r in rows) and {r["margin"] for r in rows} == {1.0, 2.0}
     manifest = json.loads((tmp_path / "m.parquet.snapshot.json").read_text())
     assert manifest["columns"] == COLUMNS[:4] + ["margin"] + COLUMNS[4:]
     assert store.get_snapshot(manifest["snapshot_id"]).filters["margin_column"] is True
     with pytest.raises(InvalidRequest, match="trl_format"):
-        export_pairs(store, tmp_path / "x.jsonl", "jsonl", trl_format="chatml")
+        export_dataset(store, tmp_path / "x.jsonl", ExportOptions(format="jsonl", trl_format="chatml"))
 
 
 def test_rankings_beside_the_pairs(store, ranked, store_annotators, tmp_path):
@@ -114,7 +116,8 @@ def test_rankings_beside_the_pairs(store, ranked, store_annotators, tmp_path):
     a, b = store_annotators
     tied = seed_items(store, 1, 3, round_id=rnd.id, prefix="tied")[0]  # all three tied: no pair
     store.save_ranking(RankingIn(b.id, tied.prompt_id, [tied.response_ids], duration_s=4.5, comment="all the same"))
-    snap = export_pairs(store, tmp_path / "out", "jsonl", include_all_bad=True, test_fraction=0.4, seed=1)
+    snap = export_dataset(store, tmp_path / "out",
+                          ExportOptions(format="jsonl", include_all_bad=True, test_fraction=0.4, seed=1))
     rankings = _jsonl(tmp_path / "out" / "rankings" / "rankings.jsonl")
     assert list(rankings[0]) == RANKING_COLUMNS
     stored = {k.id: k for k in store.list_rankings()}
@@ -135,7 +138,8 @@ def test_rankings_beside_the_pairs(store, ranked, store_annotators, tmp_path):
     assert all(split_of.get(r["prompt_id"], "train") == r["split"] for r in rankings)
     assert {r["split"] for r in rankings} == {"train", "test"}
     # the filters that concern rankings apply to them; agreement and imports concern pairs only
-    only_ann1 = export_pairs(store, tmp_path / "ann1", "parquet", annotators=["ann1"], min_agreement=1.0)
+    only_ann1 = export_dataset(store, tmp_path / "ann1",
+                               ExportOptions(format="parquet", annotators=["ann1"], min_agreement=1.0))
     assert only_ann1.counts["rankings"] == 3 and only_ann1.counts["pairs"] == 3
 
 
@@ -145,9 +149,10 @@ def test_jsonl_and_parquet_load_identical_rows_with_datasets(store, ranked, tmp_
 
     cache = str(tmp_path / "hf-cache")
     for trl_format in ("conversational", "text"):
-        jsonl = export_pairs(store, tmp_path / f"{trl_format}.jsonl", "jsonl", trl_format=trl_format, test_fraction=0.5)
-        parquet = export_pairs(store, tmp_path / f"{trl_format}.parquet", "parquet", trl_format=trl_format,
-                               test_fraction=0.5)
+        jsonl = export_dataset(store, tmp_path / f"{trl_format}.jsonl",
+                               ExportOptions(format="jsonl", trl_format=trl_format, test_fraction=0.5))
+        parquet = export_dataset(store, tmp_path / f"{trl_format}.parquet",
+                                 ExportOptions(format="parquet", trl_format=trl_format, test_fraction=0.5))
         from_json = datasets.load_dataset("json", data_files=jsonl.path, split="train", cache_dir=cache)
         from_parquet = datasets.load_dataset("parquet", data_files=parquet.path, split="train", cache_dir=cache)
         assert from_json.to_list() == from_parquet.to_list() == load_pairs_snapshot(jsonl.path)
@@ -160,7 +165,7 @@ def test_jsonl_and_parquet_load_identical_rows_with_datasets(store, ranked, tmp_
             assert j.to_list() == p.to_list() and len(j) == jsonl.counts["rankings"]
         print(f"{trl_format}: {len(from_json)} pairs and {jsonl.counts['rankings']} rankings, "
               "identical rows from JSONL and Parquet")
-    snap = export_pairs(store, tmp_path / "ds", "datasets", test_fraction=0.5)  # conversational
+    snap = export_dataset(store, tmp_path / "ds", ExportOptions(format="datasets", test_fraction=0.5))  # conversational
     loaded = datasets.load_from_disk(str(tmp_path / "ds"))
     assert list(loaded) == ["train", "test"] and loaded["train"].column_names == COLUMNS
     by_id = lambda rows: sorted(rows, key=lambda r: r["pair_id"])  # noqa: E731 (the splits come one after the other)
@@ -174,7 +179,7 @@ def test_jsonl_and_parquet_load_identical_rows_with_datasets(store, ranked, tmp_
 
 @pytest.mark.parametrize("fmt, out", [("jsonl", "card"), ("parquet", "pairs.parquet"), ("datasets", "card-ds")])
 def test_dataset_card_and_its_load_snippet(store, ranked, tmp_path, monkeypatch, fmt, out):
-    snap = export_pairs(store, tmp_path / out, fmt, test_fraction=0.3, license="cc-by-4.0")
+    snap = export_dataset(store, tmp_path / out, ExportOptions(format=fmt, test_fraction=0.3, license="cc-by-4.0"))
     card_path = tmp_path / ("pairs.parquet.README.md" if out.endswith(".parquet") else f"{out}/README.md")
     text = card_path.read_text(encoding="utf-8")
     assert text.startswith("---\nlicense: \"cc-by-4.0\"\n") and snap.sha256 in text
@@ -198,7 +203,7 @@ def test_dataset_card_and_its_load_snippet(store, ranked, tmp_path, monkeypatch,
 def test_split_by_prompt_is_disjoint_and_recorded(store, ranked, tmp_path):
     import datasets
 
-    snap = export_pairs(store, tmp_path / "ds", "datasets", test_fraction=0.4, seed=3)
+    snap = export_dataset(store, tmp_path / "ds", ExportOptions(format="datasets", test_fraction=0.4, seed=3))
     dd = datasets.load_from_disk(str(tmp_path / "ds"))
     train, test = dd["train"], dd["test"]
     assert set(train["prompt_id"]).isdisjoint(test["prompt_id"])
@@ -207,7 +212,7 @@ def test_split_by_prompt_is_disjoint_and_recorded(store, ranked, tmp_path):
                                       if held_out_hash(p, 3) < 0.4} and len(set(test["prompt_id"])) == 2
     assert snap.counts["train"] == len(train) and snap.counts["test"] == len(test)
     assert store.get_snapshot(snap.id).filters["test_fraction"] == 0.4
-    again = export_pairs(store, tmp_path / "again.jsonl", "jsonl", test_fraction=0.4, seed=3)
+    again = export_dataset(store, tmp_path / "again.jsonl", ExportOptions(format="jsonl", test_fraction=0.4, seed=3))
     rows = load_pairs_snapshot(again.path, split="test")
     assert {r["prompt_id"] for r in rows} == set(test["prompt_id"])  # same seed, same split
 
@@ -216,7 +221,8 @@ def test_filters(store, ranked, tmp_path):
     rnd, items = ranked
 
     def n(**kw):
-        return export_pairs(store, tmp_path / f"f{len(store.list_snapshots())}.jsonl", "jsonl", **kw).counts["pairs"]
+        out = tmp_path / f"f{len(store.list_snapshots())}.jsonl"
+        return export_dataset(store, out, ExportOptions(format="jsonl", **kw)).counts["pairs"]
 
     assert n(include_all_bad=True) == 6 * 3 + 1
     assert n(include_imported=False) == 15
@@ -239,22 +245,22 @@ def test_filters(store, ranked, tmp_path):
 
 def test_snapshots_are_recorded_and_outputs_protected(store, ranked, tmp_path):
     out = tmp_path / "o.parquet"
-    snap = export_pairs(store, out, "parquet", annotators=["ann0"])
+    snap = export_dataset(store, out, ExportOptions(format="parquet", annotators=["ann0"]))
     assert store.list_snapshots() == [snap]
     assert snap.filters["annotators"] == ["ann0"] and snap.format == "parquet"
     assert sorted(p.name for p in tmp_path.glob("o.*")) == [
         "o.parquet", "o.parquet.README.md", "o.parquet.snapshot.json", "o.rankings.parquet"]
     with pytest.raises(InvalidRequest, match="already exists"):
-        export_pairs(store, out, "parquet")
-    again = export_pairs(store, out, "parquet", annotators=["ann0"], overwrite=True)
+        export_dataset(store, out, ExportOptions(format="parquet"))
+    again = export_dataset(store, out, ExportOptions(format="parquet", annotators=["ann0"], overwrite=True))
     assert again.sha256 == snap.sha256 and again.id != snap.id  # same data, same hash
-    export_pairs(store, tmp_path / "folder", "jsonl")
+    export_dataset(store, tmp_path / "folder", ExportOptions(format="jsonl"))
     with pytest.raises(InvalidRequest, match="already exists"):
-        export_pairs(store, tmp_path / "folder", "jsonl")
+        export_dataset(store, tmp_path / "folder", ExportOptions(format="jsonl"))
     with pytest.raises(InvalidRequest, match="format"):
-        export_pairs(store, tmp_path / "x.csv", "csv")
+        export_dataset(store, tmp_path / "x.csv", ExportOptions(format="csv"))
     with pytest.raises(InvalidRequest, match="license"):
-        export_pairs(store, tmp_path / "y.jsonl", "jsonl", license="two\nlines")
+        export_dataset(store, tmp_path / "y.jsonl", ExportOptions(format="jsonl", license="two\nlines"))
     assert not list(tmp_path.glob(".*tmp*"))  # no temporary leftovers
     assert not (tmp_path / "y.jsonl").exists() and not (tmp_path / "y.rankings.jsonl").exists()
     # the reward model names its data
@@ -274,21 +280,21 @@ def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators,
     _, items = ranked
     store.set_gold(items[1].item_id, [[r] for r in items[1].response_ids])
     # no quality option: no weight column, nothing recorded
-    plain = export_pairs(store, tmp_path / "plain.jsonl", "jsonl")
+    plain = export_dataset(store, tmp_path / "plain.jsonl", ExportOptions(format="jsonl"))
     assert "weight" not in _jsonl(tmp_path / "plain.jsonl")[0] and "min_quality" not in plain.filters
 
-    kept = export_pairs(store, tmp_path / "kept.jsonl", "jsonl", min_quality=0.5)
+    kept = export_dataset(store, tmp_path / "kept.jsonl", ExportOptions(format="jsonl", min_quality=0.5))
     card = (tmp_path / "kept.jsonl.README.md").read_text()
     assert "weight (not applied)" in card and "| ann1 | 0.000 | gold | 1 | 3 | 0.050 | yes |" in card
     rows = _jsonl(tmp_path / "kept.jsonl")
     assert {r["annotator"] for r in rows} == {"ann0", None} and len(rows) == 9 + 1  # ann0's 3 items + imported
     assert {r["annotator"] for r in _jsonl(tmp_path / "kept.rankings.jsonl")} == {"ann0"}
     assert kept.filters["min_quality"] == 0.5 and kept.filters["excluded_annotators"] == ["ann1"]
-    everyone = export_pairs(store, tmp_path / "everyone.jsonl", "jsonl", min_quality=0.0)
+    everyone = export_dataset(store, tmp_path / "everyone.jsonl", ExportOptions(format="jsonl", min_quality=0.0))
     assert everyone.counts["pairs"] == 16 and everyone.filters["excluded_annotators"] == []
 
     out = tmp_path / "weighted"
-    snap = export_pairs(store, out, "jsonl", quality_weights=True)
+    snap = export_dataset(store, out, ExportOptions(format="jsonl", quality_weights=True))
     by_annotator = {(r["annotator"], r["weight"]) for r in _jsonl(out / "pairs.jsonl")}
     assert by_annotator == {("ann0", 1.0), ("ann1", 0.05), (None, 1.0)}  # 2q - 1 clipped; imported 1
     assert snap.filters["quality_weights"] is True and "min_quality" not in snap.filters
@@ -300,13 +306,13 @@ def test_annotator_quality_excludes_and_weights(store, ranked, store_annotators,
     card = (out / "README.md").read_text()
     assert "## Annotator quality" in card and "| ann1 | 0.000 | gold | 1 | 3 | 0.050 | no |" in card
     assert "`weight` is the pair's annotator's quality weight" in card
-    both = export_pairs(store, tmp_path / "both.parquet", "parquet", margin_column=True, quality_weights=True,
-                        min_quality=0.5)
+    both = export_dataset(store, tmp_path / "both.parquet", ExportOptions(format="parquet", margin_column=True,
+                                                                          quality_weights=True, min_quality=0.5))
     assert {r["weight"] for r in load_pairs_snapshot(both.path)} == {1.0}
     assert json.loads((tmp_path / "both.parquet.snapshot.json").read_text())["columns"][3:6] == [
         "rank_gap", "margin", "weight"]
     with pytest.raises(InvalidRequest, match="min_quality"):
-        export_pairs(store, tmp_path / "bad.jsonl", "jsonl", min_quality=1.5)
+        export_dataset(store, tmp_path / "bad.jsonl", ExportOptions(format="jsonl", min_quality=1.5))
 
 
 def test_annotator_quality_falls_back_to_majority_agreement(store, ranked, tmp_path, measured_from_one):
@@ -318,7 +324,7 @@ def test_annotator_quality_falls_back_to_majority_agreement(store, ranked, tmp_p
     assert [(q["annotator"], q["quality"], q["measured_by"], q["weight"], q["excluded"]) for q in table] == [
         ("ann0", 0.5, "majority", 0.05, True), ("ann1", 0.5, "majority", 0.05, True)]
     assert (quality_weight(None), quality_weight(0.8), quality_weight(0.2)) == (1.0, pytest.approx(0.6), 0.05)
-    snap = export_pairs(store, tmp_path / "x.jsonl", "jsonl", min_quality=0.6)
+    snap = export_dataset(store, tmp_path / "x.jsonl", ExportOptions(format="jsonl", min_quality=0.6))
     assert snap.counts["pairs"] == 1 and snap.filters["excluded_annotators"] == ["ann0", "ann1"]  # imported
 
 

@@ -15,7 +15,7 @@ from annotate.context import AppContext
 from pipeline.pairs_data import read_pairs
 from store import InvalidRequest, RankingIn
 from store.export import load_pairs_snapshot
-from store.io import export_pairs
+from store.io import ExportOptions, export_dataset
 from store.records import STRENGTHS
 from tests.fixtures_store import seed_items
 from tests.helpers import req
@@ -30,7 +30,7 @@ def test_strength_is_stored_with_the_ranking_and_exported_on_the_top_pair(store,
     r4 = store.save_ranking(RankingIn(ann.id, four.prompt_id, [[x], [w], [y, z]], strength="much better"))
     assert store.get_ranking(r2.id).strength == "slightly better" and r4.strength == "much better"
 
-    rows = load_pairs_snapshot(export_pairs(store, tmp_path / "plain", "jsonl").path)
+    rows = load_pairs_snapshot(export_dataset(store, tmp_path / "plain", ExportOptions(format="jsonl")).path)
     by_ids = {(r["chosen_id"], r["rejected_id"]): r for r in rows}
     assert len(rows) == 1 + 5 and "margin" not in rows[0]
     assert by_ids[(b, a)]["strength"] == "slightly better" and by_ids[(b, a)]["rationale"] == "b is exact"
@@ -41,7 +41,7 @@ def test_strength_is_stored_with_the_ranking_and_exported_on_the_top_pair(store,
     assert {k["ranking_id"]: k["strength"] for k in rankings} == {r2.id: "slightly better", r4.id: "much better"}
 
     # --margin-column: the strength as Llama 2's margin where there is one, else the rank gap
-    path = export_pairs(store, tmp_path / "margin.jsonl", "jsonl", margin_column=True).path
+    path = export_dataset(store, tmp_path / "margin.jsonl", ExportOptions(format="jsonl", margin_column=True)).path
     margins = {(r["chosen_id"], r["rejected_id"]): r["margin"] for r in load_pairs_snapshot(path)}
     assert margins[(b, a)] == pytest.approx(1 / 3) and margins[(x, w)] == 1.0
     assert margins[(x, y)] == 2.0 and margins[(w, z)] == 1.0  # rank gaps

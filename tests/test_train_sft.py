@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.config import ModelConfig, SFTConfig
 from pipeline.train_sft import main, read_demonstrations, train_sft
-from store.io import export_pairs
+from store.io import ExportOptions, export_dataset
 from store.records import EditIn, RankingIn
 from tests.fixtures_store import seed_items
 
@@ -32,7 +32,8 @@ def exported_demonstrations(store, folder: Path, n: int = 10) -> Path:
         first, second = item.response_ids
         store.save_ranking(RankingIn(ann.id, item.prompt_id, [[first], [second]],
                                      edit=EditIn(f"answer {i} is yes", made_from=first)))
-    snap = export_pairs(store, folder / "export", "jsonl", test_fraction=0.2, seed=2)  # holds out 2 of the 10
+    # holds out 2 of the 10
+    snap = export_dataset(store, folder / "export", ExportOptions(format="jsonl", test_fraction=0.2, seed=2))
     assert snap.counts["demonstrations"] == n
     return folder / "export" / "demonstrations.jsonl"
 

@@ -11,7 +11,7 @@ import pytest
 
 from store import RankingIn, Store
 from store.export import load_pairs_snapshot
-from store.io import export_pairs, import_pairs
+from store.io import ExportOptions, export_dataset, import_pairs
 from tests.fixtures_store import seed_items
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -52,7 +52,8 @@ def test_reward_trainer_trains_on_an_export(ranked, tmp_path, tiny_model_dir, tr
     from transformers import AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
-    snap = export_pairs(ranked, tmp_path / "export", "jsonl", trl_format=trl_format, margin_column=margin_column)
+    snap = export_dataset(ranked, tmp_path / "export",
+                          ExportOptions(format="jsonl", trl_format=trl_format, margin_column=margin_column))
     dataset = _load(tmp_path / "export" / "pairs.jsonl", tmp_path)
     assert len(dataset) == snap.counts["pairs"] == 6 * 3 - 1 + 3 + 1  # the tie gives no pair
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -85,7 +86,7 @@ def test_dpo_trainer_trains_on_an_export(ranked, tmp_path, tiny_model_dir, trl_f
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    export_pairs(ranked, tmp_path / "pairs.parquet", "parquet", trl_format=trl_format)
+    export_dataset(ranked, tmp_path / "pairs.parquet", ExportOptions(format="parquet", trl_format=trl_format))
     import datasets
 
     dataset = datasets.load_dataset("parquet", data_files=str(tmp_path / "pairs.parquet"), split="train",
@@ -111,13 +112,13 @@ def test_dpo_trainer_trains_on_an_export(ranked, tmp_path, tiny_model_dir, trl_f
 @pytest.mark.parametrize("fmt, out, trl_format", [("jsonl", "export", "conversational"),
                                                  ("parquet", "pairs.parquet", "text")])
 def test_an_export_imported_into_a_fresh_store_exports_the_same_pairs(ranked, tmp_path, fmt, out, trl_format):
-    first = export_pairs(ranked, tmp_path / out, fmt, trl_format=trl_format)
+    first = export_dataset(ranked, tmp_path / out, ExportOptions(format=fmt, trl_format=trl_format))
     pairs_file = tmp_path / out / "pairs.jsonl" if fmt == "jsonl" else tmp_path / out
     fresh = Store(tmp_path / "fresh.duckdb")
     try:
         imported = import_pairs(fresh, pairs_file)
         assert imported["pairs"] == first.counts["pairs"]
-        again = export_pairs(fresh, tmp_path / f"again-{out}", fmt, trl_format=trl_format)
+        again = export_dataset(fresh, tmp_path / f"again-{out}", ExportOptions(format=fmt, trl_format=trl_format))
         keys = ("prompt", "chosen", "rejected", "rank_gap")
 
         def rows(snap):

@@ -241,15 +241,17 @@ def pairs_snapshot(store, runner, settings: LoopSettings, trainer: str = "reward
     round trains on a prompt an earlier one was scored on. With the trainer's own eval_data the
     snapshot holds nothing out. Pairs with an empty (blank) response are left out and counted
     (counts['left_out_empty']): train-reward refuses them, and the store keeps them."""
-    from store.export import export_pairs
+    from store.export import export_dataset
+    from store.export_options import ExportOptions
 
     held_out = settings.dpo if trainer == "dpo" else settings.reward
     # --margin trains on the rank gap: only then does the snapshot carry TRL's `margin` column; the
     # loop's quality options leave out or weigh annotators by their quality (store/export.py)
-    snapshot = export_pairs(store, inputs_dir(runner) / f"pairs-{_stamp()}.parquet", "parquet",
-                            margin_column=settings.reward.margin, min_quality=settings.loop.min_quality or None,
+    options = ExportOptions(format="parquet", margin_column=settings.reward.margin,
+                            min_quality=settings.loop.min_quality or None,
                             quality_weights=settings.loop.quality_weights, include_empty=False,
                             test_fraction=0.0 if held_out.eval_data else held_out.eval_fraction, seed=held_out.seed)
+    snapshot = export_dataset(store, inputs_dir(runner) / f"pairs-{_stamp()}.parquet", options)
     if not snapshot.counts.get("pairs"):
         raise ValueError("no preference pairs to train on yet: rank some items first")
     return snapshot
