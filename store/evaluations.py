@@ -4,9 +4,10 @@ An admin picks versions (policies of this store, or external models whose answer
 and a number of held-out prompts (pipeline/orchestrate/steps.py `held_out_prompts`: never ranked,
 never in a PPO prompt file); `create_evaluation` records them, a sample-versions job
 (pipeline/sample_versions.py) writes one response per version per prompt with the same seed, and
-`add_evaluation_items` stores one item per prompt holding those responses. The items enter the
-ordinary queue: each annotator sees their own shuffle of the responses (store/queue_rules.py) and
-never a model's name (the annotation view shows none), and ranks them like any other item.
+`add_evaluation_items` (store/repo.py, which writes every item) stores one item per prompt holding
+those responses. The items enter the ordinary queue: each annotator sees their own shuffle of the
+responses (store/queue_rules.py) and never a model's name (the annotation view shows none), and
+ranks them like any other item.
 
 Answers written elsewhere (an API, a production model) can be an evaluation too: a file of items
 whose rows each hold one response from the same named models, imported with
@@ -41,9 +42,34 @@ def _evaluation(row) -> Evaluation:
                       created_at=from_db_time(row[5]), items=row[6], rankings=row[7])
 
 
+def new_evaluation(cur, name: str, versions: list[int], prompts: list[int]) -> int:
+    """Inside a transaction: check and insert an evaluation (create_evaluation; an import of
+    items as one, store/repo.py import_item_rows); returns its id."""
+    name = (name or "").strip()
+    if not name:
+        raise InvalidRequest("an evaluation needs a name")
+    if cur.execute("SELECT 1 FROM evaluations WHERE name = ?", [name]).fetchone():
+        raise InvalidRequest(f"there is already an evaluation named {name!r}")
+    kinds = dict(cur.execute("SELECT id, kind FROM model_versions WHERE id IN (SELECT unnest(?))",
+                             [versions]).fetchall())
+    missing = [v for v in versions if v not in kinds]
+    if missing:
+        raise NotFoundError(f"no model version with id {missing}")
+    wrong = [v for v in versions if kinds[v] not in EVALUATED_KINDS]
+    if wrong:
+        raise InvalidRequest(f"versions {wrong} are {sorted({kinds[v] for v in wrong})} models, which write "
+                             "no responses: evaluate policies or imported models")
+    found = cur.execute("SELECT count(*) FROM prompts WHERE id IN (SELECT unnest(?))", [prompts]).fetchone()[0]
+    if found != len(prompts):
+        raise NotFoundError(f"{len(prompts) - found} of the evaluation's prompts are not in the store")
+    eid = cur.execute("SELECT nextval('evaluations_id_seq')").fetchone()[0]
+    cur.execute("INSERT INTO evaluations VALUES (?, ?, ?, ?, NULL, ?)", [eid, name, versions, prompts, utcnow()])
+    return eid
+
+
 class EvaluationsMixin:
-    """Blind-evaluation methods of Store (the core they use is store/db.py's; items are written by
-    store/repo.py `_insert_items`)."""
+    """Blind-evaluation methods of Store (the core they use is store/db.py's; the items are added by
+    store/repo.py `add_evaluation_items`)."""
 
     def create_evaluation(self, name: str, version_ids, prompt_ids) -> Evaluation:
         """Record an evaluation of these versions (at least two, each a policy or an external
@@ -55,32 +81,8 @@ class EvaluationsMixin:
         if not prompts:
             raise InvalidRequest("an evaluation needs at least one prompt")
         with self._tx() as cur:
-            eid = self._new_evaluation(cur, name, versions, prompts)
+            eid = new_evaluation(cur, name, versions, prompts)
         return self.get_evaluation(eid)
-
-    def _new_evaluation(self, cur, name: str, versions: list[int], prompts: list[int]) -> int:
-        """Inside a transaction: check and insert an evaluation (create_evaluation; an import of
-        items as one, store/repo.py import_item_rows); returns its id."""
-        name = (name or "").strip()
-        if not name:
-            raise InvalidRequest("an evaluation needs a name")
-        if cur.execute("SELECT 1 FROM evaluations WHERE name = ?", [name]).fetchone():
-            raise InvalidRequest(f"there is already an evaluation named {name!r}")
-        kinds = dict(cur.execute("SELECT id, kind FROM model_versions WHERE id IN (SELECT unnest(?))",
-                                 [versions]).fetchall())
-        missing = [v for v in versions if v not in kinds]
-        if missing:
-            raise NotFoundError(f"no model version with id {missing}")
-        wrong = [v for v in versions if kinds[v] not in EVALUATED_KINDS]
-        if wrong:
-            raise InvalidRequest(f"versions {wrong} are {sorted({kinds[v] for v in wrong})} models, which write "
-                                 "no responses: evaluate policies or imported models")
-        found = cur.execute("SELECT count(*) FROM prompts WHERE id IN (SELECT unnest(?))", [prompts]).fetchone()[0]
-        if found != len(prompts):
-            raise NotFoundError(f"{len(prompts) - found} of the evaluation's prompts are not in the store")
-        eid = cur.execute("SELECT nextval('evaluations_id_seq')").fetchone()[0]
-        cur.execute("INSERT INTO evaluations VALUES (?, ?, ?, ?, NULL, ?)", [eid, name, versions, prompts, utcnow()])
-        return eid
 
     def set_evaluation_run(self, evaluation_id: int, run_id: int) -> None:
         """The job that writes the evaluation's responses."""
@@ -88,41 +90,6 @@ class EvaluationsMixin:
             self._need(cur.execute("SELECT 1 FROM evaluations WHERE id = ?", [evaluation_id]).fetchone(),
                        f"evaluation with id {evaluation_id}")
             cur.execute("UPDATE evaluations SET run_id = ? WHERE id = ?", [run_id, evaluation_id])
-
-    def add_evaluation_items(self, evaluation_id: int, rows) -> list[int]:
-        """One queued item per prompt of the evaluation, in one transaction.
-
-        rows: [(prompt_id, [(version_id, text, token_count, finish_reason, sampling), ...])], each
-        prompt one of the evaluation's with exactly one response from each of its versions (a
-        prompt that already has its item is refused). Returns the item ids."""
-        ev = self.get_evaluation(evaluation_id)
-        want, prompts = sorted(ev.version_ids), set(ev.prompt_ids)
-        batches, versions = [], []
-        for prompt_id, responses in rows:
-            prompt_id = int(prompt_id)
-            if prompt_id not in prompts:
-                raise InvalidRequest(f"prompt {prompt_id} is not one of evaluation {ev.name!r}'s prompts")
-            got = sorted(int(r[0]) for r in responses)
-            if got != want:
-                raise InvalidRequest(f"prompt {prompt_id}: evaluation {ev.name!r} needs one response from each of "
-                                     f"versions {want}, got {got}")
-            batches.append((prompt_id, [(r[1], r[2], r[3], r[4] or {}) for r in responses]))
-            versions.append([int(r[0]) for r in responses])
-        if not batches:
-            return []
-        ids = [pid for pid, _ in batches]
-        if len(set(ids)) != len(ids):
-            raise InvalidRequest(f"evaluation {ev.name!r}: a prompt is given twice")
-        with self._tx() as cur:
-            done = [r[0] for r in cur.execute("SELECT prompt_id FROM items WHERE evaluation_id = ? AND prompt_id IN "
-                                              "(SELECT unnest(?))", [evaluation_id, ids]).fetchall()]
-            if done:
-                raise InvalidRequest(f"evaluation {ev.name!r} already has items for prompts {sorted(done)[:10]}")
-            item_ids, resp_ids = self._insert_items(cur, versions[0][0], batches, None, True, versions,
-                                                    evaluation_id=evaluation_id)
-            new_items = [(iid, pid, rids) for iid, (pid, _), rids in zip(item_ids, batches, resp_ids)]
-            self._queue_new_items(new_items)
-        return item_ids
 
     def get_evaluation(self, evaluation_id: int) -> Evaluation:
         row = self._one(f"SELECT {_COLS}, {_COUNTS} FROM evaluations e WHERE e.id = ?", [evaluation_id])

@@ -1,10 +1,11 @@
 """Store: every query of the application, returning frozen dataclasses (store/records.py).
 
-This file holds prompts and responses (grouped into items); the rest of the Store's methods live
-beside it by responsibility:
-  store/users.py     accounts               store/queue.py  the annotation queue, leases, flags
-  store/rankings.py  rankings and pairs     store/runs.py   runs, metrics, rounds
-  store/gold.py      gold items
+This file holds prompts and responses (grouped into items, an evaluation's too) and imported rows;
+the rest of the Store's methods live beside it by responsibility:
+  store/users.py     accounts               store/queue.py  the queue's settings, skips, flags
+  store/rankings.py  rankings and pairs, and the leases their transaction writes
+  store/runs.py      runs, metrics, rounds  store/gold.py   gold items
+  store/evaluations.py  blind evaluations
   store/stats.py     counts, agreement, position bias
   store/versions.py  model versions, settings, export snapshots
 store/db.py opens the file, hands each thread its cursor and wraps every write in one
@@ -22,7 +23,7 @@ from store.db import StoreBase, registered
 from store.values import dumps, from_db_time, loads, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
 from store.agreement_table import AgreementTableMixin
-from store.evaluations import EvaluationsMixin
+from store.evaluations import EvaluationsMixin, new_evaluation
 from store.gold import GoldMixin
 from store.pairs import ranking_to_pairs
 from store.queue import QueueMixin
@@ -188,6 +189,41 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
                             "(SELECT unnest(?))", [round_id, prompt_ids])
         return item_ids
 
+    def add_evaluation_items(self, evaluation_id: int, rows) -> list[int]:
+        """One queued item per prompt of the evaluation, in one transaction.
+
+        rows: [(prompt_id, [(version_id, text, token_count, finish_reason, sampling), ...])], each
+        prompt one of the evaluation's with exactly one response from each of its versions (a
+        prompt that already has its item is refused). Returns the item ids."""
+        ev = self.get_evaluation(evaluation_id)
+        want, prompts = sorted(ev.version_ids), set(ev.prompt_ids)
+        batches, versions = [], []
+        for prompt_id, responses in rows:
+            prompt_id = int(prompt_id)
+            if prompt_id not in prompts:
+                raise InvalidRequest(f"prompt {prompt_id} is not one of evaluation {ev.name!r}'s prompts")
+            got = sorted(int(r[0]) for r in responses)
+            if got != want:
+                raise InvalidRequest(f"prompt {prompt_id}: evaluation {ev.name!r} needs one response from each of "
+                                     f"versions {want}, got {got}")
+            batches.append((prompt_id, [(r[1], r[2], r[3], r[4] or {}) for r in responses]))
+            versions.append([int(r[0]) for r in responses])
+        if not batches:
+            return []
+        ids = [pid for pid, _ in batches]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest(f"evaluation {ev.name!r}: a prompt is given twice")
+        with self._tx() as cur:
+            done = [r[0] for r in cur.execute("SELECT prompt_id FROM items WHERE evaluation_id = ? AND prompt_id IN "
+                                              "(SELECT unnest(?))", [evaluation_id, ids]).fetchall()]
+            if done:
+                raise InvalidRequest(f"evaluation {ev.name!r} already has items for prompts {sorted(done)[:10]}")
+            item_ids, resp_ids = self._insert_items(cur, versions[0][0], batches, None, True, versions,
+                                                    evaluation_id=evaluation_id)
+            new_items = [(iid, pid, rids) for iid, (pid, _), rids in zip(item_ids, batches, resp_ids)]
+            self._queue_new_items(new_items)
+        return item_ids
+
     def _check_policy_version(self, cur, model_version_id: int) -> None:
         row = cur.execute("SELECT kind FROM model_versions WHERE id = ?", [model_version_id]).fetchone()
         if row is None:
@@ -328,7 +364,7 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
             batches = [(pid, [(text, None, "import", {}) for text, _ in r.responses])
                        for pid, r in zip(prompt_ids, rows)]
             response_versions = [[file_mv if m is None else versions[m] for _, m in r.responses] for r in rows]
-            evaluation_id = None if evaluation is None else self._new_evaluation(
+            evaluation_id = None if evaluation is None else new_evaluation(
                 cur, evaluation, sorted({v for vs in response_versions for v in vs}), prompt_ids)
             item_ids, resp_ids = self._insert_items(cur, file_mv, batches, None, [r.queued for r in rows],
                                                     response_versions, evaluation_id=evaluation_id)
@@ -348,7 +384,7 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
                        resp_ids: list[list[int]], now) -> tuple[int, int, list[str], list[str]]:
         """Inside a transaction: the rows' orders (records.OrderIn) as rankings and pairs, source
         'import:<file name>', margin the rank gap. An order that says who ranked is a ranking of that
-        person's imported account (UsersMixin._imported_annotators), shown in the file's order, so it
+        person's imported account (_imported_annotators), shown in the file's order, so it
         counts in agreement and quality; a person's later order of the same item replaces their
         earlier one, as a re-ranking here does. An order without an annotator is pairs alone.
         Returns (rankings, pairs, the annotators named, those created)."""
@@ -386,6 +422,25 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
             "created_at": [now] * len(pairs),
         }, PAIR_TYPES)
         return len(kept), len(pairs), named, created
+
+    def _imported_annotators(self, cur, names: list[str], now) -> tuple[dict[str, int], list[str]]:
+        """Inside a transaction: {name: account id} for the people another tool says ranked
+        (store/import_items.py), and the names created. An account of that name is the same person
+        (an earlier import, or one an admin made); a new one is an inactive annotator with no
+        password, whose rankings count in agreement and quality like anyone's: an admin who wants
+        that person to go on ranking here activates the account and sets a password."""
+        found = dict(cur.execute("SELECT name, id FROM annotators WHERE name IN (SELECT unnest(?))",
+                                 [sorted(set(names))]).fetchall())
+        created = sorted(set(names) - set(found))
+        for name in created:
+            found[name] = cur.execute(
+                "INSERT INTO annotators (id, name, role, password_hash, created_at, active) "
+                "VALUES (nextval('annotators_id_seq'), ?, 'annotator', '!', ?, FALSE) RETURNING id",
+                [name, now]).fetchone()[0]
+        if created:
+            new_ids = [found[n] for n in created]
+            self._on_commit(lambda q: q.annotators.update(new_ids))
+        return found, created
 
     def _external_versions(self, cur, path: str, rows: list, now) -> tuple[dict[str, int], list[str]]:
         """Inside a transaction: {model name: version id} for every model the rows name (an existing

@@ -148,25 +148,6 @@ class UsersMixin:
         found = self.find_annotator(name)
         return found if found is not None else self.add_annotator(name, generate_password(), role)
 
-    def _imported_annotators(self, cur, names: list[str], now) -> tuple[dict[str, int], list[str]]:
-        """Inside a transaction: {name: account id} for the people another tool says ranked
-        (store/import_items.py), and the names created. An account of that name is the same person
-        (an earlier import, or one an admin made); a new one is an inactive annotator with no
-        password, whose rankings count in agreement and quality like anyone's: an admin who wants
-        that person to go on ranking here activates the account and sets a password."""
-        found = dict(cur.execute("SELECT name, id FROM annotators WHERE name IN (SELECT unnest(?))",
-                                 [sorted(set(names))]).fetchall())
-        created = sorted(set(names) - set(found))
-        for name in created:
-            found[name] = cur.execute(
-                "INSERT INTO annotators (id, name, role, password_hash, created_at, active) "
-                "VALUES (nextval('annotators_id_seq'), ?, 'annotator', '!', ?, FALSE) RETURNING id",
-                [name, now]).fetchone()[0]
-        if created:
-            new_ids = [found[n] for n in created]
-            self._on_commit(lambda q: q.annotators.update(new_ids))
-        return found, created
-
     def authenticate(self, name: str, password: str) -> Annotator | None:
         """The account if the password matches and the account is active, else None (same cost
         for unknown names). Records the sign-in time, and re-hashes a password stored with weaker
