@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from store.queue_rules import QueueRules, RoundPool, locked
@@ -36,6 +37,31 @@ from store.queue_rules import QueueRules, RoundPool, locked
 RECENT_KEEP = timedelta(days=1)
 """How far before the earliest "today" asked about the index keeps ranking times (see
 ranking_counts): older ones only count towards the totals."""
+
+
+@dataclass(frozen=True)
+class QueueRows:
+    """The queue's state as read from the database in one transaction (read_queue_index)."""
+
+    items: list[tuple]
+    """Queued items: (item, prompt, round or None, response ids)."""
+    rankings: list[tuple]
+    """Rankings of queued items: (item, annotator, how many)."""
+    skips: list[tuple]
+    """(annotator, item)."""
+    flagged: list[int]
+    """Flagged prompt ids."""
+    leases: list[tuple]
+    """Every row of the leases table, live or expired: (item, annotator, expires)."""
+    annotators: list[int]
+    ranking_times: list[tuple]
+    """Per annotator: (annotator, number of rankings, sorted times of those made at or after
+    recent_since)."""
+    recent_since: datetime
+    rounds: list[tuple]
+    """Rounds' queue settings: (round, overlap or None, priority or None)."""
+    gold: list[int]
+    """Gold item ids."""
 
 
 class QueueIndex(QueueRules):
@@ -71,35 +97,30 @@ class QueueIndex(QueueRules):
         self.round_priority: dict[int, int] = {}  # set by an admin (else NEWEST_ROUND_PRIORITY or 0)
 
     @classmethod
-    def build(cls, items, rankings, skips, flagged, leases, annotators, ranking_times,
-              recent_since: datetime, rounds=(), gold=()) -> "QueueIndex":
-        """From rows read in one transaction: items [(item, prompt, round, response ids)], rankings
-        of queued items [(item, annotator, count)], skips [(annotator, item)], flagged prompt ids,
-        every lease row [(item, annotator, expires)], annotator ids, per annotator [(annotator,
-        number of rankings, sorted times of those made at or after recent_since)], rounds' queue
-        settings [(round, overlap or None, priority or None)] and gold item ids.
-        Buckets are sorted once, not item by item."""
+    def build(cls, rows: QueueRows) -> "QueueIndex":
+        """From the rows read in one transaction (read_queue_index). Buckets are sorted once, not
+        item by item."""
         q = cls()
-        q.recent_since = recent_since
-        for annotator_id, total, times in ranking_times:
+        q.recent_since = rows.recent_since
+        for annotator_id, total, times in rows.ranking_times:
             q.ranking_total[annotator_id] = total
             if times:
                 q.recent[annotator_id] = sorted(times)
-        q.flagged = set(flagged)
-        q.annotators = set(annotators)
-        for round_id, overlap, priority in rounds:
+        q.flagged = set(rows.flagged)
+        q.annotators = set(rows.annotators)
+        for round_id, overlap, priority in rows.rounds:
             q.set_round(round_id, overlap, priority)
-        for item_id, prompt_id, round_id, response_ids in items:
+        for item_id, prompt_id, round_id, response_ids in rows.items:
             q._add_item_facts(item_id, prompt_id, round_id, response_ids)
-        q.gold = {i for i in gold if i in q.item_prompt}
-        for item_id, annotator_id, count in rankings:
+        q.gold = {i for i in rows.gold if i in q.item_prompt}
+        for item_id, annotator_id, count in rows.rankings:
             if item_id in q.item_prompt:
                 q.rankers[item_id][annotator_id] += count
                 q.ranked[annotator_id].add(item_id)
                 q.n_done[item_id] += count
-        for annotator_id, item_id in skips:
+        for annotator_id, item_id in rows.skips:
             q.skipped[annotator_id].add(item_id)
-        for item_id, annotator_id, expires in leases:
+        for item_id, annotator_id, expires in rows.leases:
             q.set_lease(item_id, annotator_id, expires)
         by_pool: dict[int | None, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
         for item_id in sorted(q.item_prompt):
@@ -360,5 +381,6 @@ def read_queue_index(cur) -> QueueIndex:
         "FILTER (WHERE created_at >= ?), []) FROM rankings GROUP BY annotator_id", [recent_since]).fetchall()
     rounds = cur.execute("SELECT round_id, overlap, priority FROM round_queue").fetchall()
     gold = [r[0] for r in cur.execute("SELECT item_id FROM gold").fetchall()]
-    return QueueIndex.build(items, rankings, skips, flagged, leases, annotators, ranking_times, recent_since,
-                            rounds, gold)
+    return QueueIndex.build(QueueRows(items=items, rankings=rankings, skips=skips, flagged=flagged, leases=leases,
+                                      annotators=annotators, ranking_times=ranking_times,
+                                      recent_since=recent_since, rounds=rounds, gold=gold))
