@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep only the N prompts whose K responses --reward separates least "
                              "(active learning: annotations where the reward model is least sure)")
     parser.add_argument("--reward", default="", help="reward model folder for --select-uncertain")
-    parser.add_argument("--chunk-prompts", type=int, default=4, metavar="N",
-                        help="write RUN_DIR/chunks/NNNNN.jsonl as each N prompts have their K responses")
+    parser.add_argument("--chunk-prompts", type=int, default=0, metavar="N",
+                        help="write RUN_DIR/chunks/NNNNN.jsonl as each N prompts have their K responses "
+                             "(0 = the prompts that fill one decoding batch: --batch-size, or the device's, / K)")
     add_arguments(parser, GenerateConfig)
     add_arguments(parser, ModelConfig)
     return parser
@@ -205,6 +206,17 @@ def chunks_in_order(policy, tokenizer, rows: list[dict], gen_cfg: GenerateConfig
                 yield c, starts[c], part
 
 
+def chunk_size(gen_cfg: GenerateConfig, device) -> int:
+    """Prompts per chunk when --chunk-prompts is 0: as many as fill one decoding batch with their K
+    responses (GenerateConfig.batch_size, else the device's decode_batch_size), at least one.
+
+    A chunk is one call of the sampler, so a chunk smaller than the batch caps the batch: at the
+    former 4 prompts x K = 4 every decode step ran 16 rows, and a round's generation gained nothing
+    from the batch of 64 (docs/results/round_cost)."""
+    batch = gen_cfg.batch_size or decode_batch_size(device)
+    return max(1, batch // max(gen_cfg.k, 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Sample in chunks of --chunk-prompts prompts; each finished chunk's rows go to
     RUN_DIR/chunks/NNNNN.jsonl at once (the owner ingests them while the job runs), then all rows to
@@ -223,16 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.select_uncertain and not args.reward:
         print("error: --select-uncertain needs --reward (a reward model folder)")
         return 2
-    if args.chunk_prompts < 1:
-        print("error: --chunk-prompts must be at least 1")
+    if args.chunk_prompts < 0:
+        print("error: --chunk-prompts must be 0 (one decoding batch) or more")
         return 2
     write_status(out, "running", 0, 0)
     try:
         rows = read_prompts(args.prompts)[: args.limit or None]
         policy, tokenizer, model_name = sampling_policy(args.adapter, model_cfg)
+        n = args.chunk_prompts or chunk_size(gen_cfg, next(policy.parameters()).device)
         write_json(out / "config.json", {
             "stage": "generate", "prompts": str(args.prompts), "adapter": args.adapter,
-            "model": model_name, "num_prompts": len(rows), "chunk_prompts": args.chunk_prompts,
+            "model": model_name, "num_prompts": len(rows), "chunk_prompts": n,
             "generate": to_dict(gen_cfg), "model_config": to_dict(model_cfg)})
         torch.manual_seed(gen_cfg.seed)
         sampling = {key: getattr(gen_cfg, key) for key in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")}
@@ -240,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_main:
             shutil.rmtree(chunks, ignore_errors=True)  # a rerun in the same folder starts its chunks afresh
             chunks.mkdir()
-        n, k, total = args.chunk_prompts, gen_cfg.k, len(rows) * gen_cfg.k
+        k, total = gen_cfg.k, len(rows) * gen_cfg.k
         bar = tqdm(total=total, desc="generate", unit="resp", disable=not dist.is_main)
         results: list[list[Generation]] = []
         written: list[dict] = []

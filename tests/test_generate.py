@@ -368,6 +368,23 @@ def test_cli_writes_chunk_files_as_prompts_finish(tiny_model_dir, tmp_path):
     assert _read_chunks(tmp_path / "again") == chunks
 
 
+def test_cli_chunks_fill_one_decoding_batch_by_default(tiny_model_dir, tmp_path):
+    # a chunk is one sampler call: by default it holds the prompts whose K responses fill the batch,
+    # --batch-size 6 at K = 3: 2 prompts a chunk (and without --batch-size, the device's batch / K)
+    from pipeline.config import GenerateConfig
+    from pipeline.generate import chunk_size
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"question {i}?"}) for i in range(5)) + "\n")
+    out = tmp_path / "run"
+    assert cli(["generate", "--prompts", str(prompts), "--out", str(out), "--model", str(tiny_model_dir),
+                "--k", "3", "--max-new-tokens", "4", "--device", "cpu", "--batch-size", "6"]) == 0
+    assert [len(c) for c in _read_chunks(out)] == [6, 6, 3]
+    assert json.loads((out / "config.json").read_text())["chunk_prompts"] == 2
+    assert chunk_size(GenerateConfig(k=4), "cpu") == 16  # 64 rows on a CPU
+    assert chunk_size(GenerateConfig(k=100, batch_size=8), "cpu") == 1
+
+
 def test_cli_select_uncertain_writes_only_the_kept_prompts(tiny_model_cfg, tmp_path):
     from pipeline.models import load_scalar_model
     from pipeline.saving import save_scalar_model
