@@ -64,13 +64,12 @@ from pipeline.ppo_data import episode_uniforms, prompt_order
 from pipeline.ppo_state import (CHECKPOINT, PPORun, check_config, remember_update, save_checkpoint, set_up,
                                 undo_update)
 from pipeline.ppo_update import ppo_update
-from pipeline.rollout import (Rollout, StepRollout, gather_rollout, kl_shaped_advantages, rollout_forwards,
-                              write_samples)
+from pipeline.rollout import Rollout, StepRollout, gather_rollout, kl_shaped_advantages, rollout_forwards
 from pipeline.lifecycle import guarded, recover
-from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
+from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_jsonl, write_status
 from pipeline.sampling import Decoding, sample
 from pipeline.saving import save_whole_policy
-from pipeline.text import encode_prompts
+from pipeline.text import decode_responses, encode_prompts
 from pipeline.tracking import add_report_to
 
 
@@ -245,10 +244,19 @@ def advance_schedules(ppo, adv, episodes: int, train_policy: bool) -> tuple[floa
 
 def keep_step(ppo: PPORun, sr: StepRollout) -> None:
     """Phase 9's files after ppo.step steps: the sample table every cfg.sample_every steps (and at
-    the end; rank 0), a checkpoint every cfg.save_every (the end saves its own)."""
+    the end; rank 0), a checkpoint every cfg.save_every (the end saves its own).
+
+    The sample table, samples/step_N.jsonl: the step's first 4 episodes, each its prompt, the
+    policy's response, its raw score, its KL to the reference, its length and why it ended."""
     cfg, done = ppo.cfg, ppo.step
     if ppo.dist.is_main and cfg.sample_every > 0 and (done % cfg.sample_every == 0 or done == cfg.steps):
-        write_samples(ppo.out / "samples" / f"step_{done}.jsonl", ppo.tokenizer, sr.ro, sr.raw_score, sr.adv.kl_seq)
+        ro, n = sr.ro, 4
+        texts = decode_responses(ppo.tokenizer, ro.response_ids[:n], ro.mask[:n])
+        rows = [{"prompt": ro.prompts[i], "response": text, "score": round(float(sr.raw_score[i]), 4),
+                 "kl": round(float(sr.adv.kl_seq[i]), 4), "tokens": int(ro.lengths[i]),
+                 "finish_reason": "eos" if bool(ro.eos[i]) else "length"} for i, text in enumerate(texts)]
+        (ppo.out / "samples").mkdir(exist_ok=True)
+        write_jsonl(ppo.out / "samples" / f"step_{done}.jsonl", rows)
     if cfg.save_every > 0 and done % cfg.save_every == 0 and done < cfg.steps:
         save_checkpoint(ppo)  # every rank (a sharded model is gathered), rank 0 writes
 

@@ -478,6 +478,15 @@ def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, pro
         assert "ptx/loss" in r and "policy/entropy" in r
     samples = [json.loads(line) for line in (out / "samples" / "step_2.jsonl").read_text().splitlines()]
     assert samples and {"prompt", "response", "score", "kl", "finish_reason"} <= set(samples[0])
+    # the table's format: a step's first 4 episodes, these fields only, written whole (no leftover file)
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
+    prompts = {json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()}
+    assert len(samples) == 4
+    for row in samples:
+        assert set(row) == {"prompt", "response", "score", "kl", "tokens", "finish_reason"}
+        assert row["prompt"] in prompts and isinstance(row["response"], str)
+        assert 1 <= row["tokens"] <= 8 and row["finish_reason"] in ("eos", "length")
+        assert row["score"] == round(row["score"], 4) and row["kl"] == round(row["kl"], 4)
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "done" and status["step"] == 2 and status["progress"] == 1.0
     meta = json.loads((out / "policy" / "model_meta.json").read_text())
