@@ -119,8 +119,8 @@ def chunk_size(gen_cfg: GenerateConfig, device) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Sample in chunks of --chunk-prompts prompts (0, the default: one decoding batch, `chunk_size`);
     each finished chunk's rows go to RUN_DIR/chunks/NNNNN.jsonl at once (the owner ingests them while
-    the job runs), then all rows to responses.jsonl. With --select-uncertain every prompt is sampled and scored first, and only the
-    kept prompts are written, as chunk files after the selection.
+    the job runs), then all rows to responses.jsonl. With --select-uncertain every prompt is sampled
+    and scored first, and only the kept prompts are written, as chunk files after the selection.
 
     On N processes (pipeline/distributed.py) rank r samples chunks r, r + N, ...; each chunk has its
     own seed, so the responses are those of one process, and rank 0 writes every chunk in order."""
