@@ -66,8 +66,8 @@ from pipeline.ppo_state import (CHECKPOINT, PPORun, check_config, remember_updat
 from pipeline.ppo_update import ppo_update
 from pipeline.rollout import (Rollout, StepRollout, gather_rollout, kl_shaped_advantages, rollout_forwards,
                               write_samples)
-from pipeline.lifecycle import guarded, recover
-from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
+from pipeline.lifecycle import guarded, recover, stage_main
+from pipeline.rundir import Cancelled, StopFlag, append_metrics, open_tracker, write_status
 from pipeline.sampling import Decoding, sample
 from pipeline.saving import save_whole_policy
 from pipeline.text import encode_prompts
@@ -321,24 +321,23 @@ def main_rloo(argv: list[str] | None = None) -> int:
     return main(argv, stage="rloo")
 
 
+def print_summary(report: dict) -> None:
+    """A finished run's policy folder and its last step's score and KL."""
+    print(f"done: policy saved in {report['policy']}; last score "
+          f"{report.get('objective/score', float('nan')):.3f}, KL {report.get('objective/kl', float('nan')):.3f}")
+
+
 def main(argv: list[str] | None = None, stage: str = "ppo") -> int:
     args = build_parser(stage).parse_args(argv)
     cfg, model_cfg = from_args(PPOConfig, args), from_args(ModelConfig, args)
     open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
-    try:
+
+    def body() -> dict:
         metrics = train(cfg, model_cfg, prompts=args.prompts, reward=args.reward, out_dir=args.out,
                         policy=args.policy, critic_init=args.critic_init, resume=args.resume)
-    except Cancelled as exc:
-        print(f"{exc}; checkpoint saved in {Path(args.out) / CHECKPOINT} (continue with --resume)")
-        return 130
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}")
-        return 1
-    if not is_writer():  # rank 0 of N processes speaks for the run
-        return 0
-    print(f"done: policy saved in {Path(args.out) / 'policy'}; last score "
-          f"{metrics.get('objective/score', float('nan')):.3f}, KL {metrics.get('objective/kl', float('nan')):.3f}")
-    return 0
+        return {**metrics, "policy": str(Path(args.out) / "policy")}
+
+    return stage_main(body, print_summary)
 
 
 __all__ = ["train", "main", "main_rloo", "build_parser", "step_metrics"]

@@ -499,16 +499,16 @@ def test_cli_full_fine_tuning_takes_its_own_learning_rates_unless_given(tmp_path
 
 def test_cli_rejects_bad_input_with_clear_errors(tmp_path, prompts_file, tiny_model_dir, capsys):
     common = ["--policy", str(tiny_model_dir), "--device", "cpu", "--out", str(tmp_path / "bad")]
-    assert main(common + ["--reward", "script:length", "--prompts", str(tmp_path / "missing.jsonl")]) == 1
-    assert "missing.jsonl" in capsys.readouterr().out
-    assert main(common + ["--reward", "script:length", "--prompts", str(prompts_file), "--batch-size", "6"]) == 1
-    assert "multiple of --mini-batch-size" in capsys.readouterr().out
-    assert main(common + ["--reward", "nope/rm", "--prompts", str(prompts_file)]) == 1
-    assert "nope/rm" in capsys.readouterr().out
+    assert main(common + ["--reward", "script:length", "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert main(common + ["--reward", "script:length", "--prompts", str(prompts_file), "--batch-size", "6"]) == 2
+    assert "multiple of --mini-batch-size" in capsys.readouterr().err
+    assert main(common + ["--reward", "nope/rm", "--prompts", str(prompts_file)]) == 2
+    assert "nope/rm" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
-    assert main(common + ["--reward", "script:length", "--prompts", str(bad)]) == 1
-    assert "line 2" in capsys.readouterr().out
+    assert main(common + ["--reward", "script:length", "--prompts", str(bad)]) == 2
+    assert "line 2" in capsys.readouterr().err
     status = json.loads((tmp_path / "bad" / "status.json").read_text())
     assert status["state"] == "failed" and "line 2" in status["error"]
 
