@@ -83,8 +83,8 @@ def claim(out_dir: Path, *, resume: bool, results: tuple[str, ...], dist, unchan
         if read_status(out_dir).get("state") == "done" and not finished_continues:
             raise ValueError(f"--resume: the run in {out_dir} already finished")
         saved = json.loads((out_dir / "config.json").read_text())
-        changed = [f"{key} (was {saved[key]!r}, now {value!r})" for key, value in unchanged.items()
-                   if key in saved and saved[key] != value]
+        changed = [change for key, value in unchanged.items() if key in saved
+                   for change in _changes(key, saved[key], value)]
         if changed:
             raise ValueError(f"--resume: the run in {out_dir} continues only as it started, but its "
                              f"{'; '.join(changed)} changed: resume with the run's own inputs and settings, "
@@ -96,6 +96,14 @@ def claim(out_dir: Path, *, resume: bool, results: tuple[str, ...], dist, unchan
     if dist.is_main:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     return None
+
+
+def _changes(key: str, was, now) -> list[str]:
+    """How config.json's `key` differs from its value now, a dict's (a config's) entry by entry."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        return [f"{key}.{name} (was {was.get(name)!r}, now {now.get(name)!r})"
+                for name in sorted(was.keys() | now.keys()) if was.get(name) != now.get(name)]
+    return [] if was == now else [f"{key} (was {was!r}, now {now!r})"]
 
 
 @contextlib.contextmanager

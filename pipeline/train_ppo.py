@@ -61,12 +61,12 @@ from pipeline.distributed import setup
 from pipeline.losses import masked_mean, masked_var
 from pipeline.policy import merged_lora
 from pipeline.ppo_data import episode_uniforms, prompt_order
-from pipeline.ppo_state import (CHECKPOINT, PPORun, check_config, remember_update, save_checkpoint, set_up,
-                                undo_update)
+from pipeline.ppo_state import (CHECKPOINT, PPORun, check_config, check_resume, remember_update, reward_name,
+                                save_checkpoint, set_up, undo_update, unchanged_on_resume)
 from pipeline.ppo_update import ppo_update
 from pipeline.rollout import (Rollout, StepRollout, gather_rollout, kl_shaped_advantages, rollout_forwards,
                               write_samples)
-from pipeline.lifecycle import guarded, recover, stage_main
+from pipeline.lifecycle import STATE_FILE, claim, guarded, recover, stage_main
 from pipeline.rundir import Cancelled, StopFlag, append_metrics, open_tracker, write_status
 from pipeline.sampling import Decoding, sample
 from pipeline.saving import save_whole_policy
@@ -89,6 +89,13 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     recover(ckpt, dist)  # a kill in the middle of a checkpoint write leaves the last good one to put back
     if ckpt.is_dir() and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
+    resuming = resume and ckpt.is_dir()  # --resume before any checkpoint starts the run
+    if resuming:
+        check_resume(ckpt, cfg)
+    # the run folder's rules (pipeline/lifecycle.py): a resume with other prompts, reward or options is refused
+    claim(out, resume=resuming, results=(CHECKPOINT,), dist=dist, state=f"{CHECKPOINT}/{STATE_FILE}",
+          finished_continues=True,
+          unchanged=unchanged_on_resume(cfg, prompts=prompts, reward=reward) if resuming else {})
     ppo = None  # what phase 0 builds (pipeline/ppo_state.py)
     with guarded(out, dist) as progress:  # 'failed' with the error if anything below raises
         progress["total"] = cfg.steps
@@ -98,7 +105,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 # training forwards go through policy_w and critic_w (gradients averaged across ranks), sampling
                 # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
                 ppo = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
-                             critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
+                             critic_init=critic_init, resuming=resuming, dist=dist)
                 progress["step"] = ppo.step
                 write_status(out, "running", ppo.step, cfg.steps)
 
@@ -167,8 +174,7 @@ def finish(ppo: PPORun, reward: str) -> None:
     """The end: a resumable checkpoint, and the policy (its meta naming the parent and the reward
     model) for the owner process to register."""
     cfg, dist, out = ppo.cfg, ppo.dist, ppo.out
-    reward_name = reward if reward.startswith(("script:", "oracle:")) else str(Path(reward).resolve())
-    ppo.policy.rlhf_meta = {**ppo.policy.rlhf_meta, "parent": ppo.parent, "reward_model": reward_name,
+    ppo.policy.rlhf_meta = {**ppo.policy.rlhf_meta, "parent": ppo.parent, "reward_model": reward_name(reward),
                             "run": str(out.resolve()), "steps": cfg.steps}
     save_checkpoint(ppo)  # rank 0 writes; every rank holds the weights or a shard
     save_whole_policy(ppo.policy, ppo.tokenizer, out / "policy", dist)
@@ -228,11 +234,11 @@ def rollout_step(ppo: PPORun, stop) -> StepRollout:
     return StepRollout(ro, raw_score, adv, beta, times)
 
 
-def advance_schedules(ppo, adv, episodes: int, train_policy: bool) -> tuple[float, float]:
+def advance_schedules(ppo: PPORun, adv, episodes: int, train_policy: bool) -> tuple[float, float]:
     """Phase 8: the KL controller sees the step's KL per sequence, and each learning-rate schedule
     steps; a policy frozen for the critic's warm-up leaves its own two as they are. Returns the
     (policy, critic) learning rates the step trained with."""
-    policy_sched, critic_sched = ppo.scheds
+    policy_sched, critic_sched = ppo.policy_sched, ppo.critic_sched
     lrs = (policy_sched.get_last_lr()[0] if train_policy else 0.0,
            critic_sched.get_last_lr()[0] if critic_sched else 0.0)
     if train_policy:
