@@ -37,8 +37,9 @@ holds what every trainer does around them, written once so a fix reaches all of 
 The dataset trainers (train-reward, train-dpo, sft) run these in one order, written once in
 pipeline/trainer.py; each algorithm gives only what is its own.
 
-PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `recover`,
-`guarded` and STATE_FILE, the trainer state's file name (in PPO's checkpoint folder).
+PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `claim`
+(its trainer state in checkpoint/, a finished run continued to a larger --steps), `recover`,
+`guarded`, `stage_main` and STATE_FILE, the trainer state's file name.
 """
 
 from __future__ import annotations

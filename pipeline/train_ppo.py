@@ -40,7 +40,8 @@ metrics.jsonl (one JSON object per step; the same as TensorBoard events in tenso
 status.json, samples/step_N.jsonl, checkpoint/ (policy, critic, optimisers, KL controller) and,
 when done, policy/ (model_meta.json names the parent policy and the reward model; the owner
 process registers it). SIGTERM or Ctrl-C saves a checkpoint and marks the run cancelled;
-`--resume` continues from it. A stop seen inside an update, after some of its optimiser steps,
+`--resume` continues from it (a larger --steps extends even a finished run; other prompts, another
+reward or any other option is refused, naming it: lifecycle.claim, ppo_state.unchanged_on_resume). A stop seen inside an update, after some of its optimiser steps,
 puts back the weights and optimiser states the step started from before saving (with full
 fine-tuning, too large to keep a copy of, the update finishes first): a resumed run is the run
 never stopped.
