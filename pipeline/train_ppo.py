@@ -42,9 +42,9 @@ when done, policy/ (model_meta.json names the parent policy and the reward model
 process registers it). SIGTERM or Ctrl-C saves a checkpoint and marks the run cancelled;
 `--resume` continues from it (a larger --steps extends even a finished run; other prompts, another
 reward or any other option is refused, naming it: lifecycle.claim, ppo_state.unchanged_on_resume).
-A stop seen inside an update, after some of its optimiser steps, puts back the weights and optimiser states the step started from before saving (with full
-fine-tuning, too large to keep a copy of, the update finishes first): a resumed run is the run
-never stopped.
+A stop seen inside an update, after some of its optimiser steps, puts back the weights and
+optimiser states the step started from before saving (with full fine-tuning, too large to keep a
+copy of, the update finishes first): a resumed run is the run never stopped.
 """
 
 from __future__ import annotations

@@ -179,8 +179,10 @@ def train(kind: type[DatasetTrainer], data: str, out: str | Path, cfg, model_cfg
     out_dir = Path(out)
     kind.check(cfg)
     dist = setup(model_cfg.device)
+    # only a resume hashes the data here: a new run reads it inside `guarded`, where a missing file
+    # is a failed status naming it
     saved = claim(out_dir, resume=resume, results=kind.results, dist=dist,
-                  unchanged={"data_sha256": snapshot_sha256(data)})
+                  unchanged={"data_sha256": snapshot_sha256(data)} if resume else {})
     if saved:  # the run's own settings win: same batches, same schedule; only where it runs may change
         cfg, start = kind.restored(saved)
         model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
