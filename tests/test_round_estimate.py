@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from tests.helpers import req
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "round_defaults.md"
+ROUND_COST = ROOT / "docs" / "results" / "round_cost" / "results.json"
 FORM = dict(lora=True, processes=1, epochs=1, rm_lr=5e-5, rm_batch=8, rm_loss="bt", n_prompts=256, steps=20, kl_control="adaptive",
             beta=0.05, kl_target=6.0, ppo_lr=3e-4, critic_lr=1e-4, policy_step="ppo", dpo_loss="sigmoid", dpo_beta=0.1,
             dpo_epochs=1, dpo_lr=5e-5, prompts_per_round=64, k=4, strategy="random")
@@ -167,7 +169,7 @@ def test_lora_switches_the_ppo_learning_rates(ctx):
 
 
 def test_the_measured_note_is_the_measurement_file():
-    """The Train tab's note and the reference figures are the RESULT line of the results page."""
+    """The Train tab's note is the RESULT line of the results page."""
     lines = RESULTS.read_text(encoding="utf-8").splitlines()
     got = dict(re.findall(r"(\w+)=(\S+)", next(x for x in lines if x.startswith("RESULT defaults "))))
     timings = dict(re.findall(r"(\w+)=(\S+)", next(x for x in lines if x.startswith("RESULT timings "))))
@@ -178,14 +180,23 @@ def test_the_measured_note_is_the_measurement_file():
     assert float(got["kl_final"]) == pytest.approx(m["kl_final"], rel=1e-3)
     assert float(got["beta_final"]) == pytest.approx(m["beta_final"], rel=1e-3)
     assert float(got["ppo_wall_s"]) / 60 == pytest.approx(m["minutes"], abs=0.5)
-    # the measured step's rollouts were 48 tokens long (the default then)
-    assert estimate.REFERENCE["ppo"] == pytest.approx(
-        float(got["s_per_step"]) / estimate.ppo_units(vars(PPOConfig(steps=1, max_new_tokens=48))), rel=1e-3)
-    assert estimate.REFERENCE["generate"] == pytest.approx(
-        float(timings["s_per_response"]) / int(timings["max_new_tokens"]), rel=1e-3)
-    assert estimate.REFERENCE["train-reward"] == pytest.approx(float(timings["s_per_pair"]), rel=1e-3)
     note = train.measured_defaults_note()
     assert f"KL {m['kl_final']:.1f} of target 6" in note and "20 steps" in note
+
+
+def test_the_reference_figures_are_the_round_cost_measurement():
+    """Before a store has runs of its own, each part's seconds per unit are those of the default
+    round measured by bench/round_cost.py (its parts' wall time over their units at the defaults)."""
+    cost = json.loads(ROUND_COST.read_text(encoding="utf-8"))
+    parts, prompts, k = cost["after_parts"], cost["measure_prompts"], cost["k"]
+    gen = GenerateConfig()
+    assert k == gen.k and cost["threads"] == 2
+    assert estimate.REFERENCE["generate"] == pytest.approx(
+        parts["generate"]["wall_s"] / estimate.generate_units(prompts * k, gen.max_new_tokens), rel=1e-4)
+    assert estimate.REFERENCE["train-reward"] == pytest.approx(
+        parts["reward"]["wall_s"] / (prompts * k * (k - 1) // 2), rel=1e-4)
+    assert estimate.REFERENCE["ppo"] == pytest.approx(
+        parts["ppo (per step)"]["wall_s"] / estimate.ppo_units(vars(PPOConfig(steps=1))), rel=1e-4)
 
 
 def test_full_fine_tuning_keeps_its_own_learning_rate():
@@ -215,16 +226,22 @@ def test_the_form_that_starts_a_round_still_refuses_a_bad_value():
 def test_the_train_tab_shows_the_estimate_and_swaps_the_lrs_in_the_browser(store, browser):
     """Opening the Train tab fills the estimate; a setting changes it; LoRA off sets the LRs to 1e-5."""
     store.add_annotator("boss", "boss-password", role="admin")
+    shipped = estimate.round_estimate(store, LoopSettings())  # the reference figures: no runs yet
+    two_steps = LoopSettings()
+    two_steps.ppo.steps = 2
+    ppo_two = next(p for p in estimate.round_estimate(store, two_steps).parts if p.kind == "ppo")
     with serve(AppContext(store=store, auth=True)) as url:
         page = login(browser, url, "boss", "boss-password")
         page.get_by_role("tab", name="Train").click()
-        page.wait_for_selector("#rl-round-eta :text('Expected round duration: about 78 min')", timeout=20_000)
+        page.wait_for_selector(f"#rl-round-eta :text('Expected round duration: about {estimate.duration(shipped.seconds)}')",
+                               timeout=20_000)
         assert "KL 7.2 of target 6 nats in 20 steps" in page.locator("#rl-ppo-defaults").inner_text()
         assert "The KL reference is the base model" in page.locator("#rl-ppo-intro").inner_text()
         steps = page.get_by_label("Steps", exact=True)
         steps.fill("2")
         steps.press("Enter")
-        page.wait_for_selector("#rl-round-eta :text('PPO 2 steps 5 min')", timeout=20_000)
+        page.wait_for_selector(f"#rl-round-eta :text('{ppo_two.what} {estimate.duration(ppo_two.seconds)}')",
+                               timeout=20_000)
         page.get_by_label("LoRA adapters", exact=False).uncheck()
         policy_lr = page.get_by_label("Policy LR", exact=True)
         page.wait_for_function("el => Number(el.value) === 1e-5", arg=policy_lr.element_handle(), timeout=20_000)

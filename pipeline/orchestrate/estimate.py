@@ -14,8 +14,8 @@ the next round. Each job's cost is its work in one unit times the seconds one un
 Seconds per unit come from this store's finished runs of the same kind on the same base model
 (the same LoRA setting where there are such runs): total wall time over total units of the last
 RECENT runs, so everything a job does besides its main loop (loading, evaluation, saving) is in
-the figure. With no such run, the figure is the reference measurement of bench/round_defaults.py
-on a 2-core CPU (REFERENCE; docs/results/round_defaults.md), and the estimate says so.
+the figure. With no such run, the figure is the reference measurement of bench/round_cost.py on a
+2-core CPU (REFERENCE; docs/results/round_cost), and the estimate says so.
 
 Pure Python over store records (no torch): the Train tab calls it in the app process.
 """
@@ -31,11 +31,12 @@ RECENT = 5
 
 REFERENCE_MODEL = "default"
 REFERENCE = {
-    # bench/round_defaults.py on SmolLM2-135M-Instruct, LoRA, one thread of a shared 2-core CPU
-    # (load average about 3); docs/results/round_defaults.md has the RESULT lines these come from
-    "generate": 1.117 / 64,          # s_per_response over max_new_tokens 64
-    "train-reward": 2.343,           # s_per_pair, the app's RewardConfig on round-shaped pairs
-    "ppo": 60.04 / (16 * 48 * 3),    # s_per_step over one default step's units
+    # bench/round_cost.py's round on SmolLM2-135M-Instruct, LoRA, the app's defaults, 2 threads of
+    # an idle 2-core AMD EPYC: each part's wall seconds (loading and saving in) over its units;
+    # docs/results/round_cost/results.json ("after_parts") has the figures these come from
+    "generate": 72.878 / (32 * 4 * 128),   # 32 prompts x K = 4 responses of up to 128 tokens
+    "train-reward": 80.824 / (32 * 6),     # their 192 pairs
+    "ppo": 71.517 / (16 * 128 * 3),        # one default step: 16 episodes of 128 tokens, 1 + 2 epochs
 }
 """Seconds per unit measured once (module docstring); used before this store has runs of its own.
 train-dpo has none: a DPO round is estimated from this store's runs only."""
