@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,38 +150,75 @@ def test_the_closed_loop_experiment_runs_exactly_the_default_round():
 @pytest.mark.slow
 def test_quick_closed_loop_runs_default_rounds_and_resumes(tmp_path):
     """bench/gold/closed_loop.py end to end on tiny models: the base and each round evaluated on the
-    locked test prompts; a stopped run packed, unpacked in another folder and resumed to one more
-    round without redoing the first."""
+    locked test prompts; a run stopped after its first round (its seed in flight) packed with its
+    weights in fp16, unpacked in another folder and resumed to its second round from the packed
+    weights, without redoing the first; the blind evaluation from the answers each policy gave
+    when it was made; the finished seed packed without weights."""
     _require_embedding_judge()
-    from bench.gold.closed_loop import main
+    from safetensors.torch import load_file
+
+    from bench.gold.closed_loop import FP16_INDEX, main
     from bench.gold.closed_report import result_line
     from bench.gold.prompt_sets import locked_prompts
+    from store import Store
 
     first_out, out, state = tmp_path / "closed", tmp_path / "elsewhere", tmp_path / "state"
-    common = ["--quick", "--seeds", "0", "--prompts-per-round", "4", "--eval-samples", "2", "--threads", "1"]
-    assert main(common + ["--rounds", "1", "--leaderboard-prompts", "0", "--out", str(first_out)]) == 0
-    first = json.loads((first_out / "results.json").read_text())["seeds"]["0"]["rounds"]["1"]
+    common = ["--quick", "--seeds", "0", "--prompts-per-round", "4", "--eval-samples", "2", "--threads", "1",
+              "--rounds", "2", "--leaderboard-prompts", "3"]
+    assert main(common + ["--stop-after-rounds", "1", "--out", str(first_out)]) == 0
+    entry = json.loads((first_out / "results.json").read_text())["seeds"]["0"]
+    first = entry["rounds"]["1"]
+    assert set(entry["rounds"]) == {"1"} and "done" not in entry and "leaderboard" not in entry
     assert first["ranked"] == 4 and first["pairs_so_far"] == 4 * 3 and first["eval"]["eval/responses"] == 4 * 2
+    held = [json.loads(line)["prompt"] for line in (first_out / "seed0" / "blind_prompts.jsonl").read_text().splitlines()]
+    assert len(held) == 3
+    for tag in ("base", "round1"):  # each policy answered the held-back prompts when it was made
+        rows = [json.loads(line) for line in (first_out / "seed0" / "blind" / f"{tag}.jsonl").read_text().splitlines()]
+        assert sorted(r["prompt"] for r in rows) == sorted(held)
+    with Store(first_out / "seed0" / "rlhf.duckdb") as store:
+        assert not {p.text for p in store.list_prompts(limit=10_000)} & set(held)  # no round could draw them
+        policy = store.active_policy()
+        assert policy.name != "base"
+        adapter = next(Path(policy.path).rglob("*.safetensors"))
+        saved = load_file(str(adapter))
+
     assert main(["--out", str(first_out), "--pack", str(state)]) == 0
     packed = "\n".join(p.read_text(errors="ignore") for p in state.rglob("*.json*"))
     assert str(first_out) not in packed  # no path of the machine it ran on
+    fp16 = json.loads((state / FP16_INDEX).read_text())
+    packed_adapter = state / adapter.relative_to(first_out)
+    assert str(packed_adapter.relative_to(state)) in fp16 and len(fp16) >= 2  # the policy and the reward model
+    assert {t.dtype for t in load_file(str(packed_adapter)).values()} == {torch.float16}
     shutil.rmtree(first_out)  # nothing of the first folder is needed any more
     assert main(["--out", str(out), "--unpack", str(state)]) == 0
-    assert main(common + ["--rounds", "2", "--leaderboard-prompts", "3", "--resume", "--out", str(out)]) == 0
+    unpacked = load_file(str(out / adapter.relative_to(first_out)))
+    assert unpacked.keys() == saved.keys()
+    for name, t in saved.items():  # the dtype it was saved in, the value fp16 kept
+        assert unpacked[name].dtype == t.dtype and torch.equal(unpacked[name], t.half().to(t.dtype)), name
+
+    assert main(common + ["--resume", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     raw = json.loads((out / "raw.json").read_text())
     rounds = results["seeds"]["0"]["rounds"]
     assert rounds["1"] == first, (rounds["1"], first)
     assert rounds["2"]["pairs_so_far"] == 2 * 4 * 3  # every pair so far
     assert rounds["2"]["round_id"] == 2 and rounds["2"]["ppo"]["step"] == 2 and results["resumed"]
+    with Store(out / "seed0" / "rlhf.duckdb") as store:  # round 2 started from the packed policy
+        (_, second) = store.list_rounds()
+        assert store.get_model_version(second.new_policy_version_id).parent_id == policy.id
     assert set(raw["evals"]["0"]) == {"base", "round1", "round2"}
     assert set(raw["evals"]["0"]["base"]) == set(locked_prompts()[:4]) == set(raw["prompts"])
-    # the blind evaluation after the last round: base, round 1 and round 2 ranked on 3 prompts
+    # the blind evaluation after the last round: base, round 1 and round 2 ranked on the 3 held-back prompts
     board = results["seeds"]["0"]["leaderboard"]
     assert {r["policy"] for r in board["rows"]} == {"base", "round1", "round2"} and board["prompts"] == 3
+    assert results["seeds"]["0"]["done"] is True
     line = result_line(out)
     assert line.startswith("RESULT gold_loop rounds=2 seeds=1 ") and "r2_gain_mean=" in line
     assert "leaderboard_separated=" in line and "Blind evaluation" in (out / "report.md").read_text()
+
+    again = tmp_path / "state-done"
+    assert main(["--out", str(out), "--pack", str(again)]) == 0
+    assert not list(again.glob("seed*/**/*.safetensors")) and json.loads((again / FP16_INDEX).read_text()) == {}
 
 
 def test_a_resumed_closed_loop_reads_settings_the_code_gained_since_as_their_defaults():

@@ -10,33 +10,46 @@ Every round is `python -m pipeline loop --oracle embedding`'s round with `defaul
 `LoopSettings()` itself but for the sizes and seeds named in SIZES (a test holds it to that). Per
 seed, with its own store, annotators' noise, prompt order, round prompts, reward models and sampling:
   0. the pool (bench/gold/prompt_sets.py: the bundled prompts minus the development and the locked
-     test prompts) shuffled by the seed and imported, so the round prompts and PPO's prompts (the
-     first `ppo_prompts` of the store) differ between seeds; the base policy evaluated
+     test prompts) shuffled by the seed; its last `leaderboard_prompts` held back for the blind
+     evaluation (blind_prompts.jsonl: never in the store until the seed's end, so no round ranks or
+     trains on them), the rest imported, so the round prompts and PPO's prompts (the first
+     `ppo_prompts` of the store) differ between seeds; the base policy evaluated and its answers to
+     the held-back prompts sampled (blind/base.jsonl)
   1. rounds 1..R as the loop runs them: K responses per prompt from the active policy (a job), the
      simulated annotators rank every item through the store's queue (the gold
      judge, Bradley-Terry noise), a reward model learns every pair so far (warm-started from the
      last), the reward-model gate, PPO against it; a round whose reward model the gate refuses is
      closed without a new policy, as a user who does not click "Run PPO anyway" would leave it
   2. each round's policy evaluated on the locked test prompts (bench/gold/eval.py: `samples`
-     responses per prompt at the generation's length and temperature; gold, KL to the base)
-  3. after the last round, a blind evaluation as the Models tab runs one (steps.submit_evaluation):
-     the base and every round's policy answer `leaderboard_prompts` held-out prompts of the store
-     once each, the simulated annotators rank those answers in the ordinary queue, unmarked, and
-     the store's Bradley-Terry leaderboard (with bootstrap intervals over prompts) ranks them
+     responses per prompt at the generation's length and temperature; gold, KL to the base), and
+     its answers to the held-back prompts sampled as soon as it is made (blind/roundN.jsonl), as a
+     sample-versions job samples each version (the same seed, pipeline/sample_versions.py)
+  3. after the last round, a blind evaluation as the Models tab runs one (store/evaluations.py):
+     the held-back prompts imported, one item per prompt with the answers of the base and every
+     round's policy, the simulated annotators rank them in the ordinary queue, unmarked, and the
+     store's Bradley-Terry leaderboard (with bootstrap intervals over prompts) ranks them; no
+     earlier round's weights are needed for it
   4. results.json (settings, per seed and round: the reward model's held-out accuracy and gate,
      PPO's last KL and beta, the evaluation, CPU time) and raw.json (per evaluation and prompt: mean
      gold and KL) rewritten after every step; report.md (bench/gold/closed_report.py) from them.
-The rounds run round-major (round 1 of every seed, then round 2 ...), so a stopped run has the same
-rounds of every seed; --resume continues a seed's round from the state its store records.
+Seeds run one after another (seed-major: seed 0's rounds and blind evaluation, then seed 1's ...),
+so at most one seed is in flight; --resume continues a seed's round from the state its store
+records, and --stop-after-rounds N ends this invocation after N rounds (at a round's end).
 
 A run outlives the machine it started on through a packed state, small enough to commit:
 
     python bench/gold/closed_loop.py --out DIR --pack bench/gold/closed_loop_state    # after it stopped
     python bench/gold/closed_loop.py --out DIR2 --unpack bench/gold/closed_loop_state  # elsewhere, then --resume
 
-The pack holds results.json, raw.json, the evaluations' sample tables and per seed a gzipped backup of its
-store (paths relative to the run folder, store/backup.py `relocate`), the active policy, the
-newest reward model (the next round warm-starts from it) and the prompt files PPO trained on.
+After every step (the base's evaluation, each round, the blind evaluation) the run keeps a
+boundary (OUT/boundary: results.json, raw.json and a backup of the seed's store as of that step's
+end), and the pack is the last boundary: a run stopped in the middle of a round resumes where it
+was in its own folder, and from the start of that round once packed. The pack holds results.json,
+raw.json, and per seed the evaluations' sample tables, the blind answers, the prompt files and a
+gzipped backup of its store (paths relative to the run folder, store/backup.py `relocate`); the
+seed in flight also its active policy and newest reward model (the next round warm-starts from
+it) as fp16 safetensors, which --unpack casts back to the dtype they were saved in (FP16_INDEX). A
+finished seed keeps no weights.
 """
 
 from __future__ import annotations
@@ -65,6 +78,10 @@ from pipeline.orchestrate.steps import POLICY_STEPS, LoopSettings  # noqa: E402
 OUT_ROOT = ROOT / "bench" / "out" / "closed_loop"
 RUN = "{run}"
 """What a packed state writes in place of the run folder's path (in its stores and results)."""
+BOUNDARY = "boundary"
+"""The run folder's copy of its state as of the last finished step (pack reads it)."""
+FP16_INDEX = "fp16.json"
+"""A packed state's list of the tensors it holds in fp16, each with the dtype it was saved in."""
 PUBLISH = ROOT / "docs" / "results" / "closed_loop"
 
 SIZES = ("loop.rounds", "loop.prompts_per_round", "loop.seed", "generate.seed", "reward.seed", "ppo.seed",
@@ -150,6 +167,26 @@ class Seed:
         self.run.add_raw(self.seed, tag, rows)
         return metrics
 
+    def done(self) -> bool:
+        """Every round played and, when the run has one, the blind evaluation of all of them."""
+        rounds = self.run.sizes.rounds
+        return str(rounds) in self.entry["rounds"] and (
+            not self.run.sizes.leaderboard_prompts or self.entry.get("leaderboard", {}).get("rounds") == rounds)
+
+    def step_done(self) -> None:
+        """results.json and raw.json written, and the boundary (module docstring) moved to now."""
+        self.run.save()
+        boundary, fresh = self.run.out / BOUNDARY, self.run.out / f"{BOUNDARY}.tmp"
+        shutil.rmtree(fresh, ignore_errors=True)
+        fresh.mkdir()
+        for name in ("results.json", "raw.json"):
+            shutil.copy2(self.run.out / name, fresh / name)
+        from store.backup import backup
+
+        backup(self.store, fresh / f"seed{self.seed}.duckdb")
+        shutil.rmtree(boundary, ignore_errors=True)
+        fresh.rename(boundary)
+
 
 @dataclass
 class _Exp:
@@ -160,17 +197,47 @@ class _Exp:
     threads: int
 
 
+BLIND_PROMPTS = "blind_prompts.jsonl"
+BLIND = "blind"
+
+
 def start(sd: Seed, pool: Path) -> None:
-    """Step 0: the pool in the seed's order, imported once; the base policy evaluated."""
+    """Step 0: the pool in the seed's order, its last `leaderboard_prompts` held back and the rest
+    imported, once; the base policy evaluated and its blind answers sampled."""
     from pipeline.orchestrate.steps import ensure_base_policy
     from store.io import import_prompts
 
     if not sd.store.list_prompts(limit=1):
         rows = [json.loads(line) for line in pool.read_text(encoding="utf-8").splitlines() if line.strip()]
         random.Random(sd.seed).shuffle(rows)
-        import_prompts(sd.store, write_rows(sd.folder / "pool.jsonl", rows))
+        keep = len(rows) - sd.run.sizes.leaderboard_prompts
+        write_rows(sd.folder / BLIND_PROMPTS, rows[keep:])
+        import_prompts(sd.store, write_rows(sd.folder / "pool.jsonl", rows[:keep]))
     ensure_base_policy(sd.store, sd.settings.model)
     sd.entry["base"] = sd.evaluate(None, "base")
+    answer_blind(sd, sd.store.find_model_version("base"), "base")
+
+
+def answer_blind(sd: Seed, version, tag: str) -> None:
+    """`version`'s answers to the held-back prompts, one each, sampled as the Models tab's
+    sample-versions job samples every version of an evaluation (its length, temperature and one
+    seed for all: steps.submit_evaluation), kept in blind/TAG.jsonl for the seed's end."""
+    from pipeline.compare import CompareConfig
+    from pipeline.sample_versions import sample_versions
+
+    path = sd.folder / BLIND / f"{tag}.jsonl"
+    if not sd.run.sizes.leaderboard_prompts or path.is_file():
+        return
+    held = [json.loads(line) for line in (sd.folder / BLIND_PROMPTS).read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+    g = sd.settings.generate
+    spec = {"version_id": version.id, "name": version.name, "base_model": version.base_model or sd.settings.model.model,
+            "adapter": version.path}
+    rows = sample_versions([spec], [{"id": i, "prompt": r["prompt"]} for i, r in enumerate(held)], sd.settings.model,
+                           CompareConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, seed=sd.seed))
+    for row in rows:  # the prompt by its text: it has no store id until the seed's end
+        row["prompt"] = held[row.pop("prompt_id")]["prompt"]
+    write_rows(path.with_suffix(".tmp"), rows).rename(path)  # whole or absent: a stop re-samples it
 
 
 def play_round(sd: Seed, n: int) -> None:
@@ -202,6 +269,7 @@ def play_round(sd: Seed, n: int) -> None:
     policy = sd.store.get_model_version(rnd.new_policy_version_id) if rnd.new_policy_version_id else None
     if policy is not None and policy.path:
         entry["eval"] = sd.evaluate(policy.path, f"round{n}")
+        answer_blind(sd, policy, f"round{n}")
     else:  # the round made no policy: the policy of the round before stands (its evaluation)
         entry["eval"] = sd.entry["rounds"][str(n - 1)]["eval"] if n > 1 else sd.entry["base"]
         sd.run.add_raw(sd.seed, f"round{n}", None, same_as=f"round{n - 1}" if n > 1 else "base")
@@ -211,24 +279,31 @@ def play_round(sd: Seed, n: int) -> None:
 
 
 def blind_evaluation(sd: Seed) -> None:
-    """Step 3: the base and each round's policy ranked blind by the simulated annotators."""
+    """Step 3: the base and each round's policy ranked blind by the simulated annotators, on the
+    held-back prompts, from the answers each gave when it was made."""
     from pipeline.orchestrate.simulate import simulate_annotations
-    from pipeline.orchestrate.steps import submit_evaluation
+    from store.io import import_prompts
 
     rounds = sd.store.list_rounds()
     versions = [sd.store.find_model_version("base")]
+    tags = ["base"] + [f"round{n}" for n, r in enumerate(rounds, 1) if r.new_policy_version_id]
     versions += [sd.store.get_model_version(r.new_policy_version_id) for r in rounds if r.new_policy_version_id]
     if len(versions) < 2:
-        sd.entry["leaderboard"] = {"skipped": "no round made a policy"}
+        sd.entry["leaderboard"] = {"skipped": "no round made a policy", "rounds": len(rounds)}
         return
-    name = f"rounds 1-{len(rounds)}"  # a run resumed with more rounds evaluates again, on new prompts
+    name = f"rounds 1-{len(rounds)}"
     ev = sd.store.find_evaluation(name)
     if ev is None:
-        run, ev = submit_evaluation(sd.store, sd.runner, name, versions, sd.run.sizes.leaderboard_prompts,
-                                    sd.settings, seed=sd.seed)
-        run = sd.runner.wait(run.id)
-        if run.status != "done":
-            raise RuntimeError(f"sample-versions job {run.id} {run.status}: {run.error}")
+        import_prompts(sd.store, sd.folder / BLIND_PROMPTS, source="blind evaluation")
+        ids = {p.text: p.id for p in sd.store.prompts_without_responses()}
+        answers = [row for tag in tags for row in
+                   map(json.loads, (sd.folder / BLIND / f"{tag}.jsonl").read_text(encoding="utf-8").splitlines())]
+        by_prompt: dict[int, list[tuple]] = {}
+        for row in answers:
+            by_prompt.setdefault(ids[row["prompt"]], []).append(
+                (row["version_id"], row["text"], row["token_count"], row["finish_reason"], row["sampling"]))
+        ev = sd.store.create_evaluation(name, [v.id for v in versions], list(by_prompt))
+        sd.store.add_evaluation_items(ev.id, list(by_prompt.items()))
     simulate_annotations(sd.store, sd.ctx.judge, noise=sd.run.sizes.noise, seed=sd.seed * 1000 + 999)
     results = sd.store.evaluation_results(ev.id, seed=sd.seed)
     names = {v.name: ("base" if i == 0 else f"round{i}") for i, v in enumerate(versions)}
@@ -295,8 +370,8 @@ class ClosedLoop:
         """Continue a stopped run with the same settings; rounds that finished are kept."""
         old = json.loads((self.out / "results.json").read_text(encoding="utf-8"))
         before, now = dict(old["settings"]), dict(self.results["settings"])
-        for d in (before, now):  # more seeds or rounds may be asked of a resumed run
-            d["sizes"] = {k: v for k, v in d["sizes"].items() if k not in ("seeds", "rounds", "leaderboard_prompts")}
+        for d in (before, now):  # more seeds or rounds may be asked of a resumed run (not other blind prompts)
+            d["sizes"] = {k: v for k, v in d["sizes"].items() if k not in ("seeds", "rounds")}
             d["settings"]["loop"].pop("rounds", None)
         # a setting the code gained since the run started ran as its default (as LoopSettings.from_dict reads it)
         now["settings"] = _as_known(now["settings"], before["settings"])
@@ -331,32 +406,41 @@ class ClosedLoop:
             (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
             (self.out / "raw.json").write_text(json.dumps({"prompts": self.test_prompts, "evals": self.raw}, indent=0))
 
-    def run(self) -> dict:
+    def run(self, stop_after_rounds: int = 0) -> bool:
+        """Seed after seed, each to its end (module docstring); True when every seed is done, False
+        when `stop_after_rounds` rounds (0: no limit) were played first."""
         import torch
 
         torch.set_num_threads(self.sizes.threads)
-        seeds = [Seed(self, s) for s in self.sizes.seeds]
-        try:
-            for sd in seeds:
+        played = 0
+        for seed in self.sizes.seeds:
+            sd = Seed(self, seed)
+            try:
                 if "base" not in sd.entry:
+                    self.log(f"seed {seed}, the base")
                     start(sd, self.pool)
-                    self.save()
-            for n in range(1, self.sizes.rounds + 1):
-                for sd in seeds:
-                    if str(n) not in sd.entry["rounds"]:
-                        self.log(f"seed {sd.seed}, round {n}")
-                        play_round(sd, n)
-                        self.save()
-            for sd in seeds:
-                if self.sizes.leaderboard_prompts and sd.entry.get("leaderboard", {}).get("rounds") != self.sizes.rounds:
-                    self.log(f"seed {sd.seed}, blind evaluation")
+                    sd.step_done()
+                for n in range(1, self.sizes.rounds + 1):
+                    if str(n) in sd.entry["rounds"]:
+                        continue
+                    if stop_after_rounds and played == stop_after_rounds:
+                        self.log(f"stopped after {played} rounds: --resume goes on, --pack keeps it")
+                        return False
+                    self.log(f"seed {seed}, round {n}")
+                    sd.entry.pop("done", None)  # a resumed run asked for more rounds
+                    play_round(sd, n)
+                    played += 1
+                    sd.step_done()
+                if not sd.done():
+                    self.log(f"seed {seed}, blind evaluation")
                     blind_evaluation(sd)
-                    self.save()
-        finally:
-            for sd in seeds:
+                if not sd.entry.get("done"):
+                    sd.entry["done"] = True  # its pack keeps no weights
+                    sd.step_done()
+            finally:
                 sd.close()
         self.save()
-        return self.results
+        return True
 
 
 def _as_known(now: dict, before: dict) -> dict:
@@ -384,39 +468,69 @@ def _commit() -> str:
 
 
 def pack(out: Path, state: Path) -> list[Path]:
-    """The stopped run in `out` as the resume state in `state` (module docstring); returns the files."""
+    """The run in `out` as of its last boundary, as the resume state in `state` (module
+    docstring); returns the files."""
     from pipeline.orchestrate.steps import latest_reward
     from store import Store
     from store.backup import backup, relocate
 
-    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    boundary = out / BOUNDARY
+    if not (boundary / "results.json").is_file():
+        raise SystemExit(f"--pack: {out} has no {BOUNDARY}/ (a run of this version writes one after every step)")
+    results = json.loads((boundary / "results.json").read_text(encoding="utf-8"))
     if state.exists():
         shutil.rmtree(state)
     state.mkdir(parents=True)
     results["command"] = results.get("command", "").replace(str(out), RUN)
     (state / "results.json").write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
-    shutil.copy2(out / "raw.json", state / "raw.json")
-    for seed in results["seeds"]:
-        folder = out / f"seed{seed}"
-        keep = [folder / "eval", *sorted((folder / "runs" / "inputs").glob("*prompts.jsonl")), folder / "pool.jsonl"]
-        with Store(folder / "rlhf.duckdb") as store:
-            versions = [store.active_policy(), latest_reward(store)]
-            keep += [Path(v.path) for v in versions if v is not None and v.path]
-            backup(store, state / f"seed{seed}" / "relocating.db")
-        with Store(state / f"seed{seed}" / "relocating.db") as packed:
-            relocate(packed, out, RUN)
+    shutil.copy2(boundary / "raw.json", state / "raw.json")
+    fp16: dict[str, dict[str, str]] = {}
+    for seed, entry in results["seeds"].items():
+        folder, packed = out / f"seed{seed}", state / f"seed{seed}"
+        db = boundary / f"seed{seed}.duckdb"
+        keep = [folder / "eval", folder / BLIND, folder / BLIND_PROMPTS, folder / "pool.jsonl",
+                *sorted((folder / "runs" / "inputs").glob("*prompts.jsonl"))]
+        with Store(db if db.is_file() else folder / "rlhf.duckdb") as store:
+            in_flight = [] if entry.get("done") else [store.active_policy(), latest_reward(store)]
+            weights = [Path(v.path) for v in in_flight if v is not None and v.path]
+            backup(store, packed / "relocating.db")
+        with Store(packed / "relocating.db") as relocating:
+            relocate(relocating, out, RUN)
             # copied again into a fresh file: the relocated one keeps the old paths in freed pages
-            backup(packed, state / f"seed{seed}" / "store.db")
-        (state / f"seed{seed}" / "relocating.db").unlink()
-        _gzip(state / f"seed{seed}" / "store.db")  # a DuckDB file is mostly empty pages: ~30x smaller
-        for path in keep:
+            backup(relocating, packed / "store.db")
+        (packed / "relocating.db").unlink()
+        _gzip(packed / "store.db")  # a DuckDB file is mostly empty pages: ~30x smaller
+        for path in [p for p in keep if p.exists()] + weights:
             target = state / path.relative_to(out)
             target.parent.mkdir(parents=True, exist_ok=True)
             (shutil.copytree if path.is_dir() else shutil.copy2)(path, target)
+        for folder_ in weights:
+            for file in sorted((state / folder_.relative_to(out)).rglob("*.safetensors")):
+                fp16[str(file.relative_to(state))] = _cast_safetensors(file, {})
+    (state / FP16_INDEX).write_text(json.dumps(fp16, indent=1, sort_keys=True), encoding="utf-8")
     if (out / "tiny_model").is_dir():
         shutil.copytree(out / "tiny_model", state / "tiny_model")
     _replace_in_json(state, str(out), RUN)  # model folders name their base model (--quick: a path)
     return sorted(p for p in state.rglob("*") if p.is_file())
+
+
+def _cast_safetensors(path: Path, dtypes: dict[str, str]) -> dict[str, str]:
+    """Rewrite a safetensors file with every float32 tensor in fp16 (`dtypes` empty), or with the
+    tensors `dtypes` names back in those dtypes; returns {tensor: dtype it had} of those cast."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    cast = {}
+    for name, t in tensors.items():
+        want = getattr(torch, dtypes[name]) if dtypes else (torch.float16 if t.dtype == torch.float32 else None)
+        if want is not None and t.dtype != want:
+            cast[name] = str(t.dtype).removeprefix("torch.")
+            tensors[name] = t.to(want).contiguous()
+    save_file(tensors, str(path), metadata=metadata)
+    return cast
 
 
 def _gzip(path: Path) -> None:
@@ -435,7 +549,8 @@ def _replace_in_json(folder: Path, old: str, new: str) -> None:
 
 
 def unpack(state: Path, out: Path) -> None:
-    """A packed state as the run folder `out`, ready for --resume."""
+    """A packed state as the run folder `out`, ready for --resume: its stores relocated, its fp16
+    weights cast back to the dtypes they were saved in, and its boundary the packed state."""
     from store import Store
     from store.backup import relocate
 
@@ -443,7 +558,12 @@ def unpack(state: Path, out: Path) -> None:
         raise SystemExit(f"--unpack: {out} already holds a run; give a new --out")
     shutil.copytree(state, out, dirs_exist_ok=True)
     _replace_in_json(out, RUN, str(out))
+    index = out / FP16_INDEX
+    for name, dtypes in (json.loads(index.read_text(encoding="utf-8")) if index.is_file() else {}).items():
+        _cast_safetensors(out / name, dtypes)
+    index.unlink(missing_ok=True)
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    (out / BOUNDARY).mkdir()
     for seed in results["seeds"]:
         db = out / f"seed{seed}" / "rlhf.duckdb"
         packed = out / f"seed{seed}" / "store.db.gz"
@@ -452,6 +572,9 @@ def unpack(state: Path, out: Path) -> None:
         packed.unlink()
         with Store(db) as store:
             relocate(store, RUN, out)
+        shutil.copy2(db, out / BOUNDARY / f"seed{seed}.duckdb")
+    for name in ("results.json", "raw.json"):
+        shutil.copy2(out / name, out / BOUNDARY / name)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -473,6 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--threads", type=int, default=2, help="torch threads here and in every job")
     add("--quick", action="store_true", help="tiny random models")
     add("--resume", action="store_true", help="continue the stopped run in --out (the same options)")
+    add("--stop-after-rounds", type=int, default=0,
+        help="stop after this many rounds of this invocation, at a round's end (0: run to the end)")
     add("--report", default="", help="only rebuild report.md of this results directory")
     add("--pack", default="", help="only write the stopped run in --out as a resume state to this folder")
     add("--unpack", default="", help="only unpack this resume state as the run folder --out (then --resume)")
@@ -513,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     run = ClosedLoop(sizes, out, quick_model, resume=args.resume)
     command = "python bench/gold/closed_loop.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     run.results["command"] = run.results.get("command", "") + (" then " if args.resume else "") + command
-    run.run()
+    if not run.run(args.stop_after_rounds):
+        return 0
     print(f"report: {write_report(out)}")
     target = args.publish if args.publish is not None else ("" if args.quick else str(PUBLISH))
     if target and target != "none":
