@@ -1,4 +1,4 @@
-"""Tokens/s of our sampler (pipeline.generate) against a plain `model.generate` loop, at batch 16
+"""Tokens/s of our sampler (pipeline.responses) against a plain `model.generate` loop, at batch 16
 and at the device's decode default (pipeline/sampling.py decode_batch_size: 64 on CPU, 256 on a
 GPU), the batch `python -m pipeline generate` runs at unless told otherwise.
 
@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.run_all import write_json  # noqa: E402
 from pipeline.config import GenerateConfig, ModelConfig  # noqa: E402
-from pipeline.generate import generate_responses  # noqa: E402
 from pipeline.text import encode_prompts, prompt_token_ids  # noqa: E402
 from pipeline.models import pick_device, pick_dtype  # noqa: E402
 from pipeline.policy import load_policy  # noqa: E402
+from pipeline.responses import generate_responses  # noqa: E402
 from pipeline.sampling import decode_batch_size  # noqa: E402
 
 # the app's bundled prompt pool (license: store/data/LICENSE.md)

@@ -74,8 +74,8 @@ def listwise_order(utilities: list[float], temperature: float, rng: random.Rando
 def sample_responses(model_dir: Path, prompts: list[str], seed: int, max_new_tokens: int) -> list[list[str]]:
     """K responses per prompt from the starting policy (the base model)."""
     from pipeline.config import GenerateConfig, ModelConfig
-    from pipeline.generate import generate_responses
     from pipeline.policy import load_policy
+    from pipeline.responses import generate_responses
 
     policy, tok = load_policy(ModelConfig(model=str(model_dir), device="cpu", dtype="fp32", lora=False))
     gens = generate_responses(policy, tok, prompts, K, GenerateConfig(k=K, temperature=0.7, max_new_tokens=max_new_tokens,

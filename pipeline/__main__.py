@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from pipeline.rundir import OWNER_ENV
+
 # stage name -> module with a `main(argv: list[str]) -> int`, or "module:function" for another entry
 STAGES = {
     "generate": "pipeline.generate",
@@ -34,10 +36,10 @@ STAGES = {
 
 
 def watch_owner(interval_s: float = 1.0) -> None:
-    """A job started by a store's owner (pipeline/orchestrate/jobs.py sets $RLHF_LOOP_OWNER_PID)
-    stops when that owner dies: SIGTERM to itself, which a trainer answers by saving a checkpoint
-    and exiting. So a killed app leaves no job running that nobody watches."""
-    owner = os.environ.get("RLHF_LOOP_OWNER_PID")
+    """A job started by a store's owner (pipeline/orchestrate/jobs.py sets $OWNER_ENV,
+    RLHF_LOOP_OWNER_PID) stops when that owner dies: SIGTERM to itself, which a trainer answers by
+    saving a checkpoint and exiting. So a killed app leaves no job running that nobody watches."""
+    owner = os.environ.get(OWNER_ENV)
     if not owner or not owner.isdigit():
         return
 

@@ -33,6 +33,7 @@ from typing import Callable
 
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.models import pick_device
+from pipeline.responses import generate_responses
 from pipeline.rundir import run_job, write_json
 from pipeline.sampling import decode_batch_size
 from pipeline.scoring import load_reward_model, score_texts
@@ -69,9 +70,8 @@ class PolicySpec:
 
 def sample_policy(spec: PolicySpec, prompts: list, model_cfg: ModelConfig, cfg: CompareConfig,
                   on_step: Callable[[], None]) -> list:
-    """1. one response per prompt from `spec` (a pipeline.generate.Generation each), then free the
+    """1. one response per prompt from `spec` (a pipeline.responses.Generation each), then free the
     model. Also the sampler of blind evaluations (pipeline/sample_versions.py)."""
-    from pipeline.generate import generate_responses
     from pipeline.policy import load_policy
 
     # lora=False: a base policy is sampled as it is (no fresh zero adapter to wrap it in); a trained

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -426,14 +427,17 @@ class SFTConfig:
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source."""
+    """The docstring under each field of a dataclass, read from its source and its base classes'
+    (along cls.__mro__: a field a class declares again with a docstring of its own has that one)."""
     docs: dict[str, str] = {}
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
-            if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-                docs[node.target.id] = " ".join(nxt.value.value.split())  # type: ignore[attr-defined]
+    for klass in cls.__mro__:
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+                if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    docs.setdefault(node.target.id, " ".join(nxt.value.value.split()))  # type: ignore[attr-defined]
     return docs
 
 

@@ -3,10 +3,11 @@
 The algorithm files keep what is theirs (data, models, the loss of one step, evaluation); this file
 holds what every trainer does around them, written once so a fix reaches all of them:
 
-    claim(out_dir, resume=..., data=..., results=..., config_key=...)
+    claim(out_dir, resume=..., results=..., dist=..., unchanged={key: value})
                                the run directory's rules: never write over another run's results
-                               without --resume; a resume continues the run's own settings on the
-                               same data (returns its config.json)
+                               without --resume; a resume is refused where what it must not change
+                               (config.json's `unchanged` keys: the data's hash; PPO's prompts,
+                               reward model and settings) changed (returns its config.json)
     guarded(out_dir, dist)     status.json 'running' while the body runs; 'failed' with the error,
                                or 'cancelled' on a second Ctrl-C, if it raises (a Cancelled the body
                                raises passes through: the trainer has saved and marked the run)
@@ -31,9 +32,14 @@ holds what every trainer does around them, written once so a fix reaches all of 
     write_run_config(...)      config.json: the trainer's own fields, then the data's and the run's
     write_report(...)          eval_report.json (the trainer's figures and the common part: time,
                                steps, data, truncation), then the run marked 'done'
+    stage_main(body, summary)  every trainer's `main`: errors on stderr (exit code 2), a cancel 130
 
-PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `recover`,
-`guarded` and STATE_FILE, the trainer state's file name (in PPO's checkpoint folder).
+The dataset trainers (train-reward, train-dpo, sft) run these in one order, written once in
+pipeline/trainer.py; each algorithm gives only what is its own.
+
+PPO's loop is its own (a rollout, then epochs over it: pipeline/train_ppo.py); it shares `claim`
+(its trainer state in checkpoint/, a finished run continued to a larger --steps), `recover`,
+`guarded`, `stage_main` and STATE_FILE, the trainer state's file name.
 """
 
 from __future__ import annotations
@@ -56,26 +62,34 @@ from formats.hashing import snapshot_sha256
 from pipeline.distributed import Dist, clip_grad_norm, load_optimizer_state
 from pipeline.models import autocast
 from pipeline.pairs_data import length_grouped_batches
-from pipeline.rundir import (STATE_FILE, Cancelled, StopFlag, append_metrics, read_status, truncate_metrics,
-                             write_json, write_status)
+from pipeline.rundir import (STATE_FILE, Cancelled, StopFlag, append_metrics, is_writer, read_status,
+                             truncate_metrics, write_json, write_status)
 from pipeline.saving import recover_folder
 
 
-def claim(out_dir: Path, *, resume: bool, data: str, results: tuple[str, ...], dist) -> dict | None:
+def claim(out_dir: Path, *, resume: bool, results: tuple[str, ...], dist, unchanged: dict[str, object],
+          state: str = STATE_FILE, finished_continues: bool = False) -> dict | None:
     """Phase 0, before anything loads. A folder holding only logs or a failed start is reused (job
     runners create the run directory and its log before launching a trainer); one holding any of
-    `results` needs --resume. Resuming needs trainer_state.pt, an unfinished run and the same data
-    (by SHA-256); it returns the run's config.json, whose settings win (same batches, same
-    schedule: only where it runs may change). A new run starts with no metrics."""
+    `results` needs --resume. Resuming needs `state` (the trainer state's file, relative to
+    out_dir), an unfinished run (with `finished_continues`, PPO's, a finished one too: a larger
+    --steps extends it) and, for each of config.json's `unchanged` keys, the value it has now (the
+    data's SHA-256; PPO's prompts, reward model and settings): a change is refused naming it. A
+    key the saved config lacks (a run from before it was recorded) is not compared. Returns the
+    run's config.json. A new run starts with no metrics."""
     found = [name for name in results if (out_dir / name).exists()]
     if resume:
-        if not (out_dir / STATE_FILE).is_file():
-            raise FileNotFoundError(f"--resume: {out_dir} has no {STATE_FILE} to continue from")
-        if read_status(out_dir).get("state") == "done":
+        if not (out_dir / state).is_file():
+            raise FileNotFoundError(f"--resume: {out_dir} has no {state} to continue from")
+        if read_status(out_dir).get("state") == "done" and not finished_continues:
             raise ValueError(f"--resume: the run in {out_dir} already finished")
         saved = json.loads((out_dir / "config.json").read_text())
-        if saved["data_sha256"] != snapshot_sha256(data):
-            raise ValueError(f"--resume: {data} is not the data the run in {out_dir} started with ({saved['data']})")
+        changed = [change for key, value in unchanged.items() if key in saved
+                   for change in _changes(key, saved[key], value)]
+        if changed:
+            raise ValueError(f"--resume: the run in {out_dir} continues only as it started, but its "
+                             f"{'; '.join(changed)} changed: resume with the run's own inputs and settings, "
+                             "or start a new run in another folder")
         return saved
     if found:
         raise FileExistsError(f"--out {out_dir} already holds a run ({', '.join(found)}): pass --resume to "
@@ -83,6 +97,14 @@ def claim(out_dir: Path, *, resume: bool, data: str, results: tuple[str, ...], d
     if dist.is_main:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     return None
+
+
+def _changes(key: str, was, now) -> list[str]:
+    """How config.json's `key` differs from its value now, a dict's (a config's) entry by entry."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        return [f"{key}.{name} (was {was.get(name)!r}, now {now.get(name)!r})"
+                for name in sorted(was.keys() | now.keys()) if was.get(name) != now.get(name)]
+    return [] if was == now else [f"{key} (was {was!r}, now {now!r})"]
 
 
 @contextlib.contextmanager
@@ -303,11 +325,16 @@ class AfterTraining:
         """Between phases: a stop any rank saw ends the phases here (every rank calls it at the same point)."""
         self.dist.check_stop(self._stop)
 
-    def on_progress(self, phase: str, unit: str) -> Callable[[int, int], None]:
-        """An on_progress(done, n) for one phase, made as the phase starts (a `check()`): the status
-        file shows the phase and how far it got, and in a one-process run a stop ends the phases there."""
+    def phase(self, phase: str) -> None:
+        """A phase starts: a stop any rank saw ends the phases here (`check()`), else the status file
+        names the phase."""
         self.check()
         write_status(self.out_dir, "running", self.steps.step, self.total, phase=phase)
+
+    def on_progress(self, phase: str, unit: str) -> Callable[[int, int], None]:
+        """An on_progress(done, n) for one phase, made as the phase starts (`phase()`): the status
+        file shows the phase and how far it got, and in a one-process run a stop ends the phases there."""
+        self.phase(phase)
 
         def report(done: int, n: int) -> None:
             write_status(self.out_dir, "running", self.steps.step, self.total, phase=f"{phase}: {done}/{n} {unit}")
@@ -366,6 +393,29 @@ def write_report(out_dir: Path, report: dict, steps: Steps, total: int, data_rep
     return full
 
 
+def stage_main(body: Callable[[], dict], summary: Callable[[dict], None]) -> int:
+    """The one `main` of every trainer (train-reward, train-dpo, sft, ppo, rloo): `body()` trains and
+    returns its report. Bad input (ValueError, FileNotFoundError, FileExistsError) is printed on
+    stderr, exit code 2; a cancel (a report whose state is 'cancelled', or PPO's Cancelled once it has
+    saved) exit code 130; otherwise rank 0 of N processes prints `summary(report)`, exit code 0."""
+    try:
+        report = body()
+    except Cancelled as exc:
+        if is_writer():
+            print(f"{exc}: checkpoint saved; --resume continues")
+        return 130
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not is_writer():
+        return 130 if report.get("state") == "cancelled" else 0
+    if report.get("state") == "cancelled":
+        print(f"cancelled at step {report['step']}/{report['total']}: checkpoint saved; --resume continues")
+        return 130
+    summary(report)
+    return 0
+
+
 def resume_from(out_dir: Path, schedule: Schedule, load_optimizer: Callable[[dict], None]) -> int:
     """Restore optimiser (by the caller's loader: sharded or not) and scheduler from trainer_state.pt;
     the metrics logged after that save are dropped (those steps are trained again). Returns the step."""
@@ -378,4 +428,4 @@ def resume_from(out_dir: Path, schedule: Schedule, load_optimizer: Callable[[dic
 
 __all__ = ["STATE_FILE", "claim", "guarded", "recover", "load_state", "save_state", "Steps", "Schedule", "Training",
            "start_training", "StepLoop", "run_steps", "cancelled", "AfterTraining", "resume_from", "adamw_schedule",
-           "write_report", "write_run_config"]
+           "write_report", "write_run_config", "stage_main"]

@@ -34,10 +34,11 @@ from typing import Callable
 
 import torch
 
+from formats.hashing import snapshot_sha256
 from pipeline.config import (CRITIC_FREE, ModelConfig, PPOConfig, group_size, policy_method, to_dict,
                              with_ppo_lrs)
 from pipeline.distributed import Dist, full_state_dict, load_optimizer_state
-from pipeline.kl import make_kl_controller
+from pipeline.kl import KLController, make_kl_controller
 from pipeline.models import (
     META_FILE, autocast, load_scalar_model, pick_device, pick_dtype, read_meta, share_frozen_weights,
 )
@@ -60,8 +61,8 @@ CHECKPOINT = "checkpoint"
 @dataclass
 class PPORun:
     """What phase 0 builds and every later phase reads: the run's options, processes and folder, the
-    four roles (three without a critic: 'rloo', 'grpo'; critic, critic_w, and the critic's optimiser
-    and schedule are None then), optimisers, schedules, KL controller, inputs, and the steps done."""
+    four roles (three without a critic: 'rloo', 'grpo'; critic, critic_w, critic_opt and
+    critic_sched are None then), optimisers, schedules, KL controller, inputs, and the steps done."""
     cfg: PPOConfig  # the options, each model's default learning rate filled in
     dist: Dist
     out: Path  # RUN_DIR
@@ -75,9 +76,11 @@ class PPORun:
     critic: torch.nn.Module | None
     policy_w: torch.nn.Module  # the policy and critic for training forwards (Dist.wrap)
     critic_w: torch.nn.Module | None
-    opts: tuple
-    scheds: tuple
-    kl: object
+    policy_opt: torch.optim.Optimizer
+    critic_opt: torch.optim.Optimizer | None
+    policy_sched: torch.optim.lr_scheduler.LRScheduler  # stepped once per step that trains the policy
+    critic_sched: torch.optim.lr_scheduler.LRScheduler | None
+    kl: KLController
     step: int  # steps done: 0 or the checkpoint's at set-up, then one more after each step
     rows: list  # prompts file rows
     ptx_texts: list
@@ -150,13 +153,39 @@ def check_config(cfg: PPOConfig, world: int = 1) -> None:
         raise ValueError("; ".join(problems))
 
 
+RESUMABLE = ("steps", "save_every", "sample_every")
+"""The PPO options a --resume may change: how long the run goes on (a finished run continues to a
+larger --steps) and what it writes on the way. Any other option changed would make the resumed run
+another run than the one its checkpoint started."""
+
+
+def reward_name(reward: str) -> str:
+    """The reward as a run records it: a scripted or oracle reward by its spec, a reward model by
+    its folder's absolute path."""
+    return reward if reward.startswith(("script:", "oracle:")) else str(Path(reward).resolve())
+
+
+def unchanged_on_resume(cfg: PPOConfig, *, prompts: str, reward: str) -> dict:
+    """What a PPO --resume must not change, as config.json records it (lifecycle.claim compares a
+    resume's against the run's): the prompts file's SHA-256, the reward, and the options as given
+    (before each model's default learning rate is filled in) but RESUMABLE."""
+    return {"prompts_sha256": snapshot_sha256(prompts), "reward_model": reward_name(reward),
+            "ppo_options": {key: value for key, value in to_dict(cfg).items() if key not in RESUMABLE}}
+
+
+def check_resume(ckpt: Path, cfg: PPOConfig) -> None:
+    """A checkpoint with a critic resumes only with one ('gae'), one without only critic-free."""
+    if (ckpt / "critic").is_dir() == (cfg.advantage_estimator in CRITIC_FREE):
+        raise ValueError(f"{ckpt} was saved by a run {'with' if (ckpt / 'critic').is_dir() else 'without'} a critic: "
+                         "resume with the run's own --advantage-estimator")
+
+
 def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, out: Path, policy: str,
            critic_init: str, resuming: bool, dist: Dist) -> PPORun:
     """Phase 0: load the four roles, wrap (or shard) the trained ones, build optimisers and schedules,
     restore a checkpoint when resuming (metrics after its step are dropped), and write config.json."""
     ckpt = out / CHECKPOINT
-    if resuming and not (ckpt / STATE_FILE).is_file():
-        raise ValueError(f"{ckpt}: no {STATE_FILE} (an incomplete checkpoint)")
+    given = cfg  # as the command line gave it: what a resume must repeat (unchanged_on_resume)
     device = pick_device(model_cfg.device)
     dtype = pick_dtype(model_cfg.dtype, device)
     if dtype == torch.float16:
@@ -181,9 +210,6 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     # a reward model and a LoRA critic on the policy's frozen base hold no copy of it (bytes freed)
     shared = {"reward": share_frozen_weights(policy_model, rm) if rm is not None else 0, "critic": 0}
     critic_src, critic, critic_w, critic_opt, critic_sched = "", None, None, None, None
-    if resuming and (ckpt / "critic").is_dir() == (cfg.advantage_estimator in CRITIC_FREE):
-        raise ValueError(f"{ckpt} was saved by a run {'with' if (ckpt / 'critic').is_dir() else 'without'} a critic: "
-                         "resume with the run's own --advantage-estimator")
     if cfg.advantage_estimator not in CRITIC_FREE:
         critic_src = str(ckpt / "critic") if resuming else (
             critic_init or (reward if rm is not None else policy_model.rlhf_meta["base_model"]))
@@ -198,24 +224,22 @@ def set_up(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str,
     if critic is not None:
         critic_opt = _adamw(trainable(critic), cfg.critic_lr)
         critic_sched = torch.optim.lr_scheduler.LambdaLR(critic_opt, lr_factor(cfg.steps, cfg.lr_decay))
-    kl_ctl = make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
-    start = 0
-    if resuming:
-        start = load_checkpoint(ckpt, (policy_model, critic), (policy_opt, critic_opt), (policy_sched, critic_sched),
-                                kl_ctl)
-    truncate_metrics(out, start)
-    ptx_texts = read_ptx_texts(cfg.ptx_data) if cfg.ptx_coef > 0 else []
-    write_json(out / "config.json", {
-        "stage": policy_method(cfg), "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
-        "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": start,
-        "ppo": to_dict(cfg), "model": to_dict(model_cfg), "processes": dist.world, "fsdp": dist.sharded,
-        "shared_base_bytes": shared})
-    return PPORun(
+    ppo = PPORun(
         cfg=cfg, dist=dist, out=out, device=device, autocast=amp, policy=policy_model, tokenizer=tokenizer,
         parent=parent, reference=reference, score_fn=score_fn, critic=critic, policy_w=policy_w, critic_w=critic_w,
-        opts=(policy_opt, critic_opt), scheds=(policy_sched, critic_sched), kl=kl_ctl, step=start, rows=rows,
-        ptx_texts=ptx_texts,
+        policy_opt=policy_opt, critic_opt=critic_opt, policy_sched=policy_sched, critic_sched=critic_sched,
+        kl=make_kl_controller(cfg.kl_control, cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon), step=0, rows=rows,
+        ptx_texts=read_ptx_texts(cfg.ptx_data) if cfg.ptx_coef > 0 else [],
         sample_logprobs=cfg.old_logprobs == "sample" or (cfg.old_logprobs == "auto" and dtype == torch.float32))
+    if resuming:
+        ppo.step = load_checkpoint(ppo)
+    truncate_metrics(out, ppo.step)
+    write_json(out / "config.json", {
+        "stage": policy_method(cfg), "policy": policy or model_cfg.model, "parent": parent, "reward": reward,
+        "critic_init": critic_src, "prompts": str(prompts), "resumed_from_step": ppo.step,
+        "ppo": to_dict(cfg), "model": to_dict(model_cfg), "processes": dist.world, "fsdp": dist.sharded,
+        "shared_base_bytes": shared, **unchanged_on_resume(given, prompts=prompts, reward=reward)})
+    return ppo
 
 
 def _load_critic(src: str, cfg: PPOConfig, model_cfg: ModelConfig, device, dtype, dist: Dist, fresh: bool):
@@ -256,7 +280,8 @@ def _adamw(params: list, lr: float) -> torch.optim.AdamW:
 
 
 def _trained_roles(ppo: PPORun) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
-    return [(model, opt) for model, opt in zip((ppo.policy, ppo.critic), ppo.opts) if model is not None]
+    return [(model, opt) for model, opt in ((ppo.policy, ppo.policy_opt), (ppo.critic, ppo.critic_opt))
+            if model is not None]
 
 
 def remember_update(ppo: PPORun) -> None:
@@ -291,40 +316,43 @@ def save_checkpoint(ppo: PPORun) -> None:
     Written beside the old one and swapped in (pipeline/saving.py, atomic_folder), so a kill
     mid-save leaves the previous checkpoint. Every rank calls it (sharded weights and optimiser
     states are gathered first, a collective); rank 0 writes."""
-    dist, policy, critic, (policy_opt, critic_opt) = ppo.dist, ppo.policy, ppo.critic, ppo.opts
+    dist, policy, critic = ppo.dist, ppo.policy, ppo.critic
     policy_weights = full_state_dict(policy) if dist.sharded else None
     critic_weights = full_state_dict(critic) if dist.sharded and critic is not None else None
-    optims = (dist.optimizer_state(policy, policy_opt),
-              dist.optimizer_state(critic, critic_opt) if critic is not None else None)
+    policy_optim = dist.optimizer_state(policy, ppo.policy_opt)
+    critic_optim = dist.optimizer_state(critic, ppo.critic_opt) if critic is not None else None
     if not dist.is_main:  # every rank holds the same weights (or its shard of them)
         return
 
     def write(folder: Path) -> None:
         save_policy(GatheredPolicy(policy, policy_weights) if dist.sharded else policy, ppo.tokenizer,
                     folder / "policy")
-        saved = {"step": ppo.step, "policy_optim": optims[0], "policy_sched": ppo.scheds[0].state_dict(),
+        saved = {"step": ppo.step, "policy_optim": policy_optim, "policy_sched": ppo.policy_sched.state_dict(),
                  "kl": ppo.kl.state_dict()}
         if critic is not None:
             save_scalar_model(critic, ppo.tokenizer, folder / "critic", state_dict=critic_weights)
-            saved.update(critic_optim=optims[1], critic_sched=ppo.scheds[1].state_dict())
+            saved.update(critic_optim=critic_optim, critic_sched=ppo.critic_sched.state_dict())
         torch.save(saved, folder / STATE_FILE)
 
     atomic_folder(ppo.out / CHECKPOINT, write)
 
 
-def load_checkpoint(ckpt: Path, models: tuple, opts: tuple, scheds: tuple, kl_ctl) -> int:
-    """Restore the optimisers of (policy, critic; None without one) (saved by a sharded run or not: each loads into a
-    sharded or plain one), schedules and KL controller; returns the step. The weights are loaded
-    before (load_policy_weights, the critic from checkpoint/critic). The file is memory-mapped on
-    the CPU (the processes of one machine share its pages, so N of them do not each hold the whole
-    optimiser state), and loading moves each state to its parameter's device (sharded: its shard)."""
-    state = torch.load(ckpt / STATE_FILE, map_location="cpu", mmap=True, weights_only=False)
-    for model, opt, sched, role in zip(models, opts, scheds, ("policy", "critic")):
-        if model is not None:
-            load_optimizer_state(model, opt, state[f"{role}_optim"])
-            sched.load_state_dict(state[f"{role}_sched"])
-    kl_ctl.load_state_dict(state["kl"])
+def load_checkpoint(ppo: PPORun) -> int:
+    """Restore the optimisers of the policy and the critic (when the run has one; saved by a sharded
+    run or not: each loads into a sharded or plain one), their schedules and the KL controller from
+    RUN_DIR/checkpoint; returns the step. The weights are loaded before (load_policy_weights, the
+    critic from checkpoint/critic). The file is memory-mapped on the CPU (the processes of one
+    machine share its pages, so N of them do not each hold the whole optimiser state), and loading
+    moves each state to its parameter's device (sharded: its shard)."""
+    state = torch.load(ppo.out / CHECKPOINT / STATE_FILE, map_location="cpu", mmap=True, weights_only=False)
+    load_optimizer_state(ppo.policy, ppo.policy_opt, state["policy_optim"])
+    ppo.policy_sched.load_state_dict(state["policy_sched"])
+    if ppo.critic is not None:
+        load_optimizer_state(ppo.critic, ppo.critic_opt, state["critic_optim"])
+        ppo.critic_sched.load_state_dict(state["critic_sched"])
+    ppo.kl.load_state_dict(state["kl"])
     return int(state["step"])
 
 
-__all__ = ["PPORun", "set_up", "save_checkpoint", "load_checkpoint", "CHECKPOINT"]
+__all__ = ["PPORun", "set_up", "check_resume", "unchanged_on_resume", "reward_name", "RESUMABLE", "save_checkpoint",
+           "load_checkpoint", "CHECKPOINT"]

@@ -61,15 +61,14 @@ def ppo_update(ppo: PPORun, sr: StepRollout, stop, train_policy: bool = True) ->
             if cfg.ptx_coef > 0 and train_policy:
                 ptx_backward(ppo, step * cfg.ppo_epochs * (B // cfg.mini_batch_size) + n_minibatches, stats)
             # policy and critic clipped separately (sharded: each norm is one all-reduce)
-            policy_opt, critic_opt = ppo.opts
             if train_policy:
                 stats["policy/grad_norm"] += clip_grad_norm(trainable(ppo.policy), cfg.max_grad_norm)
-                policy_opt.step()
-                policy_opt.zero_grad(set_to_none=True)
+                ppo.policy_opt.step()
+                ppo.policy_opt.zero_grad(set_to_none=True)
             if critic is not None:
                 stats["val/grad_norm"] += clip_grad_norm(trainable(critic), cfg.max_grad_norm)
-                critic_opt.step()
-                critic_opt.zero_grad(set_to_none=True)
+                ppo.critic_opt.step()
+                ppo.critic_opt.zero_grad(set_to_none=True)
             n_minibatches += 1
             # a stop between minibatches, when what they changed can be put back (train_ppo: the
             # step's start is saved); else, and after the last, the next step's start sees it

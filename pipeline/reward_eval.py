@@ -26,10 +26,12 @@ import random
 import torch
 from tqdm.auto import tqdm
 
+from pipeline.config import GenerateConfig
 from pipeline.losses import last_token_index, lm_loss, pairwise_loss
 from pipeline.models import autocast, position_ids_from_mask
 from pipeline.packing import cache_kwarg
 from pipeline.pairs_data import EncodedGroup, EncodedPair, EncodedRanking, Pair, collate, collate_groups, collate_shared
+from pipeline.responses import generate_responses
 from pipeline.rundir import is_writer
 from pipeline.text import encode_response, pad_rows, prompt_token_ids
 
@@ -300,8 +302,6 @@ def normalisation_stats(model, prompts: list[Pair], cfg, model_cfg, amp, dist=No
     """
     n, seed, policy_path, batch_size = cfg.norm_samples, cfg.seed, cfg.norm_policy, 2 * cfg.batch_size
     max_new_tokens, temperature = cfg.norm_max_new_tokens, cfg.norm_temperature
-    from pipeline.config import GenerateConfig
-    from pipeline.generate import generate_responses
     from pipeline.policy import load_policy
     from pipeline.scoring import score_rows
 

@@ -5,8 +5,8 @@
     critic_values                  the critic's values at the response tokens (rollout and update)
     gather_rollout                 every rank's rollout as one batch
     kl_shaped_advantages           scores -> shaped rewards -> advantages and returns (phases 5-6)
-    StepRollout                    phases 1-6's results together: what the update and the metrics read
-    write_samples                  the sample table of a step
+    StepRollout                    phases 1-6's results together: what the update, the metrics and
+                                   the sample table read
 
 pipeline/train_ppo.py calls these in its numbered phases; the update phase (pipeline/ppo_update.py)
 reuses `critic_values`, with `pack_responses` (pipeline/packing.py) and `response_logits` /
@@ -27,10 +27,7 @@ token ids, or a scripted reward for tests and benches.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -40,7 +37,6 @@ from pipeline.models import attn_ratio
 from pipeline.packing import PackedResponses, hidden_states, pack_responses
 from pipeline.policy import response_logits, response_logprobs
 from pipeline.sampling import SampleBatch
-from pipeline.text import decode_responses
 
 # --------------------------------------------------------------------------- the rollout record
 
@@ -202,24 +198,5 @@ def kl_shaped_advantages(ro: Rollout, raw_score: torch.Tensor, cfg, beta: float)
                       returns=returns)
 
 
-# --------------------------------------------------------------------------- sample table
-
-
-def write_samples(path: Path, tokenizer, ro: Rollout, score: torch.Tensor, kl_seq: torch.Tensor,
-                  n: int = 4) -> None:
-    """A few prompts with the current policy's responses, their scores and KL, as JSONL."""
-    texts = decode_responses(tokenizer, ro.response_ids[:n], ro.mask[:n])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for i, text in enumerate(texts):
-            f.write(json.dumps({
-                "prompt": ro.prompts[i], "response": text, "score": round(float(score[i]), 4),
-                "kl": round(float(kl_seq[i]), 4), "tokens": int(ro.lengths[i]),
-                "finish_reason": "eos" if bool(ro.eos[i]) else "length",
-            }) + "\n")
-    os.replace(tmp, path)
-
-
-__all__ = ["Rollout", "Advantages", "StepRollout", "kl_shaped_advantages", "gather_rollout", "critic_values", "rollout_forwards",
-           "write_samples"]
+__all__ = ["Rollout", "Advantages", "StepRollout", "kl_shaped_advantages", "gather_rollout", "critic_values",
+           "rollout_forwards"]

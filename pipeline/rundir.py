@@ -13,7 +13,8 @@ resumes from a checkpoint); the job runner reads with `read_status` and `Metrics
 `saved_state` tells it whether a stopped trainer left a state that `--resume` continues (STATE_FILE,
 in the run folder or, for PPO, in its checkpoint folder). A trainer
 installs a `StopFlag`: SIGTERM (the job runner's cancel) or Ctrl-C only set a flag that the loop
-checks between phases, so a cancel never interrupts a write.
+checks between phases, so a cancel never interrupts a write. A job learns which process owns it
+from $`OWNER_ENV`, and stops when that process dies.
 
 In a job of N processes (pipeline/distributed.py) only rank 0 writes: `set_writer(False)` on the
 other ranks makes write_json, write_status, append_metrics and truncate_metrics do nothing.
@@ -39,6 +40,12 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.tracking import EVENTS_DIR, REPORT_TO, TensorBoardWriter
+
+OWNER_ENV = "RLHF_LOOP_OWNER_PID"
+"""Set in every job's environment (pipeline/orchestrate/jobs.py): the pid of the process that owns
+the store. A job whose owner has died stops itself (pipeline/__main__.py `watch_owner`), so a
+killed app leaves no job running unseen. Here, the module both sides import, so the CLI reads it
+without importing the job runner."""
 
 STATE_FILE = "trainer_state.pt"
 """A trainer's optimiser, scheduler and step (pipeline/lifecycle.py `save_state`), for --resume."""

@@ -1,7 +1,7 @@
 """Batched sampling with a KV cache: one left-padded batch of prompts in, a `SampleBatch` out.
 
 `sample` returns the response ids, a mask up to and including EOS, and the log-probs of the sampled
-tokens. The PPO trainer uses it for rollouts and pipeline/generate.py for K responses per prompt.
+tokens. The PPO trainer uses it for rollouts and pipeline/responses.py for K responses per prompt.
 It is our own KV-cache loop rather than `model.generate`: it computes log-probs as it samples, runs
 the prompt once for its K samples (the cache is copied K times after the prefill), and drops
 finished rows from the batch (bench/generate_bench.py). After the prefill the keys and values live

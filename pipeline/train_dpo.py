@@ -60,25 +60,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-import torch
-
-from formats.hashing import snapshot_sha256
 from pipeline.config import DPOConfig, ModelConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import setup
 from pipeline.dpo_data import (
     PAIR_STATS, Packing, encode_dpo, evaluate_pairs, heldout_kl, pack_pairs, pair_stats, preference_loss,
     reference_logps, sequence_logps,
 )
-from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, Training, cancelled, claim, guarded, recover,
-                                run_steps, save_state, start_training, write_report, write_run_config)
-from pipeline.models import attn_ratio, checkpointing, pick_dtype
+from pipeline.lifecycle import AfterTraining, Steps, Training, stage_main
+from pipeline.models import attn_ratio, checkpointing
 from pipeline.pairs_data import group_weights, train_eval_data
-from pipeline.policy import load_policy_weights, load_starting_policy, starting_reference
-from pipeline.saving import save_whole_policy
-from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
+from pipeline.policy import starting_reference
+from pipeline.rundir import open_tracker
 from pipeline.tracking import add_report_to
+from pipeline.trainer import Finished, Loaded, PolicyTrainer, train
 
 LOSSES = ("sigmoid", "ipo")
 
@@ -102,25 +96,10 @@ def check_config(cfg: DPOConfig) -> None:
 
 def train_dpo(data: str, out: str, cfg: DPOConfig, model_cfg: ModelConfig, policy: str = "", resume: bool = False,
               on_step=None) -> dict:
-    """Train, evaluate and save; returns the report (also in eval_report.json), or {"state":
-    "cancelled", ...} when a signal stopped the run. on_step(step, metrics) runs after each step."""
-    out_dir = Path(out)
-    check_config(cfg)
-    dist = setup(model_cfg.device)
-    # 0. Run directory (pipeline/lifecycle.py): a resume continues the run's own settings and starting policy.
-    saved = claim(out_dir, resume=resume, data=data, results=("checkpoint", STATE_FILE, "policy", "eval_report.json"),
-                  dist=dist)
-    if saved:  # a run whose settings have no `grouped` trained pair by pair
-        cfg, policy = DPOConfig(**{"grouped": False, **saved["dpo"]}), saved["policy"]
-        model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
-    if dist.sharded and model_cfg.lora:  # after a resume's own settings replaced the command line's
-        resumed = " (the run being resumed trains LoRA)" if resume else ""
-        raise ValueError(f"train-dpo with FSDP shards full fine-tuning (--lora false){resumed}; with LoRA the "
-                         "trained and communicated part is small: use configs/accelerate/ddp.yaml (docs/scaling.md)")
-    with guarded(out_dir, dist) as progress:
-        report = _train(data, out_dir, cfg, model_cfg, policy, resume, on_step, progress, dist)
-        dist.close()
-        return report
+    """Train, evaluate and save (DPOTrainer through pipeline/trainer.py); returns the report (also
+    in eval_report.json), or {"state": "cancelled", ...} when a signal stopped the run.
+    on_step(step, metrics) runs after each step."""
+    return train(DPOTrainer, data, out, cfg, model_cfg, start=policy, resume=resume, on_step=on_step)
 
 
 def dpo_step(cfg: DPOConfig, training: Training, reference, items: list, weights: list[list[float]] | None,
@@ -163,87 +142,78 @@ def dpo_step(cfg: DPOConfig, training: Training, reference, items: list, weights
     return train_step
 
 
-def _train(data, out_dir: Path, cfg: DPOConfig, model_cfg: ModelConfig, policy: str, resume: bool, on_step,
-           progress: dict, dist) -> dict:
-    device = dist.device
-    dtype = pick_dtype(model_cfg.dtype, device)
-    if dtype == torch.float16:
-        raise ValueError("--dtype fp16: train-dpo has no loss scaling; use bf16 (or fp32)")
-    torch.manual_seed(cfg.seed)
+class DPOTrainer(PolicyTrainer):
+    """train-dpo's side of the driver (pipeline/trainer.py): pairs in, the policy trained against
+    its reference (the base model), evaluated on held-out pairs and by KL on held-out prompts."""
 
-    # 1. Data: the pairs train-reward reads, held-out pairs as it chooses them.
-    train_pairs, eval_pairs, data_report = train_eval_data(data, cfg.eval_data, cfg.eval_fraction, cfg.seed)
+    name, section, config = "train-dpo", "dpo", DPOConfig
+    desc, shown = "dpo", ("train/reward_accuracy", "acc")
+    check = staticmethod(check_config)
 
-    # 2. Policy and reference: the reference is made before any checkpoint is loaded (the start).
-    model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
-    reference = starting_reference(model, policy, model_cfg, device, dtype)  # the base model, as in PPO
-    if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
-        recover(out_dir / "checkpoint", dist)
-        load_policy_weights(model, out_dir / "checkpoint")
-    # a ranking's pairs as one group (each pair a group of its own with --grouped false)
-    train_items, trunc_train = encode_dpo(train_pairs, tokenizer, cfg.max_length, cfg.grouped)
-    eval_items, trunc_eval = encode_dpo(eval_pairs, tokenizer, cfg.max_length, cfg.grouped)
-    model.train(checkpointing(model))  # no dropout (TRL's disable_dropout), but checkpointing acts in train mode
-    # checkpointed layers drop the KV cache a shared prefix needs; under FSDP a prefix pass would run on
-    # some ranks only, and a prefix's keys and values reused by a batch fail FSDP2's backward
-    packing = Packing(attn_ratio(model), tokenizer.pad_token_id,
-                      share_prefix=not checkpointing(model) and not dist.sharded)
-    weights = group_weights(train_items, cfg.use_weights)  # None: the plain loss, as train-reward's
-    if not resume:
-        write_run_config(out_dir, {"stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg),
-                                   "policy": policy, "parent": parent, "base_model": model.rlhf_meta["base_model"],
-                                   "weighted": weights is not None},
-                         data=data, eval_data=cfg.eval_data, data_report=data_report, dist=dist)
+    @classmethod
+    def restored(cls, saved: dict) -> tuple[DPOConfig, str]:
+        """A run whose settings have no `grouped` trained pair by pair."""
+        return DPOConfig(**{"grouped": False, **saved["dpo"]}), saved["policy"]
 
-    # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
-    if reference.frozen is not None:  # full fine-tuning: a copy as large as the policy, sharded alike
-        dist.shard_frozen(reference.frozen)
-    training = start_training(model, len(train_items), cfg, out_dir, resume, dist, dtype)
-    total = training.schedule.total
+    @staticmethod
+    def check_run(cfg: DPOConfig, model_cfg: ModelConfig, dist, resume: bool) -> None:
+        if dist.sharded and model_cfg.lora:  # after a resume's own settings replaced the command line's
+            resumed = " (the run being resumed trains LoRA)" if resume else ""
+            raise ValueError(f"train-dpo with FSDP shards full fine-tuning (--lora false){resumed}; with LoRA the "
+                             "trained and communicated part is small: use configs/accelerate/ddp.yaml "
+                             "(docs/scaling.md)")
 
-    def save(step: int) -> None:  # every rank calls it (sharded weights are gathered), rank 0 writes
-        save_whole_policy(model, tokenizer, out_dir / "checkpoint", dist)
-        save_state(out_dir, training.state(step), dist)
+    def load(self) -> Loaded:
+        run, cfg, model_cfg, dist = self.run, self.run.cfg, self.run.model_cfg, self.run.dist
+        # 1. Data: the pairs train-reward reads, held-out pairs as it chooses them.
+        train_pairs, self.eval_pairs, data_report = train_eval_data(run.data, cfg.eval_data, cfg.eval_fraction,
+                                                                    cfg.seed)
+        # 2. Policy and reference: the reference is made before any checkpoint is loaded (the start).
+        self.start_policy()
+        self.reference = starting_reference(self.model, run.start, model_cfg, dist.device, run.dtype)  # the base
+        if run.resume:
+            self.restore_policy()
+        # a ranking's pairs as one group (each pair a group of its own with --grouped false)
+        self.train_items, trunc_train = encode_dpo(train_pairs, self.tokenizer, cfg.max_length, cfg.grouped)
+        self.eval_items, trunc_eval = encode_dpo(self.eval_pairs, self.tokenizer, cfg.max_length, cfg.grouped)
+        # no dropout (TRL's disable_dropout), but checkpointing acts in train mode
+        self.model.train(checkpointing(self.model))
+        # checkpointed layers drop the KV cache a shared prefix needs; under FSDP a prefix pass would run on
+        # some ranks only, and a prefix's keys and values reused by a batch fail FSDP2's backward
+        self.packing = Packing(attn_ratio(self.model), self.tokenizer.pad_token_id,
+                               share_prefix=not checkpointing(self.model) and not dist.sharded)
+        self.weights = group_weights(self.train_items, cfg.use_weights)  # None: the plain loss, as train-reward's
+        if self.reference.frozen is not None:  # full fine-tuning: a copy as large as the policy, sharded alike
+            dist.shard_frozen(self.reference.frozen)
+        return Loaded(model=self.model, lengths=[it.length for it in self.train_items],
+                      fields={"stage": "train-dpo", "dpo": to_dict(cfg), "model": to_dict(model_cfg),
+                              "policy": run.start, "parent": self.parent,
+                              "base_model": self.model.rlhf_meta["base_model"], "weighted": self.weights is not None},
+                      data_report=data_report, truncations=(trunc_train, trunc_eval),
+                      sequences=sum(len(g.responses) for g in self.train_items + self.eval_items),
+                      eval_data=cfg.eval_data)
 
-    # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size groups.
-    lengths = [it.length for it in train_items]
-    train_step = dpo_step(cfg, training, reference, train_items, weights, packing)
-    done = run_steps(out_dir, cfg, StepLoop(training, lengths, train_step, save, desc="dpo",
-                                            shown=("train/reward_accuracy", "acc"), on_step=on_step), progress)
+    def train_step(self, training: Training) -> Callable:
+        """One optimiser step = grad_accum micro-batches of batch_size groups: `dpo_step`."""
+        return dpo_step(self.run.cfg, training, self.reference, self.train_items, self.weights, self.packing)
 
-    # 5. Interrupted: save what we have and leave.
-    if done.stopped:
-        return cancelled(out_dir, done, total, save, dist)
-
-    # 6-7. The trained weights saved first (a stop from here on loses no training: --resume runs only
-    #      these phases again), then the held-out pairs (implicit-reward accuracy and margins), KL to
-    #      the reference on samples of the trained policy for held-out prompts, and the checkpoint and
-    #      the policy with its lineage.
-    with AfterTraining(out_dir, done, total, save, dist) as after:
+    def finish(self, training: Training, done: Steps, after: AfterTraining) -> Finished:
+        """The held-out pairs (implicit-reward accuracy and margins), KL to the reference on samples
+        of the trained policy for held-out prompts, and the checkpoint and the policy with its lineage."""
+        cfg, dist = self.run.cfg, self.run.dist
+        after.phase("evaluating")
+        report = evaluate_pairs(self.model, self.reference, self.eval_items, cfg, self.packing, training.amp, dist)
+        if cfg.kl_prompts > 0 and self.eval_pairs:
+            after.phase("measuring KL")
+            report.update(heldout_kl(self.model, self.reference, self.tokenizer, [p.prompt for p in self.eval_pairs],
+                                     cfg, training.amp, dist))
         after.check()
-        write_status(out_dir, "running", done.step, total, phase="evaluating")
-        report = evaluate_pairs(model, reference, eval_items, cfg, packing, training.amp, dist)
-        after.check()
-        if cfg.kl_prompts > 0 and eval_pairs:
-            write_status(out_dir, "running", done.step, total, phase="measuring KL")
-            report.update(heldout_kl(model, reference, tokenizer, [p.prompt for p in eval_pairs], cfg, training.amp,
-                                     dist))
-            after.check()
-        model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "dpo", "loss": cfg.loss, "beta": cfg.beta,
-                           "data": str(data), "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()),
-                           "steps": done.step}
-        save(done.step)
-        save_whole_policy(model, tokenizer, out_dir / "policy", dist)
-        dist.barrier()
-    if after.result:
-        return after.result
-    if report:
-        append_metrics(out_dir, done.step, report)
-    own = {**report, "policy": str(out_dir / "policy"), "train/pairs": sum(g.n_pairs for g in train_items),
-           "train/groups": len(train_items), "train/weighted": weights is not None,
-           "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
-    return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),
-                        sum(len(g.responses) for g in train_items + eval_items))
+        self.save_policy(training, done, method="dpo", loss=cfg.loss, beta=cfg.beta)
+        own = {**report, "policy": str(self.run.out_dir / "policy"),
+               "train/pairs": sum(g.n_pairs for g in self.train_items), "train/groups": len(self.train_items),
+               "train/weighted": self.weights is not None,
+               "eval/prompts": len({str(p.prompt) for p in self.eval_pairs})}
+        return Finished(report, own)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -264,20 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg, model_cfg = from_args(DPOConfig, args), from_args(ModelConfig, args)
-    open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
-    try:
-        report = train_dpo(args.data, args.out, cfg, model_cfg, policy=args.policy, resume=args.resume)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not is_writer():  # rank 0 of N processes speaks for the run
-        return 0
-    if report.get("state") == "cancelled":
-        print(f"cancelled at step {report['step']}/{report['total']}: checkpoint saved; --resume continues")
-        return 130
+def print_summary(report: dict) -> None:
+    """A finished run's held-out implicit-reward accuracy, KL to the reference, and policy folder."""
     if "eval/reward_accuracy" in report:
         print(f"held-out implicit-reward accuracy {report['eval/reward_accuracy']:.3f} on {report['eval/pairs']} "
               f"pairs, margin {report['eval/margin']:.3f}")
@@ -285,7 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"KL to the reference on held-out prompts: {report['kl/heldout']:.3f} +- {report['kl/heldout_se']:.3f} "
               f"nats per response ({report['kl/samples']} samples)")
     print(f"policy: {report['policy']}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg, model_cfg = from_args(DPOConfig, args), from_args(ModelConfig, args)
+    open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
+    return stage_main(lambda: train_dpo(args.data, args.out, cfg, model_cfg, policy=args.policy, resume=args.resume),
+                      print_summary)
 
 
 if __name__ == "__main__":

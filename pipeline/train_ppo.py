@@ -40,8 +40,9 @@ metrics.jsonl (one JSON object per step; the same as TensorBoard events in tenso
 status.json, samples/step_N.jsonl, checkpoint/ (policy, critic, optimisers, KL controller) and,
 when done, policy/ (model_meta.json names the parent policy and the reward model; the owner
 process registers it). SIGTERM or Ctrl-C saves a checkpoint and marks the run cancelled;
-`--resume` continues from it. A stop seen inside an update, after some of its optimiser steps,
-puts back the weights and optimiser states the step started from before saving (with full
+`--resume` continues from it (a larger --steps extends even a finished run; other prompts, another
+reward or any other option is refused, naming it: lifecycle.claim, ppo_state.unchanged_on_resume).
+A stop seen inside an update, after some of its optimiser steps, puts back the weights and optimiser states the step started from before saving (with full
 fine-tuning, too large to keep a copy of, the update finishes first): a resumed run is the run
 never stopped.
 """
@@ -61,16 +62,15 @@ from pipeline.distributed import setup
 from pipeline.losses import masked_mean, masked_var
 from pipeline.policy import merged_lora
 from pipeline.ppo_data import episode_uniforms, prompt_order
-from pipeline.ppo_state import (CHECKPOINT, PPORun, check_config, remember_update, save_checkpoint, set_up,
-                                undo_update)
+from pipeline.ppo_state import (CHECKPOINT, PPORun, check_config, check_resume, remember_update, reward_name,
+                                save_checkpoint, set_up, undo_update, unchanged_on_resume)
 from pipeline.ppo_update import ppo_update
-from pipeline.rollout import (Rollout, StepRollout, gather_rollout, kl_shaped_advantages, rollout_forwards,
-                              write_samples)
-from pipeline.lifecycle import guarded, recover
-from pipeline.rundir import Cancelled, StopFlag, append_metrics, is_writer, open_tracker, write_status
+from pipeline.rollout import Rollout, StepRollout, gather_rollout, kl_shaped_advantages, rollout_forwards
+from pipeline.lifecycle import STATE_FILE, claim, guarded, recover, stage_main
+from pipeline.rundir import Cancelled, StopFlag, append_metrics, open_tracker, write_jsonl, write_status
 from pipeline.sampling import Decoding, sample
 from pipeline.saving import save_whole_policy
-from pipeline.text import encode_prompts
+from pipeline.text import decode_responses, encode_prompts
 from pipeline.tracking import add_report_to
 
 
@@ -89,6 +89,13 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
     recover(ckpt, dist)  # a kill in the middle of a checkpoint write leaves the last good one to put back
     if ckpt.is_dir() and not resume:
         raise ValueError(f"{out} already holds a checkpoint: pass --resume, or use a new run directory")
+    resuming = resume and ckpt.is_dir()  # --resume before any checkpoint starts the run
+    if resuming:
+        check_resume(ckpt, cfg)
+    # the run folder's rules (pipeline/lifecycle.py): a resume with other prompts, reward or options is refused
+    claim(out, resume=resuming, results=(CHECKPOINT,), dist=dist, state=f"{CHECKPOINT}/{STATE_FILE}",
+          finished_continues=True,
+          unchanged=unchanged_on_resume(cfg, prompts=prompts, reward=reward) if resuming else {})
     ppo = None  # what phase 0 builds (pipeline/ppo_state.py)
     with guarded(out, dist) as progress:  # 'failed' with the error if anything below raises
         progress["total"] = cfg.steps
@@ -98,7 +105,7 @@ def train(cfg: PPOConfig, model_cfg: ModelConfig, *, prompts: str, reward: str, 
                 # training forwards go through policy_w and critic_w (gradients averaged across ranks), sampling
                 # and the no-grad forwards use the plain modules (the reference: the policy, adapter disabled)
                 ppo = set_up(cfg, model_cfg, prompts=prompts, reward=reward, out=out, policy=policy,
-                             critic_init=critic_init, resuming=resume and ckpt.is_dir(), dist=dist)
+                             critic_init=critic_init, resuming=resuming, dist=dist)
                 progress["step"] = ppo.step
                 write_status(out, "running", ppo.step, cfg.steps)
 
@@ -167,8 +174,7 @@ def finish(ppo: PPORun, reward: str) -> None:
     """The end: a resumable checkpoint, and the policy (its meta naming the parent and the reward
     model) for the owner process to register."""
     cfg, dist, out = ppo.cfg, ppo.dist, ppo.out
-    reward_name = reward if reward.startswith(("script:", "oracle:")) else str(Path(reward).resolve())
-    ppo.policy.rlhf_meta = {**ppo.policy.rlhf_meta, "parent": ppo.parent, "reward_model": reward_name,
+    ppo.policy.rlhf_meta = {**ppo.policy.rlhf_meta, "parent": ppo.parent, "reward_model": reward_name(reward),
                             "run": str(out.resolve()), "steps": cfg.steps}
     save_checkpoint(ppo)  # rank 0 writes; every rank holds the weights or a shard
     save_whole_policy(ppo.policy, ppo.tokenizer, out / "policy", dist)
@@ -228,11 +234,11 @@ def rollout_step(ppo: PPORun, stop) -> StepRollout:
     return StepRollout(ro, raw_score, adv, beta, times)
 
 
-def advance_schedules(ppo, adv, episodes: int, train_policy: bool) -> tuple[float, float]:
+def advance_schedules(ppo: PPORun, adv, episodes: int, train_policy: bool) -> tuple[float, float]:
     """Phase 8: the KL controller sees the step's KL per sequence, and each learning-rate schedule
     steps; a policy frozen for the critic's warm-up leaves its own two as they are. Returns the
     (policy, critic) learning rates the step trained with."""
-    policy_sched, critic_sched = ppo.scheds
+    policy_sched, critic_sched = ppo.policy_sched, ppo.critic_sched
     lrs = (policy_sched.get_last_lr()[0] if train_policy else 0.0,
            critic_sched.get_last_lr()[0] if critic_sched else 0.0)
     if train_policy:
@@ -245,10 +251,19 @@ def advance_schedules(ppo, adv, episodes: int, train_policy: bool) -> tuple[floa
 
 def keep_step(ppo: PPORun, sr: StepRollout) -> None:
     """Phase 9's files after ppo.step steps: the sample table every cfg.sample_every steps (and at
-    the end; rank 0), a checkpoint every cfg.save_every (the end saves its own)."""
+    the end; rank 0), a checkpoint every cfg.save_every (the end saves its own).
+
+    The sample table, samples/step_N.jsonl: the step's first 4 episodes, each its prompt, the
+    policy's response, its raw score, its KL to the reference, its length and why it ended."""
     cfg, done = ppo.cfg, ppo.step
     if ppo.dist.is_main and cfg.sample_every > 0 and (done % cfg.sample_every == 0 or done == cfg.steps):
-        write_samples(ppo.out / "samples" / f"step_{done}.jsonl", ppo.tokenizer, sr.ro, sr.raw_score, sr.adv.kl_seq)
+        ro, n = sr.ro, 4
+        texts = decode_responses(ppo.tokenizer, ro.response_ids[:n], ro.mask[:n])
+        rows = [{"prompt": ro.prompts[i], "response": text, "score": round(float(sr.raw_score[i]), 4),
+                 "kl": round(float(sr.adv.kl_seq[i]), 4), "tokens": int(ro.lengths[i]),
+                 "finish_reason": "eos" if bool(ro.eos[i]) else "length"} for i, text in enumerate(texts)]
+        (ppo.out / "samples").mkdir(exist_ok=True)
+        write_jsonl(ppo.out / "samples" / f"step_{done}.jsonl", rows)
     if cfg.save_every > 0 and done % cfg.save_every == 0 and done < cfg.steps:
         save_checkpoint(ppo)  # every rank (a sharded model is gathered), rank 0 writes
 
@@ -321,24 +336,23 @@ def main_rloo(argv: list[str] | None = None) -> int:
     return main(argv, stage="rloo")
 
 
+def print_summary(report: dict) -> None:
+    """A finished run's policy folder and its last step's score and KL."""
+    print(f"done: policy saved in {report['policy']}; last score "
+          f"{report.get('objective/score', float('nan')):.3f}, KL {report.get('objective/kl', float('nan')):.3f}")
+
+
 def main(argv: list[str] | None = None, stage: str = "ppo") -> int:
     args = build_parser(stage).parse_args(argv)
     cfg, model_cfg = from_args(PPOConfig, args), from_args(ModelConfig, args)
     open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
-    try:
+
+    def body() -> dict:
         metrics = train(cfg, model_cfg, prompts=args.prompts, reward=args.reward, out_dir=args.out,
                         policy=args.policy, critic_init=args.critic_init, resume=args.resume)
-    except Cancelled as exc:
-        print(f"{exc}; checkpoint saved in {Path(args.out) / CHECKPOINT} (continue with --resume)")
-        return 130
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}")
-        return 1
-    if not is_writer():  # rank 0 of N processes speaks for the run
-        return 0
-    print(f"done: policy saved in {Path(args.out) / 'policy'}; last score "
-          f"{metrics.get('objective/score', float('nan')):.3f}, KL {metrics.get('objective/kl', float('nan')):.3f}")
-    return 0
+        return {**metrics, "policy": str(Path(args.out) / "policy")}
+
+    return stage_main(body, print_summary)
 
 
 __all__ = ["train", "main", "main_rloo", "build_parser", "step_metrics"]

@@ -68,17 +68,17 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ModelConfig, RewardConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import Dist, full_state_dict, setup
-from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, Training, cancelled, claim, guarded, recover,
-                                run_steps, save_state, start_training, write_report, write_run_config)
+from pipeline.distributed import Dist, full_state_dict
+from pipeline.lifecycle import STATE_FILE, AfterTraining, Steps, Training, recover, save_state, stage_main
 from pipeline.losses import center_loss, group_mean, grouped_pairwise_loss, plackett_luce_loss, weighted_pairwise_loss
-from pipeline.models import load_scalar_model, pick_dtype, resolve_model_path
+from pipeline.models import load_scalar_model, resolve_model_path
 from pipeline.pairs_data import (encode_groups, encode_pairs, encode_rankings, group_pairs, group_weights, pair_weights,
                                   prompt_key, read_rankings, train_eval_data)
 from pipeline.reward_eval import evaluate, forward_groups, forward_pairs, forward_rankings, normalisation_stats
-from pipeline.rundir import append_metrics, is_writer, open_tracker
+from pipeline.rundir import open_tracker
 from pipeline.saving import save_scalar_model
 from pipeline.tracking import add_report_to
+from pipeline.trainer import DatasetTrainer, Finished, Loaded, train
 
 # --------------------------------------------------------------------------- helpers
 
@@ -121,27 +121,14 @@ def lm_head_weight(model, cache_dir: str) -> torch.Tensor:
 
 def train_reward(data: str, out: str, cfg: RewardConfig, model_cfg: ModelConfig, resume: bool = False,
                  init_from: str = "", on_step=None) -> dict:
-    """Train, evaluate, normalise and save. Returns the eval report (also in eval_report.json).
+    """Train, evaluate, normalise and save (RewardTrainer through pipeline/trainer.py). Returns the
+    eval report (also in eval_report.json), or {"state": "cancelled", ...} when a signal stopped it.
 
     on_step(step, metrics) is called after each optimiser step (tests use it to send signals).
     Under a launcher of N processes (pipeline/distributed.py) every rank calls this; each takes its
     share of every batch and rank 0 writes the run directory.
     """
-    out_dir = Path(out)
-    dist = setup(model_cfg.device)
-    if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1:
-        raise ValueError("batch_size, grad_accum and epochs must be at least 1")
-    if cfg.loss not in ("bt", "plackett-luce"):
-        raise ValueError(f"--loss {cfg.loss!r}: use 'bt' (Bradley-Terry on pairs) or 'plackett-luce' (whole rankings)")
-    # 0. Run directory (pipeline/lifecycle.py): a resume continues the run's own settings and warm start.
-    saved = claim(out_dir, resume=resume, data=data, results=("checkpoint", STATE_FILE, "eval_report.json"), dist=dist)
-    if saved:
-        cfg, init_from = RewardConfig(**saved["reward"]), saved.get("init_from", "")
-        model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
-    with guarded(out_dir, dist) as progress:
-        report = _train(data, out_dir, cfg, model_cfg, resume, init_from, on_step, progress, dist)
-        dist.close()
-        return report
+    return train(RewardTrainer, data, out, cfg, model_cfg, start=init_from, resume=resume, on_step=on_step)
 
 
 def pair_loss(cfg: RewardConfig, wrapped, items: list, weights: list[float] | None, *, pad_id: int, device,
@@ -288,110 +275,100 @@ def shares_prompt(cfg: RewardConfig, model_cfg: ModelConfig, dist: Dist) -> bool
     return cfg.share_prompt and not model_cfg.gradient_checkpointing and not dist.sharded
 
 
-def _evaluate(model, eval_items: list, pad_id: int, cfg: RewardConfig, after: AfterTraining, device, dtype,
-              dist) -> tuple[dict, list]:
-    """Phase 6: the held-out pairs' report (pipeline/reward_eval.py) and its calibration table apart.
-    dist None: every process scores every pair (sharded models: the same passes on every rank)."""
-    report = evaluate(model, eval_items, pad_id, device, dtype, 2 * cfg.batch_size, cfg.share_prompt, dist,
-                      on_progress=after.on_progress("evaluating", "held-out pairs"))
-    return report, report.pop("calibration", [])
+class RewardTrainer(DatasetTrainer):
+    """train-reward's side of the driver (pipeline/trainer.py): pairs (or rankings) in, a reward
+    model out, evaluated on held-out pairs and normalised on samples of the reference policy."""
 
+    name, section, config, start_key = "train-reward", "reward", RewardConfig, "init_from"
+    results = ("checkpoint", STATE_FILE, "eval_report.json")
+    desc, shown = "reward model", ("train/accuracy", "acc")
 
-def _normalise(model, train_pairs: list, cfg: RewardConfig, model_cfg: ModelConfig, after: AfterTraining, amp,
-               dist) -> dict | None:
-    """Phase 7: the reward's mean and std on samples of the reference policy for the training
-    prompts (pipeline/reward_eval.py), set on the model (the checkpoint stores them); None, and
-    the model left unnormalised, with cfg.norm_samples 0."""
-    if cfg.norm_samples <= 0:
-        return None
-    norm = normalisation_stats(model, train_pairs, cfg, model_cfg, amp, dist=dist,
-                               on_progress=after.on_progress("normalising", "samples"))
-    model.reward_mean, model.reward_std = norm["reward_mean"], norm["reward_std"]
-    return norm
+    @staticmethod
+    def check(cfg: RewardConfig) -> None:
+        if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1:
+            raise ValueError("batch_size, grad_accum and epochs must be at least 1")
+        if cfg.loss not in ("bt", "plackett-luce"):
+            raise ValueError(f"--loss {cfg.loss!r}: use 'bt' (Bradley-Terry on pairs) or 'plackett-luce' "
+                             "(whole rankings)")
 
+    def load(self) -> Loaded:
+        run, cfg, model_cfg = self.run, self.run.cfg, self.run.model_cfg
+        # Full fine-tuning keeps fp32 master weights and runs bf16 under autocast; with LoRA the frozen
+        # base may sit in bf16 (models.py keeps the LoRA weights fp32).
+        load_cfg = ModelConfig(**{**vars(model_cfg), "dtype": "fp32" if not model_cfg.lora else model_cfg.dtype})
+        # 1. Data: read, drop identical pairs; held-out pairs from --eval-data, the snapshot's 'test'
+        #    split, or eval_fraction of the prompts.
+        self.train_pairs, self.eval_pairs, data_report = train_eval_data(run.data, cfg.eval_data, cfg.eval_fraction,
+                                                                         cfg.seed)
+        #    Plackett-Luce trains on the rankings of the training pairs' prompts instead (the held-out
+        #    pairs stay the evaluation, so both losses are measured alike)
+        rankings = training_rankings(run.data, cfg, self.eval_pairs, data_report) if cfg.loss == "plackett-luce" \
+            else None
+        # 2. Model: a new reward head on the base model, a previous reward model (--init-from), or this
+        #    run's own checkpoint (--resume).
+        if run.resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
+            recover(run.out_dir / "checkpoint", run.dist)
+        source = str(run.out_dir / "checkpoint") if run.resume else (run.start or model_cfg.model)
+        self.model, self.tokenizer = load_scalar_model(source, "reward", load_cfg)
+        self.train_items, trunc_train = encode_rankings(rankings, self.tokenizer, cfg.max_length) \
+            if rankings is not None else encode_items(self.train_pairs, self.tokenizer, cfg, data_report, "train")
+        self.eval_items, trunc_eval = encode_items(self.eval_pairs, self.tokenizer, cfg, data_report, "eval")
+        self.ranked = rankings is not None
+        self.lm_weight = lm_head_weight(self.model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None  # unsharded
+        #    each training item's weight (groups, pairs; none for rankings); None: the plain loss
+        self.weights = None if self.ranked else group_weights(self.train_items, cfg.use_weights) if cfg.grouped \
+            else pair_weights(self.train_items, cfg.use_weights)
+        self.model.train()
+        return Loaded(model=self.model, lengths=[it.length for it in self.train_items],
+                      fields={"reward": to_dict(cfg), "model": to_dict(model_cfg), "init_from": run.start,
+                              "base_model": self.model.base_model},
+                      data_report=data_report, truncations=(trunc_train, trunc_eval),
+                      sequences=sequences(self.train_items) + sequences(self.eval_items), eval_data=cfg.eval_data)
 
-def _train(data, out_dir: Path, cfg: RewardConfig, model_cfg: ModelConfig, resume, init_from, on_step,
-           progress: dict, dist: Dist) -> dict:
-    device, dtype = dist.device, pick_dtype(model_cfg.dtype, dist.device)
-    if dtype == torch.float16:
-        raise ValueError("--dtype fp16: reward training here has no loss scaling; use bf16 (or fp32)")
-    # Full fine-tuning keeps fp32 master weights and runs bf16 under autocast; with LoRA the frozen
-    # base may sit in bf16 (models.py keeps the LoRA weights fp32).
-    load_cfg = ModelConfig(**{**vars(model_cfg), "dtype": "fp32" if not model_cfg.lora else model_cfg.dtype})
-    torch.manual_seed(cfg.seed)
+    def train_step(self, training: Training) -> Callable:
+        """One optimiser step = grad_accum micro-batches of batch_size items (groups, pairs with
+        --grouped false, rankings with plackett-luce): `reward_step`."""
+        return reward_step(self.run.cfg, training, self.train_items, self.weights,
+                           pad_id=self.tokenizer.pad_token_id,
+                           share_prompt=shares_prompt(self.run.cfg, self.run.model_cfg, self.run.dist),
+                           lm_weight=self.lm_weight)
 
-    # 1. Data: read, drop identical pairs; held-out pairs from --eval-data, the snapshot's 'test'
-    #    split, or eval_fraction of the prompts.
-    train_pairs, eval_pairs, data_report = train_eval_data(data, cfg.eval_data, cfg.eval_fraction, cfg.seed)
-    #    Plackett-Luce trains on the rankings of the training pairs' prompts instead (the held-out
-    #    pairs stay the evaluation, so both losses are measured alike)
-    train_rankings = training_rankings(data, cfg, eval_pairs, data_report) if cfg.loss == "plackett-luce" else None
-
-    # 2. Model: a new reward head on the base model, a previous reward model (--init-from), or this
-    #    run's own checkpoint (--resume).
-    if resume:  # a kill in the middle of a checkpoint write leaves the last good one to put back
-        recover(out_dir / "checkpoint", dist)
-    source = str(out_dir / "checkpoint") if resume else (init_from or model_cfg.model)
-    model, tokenizer = load_scalar_model(source, "reward", load_cfg)
-    train_items, trunc_train = encode_rankings(train_rankings, tokenizer, cfg.max_length) if train_rankings is not None \
-        else encode_items(train_pairs, tokenizer, cfg, data_report, "train")
-    eval_items, trunc_eval = encode_items(eval_pairs, tokenizer, cfg, data_report, "eval")
-    pad_id = tokenizer.pad_token_id
-    lm_weight = lm_head_weight(model, model_cfg.cache_dir) if cfg.lm_coef > 0 else None  # before any sharding
-    if not resume:
-        write_run_config(out_dir, {"reward": to_dict(cfg), "model": to_dict(model_cfg), "init_from": init_from,
-                                   "base_model": model.base_model},
-                         data=data, eval_data=cfg.eval_data, data_report=data_report, dist=dist)
-
-    # 3. Optimiser and schedule (AdamW, linear decay to 0 as TRL's default), restored on --resume.
-    training = start_training(model, len(train_items), cfg, out_dir, resume, dist, dtype)
-    total = training.schedule.total
-
-    def save(step: int, norm: dict | None = None) -> None:  # every rank calls it, rank 0 writes
-        whole = full_state_dict(model) if dist.sharded else None  # every rank takes part in gathering
+    def save(self, training: Training, step: int, norm: dict | None = None) -> None:
+        """checkpoint/ (save_scalar_model: adapter or weights, head, the normalisation once `norm`
+        is set) and trainer_state.pt."""
+        dist = self.run.dist
+        whole = full_state_dict(self.model) if dist.sharded else None  # every rank takes part in gathering
         state = training.state(step, normalised=norm is not None)
         if dist.is_main:
-            save_scalar_model(model, tokenizer, out_dir / "checkpoint", state_dict=whole)
-        save_state(out_dir, state, dist)
+            save_scalar_model(self.model, self.tokenizer, self.run.out_dir / "checkpoint", state_dict=whole)
+        save_state(self.run.out_dir, state, dist)
 
-    # 4. Training loop: one optimiser step = grad_accum micro-batches of batch_size items (groups,
-    #    pairs with --grouped false, rankings with plackett-luce).
-    weights = None if train_rankings is not None else group_weights(train_items, cfg.use_weights) if cfg.grouped \
-        else pair_weights(train_items, cfg.use_weights)  # None: the plain loss
-    model.train()
-    train_step = reward_step(cfg, training, train_items, weights, pad_id=pad_id,
-                             share_prompt=shares_prompt(cfg, model_cfg, dist), lm_weight=lm_weight)
-    done = run_steps(out_dir, cfg, StepLoop(training, [it.length for it in train_items], train_step, save,
-                                            desc="reward model", shown=("train/accuracy", "acc"), on_step=on_step),
-                     progress)
-
-    # 5. Interrupted: save what we have (usable, unnormalised) and leave.
-    if done.stopped:
-        return cancelled(out_dir, done, total, save, dist)
-
-    # 6-8. The trained weights saved first (a stop from here on loses no training: --resume runs only
-    #      these phases again), then the held-out evaluation (accuracy, margin, calibration, length
-    #      baseline), the reward normalisation on reference-policy samples, and the final checkpoint.
-    # sharded: every rank scores every pair (the same forward passes on all ranks, as the gathers need)
-    shared = None if dist.sharded else dist
-    with AfterTraining(out_dir, done, total, save, dist) as after:
-        report, calib = _evaluate(model, eval_items, pad_id, cfg, after, device, dtype, shared)
-        norm = _normalise(model, train_pairs, cfg, model_cfg, after, training.amp, shared)
+    def finish(self, training: Training, done: Steps, after: AfterTraining) -> Finished:
+        """The held-out evaluation (accuracy, margin, calibration, length baseline), the reward
+        normalisation on reference-policy samples (pipeline/reward_eval.py), and the final checkpoint."""
+        cfg, dist = self.run.cfg, self.run.dist
+        # sharded: every rank scores every pair (the same forward passes on all ranks, as the gathers need)
+        shared = None if dist.sharded else dist
+        report = evaluate(self.model, self.eval_items, self.tokenizer.pad_token_id, dist.device, self.run.dtype,
+                          2 * cfg.batch_size, cfg.share_prompt, shared,
+                          on_progress=after.on_progress("evaluating", "held-out pairs"))
+        calibration = report.pop("calibration", [])
+        norm = None
+        if cfg.norm_samples > 0:  # the model's reward mean and std, stored in its checkpoint
+            norm = normalisation_stats(self.model, self.train_pairs, cfg, self.run.model_cfg, training.amp,
+                                       dist=shared, on_progress=after.on_progress("normalising", "samples"))
+            self.model.reward_mean, self.model.reward_std = norm["reward_mean"], norm["reward_std"]
         after.check()
-        save(done.step, norm)
-        dist.barrier()
-    if after.result:
-        return after.result
-    logged = {**report, **({"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]} if norm else {})}
-    if logged:
-        append_metrics(out_dir, done.step, logged)
-    own = {**report, "calibration": calib, "normalisation": norm, "checkpoint": str(out_dir / "checkpoint"),
-           "train/pairs": len(train_pairs), "train/weighted": weights is not None,
-           **({"train/rankings": len(train_items)} if train_rankings is not None else {}),
-           "train/prompts": len({str(p.prompt) for p in train_pairs}),
-           "eval/prompts": len({str(p.prompt) for p in eval_pairs})}
-    return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),
-                        sequences(train_items) + sequences(eval_items))
+        self.save(training, done.step, norm)
+        logged = {**report, **({"norm/reward_mean": norm["reward_mean"], "norm/reward_std": norm["reward_std"]}
+                               if norm else {})}
+        own = {**report, "calibration": calibration, "normalisation": norm,
+               "checkpoint": str(self.run.out_dir / "checkpoint"), "train/pairs": len(self.train_pairs),
+               "train/weighted": self.weights is not None,
+               **({"train/rankings": len(self.train_items)} if self.ranked else {}),
+               "train/prompts": len({str(p.prompt) for p in self.train_pairs}),
+               "eval/prompts": len({str(p.prompt) for p in self.eval_pairs})}
+        return Finished(logged, own)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -411,9 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_summary(report: dict) -> None:
-    if report.get("state") == "cancelled":
-        print(f"cancelled at step {report['step']}/{report['total']}: checkpoint saved; --resume continues")
-        return
+    """A finished run's held-out figures, calibration table, truncation counts and checkpoint."""
     if "eval/accuracy" in report:
         print(f"held-out accuracy {report['eval/accuracy']:.3f} on {report['eval/pairs']} pairs "
               f"(longer-response baseline {report['eval/length_baseline_accuracy']:.3f}), "
@@ -432,14 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg, model_cfg = from_args(RewardConfig, args), from_args(ModelConfig, args)
     open_tracker(args.out, args.report_to)  # metrics.jsonl's lines also as TensorBoard events
-    try:
-        report = train_reward(args.data, args.out, cfg, model_cfg, resume=args.resume, init_from=args.init_from)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if is_writer():  # rank 0 of N processes speaks for the run
-        print_summary(report)
-    return 130 if report.get("state") == "cancelled" else 0
+    return stage_main(lambda: train_reward(args.data, args.out, cfg, model_cfg, resume=args.resume,
+                                           init_from=args.init_from), print_summary)
 
 
 if __name__ == "__main__":

@@ -40,19 +40,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from formats.hashing import snapshot_sha256
 from formats.rows import RowsError, read_rows
 from pipeline.config import ModelConfig, SFTConfig, add_arguments, from_args, to_dict
-from pipeline.distributed import setup
-from pipeline.models import checkpointing, pick_dtype
-from pipeline.policy import causal_lm_logits, load_policy_weights, load_starting_policy
+from pipeline.lifecycle import AfterTraining, Steps, Training, stage_main
+from pipeline.models import checkpointing
 from pipeline.pairs_data import EncodeReport
-from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, Training, cancelled, claim, guarded, recover,
-                                run_steps, save_state, start_training, write_report, write_run_config)
-from pipeline.rundir import append_metrics, is_writer, open_tracker, write_status
-from pipeline.saving import save_whole_policy
+from pipeline.policy import causal_lm_logits
+from pipeline.rundir import open_tracker
 from pipeline.text import encode_response, prompt_token_ids
 from pipeline.tracking import add_report_to
+from pipeline.trainer import Finished, Loaded, PolicyTrainer, train
 
 
 @dataclass(frozen=True)
@@ -136,24 +133,10 @@ def answer_loss(model, items: list[tuple[list[int], int]], pad_id: int, device) 
 
 def train_sft(data: str, out: str, cfg: SFTConfig, model_cfg: ModelConfig, policy: str = "",
               resume: bool = False) -> dict:
-    """Train on the demonstrations, evaluate the held-out ones and save; returns the report (also in
-    eval_report.json), or {"state": "cancelled", ...} when a signal stopped the run."""
-    out_dir = Path(out)
-    if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1 or cfg.max_steps < 0 or cfg.max_length < 2:
-        raise ValueError("--batch-size, --grad-accum and --epochs must be at least 1, --max-steps >= 0, "
-                         "--max-length >= 2")
-    dist = setup(model_cfg.device)
-    if dist.sharded:
-        raise ValueError("sft runs under DDP (configs/accelerate/ddp.yaml), not FSDP")
-    saved = claim(out_dir, resume=resume, data=data, results=("checkpoint", STATE_FILE, "policy", "eval_report.json"),
-                  dist=dist)
-    if saved:
-        cfg, policy = SFTConfig(**saved["sft"]), saved["policy"]
-        model_cfg = ModelConfig(**{**saved["model"], "device": model_cfg.device, "dtype": model_cfg.dtype})
-    with guarded(out_dir, dist) as progress:
-        report = _train(data, out_dir, cfg, model_cfg, policy, resume, progress, dist)
-        dist.close()
-        return report
+    """Train on the demonstrations, evaluate the held-out ones and save (SFTTrainer through
+    pipeline/trainer.py); returns the report (also in eval_report.json), or {"state": "cancelled",
+    ...} when a signal stopped the run."""
+    return train(SFTTrainer, data, out, cfg, model_cfg, start=policy, resume=resume)
 
 
 def sft_step(training: Training, items: list[tuple[list[int], int]], pad_id: int) -> Callable:
@@ -186,61 +169,58 @@ def sft_step(training: Training, items: list[tuple[list[int], int]], pad_id: int
     return train_step
 
 
-def _train(data, out_dir: Path, cfg: SFTConfig, model_cfg: ModelConfig, policy: str, resume: bool, progress: dict,
-           dist) -> dict:
-    device = dist.device
-    dtype = pick_dtype(model_cfg.dtype, device)
-    if dtype == torch.float16:
-        raise ValueError("--dtype fp16: sft has no loss scaling; use bf16 (or fp32)")
-    torch.manual_seed(cfg.seed)
-    demos = read_demonstrations(data)
-    model, tokenizer, parent = load_starting_policy(policy, model_cfg, device, dtype)
-    if resume:
-        recover(out_dir / "checkpoint", dist)
-        load_policy_weights(model, out_dir / "checkpoint")
-    train_items, trunc_train = encode([d for d in demos if not d.held_out], tokenizer, cfg.max_length)
-    eval_items, trunc_eval = encode([d for d in demos if d.held_out], tokenizer, cfg.max_length)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model.train(checkpointing(model))
-    data_report = {"demonstrations": len(demos), "train": len(train_items), "held_out": len(eval_items)}
-    if not resume:
-        write_run_config(out_dir, {"stage": "sft", "sft": to_dict(cfg), "model": to_dict(model_cfg), "policy": policy,
-                                   "parent": parent, "base_model": model.rlhf_meta["base_model"]},
-                         data=data, eval_data="", data_report=data_report, dist=dist)
-    training = start_training(model, len(train_items), cfg, out_dir, resume, dist, dtype)
-    total = training.schedule.total
+class SFTTrainer(PolicyTrainer):
+    """sft's side of the driver (pipeline/trainer.py): demonstrations in, the policy trained on the
+    answers' tokens, its loss measured on the training and held-out demonstrations."""
 
-    def save(step: int) -> None:
-        save_whole_policy(model, tokenizer, out_dir / "checkpoint", dist)
-        save_state(out_dir, training.state(step), dist)
+    name, section, config = "sft", "sft", SFTConfig
+    desc, shown = "sft", ("train/token_accuracy", "acc")
 
-    lengths = [len(ids) for ids, _ in train_items]
-    done = run_steps(out_dir, cfg, StepLoop(training, lengths, sft_step(training, train_items, pad_id), save,
-                                            desc="sft", shown=("train/token_accuracy", "acc")), progress)
-    if done.stopped:
-        return cancelled(out_dir, done, total, save, dist)
+    @staticmethod
+    def check(cfg: SFTConfig) -> None:
+        if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.epochs < 1 or cfg.max_steps < 0 or cfg.max_length < 2:
+            raise ValueError("--batch-size, --grad-accum and --epochs must be at least 1, --max-steps >= 0, "
+                             "--max-length >= 2")
 
-    # The trained weights saved first (a stop from here on loses no training: --resume runs only what
-    # follows again), then the losses on the training and held-out demonstrations, the checkpoint
-    # and the policy with its lineage.
-    with AfterTraining(out_dir, done, total, save, dist) as after:
+    @staticmethod
+    def check_run(cfg: SFTConfig, model_cfg: ModelConfig, dist, resume: bool) -> None:
+        if dist.sharded:
+            raise ValueError("sft runs under DDP (configs/accelerate/ddp.yaml), not FSDP")
+
+    def load(self) -> Loaded:
+        run, cfg = self.run, self.run.cfg
+        demos = read_demonstrations(run.data)
+        self.start_policy()
+        if run.resume:
+            self.restore_policy()
+        self.train_items, trunc_train = encode([d for d in demos if not d.held_out], self.tokenizer, cfg.max_length)
+        self.eval_items, trunc_eval = encode([d for d in demos if d.held_out], self.tokenizer, cfg.max_length)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+            else self.tokenizer.eos_token_id
+        self.model.train(checkpointing(self.model))
+        return Loaded(model=self.model, lengths=[len(ids) for ids, _ in self.train_items],
+                      fields={"stage": "sft", "sft": to_dict(cfg), "model": to_dict(run.model_cfg),
+                              "policy": run.start, "parent": self.parent,
+                              "base_model": self.model.rlhf_meta["base_model"]},
+                      data_report={"demonstrations": len(demos), "train": len(self.train_items),
+                                   "held_out": len(self.eval_items)},
+                      truncations=(trunc_train, trunc_eval), sequences=len(self.train_items) + len(self.eval_items))
+
+    def train_step(self, training: Training) -> Callable:
+        return sft_step(training, self.train_items, self.pad_id)
+
+    def finish(self, training: Training, done: Steps, after: AfterTraining) -> Finished:
+        """The losses on the training and held-out demonstrations, the checkpoint and the policy
+        with its lineage."""
+        after.phase("evaluating")
+        batch_size, device = self.run.cfg.batch_size, self.run.dist.device
+        report = {**_evaluate(self.model, self.train_items, self.pad_id, device, training.amp, batch_size, "train"),
+                  **_evaluate(self.model, self.eval_items, self.pad_id, device, training.amp, batch_size, "eval")}
         after.check()
-        write_status(out_dir, "running", done.step, total, phase="evaluating")
-        report = {**_evaluate(model, train_items, pad_id, device, training.amp, cfg.batch_size, "train"),
-                  **_evaluate(model, eval_items, pad_id, device, training.amp, cfg.batch_size, "eval")}
-        after.check()
-        model.rlhf_meta = {**model.rlhf_meta, "parent": parent, "method": "sft", "data": str(data),
-                           "data_sha256": snapshot_sha256(data), "run": str(out_dir.resolve()), "steps": done.step}
-        save(done.step)
-        save_whole_policy(model, tokenizer, out_dir / "policy", dist)
-        dist.barrier()
-    if after.result:
-        return after.result
-    append_metrics(out_dir, done.step, report)
-    own = {**report, "policy": str(out_dir / "policy"), "train/demonstrations": len(train_items),
-           "eval/demonstrations": len(eval_items)}
-    return write_report(out_dir, own, done, total, data_report, cfg.max_length, (trunc_train, trunc_eval),
-                        len(train_items) + len(eval_items))
+        self.save_policy(training, done, method="sft")
+        own = {**report, "policy": str(self.run.out_dir / "policy"), "train/demonstrations": len(self.train_items),
+               "eval/demonstrations": len(self.eval_items)}
+        return Finished(report, own)
 
 
 @torch.no_grad()
@@ -277,25 +257,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg, model_cfg = from_args(SFTConfig, args), from_args(ModelConfig, args)
-    open_tracker(args.out, args.report_to)
-    try:
-        report = train_sft(args.data, args.out, cfg, model_cfg, policy=args.policy, resume=args.resume)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not is_writer():
-        return 0
-    if report.get("state") == "cancelled":
-        print(f"cancelled at step {report['step']}/{report['total']}: checkpoint saved; --resume continues")
-        return 130
+def print_summary(report: dict) -> None:
+    """A finished run's answer loss and policy folder."""
     print(f"answer loss {report['train/loss']:.3f} per token on the {report['train/demonstrations']} training "
           "demonstrations" + (f", {report['eval/loss']:.3f} on the {report['eval/demonstrations']} held out"
                               if "eval/loss" in report else ""))
     print(f"policy: {report['policy']}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg, model_cfg = from_args(SFTConfig, args), from_args(ModelConfig, args)
+    open_tracker(args.out, args.report_to)
+    return stage_main(lambda: train_sft(args.data, args.out, cfg, model_cfg, policy=args.policy, resume=args.resume),
+                      print_summary)
 
 
 if __name__ == "__main__":

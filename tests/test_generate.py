@@ -1,4 +1,5 @@
-"""pipeline/generate.py: prompts -> tokens, the sampling loop, K responses per prompt, the CLI."""
+"""pipeline/generate.py and pipeline/responses.py: prompts -> tokens, the sampling loop, K responses
+per prompt, the CLI."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 
 from pipeline.__main__ import main as cli
 from pipeline.config import GenerateConfig
-from pipeline.generate import generate_responses
 from pipeline.policy import causal_lm_logits, load_policy
+from pipeline.responses import generate_responses
 from pipeline.sampling import Decoding, _filter_logits, _sample_categorical, sample
 from pipeline.text import SYSTEM_PROMPT, encode_prompts, prompt_token_ids, to_messages
 from tests.tiny import build_tiny_model, build_tiny_tokenizer

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.orchestrate.jobs import JobRunner
+from pipeline.orchestrate.jobs import OWNER_ENV, JobRunner
 from pipeline.oracle import make_oracle
 from pipeline.orchestrate.loop import (RoundFailed, fail, finish_round, generation_stopped, make_runner,
                                        recover_rounds, resume_generation, start_round, wait_round)
@@ -178,6 +178,21 @@ def test_cancel_stops_a_job_gracefully_and_a_queued_one_never_starts(store, tiny
     assert (Path(run.run_dir) / "checkpoint" / "model_meta.json").is_file()
     assert store.list_model_versions("reward") == []
     runner.shutdown()
+
+
+def test_a_job_stops_itself_once_the_owner_it_was_given_is_gone():
+    """The pid the runner puts in a job's environment (OWNER_ENV) is the one the CLI watches: when
+    that process is gone the job sends itself SIGTERM."""
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    job = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom pipeline.__main__ import watch_owner\nwatch_owner(0.05)\ntime.sleep(60)"],
+        cwd=ROOT, env={**os.environ, OWNER_ENV: str(owner.pid)}, stderr=subprocess.PIPE, text=True)
+    try:
+        owner.wait(timeout=30)
+        assert job.wait(timeout=30) == -signal.SIGTERM
+        assert f"the owner process {owner.pid} is gone" in job.stderr.read()
+    finally:
+        job.kill()
 
 
 OWNER = textwrap.dedent("""

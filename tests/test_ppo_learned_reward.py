@@ -30,10 +30,10 @@ import pytest
 import torch
 
 from pipeline.config import DPOConfig, GenerateConfig, ModelConfig, PPOConfig, RewardConfig
-from pipeline.generate import generate_responses
 from pipeline.models import attn_ratio, load_scalar_model
 from pipeline.packing import pack_responses
 from pipeline.policy import load_policy
+from pipeline.responses import generate_responses
 from pipeline.rollout import critic_values
 from pipeline.sampling import sample
 from pipeline.scoring import load_reward_model, packed_score, score_texts

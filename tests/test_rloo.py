@@ -123,11 +123,11 @@ def test_cli_rloo_stage_and_its_errors(tmp_path, prompts_file, tiny_model_dir, c
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert config["ppo"]["advantage_estimator"] == "rloo" and not (tmp_path / "cli" / "checkpoint" / "critic").exists()
     assert "done: policy saved" in capsys.readouterr().out
-    assert pipeline_main(["rloo", *common, "--out", str(tmp_path / "k1"), "--samples-per-prompt", "1"]) == 1
-    assert "--samples-per-prompt must be >= 2" in capsys.readouterr().out
-    assert pipeline_main(["rloo", *common, "--out", str(tmp_path / "k3"), "--samples-per-prompt", "3"]) == 1
-    assert "multiple of --samples-per-prompt 3" in capsys.readouterr().out
-    assert pipeline_main(["rloo", *common, "--out", str(tmp_path / "w"), "--steps", "2", "--critic-warmup-steps", "1"]) == 1
-    assert "no critic to warm up" in capsys.readouterr().out
-    assert pipeline_main(["ppo", *common, "--out", str(tmp_path / "x"), "--advantage-estimator", "reinforce"]) == 1
-    assert "'gae', 'rloo' or 'grpo'" in capsys.readouterr().out
+    assert pipeline_main(["rloo", *common, "--out", str(tmp_path / "k1"), "--samples-per-prompt", "1"]) == 2
+    assert "--samples-per-prompt must be >= 2" in capsys.readouterr().err
+    assert pipeline_main(["rloo", *common, "--out", str(tmp_path / "k3"), "--samples-per-prompt", "3"]) == 2
+    assert "multiple of --samples-per-prompt 3" in capsys.readouterr().err
+    assert pipeline_main(["rloo", *common, "--out", str(tmp_path / "w"), "--steps", "2", "--critic-warmup-steps", "1"]) == 2
+    assert "no critic to warm up" in capsys.readouterr().err
+    assert pipeline_main(["ppo", *common, "--out", str(tmp_path / "x"), "--advantage-estimator", "reinforce"]) == 2
+    assert "'gae', 'rloo' or 'grpo'" in capsys.readouterr().err

@@ -478,6 +478,15 @@ def test_cli_with_reward_model_ptx_and_sample_table(tmp_path, ppo_model_cfg, pro
         assert "ptx/loss" in r and "policy/entropy" in r
     samples = [json.loads(line) for line in (out / "samples" / "step_2.jsonl").read_text().splitlines()]
     assert samples and {"prompt", "response", "score", "kl", "finish_reason"} <= set(samples[0])
+    # the table's format: a step's first 4 episodes, these fields only, written whole (no leftover file)
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
+    prompts = {json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()}
+    assert len(samples) == 4
+    for row in samples:
+        assert set(row) == {"prompt", "response", "score", "kl", "tokens", "finish_reason"}
+        assert row["prompt"] in prompts and isinstance(row["response"], str)
+        assert 1 <= row["tokens"] <= 8 and row["finish_reason"] in ("eos", "length")
+        assert row["score"] == round(row["score"], 4) and row["kl"] == round(row["kl"], 4)
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "done" and status["step"] == 2 and status["progress"] == 1.0
     meta = json.loads((out / "policy" / "model_meta.json").read_text())
@@ -499,18 +508,50 @@ def test_cli_full_fine_tuning_takes_its_own_learning_rates_unless_given(tmp_path
 
 def test_cli_rejects_bad_input_with_clear_errors(tmp_path, prompts_file, tiny_model_dir, capsys):
     common = ["--policy", str(tiny_model_dir), "--device", "cpu", "--out", str(tmp_path / "bad")]
-    assert main(common + ["--reward", "script:length", "--prompts", str(tmp_path / "missing.jsonl")]) == 1
-    assert "missing.jsonl" in capsys.readouterr().out
-    assert main(common + ["--reward", "script:length", "--prompts", str(prompts_file), "--batch-size", "6"]) == 1
-    assert "multiple of --mini-batch-size" in capsys.readouterr().out
-    assert main(common + ["--reward", "nope/rm", "--prompts", str(prompts_file)]) == 1
-    assert "nope/rm" in capsys.readouterr().out
+    assert main(common + ["--reward", "script:length", "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert main(common + ["--reward", "script:length", "--prompts", str(prompts_file), "--batch-size", "6"]) == 2
+    assert "multiple of --mini-batch-size" in capsys.readouterr().err
+    assert main(common + ["--reward", "nope/rm", "--prompts", str(prompts_file)]) == 2
+    assert "nope/rm" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
-    assert main(common + ["--reward", "script:length", "--prompts", str(bad)]) == 1
-    assert "line 2" in capsys.readouterr().out
+    assert main(common + ["--reward", "script:length", "--prompts", str(bad)]) == 2
+    assert "line 2" in capsys.readouterr().err
     status = json.loads((tmp_path / "bad" / "status.json").read_text())
     assert status["state"] == "failed" and "line 2" in status["error"]
+
+
+def test_cli_resume_with_other_prompts_reward_model_or_options_is_refused_naming_it(
+        tmp_path, ppo_model_cfg, prompts_file, tiny_model_dir, capsys):
+    """`ppo --resume` continues the run its checkpoint started or none: other prompts, another
+    reward model or another option is refused before anything loads (exit code 2, the run left as
+    it was) with a message naming what changed; the run's own inputs with a larger --steps go on."""
+    rm, tok = load_scalar_model(str(tiny_model_dir), kind="reward", cfg=ppo_model_cfg)
+    rm_dir, other_rm = save_scalar_model(rm, tok, tmp_path / "rm"), save_scalar_model(rm, tok, tmp_path / "rm-2")
+    other_prompts = tmp_path / "other.jsonl"
+    other_prompts.write_text("".join(json.dumps({"prompt": p + " Briefly."}) + "\n" for p in PPO_PROMPTS))
+    out = tmp_path / "run"
+    common = ["--policy", str(tiny_model_dir), "--out", str(out), "--batch-size", "4", "--mini-batch-size", "4",
+              "--micro-batch-size", "4", "--max-new-tokens", "4", "--device", "cpu", "--lora-r", "4",
+              "--lora-alpha", "8", "--report-to", "none"]
+    own = ["--reward", str(rm_dir), "--prompts", str(prompts_file)]
+    assert main(common + own + ["--steps", "1"]) == 0
+    capsys.readouterr()
+    state, metrics = (out / "checkpoint" / "trainer_state.pt").read_bytes(), (out / "metrics.jsonl").read_text()
+    refused = [(["--reward", str(rm_dir), "--prompts", str(other_prompts)], "prompts_sha256"),
+               (["--reward", str(other_rm), "--prompts", str(prompts_file)], "reward_model"),
+               (own + ["--lr", "0.005"], "ppo_options.lr"),
+               (own + ["--kl-control", "x1.5"], "ppo_options.kl_control")]
+    for changed, named in refused:
+        assert main(common + changed + ["--steps", "2", "--resume"]) == 2, named
+        err = capsys.readouterr().err
+        assert named in err and err.startswith("error: "), err
+        assert (out / "checkpoint" / "trainer_state.pt").read_bytes() == state
+        assert (out / "metrics.jsonl").read_text() == metrics
+        assert json.loads((out / "status.json").read_text())["state"] == "done"
+    assert main(common + own + ["--steps", "2", "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 @pytest.mark.slow

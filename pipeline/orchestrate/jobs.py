@@ -18,10 +18,11 @@ under `torchrun` or `accelerate launch`): it reads files, writes only its run di
      the round state machine (loop.py) uses to start the next step.
 
 On start the runner recovers what a previous owner left: a run still 'running' is over (its job
-stops by itself when its owner dies, see `OWNER_ENV`; a survivor is terminated here). A trainer
-(RESUMABLE) saves its state when it is stopped, and every `save_every` steps: a run that left one
-goes back to the queue and continues from it (`--resume`), so a restart of the app during a long
-training loses at most the steps since its last save; any other is marked failed "interrupted".
+stops by itself when its owner dies, see pipeline/rundir.py `OWNER_ENV`; a survivor is terminated
+here). A trainer (RESUMABLE) saves its state when it is stopped, and every `save_every` steps: a
+run that left one goes back to the queue and continues from it (`--resume`), so a restart of the
+app during a long training loses at most the steps since its last save; any other is marked failed
+"interrupted".
 Queued runs stay queued and start in order.
 """
 
@@ -40,12 +41,9 @@ from typing import Callable
 
 from pipeline.orchestrate import ingest
 from pipeline.orchestrate.warm import WarmProcess, alive, shared_warm
-from pipeline.rundir import MetricsTail, read_status, saved_state
+from pipeline.rundir import OWNER_ENV, MetricsTail, read_status, saved_state
 
 DEFAULT_LAUNCHER = (sys.executable, "-m", "pipeline")
-OWNER_ENV = "RLHF_LOOP_OWNER_PID"
-"""Set in every job's environment: the pid of the process that owns the store. A job whose owner
-has died stops itself (pipeline/__main__.py), so a killed app leaves no job running unseen."""
 INTERRUPTED = "interrupted: the process that owned the job stopped before it finished"
 RESUMABLE = ("train-reward", "train-dpo", "sft", "ppo", "rloo")
 """Job kinds whose trainer continues a stopped run of its own with --resume (pipeline/lifecycle.py)."""
