@@ -23,6 +23,8 @@ from annotate import render
 from annotate.context import AppContext, admin, user
 from annotate.handlers import Submission, ranking_in
 from annotate.state import ChatState, Showing
+from pipeline.orchestrate.chat import ChatError
+from pipeline.orchestrate.steps import LoopSettings, ensure_base_policy
 from store.errors import StoreError
 from store.records import Annotator
 
@@ -106,8 +108,6 @@ def send(ctx: AppContext, state: ChatState | None, message: str, request: gr.Req
     account = user(ctx, request)
     state = state if isinstance(state, ChatState) else _resumed(ctx, account)
     text = _sendable(ctx, state, message)
-    from pipeline.orchestrate.chat import ChatError  # no torch: the app process may import it
-
     messages = [*state.messages, {"role": "user", "content": text}]
     version = _replying_version(ctx)
     try:
@@ -156,8 +156,6 @@ def _replying_version(ctx: AppContext) -> int:
         name = f"chat:{outside.model or outside.root}"
         found = ctx.store.find_model_version(name)
         return (found or ctx.store.register_model_version("external", name, meta={"url": outside.root})).id
-    from pipeline.orchestrate.steps import LoopSettings, ensure_base_policy
-
     settings = ctx.train_settings or LoopSettings()
     return ensure_base_policy(ctx.store, settings.model).id
 

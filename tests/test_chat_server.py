@@ -223,3 +223,26 @@ def test_a_closed_service_starts_no_sampler(ctx):
     with pytest.raises(ChatUnavailable, match="shut down"):
         ctx.chat.replies(1, HELLO, 2)
     assert not (ctx.chat.runs_dir / "chat").exists()
+
+
+def test_an_outside_server_is_asked_by_url_and_its_replies_stored_as_its_model(sampler, tmp_path):
+    """--chat-url: the same client against any OpenAI-compatible server (here the tiny sampler,
+    standing in for vLLM or llama.cpp's server); nothing is started, the replies name the server's
+    model as an external version."""
+    store = Store(tmp_path / "rlhf.duckdb")
+    store.add_annotator("ann", "password-ann")
+    service = ChatService(store, tmp_path / "runs", url=sampler.endpoint.root + "/v1", api_key=sampler.token,
+                          model=sampler.endpoint.model, generate=GEN, limits=LIMITS)
+    try:
+        ctx = AppContext(store=store, auth=True, data_dir=tmp_path / "data", chat=service)
+        state, *_ = chat.send(ctx, None, "How can I shop?", req("ann"))
+        item = state.showing.item
+        assert len(item.responses) == 4 and not (tmp_path / "runs").exists()
+        version = store.get_model_version(item.model_version_id)
+        assert version.kind == "external" and version.name == f"chat:{sampler.endpoint.model}"
+        wrong = ChatService(None, tmp_path / "runs", url=sampler.endpoint.root, api_key="wrong-key", limits=LIMITS)
+        with pytest.raises(ChatError, match="401"):
+            wrong.replies(1, HELLO, 2)
+    finally:
+        service.close()
+        store.close()

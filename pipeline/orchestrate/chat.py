@@ -54,6 +54,9 @@ from pipeline.rundir import OWNER_ENV, read_status
 
 TOKEN_ENV = "RLHF_LOOP_CHAT_TOKEN"
 """Where the chat-server reads its token (pipeline/chat_server.py TOKEN_ENV)."""
+API_KEY_ENV = "RLHF_LOOP_CHAT_API_KEY"
+"""Where the app reads an outside server's API key (app.py --chat-url): not on a command line,
+which every user of the machine can read, nor in the store, whose backups and exports travel."""
 RETRY_S = 0.25
 """The wait before a request the sampler refused as busy (429) is tried again."""
 
