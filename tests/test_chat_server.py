@@ -5,8 +5,10 @@ handlers (annotate/chat.py):
 - an OpenAI-shaped chat-completions request answered with n distinct replies, seeded;
 - refused without the token (401), over a length limit (400 naming the limit), and while another
   request runs on the model (429), or while the same annotator's is in flight (ChatBusy);
+- a new active policy loaded by the same process before the next request;
 - killed with SIGKILL: started again, and the annotator told so, nothing stored;
-- a request not answered in time (the sampler stopped with SIGSTOP) stores nothing.
+- a request not answered in time (the sampler stopped with SIGSTOP) stores nothing;
+- an outside OpenAI-compatible server asked by URL (app.py --chat-url), nothing started.
 
 Waits are on events the processes show (a status file, the sampler's CPU time), with generous
 timeouts, not on sleeps.
@@ -30,8 +32,10 @@ from annotate.context import AppContext
 from annotate.handlers import Submission
 from pipeline.config import ChatConfig, GenerateConfig, ModelConfig
 from pipeline.orchestrate.chat import ChatBusy, ChatError, ChatService, ChatTimeout, ChatUnavailable, LocalSampler
+from pipeline.rundir import read_status
 from store import Store
 from tests.helpers import req, tiny_settings, wait_for
+from tests.tiny import save_tiny_model_dir
 
 LOAD_S = 300.0
 """How long a sampler may take to start and load the tiny model on a loaded machine."""
@@ -216,6 +220,22 @@ def test_a_request_that_times_out_stores_nothing(ctx):
     ctx.chat.timeout_s = 120.0
     state, *_ = chat.send(ctx, state, "How can I shop?", req("ann"))
     assert not state.error and stored(ctx.store) == (1, 1, 4)
+
+
+def test_a_new_active_policy_is_served_from_the_next_request(ctx, tmp_path):
+    """The store's active policy changes (a round's new policy): the same sampler process loads
+    it before the next request (POST /admin/reload) and names it in its answers."""
+    ann = ctx.store.find_annotator("ann").id
+    first = ctx.store.register_model_version("policy", "base", base_model=str(ctx.chat.model_cfg.model))
+    ctx.store.set_active_policy(first.id)
+    ctx.chat.replies(ann, HELLO, 2)
+    process, served = ctx.chat.local.process, ctx.chat.local.endpoint.model
+    other = save_tiny_model_dir(tmp_path / "other_policy", seed=1)
+    ctx.store.set_active_policy(ctx.store.register_model_version("policy", "v1", base_model=str(other)).id)
+    assert len(ctx.chat.replies(ann, HELLO, 2)) == 2
+    assert ctx.chat.local.process is process and ctx.chat.restarts == 0  # reloaded, not restarted
+    assert ctx.chat.local.serving == ("", str(other)) and ctx.chat.local.endpoint.model != served
+    assert read_status(ctx.chat.local.run_dir)["model"] == ctx.chat.local.endpoint.model
 
 
 def test_a_closed_service_starts_no_sampler(ctx):
