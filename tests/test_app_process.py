@@ -147,6 +147,9 @@ def test_the_apps_chat_sampler_starts_at_the_first_message_and_stops_with_the_ap
         (sampler_dir,) = chat_dir.iterdir()
         sampler_pid = json.loads((sampler_dir / "status.json").read_text())["pid"]
         assert alive(sampler_pid)
+        # the model is in the sampler's process, not the app's
+        assert "libtorch" in Path(f"/proc/{sampler_pid}/maps").read_text()
+        assert "libtorch" not in Path(f"/proc/{app.pid}/maps").read_text()
     finally:
         app.send_signal(signal.SIGTERM)
         _, err = app.communicate(timeout=120)

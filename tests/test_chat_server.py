@@ -6,7 +6,8 @@ handlers (annotate/chat.py):
 - refused without the token (401), over a length limit (400 naming the limit), and while another
   request runs on the model (429), or while the same annotator's is in flight (ChatBusy);
 - a new active policy loaded by the same process before the next request;
-- killed with SIGKILL: started again, and the annotator told so, nothing stored;
+- killed with SIGKILL, between requests or while answering one: started again, and the annotator
+  told so, nothing stored; one that cannot start says why (its log), not that it restarted;
 - a request not answered in time (the sampler stopped with SIGSTOP) stores nothing;
 - an outside OpenAI-compatible server asked by URL (app.py --chat-url), nothing started.
 
@@ -16,6 +17,7 @@ timeouts, not on sleeps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -196,6 +198,31 @@ def test_a_killed_sampler_is_restarted_and_the_annotator_told(ctx):
     assert not state.error and state.turns == 2 and stored(ctx.store) == (1, 2, 8)
 
 
+def test_a_sampler_killed_while_answering_is_restarted_and_the_request_says_so(ctx):
+    ann = ctx.store.find_annotator("ann").id
+    ctx.chat.replies(ann, HELLO, 2)  # started and warm
+    process = psutil.Process(ctx.chat.local.process.pid)
+    cpu_before = sum(process.cpu_times()[:2])
+    ctx.chat.generate = dataclasses.replace(GEN, max_new_tokens=400)  # seconds of sampling
+    failed = []
+
+    def ask():
+        try:
+            ctx.chat.replies(ann, HELLO, 16)
+        except ChatUnavailable as exc:
+            failed.append(exc)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    wait_for(lambda: sum(process.cpu_times()[:2]) - cpu_before > 0.3, 120, "the sampler to compute", 0.02)
+    process.kill()
+    asking.join(LOAD_S)
+    (exc,) = failed
+    assert exc.restarted and "killed by signal 9" in str(exc) and ctx.chat.restarts == 1
+    ctx.chat.generate = GEN
+    assert len(ctx.chat.replies(ann, HELLO, 2)) == 2  # the new sampler answers
+
+
 def rank_best_first(state):
     """The Annotate panel's submission of the replies on screen in their display order."""
     k = len(state.showing.item.responses)
@@ -266,3 +293,15 @@ def test_an_outside_server_is_asked_by_url_and_its_replies_stored_as_its_model(s
     finally:
         service.close()
         store.close()
+
+
+def test_a_sampler_that_cannot_start_says_why(tmp_path):
+    """A model folder that does not load: the start's failure and its log are shown, not a restart."""
+    service = ChatService(None, tmp_path / "runs", start_timeout_s=LOAD_S,
+                          model_cfg=ModelConfig(model=str(tmp_path / "no-such-model"), device="cpu"), generate=GEN)
+    try:
+        with pytest.raises(ChatUnavailable, match="did not start") as raised:
+            service.replies(1, HELLO, 2)
+        assert not raised.value.restarted and service.restarts == 0
+    finally:
+        service.close()

@@ -59,6 +59,9 @@ API_KEY_ENV = "RLHF_LOOP_CHAT_API_KEY"
 which every user of the machine can read, nor in the store, whose backups and exports travel."""
 RETRY_S = 0.25
 """The wait before a request the sampler refused as busy (429) is tried again."""
+DYING_S = 5.0
+"""How long a sampler whose connection broke may take to be seen ended: a killed process closes
+its sockets before its parent can reap it, so the client learns of the death first."""
 
 
 class ChatError(Exception):
@@ -196,6 +199,14 @@ class LocalSampler:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def ends_within(self, seconds: float) -> bool:
+        """Whether the process has ended, or ends within `seconds`."""
+        try:
+            self.process.wait(seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def ended(self) -> str:
         """How the process ended, in words."""
         rc = self.process.poll()
@@ -287,12 +298,11 @@ class ChatService:
                 raise ChatBusy("your last message is still being answered: wait for its replies")
             self._in_flight.add(user_id)
         try:
+            endpoint = self._endpoint()  # the first request waits for the model's load first
             try:
-                endpoint = self._endpoint()  # the first request waits for the model's load first
                 return self._distinct(endpoint, messages, n, time.monotonic() + self.timeout_s)
-            except ChatUnavailable as exc:
-                if not exc.restarted:
-                    self._restart_if_dead()  # it died while answering: say it was restarted instead
+            except ChatUnavailable:
+                self._restart_if_dead()  # it died while answering: say it was restarted instead
                 raise
         finally:
             with self._lock:
@@ -346,8 +356,9 @@ class ChatService:
             return endpoint
 
     def _restart_if_dead(self) -> None:
+        """After a request could not reach the local sampler: restart it if it ended (DYING_S)."""
         with self._server_lock:
-            if self.local is not None and not self.local.alive() and not self._closed:
+            if self.local is not None and not self._closed and self.local.ends_within(DYING_S):
                 self._restart()
 
     def _restart(self) -> None:
