@@ -7,7 +7,9 @@
 On a first start the store is empty: an admin account is created (its one-time password is printed
 here), the bundled prompts are imported, and a job generates K responses for a first batch of
 prompts; the Annotate tab shows them chunk by chunk as they arrive. The app process itself never
-loads a model: generation, training and comparison run as subprocess jobs (pipeline/orchestrate).
+loads a model: generation, training and comparison run as subprocess jobs (pipeline/orchestrate),
+and the Chat tab's replies come from a sampler process of their own, started at the first message
+(pipeline/orchestrate/chat.py), or from an OpenAI-compatible server given by --chat-url.
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-generate", action="store_true",
                    help="no first batch on a first start: rank what is in the store")
     p.add_argument("--device", default="auto", help="jobs' device: auto, cpu, cuda (default: %(default)s)")
+    p.add_argument("--chat-url", default="",
+                   help="the Chat tab asks this OpenAI-compatible server (vLLM, llama.cpp's server, TGI: a base URL "
+                        "such as http://localhost:8000/v1; its key in $RLHF_LOOP_CHAT_API_KEY) instead of "
+                        "starting its own sampler on the active policy")
+    p.add_argument("--chat-model", default="",
+                   help="the model name sent to --chat-url's server (default: none, the server's own)")
+    p.add_argument("--chat-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds an annotator waits for a turn's replies before the message is given back "
+                        "unanswered (default: %(default)s)")
+    p.add_argument("--no-chat", action="store_true", help="no Chat tab replies: no sampler is ever started")
     p.add_argument("--session-hours", type=float, default=12.0,
                    help="a sign-in lasts this long, then the login form is shown again (default: %(default)s)")
     p.add_argument("--no-prefetch", action="store_true",
@@ -58,14 +70,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not args.session_hours > 0:
-        print(f"error: --session-hours must be positive, not {args.session_hours}", file=sys.stderr)
+    if not args.session_hours > 0 or not args.chat_timeout > 0:
+        print(f"error: --session-hours and --chat-timeout must be positive, not {args.session_hours} and "
+              f"{args.chat_timeout}", file=sys.stderr)
         return 2
     from annotate import bootstrap
     from annotate.context import AppContext
     from annotate.timing import Timings
     from annotate.ui import build_ui, launch
     from pipeline.config import GenerateConfig, ModelConfig
+    from pipeline.orchestrate.chat import API_KEY_ENV, ChatError, ChatService
     from pipeline.orchestrate.loop import make_runner
     from pipeline.orchestrate.steps import LoopSettings
     from store import Store, StoreLockedError
@@ -101,9 +115,22 @@ def main(argv=None) -> int:
         if started:
             print(f"Generating K={args.k} responses for {started} prompts in a background job.", flush=True)
 
-    # 4. the UI (the queue's in-memory index is built now, not on the first annotator's request)
+    # 4. the Chat tab's replies: building the service starts nothing; the local sampler (a process
+    #    of its own, serving the active policy) starts at the first message, an outside server is
+    #    only asked
+    try:
+        chat = None if args.no_chat else ChatService(
+            store, data_dir / "runs", url=args.chat_url, api_key=os.environ.get(API_KEY_ENV, ""),
+            model=args.chat_model, timeout_s=args.chat_timeout, model_cfg=settings.model, generate=settings.generate)
+    except ChatError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        jobs.shutdown()
+        store.close()
+        return 2
+
+    # 5. the UI (the queue's in-memory index is built now, not on the first annotator's request)
     store.warm_queue()
-    ctx = AppContext(store=store, auth=auth, data_dir=data_dir, jobs=jobs, train_settings=settings,
+    ctx = AppContext(store=store, auth=auth, data_dir=data_dir, jobs=jobs, chat=chat, train_settings=settings,
                      generate_defaults={"k": args.k, "max_new_tokens": args.max_new_tokens},
                      prefetch=not args.no_prefetch, session_hours=args.session_hours,
                      timings=Timings() if args.timings else None)
@@ -113,6 +140,8 @@ def main(argv=None) -> int:
     try:
         launch(demo, ctx, host=host, port=args.port)
     finally:
+        if chat is not None:
+            chat.close()
         jobs.shutdown()
         store.close()
         if ctx.timings is not None:

@@ -171,9 +171,11 @@ def statistics(ctx: AppContext, request: gr.Request):
     c = store.counts()
     counts = pd.DataFrame({
         "what": ["prompts", "prompts without responses", "responses", "items in queue",
-                 "items still to rank", "rankings", "pairs", "flagged prompts", "annotators", "snapshots"],
+                 "items still to rank", "rankings", "pairs", "flagged prompts", "conversations",
+                 "conversation turns", "flagged conversations", "annotators", "snapshots"],
         "count": [c["prompts"], c["prompts_in_pool"], c["responses"], c["items"], c["items_remaining"],
-                  c["rankings"], c["pairs"], c["flagged_prompts"], c["annotators"], c["snapshots"]],
+                  c["rankings"], c["pairs"], c["flagged_prompts"], c["conversations"], c["conversation_turns"],
+                  c["flagged_conversations"], c["annotators"], c["snapshots"]],
     })
     people = pd.DataFrame([{
         "annotator": s.name, "role": s.role, "rankings": s.rankings, "today": s.rankings_today,

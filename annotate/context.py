@@ -43,6 +43,9 @@ class AppContext:
     jobs: object | None = None
     """pipeline.orchestrate.jobs.JobRunner: every model runs in one of its subprocess jobs
     (generation, training, comparison); None = no models in this app (rank what is stored)."""
+    chat: object | None = None
+    """pipeline.orchestrate.chat.ChatService: the policy's replies while an annotator waits (the
+    Chat tab, annotate/chat.py); the app builds one and closes it at exit. None = no Chat."""
     train_settings: object | None = None
     """pipeline.orchestrate.steps.LoopSettings the jobs start from (model, device, K); None = defaults."""
     generate_defaults: dict = field(default_factory=dict)

@@ -216,25 +216,11 @@ class Submission:
 
 def submit(ctx: AppContext, form: Submission, state: SessionState | None, request: gr.Request):
     """Save the ranking of the item on screen (and its pairs), then show the next item."""
-    ranking, all_bad, comment, token = form.ranking, form.all_bad, form.comment, form.token
-    strength, edit, edit_from = form.strength, form.edit, form.edit_from
+    token = form.token
     account = user(ctx, request)
     state = _recovered(ctx, state, account, token)
     showing = _current(state, token)
-    ids = showing.item.display_order
-    own = _edit(showing, edit, edit_from)
-    if own is not None and str(showing.k + 1) in re.split(r"[>=\s]+", ranking or ""):
-        groups, place = _without_edit(parse_ranking(ranking, showing.k + 1, bool(all_bad)), showing.k + 1)
-        own = dataclasses.replace(own, place=place)
-    else:
-        groups = parse_ranking(ranking, showing.k, bool(all_bad))
-    strength = (strength or "").strip() or None
-    if strength is not None and strength not in STRENGTHS:
-        raise gr.Error(f"Strength must be one of {', '.join(STRENGTHS)} (or none), not {strength!r}.")
-    order = [[ids[pos - 1] for pos in g] for g in groups]
-    submitted = RankingIn(account.id, showing.item.prompt.id, order, all_bad=bool(all_bad), display_order=list(ids),
-                          duration_s=showing.elapsed(), client_token=showing.token,
-                          comment=(comment or "").strip(), strength=strength, edit=own)
+    submitted, note = ranking_in(account, showing, form)
     with state.lock:
         on_deck = state.prefetched if state.ahead is None else None
     ahead = None
@@ -248,9 +234,7 @@ def submit(ctx: AppContext, form: Submission, state: SessionState | None, reques
                 ctx.store.save_ranking(submitted)
     except StoreError as exc:
         raise gr.Error(f"Not saved: {exc}") from None
-    n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:]) + (own is not None) * showing.k
-    state.note = (f"Saved · {n_pairs} pair{'s' if n_pairs != 1 else ''}" + (" · all bad" if all_bad else "")
-                  + (f" · the best is {strength}" if strength else "") + (" · your answer" if own else ""))
+    state.note = note
     _advance(ctx, state, account)
     if ahead is not None:
         with state.lock:
@@ -260,6 +244,31 @@ def submit(ctx: AppContext, form: Submission, state: SessionState | None, reques
     out = view(ctx, state, account)
     _prefetch_later(ctx, state, account)
     return out
+
+
+def ranking_in(account: Annotator, showing: Showing, form: Submission) -> tuple[RankingIn, str]:
+    """The ranking a Submission makes of the showing on screen (positions mapped to response ids,
+    the annotator's own answer placed, the strength checked), and the note saying what it saves.
+    The Annotate tab's submit and the Chat tab's (annotate/chat.py) both read their panel so."""
+    ids = showing.item.display_order
+    own = _edit(showing, form.edit, form.edit_from)
+    all_bad = bool(form.all_bad)
+    if own is not None and str(showing.k + 1) in re.split(r"[>=\s]+", form.ranking or ""):
+        groups, place = _without_edit(parse_ranking(form.ranking, showing.k + 1, all_bad), showing.k + 1)
+        own = dataclasses.replace(own, place=place)
+    else:
+        groups = parse_ranking(form.ranking, showing.k, all_bad)
+    strength = (form.strength or "").strip() or None
+    if strength is not None and strength not in STRENGTHS:
+        raise gr.Error(f"Strength must be one of {', '.join(STRENGTHS)} (or none), not {strength!r}.")
+    order = [[ids[pos - 1] for pos in g] for g in groups]
+    submitted = RankingIn(account.id, showing.item.prompt.id, order, all_bad=all_bad, display_order=list(ids),
+                          duration_s=showing.elapsed(), client_token=showing.token,
+                          comment=(form.comment or "").strip(), strength=strength, edit=own)
+    n_pairs = sum(len(a) * len(b) for i, a in enumerate(groups) for b in groups[i + 1:]) + (own is not None) * showing.k
+    note = (f"Saved · {n_pairs} pair{'s' if n_pairs != 1 else ''}" + (" · all bad" if all_bad else "")
+            + (f" · the best is {strength}" if strength else "") + (" · your answer" if own else ""))
+    return submitted, note
 
 
 def _edit(showing: Showing, edit: str | None, edit_from: str | None) -> EditIn | None:

@@ -176,6 +176,23 @@ def render_item(prompt: str | Sequence[dict], responses: Sequence, token: str, m
     )
 
 
+def render_transcript(messages: Sequence[dict], hint: str, busy: bool = False) -> str:
+    """A conversation with nothing to rank (the Chat tab between turns, or while its replies are
+    sampled): its turns, then what happens next."""
+    spinner = '<div class="rl-spinner"></div>' if busy else ""
+    return (f'<div class="rl-item rl-chat" data-token="" data-k="0">{render_prompt(messages)}'
+            f'<div class="rl-chat-next">{spinner}<p class="rl-muted">{esc(hint)}</p></div></div>')
+
+
+def render_chat_status(turns: int, max_turns: int, note: str = "", error: bool = False) -> str:
+    """The Chat tab's line above the conversation: its turns so far, and what the last action did
+    (an error, such as a busy or restarted sampler, stands out)."""
+    note_html = (f'<span class="rl-note{" rl-error" if error else ""}" role="{"alert" if error else "status"}">'
+                 f'{esc(note)}</span>') if note else ""
+    return (f'<div class="rl-progress"><span class="rl-stat"><b>{turns}</b> of {max_turns} turns</span>'
+            f'{note_html}</div>')
+
+
 def render_empty(title: str, detail: str = "", busy: bool = False) -> str:
     """The placeholder when there is nothing to rank (queue empty, generation running)."""
     spinner = '<div class="rl-spinner"></div>' if busy else '<div class="rl-done-mark">✓</div>'

@@ -74,3 +74,24 @@ class SessionState:
         if item is not None and exclude_prompt is not None and item.prompt.id == exclude_prompt:
             return None
         return item
+
+
+@dataclass
+class ChatState:
+    """What the Chat tab shows (annotate/chat.py): the conversation so far, and the turn whose
+    replies are on screen to rank. The store holds the same (a reload rebuilds it from there)."""
+
+    conversation_id: int | None = None
+    """None until the first message's replies are stored."""
+    messages: list[dict] = field(default_factory=list)
+    """The conversation so far: ends with the annotator's message while its replies are ranked,
+    with the chosen reply after."""
+    showing: Showing | None = None
+    """The replies of the last message, to rank (None: write the next message)."""
+    turns: int = 0
+    """The annotator's messages answered so far."""
+    note: str = ""
+    """What the last action did, or why it failed ("The sampler is busy ..."), shown above the
+    conversation."""
+    error: bool = False
+    """The note is an error."""

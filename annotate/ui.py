@@ -1,6 +1,6 @@
 """Build and launch the Gradio app: layout and wiring only (logic is in handlers.py and admin.py).
 
-Tabs: Annotate (everyone), Data, Train and Models (admins; hidden for annotators on page load, and
+Tabs: Annotate and Chat (everyone: ui_chat.py), Data, Train and Models (admins; hidden for annotators on page load, and
 refused by every admin handler anyway). The annotation view is server-rendered HTML plus a small
 script (static/annotate.js) that keeps the ranking in the page, so picking responses costs no
 round trip; Submit sends it along with the item's token.
@@ -19,7 +19,8 @@ from pathlib import Path
 import gradio as gr
 from starlette.middleware import Middleware
 
-from annotate import accounts, ui_admin
+from annotate import accounts, ui_admin, ui_chat
+from annotate import chat as chat_h
 from annotate import handlers as h
 from annotate.bind import bind, bind_form, form_inputs
 from annotate.context import AppContext
@@ -40,16 +41,24 @@ THEME = gr.themes.Soft(
 
 # Before Submit reaches the server, the page script fills in the ranking, the item's token, the
 # strength, and the annotator's own answer with the position of the response it was written from.
-SUBMIT_JS = """(r, b, c, t, g, e, f, s) => window.rlhf
-    ? [window.rlhf.encode(), b, c, window.rlhf.currentToken(), window.rlhf.strength || "",
-       window.rlhf.editText(), String(window.rlhf.editFrom || ""), s]
+# `panel`: the page script's panel (window.rlhf: this tab; window.rlhfChat: the Chat tab's).
+def submit_js(panel: str) -> str:
+    return f"""(r, b, c, t, g, e, f, s) => window.{panel}
+    ? [window.{panel}.encode(), b, c, window.{panel}.currentToken(), window.{panel}.strength || "",
+       window.{panel}.editText(), String(window.{panel}.editFrom || ""), s]
     : [r, b, c, t, g, e, f, s]"""
+
+
 # The annotator's own answer: a plain textarea the page script owns (filled from a card's text by
-# ✎ Edit or E, emptied for each new item), ranked as one more card; Submit sends it (SUBMIT_JS).
-EDIT_BOX = ('<div class="rl-editbox"><label for="rl-edit-text">Your better answer <span class="rl-muted">'
-            '(optional) · E</span></label><div id="rl-edit-from" class="rl-muted">Press ✎ Edit on a response '
-            '(or E) to write a better one from it.</div><textarea id="rl-edit-text" rows="5" '
+# ✎ Edit or E, emptied for each new item), ranked as one more card; Submit sends it (submit_js).
+# `prefix`: the panel's element ids (rl: this tab; rl-chat: the Chat tab).
+def edit_box(prefix: str) -> str:
+    return (f'<div class="rl-editbox"><label for="{prefix}-edit-text">Your better answer <span class="rl-muted">'
+            f'(optional) · E</span></label><div id="{prefix}-edit-from" class="rl-muted">Press ✎ Edit on a response '
+            f'(or E) to write a better one from it.</div><textarea id="{prefix}-edit-text" rows="5" '
             'placeholder="Your answer to the prompt"></textarea></div>')
+
+
 # Skip and Flag name the showing they act on too (the token), so a restarted app knows the item
 SKIP_JS = "(s, t) => window.rlhf ? [s, window.rlhf.currentToken()] : [s, t]"
 FLAG_JS = "(s, c, t) => window.rlhf ? [s, c, window.rlhf.currentToken()] : [s, c, t]"
@@ -63,6 +72,8 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
         with gr.Tabs(elem_id="rl-tabs"):
             with gr.Tab("Annotate", id="annotate", elem_id="rl-tab-annotate"):
                 annotate = _annotate_tab(ctx, state)
+            with gr.Tab("Chat", id="chat", elem_id="rl-tab-chat") as chat_tab:
+                chat = ui_chat.chat_tab(ctx, submit_js("rlhfChat"), edit_box("rl-chat"))
             with gr.Tab("Data", id="data", visible=False, elem_id="rl-tab-data") as data_tab:
                 data = ui_admin.data_tab(ctx)
             with gr.Tab("Train", id="train", visible=False, elem_id="rl-tab-train") as train_tab:
@@ -79,6 +90,8 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
             api_visibility="private",
         )
         demo.unload(bind(h.leave, ctx))
+        chat_tab.select(bind(chat_h.open_chat, ctx), [chat["state"]], chat["outs"], api_visibility="private",
+                        show_progress="hidden")
         # Admin tabs load their tables when opened (only admins can see them; the handlers check).
         for tab, loads in ((data_tab, data["load"]), (train_tab, train.get("load", [])), (models_tab, models["load"])):
             for fn, inputs, outputs, *form in loads:
@@ -99,7 +112,7 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
             all_bad = gr.Checkbox(label="All responses are bad · A", elem_id="rl-allbad")
             comment = gr.Textbox(placeholder="Comment (optional) · C", show_label=False, lines=2,
                                  max_lines=4, elem_id="rl-comment")
-            gr.HTML(EDIT_BOX, elem_id="rl-edit", js_on_load=None)
+            gr.HTML(edit_box("rl"), elem_id="rl-edit", js_on_load=None)
             submit = gr.Button("Submit  ⏎", variant="primary", elem_id="rl-submit", size="lg")
             with gr.Row(elem_id="rl-secondary"):
                 skip = gr.Button("Skip · S", elem_id="rl-skip", size="sm", min_width=60)
@@ -125,7 +138,7 @@ def _annotate_tab(ctx: AppContext, state: gr.State) -> dict:
     quick = dict(show_progress="hidden", trigger_mode="once")
     submission = form_inputs(h.Submission, dict(ranking=ranking, all_bad=all_bad, comment=comment, token=token,
                                                 strength=strength, edit=edit, edit_from=edit_from))
-    submit.click(bind_form(h.submit, ctx, h.Submission), [*submission, state], outs, api_name="submit", js=SUBMIT_JS,
+    submit.click(bind_form(h.submit, ctx, h.Submission), [*submission, state], outs, api_name="submit", js=submit_js("rlhf"),
                  **quick)
     skip.click(bind(h.skip, ctx), [state, token], outs, api_name="skip", js=SKIP_JS, **quick)
     flag.click(bind(h.flag, ctx), [state, comment, token], outs, api_name="flag", js=FLAG_JS, **quick)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from annotate import chat
 from annotate import team as t
 from annotate.bind import bind
 from annotate.context import AppContext
@@ -31,6 +32,12 @@ def team_tab(ctx: AppContext) -> dict:
         priority = gr.Number(None, label="Its priority (blank = newest first)", precision=0,
                              elem_id="rl-team-round-priority")
         round_btn = gr.Button("Set for the round", elem_id="rl-team-round-save", scale=0, min_width=160)
+    with gr.Row():
+        chat_replies = gr.Number(None, label="Chat: replies per turn (K)", precision=0, minimum=2,
+                                 elem_id="rl-chat-replies")
+        chat_turns = gr.Number(None, label="Chat: turns per conversation", precision=0, minimum=1,
+                               elem_id="rl-chat-turns")
+        chat_btn = gr.Button("Save chat settings", elem_id="rl-chat-settings-save", scale=0, min_width=160)
     queue_msg = gr.Markdown(elem_id="rl-team-msg")
     rounds = gr.Dataframe(label="Rounds", interactive=False, elem_id="rl-team-rounds")
 
@@ -58,6 +65,8 @@ def team_tab(ctx: AppContext) -> dict:
     tables = [summary, people, items, gold]
     form = [overlap, gold_rate, round_id, rounds]
     save_btn.click(bind(t.save_queue, ctx), [overlap, gold_rate], [queue_msg], **HIDDEN, api_name="save_queue")
+    chat_btn.click(bind(chat.save_settings, ctx), [chat_replies, chat_turns], [queue_msg], **HIDDEN,
+                   api_name="save_chat_settings")
     round_id.change(bind(t.round_form, ctx), [round_id], [round_overlap, priority], api_visibility="private")
     round_btn.click(bind(t.save_round, ctx), [round_id, round_overlap, priority], [queue_msg, rounds],
                     **HIDDEN, api_name="save_round")
@@ -66,4 +75,5 @@ def team_tab(ctx: AppContext) -> dict:
     import_btn.click(bind(t.import_gold, ctx), [upload], [gold_msg, gold_errors, *tables],
                      **HIDDEN, api_name="import_gold")
     timer.tick(bind(t.team_tables, ctx), None, tables, api_visibility="private", show_progress="hidden")
-    return {"load": [(t.queue_form, None, form), (t.team_tables, None, tables), (t.go_live, None, [timer])]}
+    return {"load": [(t.queue_form, None, form), (chat.settings_form, None, [chat_replies, chat_turns]),
+                     (t.team_tables, None, tables), (t.go_live, None, [timer])]}

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ["store_bench", "generate_bench", "reward_bench", "ppo_bench", "dpo_bench", "ui_bench", "gold_loop"]
+BENCHES = ["store_bench", "generate_bench", "reward_bench", "ppo_bench", "dpo_bench", "ui_bench", "chat_bench",
+           "gold_loop"]
 LOGS = ROOT / "bench" / "out" / "run_all"
 TABLE = ROOT / "docs" / "results" / "benchmarks.md"
 
@@ -80,12 +81,15 @@ ROWS = [
     Row("ui", "annotate round trip p95 (ms), client poll woken (removes gradio_client's 0-50 ms result poll)",
         "woken_p95_ms", "stock gradio_client", "p95_ms", "lower"),
     Row("ui", "rankings submitted/s", "submissions_per_s", "", ""),
+    Row("chat", "seconds from a chat message to K = 4 replies, p95", "p95_s",
+        "through the OpenAI-compatible client", "openai_p95_s", "lower"),
     Row("gold_loop", "gold gain over the base policy after round 1, the default round", "r1_gain_mean", "", ""),
     Row("gold_loop", "gold gain over the base policy after round 2, the default round", "r2_gain_mean", "", ""),
     Row("gold_loop", "KL to the base policy after round 2 (nats)", "r2_kl", "", "", "lower"),
 ]
 BENCH_RESULT_NAMES = {"store_bench": "store", "generate_bench": "generate", "reward_bench": "reward",
-                      "ppo_bench": "ppo", "dpo_bench": "dpo", "ui_bench": "ui", "gold_loop": "gold_loop"}
+                      "ppo_bench": "ppo", "dpo_bench": "dpo", "ui_bench": "ui", "chat_bench": "chat",
+                      "gold_loop": "gold_loop"}
 
 
 # --------------------------------------------------------------------------- RESULT lines

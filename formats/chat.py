@@ -11,6 +11,9 @@ the generation prompt); any other text is one user message, as it is. The traini
 text prompt through it too (pipeline/text.to_messages), so a reward model reads the same tokens
 from either export format, System turns included; it is the inverse of messages_to_text.
 
+`conversation_problem(messages, limits)`: what keeps a conversation from a chat sampler (a bad
+message, a length limit), the one check of the app's client and the sampler itself.
+
 `pair_from_messages(prompt, chosen, rejected)`: a conversational preference row (explicit or
 implicit prompt) as (prompt messages, chosen text, rejected text), or the problem with it.
 """
@@ -46,6 +49,29 @@ def check_messages(messages) -> str | None:
             return f"messages[{i}].role must be one of {CHAT_ROLES}, not {m['role']!r}"
         if not isinstance(m["content"], str) or not m["content"].strip():
             return f"messages[{i}].content is empty or not text"
+    return None
+
+
+def conversation_problem(messages, limits) -> tuple[str, str | None] | None:
+    """None if `messages` is a conversation a chat sampler answers (check_messages, the user's
+    message last) within `limits` (pipeline.config.ChatConfig: max_messages, max_message_chars,
+    max_conversation_chars); else (the problem, the name of the limit it breaks or None). The app
+    checks a conversation with it before asking, and the sampler again when asked."""
+    problem = check_messages(messages)
+    if problem:
+        return problem, None
+    if len(messages) > limits.max_messages:
+        return f"{len(messages)} messages: the limit is max_messages = {limits.max_messages}", "max_messages"
+    for i, m in enumerate(messages):
+        if len(m["content"]) > limits.max_message_chars:
+            return (f"messages[{i}] has {len(m['content'])} characters: the limit is max_message_chars = "
+                    f"{limits.max_message_chars}", "max_message_chars")
+    total = sum(len(m["content"]) for m in messages)
+    if total > limits.max_conversation_chars:
+        return (f"the conversation has {total} characters: the limit is max_conversation_chars = "
+                f"{limits.max_conversation_chars}", "max_conversation_chars")
+    if messages[-1]["role"] != "user":
+        return "the last message must be the user's: the reply answers it", None
     return None
 
 

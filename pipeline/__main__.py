@@ -21,6 +21,7 @@ from pipeline.rundir import OWNER_ENV
 # stage name -> module with a `main(argv: list[str]) -> int`, or "module:function" for another entry
 STAGES = {
     "generate": "pipeline.generate",
+    "chat-server": "pipeline.chat_server",
     "train-reward": "pipeline.train_reward",
     "train-dpo": "pipeline.train_dpo",
     "sft": "pipeline.train_sft",

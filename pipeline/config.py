@@ -84,6 +84,22 @@ class GenerateConfig:
 
 
 @dataclass
+class ChatConfig:
+    port: int = 0
+    """Port of the chat sampler on 127.0.0.1 (0 = any free one, written to RUN_DIR/status.json)."""
+    max_messages: int = 40
+    """Most messages in one request (a conversation of 20 turns with its replies)."""
+    max_message_chars: int = 4000
+    """Longest message, in characters."""
+    max_conversation_chars: int = 16000
+    """Longest conversation (all its messages together), in characters."""
+    max_n: int = 16
+    """Most replies one request may ask for (`n`)."""
+    max_tokens: int = 1024
+    """Longest reply a request may ask for (`max_tokens`), in tokens."""
+
+
+@dataclass
 class RewardConfig:
     loss: str = "bt"
     """'bt': Bradley-Terry on each pair, -log sigmoid(r_c - r_r) (Ouyang et al. 2022); 'plackett-luce':
@@ -493,6 +509,7 @@ def to_cli_args(cfg, prefix: str = "") -> list[str]:
 __all__ = [
     "ModelConfig",
     "GenerateConfig",
+    "ChatConfig",
     "RewardConfig",
     "PPOConfig",
     "LoopConfig",

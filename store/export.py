@@ -30,6 +30,10 @@ its fields). It writes every pair that passes the filters as one of TRL's prefer
     chosen_model, rejected_model         their names (an imported response's model or source name:
                                          a version of kind 'external', store/import_items.py)
     pair_id, ranking_id, all_bad, agreement, source, round, created_at, split
+    conversation_id, turn                a turn of a conversation held in the Chat tab
+                                         (store/conversations.py): its conversation's id and the
+                                         turn's number (1 = first), the prompt being the
+                                         conversation up to that turn; None for every other item
 
 `agreement` is the share of the item's rankings that put `chosen` strictly above `rejected`
 (1.0 when one annotator ranked it, and for imported pairs). `split` is 'train' or 'test': with
@@ -50,13 +54,13 @@ Beside the pairs, the rankings that pass the same filters (min_agreement, includ
 include_empty concern pairs only), one row each (RANKING_COLUMNS): the prompt (in the pairs' TRL format),
 the item's responses with their model versions (ids and names), the full order best -> worst as tie groups of
 response ids, the display order the annotator saw, all_bad, strength, annotator, duration, comment, round,
-created_at, and the split of its prompt. A ranking whose responses are all tied has no pair but
+conversation_id, turn, created_at, and the split of its prompt. A ranking whose responses are all tied has no pair but
 is there. An annotator's own answer (records.EditIn) is in the pairs (source 'edit',
 `chosen_model` 'human edit' where it won; agreement 1: only its author ranked it) and, when any
 ranking has one, in the demonstrations: one row per answer, in TRL's SFT format (conversational
 `messages`, the prompt's then the answer's; text: `prompt`, `completion`), with annotator,
 prompt_id, response_id, edit_of (the response it was written from), edit_of_model, ranking_id,
-round, created_at and split. And a dataset card (store/card.py): counts, annotators, agreement,
+round, conversation_id, turn, created_at and split. And a dataset card (store/card.py): counts, annotators, agreement,
 license, snapshot hash, model versions, and how to load it.
 
 Where it goes (export_layout): `out` ending in .jsonl (format 'jsonl') or .parquet ('parquet')
@@ -95,11 +99,13 @@ from store.records import Snapshot
 
 COLUMNS = ["prompt", "chosen", "rejected", "rank_gap", "strength", "rationale", "annotator", "prompt_id", "chosen_id",
            "rejected_id", "chosen_model_version", "rejected_model_version", "chosen_model", "rejected_model",
-           "pair_id", "ranking_id", "all_bad", "agreement", "source", "round", "created_at", "split"]
+           "pair_id", "ranking_id", "all_bad", "agreement", "source", "round", "conversation_id", "turn", "created_at",
+           "split"]
 """Columns of the pairs, in order (`margin` with margin_column=True, then `weight` with
 quality_weights=True, follow `rank_gap`; `strength` and `rationale` follow those)."""
 RANKING_COLUMNS = ["ranking_id", "item_id", "prompt_id", "prompt", "responses", "order", "display_order",
-                   "all_bad", "strength", "annotator", "duration_s", "comment", "round", "created_at", "split"]
+                   "all_bad", "strength", "annotator", "duration_s", "comment", "round", "conversation_id", "turn",
+                   "created_at", "split"]
 """Columns of the rankings; `responses` is a list of {response_id, text, model_version, model}
 (`model`: the version's name)."""
 _SUFFIX = {"jsonl": ".jsonl", "parquet": ".parquet"}

@@ -27,6 +27,7 @@ _SELECTED = """
     scored AS (
         SELECT pr.id AS pair_id, pr.prompt_id, pr.chosen_id, pr.rejected_id, pr.margin, pr.annotator_id,
                pr.ranking_id, pr.all_bad, pr.source, pr.created_at, i.round_id, i.evaluation_id,
+               i.conversation_id, i.turn,
                CASE WHEN pr.ranking_id IS NULL OR nr.n IS NULL OR pr.source = 'edit' THEN 1.0
                     ELSE v.v / nr.n END AS agreement,
                CASE WHEN pr.chosen_id = k.order_groups[1][1] AND pr.rejected_id = k.order_groups[2][1]
@@ -44,7 +45,8 @@ _SELECTED = """
 _SELECTED_RANKINGS = """
     SELECT * FROM (
         SELECT k.id AS ranking_id, k.item_id, k.prompt_id, k.annotator_id, k.order_groups, k.display_order,
-               k.all_bad, k.strength, k.duration_s, k.comment, k.created_at, i.round_id, i.evaluation_id
+               k.all_bad, k.strength, k.duration_s, k.comment, k.created_at, i.round_id, i.evaluation_id,
+               i.conversation_id, i.turn
         FROM rankings k JOIN items i ON i.id = k.item_id)
 """
 

@@ -28,7 +28,7 @@ _WRITE = """
            s.strength, s.rationale, a.name AS annotator, s.prompt_id, s.chosen_id, s.rejected_id,
            c.model_version_id AS chosen_model_version, r.model_version_id AS rejected_model_version,
            cm.name AS chosen_model, rm.name AS rejected_model, s.pair_id, s.ranking_id, s.all_bad, s.agreement,
-           s.source, s.round_id AS round, {time}, s.split
+           s.source, s.round_id AS round, s.conversation_id, s.turn, {time}, s.split
     FROM _export s
     JOIN prompts p ON p.id = s.prompt_id
     JOIN responses c ON c.id = s.chosen_id
@@ -48,7 +48,7 @@ _WRITE_RANKINGS = """
         WHERE x.item_id IN (SELECT item_id FROM _export_rankings) GROUP BY x.item_id)
     SELECT k.ranking_id, k.item_id, k.prompt_id, {prompt} AS prompt, resp.responses,
            k.order_groups AS "order", k.display_order, k.all_bad, k.strength, a.name AS annotator, k.duration_s,
-           k.comment, k.round_id AS round, {time}, k.split
+           k.comment, k.round_id AS round, k.conversation_id, k.turn, {time}, k.split
     FROM _export_rankings k
     JOIN prompts p ON p.id = k.prompt_id
     JOIN resp ON resp.item_id = k.item_id
@@ -84,7 +84,8 @@ def rankings_sql(trl_format: str) -> str:
 
 _WRITE_DEMONSTRATIONS = """
     SELECT {row}, a.name AS annotator, k.prompt_id, e.id AS response_id, s.id AS edit_of,
-           sm.name AS edit_of_model, k.ranking_id, k.round_id AS round, {time}, k.split
+           sm.name AS edit_of_model, k.ranking_id, k.round_id AS round, k.conversation_id, k.turn, {time},
+           k.split
     FROM _export_rankings k
     JOIN responses e ON json_extract(e.sampling, '$.ranking_id')::BIGINT = k.ranking_id
     JOIN responses s ON s.id = json_extract(e.sampling, '$.edit_of')::BIGINT

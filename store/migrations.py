@@ -296,6 +296,25 @@ MIGRATIONS: list[tuple[str, str]] = [
         );
         """,
     ),
+    (
+        # Conversations (store/conversations.py): an annotator chats with the policy and ranks its
+        # replies turn by turn; each turn is an ordinary item (its prompt the conversation so far)
+        # marked with its conversation and turn number. Items from before: NULL.
+        "0009_conversations",
+        """
+        CREATE SEQUENCE conversations_id_seq START 1;
+        CREATE TABLE conversations (
+            id BIGINT PRIMARY KEY,
+            annotator_id BIGINT NOT NULL,
+            status VARCHAR NOT NULL CHECK (status IN ('open', 'ended', 'flagged')),
+            reason VARCHAR NOT NULL,
+            created_at TIMESTAMP NOT NULL,
+            ended_at TIMESTAMP
+        );
+        ALTER TABLE items ADD COLUMN conversation_id BIGINT;
+        ALTER TABLE items ADD COLUMN turn INTEGER;
+        """,
+    ),
 ]
 
 

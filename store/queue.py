@@ -36,7 +36,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from store.values import from_db_time, utcnow
+from store.values import from_db_time, utcnow, whole_number
 from store.errors import InvalidRequest
 from store.queue_index import QueueIndex, local_midnight, place_new_items, read_queue_index
 from store.records import Progress, Prompt
@@ -68,7 +68,7 @@ class QueueMixin:
         return int(self.get_setting(OVERLAP_KEY, DEFAULT_OVERLAP))
 
     def set_queue_overlap(self, overlap: int) -> None:
-        self.set_setting(OVERLAP_KEY, _whole(overlap, "overlap", 1, MAX_OVERLAP))
+        self.set_setting(OVERLAP_KEY, whole_number(overlap, "overlap", 1, MAX_OVERLAP))
 
     def lease_seconds(self) -> int:
         return int(self.get_setting(LEASE_SECONDS_KEY, DEFAULT_LEASE_SECONDS))
@@ -86,8 +86,8 @@ class QueueMixin:
         """A round's own overlap and priority (None: the store's overlap; priority 1 for the newest
         round, 0 for the others). Items already ranked more often than a lowered overlap keep
         their rankings."""
-        overlap = None if overlap is None else _whole(overlap, "overlap", 1, MAX_OVERLAP)
-        priority = None if priority is None else _whole(priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
+        overlap = None if overlap is None else whole_number(overlap, "overlap", 1, MAX_OVERLAP)
+        priority = None if priority is None else whole_number(priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
         with self._tx() as cur:
             self._need(cur.execute("SELECT 1 FROM rounds WHERE id = ?", [round_id]).fetchone(),
                        f"round with id {round_id}")
@@ -209,10 +209,3 @@ class QueueMixin:
                 cur.execute("COMMIT")
         return live, fresh
 
-
-def _whole(value, what: str, lo: int, hi: int) -> int:
-    """A whole number from lo to hi, else InvalidRequest naming `what`."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer()
-            or not lo <= value <= hi):
-        raise InvalidRequest(f"the {what} must be a whole number from {lo} to {hi}, not {value!r}")
-    return int(value)

@@ -302,6 +302,44 @@ class ItemIn:
     """Rankings made in another tool."""
 
 
+CONVERSATION_STATUSES = ("open", "ended", "flagged")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """An annotator's chat with the policy (store/conversations.py): its turns are items."""
+
+    id: int
+    annotator_id: int
+    status: str
+    """open | ended | flagged"""
+    reason: str
+    """Why it was flagged ('' otherwise)."""
+    created_at: datetime
+    ended_at: datetime | None
+    turns: int
+    """Turns stored so far."""
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One turn of a conversation: the item holding its replies, and the annotator's ranking."""
+
+    conversation_id: int
+    turn: int
+    """1 for the conversation's first message."""
+    item_id: int
+    prompt_id: int
+    messages: list[dict]
+    """The conversation up to this turn, ending with the annotator's message: the item's prompt."""
+    ranking_id: int | None
+    """The annotator's ranking of the replies (None until they rank them)."""
+    reply: str | None
+    """What the assistant said at this turn once ranked (the reply the next turn continues from):
+    the annotator's own answer when they wrote one, else the first of the best-ranked replies in
+    the order they were shown."""
+
+
 @dataclass(frozen=True)
 class AnnotatorStats:
     annotator_id: int

@@ -15,6 +15,7 @@ transaction. Import and export of files are in store/io.py and store/export.py.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pyarrow as pa
 
@@ -23,13 +24,14 @@ from store.db import StoreBase, registered
 from store.values import dumps, from_db_time, loads, utcnow
 from store.errors import DataError, InvalidRequest, NotFoundError
 from store.agreement_table import AgreementTableMixin
+from store.conversations import ConversationsMixin, own_open, turns_of
 from store.evaluations import EvaluationsMixin, new_evaluation
 from store.gold import GoldMixin
 from store.pairs import ranking_to_pairs
 from store.queue import QueueMixin
 from store.queue_rules import display_order_for
 from store.sessions import SessionsMixin
-from store.records import Item, Prompt, Response
+from store.records import ChatTurn, Item, Prompt, Response
 from store.rankings import PAIR_TYPES, RANKING_TYPES, RankingsMixin
 from store.runs import RunsMixin
 from store.stats import StatsMixin
@@ -63,8 +65,8 @@ def _response_row(r) -> tuple:
     return text, token_count, finish_reason, sampling or {}
 
 
-class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, SessionsMixin, VersionsMixin, RunsMixin,
-            StatsMixin, AgreementTableMixin, StoreBase):
+class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, ConversationsMixin, UsersMixin, SessionsMixin,
+            VersionsMixin, RunsMixin, StatsMixin, AgreementTableMixin, StoreBase):
     """The persistence layer. `Store(path)` opens or creates and migrates a DuckDB file."""
 
     # ------------------------------------------------------------------ prompts
@@ -223,6 +225,48 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
             new_items = [(iid, pid, rids) for iid, (pid, _), rids in zip(item_ids, batches, resp_ids)]
             self._queue_new_items(new_items)
         return item_ids
+
+    def add_chat_turn(self, annotator_id: int, conversation_id: int | None, messages: list[dict],
+                      model_version_id: int, replies) -> ChatTurn:
+        """A turn of a conversation (store/conversations.py), in one transaction: its prompt
+        (`messages`, the conversation so far, the annotator's message last), an item of the K
+        `replies` (as add_responses takes them) written by `model_version_id`, marked with the
+        conversation and its turn number and not queued, and the annotator's lease on it.
+        conversation_id None starts a conversation. A later turn must continue the last one:
+        that turn ranked, and `messages` its messages, the reply it went on from and one user
+        message. Nothing is stored when anything is refused."""
+        problem = check_messages(messages)
+        if problem is None and messages[-1]["role"] != "user":
+            problem = "the last message must be the annotator's (role 'user')"
+        if problem:
+            raise InvalidRequest(f"chat turn: {problem}")
+        rows = [_response_row(r) for r in replies]
+        if len(rows) < 2:
+            raise InvalidRequest(f"chat turn: {len(rows)} replies; a turn ranks 2 or more")
+        lease_seconds, now = self.lease_seconds(), utcnow()
+        with self._tx() as cur:
+            self._check_policy_version(cur, model_version_id)
+            if cur.execute("SELECT 1 FROM annotators WHERE id = ?", [annotator_id]).fetchall() == []:
+                raise NotFoundError(f"no annotator with id {annotator_id}")
+            if conversation_id is None:
+                conversation_id = cur.execute(
+                    "INSERT INTO conversations VALUES (nextval('conversations_id_seq'), ?, 'open', '', ?, NULL) "
+                    "RETURNING id", [annotator_id, now]).fetchall()[0][0]
+                turn = 1
+            else:
+                own_open(cur.execute("SELECT annotator_id, status FROM conversations WHERE id = ?",
+                                     [conversation_id]).fetchall(), annotator_id, conversation_id)
+                turns = turns_of(cur, conversation_id)
+                _check_continues(turns[-1] if turns else None, messages)
+                turn = len(turns) + 1
+            (prompt_id,), _ = self._insert_prompts(cur, [(messages_to_text(messages), dumps(messages), "chat")])
+            (item_id,), (response_ids,) = self._insert_items(cur, model_version_id, [(prompt_id, rows)], None, False)
+            cur.execute("UPDATE items SET conversation_id = ?, turn = ? WHERE id = ?", [conversation_id, turn, item_id])
+            expires = now + timedelta(seconds=lease_seconds)
+            cur.execute("INSERT INTO leases VALUES (?, ?, ?)", [item_id, annotator_id, expires])
+            self._on_commit(lambda q: q.set_lease(item_id, annotator_id, expires))
+        return ChatTurn(conversation_id=conversation_id, turn=turn, item_id=item_id, prompt_id=prompt_id,
+                        messages=list(messages), ranking_id=None, reply=None)
 
     def _check_policy_version(self, cur, model_version_id: int) -> None:
         row = cur.execute("SELECT kind FROM model_versions WHERE id = ?", [model_version_id]).fetchone()
@@ -489,3 +533,17 @@ class Store(QueueMixin, RankingsMixin, GoldMixin, EvaluationsMixin, UsersMixin, 
                     if (key := (pid, tuple(sorted(t for t, _ in r.responses)))) in stored]
         if problems:
             raise DataError(path, problems[:50], more=max(0, len(problems) - 50))
+
+
+def _check_continues(last: ChatTurn | None, messages: list[dict]) -> None:
+    """InvalidRequest unless `messages` continue the conversation's last turn: ranked, and its
+    messages, the reply it went on from and one user message."""
+    if last is None:
+        return
+    if last.ranking_id is None:
+        raise InvalidRequest(f"turn {last.turn} of conversation {last.conversation_id} is not ranked yet: "
+                             "rank its replies first")
+    expected = [*last.messages, {"role": "assistant", "content": last.reply}]
+    if len(messages) != len(expected) + 1 or messages[:-1] != expected:
+        raise InvalidRequest(f"chat turn: the messages do not continue conversation {last.conversation_id} "
+                             f"from its turn {last.turn}'s chosen reply")

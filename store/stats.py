@@ -23,16 +23,21 @@ class StatsMixin:
 
     def counts(self, *, overlap: int | None = None) -> dict:
         """{prompts, prompts_in_pool, responses, items, rankings, pairs, items_remaining,
-        flagged_prompts, annotators, model_versions, runs, snapshots}."""
+        flagged_prompts, annotators, model_versions, runs, snapshots, conversations,
+        conversation_turns, flagged_conversations} (items: the queued ones; a conversation's
+        turns are items of their own, store/conversations.py)."""
         names = ("prompts", "prompts_in_pool", "responses", "items", "rankings", "pairs",
-                 "flagged_prompts", "annotators", "model_versions", "runs", "snapshots")
+                 "flagged_prompts", "annotators", "model_versions", "runs", "snapshots", "conversations",
+                 "conversation_turns", "flagged_conversations")
         row = self._one(
             "SELECT (SELECT count(*) FROM prompts), "
             "(SELECT count(*) FROM prompts p WHERE NOT EXISTS (SELECT 1 FROM responses r WHERE r.prompt_id = p.id)), "
             "(SELECT count(*) FROM responses), (SELECT count(*) FROM items WHERE queued), "
             "(SELECT count(*) FROM rankings), (SELECT count(*) FROM pairs), "
             "(SELECT count(DISTINCT prompt_id) FROM flags), (SELECT count(*) FROM annotators), "
-            "(SELECT count(*) FROM model_versions), (SELECT count(*) FROM runs), (SELECT count(*) FROM snapshots)")
+            "(SELECT count(*) FROM model_versions), (SELECT count(*) FROM runs), (SELECT count(*) FROM snapshots), "
+            "(SELECT count(*) FROM conversations), (SELECT count(*) FROM items WHERE conversation_id IS NOT NULL), "
+            "(SELECT count(*) FROM conversations WHERE status = 'flagged')")
         out = dict(zip(names, row))
         out["items_remaining"] = self.items_remaining(overlap=overlap)
         return out

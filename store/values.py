@@ -42,3 +42,11 @@ def loads(text: str | None, default=None):
     if text is None:
         return {} if default is None else default
     return json.loads(text)
+
+
+def whole_number(value, what: str, lo: int, hi: int) -> int:
+    """A whole number from lo to hi, else InvalidRequest naming `what`."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer()
+            or not lo <= value <= hi):
+        raise InvalidRequest(f"the {what} must be a whole number from {lo} to {hi}, not {value!r}")
+    return int(value)

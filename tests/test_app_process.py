@@ -126,3 +126,37 @@ def test_a_kill_9_of_the_app_during_generation_leaves_store_and_run_consistent(t
             jobs.shutdown()
     finally:
         store.close()
+
+
+def test_the_apps_chat_sampler_starts_at_the_first_message_and_stops_with_the_app(tmp_path, tiny_model_dir):
+    """app.py builds its ChatService without starting anything; the first Chat message starts the
+    sampler, a process of its own (the app stays without torch), and stopping the app stops it."""
+    port = free_port()
+    cmd = [sys.executable, "app.py", "--db", str(tmp_path / "rlhf.duckdb"), "--port", str(port), "--no-auth",
+           "--model", str(tiny_model_dir), "--device", "cpu", "--no-generate", "--max-new-tokens", "8"]
+    app = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    chat_dir = tmp_path / "runs" / "chat"
+    try:
+        from gradio_client import Client
+
+        wait_for(lambda: _listening(port), timeout=120, what="the app to listen")
+        assert not chat_dir.exists()  # nothing started before the first message
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        status, body, message, *_ = client.predict("Say hi.", api_name="/chat_send")  # the state stays on the server
+        assert "of 8 turns" in status and 'data-k="4"' in body and message == ""
+        (sampler_dir,) = chat_dir.iterdir()
+        sampler_pid = json.loads((sampler_dir / "status.json").read_text())["pid"]
+        assert alive(sampler_pid)
+        # the model is in the sampler's process, not the app's
+        assert "libtorch" in Path(f"/proc/{sampler_pid}/maps").read_text()
+        assert "libtorch" not in Path(f"/proc/{app.pid}/maps").read_text()
+    finally:
+        app.send_signal(signal.SIGTERM)
+        _, err = app.communicate(timeout=120)
+    assert app.returncode == 0, err[-3000:]
+    assert not alive(sampler_pid)  # closed with the app, not left behind
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -177,3 +177,19 @@ def test_generate_bench_compares_our_sampler_and_hf_generate_at_two_batches(tmp_
     assert float(fields["batch_gain"]) == pytest.approx(at["16"]["ours"]["tok_s"] / at["8"]["ours"]["tok_s"], abs=0.01)
     # every method sampled the same prompts at both batches: 2 rounds x 4 prompts x K=4 responses
     assert all(len(run) == 6 for run in data["runs"]) and data["figures"]["methods"] == at["16"]
+
+
+@pytest.mark.slow
+def test_chat_bench_times_turns_through_the_apps_client_and_the_openai_one(tiny_model_dir):
+    """bench/chat_bench.py on the tiny model, 3 turns a side (the full run: the default model, 20):
+    the model's load apart, both sides timed, the RESULT line."""
+    done = subprocess.run([sys.executable, "bench/chat_bench.py", "--model", str(tiny_model_dir), "--turns", "3",
+                           "--max-new-tokens", "8", "--threads", "1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT chat "))
+    fields = dict(kv.split("=") for kv in result.split()[2:])
+    assert fields["k"] == "4" and fields["turns"] == "3" and fields["threads"] == "1"
+    assert all(float(fields[key]) > 0 for key in ("p50_s", "p95_s", "openai_p50_s", "openai_p95_s", "load_s"))
+    assert float(fields["p50_s"]) <= float(fields["p95_s"])
+    assert "| openai |" in done.stdout
