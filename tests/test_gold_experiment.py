@@ -170,6 +170,9 @@ def test_quick_closed_loop_runs_default_rounds_and_resumes(tmp_path):
     first = entry["rounds"]["1"]
     assert set(entry["rounds"]) == {"1"} and "done" not in entry and "leaderboard" not in entry
     assert first["ranked"] == 4 and first["pairs_so_far"] == 4 * 3 and first["eval"]["eval/responses"] == 4 * 2
+    # the round's CPU by part: each job's own (a warm process's forks too), and this process's
+    assert set(first["cpu_parts"]) == {"generate", "train-reward", "ppo", "this process"}
+    assert all(v > 0.5 for v in first["cpu_parts"].values()) and first["cpu_s"] == sum(first["cpu_parts"].values())
     held = [json.loads(line)["prompt"] for line in (first_out / "seed0" / "blind_prompts.jsonl").read_text().splitlines()]
     assert len(held) == 3
     for tag in ("base", "round1"):  # each policy answered the held-back prompts when it was made
@@ -215,10 +218,21 @@ def test_quick_closed_loop_runs_default_rounds_and_resumes(tmp_path):
     line = result_line(out)
     assert line.startswith("RESULT gold_loop rounds=2 seeds=1 ") and "r2_gain_mean=" in line
     assert "leaderboard_separated=" in line and "Blind evaluation" in (out / "report.md").read_text()
+    assert "CPU minutes per part of a round" in (out / "report.md").read_text()
 
     again = tmp_path / "state-done"
     assert main(["--out", str(out), "--pack", str(again)]) == 0
     assert not list(again.glob("seed*/**/*.safetensors")) and json.loads((again / FP16_INDEX).read_text()) == {}
+
+
+def test_cpu_minutes_leave_out_the_rounds_measured_before_jobs_were_counted():
+    from bench.gold.closed_report import cpu_minutes
+
+    measured = [{"cpu_s": 600.0, "cpu_parts": {"ppo": 480.0, "this process": 120.0}},
+                {"cpu_s": 1200.0, "cpu_parts": {"generate": 120.0, "ppo": 960.0, "this process": 120.0}}]
+    got = cpu_minutes(measured)
+    assert got["cpu_min"] == 15.0 and got["cpu_parts_min"] == {"generate": 1.0, "ppo": 12.0, "this process": 2.0}
+    assert cpu_minutes([]) == {"cpu_min": None, "cpu_parts_min": {}}
 
 
 def test_a_resumed_closed_loop_reads_settings_the_code_gained_since_as_their_defaults():

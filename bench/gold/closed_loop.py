@@ -30,7 +30,7 @@ seed, with its own store, annotators' noise, prompt order, round prompts, reward
      store's Bradley-Terry leaderboard (with bootstrap intervals over prompts) ranks them; no
      earlier round's weights are needed for it
   4. results.json (settings, per seed and round: the reward model's held-out accuracy and gate,
-     PPO's last KL and beta, the evaluation, CPU time) and raw.json (per evaluation and prompt: mean
+     PPO's last KL and beta, the evaluation, CPU time per job kind and of this process) and raw.json (per evaluation and prompt: mean
      gold and KL) rewritten after every step; report.md (bench/gold/closed_report.py) from them.
 Seeds run one after another (seed-major: seed 0's rounds and blind evaluation, then seed 1's ...),
 so at most one seed is in flight; --resume continues a seed's round from the state its store
@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gold.eval import EvalConfig  # noqa: E402
 from bench.gold.prompt_sets import LOCKED, PROMPTS, locked_prompts, split_prompts  # noqa: E402
-from bench.gold.steps import Context, RecordingOracle, cpu_seconds, write_rows  # noqa: E402
+from bench.gold.steps import Context, JobCPU, RecordingOracle, cpu_seconds, own_cpu_seconds, write_rows  # noqa: E402
 from pipeline.orchestrate.steps import POLICY_STEPS, LoopSettings  # noqa: E402
 
 OUT_ROOT = ROOT / "bench" / "out" / "closed_loop"
@@ -157,6 +157,7 @@ class Seed:
         self.entry = run.results["seeds"].setdefault(str(seed), {"rounds": {}})
         self.store = Store(self.folder / "rlhf.duckdb")
         self.runner = make_runner(self.store, self.folder / "runs", poll_s=0.5, env=self.ctx.env())
+        self.jobs = JobCPU(self.runner, self.folder / JOB_CPU)
 
     def close(self) -> None:
         self.runner.shutdown()
@@ -199,6 +200,10 @@ class _Exp:
 
 BLIND_PROMPTS = "blind_prompts.jsonl"
 BLIND = "blind"
+JOB_CPU = "job_cpu.json"
+"""Each job's CPU seconds (steps.JobCPU), in the seed's folder."""
+OWN = "this process"
+"""A round's CPU besides its jobs: the evaluation, the blind answers, the simulated annotators."""
 
 
 def start(sd: Seed, pool: Path) -> None:
@@ -246,7 +251,7 @@ def play_round(sd: Seed, n: int) -> None:
                                            resume_generation, start_round, wait_round)
     from pipeline.orchestrate.simulate import simulate_annotations
 
-    t, cpu = time.perf_counter(), cpu_seconds()
+    t, own = time.perf_counter(), own_cpu_seconds()
     rounds = sd.store.list_rounds()
     rnd = rounds[n - 1] if len(rounds) >= n else start_round(sd.store, sd.runner, sd.settings, n - 1)
     if generation_stopped(rnd):  # the run stopped while the round was generating: the rest first
@@ -273,7 +278,8 @@ def play_round(sd: Seed, n: int) -> None:
     else:  # the round made no policy: the policy of the round before stands (its evaluation)
         entry["eval"] = sd.entry["rounds"][str(n - 1)]["eval"] if n > 1 else sd.entry["base"]
         sd.run.add_raw(sd.seed, f"round{n}", None, same_as=f"round{n - 1}" if n > 1 else "base")
-    entry.update(wall_s=time.perf_counter() - t, cpu_s=cpu_seconds() - cpu)
+    parts = {**sd.jobs.of_round(rnd.id), OWN: own_cpu_seconds() - own}
+    entry.update(wall_s=time.perf_counter() - t, cpu_s=sum(parts.values()), cpu_parts=parts)
     with sd.run.lock:
         sd.entry["rounds"][str(n)] = entry
 
@@ -347,7 +353,8 @@ class ClosedLoop:
         if quick_model:
             self.test_prompts = self.test_prompts[:4]
         self.judge = RecordingOracle(make_oracle("embedding"))
-        self.results = {"settings": self.describe(), "seeds": {}, "timings": {}, "commit": _commit()}
+        self.results = {"settings": self.describe(), "seeds": {}, "timings": {}, "commit": _commit(),
+                        "cpu_counts_jobs": True}
         self.raw: dict = {}
         self.t0, self.cpu0, self.before = time.perf_counter(), cpu_seconds(), (0.0, 0.0)
         if resume:
@@ -384,6 +391,12 @@ class ClosedLoop:
                                                                "cpu_s": old.get("cpu_s")}])
         self.before = (sum(r["wall_s"] or 0 for r in self.results["resumed"]),
                        sum(r["cpu_s"] or 0 for r in self.results["resumed"]))
+        for entry in self.results["seeds"].values():  # rounds run before a job's CPU was counted
+            for rnd in entry["rounds"].values():
+                if "cpu_parts" not in rnd and rnd.get("cpu_s") is not None:
+                    rnd.update(cpu_s=None, cpu_not_counted=rnd["cpu_s"])  # this process's alone: not the round's
+        if not old.get("cpu_counts_jobs"):  # the run's total CPU missed its jobs until now: not known
+            self.before = (self.before[0], None)
 
     def add_raw(self, seed: int, tag: str, rows: list[dict] | None, same_as: str = "") -> None:
         """Per prompt of one evaluation: mean gold and KL over its responses, and how many (or the
@@ -402,7 +415,7 @@ class ClosedLoop:
     def save(self) -> None:
         with self.lock:
             self.results["wall_s"] = self.before[0] + time.perf_counter() - self.t0
-            self.results["cpu_s"] = self.before[1] + cpu_seconds() - self.cpu0
+            self.results["cpu_s"] = None if self.before[1] is None else self.before[1] + cpu_seconds() - self.cpu0
             (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
             (self.out / "raw.json").write_text(json.dumps({"prompts": self.test_prompts, "evals": self.raw}, indent=0))
 
@@ -488,7 +501,7 @@ def pack(out: Path, state: Path) -> list[Path]:
     for seed, entry in results["seeds"].items():
         folder, packed = out / f"seed{seed}", state / f"seed{seed}"
         db = boundary / f"seed{seed}.duckdb"
-        keep = [folder / "eval", folder / BLIND, folder / BLIND_PROMPTS, folder / "pool.jsonl",
+        keep = [folder / "eval", folder / BLIND, folder / BLIND_PROMPTS, folder / "pool.jsonl", folder / JOB_CPU,
                 *sorted((folder / "runs" / "inputs").glob("*prompts.jsonl"))]
         with Store(db if db.is_file() else folder / "rlhf.duckdb") as store:
             in_flight = [] if entry.get("done") else [store.active_policy(), latest_reward(store)]

@@ -72,8 +72,18 @@ def rounds_table(results: dict, raw: dict) -> list[dict]:
         out.append({"round": n, "seeds": have, "gains": gains, **{f"gain_{k}": v for k, v in t_interval(gains).items()},
                     "kl_mean": statistics.fmean(kls), "rm_accuracy": accs,
                     "gated": sum(bool(e.get("gate")) for e in entries),
-                    "cpu_min": statistics.fmean(e["cpu_s"] / 60 for e in entries)})
+                    **cpu_minutes([e for e in entries if "cpu_parts" in e])})
     return out
+
+
+def cpu_minutes(entries: list[dict]) -> dict:
+    """{cpu_min, cpu_parts_min} over the seed-rounds whose CPU was measured by part (a round run
+    before its jobs' CPU was counted has no cpu_parts: it is left out, None when none is left)."""
+    if not entries:
+        return {"cpu_min": None, "cpu_parts_min": {}}
+    kinds = sorted({k for e in entries for k in e["cpu_parts"]})
+    return {"cpu_min": statistics.fmean(e["cpu_s"] / 60 for e in entries),
+            "cpu_parts_min": {k: statistics.fmean(e["cpu_parts"].get(k, 0.0) / 60 for e in entries) for k in kinds}}
 
 
 def leaderboard_check(results: dict) -> dict:
@@ -134,6 +144,13 @@ def write_report(folder: Path) -> Path:
                      f"{', '.join(_f(a, 3) for a in r['rm_accuracy']) or '-'} | {r['gated']} | {_f(r['cpu_min'], 1)} |")
     if not rows:
         lines.append("| (no round measured yet) |||||||||")
+    elif any(r["cpu_parts_min"] for r in rows):
+        lines += ["", "CPU minutes per part of a round (mean over its seeds; each job's user + system time, "
+                      "\"this process\": the evaluation, the blind answers and the simulated annotators):", "",
+                  "| round | " + " | ".join(kinds := sorted({k for r in rows for k in r["cpu_parts_min"]})) + " |",
+                  "|---|" + "---|" * len(kinds)]
+        for r in rows:
+            lines.append(f"| {r['round']} | " + " | ".join(_f(r["cpu_parts_min"].get(k), 1) for k in kinds) + " |")
     boards = {s: e["leaderboard"] for s, e in results["seeds"].items() if e.get("leaderboard", {}).get("rows")}
     if boards:
         lines += ["", "## Blind evaluation (the Models tab's, ranked by the simulated annotators)", "",
@@ -145,8 +162,9 @@ def write_report(folder: Path) -> Path:
         check = leaderboard_check(results)
         lines += ["", "Last round above the base with separated intervals: " +
                   ", ".join(f"seed {s} {'yes' if c['separated'] else 'no'}" for s, c in check.items()) + "."]
-    lines += ["", f"Wall {_f(results.get('wall_s', 0) / 3600, 2)} h, CPU {_f(results.get('cpu_s', 0) / 3600, 2)} h "
-                  "(this process and its jobs).", "", result_line(folder), ""]
+    cpu = results.get("cpu_s")  # None: a part of the run counted no job's CPU
+    cpu_text = f"CPU {_f(cpu / 3600, 2)} h (this process and its jobs)" if cpu is not None else "CPU not known"
+    lines += ["", f"Wall {_f(results.get('wall_s', 0) / 3600, 2)} h, {cpu_text}.", "", result_line(folder), ""]
     path = folder / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path

@@ -3,12 +3,13 @@ pipeline/orchestrate/loop.py's own:
 
 - RecordingOracle: the gold judge, remembering every score it gave
 - Context: what every part of a seed's run shares (settings, results, the held-out evaluation)
-- cpu_seconds, write_rows: CPU time of this process and its ended jobs; JSON Lines out
+- cpu_seconds, JobCPU, write_rows: CPU time of this process and its jobs, each job's own; JSON Lines out
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import threading
 import time
@@ -38,10 +39,70 @@ EVAL_LOCK = threading.Lock()
 """One model load at a time in this process: loading from several threads at once is not safe."""
 
 
+def own_cpu_seconds() -> float:
+    """CPU time (user + system) of this process alone: the evaluations, the simulated annotators."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime
+
+
+def ended_cpu_seconds() -> float:
+    """CPU time of every process started from this one that has ended: the children this process
+    reaped (cold-started jobs, a warm process that ended) and those its live children reaped (the
+    jobs a warm process forked, pipeline/orchestrate/warm.py). It grows by a job's whole CPU time
+    when the job ends, before the runner hears of it."""
+    jobs = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return jobs.ru_utime + jobs.ru_stime + sum(stat[2] + stat[3] for stat in _live_children())
+
+
 def cpu_seconds() -> float:
-    """CPU time (user + system) of this process and of its jobs that have ended."""
-    own, jobs = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + jobs.ru_utime + jobs.ru_stime
+    """CPU time of this process and everything it started, ended or alive."""
+    return own_cpu_seconds() + ended_cpu_seconds() + sum(stat[0] + stat[1] for stat in _live_children())
+
+
+def _live_children() -> list[tuple[float, float, float, float]]:
+    """(utime, stime, cutime, cstime) in seconds of each live child of this process, from
+    /proc/PID/stat (none where there is no /proc)."""
+    me, tick, out = os.getpid(), os.sysconf("SC_CLK_TCK"), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it ended while being read
+        if int(fields[1]) == me:  # fields from the state on: ppid is the second, utime the 12th
+            out.append(tuple(int(x) / tick for x in fields[11:15]))
+    return out
+
+
+class JobCPU:
+    """CPU seconds of each job of a runner, measured as it ends (`ended_cpu_seconds` since the
+    last job ended: jobs run one at a time), kept in a JSON file {run id: {kind, round_id, cpu_s}}
+    so a resumed run keeps the earlier ones. Hooked in front of the runner's on_end."""
+
+    def __init__(self, runner, path: Path):
+        self.path, self.last = path, ended_cpu_seconds()
+        self.jobs: dict[str, dict] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        after = runner.on_end
+
+        def on_end(r, run) -> None:
+            self.ended(run)
+            if after is not None:
+                after(r, run)
+
+        runner.on_end = on_end
+
+    def ended(self, run) -> None:
+        now = ended_cpu_seconds()
+        self.jobs[str(run.id)] = {"kind": run.kind, "round_id": run.inputs.get("round_id"), "cpu_s": now - self.last}
+        self.last = now
+        self.path.write_text(json.dumps(self.jobs, indent=1), encoding="utf-8")
+
+    def of_round(self, round_id: int) -> dict[str, float]:
+        """{job kind: CPU seconds} of the round's jobs."""
+        parts: dict[str, float] = {}
+        for job in self.jobs.values():
+            if job["round_id"] == round_id:
+                parts[job["kind"]] = parts.get(job["kind"], 0.0) + job["cpu_s"]
+        return parts
 
 
 @dataclass
