@@ -70,6 +70,17 @@ def download_export(page) -> list[dict]:
     return [json.loads(line) for line in Path(info.value.path()).read_text().splitlines()]
 
 
+def downloaded_files(page) -> dict[str, str]:
+    """{file name: text} of every file the Export panel offers (after #rl-export was clicked)."""
+    page.locator("#rl-export-file a").first.wait_for(timeout=15_000)
+    files = {}
+    for link in page.locator("#rl-export-file a").all():
+        with page.expect_download() as info:
+            link.click()
+        files[info.value.suggested_filename] = Path(info.value.path()).read_text()
+    return files
+
+
 @pytest.fixture(scope="module", name="browser")
 def chromium_browser():
     """Headless system Chromium, as the fixture `browser`; the test skips where it is not installed.

@@ -16,7 +16,7 @@ from annotate.context import AppContext
 from pipeline.config import ModelConfig
 from pipeline.orchestrate.chat import ChatService
 from store import Store
-from tests.fixtures_browser import chromium_browser, login, serve  # noqa: F401  (the fixture `browser`)
+from tests.fixtures_browser import chromium_browser, downloaded_files, login, serve  # noqa: F401  (the fixture `browser`)
 from tests.helpers import tiny_settings
 
 pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("one_thread")]
@@ -147,12 +147,7 @@ def export(browser, url) -> dict[str, str]:
     admin.get_by_role("tab", name="Data").click()
     admin.get_by_role("tab", name="Export").click()
     admin.click("#rl-export")
-    admin.locator("#rl-export-file a").first.wait_for(timeout=15_000)
-    files = {}
-    for link in admin.locator("#rl-export-file a").all():
-        with admin.expect_download() as info:
-            link.click()
-        files[info.value.suggested_filename] = Path(info.value.path()).read_text()
+    files = downloaded_files(admin)
     admin.close()
     return files
 

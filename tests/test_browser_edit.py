@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_browser import chromium_browser, login, served_store  # noqa: F401  (the fixture `browser`)
+from tests.fixtures_browser import chromium_browser, downloaded_files, login, served_store  # noqa: F401  (the fixture `browser`)
 
 pytestmark = pytest.mark.browser
 ANSWER = "Paris is the capital of France, on the Seine."
@@ -58,13 +58,8 @@ def test_an_own_answer_reaches_the_pairs_and_the_demonstrations(app, browser, tm
     admin.get_by_role("tab", name="Data").click()
     admin.get_by_role("tab", name="Export").click()
     admin.click("#rl-export")
-    admin.locator("#rl-export-file a").first.wait_for(timeout=15_000)
+    files = downloaded_files(admin)
     assert "1 demonstrations" in admin.inner_text("#rl-export-msg")
-    files = {}
-    for link in admin.locator("#rl-export-file a").all():
-        with admin.expect_download() as info:
-            link.click()
-        files[info.value.suggested_filename] = Path(info.value.path()).read_text()
     admin.close()
     pairs_name = next(n for n in files if n.endswith(".jsonl") and "rankings" not in n and "demonstrations" not in n)
     pairs = [json.loads(line) for line in files[pairs_name].splitlines()]

@@ -51,7 +51,7 @@ def test_no_function_over_the_limits_but_the_known_ones():
     assert not new, f"over {MAX_LINES} lines or {MAX_PARAMS} parameters: {new}"
     shrunk = KNOWN - {hit[:2] for hit in found}
     assert not shrunk, f"within the limits now: take {sorted(shrunk)} off KNOWN"
-    assert len(KNOWN) <= 4  # issue 60's target is 3: ChatService's options are the one to group next
+    assert len(KNOWN) <= 4
 
 
 def test_the_check_catches_a_long_function_and_a_long_signature():
