@@ -8,7 +8,6 @@ pairs of each ranking, and the edited answer in the demonstrations."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

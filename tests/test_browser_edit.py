@@ -6,7 +6,6 @@ was written from) and in the demonstrations file (TRL's SFT conversational forma
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
