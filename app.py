@@ -9,7 +9,8 @@ here), the bundled prompts are imported, and a job generates K responses for a f
 prompts; the Annotate tab shows them chunk by chunk as they arrive. The app process itself never
 loads a model: generation, training and comparison run as subprocess jobs (pipeline/orchestrate),
 and the Chat tab's replies come from a sampler process of their own, started at the first message
-(pipeline/orchestrate/chat.py), or from an OpenAI-compatible server given by --chat-url.
+(pipeline/orchestrate/chat.py), or from an OpenAI-compatible server set in Data > Team (or by
+--chat-url).
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="no first batch on a first start: rank what is in the store")
     p.add_argument("--device", default="auto", help="jobs' device: auto, cpu, cuda (default: %(default)s)")
     p.add_argument("--chat-url", default="",
-                   help="the Chat tab asks this OpenAI-compatible server (vLLM, llama.cpp's server, TGI: a base URL "
-                        "such as http://localhost:8000/v1; its key in $RLHF_LOOP_CHAT_API_KEY) instead of "
-                        "starting its own sampler on the active policy")
+                   help="set the Chat tab to ask this OpenAI-compatible server (vLLM, llama.cpp's server, TGI: "
+                        "a base URL such as http://localhost:8000/v1; its key in $RLHF_LOOP_CHAT_API_KEY) instead "
+                        "of starting its own sampler on the active policy: the store's setting, as Data > Team "
+                        "sets it (default: keep the stored one)")
     p.add_argument("--chat-model", default="",
-                   help="the model name sent to --chat-url's server (default: none, the server's own)")
+                   help="with --chat-url: the model name sent to its server (default: none, the server's own)")
     p.add_argument("--chat-timeout", type=float, default=120.0, metavar="S",
                    help="seconds an annotator waits for a turn's replies before the message is given back "
                         "unanswered (default: %(default)s)")
@@ -79,10 +81,10 @@ def main(argv=None) -> int:
     from annotate.timing import Timings
     from annotate.ui import build_ui, launch
     from pipeline.config import GenerateConfig, ModelConfig
-    from pipeline.orchestrate.chat import API_KEY_ENV, ChatError, ChatService
+    from pipeline.orchestrate.chat import API_KEY_ENV, ChatService
     from pipeline.orchestrate.loop import make_runner
     from pipeline.orchestrate.steps import LoopSettings
-    from store import Store, StoreLockedError
+    from store import Store, StoreError, StoreLockedError
 
     # 1. the store (one owner process per DuckDB file)
     try:
@@ -90,6 +92,13 @@ def main(argv=None) -> int:
     except StoreLockedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if args.chat_url:  # the store's setting, as Data > Team sets it
+        try:
+            store.set_chat_settings(server_url=args.chat_url, server_model=args.chat_model)
+        except StoreError as exc:
+            print(f"error: --chat-url: {exc}", file=sys.stderr)
+            store.close()
+            return 2
     auth = not args.no_auth
     host = "127.0.0.1" if args.no_auth else args.host
     if args.no_auth and args.host not in ("127.0.0.1", "localhost"):
@@ -118,15 +127,9 @@ def main(argv=None) -> int:
     # 4. the Chat tab's replies: building the service starts nothing; the local sampler (a process
     #    of its own, serving the active policy) starts at the first message, an outside server is
     #    only asked
-    try:
-        chat = None if args.no_chat else ChatService(
-            store, data_dir / "runs", url=args.chat_url, api_key=os.environ.get(API_KEY_ENV, ""),
-            model=args.chat_model, timeout_s=args.chat_timeout, model_cfg=settings.model, generate=settings.generate)
-    except ChatError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        jobs.shutdown()
-        store.close()
-        return 2
+    chat = None if args.no_chat else ChatService(
+        store, data_dir / "runs", api_key=os.environ.get(API_KEY_ENV, ""), timeout_s=args.chat_timeout,
+        model_cfg=settings.model, generate=settings.generate)
 
     # 5. the UI (the queue's in-memory index is built now, not on the first annotator's request)
     store.warm_queue()

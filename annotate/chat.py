@@ -151,7 +151,7 @@ def _replying_version(ctx: AppContext) -> int:
     """The model version the replies are stored as written by: the store's active policy (the
     base model, registered as policy 'base', on a fresh store), which the local sampler serves;
     or, for an outside server, an external version named after its model."""
-    outside = ctx.chat.outside
+    outside = ctx.chat.outside()
     if outside is not None:
         name = f"chat:{outside.model or outside.root}"
         found = ctx.store.find_model_version(name)
@@ -215,18 +215,21 @@ def _close(ctx: AppContext, state: ChatState | None, request: gr.Request, *, fla
 
 
 def settings_form(ctx: AppContext, request: gr.Request):
-    """(replies per turn, turns per conversation) as stored."""
+    """(replies per turn, turns per conversation, outside server URL, its model) as stored."""
     admin(ctx, request)
-    return ctx.store.chat_replies(), ctx.store.chat_max_turns()
+    return (ctx.store.chat_replies(), ctx.store.chat_max_turns(), *ctx.store.chat_server())
 
 
-def save_settings(ctx: AppContext, replies, max_turns, request: gr.Request) -> str:
+def save_settings(ctx: AppContext, replies, max_turns, server_url, server_model, request: gr.Request) -> str:
+    """Store the Chat tab's settings (all or none: a bad one is named and nothing is saved)."""
     admin(ctx, request)
     try:
         ctx.store.set_chat_settings(replies=None if replies in (None, "") else replies,
-                                    max_turns=None if max_turns in (None, "") else max_turns)
+                                    max_turns=None if max_turns in (None, "") else max_turns,
+                                    server_url=server_url or "", server_model=server_model or "")
     except StoreError as exc:
         raise gr.Error(f"Not saved: {exc}") from None
+    url, model = ctx.store.chat_server()
+    server = f"replies from {url}" + (f" (model {model})" if model else "") if url else "replies from the active policy"
     return (f"Saved: {ctx.store.chat_replies()} replies per turn, "
-            f"{ctx.store.chat_max_turns()} turns per conversation.")
-
+            f"{ctx.store.chat_max_turns()} turns per conversation, {server}.")

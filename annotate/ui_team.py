@@ -37,6 +37,10 @@ def team_tab(ctx: AppContext) -> dict:
                                  elem_id="rl-chat-replies")
         chat_turns = gr.Number(None, label="Chat: turns per conversation", precision=0, minimum=1,
                                elem_id="rl-chat-turns")
+    with gr.Row():
+        chat_url = gr.Textbox(label="Chat: outside server URL (blank = the local sampler on the active policy)",
+                              placeholder="http://localhost:8000/v1", elem_id="rl-chat-url", scale=2)
+        chat_model = gr.Textbox(label="Its model name (blank = the server's own)", elem_id="rl-chat-model")
         chat_btn = gr.Button("Save chat settings", elem_id="rl-chat-settings-save", scale=0, min_width=160)
     queue_msg = gr.Markdown(elem_id="rl-team-msg")
     rounds = gr.Dataframe(label="Rounds", interactive=False, elem_id="rl-team-rounds")
@@ -65,7 +69,8 @@ def team_tab(ctx: AppContext) -> dict:
     tables = [summary, people, items, gold]
     form = [overlap, gold_rate, round_id, rounds]
     save_btn.click(bind(t.save_queue, ctx), [overlap, gold_rate], [queue_msg], **HIDDEN, api_name="save_queue")
-    chat_btn.click(bind(chat.save_settings, ctx), [chat_replies, chat_turns], [queue_msg], **HIDDEN,
+    chat_form = [chat_replies, chat_turns, chat_url, chat_model]
+    chat_btn.click(bind(chat.save_settings, ctx), chat_form, [queue_msg], **HIDDEN,
                    api_name="save_chat_settings")
     round_id.change(bind(t.round_form, ctx), [round_id], [round_overlap, priority], api_visibility="private")
     round_btn.click(bind(t.save_round, ctx), [round_id, round_overlap, priority], [queue_msg, rounds],
@@ -75,5 +80,5 @@ def team_tab(ctx: AppContext) -> dict:
     import_btn.click(bind(t.import_gold, ctx), [upload], [gold_msg, gold_errors, *tables],
                      **HIDDEN, api_name="import_gold")
     timer.tick(bind(t.team_tables, ctx), None, tables, api_visibility="private", show_progress="hidden")
-    return {"load": [(t.queue_form, None, form), (chat.settings_form, None, [chat_replies, chat_turns]),
+    return {"load": [(t.queue_form, None, form), (chat.settings_form, None, chat_form),
                      (t.team_tables, None, tables), (t.go_live, None, [timer])]}

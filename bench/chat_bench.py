@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.config import GenerateConfig, ModelConfig  # noqa: E402
 from pipeline.orchestrate.chat import ChatService  # noqa: E402
+from store import Store  # noqa: E402
 
 PROMPTS = ROOT / "store" / "data" / "prompts.jsonl"
 FOLLOW_UPS = ["Can you say more about that?", "Why is that?", "Thanks. Is there anything else I should know?"]
@@ -88,12 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     app = ChatService(None, work / "runs", timeout_s=args.timeout, start_timeout_s=args.timeout,
                       model_cfg=ModelConfig(model=args.model, device="cpu"), generate=gen)
     times: dict[str, list[float]] = {"app": [], "openai": []}
+    outside_store = Store(work / "outside.duckdb")  # names the local sampler as an outside server
     try:
         # 1. the first request starts the sampler and loads the model: timed apart
         load_s, _ = timed(app, [{"role": "user", "content": "Hello!"}], args.k)
         endpoint = app.local.endpoint
-        sides = {"app": app, "openai": ChatService(None, work / "unused", url=endpoint.root + "/v1",
-                                                   api_key=endpoint.api_key, model=endpoint.model,
+        outside_store.set_chat_settings(server_url=endpoint.root + "/v1", server_model=endpoint.model)
+        sides = {"app": app, "openai": ChatService(outside_store, work / "unused", api_key=endpoint.api_key,
                                                    timeout_s=args.timeout, generate=gen)}
         # 2. every turn on both sides, in alternating order; the history goes on from the app side's first reply
         history: list[dict] = []
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"openai {times['openai'][-1]:.2f} s", flush=True)
     finally:
         app.close()
+        outside_store.close()
 
     # 3. the table and the RESULT line
     print(f"\nchat, K = {args.k}, max_new_tokens {args.max_new_tokens}, {args.turns} turns a side, "

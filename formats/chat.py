@@ -14,6 +14,9 @@ from either export format, System turns included; it is the inverse of messages_
 `conversation_problem(messages, limits)`: what keeps a conversation from a chat sampler (a bad
 message, a length limit), the one check of the app's client and the sampler itself.
 
+`server_url_problem(url)`: what keeps a text from being an OpenAI-compatible server's base URL
+(http://host:8000/v1), the one check of the store's chat setting and the app's client.
+
 `pair_from_messages(prompt, chosen, rejected)`: a conversational preference row (explicit or
 implicit prompt) as (prompt messages, chosen text, rejected text), or the problem with it.
 """
@@ -21,6 +24,7 @@ implicit prompt) as (prompt messages, chosen text, rejected text), or the proble
 from __future__ import annotations
 
 import re
+import urllib.parse
 
 CHAT_ROLES = ("system", "user", "assistant")
 ASSISTANT_MARK = "\n\nAssistant:"
@@ -50,6 +54,15 @@ def check_messages(messages) -> str | None:
         if not isinstance(m["content"], str) or not m["content"].strip():
             return f"messages[{i}].content is empty or not text"
     return None
+
+
+def server_url_problem(url: str) -> str | None:
+    """None if `url` is an http(s) address with a host, as OpenAI clients take a base URL; else
+    the problem, naming the URL."""
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme in ("http", "https") and parts.netloc:
+        return None
+    return f"the chat server URL {url!r} is not an http(s) address such as http://localhost:8000/v1"
 
 
 def conversation_problem(messages, limits) -> tuple[str, str | None] | None:

@@ -24,13 +24,15 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from formats.chat import prompt_messages
+from formats.chat import prompt_messages, server_url_problem
 from store.errors import InvalidRequest, NotFoundError
 from store.records import HUMAN_EDIT, ChatTurn, Conversation
 from store.values import from_db_time, utcnow, whole_number
 
 REPLIES_KEY = "chat_replies"
 MAX_TURNS_KEY = "chat_max_turns"
+SERVER_KEY = "chat_server"
+"""An outside OpenAI-compatible server the Chat tab asks instead of the local sampler: {url, model}."""
 DEFAULT_REPLIES = 4
 """K, the replies offered at each turn (HH-RLHF offered two; four give six pairs a turn, as the
 round's generation does)."""
@@ -97,11 +99,36 @@ class ConversationsMixin:
         """The annotator's messages a conversation holds at most (setting 'chat_max_turns', default 8)."""
         return int(self.get_setting(MAX_TURNS_KEY, DEFAULT_MAX_TURNS))
 
-    def set_chat_settings(self, *, replies: int | None = None, max_turns: int | None = None) -> None:
+    def chat_server(self) -> tuple[str, str]:
+        """(base URL, model name) of the outside server the Chat tab asks (setting 'chat_server'),
+        ('', '') for the local sampler serving the active policy. Its API key is not stored: the
+        app reads it from its environment (pipeline/orchestrate/chat.py API_KEY_ENV)."""
+        server = self.get_setting(SERVER_KEY, {}) or {}
+        return server.get("url", ""), server.get("model", "")
+
+    def set_chat_settings(self, *, replies: int | None = None, max_turns: int | None = None,
+                          server_url: str | None = None, server_model: str | None = None) -> None:
+        """Each setting given, checked before any is written (InvalidRequest naming the bad one).
+        server_url '' = back to the local sampler (its model name is then dropped too)."""
         if replies is not None:
-            self.set_setting(REPLIES_KEY, whole_number(replies, "replies per turn", 2, MAX_REPLIES))
+            replies = whole_number(replies, "replies per turn", 2, MAX_REPLIES)
         if max_turns is not None:
-            self.set_setting(MAX_TURNS_KEY, whole_number(max_turns, "turns per conversation", 1, MAX_MAX_TURNS))
+            max_turns = whole_number(max_turns, "turns per conversation", 1, MAX_MAX_TURNS)
+        server = None
+        if server_url is not None or server_model is not None:
+            url, model = self.chat_server()
+            url = url if server_url is None else server_url.strip()
+            model = model if server_model is None else server_model.strip()
+            problem = server_url_problem(url) if url else None
+            if problem:
+                raise InvalidRequest(problem)
+            server = {"url": url, "model": model} if url else {}
+        if replies is not None:
+            self.set_setting(REPLIES_KEY, replies)
+        if max_turns is not None:
+            self.set_setting(MAX_TURNS_KEY, max_turns)
+        if server is not None:
+            self.set_setting(SERVER_KEY, server)
 
     # -- reads
 

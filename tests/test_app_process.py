@@ -160,3 +160,17 @@ def test_the_apps_chat_sampler_starts_at_the_first_message_and_stops_with_the_ap
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_chat_url_that_is_not_an_address_stops_the_app_naming_it(tmp_path):
+    """--chat-url sets the store's chat server (as Data > Team does): a bad one is refused before
+    anything starts, exit code 2, and nothing is stored."""
+    db = tmp_path / "rlhf.duckdb"
+    out = subprocess.run([sys.executable, "app.py", "--db", str(db), "--no-auth", "--no-generate",
+                          "--chat-url", "localhost:8000/v1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "--chat-url: the chat server URL 'localhost:8000/v1' is not an http" in out.stderr
+    store = Store(db)
+    try:
+        assert store.chat_server() == ("", "")
+    finally:
+        store.close()

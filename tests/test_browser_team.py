@@ -166,3 +166,30 @@ def test_twelve_responses_ranked_with_the_keyboard(tmp_path, browser):
         assert ranking.order == [[ids[p - 1] for p in group] for group in positions]
         assert page.dialogs == []
         page.close()
+
+
+def test_an_admin_points_the_chat_tab_at_an_outside_server(tmp_path, browser):
+    """Data > Team's chat settings: a URL that is not an address is refused on screen and nothing is
+    stored; a good one is stored with its model name and shown again on a new page; blank goes back
+    to the local sampler."""
+    with team_app(tmp_path, questions(1)) as (url, store):
+        admin = open_team_tab(browser, url)
+        admin.fill("#rl-chat-url textarea", "gpu-box:8000")
+        admin.click("#rl-chat-settings-save")
+        admin.wait_for_selector(":text(\"'gpu-box:8000' is not an http\")", timeout=10_000)
+        assert store.chat_server() == ("", "")
+        admin.fill("#rl-chat-url textarea", "http://gpu-box:8000/v1")
+        admin.fill("#rl-chat-model textarea", "llama-3-8b")
+        admin.click("#rl-chat-settings-save")
+        admin.wait_for_selector("#rl-team-msg :text('replies from http://gpu-box:8000/v1 (model llama-3-8b)')",
+                                timeout=10_000)
+        assert store.chat_server() == ("http://gpu-box:8000/v1", "llama-3-8b")
+        admin.close()
+        again = open_team_tab(browser, url)
+        again.wait_for_function("() => document.querySelector('#rl-chat-url textarea').value === "
+                                "'http://gpu-box:8000/v1'", timeout=10_000)
+        again.fill("#rl-chat-url textarea", "")
+        again.click("#rl-chat-settings-save")
+        again.wait_for_selector("#rl-team-msg :text('replies from the active policy')", timeout=10_000)
+        assert store.chat_server() == ("", "")
+        again.close()

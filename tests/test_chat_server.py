@@ -9,7 +9,7 @@ handlers (annotate/chat.py):
 - killed with SIGKILL, between requests or while answering one: started again, and the annotator
   told so, nothing stored; one that cannot start says why (its log), not that it restarted;
 - a request not answered in time (the sampler stopped with SIGSTOP) stores nothing;
-- an outside OpenAI-compatible server asked by URL (app.py --chat-url), nothing started.
+- an outside OpenAI-compatible server set by an admin (Data > Team, app.py --chat-url), nothing started.
 
 Waits are on events the processes show (a status file, the sampler's CPU time), with generous
 timeouts, not on sleeps.
@@ -272,22 +272,23 @@ def test_a_closed_service_starts_no_sampler(ctx):
     assert not (ctx.chat.runs_dir / "chat").exists()
 
 
-def test_an_outside_server_is_asked_by_url_and_its_replies_stored_as_its_model(sampler, tmp_path):
-    """--chat-url: the same client against any OpenAI-compatible server (here the tiny sampler,
-    standing in for vLLM or llama.cpp's server); nothing is started, the replies name the server's
-    model as an external version."""
+def test_an_outside_server_set_by_an_admin_is_asked_and_its_replies_stored_as_its_model(sampler, tmp_path):
+    """Data > Team's chat server setting (or app.py --chat-url): the same client against any
+    OpenAI-compatible server (here the tiny sampler, standing in for vLLM or llama.cpp's server);
+    nothing is started, the replies name the server's model as an external version."""
     store = Store(tmp_path / "rlhf.duckdb")
     store.add_annotator("ann", "password-ann")
-    service = ChatService(store, tmp_path / "runs", url=sampler.endpoint.root + "/v1", api_key=sampler.token,
-                          model=sampler.endpoint.model, generate=GEN, limits=LIMITS)
+    store.add_annotator("boss", "password-boss", role="admin")
+    service = ChatService(store, tmp_path / "runs", api_key=sampler.token, generate=GEN, limits=LIMITS)
     try:
         ctx = AppContext(store=store, auth=True, data_dir=tmp_path / "data", chat=service)
+        chat.save_settings(ctx, 4, 8, sampler.endpoint.root + "/v1", sampler.endpoint.model, req("boss"))
         state, *_ = chat.send(ctx, None, "How can I shop?", req("ann"))
         item = state.showing.item
         assert len(item.responses) == 4 and not (tmp_path / "runs").exists()
         version = store.get_model_version(item.model_version_id)
         assert version.kind == "external" and version.name == f"chat:{sampler.endpoint.model}"
-        wrong = ChatService(None, tmp_path / "runs", url=sampler.endpoint.root, api_key="wrong-key", limits=LIMITS)
+        wrong = ChatService(store, tmp_path / "runs", api_key="wrong-key", limits=LIMITS)
         with pytest.raises(ChatError, match="401"):
             wrong.replies(1, HELLO, 2)
     finally:

@@ -46,7 +46,18 @@ def test_end_and_settings_are_checked_on_the_server(ctx):
     with pytest.raises(gr.Error, match="no conversation to end"):
         chat.end(ctx, None, req("ann"))
     with pytest.raises(Refused):
-        chat.save_settings(ctx, 2, 3, req("ann"))
-    assert "2 replies per turn, 3 turns" in chat.save_settings(ctx, 2, 3, req("boss"))
+        chat.save_settings(ctx, 2, 3, "", "", req("ann"))
+    assert "2 replies per turn, 3 turns" in chat.save_settings(ctx, 2, 3, "", "", req("boss"))
     with pytest.raises(gr.Error, match="Not saved"):
-        chat.save_settings(ctx, 1, None, req("boss"))
+        chat.save_settings(ctx, 1, None, "", "", req("boss"))
+
+
+def test_an_outside_server_setting_is_checked_and_saved_whole_or_not_at_all(ctx):
+    with pytest.raises(gr.Error, match="'localhost:8000' is not an http"):  # no scheme: named, nothing saved
+        chat.save_settings(ctx, 3, 5, "localhost:8000", "m", req("boss"))
+    assert (ctx.store.chat_replies(), ctx.store.chat_max_turns(), ctx.store.chat_server()) == (4, 8, ("", ""))
+    saved = chat.save_settings(ctx, 3, 5, " http://gpu-box:8000/v1 ", "llama", req("boss"))
+    assert "replies from http://gpu-box:8000/v1 (model llama)" in saved
+    assert chat.settings_form(ctx, req("boss")) == (3, 5, "http://gpu-box:8000/v1", "llama")
+    chat.save_settings(ctx, 3, 5, "", "llama", req("boss"))  # blank: back to the local sampler
+    assert ctx.store.chat_server() == ("", "") and chat.settings_form(ctx, req("boss"))[2:] == ("", "")

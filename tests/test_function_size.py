@@ -19,9 +19,6 @@ KNOWN = {
     ("pipeline/reward_eval.py", "evaluate"),
     # a model version's record: each column of model_versions by name
     ("store/versions.py", "register_model_version"),
-    # the chat sampler's client: where it runs (store, runs folder, or an outside URL, key, model)
-    # and its limits and timeouts, each by name (to group into one options object)
-    ("pipeline/orchestrate/chat.py", "__init__"),
 }
 """(file, function) pairs over one of the limits today."""
 
@@ -51,7 +48,7 @@ def test_no_function_over_the_limits_but_the_known_ones():
     assert not new, f"over {MAX_LINES} lines or {MAX_PARAMS} parameters: {new}"
     shrunk = KNOWN - {hit[:2] for hit in found}
     assert not shrunk, f"within the limits now: take {sorted(shrunk)} off KNOWN"
-    assert len(KNOWN) <= 4
+    assert len(KNOWN) <= 3
 
 
 def test_the_check_catches_a_long_function_and_a_long_signature():

@@ -13,8 +13,10 @@ asks an OpenAI-compatible chat-completions endpoint (POST /v1/chat/completions w
   line. A sampler found dead is started again and the request answered `ChatUnavailable` with
   `restarted` set ("... restarted: send the message again"): the annotator, not this module,
   decides to ask again, so no one waits a model load without being told why;
-- with a `url` (the base URL of vLLM, llama.cpp's server, TGI ..., e.g. http://host:8000/v1),
-  that server, with `api_key` and `model`. This module starts nothing then.
+- when the store names an outside server (Store.chat_server: the base URL of vLLM, llama.cpp's
+  server, TGI ..., e.g. http://host:8000/v1, and a model name, set in the Team tab or by app.py
+  --chat-url), that server, with `api_key`. This module starts nothing then (and stops a local
+  sampler it had started); clearing the setting goes back to the local sampler.
 
 One request per annotator at a time: a second one while theirs is in flight raises `ChatBusy` at
 once. The local sampler answers one request at a time (429 to another): the request is tried again
@@ -47,7 +49,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from formats.chat import conversation_problem
+from formats.chat import conversation_problem, server_url_problem
 from pipeline.config import ChatConfig, GenerateConfig, ModelConfig, to_cli_args
 from pipeline.orchestrate.jobs import DEFAULT_LAUNCHER, tail_text
 from pipeline.rundir import OWNER_ENV, read_status
@@ -109,9 +111,10 @@ class Endpoint:
     @classmethod
     def from_url(cls, url: str, api_key: str, model: str) -> "Endpoint":
         """`url` as OpenAI clients take a base URL (http://host:8000/v1); '/v1' may be left off."""
+        problem = server_url_problem(url)
+        if problem:
+            raise ChatUnavailable(problem)
         parts = urllib.parse.urlsplit(url.strip())
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ChatUnavailable(f"the chat URL {url!r} is not an http(s) address such as http://localhost:8000/v1")
         path = parts.path.rstrip("/")
         return cls(f"{parts.scheme}://{parts.netloc}{path[:-3] if path.endswith('/v1') else path}", api_key, model)
 
@@ -262,22 +265,22 @@ class LocalSampler:
 class ChatService:
     """Replies for annotators (the module docstring). Thread-safe: one per app."""
 
-    def __init__(self, store, runs_dir: str | Path, *, url: str = "", api_key: str = "", model: str = "",
-                 n_default: int = 4, timeout_s: float = 60.0, start_timeout_s: float = 300.0,
-                 model_cfg: ModelConfig | None = None, generate: GenerateConfig | None = None,
-                 limits: ChatConfig | None = None):
-        """store: where the active policy is read (None: serve model_cfg's base model);
-        model_cfg: how the local sampler loads the policy (device, dtype, the base model), as
-        jobs do; generate: how replies are sampled (the round's GenerateConfig: max_new_tokens,
-        temperature, top_p), also sent to an outside server; limits: the conversation limits,
-        checked here before any request, and the local sampler's."""
-        if n_default < 1 or timeout_s <= 0:
-            raise ValueError(f"n_default must be >= 1 and timeout_s > 0, not {n_default} and {timeout_s}")
+    def __init__(self, store, runs_dir: str | Path, *, api_key: str = "", timeout_s: float = 60.0,
+                 start_timeout_s: float = 300.0, model_cfg: ModelConfig | None = None,
+                 generate: GenerateConfig | None = None, limits: ChatConfig | None = None):
+        """store: where the active policy and the outside server setting are read (None: serve
+        model_cfg's base model); api_key: the outside server's key (never stored); model_cfg: how
+        the local sampler loads the policy (device, dtype, the base model), as jobs do; generate:
+        how replies are sampled (the round's GenerateConfig: max_new_tokens, temperature, top_p),
+        also sent to an outside server; limits: the conversation limits, checked here before any
+        request, and the local sampler's."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
         self.store, self.runs_dir = store, Path(runs_dir)
-        self.n_default, self.timeout_s, self.start_timeout_s = n_default, timeout_s, start_timeout_s
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.model_cfg, self.generate = model_cfg or ModelConfig(), generate or GenerateConfig()
         self.limits = limits or ChatConfig()
-        self.outside = Endpoint.from_url(url, api_key, model) if url else None
+        self.api_key = api_key
         self.local: LocalSampler | None = None
         self.restarts = 0
         self._in_flight: set = set()
@@ -285,9 +288,8 @@ class ChatService:
         self._server_lock = threading.Lock()  # one start, restart or reload at a time
         self._closed = False
 
-    def replies(self, user_id, messages: list[dict], n: int | None = None) -> list[Reply]:
-        """n (default n_default) replies to `messages`, or a ChatError (module docstring)."""
-        n = self.n_default if n is None else n
+    def replies(self, user_id, messages: list[dict], n: int) -> list[Reply]:
+        """n replies to `messages`, or a ChatError (module docstring)."""
         if not 1 <= n <= self.limits.max_n:
             raise ChatError(f"n = {n}: ask for 1 to {self.limits.max_n} replies (max_n)")
         problem = conversation_problem(messages, self.limits)
@@ -307,6 +309,11 @@ class ChatService:
         finally:
             with self._lock:
                 self._in_flight.discard(user_id)
+
+    def outside(self) -> Endpoint | None:
+        """The outside server the store's setting names (Store.chat_server), None for the local sampler."""
+        url, model = self.store.chat_server() if self.store is not None else ("", "")
+        return Endpoint.from_url(url, self.api_key, model) if url else None
 
     def close(self) -> None:
         """Stop the local sampler (the service then starts none again)."""
@@ -339,11 +346,15 @@ class ChatService:
         return active.path or "", active.base_model or self.model_cfg.model
 
     def _endpoint(self) -> Endpoint:
-        if self.outside is not None:
-            return self.outside
+        outside = self.outside()
         with self._server_lock:
             if self._closed:
                 raise ChatUnavailable("the chat service is shut down")
+            if outside is not None:
+                if self.local is not None:  # an admin chose an outside server: free the local one's memory
+                    self.local.stop()
+                    self.local = None
+                return outside
             want = self._serving()
             if self.local is None:
                 self.local = self._start(want)
