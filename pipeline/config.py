@@ -100,7 +100,29 @@ class ChatConfig:
 
 
 @dataclass
-class RewardConfig:
+class TrainerConfig:
+    """What every trainer of a dataset (reward model, DPO, SFT: pipeline/trainer.py) is run by.
+    Each algorithm's config adds its own fields, epochs, lr and batch_size among them (their
+    defaults differ by algorithm); `add_arguments` lists these shared options first."""
+
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimiser step."""
+    max_length: int = 512
+    """Longest prompt + response in tokens; a longer one loses the start of its prompt until it
+    fits (a response longer on its own: pairs keep its last tokens, SFT its first)."""
+    max_steps: int = 0
+    """Stop after this many optimiser steps (0 = run all epochs); the LR schedule spans the steps run."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off); 1.0 as TRL's default."""
+    save_every: int = 0
+    """Checkpoint every N optimiser steps (0 = only at the end / on interrupt)."""
+    seed: int = 0
+    """Seed for the data order and all else the trainer draws (the held-out split, the reward
+    model's head, DPO's KL samples)."""
+
+
+@dataclass
+class RewardConfig(TrainerConfig):
     loss: str = "bt"
     """'bt': Bradley-Terry on each pair, -log sigmoid(r_c - r_r) (Ouyang et al. 2022); 'plackett-luce':
     each whole ranking once, read from the snapshot's rankings (pipeline/losses.py
@@ -124,10 +146,6 @@ class RewardConfig:
     """Rankings (groups) per forward pass (micro-batch): about 12 pairs at K = 4, so a round takes a
     number of optimiser steps similar to 8 pairs a batch with --grouped false, where it counts
     pairs (rankings with 'plackett-luce'). An optimiser step sees batch_size x grad_accum of them."""
-    grad_accum: int = 1
-    """Micro-batches accumulated per optimiser step."""
-    max_length: int = 512
-    """Longest prompt+response in tokens; longer ones are truncated from the left of the prompt."""
     margin: bool = False
     """Use the pair's margin in the loss: -log sigmoid(r_c - r_r - margin)."""
     center_coef: float = 0.0
@@ -145,14 +163,6 @@ class RewardConfig:
     norm_temperature: float = 0.7
     """Temperature of the normalisation samples: PPO's (PPOConfig.temperature); a round sets it
     from its PPO settings."""
-    save_every: int = 0
-    """Checkpoint every N optimiser steps (0 = only at the end / on interrupt)."""
-    seed: int = 0
-    """Seed for data order, split and head initialisation."""
-    max_steps: int = 0
-    """Stop after this many optimiser steps (0 = run all epochs); the LR schedule spans the steps run."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 = off); 1.0 as TRL's default."""
     share_prompt: bool = True
     """Run each pair's (with grouped, each ranking's) prompt once and continue its responses from its
     KV cache (prefix sharing; same scores, far fewer tokens when prompts are long). False = whole
@@ -368,7 +378,7 @@ class LoopConfig:
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(TrainerConfig):
     loss: str = "sigmoid"
     """'sigmoid': DPO (Rafailov et al. 2023), -log sigmoid(beta * margin of log-ratios); 'ipo': IPO
     (Azar et al. 2023), (margin of per-token log-ratios - 1 / (2 beta))^2, as TRL computes them."""
@@ -389,22 +399,10 @@ class DPOConfig:
     """Rankings (groups) per forward pass (micro-batch): about 12 pairs at K = 4, so a round takes a
     number of optimiser steps similar to 8 pairs a batch with --grouped false, where it counts
     pairs. An optimiser step sees batch_size x grad_accum of them."""
-    grad_accum: int = 1
-    """Micro-batches accumulated per optimiser step."""
-    max_length: int = 512
-    """Longest prompt + response in tokens; longer ones are truncated from the left of the prompt."""
     eval_fraction: float = 0.2
     """Fraction of prompts held out for evaluation (split by prompt, never by pair)."""
     eval_data: str = ""
     """Pairs file to evaluate on instead of holding out eval_fraction of the prompts ('' = hold out)."""
-    seed: int = 0
-    """Seed for data order, the held-out split and the KL samples."""
-    max_steps: int = 0
-    """Stop after this many optimiser steps (0 = run all epochs); the LR schedule spans the steps run."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 = off); 1.0 as TRL's default."""
-    save_every: int = 0
-    """Checkpoint every N optimiser steps (0 = only at the end / on interrupt)."""
     kl_prompts: int = 16
     """Held-out prompts on which KL(policy || reference) is measured after training (0 = skip)."""
     kl_samples: int = 2
@@ -418,25 +416,13 @@ class DPOConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(TrainerConfig):
     epochs: int = 3
     """Passes over the demonstrations (few, and each written by a person: several passes)."""
     lr: float = 5e-5
     """Learning rate (AdamW, linear decay to 0). For LoRA; full fine-tuning wants ~1e-5."""
     batch_size: int = 8
     """Demonstrations per forward pass (micro-batch); an optimiser step sees batch_size x grad_accum."""
-    grad_accum: int = 1
-    """Micro-batches accumulated per optimiser step."""
-    max_length: int = 512
-    """Longest prompt + answer in tokens; longer ones lose the start of the prompt, then the answer's end."""
-    seed: int = 0
-    """Seed for the data order."""
-    max_steps: int = 0
-    """Stop after this many optimiser steps (0 = run all epochs); the LR schedule spans the steps run."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 = off)."""
-    save_every: int = 0
-    """Checkpoint every N optimiser steps (0 = only at the end / on interrupt)."""
 
 
 # --------------------------------------------------------------------------- CLI plumbing
@@ -510,10 +496,12 @@ __all__ = [
     "ModelConfig",
     "GenerateConfig",
     "ChatConfig",
+    "TrainerConfig",
     "RewardConfig",
     "PPOConfig",
     "LoopConfig",
     "DPOConfig",
+    "SFTConfig",
     "default_ppo_lr",
     "with_ppo_lrs",
     "with_rollout_length",

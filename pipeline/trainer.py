@@ -32,7 +32,7 @@ from typing import Callable, ClassVar
 import torch
 
 from formats.hashing import snapshot_sha256
-from pipeline.config import ModelConfig
+from pipeline.config import ModelConfig, TrainerConfig
 from pipeline.distributed import Dist, setup
 from pipeline.lifecycle import (STATE_FILE, AfterTraining, StepLoop, Steps, Training, cancelled, claim, guarded,
                                 recover, run_steps, save_state, start_training, write_report, write_run_config)
@@ -47,7 +47,7 @@ class Run:
     """One run's inputs once claim() has settled them (a resume's own settings and starting point)."""
     data: str
     out_dir: Path
-    cfg: object
+    cfg: TrainerConfig
     """The algorithm's config (RewardConfig, DPOConfig, SFTConfig)."""
     model_cfg: ModelConfig
     start: str

@@ -4,9 +4,10 @@ field's help is the docstring under it, found in the class that declares it or a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
-from pipeline.config import DPOConfig, RewardConfig, SFTConfig, add_arguments, field_docs
+from pipeline.config import DPOConfig, RewardConfig, SFTConfig, TrainerConfig, add_arguments, field_docs
 
 
 @dataclass
@@ -45,3 +46,12 @@ def test_every_trainer_option_has_help():
         parser = argparse.ArgumentParser()
         add_arguments(parser, cls)
         assert all(a.help for a in parser._actions if a.dest != "help"), cls.__name__
+
+
+def test_the_trainers_shared_options_are_declared_once_in_their_base():
+    shared = {f.name for f in dataclasses.fields(TrainerConfig)}
+    assert {"grad_accum", "max_length", "max_steps", "max_grad_norm", "save_every", "seed"} <= shared
+    for cls in (RewardConfig, DPOConfig, SFTConfig):
+        assert issubclass(cls, TrainerConfig)
+        assert not shared & set(cls.__annotations__), f"{cls.__name__} declares a shared field again"
+        assert {name: field_docs(cls)[name] for name in shared} == field_docs(TrainerConfig)
