@@ -44,7 +44,7 @@ from pathlib import Path
 
 from formats.chat import conversation_problem
 from pipeline.config import ChatConfig, GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
-from pipeline.generate import sampling_policy
+from pipeline.policy import sampling_policy
 from pipeline.responses import generate_responses
 from pipeline.rundir import write_json, write_status
 from pipeline.text import prompt_token_ids

@@ -13,7 +13,7 @@ import torch
 
 from pipeline.config import GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.distributed import setup
-from pipeline.policy import load_policy
+from pipeline.policy import sampling_policy
 from pipeline.responses import Generation, generate_responses
 from pipeline.rundir import write_json, write_jsonl, write_status
 from pipeline.sampling import decode_batch_size
@@ -64,18 +64,6 @@ def response_rows(rows: list[dict], results: list[list[Generation]], first_index
              "text": g.text, "token_count": len(g.token_ids), "finish_reason": g.finish_reason,
              "sampling": sampling, "model": model_name}
             for i, (row, gens) in enumerate(zip(rows, results)) for g in gens]
-
-
-def sampling_policy(adapter: str, model_cfg: ModelConfig):
-    """(policy, tokenizer, the name its responses record) for sampling. Sampling never trains: no
-    fresh (all-zero) adapter without an adapter folder, and a saved adapter is merged into the
-    weights so each step runs plain matmuls."""
-    policy, tokenizer = load_policy(dataclasses.replace(model_cfg, lora=False) if not adapter else model_cfg,
-                                    adapter_path=adapter)
-    meta = policy.rlhf_meta
-    if adapter and meta["lora"]:
-        policy = policy.merge_and_unload()
-    return policy, tokenizer, str(Path(adapter).resolve()) if adapter else meta["base_model"]
 
 
 def least_separated(reward: str, rows: list[dict], results: list, keep_n: int, model_cfg: ModelConfig):

@@ -1,7 +1,9 @@
 """The policy and its reference: loading a causal LM (+LoRA), its logits, its log-probs of responses.
 
 - policy: a causal LM, a LoRA adapter on it by default (peft), full fine-tuning as an option;
-  `load_policy` reloads a folder saved by `pipeline.saving.save_policy` exactly.
+  `load_policy` reloads a folder saved by `pipeline.saving.save_policy` exactly;
+  `sampling_policy` loads one to sample from (no fresh adapter, a saved one merged: the generate
+  stage and the chat sampler).
 - reference: the frozen base model, one convention for PPO and DPO in every training mode, so KL
   is measured against the same model in every round (as InstructGPT keeps the SFT model). With
   LoRA it is the same model with the adapter disabled (peft's `disable_adapter()` context: no
@@ -72,6 +74,18 @@ def load_policy(cfg: ModelConfig, adapter_path: str | os.PathLike | None = None)
     model.eval()
     model.rlhf_meta = {"kind": "policy", "base_model": base, "lora": lora}
     return model, tokenizer
+
+
+def sampling_policy(adapter: str, model_cfg: ModelConfig):
+    """(policy, tokenizer, the name its responses record) for sampling. Sampling never trains: no
+    fresh (all-zero) adapter without an adapter folder, and a saved adapter is merged into the
+    weights so each step runs plain matmuls."""
+    policy, tokenizer = load_policy(dataclasses.replace(model_cfg, lora=False) if not adapter else model_cfg,
+                                    adapter_path=adapter)
+    meta = policy.rlhf_meta
+    if adapter and meta["lora"]:
+        policy = policy.merge_and_unload()
+    return policy, tokenizer, str(Path(adapter).resolve()) if adapter else meta["base_model"]
 
 
 def causal_lm_logits(model, input_ids, attention_mask, logits_to_keep: int = 0) -> torch.Tensor:
