@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from store import Store
-from tests.helpers import alive, req, wait_for
+from tests.helpers import alive, free_port, req, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "peft", "accelerate")
@@ -50,12 +50,6 @@ SERVE_AND_CALL = textwrap.dedent("""
     jobs.shutdown()
     store.close()
 """ % (HEAVY,))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_app_process_never_imports_torch(tmp_path):

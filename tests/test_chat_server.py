@@ -36,7 +36,7 @@ from pipeline.config import ChatConfig, GenerateConfig, ModelConfig
 from pipeline.orchestrate.chat import ChatBusy, ChatError, ChatService, ChatTimeout, ChatUnavailable, LocalSampler
 from pipeline.rundir import read_status
 from store import Store
-from tests.helpers import req, tiny_settings, wait_for
+from tests.helpers import free_port, req, tiny_settings, wait_for
 from tests.tiny import save_tiny_model_dir
 
 LOAD_S = 300.0
@@ -282,7 +282,12 @@ def test_an_outside_server_set_by_an_admin_is_asked_and_its_replies_stored_as_it
     service = ChatService(store, tmp_path / "runs", api_key=sampler.token, generate=GEN, limits=LIMITS)
     try:
         ctx = AppContext(store=store, auth=True, data_dir=tmp_path / "data", chat=service)
-        chat.save_settings(ctx, 4, 8, sampler.endpoint.root + "/v1", sampler.endpoint.model, req("boss"))
+        url = sampler.endpoint.root + "/v1"
+        dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+        assert "it does not answer now (cannot reach" in chat.save_settings(ctx, 4, 8, dead, "", req("boss"))
+        assert "does not list the model 'other'" in chat.save_settings(ctx, 4, 8, url, "other", req("boss"))
+        saved = chat.save_settings(ctx, 4, 8, url, sampler.endpoint.model, req("boss"))
+        assert saved.endswith(f"(model {sampler.endpoint.model}): it answers ({sampler.endpoint.model}).")
         state, *_ = chat.send(ctx, None, "How can I shop?", req("ann"))
         item = state.showing.item
         assert len(item.responses) == 4 and not (tmp_path / "runs").exists()

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 
 from pipeline.config import ModelConfig, RewardConfig, to_cli_args
 from pipeline.distributed import CallThrough, Dist
+from tests.helpers import free_port
 from tests.test_train_reward import marker_pairs, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,12 +33,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args: list, out: Path, n: int = 2, script: Path | None = None, wait: bool = True, timeout: float = 150,

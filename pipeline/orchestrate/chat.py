@@ -61,6 +61,8 @@ API_KEY_ENV = "RLHF_LOOP_CHAT_API_KEY"
 which every user of the machine can read, nor in the store, whose backups and exports travel."""
 RETRY_S = 0.25
 """The wait before a request the sampler refused as busy (429) is tried again."""
+CHECK_S = 5.0
+"""How long an admin waits, on saving an outside server, to hear whether it answers."""
 DYING_S = 5.0
 """How long a sampler whose connection broke may take to be seen ended: a killed process closes
 its sockets before its parent can reap it, so the client learns of the death first."""
@@ -118,13 +120,15 @@ class Endpoint:
         path = parts.path.rstrip("/")
         return cls(f"{parts.scheme}://{parts.netloc}{path[:-3] if path.endswith('/v1') else path}", api_key, model)
 
-    def post(self, path: str, body: dict, deadline: float) -> dict:
-        """The JSON answer to POST root + path, by `deadline` (time.monotonic) or ChatTimeout;
-        429 -> _Refused; another error status -> ChatError with the server's message."""
+    def post(self, path: str, body: dict | None, deadline: float) -> dict:
+        """The JSON answer to POST root + path (GET when body is None), by `deadline`
+        (time.monotonic) or ChatTimeout; 429 -> _Refused; another error status -> ChatError with
+        the server's message."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise ChatTimeout("no answer in time")
-        request = urllib.request.Request(self.root + path, data=json.dumps(body).encode(), method="POST",
+        request = urllib.request.Request(self.root + path, data=None if body is None else json.dumps(body).encode(),
+                                         method="GET" if body is None else "POST",
                                          headers={"Content-Type": "application/json",
                                                   "Authorization": f"Bearer {self.api_key}"})
         host = urllib.parse.urlsplit(self.root).hostname
@@ -153,6 +157,15 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
         return str(body["error"]["message"] if isinstance(body.get("error"), dict) else body.get("error", body))
     except (ValueError, KeyError, TypeError, AttributeError, OSError):
         return exc.reason or "no reason given"
+
+
+def served_models(endpoint: Endpoint, deadline: float) -> list[str]:
+    """The model ids the server lists (GET /v1/models, OpenAI's shape), or a ChatError."""
+    answer = endpoint.post("/v1/models", None, deadline)
+    try:
+        return [str(m["id"]) for m in answer["data"]]
+    except (KeyError, TypeError) as exc:
+        raise ChatError(f"the chat server's model list is not OpenAI's (no {exc})") from None
 
 
 def completion(endpoint: Endpoint, messages: list[dict], n: int, gen: GenerateConfig, deadline: float) -> list[Reply]:
@@ -314,6 +327,20 @@ class ChatService:
         """The outside server the store's setting names (Store.chat_server), None for the local sampler."""
         url, model = self.store.chat_server() if self.store is not None else ("", "")
         return Endpoint.from_url(url, self.api_key, model) if url else None
+
+    def check_outside(self, timeout_s: float = CHECK_S) -> str:
+        """In words, whether the outside server the store names answers and serves its model (GET
+        /v1/models within timeout_s), as an admin is told on saving it; '' with no outside server."""
+        outside = self.outside()
+        if outside is None:
+            return ""
+        try:
+            models = served_models(outside, time.monotonic() + timeout_s)
+        except ChatError as exc:
+            return f"it does not answer now ({exc})"
+        if outside.model and outside.model not in models:
+            return f"it answers, but does not list the model {outside.model!r} (it lists {', '.join(models) or 'none'})"
+        return f"it answers ({', '.join(models) or 'no models listed'})"
 
     def close(self) -> None:
         """Stop the local sampler (the service then starts none again)."""
