@@ -265,6 +265,18 @@ def test_a_new_active_policy_is_served_from_the_next_request(ctx, tmp_path):
     assert read_status(ctx.chat.local.run_dir)["model"] == ctx.chat.local.endpoint.model
 
 
+def test_an_outside_server_chosen_while_the_local_sampler_runs_stops_it(ctx, sampler):
+    """An admin points the Chat tab at an outside server: the next request goes there, and the
+    local sampler the service had started stops (its memory is the jobs' again)."""
+    ann = ctx.store.find_annotator("ann").id
+    ctx.chat.replies(ann, HELLO, 2)
+    local = ctx.chat.local.process
+    ctx.store.set_chat_settings(server_url=sampler.endpoint.root + "/v1", server_model=sampler.endpoint.model)
+    ctx.chat.api_key = sampler.token
+    assert len(ctx.chat.replies(ann, HELLO, 2)) == 2
+    assert ctx.chat.local is None and local.poll() is not None
+
+
 def test_a_closed_service_starts_no_sampler(ctx):
     ctx.chat.close()
     with pytest.raises(ChatUnavailable, match="shut down"):
