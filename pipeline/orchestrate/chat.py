@@ -120,7 +120,7 @@ class Endpoint:
         path = parts.path.rstrip("/")
         return cls(f"{parts.scheme}://{parts.netloc}{path[:-3] if path.endswith('/v1') else path}", api_key, model)
 
-    def post(self, path: str, body: dict | None, deadline: float) -> dict:
+    def ask(self, path: str, body: dict | None, deadline: float) -> dict:
         """The JSON answer to POST root + path (GET when body is None), by `deadline`
         (time.monotonic) or ChatTimeout; 429 -> _Refused; another error status -> ChatError with
         the server's message."""
@@ -161,7 +161,7 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
 
 def served_models(endpoint: Endpoint, deadline: float) -> list[str]:
     """The model ids the server lists (GET /v1/models, OpenAI's shape), or a ChatError."""
-    answer = endpoint.post("/v1/models", None, deadline)
+    answer = endpoint.ask("/v1/models", None, deadline)
     try:
         return [str(m["id"]) for m in answer["data"]]
     except (KeyError, TypeError) as exc:
@@ -175,7 +175,7 @@ def completion(endpoint: Endpoint, messages: list[dict], n: int, gen: GenerateCo
             "temperature": gen.temperature, "top_p": gen.top_p}
     while True:
         try:
-            answer = endpoint.post("/v1/chat/completions", body, deadline)
+            answer = endpoint.ask("/v1/chat/completions", body, deadline)
             break
         except _Refused:
             if time.monotonic() + RETRY_S >= deadline:
@@ -250,7 +250,7 @@ class LocalSampler:
         """Serve another policy: POST /admin/reload, tried again while a request runs."""
         while True:
             try:
-                answer = self.endpoint.post("/admin/reload", {"adapter": serving[0], "base_model": serving[1]}, deadline)
+                answer = self.endpoint.ask("/admin/reload", {"adapter": serving[0], "base_model": serving[1]}, deadline)
                 break
             except _Refused:
                 if time.monotonic() + RETRY_S >= deadline:
