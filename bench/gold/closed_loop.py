@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gold.eval import EvalConfig  # noqa: E402
 from bench.gold.prompt_sets import LOCKED, PROMPTS, locked_prompts, split_prompts  # noqa: E402
+from bench.run_all import machine_info  # noqa: E402
 from bench.gold.steps import Context, JobCPU, RecordingOracle, cpu_seconds, own_cpu_seconds, write_rows  # noqa: E402
 from pipeline.orchestrate.steps import POLICY_STEPS, LoopSettings  # noqa: E402
 
@@ -220,6 +221,7 @@ def start(sd: Seed, pool: Path) -> None:
         import_prompts(sd.store, write_rows(sd.folder / "pool.jsonl", rows[:keep]))
     ensure_base_policy(sd.store, sd.settings.model)
     sd.entry["base"] = sd.evaluate(None, "base")
+    sd.entry["base_machine"] = sd.run.results["machine"]
     answer_blind(sd, sd.store.find_model_version("base"), "base")
 
 
@@ -279,7 +281,8 @@ def play_round(sd: Seed, n: int) -> None:
         entry["eval"] = sd.entry["rounds"][str(n - 1)]["eval"] if n > 1 else sd.entry["base"]
         sd.run.add_raw(sd.seed, f"round{n}", None, same_as=f"round{n - 1}" if n > 1 else "base")
     parts = {**sd.jobs.of_round(rnd.id), OWN: own_cpu_seconds() - own}
-    entry.update(wall_s=time.perf_counter() - t, cpu_s=sum(parts.values()), cpu_parts=parts)
+    entry.update(wall_s=time.perf_counter() - t, cpu_s=sum(parts.values()), cpu_parts=parts,
+                 machine=sd.run.results["machine"])
     with sd.run.lock:
         sd.entry["rounds"][str(n)] = entry
 
@@ -314,6 +317,7 @@ def blind_evaluation(sd: Seed) -> None:
     results = sd.store.evaluation_results(ev.id, seed=sd.seed)
     names = {v.name: ("base" if i == 0 else f"round{i}") for i, v in enumerate(versions)}
     sd.entry["leaderboard"] = {"rounds": len(rounds), "prompts": results["prompts"], "comparisons": results["comparisons"],
+                               "machine": sd.run.results["machine"],
                                "rows": [{**r, "policy": names.get(r["version"], r["version"])}
                                         for r in results["leaderboard"]]}
 
@@ -337,6 +341,13 @@ def round_record(sd: Seed, rnd) -> dict:
     return out
 
 
+def machine() -> str:
+    """The machine this process runs on, in a few words: each round records the one it ran on (a run
+    stopped and resumed may have run its rounds on several)."""
+    info = machine_info()
+    return f"{info['cpu']}, {info['cores']} cores, torch {info.get('torch', '?')}, GPU {info.get('gpu', 'none')}"
+
+
 # --------------------------------------------------------------------------- the whole run
 
 
@@ -354,7 +365,7 @@ class ClosedLoop:
             self.test_prompts = self.test_prompts[:4]
         self.judge = RecordingOracle(make_oracle("embedding"))
         self.results = {"settings": self.describe(), "seeds": {}, "timings": {}, "commit": _commit(),
-                        "cpu_counts_jobs": True}
+                        "cpu_counts_jobs": True, "machine": machine()}
         self.raw: dict = {}
         self.t0, self.cpu0, self.before = time.perf_counter(), cpu_seconds(), (0.0, 0.0)
         if resume:
@@ -388,7 +399,8 @@ class ClosedLoop:
         self.raw = json.loads((self.out / "raw.json").read_text(encoding="utf-8"))["evals"]
         self.results.update(seeds=old["seeds"], timings=old.get("timings", {}), command=old.get("command", ""),
                             resumed=old.get("resumed", []) + [{"commit": old.get("commit"), "wall_s": old.get("wall_s"),
-                                                               "cpu_s": old.get("cpu_s")}])
+                                                               "cpu_s": old.get("cpu_s"),
+                                                               "machine": old.get("machine")}])
         self.before = (sum(r["wall_s"] or 0 for r in self.results["resumed"]),
                        sum(r["cpu_s"] or 0 for r in self.results["resumed"]))
         for entry in self.results["seeds"].values():  # rounds run before a job's CPU was counted

@@ -72,6 +72,7 @@ def rounds_table(results: dict, raw: dict) -> list[dict]:
         out.append({"round": n, "seeds": have, "gains": gains, **{f"gain_{k}": v for k, v in t_interval(gains).items()},
                     "kl_mean": statistics.fmean(kls), "rm_accuracy": accs,
                     "gated": sum(bool(e.get("gate")) for e in entries),
+                    "machines": sorted({e.get("machine") or "not recorded" for e in entries}),
                     **cpu_minutes([e for e in entries if "cpu_parts" in e])})
     return out
 
@@ -135,15 +136,16 @@ def write_report(folder: Path) -> Path:
         f"Evaluated on the **locked test set** ({results['settings']['test_prompts_n']} prompts, "
         f"`{results['settings']['test_prompts']}`), {sizes['eval_samples']} responses per prompt.", "",
         "| round | seeds | gold gain (mean) | between-seed s.e. | 95% t interval | per seed | KL (nats) | "
-        "reward-model held-out accuracy | gate refused | CPU min / seed |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "reward-model held-out accuracy | gate refused | CPU min / seed | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['round']} | {len(r['seeds'])} | {_f(r['gain_mean'], 4, True)} | {_f(r['gain_se'], 4)} | "
                      f"[{_f(r['gain_lo'], 4, True)}, {_f(r['gain_hi'], 4, True)}] | "
                      f"{', '.join(_f(g, 3, True) for g in r['gains'])} | {_f(r['kl_mean'], 2)} | "
-                     f"{', '.join(_f(a, 3) for a in r['rm_accuracy']) or '-'} | {r['gated']} | {_f(r['cpu_min'], 1)} |")
+                     f"{', '.join(_f(a, 3) for a in r['rm_accuracy']) or '-'} | {r['gated']} | {_f(r['cpu_min'], 1)} | "
+                     f"{'; '.join(r['machines'])} |")
     if not rows:
-        lines.append("| (no round measured yet) |||||||||")
+        lines.append("| (no round measured yet) ||||||||||")
     elif any(r["cpu_parts_min"] for r in rows):
         lines += ["", "CPU minutes per part of a round (mean over its seeds; each job's user + system time, "
                       "\"this process\": the evaluation, the blind answers and the simulated annotators):", "",
@@ -162,6 +164,9 @@ def write_report(folder: Path) -> Path:
         check = leaderboard_check(results)
         lines += ["", "Last round above the base with separated intervals: " +
                   ", ".join(f"seed {s} {'yes' if c['separated'] else 'no'}" for s, c in check.items()) + "."]
+    machines = [r.get("machine") or "not recorded" for r in results.get("resumed", [])] + [results.get("machine")]
+    lines += ["", "Machines, each stretch of the run in order (stopped, packed and resumed): " +
+              "; ".join(f"{i + 1}. {m or 'not recorded'}" for i, m in enumerate(machines)) + "."]
     cpu = results.get("cpu_s")  # None: a part of the run counted no job's CPU
     cpu_text = f"CPU {_f(cpu / 3600, 2)} h (this process and its jobs)" if cpu is not None else "CPU not known"
     lines += ["", f"Wall {_f(results.get('wall_s', 0) / 3600, 2)} h, {cpu_text}.", "", result_line(folder), ""]
