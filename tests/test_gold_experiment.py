@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,23 @@ def test_a_resumed_closed_loop_reads_settings_the_code_gained_since_as_their_def
     assert _as_known(now, before) == before
     assert _as_known({"ppo": {"steps": 24, "advantage_estimator": "gae"}, "policy_step": "ppo"}, before) != before
     assert _as_known({"policy_step": "ppo"}, before) != before
+
+
+def test_a_leaderboard_row_is_labelled_by_the_round_that_made_its_policy(tmp_path):
+    """Round 1's reward model was at chance (the gate made no policy): round 2's policy is 'round2',
+    not 'round1', and a leaderboard written with the old labels is put right."""
+    from bench.gold.closed_loop import label_leaderboard, policy_tags
+    from store import Store
+
+    with Store(tmp_path / "rlhf.duckdb") as store:
+        base = store.register_model_version("policy", "base", base_model="tiny")
+        gated = store.create_round(base.id)
+        store.update_round(gated.id, status="done")
+        v2 = store.register_model_version("policy", "policy-v2", base_model="tiny")
+        made = store.create_round(base.id)
+        store.update_round(made.id, status="done", new_policy_version_id=v2.id)
+        assert policy_tags(store) == {"base": "base", "policy-v2": "round2"}
+        old = {"rows": [{"version": "policy-v2", "policy": "round1"}, {"version": "base", "policy": "base"}]}
+        seed = types.SimpleNamespace(store=store, entry={"leaderboard": old})
+        label_leaderboard(seed)
+        assert [r["policy"] for r in old["rows"]] == ["round2", "base"]

@@ -295,8 +295,8 @@ def blind_evaluation(sd: Seed) -> None:
 
     rounds = sd.store.list_rounds()
     versions = [sd.store.find_model_version("base")]
-    tags = ["base"] + [f"round{n}" for n, r in enumerate(rounds, 1) if r.new_policy_version_id]
     versions += [sd.store.get_model_version(r.new_policy_version_id) for r in rounds if r.new_policy_version_id]
+    tags = list(policy_tags(sd.store).values())
     if len(versions) < 2:
         sd.entry["leaderboard"] = {"skipped": "no round made a policy", "rounds": len(rounds)}
         return
@@ -315,11 +315,29 @@ def blind_evaluation(sd: Seed) -> None:
         sd.store.add_evaluation_items(ev.id, list(by_prompt.items()))
     simulate_annotations(sd.store, sd.ctx.judge, noise=sd.run.sizes.noise, seed=sd.seed * 1000 + 999)
     results = sd.store.evaluation_results(ev.id, seed=sd.seed)
-    names = {v.name: ("base" if i == 0 else f"round{i}") for i, v in enumerate(versions)}
     sd.entry["leaderboard"] = {"rounds": len(rounds), "prompts": results["prompts"], "comparisons": results["comparisons"],
-                               "machine": sd.run.results["machine"],
-                               "rows": [{**r, "policy": names.get(r["version"], r["version"])}
-                                        for r in results["leaderboard"]]}
+                               "machine": sd.run.results["machine"], "rows": results["leaderboard"]}
+    label_leaderboard(sd)
+
+
+def policy_tags(store) -> dict[str, str]:
+    """{model version name: 'base' or 'roundN'} of the base and each round's new policy, by the
+    round that made it (a round the gate stopped made none)."""
+    tags = {store.find_model_version("base").name: "base"}
+    for n, r in enumerate(store.list_rounds(), 1):
+        if r.new_policy_version_id:
+            tags[store.get_model_version(r.new_policy_version_id).name] = f"round{n}"
+    return tags
+
+
+def label_leaderboard(sd: Seed) -> None:
+    """Each leaderboard row's `policy`: the round that made its version (`policy_tags`). Run again
+    on every resume: an earlier version of this file labelled rows by their place among the
+    policies, calling a round after a gated one by the round before."""
+    rows = sd.entry.get("leaderboard", {}).get("rows", [])
+    tags = policy_tags(sd.store) if rows else {}
+    for row in rows:
+        row["policy"] = tags.get(row["version"], row["version"])
 
 
 def round_record(sd: Seed, rnd) -> dict:
@@ -441,6 +459,7 @@ class ClosedLoop:
         for seed in self.sizes.seeds:
             sd = Seed(self, seed)
             try:
+                label_leaderboard(sd)
                 if "base" not in sd.entry:
                     self.log(f"seed {seed}, the base")
                     start(sd, self.pool)
