@@ -231,6 +231,6 @@ def save_settings(ctx: AppContext, replies, max_turns, server_url, server_model,
         raise gr.Error(f"Not saved: {exc}") from None
     url, model = ctx.store.chat_server()
     server = f"replies from {url}" + (f" (model {model})" if model else "") if url else "replies from the active policy"
-    heard = ctx.chat.check_outside() if url and ctx.chat is not None else ""
+    heard = ctx.chat.check_outside() if ctx.chat is not None else ""  # '' for the local sampler
     return (f"Saved: {ctx.store.chat_replies()} replies per turn, "
             f"{ctx.store.chat_max_turns()} turns per conversation, {server}" + (f": {heard}." if heard else "."))

@@ -103,7 +103,7 @@ class ConversationsMixin:
         """(base URL, model name) of the outside server the Chat tab asks (setting 'chat_server'),
         ('', '') for the local sampler serving the active policy. Its API key is not stored: the
         app reads it from its environment (pipeline/orchestrate/chat.py API_KEY_ENV)."""
-        server = self.get_setting(SERVER_KEY, {}) or {}
+        server = self.get_setting(SERVER_KEY) or {}
         return server.get("url", ""), server.get("model", "")
 
     def set_chat_settings(self, *, replies: int | None = None, max_turns: int | None = None,

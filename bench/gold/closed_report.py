@@ -164,7 +164,7 @@ def write_report(folder: Path) -> Path:
         check = leaderboard_check(results)
         lines += ["", "Last round above the base with separated intervals: " +
                   ", ".join(f"seed {s} {'yes' if c['separated'] else 'no'}" for s, c in check.items()) + "."]
-    machines = [r.get("machine") or "not recorded" for r in results.get("resumed", [])] + [results.get("machine")]
+    machines = [r.get("machine") for r in results.get("resumed", [])] + [results.get("machine")]
     lines += ["", "Machines, each stretch of the run in order (stopped, packed and resumed): " +
               "; ".join(f"{i + 1}. {m or 'not recorded'}" for i, m in enumerate(machines)) + "."]
     cpu = results.get("cpu_s")  # None: a part of the run counted no job's CPU

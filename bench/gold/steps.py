@@ -45,18 +45,20 @@ def own_cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime
 
 
-def ended_cpu_seconds() -> float:
+def ended_cpu_seconds(live: list | None = None) -> float:
     """CPU time of every process started from this one that has ended: the children this process
     reaped (cold-started jobs, a warm process that ended) and those its live children reaped (the
     jobs a warm process forked, pipeline/orchestrate/warm.py). It grows by a job's whole CPU time
-    when the job ends, before the runner hears of it."""
+    when the job ends, before the runner hears of it. live: `_live_children()`, if read already."""
     jobs = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return jobs.ru_utime + jobs.ru_stime + sum(stat[2] + stat[3] for stat in _live_children())
+    live = _live_children() if live is None else live
+    return jobs.ru_utime + jobs.ru_stime + sum(stat[2] + stat[3] for stat in live)
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and everything it started, ended or alive."""
-    return own_cpu_seconds() + ended_cpu_seconds() + sum(stat[0] + stat[1] for stat in _live_children())
+    """CPU time of this process and everything it started, ended or alive (/proc read once)."""
+    live = _live_children()
+    return own_cpu_seconds() + ended_cpu_seconds(live) + sum(stat[0] + stat[1] for stat in live)
 
 
 def _live_children() -> list[tuple[float, float, float, float]]:
