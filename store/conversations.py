@@ -123,12 +123,8 @@ class ConversationsMixin:
             if problem:
                 raise InvalidRequest(problem)
             server = {"url": url, "model": model} if url else {}
-        if replies is not None:
-            self.set_setting(REPLIES_KEY, replies)
-        if max_turns is not None:
-            self.set_setting(MAX_TURNS_KEY, max_turns)
-        if server is not None:
-            self.set_setting(SERVER_KEY, server)
+        given = {REPLIES_KEY: replies, MAX_TURNS_KEY: max_turns, SERVER_KEY: server}
+        self.set_settings({key: value for key, value in given.items() if value is not None})
 
     # -- reads
 

@@ -107,11 +107,17 @@ class VersionsMixin:
         return default if text is None else loads(text)
 
     def set_setting(self, key: str, value) -> None:
-        text = json.dumps(value, ensure_ascii=False)
+        self.set_settings({key: value})
+
+    def set_settings(self, values: dict) -> None:
+        """Several settings in one transaction: every one is written, or (on an error) none."""
+        texts = {key: json.dumps(value, ensure_ascii=False) for key, value in values.items()}
+        now = utcnow()
         with self._tx() as cur:
-            cur.execute("INSERT OR REPLACE INTO settings VALUES (?, ?, ?)", [key, text, utcnow()])
-            self._shared.settings.pop(key, None)
-        self._shared.settings[key] = text
+            for key, text in texts.items():
+                self._shared.settings.pop(key, None)
+                cur.execute("INSERT OR REPLACE INTO settings VALUES (?, ?, ?)", [key, text, now])
+        self._shared.settings.update(texts)
 
     def active_policy(self) -> ModelVersion | None:
         """The policy used for generation (setting 'active_policy_version_id'), or None."""

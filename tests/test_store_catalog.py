@@ -2,6 +2,7 @@
 
 import math
 
+import duckdb
 import pytest
 
 from store import InvalidRequest, NotFoundError
@@ -133,3 +134,20 @@ def test_rounds(store, store_policy):
     assert [r.id for r in store.list_rounds()] == [r1.id, r2.id]
     with pytest.raises(InvalidRequest, match="status"):
         store.update_round(r2.id, status="exploded")
+
+
+def test_settings_written_together_are_all_written_or_none(store):
+    store.set_setting("queue_overlap", 2)
+    store.set_settings({"queue_overlap": 3, "guidelines_markdown": "# New"})
+    assert (store.queue_overlap(), store.get_setting("guidelines_markdown")) == (3, "# New")
+    with pytest.raises(duckdb.ConstraintException, match="NOT NULL"):  # the second row has no key
+        store.set_settings({"queue_overlap": 4, None: "no key"})
+    assert store.queue_overlap() == 3  # the first row was rolled back with it, cache included
+    store.close()
+    from store import Store
+
+    reopened = Store(store.path)
+    try:
+        assert reopened.queue_overlap() == 3
+    finally:
+        reopened.close()
