@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import shutil
-import tempfile
 from pathlib import Path
 
 import gradio as gr
@@ -22,7 +20,7 @@ import pandas as pd
 
 from annotate import monitor, render
 from annotate.admin_users import form_text
-from annotate.context import AppContext, admin
+from annotate.context import AppContext, admin, served_copy
 from annotate.handlers import DEFAULT_GUIDELINES, generating
 from annotate.train import settings_of
 from pipeline.orchestrate.steps import prompt_pool, submit_generate
@@ -59,6 +57,8 @@ IMPORT_ITEMS = {"items to rank": "items", "Label Studio export": "labelstudio", 
 IMPORT_EVALUATION = "a blind evaluation (items)"
 """The kind that imports items to rank as a blind evaluation between the models they name."""
 IMPORT_KINDS = ("prompts", "pairs", *IMPORT_ITEMS, IMPORT_EVALUATION)
+DOWNLOADS = "rlhf-loop-downloads"
+"""Where exports and backups are served from (context.served_copy), under the temp folder."""
 
 
 def import_file(ctx: AppContext, file, kind: str, evaluation: str | None, request: gr.Request):
@@ -287,10 +287,10 @@ def export(ctx: AppContext, form: ExportForm, request: gr.Request):
         raise gr.Error(f"Export failed: {exc}") from None
     folder = Path(snap.path)
     if options.format == "datasets":
-        downloads = [_downloadable(folder)]
+        downloads = [served_copy(folder, DOWNLOADS)]
     else:
         layout = export_layout(folder, options.format)
-        downloads = [_downloadable(p) for p in (layout.pairs, layout.rankings, layout.demonstrations, layout.card,
+        downloads = [served_copy(p, DOWNLOADS) for p in (layout.pairs, layout.rankings, layout.demonstrations, layout.card,
                                                 layout.manifest) if p.exists()]
     return [str(p) for p in downloads], _export_summary(snap, options)
 
@@ -312,17 +312,6 @@ def _export_summary(snap, options: ExportOptions) -> str:
     if options.quality_weights:
         summary += " · pairs weighted by annotator quality (column `weight`; see the card)"
     return summary
-
-
-def _downloadable(path: Path) -> Path:
-    """A copy in a fresh temp folder (Gradio serves it from there; the export folder itself is
-    never exposed), zipped when it is a folder."""
-    tmp = Path(tempfile.mkdtemp(prefix="rlhf-export-"))
-    if path.is_dir():
-        return Path(shutil.make_archive(str(tmp / path.name), "zip", root_dir=path))
-    target = tmp / path.name
-    shutil.copy2(path, target)
-    return target
 
 
 # ------------------------------------------------------------------------- flagged prompts
@@ -376,7 +365,7 @@ def backup(ctx: AppContext, request: gr.Request):
     summary = (f"**Backup** `{Path(info['path']).name}` · {info['bytes'] / 2**20:.1f} MiB · "
                f"{t['rankings'][0]} rankings, {t['pairs'][0]} pairs, {t['prompts'][0]} prompts, "
                f"{t['annotators'][0]} accounts · restore with `python -m store restore FILE` (app stopped)")
-    return str(_downloadable(Path(info["path"]))), summary
+    return str(served_copy(Path(info["path"]), DOWNLOADS)), summary
 
 
 # ------------------------------------------------------------------------- guidelines

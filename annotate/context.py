@@ -10,10 +10,18 @@ Deactivated accounts are refused here too, on every request, whatever session th
 
 With `--no-auth` (single-user mode, bound to localhost) there is no login: every request acts as
 the one local admin account.
+
+A file a handler hands to the browser (an export, a backup, a model archive) is a `served_copy`:
+Gradio serves it from the temp folder, so no data or results folder is ever exposed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,3 +125,25 @@ def admin(ctx: AppContext, request) -> Annotator:
     if not account.is_admin:
         raise Refused(f"{account.name} is an annotator: this action is for admins only.")
     return account
+
+
+def served_copy(path: Path, cache_name: str) -> Path:
+    """The file as Gradio serves it: a copy under the temp folder's `cache_name`, one per file
+    version (its path and mtime name it), so serving it again adds nothing. A hard link where the
+    filesystem allows (an exported model or a backup is large), a folder zipped; written under a
+    temporary name, so a reader never sees half a file."""
+    key = hashlib.sha1(f"{path.resolve()}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / cache_name / key
+    copy = folder / (f"{path.name}.zip" if path.is_dir() else path.name)
+    if not copy.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{os.getpid()}-{threading.get_ident()}"
+        if path.is_dir():
+            tmp = Path(shutil.make_archive(str(tmp), "zip", root_dir=path))
+        else:
+            try:
+                os.link(path, tmp)
+            except OSError:
+                shutil.copy2(path, tmp)
+        os.replace(tmp, copy)
+    return copy

@@ -19,8 +19,7 @@ import re
 import gradio as gr
 import pandas as pd
 
-from annotate.context import AppContext, admin
-from annotate.model_admin import served_copy
+from annotate.context import AppContext, admin, served_copy
 from annotate.train import settings_of
 from pipeline.orchestrate.steps import submit_evaluation
 from store.errors import StoreError

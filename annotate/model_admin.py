@@ -15,19 +15,14 @@ the app process never loads); when it is done its zip is offered as a file.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
-import threading
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
 from annotate import monitor, render
-from annotate.context import AppContext, admin
+from annotate.context import AppContext, admin, served_copy
 from annotate.train import settings_of
 from pipeline.model_card import REWARD_LOSSES
 from pipeline.orchestrate.steps import held_out_prompts, submit_compare, submit_export
@@ -291,22 +286,3 @@ def export_poll(ctx: AppContext, request: gr.Request):
     if path is None or not path.is_file():
         raise gr.Error(f"Run #{run.id} finished but its archive is missing from {run.run_dir}.")
     return bar, str(served_copy(path, "rlhf-loop-exports")), gr.update(active=False)
-
-
-def served_copy(path: Path, cache_name: str) -> Path:
-    """The file as Gradio serves it: a copy under the temp folder (no results folder itself is
-    exposed), one per file version (its path and mtime name it), so repeated visits add nothing.
-    A hard link where the filesystem allows (an exported model is large), written under a
-    temporary name: a reader never sees half a file."""
-    key = hashlib.sha1(f"{path.resolve()}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = Path(tempfile.gettempdir()) / cache_name / key
-    copy = folder / path.name
-    if not copy.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{os.getpid()}-{threading.get_ident()}.tmp"
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copy2(path, tmp)
-        os.replace(tmp, copy)
-    return copy

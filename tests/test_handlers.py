@@ -12,7 +12,7 @@ import gradio as gr
 import pytest
 
 from annotate import admin, admin_users, bootstrap, handlers, model_admin, render
-from annotate.context import AppContext, Refused
+from annotate.context import AppContext, Refused, served_copy
 from annotate.handlers import parse_ranking
 from annotate.state import Showing
 from store import RankingIn, Store
@@ -526,6 +526,27 @@ def test_export_downloads_the_snapshot(ctx, fmt):
         names = zipfile.ZipFile(download).namelist()
         assert "dataset_dict.json" in names and "snapshot.json" in names
         assert "README.md" in names and "rankings/dataset_info.json" in names
+
+
+def test_a_served_copy_is_made_once_per_version_of_a_file(tmp_path, monkeypatch):
+    """Downloads are served from the temp folder: the same file served again is the same copy
+    (repeated downloads leave nothing behind), a changed file a new one, a folder a zip; no
+    temporary file is left beside them."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    data = tmp_path / "data"
+    (data / "snap").mkdir(parents=True)
+    (data / "snap" / "pairs.jsonl").write_text('{"a": 1}\n')
+    first = served_copy(data / "snap" / "pairs.jsonl", "downloads")
+    assert first.read_text() == '{"a": 1}\n' and not first.is_relative_to(data)
+    assert served_copy(data / "snap" / "pairs.jsonl", "downloads") == first
+    (data / "snap" / "pairs.jsonl").write_text('{"a": 2}\n')
+    second = served_copy(data / "snap" / "pairs.jsonl", "downloads")
+    assert second != first and second.read_text() == '{"a": 2}\n'
+    zipped = served_copy(data / "snap", "downloads")
+    assert zipped.name == "snap.zip" and zipfile.ZipFile(zipped).read("pairs.jsonl") == b'{"a": 2}\n'
+    assert served_copy(data / "snap", "downloads") == zipped
+    served = sorted(p.name for p in (tmp_path / "tmp" / "downloads").rglob("*") if p.is_file())
+    assert served == ["pairs.jsonl", "pairs.jsonl", "snap.zip"]
 
 
 def test_export_filters_and_bad_input(ctx):
