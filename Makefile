@@ -44,7 +44,7 @@ app: setup
 # (any order must pass).
 WORKERS ?= 2
 test: setup chromium
-	$(BIN)/python -m pytest -p no:cacheprovider -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow and not browser"
