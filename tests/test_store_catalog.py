@@ -5,7 +5,7 @@ import math
 import duckdb
 import pytest
 
-from store import InvalidRequest, NotFoundError
+from store import InvalidRequest, NotFoundError, Store
 from store.users import hash_password, verify_password
 
 
@@ -70,8 +70,6 @@ def test_settings(store):
     assert store.get_setting("guidelines_markdown") == "# Rank by helpfulness"
     assert store.queue_overlap() == 2
     store.close()
-    from store import Store
-
     reopened = Store(store.path)
     try:
         assert reopened.get_setting("guidelines_markdown") == "# Rank by helpfulness"
@@ -144,8 +142,6 @@ def test_settings_written_together_are_all_written_or_none(store):
         store.set_settings({"queue_overlap": 4, None: "no key"})
     assert store.queue_overlap() == 3  # the first row was rolled back with it, cache included
     store.close()
-    from store import Store
-
     reopened = Store(store.path)
     try:
         assert reopened.queue_overlap() == 3
