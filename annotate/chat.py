@@ -23,7 +23,7 @@ from annotate import render
 from annotate.context import AppContext, admin, user
 from annotate.handlers import Submission, ranking_in
 from annotate.state import ChatState, Showing
-from pipeline.orchestrate.chat import ChatError
+from pipeline.orchestrate.chat import Answer, ChatError
 from pipeline.orchestrate.steps import LoopSettings, ensure_base_policy
 from store.errors import StoreError
 from store.records import Annotator
@@ -109,12 +109,12 @@ def send(ctx: AppContext, state: ChatState | None, message: str, request: gr.Req
     state = state if isinstance(state, ChatState) else _resumed(ctx, account)
     text = _sendable(ctx, state, message)
     messages = [*state.messages, {"role": "user", "content": text}]
-    version = _replying_version(ctx)
     try:
-        replies = ctx.chat.replies(account.id, messages, ctx.store.chat_replies())
+        answer = ctx.chat.replies(account.id, messages, ctx.store.chat_replies())
     except ChatError as exc:
         state.note, state.error = str(exc), True
         return view(ctx, state, message)
+    replies = answer.replies
     if len(replies) < 2:
         state.note, state.error = (f"The policy gave {len(replies)} distinct repl{'y' if len(replies) == 1 else 'ies'}: "
                                    "at least 2 are needed to rank. Send the message again."), True
@@ -124,7 +124,8 @@ def send(ctx: AppContext, state: ChatState | None, message: str, request: gr.Req
                        "max_new_tokens": gen.max_new_tokens}
     rows = [(r.text, None, _FINISH.get(r.finish_reason, r.finish_reason), sampling_params) for r in replies]
     try:
-        turn = ctx.store.add_chat_turn(account.id, state.conversation_id, messages, version, rows)
+        turn = ctx.store.add_chat_turn(account.id, state.conversation_id, messages, _replying_version(ctx, answer),
+                                       rows)
     except StoreError as exc:
         raise gr.Error(f"Not saved: {exc}") from None
     state.conversation_id, state.messages, state.turns = turn.conversation_id, messages, turn.turn
@@ -147,17 +148,19 @@ def _sendable(ctx: AppContext, state: ChatState, message: str) -> str:
     return text
 
 
-def _replying_version(ctx: AppContext) -> int:
-    """The model version the replies are stored as written by: the store's active policy (the
-    base model, registered as policy 'base', on a fresh store), which the local sampler serves;
-    or, for an outside server, an external version named after its model."""
-    outside = ctx.chat.outside()
-    if outside is not None:
-        name = f"chat:{outside.model or outside.root}"
+def _replying_version(ctx: AppContext, answer: Answer) -> int:
+    """The model version the replies are stored as written by, as the service found it when it
+    sent the request (an admin may change the server or the active policy meanwhile): the active
+    policy the local sampler served (the base model, registered as policy 'base', on a fresh
+    store); or, for an outside server, an external version named after its model."""
+    if answer.outside is not None:
+        name = f"chat:{answer.outside.model or answer.outside.root}"
         found = ctx.store.find_model_version(name)
-        return (found or ctx.store.register_model_version("external", name, meta={"url": outside.root})).id
+        return (found or ctx.store.register_model_version("external", name, meta={"url": answer.outside.root})).id
+    if answer.policy is not None:
+        return answer.policy.id
     settings = ctx.train_settings or LoopSettings()
-    return ensure_base_policy(ctx.store, settings.model).id
+    return (ctx.store.find_model_version("base") or ensure_base_policy(ctx.store, settings.model)).id
 
 
 def submit(ctx: AppContext, form: Submission, state: ChatState | None, request: gr.Request):

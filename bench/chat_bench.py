@@ -58,7 +58,7 @@ def messages_of_turns(turns: int) -> list[str]:
 
 def timed(service: ChatService, messages: list[dict], k: int) -> tuple[float, list]:
     t0 = time.perf_counter()
-    replies = service.replies(0, messages, k)
+    replies = service.replies(0, messages, k).replies
     return time.perf_counter() - t0, replies
 
 

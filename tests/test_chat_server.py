@@ -179,7 +179,7 @@ def test_the_same_annotators_second_request_in_flight_is_refused(ctx):
     with pytest.raises(ChatBusy, match="still being answered"):
         ctx.chat.replies(ann, HELLO, 2)
     assert done.wait(LOAD_S)
-    assert len(ctx.chat.replies(ann, HELLO, 2)) == 2  # once answered, the next one runs
+    assert len(ctx.chat.replies(ann, HELLO, 2).replies) == 2  # once answered, the next one runs
 
 
 def test_a_killed_sampler_is_restarted_and_the_annotator_told(ctx):
@@ -220,7 +220,7 @@ def test_a_sampler_killed_while_answering_is_restarted_and_the_request_says_so(c
     (exc,) = failed
     assert exc.restarted and "killed by signal 9" in str(exc) and ctx.chat.restarts == 1
     ctx.chat.generate = GEN
-    assert len(ctx.chat.replies(ann, HELLO, 2)) == 2  # the new sampler answers
+    assert len(ctx.chat.replies(ann, HELLO, 2).replies) == 2  # the new sampler answers
 
 
 def rank_best_first(state):
@@ -232,7 +232,7 @@ def rank_best_first(state):
 
 def test_a_request_that_times_out_stores_nothing(ctx):
     ann = ctx.store.find_annotator("ann").id
-    assert len(ctx.chat.replies(ann, HELLO, 2)) == 2  # started and warm; nothing stored by the client
+    assert len(ctx.chat.replies(ann, HELLO, 2).replies) == 2  # started and warm; nothing stored by the client
     assert stored(ctx.store) == (0, 0, 0)
     ctx.chat.timeout_s = 2.0
     os.kill(ctx.chat.local.process.pid, signal.SIGSTOP)  # it accepts the connection and never answers
@@ -258,8 +258,10 @@ def test_a_new_active_policy_is_served_from_the_next_request(ctx, tmp_path):
     ctx.chat.replies(ann, HELLO, 2)
     process, served = ctx.chat.local.process, ctx.chat.local.endpoint.model
     other = save_tiny_model_dir(tmp_path / "other_policy", seed=1)
-    ctx.store.set_active_policy(ctx.store.register_model_version("policy", "v1", base_model=str(other)).id)
-    assert len(ctx.chat.replies(ann, HELLO, 2)) == 2
+    v1 = ctx.store.register_model_version("policy", "v1", base_model=str(other))
+    ctx.store.set_active_policy(v1.id)
+    answer = ctx.chat.replies(ann, HELLO, 2)
+    assert len(answer.replies) == 2 and answer.outside is None and answer.policy.id == v1.id  # who answered
     assert ctx.chat.local.process is process and ctx.chat.restarts == 0  # reloaded, not restarted
     assert ctx.chat.local.serving == ("", str(other)) and ctx.chat.local.endpoint.model != served
     assert read_status(ctx.chat.local.run_dir)["model"] == ctx.chat.local.endpoint.model
@@ -273,8 +275,31 @@ def test_an_outside_server_chosen_while_the_local_sampler_runs_stops_it(ctx, sam
     local = ctx.chat.local.process
     ctx.store.set_chat_settings(server_url=sampler.endpoint.root + "/v1", server_model=sampler.endpoint.model)
     ctx.chat.api_key = sampler.token
-    assert len(ctx.chat.replies(ann, HELLO, 2)) == 2
+    answer = ctx.chat.replies(ann, HELLO, 2)
+    assert len(answer.replies) == 2 and answer.outside.model == sampler.endpoint.model and answer.policy is None
     assert ctx.chat.local is None and local.poll() is not None
+
+
+def test_the_server_a_message_is_sent_to_is_read_once_and_names_its_replies(ctx, sampler, monkeypatch):
+    """An admin switches from an outside server back to the local sampler as a message is sent:
+    the replies come from one of them, and are stored under the name of that one."""
+    ctx.store.set_chat_settings(server_url=sampler.endpoint.root + "/v1", server_model=sampler.endpoint.model)
+    ctx.chat.api_key = sampler.token
+    setting, reads = ctx.store.chat_server, []
+
+    def switched_once_read():
+        found = setting()
+        reads.append(found)
+        if len(reads) == 1:
+            ctx.store.set_chat_settings(server_url="")  # the admin's switch, just after the first read
+        return found
+
+    monkeypatch.setattr(ctx.store, "chat_server", switched_once_read)
+    state, *_ = chat.send(ctx, None, "How can I shop?", req("ann"))
+    assert not state.error and ctx.chat.local is None  # the outside server answered; no sampler started
+    version = ctx.store.get_model_version(state.showing.item.model_version_id)
+    assert version.kind == "external" and version.name == f"chat:{sampler.endpoint.model}"
+    assert setting() == ("", "")  # the switch happened
 
 
 def test_a_closed_service_starts_no_sampler(ctx):

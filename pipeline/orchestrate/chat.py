@@ -1,7 +1,7 @@
 """Replies while an annotator waits: the app's side of the chat sampler.
 
-`ChatService.replies(user_id, messages, n)` returns n `Reply`s to a conversation (its last message
-the user's), or raises a `ChatError` whose message can be shown to the annotator as it is. It
+`ChatService.replies(user_id, messages, n)` returns an `Answer`: n `Reply`s to a conversation (its
+last message the user's) and who gave them, read once for the request; or it raises a `ChatError` whose message can be shown to the annotator as it is. It
 asks an OpenAI-compatible chat-completions endpoint (POST /v1/chat/completions with `n`):
 
 - with no `url`, the local sampler (`python -m pipeline chat-server`, pipeline/chat_server.py),
@@ -97,6 +97,18 @@ class Reply:
     text: str
     finish_reason: str
     """'stop' (the model ended it) or 'length' (cut at max_tokens), as OpenAI names them."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's replies and who gave them, as read when the request was sent: `outside`, the
+    outside server the store named, or (None) the local sampler serving `policy`, the store's
+    active policy then (None as well on a store without one: the configured base model)."""
+
+    replies: list[Reply]
+    outside: "Endpoint | None" = None
+    policy: object = None
+    """store.ModelVersion | None (this module does not import the store)"""
 
 
 # --------------------------------------------------------------------------- one endpoint
@@ -301,8 +313,8 @@ class ChatService:
         self._server_lock = threading.Lock()  # one start, restart or reload at a time
         self._closed = False
 
-    def replies(self, user_id, messages: list[dict], n: int) -> list[Reply]:
-        """n replies to `messages`, or a ChatError (module docstring)."""
+    def replies(self, user_id, messages: list[dict], n: int) -> Answer:
+        """n replies to `messages` and who gave them, or a ChatError (module docstring)."""
         if not 1 <= n <= self.limits.max_n:
             raise ChatError(f"n = {n}: ask for 1 to {self.limits.max_n} replies (max_n)")
         problem = conversation_problem(messages, self.limits)
@@ -313,9 +325,9 @@ class ChatService:
                 raise ChatBusy("your last message is still being answered: wait for its replies")
             self._in_flight.add(user_id)
         try:
-            endpoint = self._endpoint()  # the first request waits for the model's load first
+            endpoint, outside, policy = self._endpoint()  # the first request waits for the model's load first
             try:
-                return self._distinct(endpoint, messages, n, time.monotonic() + self.timeout_s)
+                return Answer(self._distinct(endpoint, messages, n, time.monotonic() + self.timeout_s), outside, policy)
             except ChatUnavailable:
                 self._restart_if_dead()  # it died while answering: say it was restarted instead
                 raise
@@ -364,15 +376,19 @@ class ChatService:
                 break
         return replies
 
-    def _serving(self) -> tuple[str, str]:
-        """(adapter folder or '', base model) of the store's active policy; the configured base
-        model while the store has none."""
-        active = self.store.active_policy() if self.store is not None else None
+    def _active(self):
+        """The store's active policy (store.ModelVersion), None without one (or without a store)."""
+        return self.store.active_policy() if self.store is not None else None
+
+    def _serving(self, active) -> tuple[str, str]:
+        """(adapter folder or '', base model) of the policy `active`; the configured base model for None."""
         if active is None:
             return "", self.model_cfg.model
         return active.path or "", active.base_model or self.model_cfg.model
 
-    def _endpoint(self) -> Endpoint:
+    def _endpoint(self) -> tuple[Endpoint, Endpoint | None, object]:
+        """Where to send the request, with who answers there (Answer's outside and policy), each
+        setting read once: the local sampler is started, restarted or reloaded to serve it."""
         outside = self.outside()
         with self._server_lock:
             if self._closed:
@@ -381,8 +397,9 @@ class ChatService:
                 if self.local is not None:  # an admin chose an outside server: free the local one's memory
                     self.local.stop()
                     self.local = None
-                return outside
-            want = self._serving()
+                return outside, outside, None
+            active = self._active()
+            want = self._serving(active)
             if self.local is None:
                 self.local = self._start(want)
             elif not self.local.alive():
@@ -391,7 +408,7 @@ class ChatService:
             if self.local.serving != want:
                 self.local.reload(want, time.monotonic() + self.timeout_s)
                 endpoint = self.local.endpoint
-            return endpoint
+            return endpoint, None, active
 
     def _restart_if_dead(self) -> None:
         """After a request could not reach the local sampler: restart it if it ended (DYING_S)."""
@@ -403,7 +420,7 @@ class ChatService:
         """Start a new sampler in place of one that ended, and tell the caller."""
         why = self.local.ended()
         self.local.stop()
-        self.local = self._start(self._serving())
+        self.local = self._start(self._serving(self._active()))
         self.restarts += 1
         raise ChatUnavailable(f"The sampler stopped ({why}) and has been restarted; it is loading the model: "
                               "send your message again in a moment.", restarted=True)
