@@ -46,6 +46,7 @@ from formats.chat import conversation_problem
 from pipeline.config import ChatConfig, GenerateConfig, ModelConfig, add_arguments, from_args, to_dict
 from pipeline.policy import sampling_policy
 from pipeline.responses import generate_responses
+from pipeline.rows_first import rows_first
 from pipeline.rundir import write_json, write_status
 from pipeline.text import prompt_token_ids
 
@@ -128,6 +129,7 @@ class Sampler:
         """Serve `adapter` (a policy folder; "" = the base model `base_model`, else the stage's)."""
         cfg = dataclasses.replace(self.model_cfg, model=base_model or self.model_cfg.model)
         policy, tokenizer, model_id = sampling_policy(adapter, cfg)
+        rows_first(policy, self.limits.max_n)  # K replies decode K rows: the faster product for them
         self.policy, self.tokenizer, self.model_id, self.adapter = policy, tokenizer, model_id, adapter
         print(f"serving {model_id}", flush=True)
 
