@@ -36,7 +36,7 @@ class _Choices:
         self.max_rows = max_rows
         self.faster: dict[tuple, bool] = {}
 
-    def rows_first(self, weight: torch.Tensor, rows: int) -> bool:
+    def wins(self, weight: torch.Tensor, rows: int) -> bool:
         key = (tuple(weight.shape), weight.dtype, rows)
         if key not in self.faster:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=torch.Generator().manual_seed(0))
@@ -70,7 +70,7 @@ def _forward(linear: nn.Linear, choices: _Choices):
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         if 0 < rows <= choices.max_rows and not torch.is_grad_enabled() and x.dtype == linear.weight.dtype \
-                and choices.rows_first(linear.weight, rows):
+                and choices.wins(linear.weight, rows):
             y = (linear.weight @ x.reshape(rows, x.shape[-1]).T).T
             y = y if linear.bias is None else y + linear.bias
             return y.reshape(*x.shape[:-1], linear.out_features)

@@ -1,8 +1,9 @@
 """Replies while an annotator waits: the app's side of the chat sampler.
 
 `ChatService.replies(user_id, messages, n)` returns an `Answer`: n `Reply`s to a conversation (its
-last message the user's) and who gave them, read once for the request; or it raises a `ChatError` whose message can be shown to the annotator as it is. It
-asks an OpenAI-compatible chat-completions endpoint (POST /v1/chat/completions with `n`):
+last message the user's) and who gave them, read once for the request; or it raises a `ChatError`
+whose message can be shown to the annotator as it is. It asks an OpenAI-compatible
+chat-completions endpoint (POST /v1/chat/completions with `n`):
 
 - with no `url`, the local sampler (`python -m pipeline chat-server`, pipeline/chat_server.py),
   which this module starts at the first request like a job (its own process and session, its
